@@ -1,0 +1,64 @@
+"""The one place that talks to ``torch.distributed``.
+
+Rank and world size come from the trainer or from an initialised process group, never from
+environment variables: Lightning does not set ``RANK`` for the processes it spawns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(trainer: Any | None = None) -> tuple[int, int]:
+    """Global rank and world size: from ``trainer`` if given, else the process group, else (0, 1)."""
+    if trainer is not None:
+        return int(trainer.global_rank), int(trainer.world_size)
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _collective_device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo (CPU DDP) only CPU tensors.
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Gather one short list of floats from every rank in a single collective.
+
+    Returns a list indexed by rank. Every rank must pass the same number of values. Identity
+    (``[values]``) when not distributed.
+    """
+    if not is_distributed():
+        return [list(values)]
+    world = dist.get_world_size()
+    local = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    out = torch.empty((world, local.numel()), dtype=torch.float64, device=local.device)
+    dist.all_gather_into_tensor(out, local) if local.is_cuda else dist.all_gather(list(out.unbind(0)), local)
+    return out.cpu().tolist()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Gather a picklable object from every rank (for rare, small payloads such as checkpoint state)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
