@@ -1,0 +1,99 @@
+// Fused LayerNorm + adaLN modulation: y = LN(x) * (1 + scale) + shift.
+//
+// Raw-pointer launcher interface. Nothing here includes torch, so the kernels build and can be checked
+// standalone with nvcc (`nvcc -arch=sm_90 --resource-usage -c csrc/ln_modulate_fwd.cu`); the torch
+// binding (ln_modulate_binding.cpp) is the only file that needs torch headers.
+//
+// Data layout. x is (rows, D) contiguous, rows = product of x's leading dims. A modulation vector (one row
+// of shift/scale, D values) is shared by `group_size` consecutive rows: row r uses modulation row
+// r / group_size. Per sample (x (B, S, D), shift (B, 1, D)): group_size = S. Per frame (x (B, F, L, D),
+// shift (B, F, 1, D)): group_size = L. Per token: group_size = 1. Modulation rows may be strided
+// (`*_stride`, in elements, last dim contiguous) so that chunks of a (B, 6, D) table need no copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace adaptiveload {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The largest feature size the kernels take; larger rows fall back to the reference.
+constexpr int64_t kMaxD = 16384;
+
+struct LnModFwdArgs {
+  const void* x = nullptr;      // (rows, D), x_dtype
+  const void* shift = nullptr;  // (num_groups, D) rows at shift_stride, mod_dtype
+  const void* scale = nullptr;  // (num_groups, D) rows at scale_stride, mod_dtype
+  const float* weight = nullptr;  // (D,) fp32 or null
+  const float* bias = nullptr;    // (D,) fp32 or null
+  void* y = nullptr;              // (rows, D), x_dtype
+  float* mean = nullptr;          // (rows,)
+  float* rstd = nullptr;          // (rows,)
+  int64_t rows = 0;
+  int64_t D = 0;
+  int64_t group_size = 1;
+  int64_t shift_stride = 0;
+  int64_t scale_stride = 0;
+  float eps = 1e-6f;
+  DType x_dtype = DType::kBFloat16;
+  DType mod_dtype = DType::kFloat32;
+  int warps_per_row = 0;  // 0: choose; else a tuning override (benchmarks only)
+  int rows_per_cta = 0;   // 0: choose; else a tuning override (benchmarks only)
+};
+
+struct LnModBwdArgs {
+  const void* dy = nullptr;     // (rows, D), x_dtype
+  const void* x = nullptr;      // (rows, D), x_dtype
+  const void* scale = nullptr;  // (num_groups, D) rows at scale_stride, mod_dtype
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  const float* mean = nullptr;  // (rows,) from the forward
+  const float* rstd = nullptr;  // (rows,) from the forward
+  void* dx = nullptr;           // (rows, D), x_dtype
+  void* dshift = nullptr;       // (num_groups, D) contiguous, mod_dtype
+  void* dscale = nullptr;       // (num_groups, D) contiguous, mod_dtype
+  float* dweight = nullptr;     // (D,) or null (only with weight)
+  float* dbias = nullptr;       // (D,) or null (only with weight)
+  int64_t rows = 0;
+  int64_t D = 0;
+  int64_t group_size = 1;
+  int64_t scale_stride = 0;
+  DType x_dtype = DType::kBFloat16;
+  DType mod_dtype = DType::kFloat32;
+  int vectors_per_thread = 0;  // 0: choose; else 1, 2 or 4 (tuning override)
+  int slots = 0;               // 0: choose; else rows processed side by side per CTA (tuning override)
+};
+
+// The launch plan of the backward; the workspace holds the fp32 column partials of the first pass.
+struct LnModBwdPlan {
+  int vpt = 1;           // 16-byte vectors per thread per row
+  int rows_per_iter = 1;  // rows each thread has in flight
+  int tpr = 32;          // threads per row slot (multiple of 32)
+  int slots = 1;         // row slots per CTA
+  int grid = 1;          // CTAs
+  int64_t chunks = 1;    // CTAs (work items) per modulation group; 1 in per-token mode
+  int64_t rows_per_chunk = 1;
+  int64_t num_items = 1;
+  bool per_row = false;  // group_size == 1: per-token modulation, no column sums for shift/scale
+  bool affine = false;
+  size_t smem_bytes = 0;
+  size_t workspace_bytes = 0;
+};
+
+// Returns a message on unsupported input (nullptr when fine). The binding turns it into an exception.
+const char* ln_mod_check(int64_t D, DType x_dtype, DType mod_dtype);
+
+cudaError_t ln_mod_forward(const LnModFwdArgs& args, cudaStream_t stream);
+
+// Plans the backward for the current device; call before allocating the workspace.
+cudaError_t ln_mod_backward_plan(const LnModBwdArgs& args, LnModBwdPlan* plan);
+
+// Runs the backward with `plan` from ln_mod_backward_plan and a workspace of plan.workspace_bytes
+// (16-byte aligned; contents ignored).
+cudaError_t ln_mod_backward(const LnModBwdArgs& args, const LnModBwdPlan& plan, void* workspace,
+                            cudaStream_t stream);
+
+}  // namespace adaptiveload

@@ -1,0 +1,445 @@
+"""Dual-constraint batching: a token cap and a compute cap per batch, one latent shape per batch.
+
+A batch holds B samples of one latent shape (C, T, H, W), so it is never padded. With S tokens per
+sample (``tokens_per_sample``), the batch size of a bucket is
+
+- ``mode="equal_tokens"`` (the baseline every trainer uses): ``B = floor(max_tokens / S)``;
+- ``mode="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor(max_compute / cost(S))))``.
+
+A batch *satisfies the constraints* (:meth:`DualConstraintBatcher.satisfies`) when ``B * S <= max_tokens``
+and, in ``dual`` mode, ``B * cost(S) <= max_compute``; the one exception is a single sample (B = 1) whose
+compute alone exceeds ``max_compute``: it is allowed (B is at least 1) as long as ``S <= max_tokens``.
+A sample with ``S > max_tokens`` is *oversize*: ``oversize="raise"`` raises, ``"skip"`` leaves it out and
+counts it.
+
+``max_compute="auto"`` (also what ``None`` means in ``dual`` mode) is the compute of the cheapest full
+bucket at the token cap: ``min over the buckets b present of floor(max_tokens / S_b) * cost(S_b)``. With
+a convex cost this is usually the image bucket, so every bucket's batch compute is brought down to the
+image batch's, except buckets where one sample already costs more (B = 1).
+
+:class:`DualConstraintBatcher` is also a WebDataset pipeline stage (``__call__``: an iterator of decoded
+samples -> an iterator of batches); the planned path (``planning.py`` + ``datamodule.py``) uses its
+:meth:`~DualConstraintBatcher.batch_size` and :func:`collate` only. Pure Python / PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_adaptiveload.cost_model import CostModel
+
+__all__ = ["DualConstraintBatcher", "collate", "tokens_per_sample", "MODES"]
+
+MODES = ("dual", "equal_tokens")
+_OVERSIZE = ("raise", "skip")
+_PARTIAL = ("emit", "carry")
+# Relative slack on the compute cap: the "auto" cap is itself a batch cost, and floor(cap / cost) must
+# not lose a sample to the last bit of a float division.
+_COMPUTE_RTOL = 1e-9
+
+
+def tokens_per_sample(latent_shape: Sequence[int], patch_size: Sequence[int] = (1, 2, 2)) -> int:
+    """Tokens of one sample: ``(T / pt) * (H / ph) * (W / pw)`` for a latent (C, T, H, W).
+
+    Args:
+        latent_shape: (C, T, H, W); a 3-tuple (T, H, W) is accepted too.
+        patch_size: (pt, ph, pw).
+
+    Raises:
+        ValueError: wrong number of dims, non-positive sizes, or T, H, W not divisible by the patch;
+            the message names the shape and the patch size.
+    """
+    shape = tuple(int(x) for x in latent_shape)
+    patch = tuple(int(x) for x in patch_size)
+    if len(patch) != 3 or min(patch) < 1:
+        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
+    if len(shape) == 4:
+        shape = shape[1:]
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"latent shape {list(latent_shape)} must be (C, T, H, W) with every size >= 1")
+    t, h, w = shape
+    pt, ph, pw = patch
+    if t % pt or h % ph or w % pw:
+        raise ValueError(
+            f"latent shape {list(latent_shape)} is not divisible by patch size {list(patch)}: T, H, W must be "
+            "multiples of (pt, ph, pw); crop or pad the latent, or use the model's patch size"
+        )
+    return (t // pt) * (h // ph) * (w // pw)
+
+
+def _sample_fields(sample: Mapping[str, Any]) -> tuple[str, torch.Tensor, Any, Any, Any]:
+    """(key, latent, text, meta, ref) of a decoded sample: ``iter_shard``'s dict or webdataset's."""
+    key = str(sample.get("__key__", "?"))
+    latent = sample.get("latent")
+    if latent is None:
+        latent = sample.get("latent.npy")
+    if latent is None:
+        raise ValueError(f"sample {key!r} has no 'latent' (or 'latent.npy') entry; keys: {sorted(sample)}")
+    if isinstance(latent, np.ndarray):
+        latent = torch.from_numpy(latent)
+    text = sample.get("text", sample.get("text.npy"))
+    if isinstance(text, np.ndarray):
+        text = torch.from_numpy(text)
+    meta = sample.get("meta", sample.get("json"))
+    return key, latent, text, meta, sample.get("__ref__")
+
+
+def collate(
+    samples: Sequence[Mapping[str, Any]],
+    patch_size: Sequence[int] = (1, 2, 2),
+    cost_model: CostModel | None = None,
+    global_tokens: int = -1,
+) -> dict[str, Any]:
+    """Stack samples of one latent shape into the batch dict of the contract.
+
+    Args:
+        samples: decoded samples, each ``{"__key__", "latent": Tensor (C, T, H, W), "text": Tensor (L, D)
+            | None, "meta": dict | None}`` (webdataset's ``"latent.npy"`` / ``"text.npy"`` / ``"json"``
+            keys and NumPy arrays are accepted too). All latents must have the same shape.
+        patch_size: (pt, ph, pw) for the token count.
+        cost_model: for ``"cost"``; the default cost model (:meth:`CostModel.default`) when None.
+        global_tokens: sum of ``num_tokens`` over all ranks at this step, or -1 when unknown.
+
+    Returns:
+        ``{"latents": Tensor (B, C, T, H, W) (float16 if every latent is, else float32), "text": Tensor
+        (B, L_max, D_text) | None (zero padded), "text_mask": BoolTensor (B, L_max) | None (True on real
+        states), "keys": list[str], "meta": list[dict | None], "seq_len": S, "batch_size": B,
+        "num_tokens": B * S, "cost": float, "global_tokens": int}``. A sample without text gets an all-False
+        mask row; ``text`` is None when no sample has text.
+
+    Raises:
+        ValueError: empty input, differing latent shapes, or differing text widths D (names the keys).
+    """
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    fields = [_sample_fields(s) for s in samples]
+    keys = [f[0] for f in fields]
+    latents = [f[1] for f in fields]
+    shape = tuple(latents[0].shape)
+    for key, lat in zip(keys, latents):
+        if tuple(lat.shape) != shape:
+            raise ValueError(
+                f"collate: sample {key!r} has latent shape {list(lat.shape)} but {keys[0]!r} has {list(shape)}; a "
+                "batch holds one shape (bucket the samples first)"
+            )
+    dtype = torch.float16 if all(x.dtype == torch.float16 for x in latents) else torch.float32
+    stacked = torch.stack([x.to(dtype) for x in latents])
+    seq_len = tokens_per_sample(shape, patch_size)
+    bsz = len(samples)
+    texts = [f[2] for f in fields]
+    text = mask = None
+    present = [t for t in texts if t is not None]
+    if present:
+        widths = {int(t.shape[-1]) for t in present}
+        if len(widths) != 1 or any(t.dim() != 2 for t in present):
+            raise ValueError(
+                "collate: text states must be (L, D_text) with one D_text per batch; got "
+                + ", ".join(f"{k!r}: {list(t.shape)}" for k, t in zip(keys, texts) if t is not None)
+            )
+        width = widths.pop()
+        l_max = max(int(t.shape[0]) for t in present)
+        tdtype = torch.float16 if all(t.dtype == torch.float16 for t in present) else torch.float32
+        text = torch.zeros((bsz, l_max, width), dtype=tdtype)
+        mask = torch.zeros((bsz, l_max), dtype=torch.bool)
+        for i, t in enumerate(texts):
+            if t is not None and t.shape[0]:
+                text[i, : t.shape[0]] = t.to(tdtype)
+                mask[i, : t.shape[0]] = True
+    model = cost_model if cost_model is not None else CostModel.default()
+    return {
+        "latents": stacked,
+        "text": text,
+        "text_mask": mask,
+        "keys": keys,
+        "meta": [f[3] for f in fields],
+        "seq_len": seq_len,
+        "batch_size": bsz,
+        "num_tokens": bsz * seq_len,
+        "cost": float(model.batch_cost(bsz, seq_len)),
+        "global_tokens": int(global_tokens),
+    }
+
+
+class DualConstraintBatcher:
+    """Buckets samples by latent shape and sizes each bucket's batches under a token and a compute cap.
+
+    Args:
+        max_tokens: token cap per batch (B * S <= max_tokens); also the largest sample allowed.
+        max_compute: compute cap per batch in the cost model's unit (``B * cost(S) <= max_compute``), or
+            ``"auto"`` / None (dual mode: the documented rule, resolved by :meth:`resolve_max_compute`).
+            Ignored in ``equal_tokens`` mode.
+        cost_model: a :class:`CostModel` or its dict; :meth:`CostModel.default` when None. A numeric
+            ``max_compute`` needs an explicit cost model (the number is in its unit).
+        mode: ``"dual"`` or ``"equal_tokens"``.
+        patch_size: (pt, ph, pw) of the model.
+        oversize: a sample with more than ``max_tokens`` tokens: ``"raise"`` or ``"skip"`` (counted in
+            ``stats["skipped_oversize"]``).
+        partial: pipeline stage only: at the end of the input, ``"emit"`` the incomplete buckets as smaller
+            batches (counted in ``stats["partial_batches"]``) or ``"carry"`` them into the next call (counted
+            in ``stats["carried"]``).
+
+    Attributes:
+        stats: counters of the pipeline stage: samples, batches, partial_batches, skipped_oversize,
+            carried (samples held for the next call).
+
+    Buckets are keyed by (T, H, W); all samples of a bucket must have the same C (a data set mixing
+    VAEs is an error).
+
+    Example:
+        >>> b = DualConstraintBatcher(max_tokens=4096, mode="equal_tokens")
+        >>> b.batch_size((16, 1, 8, 12))  # 24 tokens
+        170
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_compute: float | str | None = None,
+        cost_model: CostModel | Mapping[str, Any] | None = None,
+        mode: str = "dual",
+        patch_size: Sequence[int] = (1, 2, 2),
+        oversize: str = "raise",
+        partial: str = "emit",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if oversize not in _OVERSIZE:
+            raise ValueError(f"oversize must be one of {_OVERSIZE}, got {oversize!r}")
+        if partial not in _PARTIAL:
+            raise ValueError(f"partial must be one of {_PARTIAL}, got {partial!r}")
+        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or int(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        self.max_tokens = int(max_tokens)
+        self.mode = mode
+        self.patch_size = tuple(int(x) for x in patch_size)
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
+        self.oversize = oversize
+        self.partial = partial
+        self.cost_model = CostModel.from_dict(cost_model) if cost_model is not None else CostModel.default()
+        self._explicit_cost_model = cost_model is not None
+        self._auto = False
+        self._max_compute: float | None = None
+        if mode == "dual":
+            if max_compute is None or max_compute == "auto":
+                self._auto = True
+            elif isinstance(max_compute, str):
+                raise ValueError(f"max_compute must be a number, 'auto' or None, got {max_compute!r}")
+            else:
+                value = float(max_compute)
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"max_compute must be a positive number, got {max_compute!r}")
+                if not self._explicit_cost_model:
+                    raise ValueError(
+                        f"max_compute={max_compute!r} is in the unit of a cost model, but no cost_model was given; "
+                        "pass cost_model (e.g. {'kind': 'power', 'p': 1.5} or a fitted one) or use max_compute='auto'"
+                    )
+                self._max_compute = value
+        self._cache: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._carry: list[dict[str, Any]] = []
+        self.stats: dict[str, int] = {}
+        self._reset_stats()
+
+    # -- configuration ---------------------------------------------------------------------------------
+
+    @property
+    def max_compute(self) -> float | None:
+        """The compute cap in use (None in ``equal_tokens`` mode or while ``"auto"`` is unresolved)."""
+        return self._max_compute
+
+    @property
+    def needs_resolution(self) -> bool:
+        """True while ``max_compute="auto"`` waits for :meth:`resolve_max_compute`."""
+        return self.mode == "dual" and self._max_compute is None
+
+    def config(self) -> dict[str, Any]:
+        """Settings that rebuild this batcher (``DualConstraintBatcher(**config)``), with the resolved cap."""
+        return {
+            "max_tokens": self.max_tokens,
+            "max_compute": self._max_compute
+            if self._max_compute is not None
+            else ("auto" if self._auto else None),
+            "cost_model": self.cost_model.to_dict() if self._explicit_cost_model else None,
+            "mode": self.mode,
+            "patch_size": list(self.patch_size),
+            "oversize": self.oversize,
+            "partial": self.partial,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> DualConstraintBatcher:
+        """Inverse of :meth:`config` (a resolved "auto" cap comes back as that number)."""
+        cfg = dict(config)
+        batcher = cls(**{**cfg, "max_compute": None if cfg.get("mode") == "dual" else cfg.get("max_compute")})
+        if cfg.get("mode") == "dual" and isinstance(cfg.get("max_compute"), int | float):
+            batcher._max_compute = float(cfg["max_compute"])
+            batcher._auto = False
+            batcher._cache.clear()
+        return batcher
+
+    def resolve_max_compute(self, latent_shapes: Iterable[Sequence[int]]) -> float | None:
+        """Apply the ``"auto"`` rule to the data set's latent shapes and fix the cap on this batcher.
+
+        ``max_compute = min over the distinct buckets b of floor(max_tokens / S_b) * cost(S_b)``, over the
+        buckets that fit the token cap. No-op (returns the cap) when the cap is numeric or the mode is
+        ``equal_tokens``. Call it once with every shape of the data set (the index's), not per shard, so
+        that every rank and every epoch uses the same cap.
+
+        Returns:
+            The cap (cost-model units), or None in ``equal_tokens`` mode.
+
+        Raises:
+            ValueError: no shape fits the token cap, or the cost is not positive at some length.
+        """
+        if self.mode != "dual" or not self._auto:
+            return self._max_compute
+        lens = {tokens_per_sample(s, self.patch_size) for s in set(tuple(x) for x in latent_shapes)}
+        fitting = sorted(s for s in lens if s <= self.max_tokens)
+        if not fitting:
+            raise ValueError(
+                f"max_compute='auto' found no sample within max_tokens={self.max_tokens} (smallest has "
+                f"{min(lens) if lens else 'no'} tokens); raise max_tokens"
+            )
+        self.cost_model.check_positive(fitting)
+        self._max_compute = min((self.max_tokens // s) * self.cost_model.cost(s) for s in fitting)
+        self._cache.clear()
+        return self._max_compute
+
+    # -- batch sizes -----------------------------------------------------------------------------------
+
+    def _sized(self, latent_shape: Sequence[int]) -> tuple[int, int]:
+        """(S, B) with B = 0 for an oversize sample (whatever the policy); cached per shape."""
+        shape = tuple(int(x) for x in latent_shape)
+        hit = self._cache.get(shape)
+        if hit is not None:
+            return hit
+        s = tokens_per_sample(shape, self.patch_size)
+        if s > self.max_tokens:
+            out = (s, 0)
+        else:
+            b = self.max_tokens // s
+            if self.mode == "dual":
+                if self._max_compute is None:
+                    raise ValueError(
+                        "max_compute='auto' is not resolved yet: call batcher.resolve_max_compute(latent_shapes) "
+                        "with the data set's shapes (the DataModule and plan_epoch do it from the index)"
+                    )
+                c = self.cost_model.cost(s)
+                if not c > 0:
+                    self.cost_model.check_positive([s])
+                ratio = self._max_compute / c
+                b = max(1, min(b, math.floor(ratio * (1 + _COMPUTE_RTOL))))
+            out = (s, b)
+        self._cache[shape] = out
+        return out
+
+    def seq_len(self, latent_shape: Sequence[int]) -> int:
+        """Tokens per sample S of this latent shape (cached)."""
+        return self._sized(latent_shape)[0]
+
+    def batch_size(self, latent_shape: Sequence[int]) -> int:
+        """Samples per batch for this latent shape; 0 only for an oversize sample under ``oversize="skip"``.
+
+        Raises:
+            ValueError: an oversize sample under ``oversize="raise"`` (names the shape, S and max_tokens).
+        """
+        s, b = self._sized(latent_shape)
+        if b == 0 and self.oversize == "raise":
+            raise ValueError(self._oversize_message(latent_shape, s))
+        return b
+
+    def _oversize_message(self, latent_shape: Sequence[int], s: int, where: str = "") -> str:
+        return (
+            f"{where}latent shape {list(latent_shape)} has {s} tokens, more than max_tokens={self.max_tokens}; "
+            f"raise max_tokens to at least {s}, or set oversize='skip' to leave such samples out (counted)"
+        )
+
+    def satisfies(self, batch_size: int, seq_len: int) -> bool:
+        """Whether a batch of ``batch_size`` samples of ``seq_len`` tokens meets the constraints.
+
+        ``B * S <= max_tokens`` and (dual) ``B * cost(S) <= max_compute``, except that a single sample
+        (B = 1) within the token cap is always allowed.
+        """
+        if batch_size < 1 or batch_size * seq_len > self.max_tokens:
+            return False
+        if self.mode != "dual" or batch_size == 1:
+            return True
+        if self._max_compute is None:
+            raise ValueError("max_compute='auto' is not resolved yet: call resolve_max_compute first")
+        return self.cost_model.batch_cost(batch_size, seq_len) <= self._max_compute * (1 + _COMPUTE_RTOL)
+
+    def bucket_key(self, latent_shape: Sequence[int]) -> tuple[int, int, int]:
+        """(T, H, W): the bucket of a latent (C, T, H, W)."""
+        return tuple(int(x) for x in latent_shape[-3:])  # type: ignore[return-value]
+
+    # -- the pipeline stage ----------------------------------------------------------------------------
+
+    def _reset_stats(self) -> None:
+        self.stats = {"samples": 0, "batches": 0, "partial_batches": 0, "skipped_oversize": 0, "carried": 0}
+
+    def __call__(self, samples: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+        """WebDataset pipeline stage: decoded samples in, batches (:func:`collate` dicts) out.
+
+        Samples are bucketed by (T, H, W); a bucket is emitted as soon as it holds its batch size. At the
+        end of the input the incomplete buckets are emitted (``partial="emit"``) in the order of their
+        oldest sample, or kept for the next call (``partial="carry"``). ``stats`` counts what happened.
+
+        Raises:
+            ValueError: an oversize sample under ``oversize="raise"``, or a sample whose C differs from
+                its bucket's (names the key and shapes).
+        """
+        if self.needs_resolution:
+            raise ValueError(
+                "max_compute='auto' is not resolved: call batcher.resolve_max_compute(latent_shapes) with the data "
+                "set's latent shapes before using the batcher as a pipeline stage, or pass a number"
+            )
+        pending: dict[tuple[int, int, int], list[Mapping[str, Any]]] = {}
+        channels: dict[tuple[int, int, int], tuple[int, str]] = {}
+        carried, self._carry = self._carry, []
+        self.stats["carried"] = 0
+
+        def stream() -> Iterator[Mapping[str, Any]]:
+            yield from carried
+            yield from samples
+
+        n_carried = len(carried)
+        for i, sample in enumerate(stream()):
+            key, latent, _, _, _ = _sample_fields(sample)
+            shape = tuple(latent.shape)
+            if len(shape) != 4:
+                raise ValueError(f"sample {key!r}: latent must be (C, T, H, W), got shape {list(shape)}")
+            s, b = self._sized(shape)
+            if i >= n_carried:
+                self.stats["samples"] += 1
+            if b == 0:
+                if self.oversize == "raise":
+                    raise ValueError(self._oversize_message(shape, s, where=f"sample {key!r}: "))
+                self.stats["skipped_oversize"] += 1
+                continue
+            bucket = shape[1:]
+            first = channels.setdefault(bucket, (shape[0], key))
+            if first[0] != shape[0]:
+                raise ValueError(
+                    f"sample {key!r} has latent shape {list(shape)} with C={shape[0]}, but sample {first[1]!r} of the "
+                    f"same bucket (T, H, W)={list(bucket)} has C={first[0]}; all latents must come from one VAE"
+                )
+            group = pending.setdefault(bucket, [])
+            group.append(sample)
+            if len(group) == b:
+                del pending[bucket]
+                self.stats["batches"] += 1
+                yield collate(group, self.patch_size, self.cost_model)
+        # dict order = order in which each pending bucket got its oldest sample
+        for group in pending.values():
+            if self.partial == "carry":
+                self._carry.extend(group)
+                self.stats["carried"] += len(group)
+            else:
+                self.stats["batches"] += 1
+                self.stats["partial_batches"] += 1
+                yield collate(group, self.patch_size, self.cost_model)

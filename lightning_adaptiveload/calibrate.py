@@ -1,0 +1,734 @@
+"""``lightning-adaptiveload calibrate``: measure the model on the target device, write a recipe fragment.
+
+What it does, in order:
+
+1. Builds the training model (preset, overrides, precision, activation checkpointing, compile) from a recipe
+   and/or flags, and an AdamW optimizer whose state is allocated by one real step, so that memory is
+   measured as in training.
+2. **Token budget**: at the longest latent shape, finds the largest batch whose forward + backward peak
+   memory stays within ``--vram-fraction`` of the device memory (doubling, then bisection; an
+   out-of-memory error counts as "does not fit"), then checks that budget at the shortest shape and lowers
+   it if needed. ``max_tokens = B * S`` of the largest fitting batch. On CUDA the peak is the allocator's
+   ``max_memory_allocated``; on CPU it is an estimate (parameters, gradients and AdamW state plus the
+   tensors autograd saves), which is what makes the command testable without a GPU.
+3. **Timing**: forward + backward of the actual training step (:meth:`VideoDiTModule.compute_loss` and
+   ``backward``; no optimizer step, whose cost does not depend on the batch) at every selected shape and
+   batch size: ``--warmup`` untimed runs, then the median of ``--repeats`` timed runs (CUDA events on GPU).
+4. Fits :class:`~lightning_adaptiveload.cost_model.CostModel` to the batch times (``batch_sizes`` given, so
+   the model is seconds per sample) and resolves ``max_compute`` with the batcher's ``"auto"`` rule on the
+   measured shapes.
+5. Writes a YAML fragment for a second ``--config``::
+
+       data:
+         init_args:
+           max_tokens: ...
+           max_compute: ...
+           cost_model: {kind: quadratic, alpha: ..., beta: ..., gamma: ..., fit_info: {...}}
+
+   preceded by a comment block recording the device, software, model, precision, shapes, every timing and
+   every memory probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CalibrationResult", "calibrate", "main"]
+
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_GIB = 1024**3
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One timed point: ``seconds`` is the median forward + backward time of a batch of ``batch_size``."""
+
+    latent_shape: tuple[int, int, int, int]
+    seq_len: int
+    batch_size: int
+    seconds: float | None  # None: did not fit in memory
+    runs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class MemoryProbe:
+    """One memory trial of the budget search (bytes; ``peak`` None when it ran out of memory)."""
+
+    latent_shape: tuple[int, int, int, int]
+    batch_size: int
+    tokens: int
+    peak: int | None
+    fits: bool
+
+
+@dataclass
+class CalibrationResult:
+    """Everything :func:`calibrate` measured, and the recipe values derived from it.
+
+    Attributes:
+        max_tokens: the token budget per batch (``data.init_args.max_tokens``).
+        max_compute: compute cap from the ``"auto"`` rule on the measured shapes, in the cost model's
+            unit (seconds per batch), or ``"auto"`` when asked to leave it to the data module.
+        cost_model: the fitted :class:`CostModel`.
+        timings, probes: the raw measurements.
+        info: device, software, model and settings, for the comment block.
+    """
+
+    max_tokens: int
+    max_compute: float | str
+    cost_model: Any
+    timings: list[Timing]
+    probes: list[MemoryProbe]
+    info: dict[str, Any]
+
+    def fragment(self) -> dict[str, Any]:
+        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``)."""
+        return {
+            "data": {
+                "init_args": {
+                    "max_tokens": int(self.max_tokens),
+                    "max_compute": self.max_compute,
+                    "cost_model": self.cost_model.to_dict(),
+                }
+            }
+        }
+
+    def to_yaml(self) -> str:
+        """The fragment as YAML text with a comment block recording what was measured."""
+        import yaml
+
+        lines = ["# Written by `lightning-adaptiveload calibrate`; include with a second --config:"]
+        lines.append("#   python -m lightning_adaptiveload fit --config RECIPE.yaml --config THIS.yaml")
+        for key, value in self.info.items():
+            lines.append(f"# {key}: {value}")
+        lines.append("#")
+        lines.append("# forward+backward of one training step (median), per (latent shape, batch size):")
+        lines.append(f"#   {'latent (C,T,H,W)':<22} {'S':>7} {'B':>4} {'seconds':>10} {'tokens/s':>11}")
+        for t in self.timings:
+            shape = "x".join(map(str, t.latent_shape))
+            if t.seconds is None:
+                lines.append(f"#   {shape:<22} {t.seq_len:>7} {t.batch_size:>4} {'OOM':>10}")
+            else:
+                tps = t.batch_size * t.seq_len / t.seconds
+                lines.append(
+                    f"#   {shape:<22} {t.seq_len:>7} {t.batch_size:>4} {t.seconds:>10.5f} {tps:>11.0f}"
+                )
+        lines.append("#")
+        lines.append("# memory probes (peak bytes of forward+backward with optimizer state):")
+        for p in self.probes:
+            shape = "x".join(map(str, p.latent_shape))
+            peak = "OOM" if p.peak is None else f"{p.peak / _GIB:.3f} GiB"
+            lines.append(
+                f"#   {shape:<22} B={p.batch_size:<4} tokens={p.tokens:<8} {peak:>12}  {'fits' if p.fits else 'over'}"
+            )
+        fit = self.cost_model.fit_info or {}
+        lines.append("#")
+        lines.append(
+            f"# cost model: {self.cost_model.describe()} seconds per sample; fit rmse {fit.get('rmse', float('nan')):.3g} s, "
+            f"mean rel. error {100 * fit.get('mean_rel_error', float('nan')):.1f}%, "
+            f"max {100 * fit.get('max_rel_error', float('nan')):.1f}%"
+        )
+        body = yaml.safe_dump(self.fragment(), sort_keys=False, default_flow_style=False)
+        return "\n".join(lines) + "\n" + body
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _precision_context(precision: str, device: torch.device):
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return nullcontext()
+
+
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _shape_for_seq_len(seq_len: int, channels: int, patch: Sequence[int]) -> tuple[int, int, int, int]:
+    # One frame, the most square grid with seq_len tokens: only S matters to the cost.
+    pt, ph, pw = patch
+    h = max(d for d in range(1, int(math.isqrt(seq_len)) + 1) if seq_len % d == 0)
+    return (channels, pt, h * ph, (seq_len // h) * pw)
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for part in text.split(","):
+        dims = part.strip().lower().split("x")
+        if len(dims) != 4 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(f"--shapes: {part!r} is not CxTxHxW with positive integers, e.g. 16x21x60x104")
+        shapes.append(tuple(int(d) for d in dims))
+    return shapes
+
+
+def _select_shapes(
+    shapes: list[tuple[int, int, int, int]], patch, num: int
+) -> list[tuple[int, int, int, int]]:
+    """Distinct shapes, one per token count, ``num`` of them spread evenly over the token range (the
+    shortest and the longest always included)."""
+    from lightning_adaptiveload.batching import tokens_per_sample
+
+    by_tokens: dict[int, tuple[int, int, int, int]] = {}
+    for s in shapes:
+        by_tokens.setdefault(tokens_per_sample(s, patch), tuple(s))
+    ordered = [by_tokens[k] for k in sorted(by_tokens)]
+    if num <= 0 or num >= len(ordered):
+        return ordered
+    if num == 1:
+        return [ordered[-1]]
+    picks = sorted({round(i * (len(ordered) - 1) / (num - 1)) for i in range(num)})
+    return [ordered[i] for i in picks]
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * _GIB
+
+
+class _Bench:
+    """The model, its optimizer and the measurement primitives on one device."""
+
+    def __init__(self, module, device: torch.device, precision: str, text_len: int, ddp: bool, seed: int):
+        self.module = module
+        self.device = device
+        self.precision = precision
+        self.text_len = text_len
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        model = module.model
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.num_params = sum(p.numel() for p in model.parameters())
+        # Gradients (param dtype) + AdamW's two moments (param dtype) on top of the parameters.
+        self.static_bytes = 4 * self.param_bytes
+        # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
+        self.ddp_bytes = 4 * self.num_params if ddp else 0
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
+
+    def batch(self, shape: Sequence[int], b: int) -> dict:
+        c, t, h, w = shape
+        cfg = self.module.model_config
+        pt, ph, pw = cfg.patch_size
+        latents = torch.randn(b, c, t, h, w, generator=self.gen).to(self.device)
+        text = mask = None
+        if self.text_len > 0:
+            text = torch.randn(b, self.text_len, cfg.text_dim, generator=self.gen).to(self.device)
+            mask = torch.ones(b, self.text_len, dtype=torch.bool, device=self.device)
+        s = (t // pt) * (h // ph) * (w // pw)
+        return {"latents": latents, "text": text, "text_mask": mask, "num_tokens": b * s, "global_tokens": -1}
+
+    def step(self, batch: dict) -> None:
+        self.module.model.zero_grad(set_to_none=True)
+        with _precision_context(self.precision, self.device):
+            loss, _ = self.module.compute_loss(batch)
+        loss.backward()
+
+    def allocate_optimizer_state(self, shape: Sequence[int]) -> None:
+        self.step(self.batch(shape, 1))
+        self.optimizer.step()
+        self.module.model.zero_grad(set_to_none=True)
+
+    def peak_bytes(self, shape: Sequence[int], b: int) -> int | None:
+        """Peak memory of one forward + backward at (shape, b), or None on out-of-memory."""
+        try:
+            batch = self.batch(shape, b)
+            if self.device.type == "cuda":
+                self.module.model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self.step(batch)
+                torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device)
+            else:
+                peak = self.static_bytes + self._saved_bytes(batch)
+            return peak + self.ddp_bytes
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is expected here
+            if not _is_oom(err):
+                raise
+            return None
+        finally:
+            self.module.model.zero_grad(set_to_none=True)
+            _release(self.device)
+
+    def _saved_bytes(self, batch: dict) -> int:
+        # CPU estimate of activation memory: the storages autograd keeps for the backward pass.
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        self.module.model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _precision_context(self.precision, self.device):
+                loss, _ = self.module.compute_loss(batch)
+        loss.backward()
+        return sum(storages.values())
+
+    def time(
+        self, shape: Sequence[int], b: int, warmup: int, repeats: int
+    ) -> tuple[float | None, list[float]]:
+        try:
+            batch = self.batch(shape, b)
+            for _ in range(warmup):
+                self.step(batch)
+            runs = []
+            for _ in range(repeats):
+                if self.device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    self.step(batch)
+                    end.record()
+                    end.synchronize()
+                    runs.append(start.elapsed_time(end) / 1000.0)
+                else:
+                    t0 = time.perf_counter()
+                    self.step(batch)
+                    runs.append(time.perf_counter() - t0)
+            return statistics.median(runs), runs
+        except Exception as err:  # noqa: BLE001
+            if not _is_oom(err):
+                raise
+            return None, []
+        finally:
+            self.module.model.zero_grad(set_to_none=True)
+            _release(self.device)
+
+
+def _largest_fitting_batch(
+    bench: _Bench, shape, seq_len: int, budget: int, max_batch: int, probes, bar, first: int = 1
+) -> int:
+    """Largest B <= max_batch with peak(shape, B) <= budget (0 if B = 1 does not fit). ``first`` is tried
+    first: when it fits, the search goes up from there."""
+
+    def fits(b: int) -> bool:
+        peak = bench.peak_bytes(shape, b)
+        ok = peak is not None and peak <= budget
+        probes.append(MemoryProbe(tuple(shape), b, b * seq_len, peak, ok))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"S={seq_len} B={b} {'fits' if ok else 'over'}")
+        return ok
+
+    # Invariant: B = lo fits (0 trivially), B = hi does not (max_batch + 1 by definition).
+    lo, hi = 0, max_batch + 1
+    b = max(1, min(first, max_batch))
+    while True:  # gallop up from ``first``
+        if not fits(b):
+            hi = b
+            break
+        lo = b
+        if b >= max_batch:
+            return lo
+        b = min(2 * b, max_batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# --------------------------------------------------------------------------------------------------
+# The calibration
+# --------------------------------------------------------------------------------------------------
+
+
+def calibrate(
+    preset: str = "wan-1.3b",
+    model_overrides: dict[str, Any] | None = None,
+    *,
+    shapes: Sequence[Sequence[int]] | None = None,
+    mix: str | None = None,
+    num_shapes: int = 6,
+    batch_sizes: Sequence[int] | None = None,
+    precision: str | None = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    text_len: int | None = None,
+    device: str | None = None,
+    vram_fraction: float = 0.9,
+    memory_budget_gb: float | None = None,
+    max_tokens: int | None = None,
+    max_batch: int = 256,
+    ddp: bool | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    kind: str = "quadratic",
+    max_compute: str = "resolve",
+    seed: int = 0,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Measure the model, fit the cost model and find the token budget; see the module docstring.
+
+    Args:
+        preset, model_overrides: the model (``VideoDiTConfig.preset(preset, **model_overrides)``).
+        shapes: latent shapes (C, T, H, W) to measure; or ``mix``: a length mix whose bucket shapes are used.
+        num_shapes: how many distinct token counts to measure, spread over the range (<= 0: all).
+        batch_sizes: batch sizes to time at every shape; None: 1 and the budget's batch size at that shape.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``; None: bf16-mixed on
+            CUDA, 32-true on CPU.
+        activation_checkpointing, compile: as in :class:`VideoDiTModule`.
+        text_len: padded text length of the timed batches; None: 512 for a 4096-wide text encoder (Wan's
+            umT5 length), else 16.
+        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``; None: CUDA when available.
+        vram_fraction: share of the device memory the peak may use.
+        memory_budget_gb: the budget in GiB instead of ``vram_fraction`` x device memory (on CPU the
+            default is ``vram_fraction`` x physical memory).
+        max_tokens: skip the memory search and use this budget.
+        max_batch: largest batch size the search tries.
+        ddp: count DDP's fp32 gradient buckets (4 bytes per parameter) in the peak; None: on with CUDA.
+        warmup, repeats: untimed and timed runs per point.
+        kind: cost model form, ``"quadratic"`` or ``"power"``.
+        max_compute: ``"resolve"`` writes the number the batcher's ``"auto"`` rule gives on the measured
+            shapes; ``"auto"`` writes ``auto`` (resolved from the training data's shapes instead).
+        seed: seeds the random inputs.
+        progress: show progress bars (stderr).
+
+    Returns:
+        A :class:`CalibrationResult`; ``.to_yaml()`` is the fragment.
+
+    Raises:
+        ValueError: bad arguments, or even one sample of the longest shape does not fit the budget.
+    """
+    from tqdm.auto import tqdm
+
+    from lightning_adaptiveload.batching import DualConstraintBatcher, tokens_per_sample
+    from lightning_adaptiveload.cost_model import CostModel
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"calibrate: device {device!r} requested but CUDA is not available; use --device cpu"
+        )
+    precision = precision or ("bf16-mixed" if dev.type == "cuda" else "32-true")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"calibrate: precision must be one of {_PRECISIONS}, got {precision!r}")
+    if not 0 < vram_fraction <= 1:
+        raise ValueError(f"calibrate: vram_fraction must be in (0, 1], got {vram_fraction}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"calibrate: need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    if max_compute not in ("resolve", "auto"):
+        raise ValueError(f"calibrate: max_compute must be 'resolve' or 'auto', got {max_compute!r}")
+    if ddp is None:
+        ddp = dev.type == "cuda"
+
+    module = VideoDiTModule(
+        preset=preset,
+        model_overrides=model_overrides,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+    )
+    cfg = module.model_config
+    patch = cfg.patch_size
+
+    if shapes is None and mix is None:
+        raise ValueError(
+            "calibrate: give the shapes to measure (--shapes, --seq-lens) or a length mix (--mix)"
+        )
+    mix_name = None
+    if shapes is None:
+        from lightning_adaptiveload.mixes import load_mix
+
+        loaded = load_mix(mix)
+        mix_name = loaded.name
+        shapes = [b.latent_shape for b in loaded.buckets]
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    for s in shapes:
+        if s[0] != cfg.in_channels:
+            raise ValueError(
+                f"calibrate: latent shape {list(s)} has {s[0]} channels but the model expects {cfg.in_channels}"
+            )
+        tokens_per_sample(s, patch)  # raises on shapes the patch does not divide
+    all_shapes = shapes
+    chosen = _select_shapes(shapes, patch, num_shapes)
+    seq = {s: tokens_per_sample(s, patch) for s in chosen}
+    longest, shortest = chosen[-1], chosen[0]
+    if text_len is None:
+        text_len = 512 if cfg.text_dim == 4096 else 16
+
+    torch.manual_seed(seed)
+    module.configure_model()
+    if precision == "bf16-true":
+        module.model.to(torch.bfloat16)
+    module.model.to(dev)
+    module.model.train()
+    bench = _Bench(module, dev, precision, text_len, ddp, seed)
+    bench.allocate_optimizer_state(shortest)
+
+    if dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        device_name = torch.cuda.get_device_name(dev)
+    else:
+        total = _physical_memory()
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    budget = int(memory_budget_gb * _GIB) if memory_budget_gb is not None else int(vram_fraction * total)
+
+    probes: list[MemoryProbe] = []
+    if max_tokens is None:
+        bar = tqdm(desc="memory budget", unit="probe", disable=not progress, leave=False)
+        try:
+            b_long = _largest_fitting_batch(bench, longest, seq[longest], budget, max_batch, probes, bar)
+            if b_long == 0:
+                raise ValueError(
+                    f"calibrate: one sample of the longest shape {list(longest)} ({seq[longest]} tokens) needs more "
+                    f"than the budget of {budget / _GIB:.2f} GiB; enable activation checkpointing, raise "
+                    "--vram-fraction / --memory-budget-gb, or leave the longest buckets out of the data"
+                )
+            max_tokens = b_long * seq[longest]
+            # The same budget must also fit at the shortest shape (per-token memory can differ).
+            b_short = max_tokens // seq[shortest]
+            if shortest != longest and b_short >= 1:
+                b_fit = _largest_fitting_batch(
+                    bench, shortest, seq[shortest], budget, b_short, probes, bar, first=b_short
+                )
+                if b_fit < b_short:
+                    max_tokens = max(seq[longest], b_fit * seq[shortest])
+        finally:
+            bar.close()
+    elif max_tokens < seq[longest]:
+        raise ValueError(
+            f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
+        )
+
+    points = []
+    for s in chosen:
+        sizes = (
+            list(batch_sizes) if batch_sizes else sorted({1, max(1, min(max_batch, max_tokens // seq[s]))})
+        )
+        points.extend((s, b) for b in sizes)
+    timings: list[Timing] = []
+    for s, b in tqdm(points, desc="timing", unit="point", disable=not progress, leave=False):
+        median, runs = bench.time(s, b, warmup, repeats)
+        timings.append(Timing(s, seq[s], b, median, runs))
+    ok = [t for t in timings if t.seconds is not None]
+    if not ok:
+        raise ValueError("calibrate: every timed point ran out of memory; lower --batch-sizes")
+    cost = CostModel.fit(
+        [t.seq_len for t in ok], [t.seconds for t in ok], kind=kind, batch_sizes=[t.batch_size for t in ok]
+    )
+
+    if max_compute == "auto":
+        cap: float | str = "auto"
+    else:
+        batcher = DualConstraintBatcher(
+            max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
+        )
+        cap = float(batcher.resolve_max_compute(all_shapes))
+
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{device_name}, {total / _GIB:.1f} GiB",
+        "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
+        "model": f"{preset} {json.dumps(model_overrides or {})} ({bench.num_params / 1e6:.1f}M parameters)",
+        "precision": precision,
+        "activation_checkpointing": activation_checkpointing,
+        "compile": compile,
+        "text_len": text_len,
+        "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
+        + (f" from mix {mix_name}" if mix_name else ""),
+        "memory": (
+            f"budget {budget / _GIB:.2f} GiB"
+            + (f" ({vram_fraction:.2f} of {total / _GIB:.1f} GiB)" if memory_budget_gb is None else "")
+            + (
+                " measured with the CUDA allocator"
+                if dev.type == "cuda"
+                else " CPU estimate: params+grads+AdamW+saved activations"
+            )
+            + (", DDP gradient buckets counted" if ddp else "")
+        ),
+        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step",
+        "max_tokens": f"{max_tokens} (= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)",
+        "max_compute": "auto rule on the measured shapes"
+        if cap != "auto"
+        else "auto (resolved by the data module)",
+    }
+    return CalibrationResult(max_tokens, cap, cost, timings, probes, info)
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _recipe_defaults(path: str) -> dict[str, Any]:
+    """Settings from a recipe: model.init_args, trainer.precision and the synthetic data's mix."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ValueError(f"--recipe {path}: cannot read it ({err})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--recipe {path}: not valid YAML ({err})") from None
+    model = recipe.get("model") or {}
+    args = model.get("init_args", model) if isinstance(model, dict) else {}
+    out: dict[str, Any] = {}
+    for key in ("preset", "model_overrides", "activation_checkpointing", "compile"):
+        if key in args:
+            out[key] = args[key]
+    data = recipe.get("data") or {}
+    data_args = data.get("init_args", data) if isinstance(data, dict) else {}
+    synthetic = data_args.get("synthetic") or {}
+    if isinstance(synthetic, dict) and synthetic.get("mix"):
+        out["mix"] = synthetic["mix"]
+        text_range = synthetic.get("text_len_range")
+        if isinstance(text_range, list | tuple) and len(text_range) == 2:
+            out["text_len"] = int(text_range[1])
+    precision = (recipe.get("trainer") or {}).get("precision")
+    if precision is not None:
+        precision = str(precision)
+        out["precision"] = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-adaptiveload calibrate",
+        description="Time the model per sequence length on this device, fit the cost model, find the token "
+        "budget that fits the memory, and write a YAML fragment for a recipe.",
+    )
+    p.add_argument(
+        "--recipe",
+        help="read preset, model_overrides, activation_checkpointing, compile, trainer.precision and the "
+        "synthetic data's mix from this recipe (flags override it)",
+    )
+    p.add_argument("--preset", help="model preset: tiny, wan-1.3b, wan-14b (default wan-1.3b)")
+    p.add_argument("--model-overrides", type=json.loads, help="JSON, e.g. '{\"num_layers\": 4}'")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--mix", help="length mix whose bucket shapes are measured (name or JSON path)")
+    src.add_argument("--shapes", type=_parse_shapes, help="latent shapes CxTxHxW,... to measure")
+    src.add_argument("--seq-lens", type=_int_list, help="token counts to measure (single-frame shapes)")
+    p.add_argument("--num-shapes", type=int, default=6, help="distinct lengths to measure (<= 0: all)")
+    p.add_argument("--batch-sizes", type=_int_list, help="batch sizes to time (default: 1 and the budget's)")
+    p.add_argument("--precision", choices=_PRECISIONS)
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--text-len", type=int, help="padded text length (default 512 for Wan, 16 for tiny)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--vram-fraction", type=float, default=0.9, help="share of device memory to fill (0.9)")
+    p.add_argument("--memory-budget-gb", type=float, help="memory budget in GiB instead of --vram-fraction")
+    p.add_argument("--max-tokens", type=int, help="skip the memory search and use this token budget")
+    p.add_argument("--max-batch", type=int, default=256, help="largest batch size the search tries (256)")
+    p.add_argument(
+        "--ddp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count DDP gradient buckets in the peak (default: on with CUDA)",
+    )
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kind", choices=("quadratic", "power"), default="quadratic")
+    p.add_argument(
+        "--max-compute",
+        choices=("resolve", "auto"),
+        default="resolve",
+        help="write the resolved 'auto' cap for the measured shapes, or 'auto'",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="-", help="output YAML path ('-' = stdout)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-adaptiveload calibrate``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        settings = _recipe_defaults(args.recipe) if args.recipe else {}
+        for key in ("preset", "model_overrides", "activation_checkpointing", "compile", "precision"):
+            value = getattr(args, key)
+            if value is not None:
+                settings[key] = value
+        settings.setdefault("preset", "wan-1.3b")
+        recipe_mix = settings.pop("mix", None)
+        recipe_text_len = settings.pop("text_len", None)
+        shapes = args.shapes
+        if args.seq_lens:
+            from lightning_adaptiveload.models import VideoDiTConfig
+
+            cfg = VideoDiTConfig.preset(settings["preset"], **(settings.get("model_overrides") or {}))
+            shapes = [_shape_for_seq_len(s, cfg.in_channels, cfg.patch_size) for s in args.seq_lens]
+        result = calibrate(
+            shapes=shapes,
+            mix=args.mix or (recipe_mix if shapes is None and not args.seq_lens else None),
+            num_shapes=args.num_shapes,
+            batch_sizes=args.batch_sizes,
+            text_len=args.text_len if args.text_len is not None else recipe_text_len,
+            device=args.device,
+            vram_fraction=args.vram_fraction,
+            memory_budget_gb=args.memory_budget_gb,
+            max_tokens=args.max_tokens,
+            max_batch=args.max_batch,
+            ddp=args.ddp,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            kind=args.kind,
+            max_compute=args.max_compute,
+            seed=args.seed,
+            progress=not args.no_progress,
+            **settings,
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text = result.to_yaml()
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(
+            f"wrote {args.out}: max_tokens={result.max_tokens}, max_compute={result.max_compute}, "
+            f"cost model {result.cost_model.describe()}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,277 @@
+"""The cost of one training sample as a function of its token count.
+
+Two forms:
+
+- ``"quadratic"``: ``cost(S) = alpha * S + beta * S**2 + gamma`` -- linear layers (proportional to S)
+  plus attention (proportional to S^2), plus a per-sample constant. Fitted to measured times it is in
+  seconds per sample.
+- ``"power"``: ``cost(S) = scale * S**p``, the AdaptiveLoad paper's form (``scale = 1`` when p is set by
+  hand; then the unit is "token^p").
+
+The cost of a batch of B samples of S tokens is ``B * cost(S)`` (:meth:`CostModel.batch_cost`).
+:meth:`CostModel.fit` fits either form by least squares to measured ``(S, seconds)`` pairs. Plain Python
+and NumPy: no Lightning, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CostModel", "KINDS"]
+
+KINDS = ("quadratic", "power")
+
+
+@dataclass
+class CostModel:
+    """Cost of one sample of S tokens: ``alpha*S + beta*S^2 + gamma`` or ``scale * S^p``.
+
+    Args:
+        kind: ``"quadratic"`` or ``"power"``.
+        alpha: seconds (or cost units) per token, quadratic form.
+        beta: seconds (or cost units) per token squared, quadratic form.
+        gamma: constant per sample, quadratic form (may be negative when fitted; the cost must stay
+            positive for the token counts it is used on, see :meth:`check_positive`).
+        p: exponent, power form.
+        scale: multiplier, power form (1 when p is hand-set).
+        fit_info: filled by :meth:`fit`: ``{"n", "rmse", "mean_rel_error", "max_rel_error", "r2"}``
+            (rmse in the unit of the fitted seconds, relative errors as fractions).
+
+    Example:
+        >>> CostModel(kind="power", p=1.5).cost(100)
+        1000.0
+        >>> CostModel(kind="quadratic", alpha=1.0, beta=0.5).batch_cost(2, 4)
+        24.0
+    """
+
+    kind: str = "quadratic"
+    alpha: float = 1.0
+    beta: float = 0.0
+    gamma: float = 0.0
+    p: float = 1.0
+    scale: float = 1.0
+    fit_info: dict[str, float] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"CostModel kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("alpha", "beta", "gamma", "p", "scale"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value):
+                raise ValueError(f"CostModel {name} must be finite, got {value!r}")
+            setattr(self, name, value)
+        if self.kind == "quadratic" and (self.alpha < 0 or self.beta < 0 or self.alpha + self.beta == 0):
+            raise ValueError(
+                f"a quadratic CostModel needs alpha >= 0, beta >= 0 and not both 0, got alpha={self.alpha}, "
+                f"beta={self.beta}"
+            )
+        if self.kind == "power" and (self.p <= 0 or self.scale <= 0):
+            raise ValueError(
+                f"a power CostModel needs p > 0 and scale > 0, got p={self.p}, scale={self.scale}"
+            )
+
+    # -- evaluation ------------------------------------------------------------------------------------
+
+    def cost(self, seq_len: float) -> float:
+        """Cost of ONE sample of ``seq_len`` tokens (seconds when fitted to seconds)."""
+        s = float(seq_len)
+        if self.kind == "power":
+            return self.scale * s**self.p
+        return self.alpha * s + self.beta * s * s + self.gamma
+
+    def batch_cost(self, batch_size: int, seq_len: float) -> float:
+        """Cost of a batch of ``batch_size`` samples of ``seq_len`` tokens each: ``B * cost(S)``."""
+        return batch_size * self.cost(seq_len)
+
+    def __call__(self, seq_len: float) -> float:
+        return self.cost(seq_len)
+
+    def __repr__(self) -> str:
+        if self.kind == "power":
+            return f"CostModel(kind='power', p={self.p!r}, scale={self.scale!r})"
+        return f"CostModel(kind='quadratic', alpha={self.alpha!r}, beta={self.beta!r}, gamma={self.gamma!r})"
+
+    def check_positive(self, seq_lens: Sequence[int]) -> None:
+        """Raise ``ValueError`` if the cost is not positive for one of ``seq_lens``.
+
+        A fitted negative ``gamma`` makes very short samples cost <= 0, which would make compute budgets
+        meaningless; the message names the token count and what to do.
+        """
+        for s in sorted(set(int(x) for x in seq_lens)):
+            c = self.cost(s)
+            if not c > 0:
+                raise ValueError(
+                    f"cost model {self.describe()} gives cost {c:.6g} <= 0 for a sample of {s} tokens; refit it "
+                    "with data that covers this length, or set gamma=0"
+                )
+
+    def describe(self) -> str:
+        """A one-line human-readable formula."""
+        if self.kind == "power":
+            return f"{self.scale:.6g} * S^{self.p:.4g}"
+        return f"{self.alpha:.6g}*S + {self.beta:.6g}*S^2 + {self.gamma:.6g}"
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; :meth:`from_dict` inverts it (``fit_info`` included when present)."""
+        if self.kind == "power":
+            out: dict[str, Any] = {"kind": "power", "p": self.p, "scale": self.scale}
+        else:
+            out = {"kind": "quadratic", "alpha": self.alpha, "beta": self.beta, "gamma": self.gamma}
+        if self.fit_info is not None:
+            out["fit_info"] = dict(self.fit_info)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | CostModel) -> CostModel:
+        """Build from :meth:`to_dict`'s output (or a YAML mapping); a ``CostModel`` is returned as is.
+
+        Raises:
+            ValueError: unknown keys or bad values; the message lists the accepted keys.
+        """
+        if isinstance(data, CostModel):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"cost_model must be a mapping such as {{'kind': 'power', 'p': 1.5}}, got {data!r}"
+            )
+        kind = data.get("kind", "quadratic")
+        allowed = {"kind", "fit_info"} | ({"p", "scale"} if kind == "power" else {"alpha", "beta", "gamma"})
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(
+                f"cost_model has unknown keys {unknown} for kind {kind!r}; accepted keys: {sorted(allowed)}"
+            )
+        kwargs = {k: v for k, v in data.items() if k != "fit_info"}
+        model = cls(**kwargs)
+        if data.get("fit_info") is not None:
+            model.fit_info = dict(data["fit_info"])
+        return model
+
+    @classmethod
+    def default(cls) -> CostModel:
+        """The quadratic fit of Wan 2.1 1.3B on one H100 (bf16), seconds per sample.
+
+        From the measured trace in ``shared/anchors`` (forward + backward with gradient checkpointing):
+        ``3.44e-5 * S + 1.51e-9 * S^2`` seconds; the trace's small negative intercept (-3.6 ms) is left out
+        so that the cost stays positive at every length. Used when no cost model is given: only the ratio
+        between lengths matters for ``max_compute="auto"`` and for planning.
+        """
+        return cls(kind="quadratic", alpha=3.44e-5, beta=1.51e-9, gamma=0.0)
+
+    # -- fitting ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def fit(
+        cls,
+        seq_lens: Sequence[float],
+        seconds: Sequence[float],
+        kind: str = "quadratic",
+        batch_sizes: Sequence[int] | None = None,
+        fit_gamma: bool = True,
+    ) -> CostModel:
+        """Least-squares fit to measured times.
+
+        Args:
+            seq_lens: tokens per sample S of each measurement.
+            seconds: measured time of each measurement: per sample, or per batch when ``batch_sizes``
+                is given (then ``seconds[i] = batch_sizes[i] * cost(seq_lens[i])`` is fitted).
+            kind: ``"quadratic"`` (alpha, beta >= 0 by non-negative least squares on the batch times;
+                gamma free when ``fit_gamma``) or ``"power"`` (ordinary least squares of
+                ``log(seconds per sample)`` on ``log S``).
+            batch_sizes: samples per measurement, or None for per-sample times.
+            fit_gamma: quadratic only: fit the per-sample constant (else gamma = 0).
+
+        Returns:
+            The fitted model; ``fit_info`` holds n, rmse (seconds, on the given times), mean and max
+            relative error, and r2.
+
+        Raises:
+            ValueError: mismatched lengths, too few points, non-positive values.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        s = np.asarray(seq_lens, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        b = np.ones_like(s) if batch_sizes is None else np.asarray(batch_sizes, dtype=np.float64)
+        if s.ndim != 1 or s.shape != y.shape or s.shape != b.shape:
+            raise ValueError(
+                f"seq_lens ({s.shape}), seconds ({y.shape}) and batch_sizes ({b.shape}) must be 1-d of equal length"
+            )
+        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(y)) and np.all(np.isfinite(b))):
+            raise ValueError("seq_lens, seconds and batch_sizes must be finite")
+        if np.any(s <= 0) or np.any(y <= 0) or np.any(b <= 0):
+            raise ValueError("seq_lens, seconds and batch_sizes must all be positive")
+        if kind == "power":
+            if len(np.unique(s)) < 2:
+                raise ValueError("a power fit needs measurements at 2 or more distinct sequence lengths")
+            slope, intercept = np.polyfit(np.log(s), np.log(y / b), 1)
+            if slope <= 0:
+                raise ValueError(
+                    f"the power fit gives exponent p = {slope:.4g} <= 0 (time falls with length); check the timings"
+                )
+            model = cls(kind="power", p=float(slope), scale=float(math.exp(intercept)))
+        else:
+            model = cls._fit_quadratic(s, y, b, fit_gamma)
+        pred = b * np.array([model.cost(v) for v in s])
+        resid = pred - y
+        ss_tot = float(np.sum((y - y.mean()) ** 2))
+        model.fit_info = {
+            "n": int(len(s)),
+            "rmse": float(np.sqrt(np.mean(resid**2))),
+            "mean_rel_error": float(np.mean(np.abs(resid) / y)),
+            "max_rel_error": float(np.max(np.abs(resid) / y)),
+            "r2": float(1.0 - float(np.sum(resid**2)) / ss_tot) if ss_tot > 0 else 1.0,
+        }
+        return model
+
+    @classmethod
+    def _fit_quadratic(cls, s: np.ndarray, y: np.ndarray, b: np.ndarray, fit_gamma: bool) -> CostModel:
+        # Columns: alpha, beta, gamma, each multiplied by the batch size. alpha and beta must be >= 0
+        # (a negative attention or linear term is unphysical and breaks extrapolation); with two
+        # constrained variables, exact NNLS is the best feasible solution over the 4 supports.
+        cols = {"alpha": b * s, "beta": b * s * s, "gamma": b}
+        free = ["gamma"] if fit_gamma else []
+        scale = {k: float(np.max(np.abs(v))) for k, v in cols.items()}  # conditioning: S^2 is huge
+        best: tuple[float, dict[str, float]] | None = None
+        n_distinct = len(np.unique(s))
+        if n_distinct < 1 + len(free):
+            raise ValueError(
+                f"a quadratic fit{' with gamma' if fit_gamma else ''} needs measurements at {1 + len(free)} or more "
+                f"distinct sequence lengths, got {n_distinct}"
+            )
+        for use_alpha, use_beta in product((True, False), repeat=2):
+            names = [n for n, u in (("alpha", use_alpha), ("beta", use_beta)) if u] + free
+            if not (use_alpha or use_beta):
+                continue
+            if len(names) > n_distinct:
+                continue  # not identifiable from this many distinct lengths
+            a = np.stack([cols[n] / scale[n] for n in names], axis=1)
+            coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+            values = {n: float(c / scale[n]) for n, c in zip(names, coef)}
+            if values.get("alpha", 0.0) < 0 or values.get("beta", 0.0) < 0:
+                continue
+            if values.get("alpha", 0.0) + values.get("beta", 0.0) == 0:
+                continue
+            rss = float(np.sum((a @ coef - y) ** 2))
+            if best is None or rss < best[0] - 1e-15 * max(1.0, rss):
+                best = (rss, values)
+        if best is None:
+            raise ValueError(
+                "the quadratic fit found no solution with alpha >= 0 and beta >= 0; check the timings "
+                "(they should grow with the sequence length)"
+            )
+        values = best[1]
+        return cls(
+            kind="quadratic",
+            alpha=values.get("alpha", 0.0),
+            beta=values.get("beta", 0.0),
+            gamma=values.get("gamma", 0.0),
+        )

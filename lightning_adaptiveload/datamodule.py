@@ -1,0 +1,742 @@
+"""``AdaptiveLoadDataModule``: planned, load-balanced streaming of WebDataset shards for Lightning.
+
+Every epoch is planned from the shard index alone (:func:`~lightning_adaptiveload.planning.plan_epoch`),
+identically on every rank, in the main process when the epoch's DataLoader iterator is created (so
+DataLoader workers, forked after it, inherit the plan). Each worker then streams only the shards its
+stream needs (``iter_shard(select=...)``) and yields its planned batches in order. Every sample is yielded
+exactly once per epoch across all ranks and workers, and every rank yields the same number of batches.
+
+Resume: :meth:`AdaptiveLoadDataModule.state_dict` records the epoch's plan settings and how many batches
+every rank consumed (the fit loop's processed-batch count, gathered from all ranks); after
+:meth:`~AdaptiveLoadDataModule.load_state_dict` the epoch continues with the batches not consumed, with
+the same or another number of workers (and, re-planning the remaining samples, another world size).
+See ``docs/data_path.md`` and ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_adaptiveload import _dist
+from lightning_adaptiveload.batching import DualConstraintBatcher, collate
+from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.planning import (
+    SCHEDULES,
+    EpochPlan,
+    consumed_refs,
+    continue_plan,
+    index_fingerprint,
+    plan_epoch,
+)
+
+__all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader"]
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+# iter_shard's counts of members ignored (not samples skipped).
+_NOT_SKIPS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _empty_batch(
+    shape: Sequence[int], seq_len: int, cost_model: CostModel, global_tokens: int
+) -> dict[str, Any]:
+    """A batch of 0 samples of ``shape``: every planned member was skipped at read time (on_error='skip')."""
+    return {
+        "latents": torch.zeros((0, *shape), dtype=torch.float32),
+        "text": None,
+        "text_mask": None,
+        "keys": [],
+        "meta": [],
+        "seq_len": int(seq_len),
+        "batch_size": 0,
+        "num_tokens": 0,
+        "cost": 0.0 * cost_model.cost(seq_len),
+        "global_tokens": int(global_tokens),
+    }
+
+
+def _index_folder(shards: str | list[str]) -> str | None:
+    """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
+    from lightning_adaptiveload.shards import expand_paths
+
+    if isinstance(shards, str) and shards.endswith(".json"):
+        return None
+    try:
+        paths = expand_paths(shards)
+    except FileNotFoundError:
+        return None
+    folders = {os.path.dirname(p) for p in paths}
+    if len(folders) != 1 or any("://" in p or p.startswith("pipe:") for p in paths):
+        return None
+    return folders.pop()
+
+
+class PlannedShardDataset(IterableDataset):
+    """The per-rank streaming dataset: yields the batches the plan gives this rank's worker streams.
+
+    The plan is made in the main process by :meth:`begin_epoch` (the :class:`PlannedDataLoader` calls
+    it in ``__iter__``, before it starts workers); ``__iter__`` then runs in each worker (or the main
+    process with 0 workers) and streams that worker's reads.
+
+    Args:
+        index: the ``ShardIndex`` of the shards.
+        batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
+        schedule: ``"independent"`` or ``"lockstep"``.
+        seed: shard-order seed.
+        num_workers: DataLoader workers per rank the plan is made for.
+        on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
+        max_buffered_samples: see :func:`plan_epoch`.
+        lockstep_tolerance: see :func:`plan_epoch`.
+        fixed_epoch: plan this epoch number every time (validation), or None.
+    """
+
+    def __init__(
+        self,
+        index: Any,
+        batcher: DualConstraintBatcher,
+        schedule: str = "independent",
+        seed: int = 0,
+        num_workers: int = 0,
+        on_error: str = "raise",
+        max_buffered_samples: int | None = None,
+        lockstep_tolerance: float = 0.05,
+        fixed_epoch: int | None = None,
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.index = index
+        self.batcher = batcher
+        self.schedule = schedule
+        self.seed = int(seed)
+        self.num_workers = int(num_workers)
+        self.on_error = on_error
+        self.max_buffered_samples = max_buffered_samples
+        self.lockstep_tolerance = float(lockstep_tolerance)
+        self.fixed_epoch = fixed_epoch
+        self.rank, self.world_size = 0, 1
+        self.plan: EpochPlan | None = None
+        self.epoch: int | None = None
+        self.report: dict[str, Any] = {}
+        self.fingerprint = index_fingerprint(index)
+        batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
+
+    # -- planning (main process) -----------------------------------------------------------------------
+
+    def plan_settings(self) -> dict[str, Any]:
+        """What a fresh plan of an epoch depends on besides the index (saved with resume state)."""
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "seed": self.seed,
+            "mode": self.schedule,
+            "batcher": self.batcher.config(),
+            "max_buffered_samples": self.max_buffered_samples,
+            "lockstep_tolerance": self.lockstep_tolerance,
+        }
+
+    def make_plan(
+        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None
+    ) -> EpochPlan:
+        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``."""
+        s = dict(self.plan_settings() if settings is None else settings)
+        batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
+        return plan_epoch(
+            self.index,
+            s["world_size"],
+            s["num_workers"],
+            batcher,
+            s["seed"],
+            epoch,
+            mode=s["mode"],
+            exclude=exclude,
+            max_buffered_samples=s["max_buffered_samples"],
+            lockstep_tolerance=s["lockstep_tolerance"],
+        )
+
+    def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
+        """Plan ``epoch`` (or take ``plan``) for this rank; must run before the workers start."""
+        epoch = int(self.fixed_epoch if self.fixed_epoch is not None else epoch)
+        if plan is None:
+            if self.plan is not None and self.epoch == epoch and self.fixed_epoch is not None:
+                return self.plan
+            plan = self.make_plan(epoch)
+        if plan.world_size != self.world_size or max(1, plan.num_workers) != max(1, self.num_workers):
+            raise ValueError(
+                f"plan for world size {plan.world_size} and {plan.num_workers} workers, but this loader runs "
+                f"world size {self.world_size} with {self.num_workers} workers"
+            )
+        self.plan = plan
+        self.epoch = epoch
+        self.report = dict(plan.report)
+        self.report.update(rank=self.rank, runtime_skipped={}, batches_yielded=0)
+        return plan
+
+    # -- streaming (worker) ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        plan = self.plan
+        if plan is None:
+            # Used without PlannedDataLoader: plan here (each worker computes the same plan).
+            plan = self.begin_epoch(0 if self.epoch is None else self.epoch)
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        n_workers = info.num_workers if info is not None else 0
+        if max(1, n_workers) != plan.workers_per_rank:
+            raise RuntimeError(
+                f"the epoch was planned for {plan.num_workers} DataLoader workers per rank but this loader has "
+                f"{n_workers}; build the loader with num_workers={plan.num_workers} (the DataModule does)"
+            )
+        yield from self._stream(plan, (self.rank, worker))
+
+    def _stream(self, plan: EpochPlan, stream: tuple[int, int]) -> Iterator[dict[str, Any]]:
+        from lightning_adaptiveload.shards import iter_shard
+
+        batches = plan.streams[stream]
+        buckets = plan.batch_buckets[stream]
+        steps = plan.batch_steps[stream]
+        reads = plan.reads[stream]
+        read_of: dict[tuple[int, int], int] = {}
+        left: list[int] = []
+        for k, (shard, ids) in enumerate(reads):
+            for i in ids:
+                read_of[(shard, i)] = k
+            left.append(len(ids))
+        open_reads: dict[int, Iterator[dict[str, Any]]] = {}
+        got: dict[tuple[int, int], dict[str, Any]] = {}
+        missing: set[tuple[int, int]] = set()
+        pulled: set[tuple[int, int]] = set()
+        stats: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        lost = reported_missing = 0
+        patch = self.batcher.patch_size
+
+        def close(k: int) -> None:
+            it = open_reads.pop(k, None)
+            if it is not None:
+                it.close()  # type: ignore[attr-defined]
+
+        def ensure(ref: tuple[int, int]) -> None:
+            if ref in got or ref in missing:
+                return
+            k = read_of[ref]
+            it = open_reads.get(k)
+            if it is None:
+                shard, ids = reads[k]
+                it = open_reads[k] = iter_shard(
+                    self.index.shards[shard],
+                    shard_id=shard,
+                    select=ids,
+                    on_error=self.on_error,
+                    stats=stats,
+                    patch_size=patch,
+                )
+            for sample in it:
+                r2 = (int(sample["__ref__"][0]), int(sample["__ref__"][1]))
+                got[r2] = sample
+                pulled.add(r2)
+                left[k] -= 1
+                if r2 == ref or r2[1] > ref[1]:
+                    if r2 != ref:  # file order passed it: the reader skipped it (counted in stats)
+                        missing.add(ref)
+                    if left[k] == 0:
+                        close(k)
+                    return
+            close(k)
+            shard = reads[k][0]
+            missing.update((shard, i) for i in reads[k][1] if (shard, i) not in pulled)
+
+        try:
+            for j, refs in enumerate(batches):
+                for ref in refs:
+                    ensure(ref)
+                members = [got.pop(ref) for ref in refs if ref in got]
+                gone = len(refs) - len(members)
+                step = steps[j]
+                if members:
+                    batch = collate(members, patch, self.batcher.cost_model, plan.global_tokens[step])
+                else:
+                    spec = plan.buckets[buckets[j]]
+                    batch = _empty_batch(
+                        spec["shape"], spec["seq_len"], self.batcher.cost_model, plan.global_tokens[step]
+                    )
+                delta = {r: n - seen.get(r, 0) for r, n in stats.items() if n != seen.get(r, 0)}
+                seen = dict(stats)
+                # A sample the reader did not deliver without counting a reason (e.g. a shard shorter than
+                # its index): report it as "missing", once.
+                lost += gone
+                explained = sum(n for r, n in stats.items() if r not in _NOT_SKIPS)
+                if lost > explained + reported_missing:
+                    delta["missing"] = lost - explained - reported_missing
+                    reported_missing = lost - explained
+                batch["step"] = step
+                batch["skipped"] = delta
+                yield batch
+        finally:
+            for k in list(open_reads):
+                close(k)
+
+
+class _CountingIterator:
+    """Main-process wrapper of the DataLoader iterator: counts batches and runtime skips."""
+
+    def __init__(
+        self, it: Iterator[dict[str, Any]], dataset: PlannedShardDataset, on_end: Callable[[], None] | None
+    ) -> None:
+        self._it = it
+        self._dataset = dataset
+        self._on_end = on_end
+        self.yielded = 0
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._on_end is not None:
+                self._on_end()
+            raise
+        self.yielded += 1
+        report = self._dataset.report
+        report["batches_yielded"] = self.yielded
+        skipped = batch.get("skipped") if isinstance(batch, dict) else None
+        if skipped:
+            runtime = report.setdefault("runtime_skipped", {})
+            for reason, n in skipped.items():
+                runtime[reason] = runtime.get(reason, 0) + int(n)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_it":
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class PlannedDataLoader(DataLoader):
+    """A DataLoader over a :class:`PlannedShardDataset` that plans each epoch before its workers start.
+
+    ``__iter__`` asks ``epoch_fn`` for the epoch number (the trainer's current epoch in the DataModule),
+    lets ``before_epoch`` plan it in the main process, then starts the workers, which inherit the plan.
+    ``persistent_workers`` is refused: persistent workers keep the dataset copy of the first epoch and
+    would never see a new plan.
+    """
+
+    def __init__(
+        self,
+        dataset: PlannedShardDataset,
+        num_workers: int = 0,
+        before_epoch: Callable[[], Any] | None = None,
+        on_end: Callable[[], None] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        multiprocessing_context: Any = None,
+    ) -> None:
+        if persistent_workers:
+            raise ValueError(
+                "persistent_workers=True is not supported: each epoch is planned in the main process before the "
+                "workers start, and persistent workers would keep the first epoch's plan; leave it False"
+            )
+        super().__init__(
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            persistent_workers=False,
+            multiprocessing_context=multiprocessing_context,
+        )
+        self._before_epoch = before_epoch
+        self._on_end = on_end
+
+    def __iter__(self) -> _CountingIterator:  # type: ignore[override]
+        if self._before_epoch is not None:
+            self._before_epoch()
+        elif self.dataset.plan is None:  # type: ignore[attr-defined]
+            self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
+        # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
+        return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+
+
+class AdaptiveLoadDataModule(pl.LightningDataModule):
+    """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
+
+    Args:
+        train_shards: shard paths, brace pattern (``data/shard-{000000..000099}.tar``), directory, or
+            ``index.json``; or a list of these.
+        val_shards: the same for validation, or None.
+        max_tokens: token cap per batch (B * S); also the largest sample allowed.
+        max_compute: compute cap per batch in the cost model's unit; ``"auto"`` or None: the cheapest
+            full bucket's compute (see ``batching.py``); ignored with ``mode="equal_tokens"``.
+        cost_model: a :class:`CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
+            ``{"kind": "power", "p": 1.5}``); None: :meth:`CostModel.default`.
+        mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
+        schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
+            take the same bucket class and batch size at every step).
+        patch_size: the model's (pt, ph, pw).
+        num_workers: DataLoader workers per rank.
+        seed: seeds the shard order of every epoch (with the epoch number).
+        on_error: ``"raise"`` or ``"skip"`` for bad shards and samples (index build and reading).
+        oversize: ``"raise"`` or ``"skip"`` for samples with more than ``max_tokens`` tokens.
+        synthetic: generate shards in ``prepare_data`` when set: keyword arguments of
+            ``write_synthetic_shards`` (e.g. ``{"mix": "tiny", "num_samples": 512, "samples_per_shard": 32}``),
+            plus optional ``val_num_samples``; ``train_shards`` (and ``val_shards``) must then be directories.
+        max_buffered_samples: samples a worker may hold decoded (independent mode); None: automatic.
+        lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
+        pin_memory: DataLoader ``pin_memory``.
+
+    Attributes:
+        epoch_report: the current training epoch's report (plan counts, runtime skips; see
+            ``docs/data_path.md``).
+
+    The batches are dicts (``docs/architecture.md``): latents (B, C, T, H, W), text (B, L, D) | None,
+    text_mask, keys, meta, seq_len, batch_size, num_tokens, cost, global_tokens, plus ``step`` (the plan
+    step within the epoch) and ``skipped`` (samples of this batch that failed at read time, by reason).
+    """
+
+    def __init__(
+        self,
+        train_shards: str | list[str],
+        val_shards: str | list[str] | None = None,
+        max_tokens: int = 4096,
+        max_compute: float | str | None = None,
+        cost_model: dict[str, Any] | None = None,
+        mode: str = "dual",
+        schedule: str = "independent",
+        patch_size: tuple[int, int, int] = (1, 2, 2),
+        num_workers: int = 2,
+        seed: int = 0,
+        on_error: str = "raise",
+        oversize: str = "raise",
+        synthetic: dict[str, Any] | None = None,
+        max_buffered_samples: int | None = None,
+        lockstep_tolerance: float = 0.05,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if int(num_workers) < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.train_shards = train_shards
+        self.val_shards = val_shards
+        self.num_workers = int(num_workers)
+        self.seed = int(seed)
+        self.schedule = schedule
+        self.on_error = on_error
+        self.synthetic = dict(synthetic) if synthetic else None
+        self.max_buffered_samples = max_buffered_samples
+        self.lockstep_tolerance = float(lockstep_tolerance)
+        self.pin_memory = bool(pin_memory)
+        self.patch_size = tuple(int(x) for x in patch_size)
+        # Validates the batcher settings now, before any data is touched.
+        self.batcher = DualConstraintBatcher(
+            max_tokens=max_tokens,
+            max_compute=max_compute,
+            cost_model=cost_model,
+            mode=mode,
+            patch_size=self.patch_size,
+            oversize=oversize,
+        )
+        self.train_index: Any = None
+        self.val_index: Any = None
+        self.train_dataset: PlannedShardDataset | None = None
+        self.val_dataset: PlannedShardDataset | None = None
+        self._epoch_counter = -1
+        self._segments: list[dict[str, Any]] = []  # the current epoch's plan segments (resume history)
+        self._segment_base = 0  # batches consumed before the current segment, in the current epoch
+        self._resume: dict[str, Any] | None = None
+        self._train_loader: PlannedDataLoader | None = None
+
+    # -- data preparation ------------------------------------------------------------------------------
+
+    def _synthetic_dir(self, shards: str | list[str]) -> str:
+        if (
+            not isinstance(shards, str)
+            or any(ch in shards for ch in "{*?[")
+            or shards.endswith((".tar", ".json"))
+        ):
+            raise ValueError(
+                f"synthetic data needs the shard location as one directory, got {shards!r}; "
+                "pass e.g. train_shards='data/train' (the shards and index.json are written there)"
+            )
+        return shards
+
+    def prepare_data(self) -> None:
+        """Generate synthetic shards when ``synthetic`` is set, and write ``index.json`` if missing.
+
+        Runs on one process per node (Lightning). Reuses shards already written with the same settings.
+        """
+        from lightning_adaptiveload.shards import INDEX_NAME, ShardIndex, write_synthetic_shards
+
+        if self.synthetic is not None:
+            settings = dict(self.synthetic)
+            val_n = settings.pop("val_num_samples", None)
+            settings.setdefault("progress", False)
+            write_synthetic_shards(self._synthetic_dir(self.train_shards), **settings)
+            if self.val_shards is not None:
+                n = int(val_n) if val_n is not None else max(8, int(settings.get("num_samples", 256)) // 8)
+                val_settings = {**settings, "num_samples": n, "seed": int(settings.get("seed", 0)) + 1}
+                if isinstance(val_settings.get("samples_per_shard"), list):
+                    val_settings["samples_per_shard"] = max(1, n // 4)
+                write_synthetic_shards(self._synthetic_dir(self.val_shards), **val_settings)
+        for shards in (self.train_shards, self.val_shards):
+            folder = _index_folder(shards) if shards is not None else None
+            if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
+                # One index pass here, so that the ranks load it in setup instead of each rebuilding it.
+                ShardIndex.for_paths(
+                    shards,
+                    patch_size=self.patch_size,
+                    on_error=self.on_error,
+                    save=os.path.join(folder, INDEX_NAME),
+                )
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the indexes and build the datasets; rank and world size come from the trainer."""
+        from lightning_adaptiveload.shards import ShardIndex
+
+        rank, world = _dist.rank_and_world(self.trainer)
+        if self.train_index is None and stage in (None, "fit"):
+            self.train_index = ShardIndex.for_paths(
+                self.train_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
+            )
+            self.train_dataset = self._dataset(self.train_index, self.schedule)
+        if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
+            self.val_index = ShardIndex.for_paths(
+                self.val_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
+            )
+            self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
+        for ds in (self.train_dataset, self.val_dataset):
+            if ds is not None:
+                ds.rank, ds.world_size = rank, world
+
+    def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
+        return PlannedShardDataset(
+            index,
+            self.batcher,
+            schedule=schedule,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            on_error=self.on_error,
+            max_buffered_samples=self.max_buffered_samples,
+            lockstep_tolerance=self.lockstep_tolerance,
+            fixed_epoch=fixed_epoch,
+        )
+
+    # -- loaders ---------------------------------------------------------------------------------------
+
+    def train_dataloader(self) -> PlannedDataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        self._train_loader = PlannedDataLoader(
+            self.train_dataset,
+            num_workers=self.num_workers,
+            before_epoch=self._begin_train_epoch,
+            on_end=self._end_train_epoch,
+            pin_memory=self.pin_memory,
+        )
+        return self._train_loader
+
+    def val_dataloader(self) -> PlannedDataLoader | list:
+        if self.val_shards is None:
+            return []
+        if self.val_dataset is None:
+            self.setup("validate")
+        assert self.val_dataset is not None
+        return PlannedDataLoader(
+            self.val_dataset,
+            num_workers=self.num_workers,
+            before_epoch=lambda: self.val_dataset.begin_epoch(0),  # type: ignore[union-attr]
+            pin_memory=self.pin_memory,
+        )
+
+    def _current_epoch(self) -> int:
+        trainer = self.trainer
+        if trainer is not None:
+            return int(trainer.current_epoch)
+        self._epoch_counter += 1
+        return self._epoch_counter
+
+    def _begin_train_epoch(self) -> None:
+        ds = self.train_dataset
+        assert ds is not None
+        rank, world = _dist.rank_and_world(self.trainer)
+        ds.rank, ds.world_size = rank, world
+        epoch = self._current_epoch()
+        resume, self._resume = self._resume, None
+        if resume is not None and int(resume["epoch"]) == epoch:
+            plan = self._resume_plan(ds, resume)
+            if plan.steps == 0:
+                self._finish_restarted_epoch()
+        else:
+            if resume is not None:
+                log.info(
+                    "resume state is for epoch %s, training is at epoch %s: starting fresh",
+                    resume["epoch"],
+                    epoch,
+                )
+            plan = ds.make_plan(epoch)
+            self._segments = [{"kind": "fresh", **ds.plan_settings(), "consumed": None}]
+            self._segment_base = 0
+        ds.begin_epoch(epoch, plan)
+        rep = ds.report
+        if rank == 0:
+            rank_zero_info(
+                f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
+                f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
+                f"partial {rep['partial_batches']}, split {rep['split_batches']}, mode {rep['mode']}"
+                + (f", lockstep tail steps {rep['lockstep_tail_steps']}" if rep["mode"] == "lockstep" else "")
+                + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"
+            )
+
+    def _finish_restarted_epoch(self) -> None:
+        """The checkpoint was saved after the epoch's last batch: let Lightning end the epoch normally.
+
+        Lightning restarts the checkpoint's epoch; with nothing left in it, its epoch loop would run no
+        iteration, keep its "restarting" flag, and then not ask for the next epoch's iterator, silently
+        training an empty epoch (Lightning 2.x, iterable loaders). Running the empty epoch as a fresh one
+        avoids that; the fit loop's step counters are not touched.
+        """
+        trainer = self.trainer
+        try:
+            loop = trainer.fit_loop.epoch_loop  # type: ignore[union-attr]
+            if loop.restarting:
+                loop.restarting = False
+        except AttributeError:  # no trainer, or another loop layout: nothing to fix
+            pass
+
+    def _end_train_epoch(self) -> None:
+        ds = self.train_dataset
+        if ds is not None and ds.report.get("runtime_skipped"):
+            log.warning(
+                "rank %d, epoch %s: samples skipped while reading: %s",
+                ds.rank,
+                ds.epoch,
+                ds.report["runtime_skipped"],
+            )
+
+    @property
+    def epoch_report(self) -> dict[str, Any]:
+        """The current (or last) training epoch's report; empty before the first epoch."""
+        return dict(self.train_dataset.report) if self.train_dataset is not None else {}
+
+    # -- resume ----------------------------------------------------------------------------------------
+
+    def _consumed_now(self) -> int:
+        """Batches of the current training epoch consumed on this rank (whole epoch, all segments)."""
+        ds = self.train_dataset
+        if ds is None or ds.plan is None:
+            return 0
+        total = self._segment_base + ds.plan.steps
+        trainer = self.trainer
+        if trainer is not None:
+            try:
+                if int(trainer.current_epoch) != ds.epoch:
+                    return total
+                done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            except AttributeError:
+                done = None
+            if done is not None:
+                return max(self._segment_base, min(done, total))
+        return self._segment_base + int(ds.report.get("batches_yielded", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training epoch's position, for mid-epoch resume (gathers every rank's count: collective).
+
+        Returns:
+            ``{"version", "fingerprint", "epoch", "segments": [{"kind", "world_size", "num_workers",
+            "seed", "mode", "batcher", "max_buffered_samples", "lockstep_tolerance", "consumed":
+            [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
+            ``Trainer.save_checkpoint`` does).
+        """
+        ds = self.train_dataset
+        if ds is None or ds.plan is None or not self._segments:
+            return {}
+        mine = self._consumed_now() - self._segment_base
+        if _dist.is_distributed() and ds.world_size > 1:
+            consumed = [int(r[0]) for r in _dist.all_gather_floats([float(mine)])]
+        else:
+            consumed = [mine] * ds.world_size
+        if len(set(consumed)) > 1:
+            log.warning(
+                "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
+                consumed,
+            )
+        segments = [dict(s) for s in self._segments]
+        segments[-1]["consumed"] = consumed
+        return {
+            "version": _STATE_VERSION,
+            "fingerprint": ds.fingerprint,
+            "epoch": ds.epoch,
+            "segments": segments,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position saved by :meth:`state_dict`; applied when that epoch's loader starts."""
+        if not state_dict:
+            return
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"AdaptiveLoadDataModule state version {state_dict.get('version')!r} is not supported "
+                f"(expected {_STATE_VERSION}); resume without the datamodule state or from a newer checkpoint"
+            )
+        self._resume = dict(state_dict)
+
+    def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
+        if state["fingerprint"] != ds.fingerprint:
+            raise ValueError(
+                "the checkpoint's data position belongs to other shards (index fingerprint "
+                f"{state['fingerprint']} vs {ds.fingerprint} now): resume with the same shards, or drop the "
+                "datamodule state from the checkpoint to start the epoch afresh"
+            )
+        epoch = int(state["epoch"])
+        segments = [dict(s) for s in state["segments"]]
+        # Replay the epoch's segments to find what was consumed and the last plan.
+        plan: EpochPlan | None = None
+        gone: set[tuple[int, int]] = set()
+        previous = 0
+        for seg in segments:
+            if seg["kind"] == "continue" and plan is not None:
+                plan = continue_plan(plan, previous, int(seg["num_workers"]))
+            else:
+                plan = ds.make_plan(epoch, seg, exclude=gone)
+            consumed = [int(x) for x in seg["consumed"]]
+            gone |= consumed_refs(plan, consumed)
+            previous = consumed[0]
+        assert plan is not None
+        last = segments[-1]
+        same_ranks = plan.world_size == ds.world_size and len(set(last["consumed"])) == 1
+        if same_ranks:
+            new_plan = continue_plan(plan, int(last["consumed"][0]), ds.num_workers)
+            kind = "continue"
+        else:
+            new_plan = ds.make_plan(epoch, exclude=gone)
+            kind = "replan"
+        self._segments = segments + [{"kind": kind, **ds.plan_settings(), "consumed": None}]
+        # Lightning restores its processed-batch count to the total consumed so far (equal on all ranks).
+        self._segment_base = sum(max(int(x) for x in s["consumed"]) for s in segments)
+        rank_zero_info(
+            f"[adaptiveload] resuming epoch {epoch} after {len(gone)} consumed samples ({kind}: world size "
+            f"{ds.world_size}, {ds.num_workers} workers, {new_plan.steps} steps left)"
+        )
+        return new_plan

@@ -1,0 +1,5 @@
+"""Reference models: a Wan 2.1-style video DiT (configs ``tiny``, ``wan-1.3b``, ``wan-14b``)."""
+
+from lightning_adaptiveload.models.video_dit import NormModulate, VideoDiT, VideoDiTConfig
+
+__all__ = ["NormModulate", "VideoDiT", "VideoDiTConfig"]

@@ -1,0 +1,643 @@
+"""A video diffusion transformer with Wan 2.1's architecture, written to be read top to bottom.
+
+The model maps a noisy VAE latent ``x_t`` (B, C, T, H, W), a diffusion time (B,) and optional text states
+(B, L, D_text) to a velocity of the latent's shape. Its parts, in the order data flows through them:
+
+1. **Patch embedding**: a Conv3d with kernel = stride = ``patch_size`` (1, 2, 2) turns the latent into
+   S = T/pt * H/ph * W/pw tokens of width D.
+2. **Time embedding**: sinusoidal features of t (``freq_dim`` wide) -> Linear-SiLU-Linear -> e (B, D), then
+   SiLU-Linear -> e0 (B, 6, D): shift, scale and gate for self-attention and for the FFN. Both are kept in
+   fp32, as Wan does, because they scale every activation of every block.
+3. **Text embedding**: Linear-GELU(tanh)-Linear from ``text_dim`` to D.
+4. **Blocks** (``num_layers`` of them), each with its own learned (1, 6, D) table added to e0 (Wan's
+   ``modulation``, a.k.a. scale_shift_table)::
+
+       x = x + gate_sa  * SelfAttn(NormModulate(x, shift_sa, scale_sa))      # 3D RoPE, q/k RMSNorm
+       x = x + CrossAttn(LayerNorm_affine(x), text, text_mask)               # no modulation
+       x = x + gate_ffn * FFN(NormModulate(x, shift_ffn, scale_ffn))         # GELU(tanh)
+
+   The residual stream is kept in fp32 (the gated adds run in fp32 as in Wan); matmuls follow autocast.
+5. **Head**: NormModulate with its own (1, 2, D) table added to e (not e0), then a Linear to
+   C_out * pt * ph * pw, zero-initialised so that the untrained model predicts 0.
+6. **Unpatchify** back to (B, C_out, T, H, W).
+
+Every LayerNorm-then-modulate site is a :class:`NormModulate`, whose ``fused`` switch routes it through
+:func:`lightning_adaptiveload.ops.layer_norm_modulate` (the fused kernel) instead of the eager form; the
+switch does not change parameters or state_dict keys. Module and parameter names follow Wan 2.1's
+reference implementation (``patch_embedding``, ``blocks.N.self_attn.q``, ``blocks.N.modulation``,
+``head.head``, ...), so a Wan 2.1 checkpoint's state_dict has the same keys and shapes.
+
+The 3D RoPE splits each head's dimension d over the three axes like Wan: T gets d - 4*(d//6), H and W get
+2*(d//6) each, with frequencies 1 / 10000^(2i/d_axis) per axis and adjacent channel pairs rotated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_adaptiveload import ops as _ops
+
+__all__ = ["NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Trains on 2 CPU cores on the "tiny" mix (16-channel latents, 24-225 tokens per sample).
+    "tiny": dict(dim=64, num_layers=2, num_heads=4, ffn_dim=192, text_dim=32, freq_dim=64),
+    # Wan 2.1 T2V-1.3B and T2V-14B.
+    "wan-1.3b": dict(dim=1536, num_layers=30, num_heads=12, ffn_dim=8960),
+    "wan-14b": dict(dim=5120, num_layers=40, num_heads=40, ffn_dim=13824),
+}
+
+
+@dataclass
+class VideoDiTConfig:
+    """Hyper-parameters of :class:`VideoDiT`; defaults are Wan 2.1 T2V-1.3B.
+
+    Attributes:
+        dim: model width D.
+        num_layers: number of transformer blocks.
+        num_heads: attention heads; ``dim / num_heads`` must be even (RoPE rotates channel pairs).
+        ffn_dim: hidden width of the GELU(tanh) FFN.
+        in_channels: latent channels C (16 for the Wan 2.1 VAE).
+        out_channels: predicted channels (the velocity has the latent's channels).
+        patch_size: (pt, ph, pw) of the 3D patch embedding.
+        text_dim: width of the text encoder's states (4096 for umT5-XXL).
+        freq_dim: width of the sinusoidal timestep features.
+        eps: epsilon of every LayerNorm and RMSNorm.
+        qk_norm: RMSNorm on queries and keys (over the full width, as Wan).
+        cross_attn_norm: affine LayerNorm before cross-attention (Wan's ``norm3``).
+        rope_theta: RoPE base.
+    """
+
+    dim: int = 1536
+    num_layers: int = 30
+    num_heads: int = 12
+    ffn_dim: int = 8960
+    in_channels: int = 16
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = field(default=(1, 2, 2))
+    text_dim: int = 4096
+    freq_dim: int = 256
+    eps: float = 1e-6
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        self.patch_size = tuple(int(p) for p in self.patch_size)
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ValueError(
+                f"VideoDiTConfig.patch_size must be 3 positive ints (pt, ph, pw), got {self.patch_size}"
+            )
+        for key in ("dim", "num_layers", "num_heads", "ffn_dim", "in_channels", "out_channels", "text_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"VideoDiTConfig.{key} must be a positive int, got {value!r}")
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"VideoDiTConfig.dim={self.dim} is not divisible by num_heads={self.num_heads}; "
+                "choose a width that is a multiple of the head count"
+            )
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ValueError(
+                f"VideoDiTConfig: head dim dim/num_heads = {self.head_dim} must be even and >= 6 "
+                "(3D RoPE rotates channel pairs on three axes)"
+            )
+        if self.freq_dim % 2:
+            raise ValueError(f"VideoDiTConfig.freq_dim must be even, got {self.freq_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def patch_volume(self) -> int:
+        return self.patch_size[0] * self.patch_size[1] * self.patch_size[2]
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> VideoDiTConfig:
+        """A named configuration, optionally with some fields replaced.
+
+        Args:
+            name: ``"tiny"``, ``"wan-1.3b"`` or ``"wan-14b"``.
+            **overrides: fields of :class:`VideoDiTConfig` to replace, e.g. ``num_layers=2``.
+
+        Raises:
+            ValueError: unknown preset name or unknown field.
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown VideoDiT preset {name!r}; choose one of {sorted(_PRESETS)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown VideoDiTConfig field(s) {unknown} in overrides for preset {name!r}; "
+                f"valid fields are {sorted(known)}"
+            )
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @staticmethod
+    def presets() -> list[str]:
+        return sorted(_PRESETS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters`` applies Wan 2.1's initialisation for its role.
+
+    Every module with parameters of its own has a ``reset_parameters`` that gives Wan's init, so that a model
+    built on the meta device (FSDP) is materialised exactly as an eagerly built one. ``init`` is
+    ``"xavier"`` (Xavier-uniform weight, zero bias), ``"normal"`` (N(0, 0.02) weight, zero bias: the text
+    and time embeddings) or ``"zeros"`` (the output projection).
+    """
+
+    def __init__(self, in_features: int, out_features: int, init: str = "xavier") -> None:
+        self.init = init
+        super().__init__(in_features, out_features)
+
+    def reset_parameters(self) -> None:
+        if self.init == "xavier":
+            nn.init.xavier_uniform_(self.weight)
+        elif self.init == "normal":
+            nn.init.normal_(self.weight, std=0.02)
+        else:
+            nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+class _PatchEmbed(nn.Conv3d):
+    """Conv3d patch embedding with Wan's init: Xavier-uniform on the flattened kernel, zero bias."""
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.weight.view(self.weight.shape[0], -1))
+        nn.init.zeros_(self.bias)
+
+
+class NormModulate(nn.Module):
+    """``LayerNorm(x) * (1 + scale) + shift``: every adaLN site of the model.
+
+    With ``fused = False`` the eager form runs (LayerNorm and modulation in fp32, output cast back to
+    ``x.dtype``); with ``fused = True`` it calls :func:`lightning_adaptiveload.ops.layer_norm_modulate`.
+    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.fuse_norm_modulate``) changes no parameter.
+
+    Args:
+        dim: normalised width D.
+        eps: LayerNorm epsilon.
+        elementwise_affine: learn a LayerNorm weight and bias (D,), applied before the modulation.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = False) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.fused = False
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, S, D); shift, scale (B, 1, D) or (B, S, D). Returns (B, S, D) in x.dtype."""
+        if self.fused:
+            # Looked up at call time so that a later swap of the op's dispatch is picked up.
+            return _ops.layer_norm_modulate(x, shift, scale, self.weight, self.bias, self.eps)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps)
+        return (y * (1.0 + scale.float()) + shift.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}, fused={self.fused}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis in fp32 with a learned (D,) weight; output in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 (Wan's ``norm3`` before cross-attention); output in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wan's sinusoidal features: ``[cos(t * f_i), sin(t * f_i)]`` with ``f_i = 10000^(-i / (dim/2))``.
+
+    Args:
+        t: (B,) diffusion time in the model's units ([0, 1000] for rectified flow x 1000).
+        dim: even feature width.
+
+    Returns:
+        (B, dim) float32.
+    """
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, device=t.device, dtype=torch.float64) / half)
+    angles = t.to(torch.float64)[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1).float()
+
+
+def rope_3d(
+    grid: tuple[int, int, int], head_dim: int, theta: float = 10000.0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of the 3D rotary embedding for a (F, H, W) token grid.
+
+    The head dimension d is split as Wan does: d - 4*(d//6) channels rotate with the frame index,
+    2*(d//6) with the row and 2*(d//6) with the column. Tokens are in (F, H, W) raster order, the order of
+    ``Conv3d(...).flatten(2)``.
+
+    Returns:
+        (cos, sin), each (F*H*W, d/2) float32.
+    """
+    split = (head_dim - 4 * (head_dim // 6), 2 * (head_dim // 6), 2 * (head_dim // 6))
+    angles = []
+    for axis, (n, d_axis) in enumerate(zip(grid, split)):
+        inv_freq = 1.0 / theta ** (torch.arange(0, d_axis, 2, device=device, dtype=torch.float64) / d_axis)
+        a = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (n, d_axis/2)
+        view = [1, 1, 1, d_axis // 2]
+        view[axis] = n
+        angles.append(a.view(view).expand(*grid, d_axis // 2))
+    full = torch.cat(angles, dim=-1).reshape(-1, head_dim // 2)
+    return torch.cos(full).float(), torch.sin(full).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of ``x`` (B, S, H, d) by the angles of ``cos``/``sin`` (S, d/2)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Full (bidirectional) self-attention over the video tokens with q/k RMSNorm and 3D RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = _Linear(dim, dim)
+        self.k = _Linear(dim, dim)
+        self.v = _Linear(dim, dim)
+        self.o = _Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, S, D); cos, sin (S, d/2). Returns (B, S, D)."""
+        h = self.num_heads
+        q = apply_rope(self.norm_q(self.q(x)).unflatten(-1, (h, -1)), cos, sin)
+        k = apply_rope(self.norm_k(self.k(x)).unflatten(-1, (h, -1)), cos, sin)
+        v = self.v(x).unflatten(-1, (h, -1))
+        # No mask: a batch holds samples of one shape (never padded), so the fastest kernels apply.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class CrossAttention(nn.Module):
+    """Attention from video tokens to text states, ignoring padded text positions."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = _Linear(dim, dim)
+        self.k = _Linear(dim, dim)
+        self.v = _Linear(dim, dim)
+        self.o = _Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Args: x (B, S, D); context (B, L, D); context_mask (B, L) bool, True = real token, or None.
+
+        Returns (B, S, D). A sample whose mask is all False gets 0 (attention to nothing) rather than NaN.
+        """
+        h = self.num_heads
+        q = self.norm_q(self.q(x)).unflatten(-1, (h, -1)).transpose(1, 2)
+        k = self.norm_k(self.k(context)).unflatten(-1, (h, -1)).transpose(1, 2)
+        v = self.v(context).unflatten(-1, (h, -1)).transpose(1, 2)
+        attn_mask = keep = None
+        if context_mask is not None:
+            # A fully masked row makes softmax NaN; let it attend everywhere, then zero its output. Done
+            # arithmetically so that no host sync is needed to find such rows.
+            keep = context_mask.any(dim=-1)  # (B,)
+            attn_mask = (context_mask | ~keep[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).flatten(2)
+        if keep is not None:
+            out = out * keep[:, None, None].to(out.dtype)
+        return self.o(out)
+
+
+class DiTBlock(nn.Module):
+    """One Wan 2.1 block: modulated self-attention, cross-attention, modulated FFN, gated residuals."""
+
+    def __init__(self, cfg: VideoDiTConfig) -> None:
+        super().__init__()
+        dim = cfg.dim
+        self.norm1 = NormModulate(dim, cfg.eps)
+        self.self_attn = SelfAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
+        self.norm3 = (
+            FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
+        )
+        self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
+        self.norm2 = NormModulate(dim, cfg.eps)
+        self.ffn = nn.Sequential(
+            _Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), _Linear(cfg.ffn_dim, dim)
+        )
+        # Per-block table added to the shared timestep projection (Wan's scale_shift_table).
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        e0: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32; cos, sin (S, d/2); context (B, L, D) or
+        None; context_mask (B, L) bool or None. Returns (B, S, D) in x.dtype."""
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (self.modulation.float() + e0).chunk(
+            6, dim=1
+        )
+        y = self.self_attn(self.norm1(x, shift_sa, scale_sa), cos, sin)
+        x = (x + y * gate_sa).to(x.dtype)
+        if context is not None:
+            x = (x + self.cross_attn(self.norm3(x), context, context_mask)).to(x.dtype)
+        y = self.ffn(self.norm2(x, shift_ff, scale_ff))
+        return (x + y * gate_ff).to(x.dtype)
+
+
+class Head(nn.Module):
+    """Output head: NormModulate with its own (1, 2, D) table added to e, then a Linear to patch pixels."""
+
+    def __init__(self, cfg: VideoDiTConfig) -> None:
+        super().__init__()
+        self.norm = NormModulate(cfg.dim, cfg.eps)
+        self.head = _Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, S, D); e (B, D) fp32. Returns (B, S, C_out * pt * ph * pw)."""
+        shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
+        return self.head(self.norm(x, shift, scale))
+
+
+def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> int:
+    """Forward FLOPs of one sample: matmuls and convolutions only, 2 FLOPs per multiply-add.
+
+    With S video tokens, L text tokens (the padded length the batch carries; 0 = no text), width D,
+    FFN width F, N blocks, patch volume P, channels C_in / C_out, text width D_t, freq width D_f::
+
+        patch embed     2 S (C_in P) D
+        time embed      2 (D_f D + D D) + 2 D (6 D)
+        text embed      2 L (D_t D + D D)                                               (if L > 0)
+        per block       self-attn projections 8 S D^2 + scores and values 4 S^2 D
+                        cross-attn q/o 4 S D^2 + k/v 4 L D^2 + scores and values 4 S L D   (if L > 0)
+                        FFN 4 S D F
+        head            2 S D (C_out P)
+
+    Normalisations, RoPE, activations and softmax are not counted (a few percent at Wan's widths). A
+    training step (forward + backward) costs 3x this, plus one more forward of the blocks with activation
+    checkpointing; report MFU with 3x, the usual convention.
+
+    Args:
+        config: the model configuration.
+        seq_len: video tokens per sample, T/pt * H/ph * W/pw.
+        text_len: text tokens per sample (padded length), 0 when the model runs without text.
+    """
+    cfg = config
+    s, lt, d, f, n, p = int(seq_len), int(text_len), cfg.dim, cfg.ffn_dim, cfg.num_layers, cfg.patch_volume
+    total = 2 * s * cfg.in_channels * p * d
+    total += 2 * (cfg.freq_dim * d + d * d) + 2 * d * 6 * d
+    block = 8 * s * d * d + 4 * s * s * d + 4 * s * d * f
+    if lt > 0:
+        total += 2 * lt * (cfg.text_dim * d + d * d)
+        block += 4 * s * d * d + 4 * lt * d * d + 4 * s * lt * d
+    total += n * block
+    total += 2 * s * d * cfg.out_channels * p
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+class VideoDiT(nn.Module):
+    """Wan 2.1-style video DiT. See the module docstring for the data flow.
+
+    Args:
+        config: a :class:`VideoDiTConfig`, e.g. ``VideoDiTConfig.preset("wan-1.3b")``.
+
+    Attributes:
+        gradient_checkpointing: recompute each block in the backward pass (activation checkpointing) while
+            training; saves the blocks' activations at the cost of one more forward per block.
+    """
+
+    def __init__(self, config: VideoDiTConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.gradient_checkpointing = False
+        self.patch_embedding = _PatchEmbed(
+            cfg.in_channels, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.text_embedding = nn.Sequential(
+            _Linear(cfg.text_dim, cfg.dim, "normal"),
+            nn.GELU(approximate="tanh"),
+            _Linear(cfg.dim, cfg.dim, "normal"),
+        )
+        self.time_embedding = nn.Sequential(
+            _Linear(cfg.freq_dim, cfg.dim, "normal"), nn.SiLU(), _Linear(cfg.dim, cfg.dim, "normal")
+        )
+        self.time_projection = nn.Sequential(nn.SiLU(), _Linear(cfg.dim, 6 * cfg.dim))
+        self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.num_layers)])
+        self.head = Head(cfg)
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Wan 2.1's initialisation: Xavier-uniform Linears and patch embedding, zero biases, N(0, 0.02) for
+        the text and time embeddings, a zero output projection (the untrained model predicts 0), modulation
+        tables N(0, 1/D). Each module carries its part (``reset_parameters``), so FSDP's per-module
+        materialisation from the meta device gives the same initialisation."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # One entry per distinct latent shape; a length mix has a few dozen at most.
+        key = (grid, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_3d(grid, self.config.head_dim, self.config.rope_theta, device)
+        return self._rope_cache[key]
+
+    def _check_input(self, x: torch.Tensor) -> tuple[int, int, int]:
+        cfg = self.config
+        if x.dim() != 5 or x.shape[1] != cfg.in_channels:
+            raise ValueError(
+                f"VideoDiT expects latents of shape (B, {cfg.in_channels}, T, H, W), got {tuple(x.shape)}; "
+                "set in_channels in the model config to the latent's channel count"
+            )
+        t, h, w = x.shape[2:]
+        pt, ph, pw = cfg.patch_size
+        if t % pt or h % ph or w % pw:
+            raise ValueError(
+                f"latent (T, H, W) = {(t, h, w)} is not divisible by patch_size {cfg.patch_size}; "
+                "crop or pad the latents, or change the patch size"
+            )
+        return t // pt, h // ph, w // pw
+
+    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """(B, F*H'*W', C_out*pt*ph*pw) -> (B, C_out, F*pt, H'*ph, W'*pw); inverse of the patch layout."""
+        (f, h, w), (pt, ph, pw) = grid, self.config.patch_size
+        b, c = tokens.shape[0], self.config.out_channels
+        x = tokens.view(b, f, h, w, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, c, f * pt, h * ph, w * pw)
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        self.gradient_checkpointing = bool(enabled)
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow velocity.
+
+        Args:
+            x: (B, C_in, T, H, W) noisy latent, any float dtype; T, H, W divisible by ``patch_size``.
+            timestep: (B,) diffusion time, float, in the model's units (rectified-flow t in [0, 1] x 1000).
+            context: (B, L, text_dim) text states, or None for no text (cross-attention is skipped; its
+                parameters get zero gradients while training, so that DDP sees every parameter).
+            context_mask: (B, L) bool, True at real text tokens; None means all are real.
+
+        Returns:
+            (B, C_out, T, H, W) in the dtype of the head's output (fp32 in fp32 training, bf16 under
+            bf16 autocast).
+        """
+        grid = self._check_input(x)
+        b = x.shape[0]
+        if timestep.shape != (b,):
+            raise ValueError(f"timestep must have shape (B,) = ({b},), got {tuple(timestep.shape)}")
+        param_dtype = self.patch_embedding.weight.dtype
+        # The residual stream is fp32 (Wan keeps the gated adds in fp32), except when the parameters are
+        # themselves low precision without autocast ("bf16-true"), where matmul inputs must match them.
+        low_precision = param_dtype in (torch.float16, torch.bfloat16)
+        if low_precision and not torch.is_autocast_enabled(x.device.type):
+            stream_dtype = param_dtype
+        else:
+            stream_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+
+        h = self.patch_embedding(x.to(param_dtype)).flatten(2).transpose(1, 2).to(stream_dtype)  # (B, S, D)
+
+        # Meta tensors (shape and FLOP analysis) have no autocast.
+        no_autocast = (
+            nullcontext() if x.device.type == "meta" else torch.autocast(x.device.type, enabled=False)
+        )
+        with no_autocast:
+            w_dtype = self.time_embedding[0].weight.dtype
+            e = self.time_embedding(sinusoidal_embedding(timestep, self.config.freq_dim).to(w_dtype)).float()
+            e0 = self.time_projection(e.to(w_dtype)).float().unflatten(1, (6, self.config.dim))  # (B, 6, D)
+
+        ctx = None
+        if context is not None:
+            if context.dim() != 3 or context.shape[0] != b or context.shape[2] != self.config.text_dim:
+                raise ValueError(
+                    f"text states must have shape (B={b}, L, text_dim={self.config.text_dim}), got "
+                    f"{tuple(context.shape)}; set text_dim in the model config to the text encoder's width"
+                )
+            if context_mask is not None and context_mask.shape != context.shape[:2]:
+                raise ValueError(
+                    f"text_mask shape {tuple(context_mask.shape)} does not match text {tuple(context.shape[:2])}"
+                )
+            ctx = self.text_embedding(context.to(param_dtype))
+            if context_mask is not None:
+                context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
+
+        cos, sin = self._rope(grid, x.device)
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(block, h, e0, cos, sin, ctx, context_mask, use_reentrant=False)
+            else:
+                h = block(h, e0, cos, sin, ctx, context_mask)
+        out = self.unpatchify(self.head(h, e), grid)
+        if ctx is None and self.training and torch.is_grad_enabled():
+            # DDP expects a gradient for every parameter at every step; a batch without text would leave
+            # the text path out of the graph and hang the gradient all-reduce. A zero-weighted sum keeps it
+            # in (zero gradients) for the cost of one reduction per tensor.
+            out = out + 0.0 * sum(p.sum() for p in self._text_path_parameters()).to(out.dtype)
+        return out
+
+    def _text_path_parameters(self) -> list[nn.Parameter]:
+        params = list(self.text_embedding.parameters())
+        for block in self.blocks:
+            params += list(block.norm3.parameters()) + list(block.cross_attn.parameters())
+        return [p for p in params if p.requires_grad]
+
+    # -- analytic cost -----------------------------------------------------------------------------
+
+    def flops_per_sample(self, seq_len: int, text_len: int = 0) -> int:
+        """Forward FLOPs of one sample of ``seq_len`` tokens; see :func:`forward_flops` for the formula."""
+        return forward_flops(self.config, seq_len, text_len)
+
+    def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
+        """Forward FLOPs of a batch of ``batch_size`` samples of ``seq_len`` tokens; see :meth:`flops_per_sample`."""
+        return int(batch_size) * self.flops_per_sample(seq_len, text_len)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

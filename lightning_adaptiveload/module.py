@@ -1,0 +1,344 @@
+"""``VideoDiTModule``: rectified-flow training of :class:`~lightning_adaptiveload.models.VideoDiT`.
+
+Training objective (Wan 2.1 / SD3 rectified flow)::
+
+    t ~ p(t) on [0, 1]              # "uniform" or "sigmoid" (logit-normal), then shifted (below)
+    x_t = (1 - t) * x0 + t * noise  # x0 = clean latent, noise ~ N(0, I)
+    v   = model(x_t, 1000 * t, text)
+    loss = || v - (noise - x0) ||^2
+
+Timestep shift: ``t' = shift * t / (1 + (shift - 1) * t)``. ``shift > 1`` moves samples toward the noisy
+end, which large latents need (the same signal-to-noise ratio needs more noise when there are more
+tokens); Wan 2.1 samples with shift 5 at 480p / 720p. ``shift = 1`` leaves t unchanged.
+
+Loss weighting for uneven per-rank batches
+------------------------------------------
+The adaptive data path gives every rank a different batch (different B and S). DDP averages the
+gradients of the ranks with equal weight, so a plain per-rank mean would give a token of a small batch
+more weight than a token of a large one. The loss here makes **every token of the global batch count the
+same**::
+
+    loss_rank = (sum of per-token squared errors on this rank) * world_size / global_tokens
+
+and DDP's average then yields exactly the gradient of the global per-token mean. Tokens, not samples,
+because the objective is a per-token MSE (a sample of 30,000 tokens carries 20 times the signal of one of
+1,500) and the compute is paid per token; per-sample weighting would let a few long videos be
+under-weighted relative to their cost and a batch of images dominate. ``global_tokens`` comes from the
+batch (``batch["global_tokens"]``, filled by the data path when it knows the plan) or, when that is -1,
+from one tiny all-gather of the per-rank token counts. With gradient accumulation each micro-batch is
+normalised by its own global token count and Lightning averages the micro-batches.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import lightning as L
+import torch
+
+from lightning_adaptiveload import _dist
+from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
+
+__all__ = ["VideoDiTModule", "shift_timesteps", "sample_timesteps"]
+
+
+def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """``shift * t / (1 + (shift - 1) * t)``: maps [0, 1] onto itself, monotone, identity for shift = 1."""
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def sample_timesteps(
+    n: int,
+    sampling: str = "uniform",
+    shift: float = 1.0,
+    sigmoid_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Draw ``n`` rectified-flow times in [0, 1] (float32, shape (n,)).
+
+    Args:
+        sampling: ``"uniform"``: t ~ U(0, 1); ``"sigmoid"``: t = sigmoid(sigmoid_scale * N(0, 1)), the
+            logit-normal of SD3, which concentrates on mid-range t.
+        shift: timestep shift applied after sampling (see module docstring).
+        sigmoid_scale: standard deviation of the logit for ``"sigmoid"``.
+        generator: random generator on ``device``.
+    """
+    if sampling == "uniform":
+        u = torch.rand(n, generator=generator, device=device)
+    elif sampling == "sigmoid":
+        u = torch.sigmoid(sigmoid_scale * torch.randn(n, generator=generator, device=device))
+    else:
+        raise ValueError(f"timestep_sampling must be 'uniform' or 'sigmoid', got {sampling!r}")
+    return shift_timesteps(u, shift)
+
+
+class VideoDiTModule(L.LightningModule):
+    """Rectified-flow training of a Wan 2.1-style video DiT on the adaptive data path's batches.
+
+    The network is built in :meth:`configure_model` (not in ``__init__``) so that strategies that shard or
+    initialise on another device, fusion (``FusedNormModulateMixin``) and ``torch.compile`` apply to it.
+    Subclasses and mixins override ``configure_model`` and call ``super().configure_model()`` first.
+
+    Args:
+        preset: model configuration, ``"tiny"``, ``"wan-1.3b"`` or ``"wan-14b"``.
+        model_overrides: fields of :class:`VideoDiTConfig` to replace, e.g. ``{"num_layers": 4}``.
+        lr: peak AdamW learning rate.
+        betas: AdamW betas.
+        weight_decay: decoupled weight decay on matrices (Linear/Conv weights); biases, norm weights and
+            the modulation tables are not decayed.
+        eps: AdamW epsilon.
+        warmup_steps: linear warm-up from 0 over this many optimizer steps, then constant.
+        timestep_sampling: ``"uniform"`` or ``"sigmoid"`` (logit-normal); see :func:`sample_timesteps`.
+        shift: timestep shift (1 = none; Wan uses 5 at 480p/720p).
+        sigmoid_scale: logit standard deviation for ``"sigmoid"`` sampling.
+        num_train_timesteps: the model sees ``t * num_train_timesteps`` (Wan: 1000).
+        activation_checkpointing: recompute every block in the backward pass.
+        compile: ``torch.compile`` every block (lazily: the first forward traces, so later
+            ``configure_model`` steps such as fusion still apply).
+        val_timesteps: fixed times at which validation measures the loss (with fixed noise).
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        model_overrides: dict[str, Any] | None = None,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        timestep_sampling: Literal["uniform", "sigmoid"] = "uniform",
+        shift: float = 5.0,
+        sigmoid_scale: float = 1.0,
+        num_train_timesteps: int = 1000,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if timestep_sampling not in ("uniform", "sigmoid"):
+            raise ValueError(
+                f"VideoDiTModule: timestep_sampling must be 'uniform' or 'sigmoid', got {timestep_sampling!r}"
+            )
+        if not shift > 0:
+            raise ValueError(f"VideoDiTModule: shift must be > 0, got {shift!r}")
+        if lr <= 0 or warmup_steps < 0:
+            raise ValueError(
+                f"VideoDiTModule: need lr > 0 and warmup_steps >= 0, got lr={lr}, warmup_steps={warmup_steps}"
+            )
+        bad = [t for t in val_timesteps if not 0.0 <= t <= 1.0]
+        if bad:
+            raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
+        self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
+        self.model: VideoDiT | None = None
+        self._noise_generator: torch.Generator | None = None
+
+    # -- model -------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Build the network once (Lightning may call this hook for every stage)."""
+        super().configure_model()
+        if self.model is not None:
+            return
+        with self._init_context():
+            self.model = VideoDiT(self.model_config)
+        self.model.set_activation_checkpointing(self.hparams.activation_checkpointing)
+        if self.hparams.compile:
+            # Per block: a graph per block type instead of one over the whole (shape-varying) model, and
+            # the RoPE table cache stays outside the compiled code.
+            for block in self.model.blocks:
+                block.compile()
+
+    def _init_context(self):
+        # FSDP materialises (and shards) a meta-device model unit by unit with each module's
+        # reset_parameters(), which give Wan's init; building it eagerly would need the whole fp32 model in
+        # host memory on every rank (57 GB for wan-14b).
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
+            return torch.device("meta")
+        return nullcontext()
+
+    def _require_model(self) -> VideoDiT:
+        if self.model is None:
+            # Outside a Trainer (tests, notebooks) build on first use.
+            self.configure_model()
+        return self.model
+
+    def forward(self, x, timestep, context=None, context_mask=None) -> torch.Tensor:
+        """The velocity prediction; see :meth:`VideoDiT.forward` for shapes."""
+        return self._require_model()(x, timestep, context, context_mask)
+
+    def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
+        """Analytic forward FLOPs of a batch (see :meth:`VideoDiT.flops_per_sample`); x3 for a training step."""
+        return int(batch_size) * forward_flops(self.model_config, seq_len, text_len)
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Training FLOPs (forward + backward = 3x forward) of ``batch`` on this rank, for MFU.
+
+        Used by :class:`~lightning_adaptiveload.LoadBalanceMonitor`; counts the padded text length.
+        """
+        b, c, t, h, w = batch["latents"].shape
+        pt, ph, pw = self.model_config.patch_size
+        text = batch.get("text")
+        text_len = 0 if text is None else int(text.shape[1])
+        return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len)
+
+    # -- loss --------------------------------------------------------------------------------------
+
+    def _world_size(self) -> int:
+        if self._trainer is not None:
+            return int(self.trainer.world_size)
+        return _dist.rank_and_world()[1]
+
+    def _global_tokens(self, batch: dict, local_tokens: int, world_size: int) -> int:
+        given = batch.get("global_tokens", -1)
+        given = int(given.item() if torch.is_tensor(given) else given)
+        if given >= 0:
+            if given < local_tokens:
+                raise ValueError(
+                    f"batch['global_tokens'] = {given} is smaller than this rank's {local_tokens} tokens; "
+                    "the data path must report the sum over all ranks (or -1 when unknown)"
+                )
+            return given
+        if world_size == 1:
+            return local_tokens
+        # One small collective; identity when no process group is initialised.
+        return int(round(sum(row[0] for row in _dist.all_gather_floats([float(local_tokens)]))))
+
+    def _noise_gen(self, device: torch.device) -> torch.Generator:
+        if self._noise_generator is None or self._noise_generator.device != device:
+            # Lightning seeds every rank identically; offset by rank so ranks draw different noise.
+            rank = self.global_rank if self._trainer is not None else _dist.rank_and_world()[0]
+            seed = (torch.initial_seed() + 1_000_003 * rank) % (2**63)
+            self._noise_generator = torch.Generator(device=device).manual_seed(seed)
+        return self._noise_generator
+
+    def compute_loss(
+        self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-weighted rectified-flow loss of one batch.
+
+        Args:
+            batch: the data path's batch dict: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None,
+                ``text_mask`` (B, L) or None, optionally ``num_tokens`` and ``global_tokens``.
+            noise: (B, C, T, H, W) noise to use instead of a fresh draw (tests, validation).
+            t: (B,) times in [0, 1] to use instead of sampling.
+
+        Returns:
+            ``(loss, mse)``: ``loss`` is the scalar to back-propagate (this rank's share of the global
+            per-token mean, see the module docstring); ``mse`` is this rank's per-token mean squared error,
+            detached, for logging.
+        """
+        model = self._require_model()
+        x0 = batch["latents"].float()
+        b = x0.shape[0]
+        cfg = self.model_config
+        elems_per_token = cfg.in_channels * cfg.patch_volume
+        local_tokens = x0.numel() // elems_per_token
+        reported = batch.get("num_tokens")
+        if reported is not None and int(reported) != local_tokens:
+            raise ValueError(
+                f"batch['num_tokens'] = {int(reported)} but latents {tuple(x0.shape)} make {local_tokens} tokens "
+                f"with the model's patch_size {cfg.patch_size}; give the data module the model's patch_size"
+            )
+        if t is None:
+            t = sample_timesteps(
+                b,
+                self.hparams.timestep_sampling,
+                self.hparams.shift,
+                self.hparams.sigmoid_scale,
+                generator=self._noise_gen(x0.device),
+                device=x0.device,
+            )
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=self._noise_gen(x0.device), device=x0.device)
+        t = t.to(device=x0.device, dtype=torch.float32)
+        tb = t.view(b, 1, 1, 1, 1)
+        x_t = (1.0 - tb) * x0 + tb * noise
+        target = noise - x0
+        pred = model(x_t, t * self.hparams.num_train_timesteps, batch.get("text"), batch.get("text_mask"))
+        token_sq_err_sum = (pred.float() - target).square().sum() / elems_per_token
+        world = self._world_size()
+        global_tokens = self._global_tokens(batch, local_tokens, world)
+        # max(.., 1): a step at which every rank's batch is empty contributes nothing.
+        loss = token_sq_err_sum * (world / max(global_tokens, 1))
+        # max(.., 1): a batch whose samples were all skipped at read time has no tokens (and adds nothing).
+        return loss, (token_sq_err_sum / max(local_tokens, 1)).detach()
+
+    # -- Lightning hooks ---------------------------------------------------------------------------
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, mse = self.compute_loss(batch)
+        b = max(1, int(batch["latents"].shape[0]))
+        self.log("train/loss", mse, on_step=True, on_epoch=False, prog_bar=True, batch_size=b)
+        self.log("train/lr", self._current_lr(), on_step=True, on_epoch=False, batch_size=b)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x0 = batch["latents"]
+        b = x0.shape[0]
+        tokens = int(x0.numel() // (self.model_config.in_channels * self.model_config.patch_volume))
+        # Only this rank's mean is used: give the local token count, so that no collective runs here.
+        local = {**batch, "global_tokens": tokens}
+        # Fixed noise per (batch, time) so that validation losses are comparable across epochs.
+        gen = torch.Generator(device=x0.device)
+        losses = []
+        for i, tv in enumerate(self.hparams.val_timesteps):
+            gen.manual_seed(1_000_003 * batch_idx + i)
+            noise = torch.randn(x0.shape, generator=gen, device=x0.device)
+            t = torch.full((b,), float(tv), device=x0.device)
+            _, mse = self.compute_loss(local, noise=noise, t=t)
+            losses.append(mse)
+        mse = torch.stack(losses).mean()
+        self.log(
+            "val/loss",
+            mse,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
+            sync_dist=True,
+            batch_size=max(tokens, 1),
+        )
+        return mse
+
+    def _current_lr(self) -> float:
+        if self._trainer is None or not self.trainer.optimizers:
+            return float(self.hparams.lr)
+        return float(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> dict:
+        model = self._require_model()
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # Matrices decay; biases, norm weights and the modulation tables (offsets) do not.
+            (decay if p.dim() >= 2 and not name.endswith("modulation") else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=self.hparams.lr,
+            betas=tuple(self.hparams.betas),
+            eps=self.hparams.eps,
+        )
+        warmup = int(self.hparams.warmup_steps)
+
+        def factor(step: int) -> float:
+            return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def extra_repr(self) -> str:
+        n = sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0
+        return (
+            f"preset={self.hparams.preset!r}, params={n / 1e6:.1f}M"
+            if n
+            else f"preset={self.hparams.preset!r}"
+        )

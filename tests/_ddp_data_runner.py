@@ -1,0 +1,182 @@
+"""One rank of a CPU DDP run of AdaptiveLoadDataModule (launched by tests/test_ddp_data.py and friends).
+
+Launched like torchrun would (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK set by the test), so
+that one launch can run several fits in the same process group. Usage::
+
+    python tests/_ddp_data_runner.py CONFIG.json
+
+CONFIG: {"data": shard dir, "out": dir, "world": N, "runs": [{"name", "schedule", "num_workers",
+"max_epochs", "max_tokens", "seed", "ckpt_every": k | null, "kill_at": global step | null,
+"resume": checkpoint path | null}]}. Every training step appends
+one JSON line to ``<out>/<name>.rank<r>.jsonl``: epoch, global step, plan step, keys, bucket shape, batch
+size, global_tokens. A run ending in the simulated crash writes ``<out>/<name>.crashed``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+
+torch.set_num_threads(1)
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+class KeyRecorder(pl.LightningModule):
+    """Records the keys of every training batch; a one-parameter model so that DDP has a gradient."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.path = path
+
+    def training_step(self, batch, batch_idx):
+        row = {
+            "epoch": int(self.current_epoch),
+            "global_step": int(self.global_step),
+            "step": int(batch["step"]),
+            "keys": list(batch["keys"]),
+            "shape": list(batch["latents"].shape[1:]),
+            "batch_size": int(batch["batch_size"]),
+            "seq_len": int(batch["seq_len"]),
+            "num_tokens": int(batch["num_tokens"]),
+            "global_tokens": int(batch["global_tokens"]),
+        }
+        with open(self.path.replace("{}", str(self.global_rank)), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        x = batch["latents"].float().mean()
+        return (self.w * x - 1.0).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise SimulatedCrash(f"simulated crash at global step {self.step}")
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank = int(os.environ["LOCAL_RANK"])
+    world = int(cfg["world"])
+    for run in cfg["runs"]:
+        path = os.path.join(cfg["out"], f"{run['name']}.rank{rank}.jsonl")
+        dm = AdaptiveLoadDataModule(
+            train_shards=cfg["data"],
+            max_tokens=run.get("max_tokens", 512),
+            schedule=run["schedule"],
+            num_workers=run["num_workers"],
+            seed=run.get("seed", 0),
+            mode=run.get("mode", "dual"),
+        )
+        callbacks: list[Callback] = []
+        if run.get("ckpt_every"):
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=os.path.join(cfg["out"], run["name"] + "-ckpt"),
+                    every_n_train_steps=run["ckpt_every"],
+                    save_top_k=-1,
+                    filename="at-{step}",
+                    auto_insert_metric_name=False,
+                )
+            )
+        if run.get("kill_at") is not None:
+            callbacks.append(CrashAt(run["kill_at"]))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=DDPStrategy(process_group_backend="gloo"),
+            max_epochs=run["max_epochs"],
+            logger=False,
+            enable_checkpointing=bool(run.get("ckpt_every")),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
+        try:
+            trainer.fit(KeyRecorder(path), datamodule=dm, ckpt_path=run.get("resume"))
+        except SimulatedCrash:
+            if rank == 0:
+                open(os.path.join(cfg["out"], run["name"] + ".crashed"), "w").close()
+            torch.distributed.barrier()
+        if rank == 0:
+            with open(os.path.join(cfg["out"], run["name"] + ".report.json"), "w") as f:
+                json.dump(dm.epoch_report, f)
+
+
+def launch(cfg: dict, tmp_dir: str, timeout: float) -> list[str]:
+    """Run the config on ``cfg["world"]`` local processes; returns their logs. Raises on failure or timeout."""
+    cfg_path = os.path.join(tmp_dir, f"cfg-{time.monotonic_ns()}.json")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    for r in range(cfg["world"]):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(cfg["world"]),
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(r),
+            "RANK": str(r),
+            "PYTHONUNBUFFERED": "1",
+        }
+        log_path = os.path.join(tmp_dir, f"rank{r}-{time.monotonic_ns()}.log")
+        logs.append(log_path)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, cfg_path],
+                env=env,
+                stdout=open(log_path, "w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, 9)
+        raise TimeoutError(
+            "DDP run timed out (hang?):\n" + "\n".join(open(x).read()[-3000:] for x in logs)
+        ) from None
+    if any(p.returncode for p in procs):
+        raise RuntimeError("DDP run failed:\n" + "\n".join(open(x).read()[-5000:] for x in logs))
+    return [open(x).read() for x in logs]
+
+
+def read_records(out: str, name: str, world: int) -> list[list[dict]]:
+    """Per rank, the training-step records of run ``name``."""
+    rows = []
+    for r in range(world):
+        path = os.path.join(out, f"{name}.rank{r}.jsonl")
+        rows.append([json.loads(line) for line in open(path)] if os.path.exists(path) else [])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

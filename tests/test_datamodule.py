@@ -1,0 +1,215 @@
+"""AdaptiveLoadDataModule without multi-process DDP: contract, workers, bad data at read time, worker death."""
+
+from __future__ import annotations
+
+import collections
+import os
+import tarfile
+
+import pytest
+import torch
+
+from lightning_adaptiveload.batching import tokens_per_sample
+from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedDataLoader, PlannedShardDataset
+from lightning_adaptiveload.shards import ShardError, ShardIndex, write_synthetic_shards
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("dm"))
+    write_synthetic_shards(
+        d, mix="tiny", num_samples=90, samples_per_shard=[30, 7, 25, 28], seed=2, progress=False
+    )
+    return d
+
+
+def keys_of(d: str) -> list[str]:
+    return [k for s in ShardIndex.load(os.path.join(d, "index.json")).shards for k in s.keys]
+
+
+def epoch_keys(dm) -> tuple[list[list[str]], list[dict]]:
+    batches = list(dm.train_dataloader())
+    return [b["keys"] for b in batches], batches
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("schedule", ["independent", "lockstep"])
+def test_every_sample_once_per_epoch_and_batch_contract(data, workers, schedule):
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        max_tokens=600,
+        num_workers=workers,
+        schedule=schedule,
+        cost_model={"kind": "power", "p": 1.5},
+    )
+    dm.setup("fit")
+    cm = CostModel(kind="power", p=1.5)
+    orders = []
+    for epoch in range(2):
+        keys, batches = epoch_keys(dm)
+        flat = [k for b in keys for k in b]
+        assert sorted(flat) == sorted(keys_of(data)) and len(flat) == len(set(flat))
+        report = dm.epoch_report
+        assert report["epoch"] == epoch and report["steps"] == len(batches) == report["batches_yielded"]
+        assert report["samples"] == 90 and report["padding_tokens"] == 0 and report["runtime_skipped"] == {}
+        assert report["tokens"] == sum(b["num_tokens"] for b in batches)
+        assert [b["step"] for b in batches] == list(range(len(batches)))
+        for b in batches:
+            n, c, t, h, w = b["latents"].shape
+            assert b["batch_size"] == n == len(b["keys"]) == len(b["meta"])
+            assert b["seq_len"] == tokens_per_sample((c, t, h, w)) and b["num_tokens"] == n * b["seq_len"]
+            assert b["num_tokens"] <= 600 and b["global_tokens"] == b["num_tokens"]  # one rank
+            assert b["cost"] == pytest.approx(cm.batch_cost(n, b["seq_len"]))
+            assert b["latents"].dtype == torch.float16
+            if b["text"] is not None:
+                assert b["text"].shape[:2] == b["text_mask"].shape and b["text_mask"].dtype == torch.bool
+                assert b["text"][~b["text_mask"]].abs().sum() == 0
+            assert b["skipped"] == {}
+        orders.append(flat)
+    assert orders[0] != orders[1], "the shard order is reseeded every epoch"
+
+
+@pytest.mark.timeout(60)
+def test_synthetic_prepare_data_and_validation(tmp_path):
+    train, val = str(tmp_path / "train"), str(tmp_path / "val")
+    dm = AdaptiveLoadDataModule(
+        train_shards=train,
+        val_shards=val,
+        max_tokens=512,
+        num_workers=0,
+        synthetic={"mix": "tiny", "num_samples": 64, "samples_per_shard": 16, "val_num_samples": 20},
+    )
+    dm.prepare_data()
+    assert os.path.exists(os.path.join(train, "index.json")) and os.path.exists(
+        os.path.join(val, "index.json")
+    )
+    dm.prepare_data()  # idempotent: reuses the shards
+    dm.setup("fit")
+    val_keys = [k for b in dm.val_dataloader() for k in b["keys"]]
+    assert sorted(val_keys) == sorted(keys_of(val)) and len(val_keys) == 20
+    assert [k for b in dm.val_dataloader() for k in b["keys"]] == val_keys  # the same every time
+    with pytest.raises(ValueError, match="one directory"):
+        AdaptiveLoadDataModule(
+            train_shards=str(tmp_path / "x-{0..3}.tar"), synthetic={"mix": "tiny"}
+        ).prepare_data()
+
+
+def test_bad_settings_fail_at_construction(data):
+    with pytest.raises(ValueError, match="schedule"):
+        AdaptiveLoadDataModule(train_shards=data, schedule="sync")
+    with pytest.raises(ValueError, match="on_error"):
+        AdaptiveLoadDataModule(train_shards=data, on_error="ignore")
+    with pytest.raises(ValueError, match="cost_model"):
+        AdaptiveLoadDataModule(train_shards=data, max_compute=3.0)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        dm = AdaptiveLoadDataModule(train_shards=data, num_workers=0)
+        dm.setup("fit")
+        PlannedDataLoader(dm.train_dataset, num_workers=1, persistent_workers=True)
+
+
+def test_jsonargparse_builds_the_datamodule_from_config(data):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(AdaptiveLoadDataModule, "data")
+    cfg = parser.parse_object(
+        {
+            "data": {
+                "train_shards": data,
+                "max_tokens": 700,
+                "max_compute": "auto",
+                "mode": "dual",
+                "schedule": "lockstep",
+                "cost_model": {"kind": "quadratic", "alpha": 1.0, "beta": 0.01},
+                "patch_size": [1, 2, 2],
+                "num_workers": 0,
+                "synthetic": None,
+            }
+        }
+    )
+    dm = parser.instantiate(cfg)["data"]
+    assert (
+        isinstance(dm, AdaptiveLoadDataModule) and dm.batcher.max_tokens == 700 and dm.schedule == "lockstep"
+    )
+
+
+def _poison(path: str, key: str) -> None:
+    """Write NaN over the first value of ``key``'s latent, keeping the file size (the index stays valid)."""
+    with tarfile.open(path) as tf:
+        info = tf.getmember(f"{key}.latent.npy")
+        offset = info.offset_data
+    with open(path, "r+b") as f:
+        f.seek(offset + 8)
+        header_len = int.from_bytes(f.read(2), "little")
+        f.seek(offset + 10 + header_len)
+        f.write(b"\x00\x7e")  # float16 NaN
+
+
+@pytest.fixture()
+def poisoned(tmp_path) -> tuple[str, str]:
+    d = str(tmp_path / "poisoned")
+    index = write_synthetic_shards(
+        d, mix="tiny", num_samples=40, samples_per_shard=20, seed=4, progress=False
+    )
+    key = index.shards[1].keys[3]
+    _poison(index.shards[1].path, key)
+    return d, key
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sample_bad_at_read_time_raises_naming_shard_and_key(poisoned, workers):
+    d, key = poisoned
+    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=workers)
+    dm.setup("fit")
+    with pytest.raises(ShardError, match=rf"shard-000001\.tar, key '{key}'.*NaN"):
+        list(dm.train_dataloader())
+
+
+@pytest.mark.timeout(60)
+def test_sample_bad_at_read_time_is_skipped_and_counted(poisoned):
+    d, key = poisoned
+    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=0, on_error="skip")
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    keys = collections.Counter(k for b in batches for k in b["keys"])
+    assert key not in keys and sorted(keys) == sorted(set(keys_of(d)) - {key})
+    assert sum(b["skipped"].get("non_finite", 0) for b in batches) == 1
+    assert dm.epoch_report["runtime_skipped"] == {"non_finite": 1}
+    assert len(batches) == dm.epoch_report["steps"], "the step count is kept: equal steps on every rank"
+    for b in batches:
+        if b["batch_size"] == 0:  # every member failed: an empty batch keeps the step
+            assert b["latents"].shape[0] == 0 and b["num_tokens"] == 0
+
+
+class _DyingDataset(PlannedShardDataset):
+    """Worker 1 dies (os._exit, as on an OOM kill) after its first batch."""
+
+    def _stream(self, plan, stream):
+        for j, batch in enumerate(super()._stream(plan, stream)):
+            if stream[1] == 1 and j == 1:
+                os._exit(3)
+            yield batch
+
+
+@pytest.mark.timeout(90)
+def test_worker_death_is_an_error_not_a_hang(data):
+    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=256, num_workers=2)
+    dm.setup("fit")
+    ds = dm.train_dataset
+    dying = _DyingDataset(ds.index, ds.batcher, num_workers=2)
+    loader = PlannedDataLoader(dying, num_workers=2)
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        for _ in loader:
+            pass
+
+
+def test_loader_with_other_worker_count_than_planned_is_refused(data):
+    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=512, num_workers=2)
+    dm.setup("fit")
+    ds = dm.train_dataset
+    ds.begin_epoch(0)
+    with pytest.raises(RuntimeError, match="planned for 2 DataLoader workers"):
+        next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)))

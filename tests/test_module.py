@@ -1,0 +1,223 @@
+"""VideoDiTModule: timestep sampling, optimizer, hooks, fusion mixin, and the tiny model learning."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_adaptiveload.models import NormModulate
+from lightning_adaptiveload.module import VideoDiTModule, sample_timesteps, shift_timesteps
+
+# ---------------------------------------------------------------------------------------------- timesteps
+
+
+def test_shift_is_monotone_and_keeps_the_ends():
+    t = torch.linspace(0, 1, 101)
+    torch.testing.assert_close(shift_timesteps(t, 1.0), t)
+    for shift in (0.5, 3.0, 5.0):
+        s = shift_timesteps(t, shift)
+        assert s[0] == 0 and s[-1] == 1
+        assert torch.all(s[1:] > s[:-1])
+    # shift > 1 moves mass toward the noisy end (t near 1).
+    assert torch.all(shift_timesteps(t[1:-1], 5.0) > t[1:-1])
+
+
+def test_sample_timesteps_distributions():
+    g = torch.Generator().manual_seed(0)
+    uniform = sample_timesteps(20000, "uniform", generator=g)
+    sigmoid = sample_timesteps(20000, "sigmoid", generator=g)
+    shifted = sample_timesteps(20000, "uniform", shift=5.0, generator=g)
+    for t in (uniform, sigmoid, shifted):
+        assert t.min() >= 0 and t.max() <= 1 and t.dtype == torch.float32
+    middle = lambda t: ((t > 0.25) & (t < 0.75)).float().mean().item()  # noqa: E731
+    assert abs(middle(uniform) - 0.5) < 0.02
+    assert middle(sigmoid) > 0.6  # logit-normal concentrates in the middle
+    assert shifted.mean() > 0.7  # E[5u / (1 + 4u)] ~ 0.74
+    with pytest.raises(ValueError, match="uniform"):
+        sample_timesteps(4, "cosine")
+
+
+def test_constructor_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="timestep_sampling"):
+        VideoDiTModule(timestep_sampling="lognormal")
+    with pytest.raises(ValueError, match="shift"):
+        VideoDiTModule(shift=0)
+    with pytest.raises(ValueError, match="val_timesteps"):
+        VideoDiTModule(val_timesteps=(0.5, 1.5))
+    with pytest.raises(ValueError, match="preset"):
+        VideoDiTModule(preset="wan-2b")
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+
+
+def test_configure_model_builds_once_and_applies_options():
+    module = VideoDiTModule(model_overrides={"num_layers": 3}, activation_checkpointing=True)
+    assert module.model is None
+    module.configure_model()
+    model = module.model
+    module.configure_model()
+    assert module.model is model and len(model.blocks) == 3 and model.gradient_checkpointing
+
+
+def test_compile_option_compiles_every_block_lazily():
+    module = VideoDiTModule(compile=True)
+    module.configure_model()
+    # Module.compile() installs a compiled call; nothing is traced before the first forward.
+    assert all(block._compiled_call_impl is not None for block in module.model.blocks)
+
+
+def test_fused_mixin_composes_with_configure_model():
+    fusion = pytest.importorskip("lightning_adaptiveload.fusion")
+
+    class Fused(fusion.FusedNormModulateMixin, VideoDiTModule):
+        pass
+
+    torch.manual_seed(0)
+    plain = VideoDiTModule()
+    plain.configure_model()
+    fused = Fused()
+    fused.configure_model()
+    fused.load_state_dict(plain.state_dict())
+    sites = [m for m in fused.modules() if isinstance(m, NormModulate)]
+    assert sites and all(m.fused for m in sites)
+    assert not any(m.fused for m in plain.modules() if isinstance(m, NormModulate))
+    batch = _batches(1, seed=5)[0]
+    noise, t = torch.randn_like(batch["latents"]), torch.rand(batch["batch_size"])
+    torch.testing.assert_close(
+        fused.compute_loss(batch, noise=noise, t=t)[0], plain.compute_loss(batch, noise=noise, t=t)[0]
+    )
+
+
+def test_optimizer_groups_and_warmup():
+    module = VideoDiTModule(weight_decay=0.1, warmup_steps=4, lr=1e-3)
+    module.configure_model()
+    config = module.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in module.model.named_parameters():
+        if name.endswith(("modulation", "bias")) or p.dim() == 1:
+            assert id(p) not in decayed, name
+        else:
+            assert id(p) in decayed, name
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+
+def test_flops_per_batch_is_three_forwards():
+    module = VideoDiTModule()
+    module.configure_model()
+    batch = _batches(1, seed=0)[0]
+    _, _, t, h, w = batch["latents"].shape
+    expected = 3 * module.model.flops(batch["batch_size"], t * (h // 2) * (w // 2), batch["text"].shape[1])
+    assert module.flops_per_batch(batch) == expected
+
+
+def test_validation_loss_is_deterministic():
+    module = VideoDiTModule()
+    module.configure_model()
+    batch = _batches(1, seed=0)[0]
+    module.log = lambda *a, **k: None  # not attached to a Trainer
+    assert module.validation_step(batch, 3) == module.validation_step(batch, 3)
+
+
+# -------------------------------------------------------------------------------------- training works
+
+# Shapes from the "tiny" mix: (T, H, W) of 16-channel latents and the batch size a token budget of ~450
+# gives each.
+_SHAPES = [((1, 8, 12), 16), ((3, 8, 12), 6), ((5, 10, 10), 3), ((9, 12, 8), 2)]
+
+
+def _batches(n: int, seed: int) -> list[dict]:
+    """A fixed synthetic set in the data path's batch format. The latents have structure to learn: a
+    per-sample smooth field (low-frequency in T, H, W) whose amplitude the text states encode."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        (t, h, w), b = _SHAPES[i % len(_SHAPES)]
+        amp = torch.rand(b, 16, 1, 1, 1, generator=g) * 2 - 1
+        ft, fh, fw = (torch.rand(3, b, 1, 1, 1, 1, generator=g) * 0.6 + 0.2).unbind(0)
+        tt = torch.arange(t).view(1, 1, t, 1, 1)
+        hh = torch.arange(h).view(1, 1, 1, h, 1)
+        ww = torch.arange(w).view(1, 1, 1, 1, w)
+        latents = amp * torch.cos(ft * tt + fh * hh) * torch.sin(fw * ww + 1.0)
+        text = torch.cat([amp.view(b, 1, 16), torch.zeros(b, 1, 16)], dim=2).expand(b, 3, 32).contiguous()
+        seq_len = t * (h // 2) * (w // 2)
+        out.append(
+            {
+                "latents": latents,
+                "text": text,
+                "text_mask": torch.ones(b, 3, dtype=torch.bool),
+                "keys": [f"s{i}_{j}" for j in range(b)],
+                "meta": [None] * b,
+                "seq_len": seq_len,
+                "batch_size": b,
+                "num_tokens": b * seq_len,
+                "cost": float(b * seq_len),
+                "global_tokens": -1,
+            }
+        )
+    return out
+
+
+class _LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+@pytest.fixture
+def one_thread():
+    # The tiny model's matmuls are too small to gain from a second thread, and on a busy 2-core machine
+    # OpenMP threads spinning against other processes slow them down many times over.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.timeout(120)
+def test_tiny_model_loss_falls_on_a_fixed_synthetic_set(one_thread):
+    L.seed_everything(1234, verbose=False)
+    data = _batches(8, seed=0)
+    loader = DataLoader(data, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0))
+    module = VideoDiTModule(preset="tiny", lr=2e-3, warmup_steps=10, shift=1.0)
+    recorder = _LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=120,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        deterministic=True,
+    )
+    trainer.fit(module, loader)
+    losses = recorder.losses
+    assert len(losses) == 120 and all(math.isfinite(v) for v in losses)
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+
+
+def test_empty_batch_adds_nothing_but_touches_every_parameter():
+    # The data path yields a 0-sample batch when every planned sample failed at read time (on_error="skip").
+    module = VideoDiTModule()
+    module.configure_model()
+    batch = {"latents": torch.zeros(0, 16, 3, 8, 12), "text": None, "text_mask": None, "num_tokens": 0,
+             "global_tokens": 500}  # fmt: skip
+    loss, mse = module.compute_loss(batch)
+    loss.backward()
+    assert loss.item() == 0 and mse.item() == 0
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in module.model.parameters())

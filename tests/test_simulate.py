@@ -1,0 +1,357 @@
+"""Tests of the planning simulator: metrics, step-time tables, replay of plans, simulate() and its CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload import stats
+from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.planning import EpochPlan
+from lightning_adaptiveload.shards import ShardIndex, ShardInfo
+from lightning_adaptiveload.simulate import (
+    StepTimeTable,
+    _Coster,
+    _replay,
+    balance_metrics,
+    main,
+    simulate,
+)
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def test_balance_metrics_matches_stats_definitions():
+    rng = np.random.default_rng(3)
+    t = rng.uniform(0.5, 2.0, size=(40, 5))
+    tok = rng.integers(100, 1000, size=(40, 5))
+    m = balance_metrics(t, tok, max_tokens=1000)
+    cvs = [stats.cv(row) for row in t]
+    imb = [stats.imbalance(row) for row in t]
+    assert m["cv_mean"] == pytest.approx(np.mean(cvs), rel=1e-12)
+    assert m["cv_p95"] == pytest.approx(stats.percentile(cvs, 95), rel=1e-12)
+    assert m["imbalance_mean"] == pytest.approx(np.mean(imb), rel=1e-12)
+    assert m["wait_mean"] == pytest.approx(np.mean([stats.straggler_wait(row) for row in t]), rel=1e-12)
+    # Time-weighted wait: per-step waits weighted by the step's duration (its slowest rank).
+    tops = t.max(axis=1)
+    weighted = sum(stats.straggler_wait(row) * top for row, top in zip(t, tops)) / tops.sum()
+    assert m["wait_share"] == pytest.approx(weighted, rel=1e-12)
+    assert m["tokens_per_s"] == pytest.approx(tok.sum() / tops.sum(), rel=1e-12)
+    assert m["peak_tokens"] == tok.max()
+    assert m["token_fill"] == pytest.approx(tok.mean() / 1000)
+    assert m["vram_utilisation"] == pytest.approx(tok.mean() / tok.max())
+    assert (m["steps"], m["world"]) == (40, 5)
+
+
+def test_balance_metrics_equal_ranks_have_no_wait():
+    t = np.tile(np.array([[1.0], [3.0], [2.0]]), (1, 8))
+    m = balance_metrics(t, np.ones_like(t, dtype=int))
+    assert m["cv_mean"] == 0 and m["wait_share"] == 0 and m["imbalance_mean"] == 0
+    assert m["step_time_cv"] == pytest.approx(np.std([1, 3, 2]) / 2)
+
+
+def test_balance_metrics_compute_fill_and_memory():
+    t = np.array([[1.0, 2.0]])
+    m = balance_metrics(
+        t,
+        np.array([[10, 20]]),
+        rank_memory=np.array([[4.0, 8.0]]),
+        rank_cost=np.array([[3.0, 5.0]]),
+        max_compute=8.0,
+    )
+    assert m["compute_fill"] == pytest.approx(0.5)
+    assert m["vram_utilisation"] == pytest.approx(0.75)
+    assert m["wait_share"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    "t, tok",
+    [(np.ones(3), np.ones(3)), (np.ones((2, 2)), np.ones((2, 3))), (np.zeros((0, 2)), np.zeros((0, 2)))],
+)
+def test_balance_metrics_rejects_bad_shapes(t, tok):
+    with pytest.raises(ValueError, match="steps, world"):
+        balance_metrics(t, tok)
+
+
+def test_balance_metrics_rejects_negative_times():
+    with pytest.raises(ValueError, match=">= 0"):
+        balance_metrics(np.array([[1.0, -1.0]]), np.array([[1, 1]]))
+
+
+# ----------------------------------------------------------------------------------------- step times
+
+
+def _write_trace(path, lines):
+    with open(path, "w") as f:
+        f.write("# meta {}\n")
+        for rec in lines:
+            f.write(json.dumps(rec) + "\n")
+        f.write("fit ms/sample = ...\n")
+
+
+def test_step_time_table_reads_trace_and_interpolates(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    _write_trace(
+        path,
+        [
+            {"T": 1, "H": 4, "W": 4, "B": 1, "ms": 10.0, "peak_gb": 1.0},
+            {"T": 1, "H": 4, "W": 4, "B": 5, "ms": 30.0, "peak_gb": 3.0},
+            {"T": 3, "H": 4, "W": 4, "B": 2, "ms": 80.0},
+            {"T": 3, "H": 4, "W": 4, "B": 2, "ms": 100.0},  # repeated: averaged
+        ],
+    )
+    table = StepTimeTable.from_jsonl(path)
+    assert table.batch_seconds((1, 4, 4), 1) == pytest.approx(0.010)
+    assert table.batch_seconds((1, 4, 4), 3) == pytest.approx(0.020)  # linear between B=1 and B=5
+    assert table.batch_seconds((1, 4, 4), 7) == pytest.approx(0.040)  # extrapolated on the same line
+    assert table.batch_peak_gb((1, 4, 4), 3) == pytest.approx(2.0)
+    assert table.batch_seconds((3, 4, 4), 2) == pytest.approx(0.090)
+    assert table.batch_seconds((3, 4, 4), 1) == pytest.approx(0.045)  # one measured B: proportional
+    # No memory figure for this bucket: the line through every measured peak, in batch tokens
+    # (1 GiB at 4 tokens, 3 GiB at 20 tokens -> 0.5 GiB + 0.125 GiB per token).
+    assert table.batch_peak_gb((3, 4, 4), 1) == pytest.approx(0.5 + 0.125 * 12)
+    before = table.lookups.get("fallback", 0)
+    missing = table.batch_seconds((2, 4, 4), 1)  # not in the trace: quadratic fit of the points
+    assert missing > 0 and table.lookups["fallback"] == before + 1
+    assert {"measured", "interpolated", "scaled"} <= set(table.lookups)
+
+
+def test_step_time_table_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"T": 1, "H": 4, "W": 4, "B": 1, "ms": 1}\n{"T": 1, "H": 4, "B": 1, "ms": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2 lacks key 'W'"):
+        StepTimeTable.from_jsonl(path)
+    path.write_text('{"T": 1, "H": 4, "W": 4, "B": 0, "ms": 1}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        StepTimeTable.from_jsonl(path)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        StepTimeTable.from_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_step_time_table_from_monitor_csv(tmp_path):
+    path = tmp_path / "load_balance_ranks.csv"
+    head = "rank,batch_idx,step,seq_len,batch_size,compute_time_s,peak_allocated_bytes,flops_counted\n"
+    rows = []
+    for k in range(10):
+        rows.append(f"0,{k},{k + 1},24,4,{0.4 + 0.01 * (k % 3)},{2**30},0")
+        rows.append(f"1,{k},{k + 1},72,1,{9.0 if k < 2 else 0.3},{2 * 2**30},{1 if k == 5 else 0}")
+    path.write_text(head + "\n".join(rows) + "\n")
+    shapes = [(16, 1, 8, 12), (16, 1, 12, 8), (16, 3, 8, 12), (16, 9, 8, 12)]
+    table = StepTimeTable.from_monitor_csv(path, shapes, warmup_steps=2)
+    # Both 24-token shapes get the median of the kept rows; the 216-token shape was never measured.
+    assert table.seconds[(1, 8, 12)] == table.seconds[(1, 12, 8)] == {4: pytest.approx(0.41)}
+    assert table.seconds[(3, 8, 12)] == {1: pytest.approx(0.3)}  # warm-up (9 s) and counted step left out
+    assert (9, 8, 12) not in table.seconds
+    assert table.batch_peak_gb((1, 8, 12), 4) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no measured sequence length"):
+        StepTimeTable.from_monitor_csv(path, [(16, 9, 8, 12)])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("rank,step\n0,1\n")
+    with pytest.raises(ValueError, match=r"bad.csv: missing column"):
+        StepTimeTable.from_monitor_csv(bad, shapes)
+
+
+# ------------------------------------------------------------------------------------- hand-made plans
+
+
+def _hand_plan() -> EpochPlan:
+    # Two ranks, two workers each; rank 0 alternates workers (round robin), rank 1 likewise.
+    shapes = [(16, 1, 4, 4), (16, 3, 4, 4)]  # 4 and 12 tokens under patch (1, 2, 2)
+    buckets = [{"shape": s, "seq_len": 0, "batch_size": 0, "cost": 0.0} for s in shapes]
+    streams = {
+        (0, 0): [[(0, 0), (0, 1), (0, 2)], [(0, 3)]],
+        (0, 1): [[(1, 0)], [(1, 1)]],
+        (1, 0): [[(2, 0)], [(2, 1), (2, 2)]],
+        (1, 1): [[(3, 0), (3, 1)], [(3, 2)]],
+    }
+    batch_buckets = {(0, 0): [0, 1], (0, 1): [1, 1], (1, 0): [1, 0], (1, 1): [0, 1]}
+    order = [[(0, 0), (1, 0), (0, 1), (1, 1)], [(0, 0), (1, 0), (0, 1), (1, 1)]]
+    given = dict(
+        world_size=2,
+        num_workers=2,
+        seed=0,
+        epoch=0,
+        mode="independent",
+        buckets=buckets,
+        streams=streams,
+        batch_buckets=batch_buckets,
+        step_order=order,
+        steps=4,
+        global_tokens=[0] * 4,
+    )
+    # The replay reads only the fields above; bookkeeping fields the planner adds get empty values.
+    for f in dataclasses.fields(EpochPlan):
+        if (
+            f.name not in given
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            given[f.name] = {k: [] for k in streams}
+    return EpochPlan(**given)
+
+
+def test_replay_of_hand_made_plan():
+    plan = _hand_plan()
+    cm = CostModel(kind="quadratic", alpha=1.0, beta=0.0)  # 1 second per token
+    rep = _replay(plan, _Coster(cm, (1, 2, 2), overhead_s=0.5), cm)
+    # rank 0: w0 b0 (3 x 4 tok), w1 b0 (1 x 12), w0 b1 (1 x 12), w1 b1 (1 x 12)
+    # rank 1: w0 b0 (1 x 12), w1 b0 (2 x 4), w0 b1 (2 x 4), w1 b1 (1 x 12)
+    assert rep.tokens.tolist() == [[12, 12], [12, 8], [12, 8], [12, 12]]
+    assert rep.seconds.tolist() == [[12.5, 12.5], [12.5, 8.5], [12.5, 8.5], [12.5, 12.5]]
+    assert rep.cost.tolist() == [[12, 12], [12, 8], [12, 8], [12, 12]]
+    assert rep.samples == 12
+    m = balance_metrics(rep.seconds, rep.tokens)
+    assert m["wait_share"] == pytest.approx(2 * 2.0 / 50.0)
+    assert m["cv_mean"] == pytest.approx(0.5 * (2.0 / 10.5))
+
+
+def test_replay_rejects_unequal_step_counts():
+    plan = _hand_plan()
+    plan.step_order[1] = plan.step_order[1][:3]
+    cm = CostModel(kind="quadratic", alpha=1.0)
+    with pytest.raises(RuntimeError, match="different step counts"):
+        _replay(plan, _Coster(cm, (1, 2, 2), 0.0), cm)
+
+
+# ---------------------------------------------------------------------------------------- simulate()
+
+
+def test_simulate_tiny_mix_end_to_end(tmp_path):
+    result = simulate(
+        "tiny",
+        world_sizes=[4],
+        max_tokens=450,
+        min_steps_per_rank=24,
+        max_candidates=4,
+        progress=False,
+        out_dir=tmp_path,
+    )
+    modes = [r["mode"] for r in result.rows]
+    assert modes == ["equal_tokens", "dual", "lockstep"]
+    base = result.row("equal_tokens", 4)
+    assert base["tokens_per_s_ratio"] == pytest.approx(1.0)
+    for r in result.rows:
+        # Every sample of the population is trained on exactly once in every mode.
+        assert r["samples"] == r["population_samples"]
+        assert r["peak_tokens"] <= 450
+        assert 0.0 <= r["wait_share"] < 1.0 and r["cv_p95"] >= r["cv_p50"] >= 0
+        assert r["steps"] >= 24 * 0.9
+        assert r["tokens_per_s"] == pytest.approx(r["total_tokens"] / r["total_seconds"])
+        assert r["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        assert len(result.per_step_cv[(r["mode"], 4)]) == r["steps"]
+    for mode in ("dual", "lockstep"):
+        r = result.row(mode, 4)
+        feasible = [c for c in r["candidates"] if "infeasible" not in c]
+        assert feasible, r["candidates"]
+        best = max(c["tokens_per_s"] for c in feasible)
+        rec = [c for c in feasible if c["max_compute"] == r["recommended_max_compute"]]
+        assert rec and rec[0]["tokens_per_s"] >= best * (1 - 0.005)
+        # Ties go to the largest budget.
+        assert all(
+            c["max_compute"] <= rec[0]["max_compute"] for c in feasible if c["tokens_per_s"] >= best * 0.995
+        )
+        assert r["max_compute"] > 0 and not math.isnan(r["compute_fill"])
+    assert result.row("equal_tokens", 4)["recommended_max_compute"] is None
+    data = json.loads((tmp_path / "simulate.json").read_text())
+    assert {"meta", "buckets", "results", "targets", "notes"} <= set(data)
+    assert data["meta"]["machine"]["cpu_count"] >= 1 and data["meta"]["max_tokens"] == 450
+    assert sum(b["share"] for b in data["buckets"]) == pytest.approx(1.0)
+    for name in ("simulate_cv.png", "simulate_wait.png", "simulate_throughput.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert "lockstep" in result.table()
+
+
+def test_simulate_is_deterministic():
+    kw = dict(world_sizes=[2], max_tokens=450, min_steps_per_rank=8, recommend=False, progress=False)
+    a = simulate("tiny", **kw)
+    b = simulate("tiny", **kw)
+    assert [r["wait_share"] for r in a.rows] == [r["wait_share"] for r in b.rows]
+
+
+def test_simulate_real_index_is_planned_as_is():
+    rng = np.random.default_rng(0)
+    choices = [(16, 1, 8, 12), (16, 5, 8, 12), (16, 9, 8, 12)]
+    shards = []
+    for k in range(8):
+        shapes = [choices[i] for i in rng.integers(0, 3, size=30)]
+        keys = [f"k{k}_{i}" for i in range(30)]
+        shards.append(
+            ShardInfo(path=f"s{k}.tar", keys=keys, latent_shapes=shapes, text_lengths=[0] * 30, num_bytes=-1)
+        )
+    index = ShardIndex(shards=shards)
+    cm = CostModel(kind="quadratic", alpha=1e-3, beta=1e-6)
+    result = simulate(index, world_sizes=[2], max_tokens=240, times=cm, recommend=False, progress=False)
+    for r in result.rows:
+        assert r["samples"] == index.num_samples == r["population_samples"]
+
+
+def test_simulate_with_trace_and_given_p(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    recs = []
+    for t in (1, 3, 5, 9):
+        for h, w in ((8, 12), (12, 8), (10, 10)):
+            s = t * h * w // 4
+            recs.append(
+                {"T": t, "H": h, "W": w, "B": max(1, 450 // s), "ms": 5 + 0.05 * 450 + 1e-4 * s * 450}
+            )
+    _write_trace(path, recs)
+    result = simulate(
+        "tiny",
+        world_sizes=[2],
+        max_tokens=450,
+        times=str(path),
+        p=2.0,
+        min_steps_per_rank=8,
+        recommend=False,
+        progress=False,
+    )
+    assert result.meta["plan_cost_model"] == {"kind": "power", "p": 2.0, "scale": 1.0}
+    assert result.meta["times"]["source"] == str(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_sizes=[1]), "world_sizes"),
+        (dict(world_sizes=[2048]), "world_sizes"),
+        (dict(modes=["nope"]), "unknown mode"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=100), "max_tokens=100"),  # the longest tiny bucket has 225 tokens
+        (dict(max_compute="fast"), "max_compute"),
+        (dict(step_overhead_s=-1.0), "step_overhead_s"),
+    ],
+)
+def test_simulate_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate("tiny", progress=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_writes_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "sim"
+    rc = main(
+        [
+            "--mix", "tiny", "--world-sizes", "2,4", "--max-tokens", "450", "--min-steps-per-rank", "8",
+            "--candidates", "3", "--out", str(out), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "equal_tokens" in printed and "lockstep" in printed
+    data = json.loads((out / "simulate.json").read_text())
+    assert {(r["mode"], r["world_size"]) for r in data["results"]} == {
+        (m, w) for m in ("equal_tokens", "dual", "lockstep") for w in (2, 4)
+    }
+    assert all(os.path.getsize(out / f"simulate_{k}.png") > 1000 for k in ("cv", "wait", "throughput"))
+
+
+def test_cli_bad_input_returns_2(tmp_path, capsys):
+    assert main(["--mix", str(tmp_path / "missing.json"), "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -1,0 +1,191 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_adaptiveload import stats
+
+
+def test_cv_hand_computed():
+    # mean 2, population std 1
+    assert stats.cv([1.0, 3.0]) == pytest.approx(0.5)
+    # mean 2.5, variance (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25
+    assert stats.cv([1, 2, 3, 4]) == pytest.approx(math.sqrt(1.25) / 2.5)
+    assert stats.cv([7.0]) == 0.0
+    assert stats.cv([2.0, 2.0, 2.0]) == 0.0
+    assert stats.cv([0.0, 0.0]) == 0.0
+    assert math.isnan(stats.cv([1.0, math.nan]))
+
+
+def test_imbalance_and_straggler_wait_hand_computed():
+    assert stats.imbalance([1.0, 3.0]) == pytest.approx(0.5)  # 3 / 2 - 1
+    assert stats.straggler_wait([1.0, 3.0]) == pytest.approx(1 / 3)  # 1 - 2 / 3
+    assert stats.imbalance([1, 2, 3, 4]) == pytest.approx(0.6)  # 4 / 2.5 - 1
+    assert stats.straggler_wait([1, 2, 3, 4]) == pytest.approx(0.375)  # 1 - 2.5 / 4
+    assert stats.imbalance([5, 5]) == 0.0
+    assert stats.straggler_wait([5, 5]) == 0.0
+    assert stats.imbalance([0, 0]) == 0.0
+    assert stats.straggler_wait([0, 0]) == 0.0
+
+
+def test_straggler_wait_is_the_waiting_share():
+    # Each rank waits for the slowest: sum of waits over world * max.
+    times = [0.8, 1.0, 1.3, 0.9]
+    waits = sum(max(times) - t for t in times)
+    assert stats.straggler_wait(times) == pytest.approx(waits / (len(times) * max(times)))
+
+
+@pytest.mark.parametrize("fn", [stats.cv, stats.imbalance, stats.straggler_wait])
+def test_bad_input_raises(fn):
+    with pytest.raises(ValueError, match="no values"):
+        fn([])
+    with pytest.raises(ValueError, match="-1.0"):
+        fn([1.0, -1.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=1e-3, max_value=1e6), min_size=1, max_size=64))
+def test_against_numpy(x):
+    a = np.asarray(x)
+    assert stats.cv(x) == pytest.approx(a.std() / a.mean(), rel=1e-9, abs=1e-12)
+    assert stats.imbalance(x) == pytest.approx(a.max() / a.mean() - 1, rel=1e-9, abs=1e-12)
+    assert stats.straggler_wait(x) == pytest.approx(1 - a.mean() / a.max(), rel=1e-9, abs=1e-12)
+    assert 0.0 <= stats.straggler_wait(x) < 1.0
+    # imbalance and straggler wait describe the same gap: s = i / (1 + i)
+    i = stats.imbalance(x)
+    assert stats.straggler_wait(x) == pytest.approx(i / (1 + i), rel=1e-9, abs=1e-12)
+
+
+def test_vram_efficiency():
+    assert stats.vram_efficiency(40 * 2**30, 80 * 2**30) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="total_bytes"):
+        stats.vram_efficiency(1, 0)
+    with pytest.raises(ValueError, match="peak_bytes"):
+        stats.vram_efficiency(-1, 10)
+
+
+def test_peak_vram_utilisation_efficiency():
+    assert stats.peak_vram_utilisation_efficiency([2.0, 4.0]) == pytest.approx(0.75)
+    assert stats.peak_vram_utilisation_efficiency([2.0, 4.0], high_water=8.0) == pytest.approx(3 / 8)
+    assert stats.peak_vram_utilisation_efficiency([5.0, 5.0, 5.0]) == 1.0
+    assert stats.peak_vram_utilisation_efficiency([0.0]) == 0.0
+    with pytest.raises(ValueError, match="high_water"):
+        stats.peak_vram_utilisation_efficiency([2.0, 4.0], high_water=3.0)
+
+
+def test_mfu_and_flops_per_s():
+    assert stats.achieved_flops_per_s(6e12, 2.0) == pytest.approx(3e12)
+    assert stats.mfu(1e15, 2.0, 1e15) == pytest.approx(0.5)
+    assert math.isnan(stats.mfu(1e15, 2.0, None))
+    assert math.isnan(stats.mfu(1e15, 0.0, 1e15))
+    assert math.isnan(stats.achieved_flops_per_s(1.0, 0.0))
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H200", "h200-sxm"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA GH200 480GB", "h100-sxm"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA A100 80GB PCIe", "a100"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", None),
+        ("NVIDIA GeForce RTX 3090", None),
+        ("Tesla T4", None),
+    ],
+)
+def test_resolve_device(name, key):
+    assert stats.resolve_device(name) == key
+
+
+def test_peak_flops_dense_values():
+    # Dense figures: half of the datasheets' "with sparsity" numbers.
+    assert stats.peak_flops("NVIDIA H200") == pytest.approx(989.5e12)
+    assert stats.peak_flops("NVIDIA H200 NVL", torch.bfloat16) == pytest.approx(835.5e12)
+    assert stats.peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == pytest.approx(989.4e12)
+    assert stats.peak_flops("NVIDIA H100 PCIe", "16-mixed") == pytest.approx(756e12)
+    assert stats.peak_flops("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(494.7e12)
+    assert stats.peak_flops("NVIDIA A100-SXM4-40GB", torch.float32) == pytest.approx(19.5e12)
+    assert stats.peak_flops("NVIDIA L40S", "fp64") is None  # not in the table for that part
+    assert stats.peak_flops("NVIDIA GeForce RTX 3090") is None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "key"),
+    [
+        (torch.bfloat16, "bf16"),
+        (torch.float16, "fp16"),
+        (torch.float32, "fp32"),
+        (torch.float64, "fp64"),
+        ("bf16-mixed", "bf16"),
+        ("bf16-true", "bf16"),
+        ("16-mixed", "fp16"),
+        ("32-true", "fp32"),
+        ("64-true", "fp64"),
+        ("transformer-engine", "fp8"),
+        ("TF32", "tf32"),
+    ],
+)
+def test_normalize_dtype(dtype, key):
+    assert stats.normalize_dtype(dtype) == key
+
+
+def test_normalize_dtype_unknown():
+    with pytest.raises(ValueError, match="int4"):
+        stats.normalize_dtype("int4")
+
+
+def test_percentile_and_describe():
+    assert stats.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert stats.percentile([1, 2, 3, 4], 95) == pytest.approx(3.85)  # 3 + 0.85 * (4 - 3)
+    assert stats.percentile([4, 1, 3, 2], 0) == 1
+    rng = np.random.default_rng(0)
+    x = rng.random(37).tolist()
+    for q in (5, 50, 95, 99):
+        assert stats.percentile(x, q) == pytest.approx(np.percentile(x, q))
+    assert math.isnan(stats.percentile([], 50))
+    with pytest.raises(ValueError, match="101"):
+        stats.percentile([1.0], 101)
+    d = stats.describe([1.0, math.nan, 3.0])
+    assert d == {"mean": 2.0, "p50": 2.0, "p95": pytest.approx(2.9), "min": 1.0, "max": 3.0, "n": 2}
+    assert stats.describe([math.nan])["n"] == 0
+
+
+def test_stats_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_adaptiveload.stats; print('lightning' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "False"
+
+
+def test_balance_rows_matches_scalar_functions():
+    rng = np.random.default_rng(0)
+    x = rng.random((20, 7)) * 10
+    x[3] = 0.0  # a step without work
+    x[4] = 2.5  # a balanced step
+    x[5, 2] = math.nan  # an unknown value
+    c, i, w = stats.balance_rows(x)
+    for r in range(x.shape[0]):
+        if r == 5:
+            assert math.isnan(c[r]) and math.isnan(i[r]) and math.isnan(w[r])
+            continue
+        assert c[r] == pytest.approx(stats.cv(x[r].tolist()), rel=1e-12, abs=1e-15)
+        assert i[r] == pytest.approx(stats.imbalance(x[r].tolist()), rel=1e-12, abs=1e-15)
+        assert w[r] == pytest.approx(stats.straggler_wait(x[r].tolist()), rel=1e-12, abs=1e-15)
+    assert (c[3], i[3], w[3]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        stats.balance_rows(np.ones(3))
+    with pytest.raises(ValueError, match="negative"):
+        stats.balance_rows(np.array([[1.0, -2.0]]))
