@@ -32,8 +32,20 @@ _EXPORTS = {
     "VideoDiT": "models",
     "VideoDiTConfig": "models",
     "VideoDiTModule": "module",
-    "simulate": "simulate",
+    "SimulationResult": "simulate",
+    "StepTimeTable": "simulate",
+    "ShardInfo": "shards",
+    "expand_paths": "shards",
+    "Mix": "mixes",
+    "available_mixes": "mixes",
+    "FusionReport": "fusion",
+    "FusionError": "fusion",
+    "unregister_fusion_adapter": "fusion",
+    "fused_op_status": "ops",
+    "NormModulate": "models",
 }
+# `simulate()` lives in `lightning_adaptiveload.simulate`; it is not re-exported here because the
+# submodule of the same name would shadow it once imported.
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

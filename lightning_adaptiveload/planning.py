@@ -922,18 +922,32 @@ def _equalise(
             for r in range(world):
                 counts["split_batches"] += _split_batches(sim[(r, w)], target - len(sim[(r, w)]))
     totals = [sum(len(sim[(r, w)]) for w in range(workers)) for r in range(world)]
-    caps = [sum(_capacity(sim[(r, w)]) for w in range(workers)) for r in range(world)]
+    caps: list[int | None] = [None] * world  # computed when a rank is below the target
+
+    def cap(r: int) -> int:
+        if caps[r] is None:
+            caps[r] = sum(_capacity(sim[(r, w)]) for w in range(workers))
+        return caps[r]  # type: ignore[return-value]
+
     # Splitting is preferred (no extra reads); whole batches move only where a rank cannot split enough.
-    last = {st: _movable(v) for st, v in sim.items()}
+    last: dict[Stream, int] = {}
+
+    def movable(st: Stream) -> int:
+        if st not in last:
+            last[st] = _movable(sim[st])
+        return last[st]
+
     while totals:
         target = max(totals)
-        lacking = [target - totals[r] - caps[r] for r in range(world)]
+        lacking = [target - totals[r] - cap(r) if totals[r] < target else 0 for r in range(world)]
         lo = max(range(world), key=lambda r: (lacking[r], -r))
         if lacking[lo] <= 0:
             break
         hi = max(range(world), key=lambda r: (totals[r], -r))
         giver = max(
-            ((hi, w) for w in range(workers) if last[(hi, w)] >= 0), key=lambda st: len(sim[st]), default=None
+            ((hi, w) for w in range(workers) if movable((hi, w)) >= 0),
+            key=lambda st: len(sim[st]),
+            default=None,
         )
         if giver is None or totals[hi] - totals[lo] <= 1:
             break  # moving would only swap which rank is short
@@ -946,12 +960,15 @@ def _equalise(
         counts["moved_batches"] += 1
         totals[hi] -= 1
         totals[lo] += 1
-        caps[hi] -= len(batch[1]) - 1
-        caps[lo] += len(batch[1]) - 1
+        for r, sign in ((hi, -1), (lo, 1)):
+            if caps[r] is not None:
+                caps[r] += sign * (len(batch[1]) - 1)
     target = max(totals, default=0)
     short = []
     for r in range(world):
         need = target - totals[r]
+        if need <= 0:
+            continue
         for w in sorted(range(workers), key=lambda x: -_capacity(sim[(r, x)])):
             if need <= 0:
                 break
