@@ -152,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             root,
             "--trainer.limit_val_batches",
             "0",
+            # A benchmark keeps no checkpoints (a wan-1.3b one with AdamW state is about 17 GB): the monitor
+            # is the only callback.
+            "--trainer.callbacks",
+            '[{"class_path": "lightning_adaptiveload.monitor.LoadBalanceMonitor"}]',
+            "--trainer.enable_checkpointing",
+            "false",
+            # Every step is gathered and logged (one collective of a few floats: well under 1% of a step).
+            "--trainer.log_every_n_steps",
+            "1",
             "--data.init_args.train_shards",
             args.data,
             "--data.init_args.val_shards",

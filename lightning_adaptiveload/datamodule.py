@@ -334,6 +334,12 @@ class PlannedDataLoader(DataLoader):
     lets ``before_epoch`` plan it in the main process, then starts the workers, which inherit the plan.
     ``persistent_workers`` is refused: persistent workers keep the dataset copy of the first epoch and
     would never see a new plan.
+
+    The loader has no ``__len__`` on purpose (the progress bar shows ``n/?``): Lightning reads a sized
+    loader's length once per fit and ends every epoch after that many batches, but the number of steps is
+    planned per epoch and differs between epochs; a stale length would cut an epoch short and silently drop
+    its last batches. The epoch's step count is in the log line printed when it is planned and in
+    :attr:`AdaptiveLoadDataModule.epoch_report`.
     """
 
     def __init__(

@@ -3,6 +3,7 @@ over the union of the batches (every token of the global batch counts the same).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from datetime import timedelta
@@ -128,6 +129,11 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             )
             (pred - (batch["_noise"] - x0)).square().mean().backward()
             results[(case, "plain_mean")] = [p.grad.clone() for p in module.model.module.parameters()]
+        # Free every DDP reducer while the process group still exists: a reducer torn down after
+        # destroy_process_group can block in gloo (seen as a rare hang at interpreter exit).
+        del module
+        gc.collect()
+        dist.barrier()
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "grads.pt"))
     finally:
