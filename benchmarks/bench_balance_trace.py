@@ -27,6 +27,7 @@ import sys
 import time
 
 import numpy as np
+from _common import jsonable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -53,19 +54,6 @@ def iid_replay(table, mix, max_tokens: int, world: int, steps: int, seed: int) -
     toks = np.array([b.tokens for b in mix.buckets]) * sizes
     draw = np.random.default_rng(seed).choice(len(shapes), size=(steps, world), p=freq)
     return balance_metrics(secs[draw], toks[draw], max_tokens=max_tokens)
-
-
-def _clean(value):
-    """JSON-able copy: numpy scalars to Python, NaN and inf to null."""
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
 
 
 def _trace_name(path: str) -> str:
@@ -225,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         out = os.path.join(args.results, f"balance_trace_{name}_{date}.json")
         with open(out, "w", encoding="utf-8") as f:
-            json.dump(_clean(payload), f, indent=1)
+            json.dump(jsonable(payload), f, indent=1)
         plots = plot_result(result, args.img, prefix=f"balance_{name}_")
         print(f"wrote {out}; plots: {', '.join(sorted(plots.values()))}")
     return 0

@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -35,22 +34,12 @@ import time
 
 import numpy as np
 import torch
+from _common import cpu_name
 
 from lightning_adaptiveload.batching import DualConstraintBatcher, tokens_per_sample
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.mixes import Mix, load_mix
 from lightning_adaptiveload.planning import plan_epoch
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def scaled_mix(name: str, scale: int) -> Mix:

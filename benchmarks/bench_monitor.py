@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 
 import lightning as L
 import torch
+from _common import cpu_name
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -40,17 +41,6 @@ from lightning_adaptiveload.monitor import LoadBalanceMonitor
 # The shortest step of the measured Wan 2.1 1.3B trace on an H100 (shared/anchors/README.md): the monitor's
 # fixed per-step cost is the largest share of the cheapest real step.
 REAL_STEP_S = 1.161
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Batches(IterableDataset):
@@ -273,7 +263,7 @@ def main() -> None:
     payload = {
         "benchmark": "LoadBalanceMonitor overhead, CPU",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "lightning": L.__version__,

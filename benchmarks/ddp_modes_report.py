@@ -33,24 +33,12 @@ import os
 import sys
 
 import numpy as np
+from _common import jsonable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODES = ("equal_tokens", "dual", "lockstep")
 _COLORS = {"equal_tokens": "#7f7f7f", "dual": "#1f77b4", "lockstep": "#d62728"}
-
-
-def _clean(value):
-    """JSON-able copy: numpy scalars to Python, NaN and inf to null."""
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _find(run_dir: str, mode: str, name: str) -> str | None:
@@ -358,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "plots": {k: os.path.relpath(v, ROOT) for k, v in plots.items()},
     }
     with open(out, "w") as f:
-        json.dump(_clean(payload), f, indent=1)
+        json.dump(jsonable(payload), f, indent=1)
     print(f"wrote {out} and {len(plots)} plots in {args.img}")
     return 0
 
