@@ -10,6 +10,10 @@ for the fused op, per call inside a replayed CUDA graph ("graph": GPU time alone
 bytes that must move (forward: read x, write y; backward: read x and dy, write dx; per token also the
 modulation tables and their gradients) over the copy bandwidth measured in the same run. Sanity checks
 compare the fused results with eager ones. Nothing here asserts a time.
+
+``--paths`` instead compares the forward kernels side by side on every shape (the single-row kernel of
+version 3, the persistent one of version 4, and launch variants of the latter), each checked against an
+fp32 eager forward and timed inside a CUDA graph: see ``compare_paths``.
 """
 
 from __future__ import annotations
@@ -289,6 +293,90 @@ def run_sweeps(bw, args) -> list[dict]:
     return out
 
 
+# Forward kernel variants for --paths: (name, path, warps_per_row, rows_per_cta); 0 = the host's choice.
+# path 1: single-row CTAs (version 3); 2: persistent CTAs of one row slot with the next row prefetched
+# (version 4); 3: as 2 under an 80-register cap at 4 vectors per thread.
+FWD_PATHS = [
+    ("default", 0, 0, 0),
+    ("v3", 1, 0, 0),
+    ("v4", 2, 0, 0),
+    ("v4 r80", 3, 0, 0),
+]
+# Extra warps-per-row variants of the persistent kernel per D (bf16): fewer vectors per thread.
+FWD_PATH_WARPS = {1536: [3, 6], 5120: [7, 10]}
+
+
+def compare_paths(picked, bw, out: list, save=None) -> list[dict]:
+    """Each forward variant per shape: relative error of y against an fp32 eager forward, the largest
+    difference of y, mean and rstd from the host's default, and the GPU time per call (CUDA graph).
+    Appends to ``out``; ``save()`` after each shape."""
+    ext = _ext()
+    impl = importlib.import_module("lightning_adaptiveload.ops.layer_norm_modulate")
+    for B, S, D, layout, _tag in picked:
+        torch.manual_seed(0)
+        x = torch.randn(B, S, D, device=DEVICE, dtype=torch.bfloat16)
+        mshape = (B, D) if layout == "sample" else (B, S, D)
+        shift = 0.5 * torch.randn(mshape, device=DEVICE)
+        scale = 0.5 * torch.randn(mshape, device=DEVICE)
+        t_sh, group = impl._as_groups(shift, x)
+        t_sc, _ = impl._as_groups(scale, x)
+        n = x.numel()
+        nbytes = 4 * n + (8 * n if layout == "token" else 0)
+        y_ref = _eager(x, shift, scale).float()
+        variants = list(FWD_PATHS) + [(f"v4 W{w}", 2, w, 0) for w in FWD_PATH_WARPS.get(D, [])]
+        base = None
+        for name, path, w, r in variants:
+            res = {
+                "shape": f"{B}x{S}x{D}",
+                "layout": layout,
+                "variant": name,
+                "path": path,
+                "warps_per_row": w,
+                "rows_per_cta": r,
+            }
+            try:
+
+                def fn(path=path, w=w, r=r, x=x, t_sh=t_sh, t_sc=t_sc, group=group):
+                    return ext.forward(x, t_sh, t_sc, None, None, group, 1e-6, w, r, path)
+
+                y, mean, rstd = fn()
+                torch.cuda.synchronize()
+                res["rel_err_vs_eager_fp32"] = _rel(y.float(), y_ref)
+                res["nan"] = bool(torch.isnan(y).any().item())
+                if base is None:
+                    base = (y, mean, rstd)
+                else:
+                    res["max_abs_dy_vs_default"] = (y.float() - base[0].float()).abs().max().item()
+                    res["max_rel_dmean_vs_default"] = (
+                        (mean - base[1]).abs().max() / base[1].abs().max().clamp_min(1e-30)
+                    ).item()
+                    res["max_rel_drstd_vs_default"] = ((rstd - base[2]).abs() / base[2]).max().item()
+                del y, mean, rstd
+                ms = _time_graph(fn)
+                if ms:
+                    res["ms"] = ms
+                    res["sol_pct"] = 100.0 * nbytes / bw / (ms * 1e-3)
+            except RuntimeError as exc:
+                res["error"] = str(exc).splitlines()[0]
+            out.append(res)
+            if "ms" in res:
+                shown = (
+                    f"{res['ms']:.4f} ms {res['sol_pct']:.1f}%  err {res['rel_err_vs_eager_fp32']:.2e}"
+                    f"  dy {res.get('max_abs_dy_vs_default', 0.0):.3g}"
+                    f"  dmean {res.get('max_rel_dmean_vs_default', 0.0):.2g}"
+                    f"  drstd {res.get('max_rel_drstd_vs_default', 0.0):.2g}"
+                    f"{'  NaN!' if res['nan'] else ''}"
+                )
+            else:
+                shown = res.get("error", "no time")
+            print(f"  path {B}x{S}x{D} {layout:6s} {name:9s}: {shown}", flush=True)
+        del base, x, y_ref
+        torch.cuda.empty_cache()
+        if save is not None:
+            save()
+    return out
+
+
 def _profile_once(shapes) -> int:
     impl = importlib.import_module("lightning_adaptiveload.ops.layer_norm_modulate")
     for B, S, D, layout, _ in shapes:
@@ -341,6 +429,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", type=str, default=None, help="comma-separated indices into SHAPES")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     parser.add_argument(
+        "--paths", action="store_true", help="only compare the forward kernels (version 3, 4, variants)"
+    )
+    parser.add_argument(
         "--profile-once",
         action="store_true",
         help="run the fused forward and backward once per shape (for ncu)",
@@ -360,29 +451,37 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     picked = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
-    rows = []
-    for B, S, D, layout, tag in picked:
-        print(f"{B}x{S}x{D} {layout} ({tag})", flush=True)
-        rows.append(bench_shape(B, S, D, layout, tag, bw, ops, args))
-        torch.cuda.empty_cache()
-    sweeps = [] if args.no_sweep else run_sweeps(bw, args)
     date = _dt.date.today().isoformat()
     result = {
-        "benchmark": "layer_norm_modulate",
+        "benchmark": "layer_norm_modulate_paths" if args.paths else "layer_norm_modulate",
         "device": name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": date,
         "copy_bandwidth_Bps": bw,
         "method": "median of CUDA-event times per call after warm-up; graph = per call in a replayed CUDA graph",
-        "rows": rows,
-        "sweeps": sweeps,
     }
     out = args.out
     if out is None:
         slug = "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
-        out = Path(__file__).parent / "results" / f"modulate_{slug}_{date}.json"
+        kind = "modulate_paths" if args.paths else "modulate"
+        out = Path(__file__).parent / "results" / f"{kind}_{slug}_{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.paths:
+        result["paths"] = []
+        compare_paths(picked, bw, result["paths"], lambda: out.write_text(json.dumps(result, indent=2)))
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+        return 0
+    rows = []
+    result["rows"] = rows
+    result["sweeps"] = []
+    for B, S, D, layout, tag in picked:
+        print(f"{B}x{S}x{D} {layout} ({tag})", flush=True)
+        rows.append(bench_shape(B, S, D, layout, tag, bw, ops, args))
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(result, indent=2))  # each shape as it completes: a cut-off run keeps them
+    result["sweeps"] = [] if args.no_sweep else run_sweeps(bw, args)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     print(_fmt_table(rows, bw))

@@ -39,8 +39,8 @@ fi
 
 if want calibrate; then
 echo "== calibrate wan-1.3b on the wan21_480p mix"
-timeout 150 python3 -m lightning_adaptiveload calibrate --recipe recipes/wan13b_480p_dual.yaml --mix wan21_480p \
-  --num-shapes 4 --warmup 1 --repeats 2 --max-batch 16 --out "$OUT/calib_wan13b_h100.yaml" 2>&1 | grep -v "^\s*$" | tail -12
+timeout 240 python3 -m lightning_adaptiveload calibrate --recipe recipes/wan13b_480p_dual.yaml --mix wan21_480p \
+  --num-shapes 3 --warmup 1 --repeats 1 --max-batch 8 --no-progress --out "$OUT/calib_wan13b_h100.yaml" 2>&1 | grep -v "^\s*$" | tail -12
 fi
 
 if want train; then

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_adaptiveload.fusion import fuse_norm_modulate
@@ -87,9 +88,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         events = prof.key_averages()
-        kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
-        launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+        # Kernels are the events on the device; the aten ops that launched them carry the same time again as
+        # their "self device time", so only device events are summed.
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+        launches = sum(e.count for e in kernels)
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+        ops = sorted(
+            (e for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::")),
+            key=lambda e: -e.count,
+        )[:8]
         row = {
             "T": t_,
             "H": h,
@@ -101,19 +109,24 @@ def main(argv: list[str] | None = None) -> int:
             "kernel_ms_sum": kernel_ms,
             "kernel_share": kernel_ms / statistics.median(gpu_ms),
             "kernel_launches": launches,
-            "top_cuda_ops": [
-                {"op": e.key[:80], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in top
+            "top_kernels": [
+                {"kernel": e.key[:100], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in top
             ],
+            "most_called_aten_ops": [{"op": e.key, "count": e.count} for e in ops],
         }
         rows.append(row)
         print(
             f"T={t_:>2} {h}x{w} B={b:>2} tokens={row['tokens']:>6}: step {row['step_ms_median']:8.1f} ms, host "
             f"{row['host_ms_median']:8.1f} ms, GPU kernels {kernel_ms:8.1f} ms ({100 * row['kernel_share']:.0f}%), "
-            f"{launches} launches",
+            f"{launches} kernels",
             flush=True,
         )
-        for e in row["top_cuda_ops"][:6]:
-            print(f"    {e['ms']:8.2f} ms  x{e['count']:<5} {e['op']}")
+        for e in row["top_kernels"][:5]:
+            print(f"    {e['ms']:8.2f} ms  x{e['count']:<5} {e['kernel']}")
+        print(
+            "    most called: "
+            + ", ".join(f"{e['op']} x{e['count']}" for e in row["most_called_aten_ops"][:5])
+        )
     os.makedirs(args.out, exist_ok=True)
     name = torch.cuda.get_device_name(0)
     tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")

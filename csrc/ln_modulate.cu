@@ -38,11 +38,11 @@ cudaError_t sm_count(int* out) {
   return cudaSuccess;
 }
 
-const void* fwd_kernel(DType x, DType mod, int vpt) {
+const void* fwd_kernel(DType x, DType mod, int vpt, int kind) {
   switch (x) {
-    case DType::kBFloat16: return detail::fwd_kernel_bf16(mod, vpt);
-    case DType::kFloat16: return detail::fwd_kernel_fp16(mod, vpt);
-    case DType::kFloat32: return detail::fwd_kernel_fp32(mod, vpt);
+    case DType::kBFloat16: return detail::fwd_kernel_bf16(mod, vpt, kind);
+    case DType::kFloat16: return detail::fwd_kernel_fp16(mod, vpt, kind);
+    case DType::kFloat32: return detail::fwd_kernel_fp32(mod, vpt, kind);
   }
   return nullptr;
 }
@@ -82,6 +82,36 @@ std::map<PlanKey, std::pair<int, int>> g_plan_cache;  // -> (slots, CTAs per SM)
 // Bytes of shared memory the backward's first pass may use for the slot combine.
 constexpr size_t kCombineBudget = 40 * 1024;
 
+// Resident CTAs per SM of a forward kernel at a block size and shared memory, cached: the persistent
+// forward sizes its grid by it on every call.
+std::mutex g_fwd_occ_mu;
+std::map<std::tuple<const void*, int, size_t, int>, int> g_fwd_occ_cache;
+
+cudaError_t fwd_occupancy(const void* kernel, int threads, size_t smem, int* out) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const auto key = std::make_tuple(kernel, threads, smem, dev);
+  {
+    std::lock_guard<std::mutex> lock(g_fwd_occ_mu);
+    auto it = g_fwd_occ_cache.find(key);
+    if (it != g_fwd_occ_cache.end()) {
+      *out = it->second;
+      return cudaSuccess;
+    }
+  }
+  int occ = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
+  if (err != cudaSuccess) return err;
+  if (occ < 1) return cudaErrorInvalidConfiguration;
+  {
+    std::lock_guard<std::mutex> lock(g_fwd_occ_mu);
+    g_fwd_occ_cache[key] = occ;
+  }
+  *out = occ;
+  return cudaSuccess;
+}
+
 }  // namespace
 
 const char* ln_mod_check(int64_t D, DType x_dtype, DType mod_dtype) {
@@ -109,9 +139,25 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   }
   const int vpt = static_cast<int>(ceil_div(nvec, 32 * W));
   if (vpt < 1 || vpt > detail::kFwdMaxVpt || 32 * W > detail::kFwdMaxThreads) return cudaErrorInvalidValue;
-  const int rows_per_cta = a.rows_per_cta > 0 ? a.rows_per_cta : std::max(1, 128 / (32 * W));
+  // Persistent row slots with the next row's loads in flight (version 4) where a thread's two row buffers
+  // fit (at most 4 vectors) and modulation rows are shared by several x rows. Per token (group size 1) the
+  // modulation rows stream from memory like x itself, and the single-row kernel, which issues them with
+  // more freedom, is already at the speed of light (NOTES_modulate.md, version 3). The persistent kernel
+  // has one row slot per CTA; a rows_per_cta override above 1 selects the single-row kernel.
+  // Measured on an H100 side by side (NOTES_modulate.md, version 4): persistent 91-92% of the copy
+  // bandwidth at D = 5120 (single-row: 87%) and 88% at 8 x 4096 x 1536 (77%), but 87% against the
+  // single-row kernel's 88% at 1 x 32760 x 1536: with one modulation group and 2 warps per row the
+  // single-row kernel stays.
+  if (a.path < 0 || a.path > 3) return cudaErrorInvalidValue;
+  const bool fits = vpt <= detail::kFwdPersistentMaxVpt && a.rows_per_cta <= 1;
+  if (a.path >= 2 && !fits) return cudaErrorInvalidValue;
+  const bool single_row_wins = a.group_size == a.rows && W == 2;
+  const bool persistent = a.path >= 2 || (a.path == 0 && fits && a.group_size > 1 && !single_row_wins);
+  const int kind = !persistent ? detail::kFwdSingleRow
+                               : a.path == 3 ? detail::kFwdPersistentLowRegs : detail::kFwdPersistent;
+  const int rows_per_cta = persistent ? 1 : a.rows_per_cta > 0 ? a.rows_per_cta : std::max(1, 128 / (32 * W));
   if (32 * W * rows_per_cta > detail::kFwdMaxThreads) return cudaErrorInvalidValue;
-  const void* kernel = fwd_kernel(a.x_dtype, a.mod_dtype, vpt);
+  const void* kernel = fwd_kernel(a.x_dtype, a.mod_dtype, vpt, kind);
   if (kernel == nullptr) return cudaErrorInvalidValue;
 
   FwdParams p;
@@ -131,9 +177,18 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   p.warps_per_row = W;
   p.rows_per_cta = rows_per_cta;
   p.eps = a.eps;
-  const int64_t grid = ceil_div(a.rows, rows_per_cta);
-  if (grid > 0x7fffffff) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 3 * W * rows_per_cta;
+  int64_t grid = ceil_div(a.rows, rows_per_cta);
+  if (persistent) {
+    // One wave: every CTA resident at once, each row slot walking rows at a stride of all slots.
+    int occ = 0, sms = 0;
+    cudaError_t err = fwd_occupancy(kernel, 32 * W * rows_per_cta, smem, &occ);
+    if (err != cudaSuccess) return err;
+    err = sm_count(&sms);
+    if (err != cudaSuccess) return err;
+    grid = std::min<int64_t>(grid, static_cast<int64_t>(occ) * sms);
+  }
+  if (grid > 0x7fffffff) return cudaErrorInvalidValue;
   void* args[] = {&p};
   cudaError_t err = cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(32 * W * rows_per_cta),
                                      args, smem, stream);

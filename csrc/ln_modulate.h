@@ -42,6 +42,10 @@ struct LnModFwdArgs {
   DType mod_dtype = DType::kFloat32;
   int warps_per_row = 0;  // 0: choose; else a tuning override (benchmarks only)
   int rows_per_cta = 0;   // 0: choose; else a tuning override (benchmarks only)
+  // Forward kernel, a tuning override (benchmarks only): 0 choose; 1 one row per row slot per CTA
+  // (version 3, any width); 2 persistent CTAs of one row slot with the next row prefetched (version 4; up
+  // to 4 vectors per thread, rows_per_cta 0 or 1); 3 as 2 under an 80-register cap at 4 vectors.
+  int path = 0;
 };
 
 struct LnModBwdArgs {

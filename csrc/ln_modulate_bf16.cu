@@ -5,7 +5,7 @@
 namespace adaptiveload {
 namespace detail {
 
-const void* fwd_kernel_bf16(DType mod, int vpt) { return fwd_kernel_for<__nv_bfloat16>(mod, vpt); }
+const void* fwd_kernel_bf16(DType mod, int vpt, int kind) { return fwd_kernel_for<__nv_bfloat16>(mod, vpt, kind); }
 
 const void* bwd_kernel_bf16(DType mod, int vpt, bool affine, bool per_row) {
   return bwd_kernel_for<__nv_bfloat16>(mod, vpt, affine, per_row);

@@ -49,7 +49,8 @@ void check_affine(const std::optional<at::Tensor>& w, const at::Tensor& x, int64
 
 std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                 const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                int64_t group_size, double eps, int64_t warps_per_row, int64_t rows_per_cta) {
+                                int64_t group_size, double eps, int64_t warps_per_row, int64_t rows_per_cta,
+                                int64_t path) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 1, "layer_norm_modulate: x must be a CUDA tensor");
   TORCH_CHECK(x.is_contiguous() && aligned16(x), "layer_norm_modulate: x must be contiguous and 16-byte aligned");
   const int64_t D = x.size(-1);
@@ -93,6 +94,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& shift, co
   a.mod_dtype = md;
   a.warps_per_row = static_cast<int>(warps_per_row);
   a.rows_per_cta = static_cast<int>(rows_per_cta);
+  a.path = static_cast<int>(path);
   check_cuda(adaptiveload::ln_mod_forward(a, c10::cuda::getCurrentCUDAStream()), "forward launch");
   return {y, mean, rstd};
 }
@@ -196,7 +198,12 @@ std::vector<int64_t> backward_plan(const at::Tensor& x, const at::Tensor& scale,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm-Modulate CUDA kernels (lightning_adaptiveload)";
-  m.def("forward", &forward, "y, mean, rstd = forward(x, shift, scale, weight, bias, group_size, eps, warps_per_row, rows_per_cta)");
+  m.def("forward", &forward,
+        "y, mean, rstd = forward(x, shift, scale, weight, bias, group_size, eps, warps_per_row, rows_per_cta, "
+        "path=0); path: 0 choose, 1 single-row kernel, 2 persistent kernel, 3 persistent at 80 registers (benchmarks)",
+        pybind11::arg("x"), pybind11::arg("shift"), pybind11::arg("scale"), pybind11::arg("weight"),
+        pybind11::arg("bias"), pybind11::arg("group_size"), pybind11::arg("eps"), pybind11::arg("warps_per_row"),
+        pybind11::arg("rows_per_cta"), pybind11::arg("path") = 0);
   m.def("backward", &backward,
         "dx, dshift, dscale, dweight, dbias = backward(dy, x, scale, weight, bias, mean, rstd, group_size, vpt, slots)");
   m.def("backward_plan", &backward_plan, "launch plan of the backward (benchmarks)");

@@ -5,7 +5,7 @@
 namespace adaptiveload {
 namespace detail {
 
-const void* fwd_kernel_fp32(DType mod, int vpt) { return fwd_kernel_for<float>(mod, vpt); }
+const void* fwd_kernel_fp32(DType mod, int vpt, int kind) { return fwd_kernel_for<float>(mod, vpt, kind); }
 
 const void* bwd_kernel_fp32(DType mod, int vpt, bool affine, bool per_row) {
   return bwd_kernel_for<float>(mod, vpt, affine, per_row);

@@ -280,6 +280,231 @@ __global__ void __maxnreg__(80) ln_mod_fwd_kernel(const FwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Forward, persistent (version 4). The same row slots and per-row arithmetic as ln_mod_fwd_kernel, but the
+// grid is one wave of resident CTAs and each row slot walks the rows gslot, gslot + nslots, ... with a
+// two-stage software pipeline in registers: the next row's 16-byte loads are issued before the current
+// row is reduced and written, so a slot keeps a row in flight through its barriers and stores instead of
+// relying on other CTAs alone to hide the load latency. One row slot per CTA (32 * W threads): the slot's
+// barriers are __syncthreads, no slot waits for another's row, and the kernel uses one hardware barrier
+// (named barriers with a run-time id make ptxas reserve all 16, which may limit the CTAs per SM beyond
+// what the occupancy API reports).
+
+// Register cap of the persistent forward: two row buffers of VPT vectors (4 registers each) besides the
+// single-row kernel's working set. ptxas 13.0 (sm_90): up to 3 vectors per thread fit 80 registers with no
+// spill (24-25 warps per SM); 4 vectors need 88 (no spill at 88 or 96; 40 bytes of spill at 80). 96 and 88
+// give the same 4 CTAs of 160 threads per SM at D = 5120; LOW_REGS (a benchmark variant) caps 4 vectors at
+// 80 for 5 CTAs per SM with the spill.
+__host__ __device__ constexpr int fwd_persistent_max_registers(int vpt, bool low_regs) {
+  return (low_regs || vpt <= 3) ? 80 : 96;
+}
+
+// An int the compiler cannot see through: column offsets derived from it are recomputed per row (a few
+// integer operations) instead of being hoisted out of the row loop as 64-bit addresses held in registers.
+__device__ __forceinline__ int opaque(int v) {
+  int out;
+  asm volatile("mov.b32 %0, %1;" : "=r"(out) : "r"(v));
+  return out;
+}
+
+__device__ __forceinline__ uint4 launder_u4(const uint4& v) {
+  uint4 o;
+  asm volatile("mov.b32 %0, %1;" : "=r"(o.x) : "r"(v.x));
+  asm volatile("mov.b32 %0, %1;" : "=r"(o.y) : "r"(v.y));
+  asm volatile("mov.b32 %0, %1;" : "=r"(o.z) : "r"(v.z));
+  asm volatile("mov.b32 %0, %1;" : "=r"(o.w) : "r"(v.w));
+  return o;
+}
+
+// 16 bytes of x, volatile: the compiler keeps it ahead of the current row's barriers (volatile asm is not
+// moved across __syncthreads) rather than sinking it towards the next row's first use.
+__device__ __forceinline__ uint4 ld_stream_v(const void* p) {
+  uint4 u;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(p));
+  return u;
+}
+
+// Modulation, weight and bias reads and the output stores, as volatile asm: their order is fixed, so each
+// 16-byte output vector is read, computed and stored before the next one's inputs are read. Otherwise the
+// compiler hoists the inputs of all VPT vectors (16 registers each with fp32 modulation) and spills.
+__device__ __forceinline__ uint4 ld_cached_v(const void* p) {
+  uint4 u;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(p));
+  return u;
+}
+
+template <typename M, int N>
+__device__ __forceinline__ void load_floats_v(const M* p, float (&out)[N]) {
+  constexpr int P = Pack<M>::N;
+  static_assert(N % P == 0, "vector width");
+#pragma unroll
+  for (int j = 0; j < N / P; ++j) {
+    Pack<M> pk;
+    *reinterpret_cast<uint4*>(&pk) = ld_cached_v(p + j * P);
+#pragma unroll
+    for (int k = 0; k < P; ++k) out[j * P + k] = to_float(pk.v[k]);
+  }
+}
+
+__device__ __forceinline__ void st_v(void* p, const uint4& u) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+               : "memory");
+}
+
+// Modulation row of `row`; 32-bit division where the operands fit (a 64-bit one is a slow library call).
+__device__ __forceinline__ int64_t group_of(int64_t row, int64_t group_size) {
+  if (group_size == 1) return row;
+  if (((row | group_size) >> 31) == 0)
+    return static_cast<int64_t>(static_cast<uint32_t>(row) / static_cast<uint32_t>(group_size));
+  return row / group_size;
+}
+
+// Issues the loads of one row into `xp` (16-byte words as loaded); vectors past the row end are zeros,
+// which is 0.0 in every supported type, and enter the sums as such.
+template <typename T, int VPT>
+__device__ __forceinline__ void fwd_issue_row(uint4 (&xp)[VPT], const T* xr, int t, int tpr, int nvec) {
+  constexpr int VEC = Pack<T>::N;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = t + i * tpr;
+    xp[i] = v < nvec ? ld_stream_v(xr + v * VEC) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ Pack<T> as_pack(const uint4& u) {
+  Pack<T> q;
+  *reinterpret_cast<uint4*>(&q) = launder_u4(u);
+  return q;
+}
+
+// Statistics, mean/rstd and the output row for the row held in `xp` (ln_mod_fwd_kernel's arithmetic).
+// buf: the CTA's 3 * W floats; the two reductions use disjoint parts, and each part's next write (next
+// row) comes after the other's barrier, which every warp reaches only after reading this one.
+template <typename T, typename M, int VPT>
+__device__ __forceinline__ void fwd_finish_row(const FwdParams& p, const uint4 (&xp)[VPT], int64_t row, int t0,
+                                               int tpr, int W, int warp, int lane, float* buf, int nvec,
+                                               float inv_d) {
+  constexpr int VEC = Pack<T>::N;
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const Pack<T> q = as_pack<T>(xp[i]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) s += to_float(q.v[k]);
+  }
+  s = warp_sum(s);
+  if (W > 1) {
+    // The W (<= 16) warp sums are added by a butterfly across lanes: one shared-memory load per lane, a
+    // fixed order, and no loop over W loads that the compiler unrolls into many registers.
+    if (lane == 0) buf[warp] = s;
+    __syncthreads();
+    s = warp_sum(lane < W ? buf[lane] : 0.f);
+  }
+  const float mean0 = s * inv_d;
+
+  // Corrected two-pass: the sum of d corrects the rounding of mean0, the sum of d^2 gives the variance.
+  const int t = opaque(t0);
+  float sd = 0.f, sdd = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (t + i * tpr < nvec) {
+      const Pack<T> q = as_pack<T>(xp[i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float d = to_float(q.v[k]) - mean0;
+        sd += d;
+        sdd += d * d;
+      }
+    }
+  }
+  sd = warp_sum(sd);
+  sdd = warp_sum(sdd);
+  if (W > 1) {
+    if (lane == 0) {
+      buf[W + warp] = sd;
+      buf[2 * W + warp] = sdd;
+    }
+    __syncthreads();
+    sd = warp_sum(lane < W ? buf[W + lane] : 0.f);
+    sdd = warp_sum(lane < W ? buf[2 * W + lane] : 0.f);
+  }
+  const float corr = sd * inv_d;
+  const float var = fmaxf(sdd * inv_d - corr * corr, 0.f);
+  const float rstd = rsqrtf(var + p.eps);
+  if (t == 0) {
+    p.mean[row] = mean0 + corr;
+    p.rstd[row] = rstd;
+  }
+
+  const int64_t g = group_of(row, p.group_size);
+  const M* shr = static_cast<const M*>(p.shift) + g * p.shift_stride;
+  const M* scr = static_cast<const M*>(p.scale) + g * p.scale_stride;
+  T* yr = static_cast<T*>(p.y) + row * p.D;
+  const bool affine = p.weight != nullptr;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = t + i * tpr;
+    if (v < nvec) {
+      float sh[VEC], sc[VEC];
+      load_floats_v<M, VEC>(shr + v * VEC, sh);
+      load_floats_v<M, VEC>(scr + v * VEC, sc);
+      float n[VEC];
+      const Pack<T> q = as_pack<T>(xp[i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) n[k] = ((to_float(q.v[k]) - mean0) - corr) * rstd;
+      if (affine) {
+        float w[VEC], b[VEC];
+        load_floats_v<float, VEC>(p.weight + v * VEC, w);
+        load_floats_v<float, VEC>(p.bias + v * VEC, b);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) n[k] = fmaf(n[k], w[k], b[k]);
+      }
+      Pack<T> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(fmaf(n[k], 1.f + sc[k], sh[k]));
+      st_v(yr + v * VEC, *reinterpret_cast<const uint4*>(&out));
+    }
+  }
+}
+
+template <typename T, typename M, int VPT, bool LOW_REGS>
+__global__ void __maxnreg__(fwd_persistent_max_registers(VPT, LOW_REGS))
+    ln_mod_fwd_persistent_kernel(const FwdParams p) {
+  extern __shared__ float fwd_smem[];
+  const int W = p.warps_per_row;  // blockDim.x == 32 * W: one row slot (the host sets rows_per_cta = 1)
+  const int TPR = 32 * W;
+  const int t = threadIdx.x;
+  const int warp = t >> 5;
+  const int lane = t & 31;
+  const int nvec = p.D / Pack<T>::N;
+  float* buf = fwd_smem;
+  const float inv_d = 1.f / static_cast<float>(p.D);
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t D = p.D;
+  const int64_t stride = gridDim.x;
+  int64_t row = blockIdx.x;
+
+  // Two row buffers used in turn; the loop body is written out twice so that neither is ever copied.
+  uint4 a[VPT], b[VPT];
+  if (row < p.rows) fwd_issue_row<T, VPT>(a, x + row * D, t, TPR, nvec);
+  while (row < p.rows) {
+    int64_t next = row + stride;
+    if (next < p.rows) fwd_issue_row<T, VPT>(b, x + next * D, opaque(t), TPR, nvec);
+    fwd_finish_row<T, M, VPT>(p, a, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
+    row = next;
+    if (row >= p.rows) break;
+    next = row + stride;
+    if (next < p.rows) fwd_issue_row<T, VPT>(a, x + next * D, opaque(t), TPR, nvec);
+    fwd_finish_row<T, M, VPT>(p, b, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
+    row = next;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Backward, first pass. Threads own fixed columns: thread t of a row slot owns the 16-byte vectors
 // t, t + TPR, ... of every row, so the column sums over the rows a CTA visits (d_shift, d_scale,
 // d_weight, d_bias) accumulate in fp32 registers with no communication. A CTA works through items: a
@@ -675,25 +900,46 @@ template <> constexpr DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16;
 
 constexpr int kFwdMaxVpt = 8;
 
+// The persistent forward holds two row buffers: built for up to 4 vectors per thread (no spill beyond a
+// few bytes under its register cap); wider rows per thread take the single-row kernel.
+constexpr int kFwdPersistentMaxVpt = 4;
+
+// Forward kernel kinds: the single-row kernel (version 3), the persistent one (version 4), and the
+// persistent one under an 80-register cap (differs from the former at 4 vectors per thread only).
+enum FwdKind : int { kFwdSingleRow = 0, kFwdPersistent = 1, kFwdPersistentLowRegs = 2 };
+
+template <typename T, typename M, int VPT>
+const void* fwd_kernel_tmv(int kind) {
+  if (kind == kFwdSingleRow) return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, VPT>);
+  if constexpr (VPT <= kFwdPersistentMaxVpt) {
+    if constexpr (VPT == 4) {
+      if (kind == kFwdPersistentLowRegs)
+        return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, true>);
+    }
+    return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, false>);
+  }
+  return nullptr;
+}
+
 template <typename T, typename M>
-const void* fwd_kernel_tm(int vpt) {
+const void* fwd_kernel_tm(int vpt, int kind) {
   switch (vpt) {
-    case 1: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 1>);
-    case 2: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 2>);
-    case 3: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 3>);
-    case 4: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 4>);
-    case 5: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 5>);
-    case 6: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 6>);
-    case 7: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 7>);
-    case 8: return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, 8>);
+    case 1: return fwd_kernel_tmv<T, M, 1>(kind);
+    case 2: return fwd_kernel_tmv<T, M, 2>(kind);
+    case 3: return fwd_kernel_tmv<T, M, 3>(kind);
+    case 4: return fwd_kernel_tmv<T, M, 4>(kind);
+    case 5: return fwd_kernel_tmv<T, M, 5>(kind);
+    case 6: return fwd_kernel_tmv<T, M, 6>(kind);
+    case 7: return fwd_kernel_tmv<T, M, 7>(kind);
+    case 8: return fwd_kernel_tmv<T, M, 8>(kind);
     default: return nullptr;
   }
 }
 
 template <typename T>
-const void* fwd_kernel_for(DType mod, int vpt) {
-  if (mod == dtype_of<T>()) return fwd_kernel_tm<T, T>(vpt);
-  if (mod == DType::kFloat32) return fwd_kernel_tm<T, float>(vpt);
+const void* fwd_kernel_for(DType mod, int vpt, int kind) {
+  if (mod == dtype_of<T>()) return fwd_kernel_tm<T, T>(vpt, kind);
+  if (mod == DType::kFloat32) return fwd_kernel_tm<T, float>(vpt, kind);
   return nullptr;
 }
 
@@ -730,9 +976,9 @@ const void* bwd_kernel_for(DType mod, int vpt, bool affine, bool per_row) {
 }
 
 // Defined in ln_modulate_{bf16,fp16,fp32}.cu.
-const void* fwd_kernel_bf16(DType mod, int vpt);
-const void* fwd_kernel_fp16(DType mod, int vpt);
-const void* fwd_kernel_fp32(DType mod, int vpt);
+const void* fwd_kernel_bf16(DType mod, int vpt, int kind);
+const void* fwd_kernel_fp16(DType mod, int vpt, int kind);
+const void* fwd_kernel_fp32(DType mod, int vpt, int kind);
 const void* bwd_kernel_bf16(DType mod, int vpt, bool affine, bool per_row);
 const void* bwd_kernel_fp16(DType mod, int vpt, bool affine, bool per_row);
 const void* bwd_kernel_fp32(DType mod, int vpt, bool affine, bool per_row);
