@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import re
+import stat
 import sys
 import tarfile
 import urllib.parse
@@ -45,10 +46,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from lightning_adaptiveload import untrusted as _untrusted
 from lightning_adaptiveload.mixes import Mix, load_mix
+from lightning_adaptiveload.untrusted import (
+    CheckedTarInfo,
+    Refused,
+    check_index_path,
+    key_problem,
+    load_json,
+    parse_npy_header,
+)
 
 __all__ = [
     "INDEX_NAME",
+    "MAX_MEMBER_BYTES",
     "REASONS",
     "ShardError",
     "ShardIndex",
@@ -72,6 +83,10 @@ _META = "json"
 # Extensions whose usual decoders unpickle (torch.load, webdataset's .pyd/.pth handlers, pickle.load).
 _PICKLE_SUFFIXES = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt"})
 _PatchSize = tuple[int, int, int]
+# The default cap on a member's size, checked before anything is allocated for it. A Wan 2.1 latent of
+# an 81-frame 480x832 clip is 4 MiB in float16; 1 GiB leaves room for long, high-resolution clips.
+# Settable per call (``max_member_bytes=``, also on AdaptiveLoadDataModule).
+MAX_MEMBER_BYTES = 1 << 30
 _DEFAULT_PATCH: _PatchSize = (1, 2, 2)
 
 # What each problem means for the user: reason -> what to do. The keys are the stable reason names used
@@ -102,23 +117,36 @@ REASONS: dict[str, str] = {
     "unknown_extension": "members with other extensions are ignored",
     "non_file_member": "directories, links and other non-file members are ignored",
     "bad_member_name": "member names need a key and an extension ('<key>.<ext>'); others are ignored",
+    "bad_key": "keys follow the writer's rules (no '/', '\\', '..', '.', control characters or leading '__'): "
+    "rename the members, or use on_error='skip' to leave such samples out",
+    "member_too_large": "a member claims more bytes than max_member_bytes allows: if the data is genuine, raise "
+    "max_member_bytes (also on AdaptiveLoadDataModule); else re-create the shard",
+    "sparse_member": "GNU sparse members (tar -S/--sparse) are not supported: re-create the shard without "
+    "--sparse",
+    "bad_index": "the index file is damaged or was edited by hand: rebuild it with "
+    "`lightning-adaptiveload index <shards> --rebuild`",
+    "unsafe_index_path": "an index may name shards inside its own folder only: rebuild the index there, list the "
+    "shards yourself, or opt in with allow_outside=True / allow_schemes=[...] if you trust the index",
 }
 # Members ignored (counted, never an error); every other reason is a problem for the sample or shard.
 _IGNORED_REASONS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
+# Problems of an index file rather than of a shard.
+_INDEX_REASONS = frozenset({"bad_index", "unsafe_index_path"})
 
 
 class ShardError(ValueError):
     """A bad shard or sample: the message names the shard, the key and the problem, and what to do.
 
     Args:
-        shard: the shard's path or URL.
+        shard: the shard's path or URL (for ``bad_index``/``unsafe_index_path``: the index file).
         key: the sample key, or None when the problem concerns the whole shard.
         problem: what is wrong.
         reason: the stable reason name (a key of :data:`REASONS`), e.g. ``"non_finite"``.
         hint: what to do; defaults to ``REASONS[reason]``.
+        member: the tar member (or, for an index, the entry such as ``shards[3].path``), if known.
 
     Attributes:
-        shard, key, problem, reason, hint: as given.
+        shard, key, problem, reason, hint, member: as given.
     """
 
     def __init__(
@@ -129,29 +157,39 @@ class ShardError(ValueError):
         *,
         reason: str | None = None,
         hint: str | None = None,
+        member: str | None = None,
     ) -> None:
         self.shard = str(shard)
         self.key = key
         self.problem = problem
         self.reason = reason
+        self.member = member
         self.hint = hint if hint is not None else REASONS.get(reason or "")
         if problem is None and key is None:
             # A single preformatted message: torch's DataLoader re-raises worker exceptions as
             # ``type(exc)(message)``, which must not mangle the text.
             message = self.shard
         else:
-            where = f"shard {self.shard}" + (f", key {key!r}" if key is not None else " (whole shard)")
+            if reason in _INDEX_REASONS:
+                where = f"index {self.shard}"
+            else:
+                where = f"shard {self.shard}" + (f", key {key!r}" if key is not None else " (whole shard)")
+            if member is not None:
+                where += f", member {member!r}"
             message = f"{where}: {problem}" + (f" [{reason}]" if reason else "")
             if self.hint:
                 message += f". What to do: {self.hint}"
         super().__init__(message)
 
     def __reduce__(self):
-        return (_rebuild_shard_error, (self.shard, self.key, self.problem, self.reason, self.hint))
+        return (
+            _rebuild_shard_error,
+            (self.shard, self.key, self.problem, self.reason, self.hint, self.member),
+        )
 
 
-def _rebuild_shard_error(shard, key, problem, reason, hint) -> ShardError:
-    return ShardError(shard, key, problem, reason=reason, hint=hint)
+def _rebuild_shard_error(shard, key, problem, reason, hint, member=None) -> ShardError:
+    return ShardError(shard, key, problem, reason=reason, hint=hint, member=member)
 
 
 def _check_on_error(on_error: str) -> None:
@@ -197,11 +235,12 @@ class _NpyError(Exception):
 @dataclass
 class _Npy:
     member: str
-    dtype: np.dtype
+    dtype: np.dtype | None  # None: a descr that is no plain scalar type (structured, datetime, ...)
     shape: tuple[int, ...]
     fortran: bool
     offset: int  # where the array data starts in the member
     data: bytearray | None = None  # the whole member, when read
+    descr: Any = None  # the header's descr, for messages
 
 
 # numpy refuses larger headers by default too (they are parsed with a literal evaluator).
@@ -209,7 +248,11 @@ _MAX_NPY_HEADER = 10000
 
 
 def _parse_npy_header(read: Callable[[int], bytes], size: int, member: str) -> _Npy:
-    """Parse a .npy header with numpy's own header readers, reading only the header bytes."""
+    """Parse a .npy header with a strict literal parser, reading only the header bytes.
+
+    Not numpy's reader: it evaluates the header with ``ast.literal_eval``, which recursion and
+    tokenizer errors escape (``RecursionError``, ``tokenize.TokenError``).
+    """
     magic = read(8)
     if len(magic) < 8 or magic[:6] != b"\x93NUMPY":
         raise _NpyError(f"{member}: not a .npy file (bad magic bytes {bytes(magic[:6])!r})")
@@ -227,25 +270,19 @@ def _parse_npy_header(read: Callable[[int], bytes], size: int, member: str) -> _
     header = read(header_len)
     if len(header) < header_len:
         raise _NpyError(f"{member}: .npy header is cut short")
-    buf = io.BytesIO(bytes(magic) + bytes(raw_len) + bytes(header))
     try:
-        np.lib.format.read_magic(buf)
-        # Version 3.0 only differs from 2.0 by allowing UTF-8 field names; float headers are ASCII.
-        reader = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = reader(buf, max_header_size=_MAX_NPY_HEADER)
-    except (ValueError, TypeError, SyntaxError) as err:
-        raise _NpyError(f"{member}: malformed .npy header ({err})") from None
+        dtype, descr, fortran, shape = parse_npy_header(bytes(header), major)
+    except Refused as err:
+        raise _NpyError(f"{member}: malformed .npy header: {err}") from None
     offset = 8 + len_size + header_len
-    if not dtype.hasobject:
+    if dtype is not None and not dtype.hasobject:
         need = offset + math.prod(shape) * dtype.itemsize
         if need != size:
             raise _NpyError(
                 f"{member}: .npy member is {size} bytes but its header (shape {list(shape)}, dtype {dtype}) "
                 f"needs {need}"
             )
-    return _Npy(
-        member=member, dtype=dtype, shape=tuple(int(s) for s in shape), fortran=bool(fortran), offset=offset
-    )
+    return _Npy(member=member, dtype=dtype, shape=shape, fortran=fortran, offset=offset, descr=descr)
 
 
 def _flat_array(npy: _Npy) -> np.ndarray:
@@ -291,6 +328,9 @@ def _to_tensor(npy: _Npy) -> torch.Tensor:
 
 def _dtype_problem(npy: _Npy) -> str | None:
     dt = npy.dtype
+    if dt is None:
+        kind = "structured dtype" if isinstance(npy.descr, list) else "dtype"
+        return f"{npy.member}: {kind} {npy.descr!r} is not float16 or float32"
     if dt.hasobject:
         return f"{npy.member}: dtype object stores pickled Python objects; refused (pickles are never loaded)"
     if dt.kind != "f" or dt.itemsize not in (2, 4) or dt.fields is not None:
@@ -355,12 +395,33 @@ def expand_paths(paths_or_pattern: str | os.PathLike | Iterable[str | os.PathLik
 
 
 def _open_shard(path: str):
-    """Open a shard for streaming; local paths directly, URLs through webdataset's gopen."""
+    """Open a shard for streaming; local paths directly, URLs through webdataset's gopen.
+
+    Raises:
+        OSError: cannot open it, or (local) it is no regular file: a FIFO would block the reader
+            forever and a device has no end.
+    """
     if _is_url(path):
         from webdataset.gopen import gopen
 
-        return gopen(path, "rb")
-    return open(path, "rb")
+        try:
+            return gopen(path, "rb")
+        except ValueError as err:  # an unknown scheme, or webdataset's security switch
+            raise OSError(f"cannot open {path!r}: {err}") from None
+    return _open_regular(path)
+
+
+def _open_regular(path: str):
+    # O_NONBLOCK: opening a FIFO for reading must not wait for a writer before the type is checked.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file (a FIFO, device or directory)")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _close_quietly(stream) -> None:
@@ -375,6 +436,10 @@ def _close_quietly(stream) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+_STREAM_CHUNK = 1 << 22  # bytes read at a time from a stream
+_READS_AT_END = 64  # reads that may return nothing before the stream counts as cut short
+
+
 class _StreamSource:
     """A non-seekable shard stream (pipe, URL), read with tarfile's stream mode.
 
@@ -387,23 +452,36 @@ class _StreamSource:
         self.raw = raw
         self.pos = 0
         self.chunks: deque[tuple[int, bytes]] = deque(maxlen=4)
+        self.reads_at_end = 0
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read(size)
         if data:
             self.chunks.append((self.pos, data))
             self.pos += len(data)
+        else:
+            # tarfile skips a member in stream mode with one read per 10 KiB of its claimed size, even
+            # past the end: a header claiming 2**80 bytes would loop for ever. Stop it here.
+            self.reads_at_end += 1
+            if self.reads_at_end > _READS_AT_END:
+                raise EOFError(f"the stream ended at byte {self.pos}; a member claims more data")
         return data
 
     def open_tar(self) -> tarfile.TarFile:
-        return tarfile.open(fileobj=self, mode="r|")
+        return tarfile.open(fileobj=self, mode="r|", tarinfo=CheckedTarInfo)
 
     def read_member(self, tf: tarfile.TarFile, info: tarfile.TarInfo) -> bytearray:
-        buf = bytearray(info.size)
-        got = tf.extractfile(info).readinto(buf)
-        if got != info.size:
-            raise tarfile.ReadError(f"unexpected end of data in {info.name}")
-        return buf
+        # The stream's length is unknown: read in bounded chunks, so that memory follows the bytes
+        # that actually arrive, never the size the header claims.
+        f = tf.extractfile(info)
+        chunks, got = [], 0
+        while got < info.size:
+            chunk = f.read(min(_STREAM_CHUNK, info.size - got))
+            if not chunk:
+                raise tarfile.ReadError(f"unexpected end of data in {info.name}")
+            chunks.append(chunk)
+            got += len(chunk)
+        return bytearray(chunks[0]) if len(chunks) == 1 else bytearray().join(chunks)
 
     def member_reader(self, tf: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[int], bytes]:
         return tf.extractfile(info).read
@@ -438,9 +516,11 @@ class _FileSource:
         self.pos = os.fstat(raw.fileno()).st_size  # for messages: where the data ends
 
     def open_tar(self) -> tarfile.TarFile:
-        return tarfile.open(fileobj=self.raw, mode="r:")
+        return tarfile.open(fileobj=self.raw, mode="r:", tarinfo=CheckedTarInfo)
 
     def read_member(self, tf: tarfile.TarFile, info: tarfile.TarInfo) -> bytearray:
+        if info.offset_data + info.size > self.pos:  # _scan checks this first; allocate nothing on a lie
+            raise tarfile.ReadError(f"unexpected end of data in {info.name}")
         buf = bytearray(info.size)
         self.raw.seek(info.offset_data)
         got = self.raw.readinto(buf)
@@ -491,10 +571,12 @@ class _Group:
     text: _Npy | None = None
     meta: Any = None
     problem: tuple[str, str] | None = None  # (reason, detail), the first one found
+    problem_member: str | None = None  # the member it concerns, if one
 
-    def fail(self, reason: str, detail: str) -> None:
+    def fail(self, reason: str, detail: str, member: str | None = None) -> None:
         if self.problem is None:
             self.problem = (reason, detail)
+            self.problem_member = member
 
 
 @dataclass
@@ -509,10 +591,42 @@ class _ShardProblem:
     reason: str
     detail: str
     key: str | None
+    member: str | None = None
+
+
+class _TarDamage(Exception):
+    """tarfile could not parse a header: ends the scan with ``reason``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+# What tarfile's header parsing raises on hostile input besides TarError: int() of garbage numbers,
+# nti() of cut blocks, GNU sparse maps, recursion on chained headers.
+_TAR_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeError, RecursionError)
+
+
+def _next_member(tf: tarfile.TarFile) -> tarfile.TarInfo | None:
+    try:
+        return tf.next()
+    except Refused as err:
+        raise _TarDamage(err.reason or "corrupt_tar", str(err)) from None
+    except tarfile.TarError:
+        raise
+    except _TAR_PARSE_ERRORS as err:
+        raise _TarDamage("corrupt_tar", f"unreadable tar header ({type(err).__name__}: {err})") from None
+
+
+def _human_size(n: int) -> str:
+    return f"{n} bytes ({n / (1 << 30):.2f} GiB)" if n >= 1 << 30 else f"{n} bytes"
 
 
 def _split_member(name: str) -> tuple[str | None, str]:
-    """(key, lower-case extension) the way webdataset groups members; key None if there is none."""
+    """(key, lower-case extension) the way webdataset groups members; key None if there is none.
+
+    The key may still break the key rules (e.g. ``../../evil``); the caller checks with key_problem.
+    """
     folder, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     if not dot or not stem:
@@ -546,29 +660,34 @@ def _finalize(group: _Group, patch_size: _PatchSize | None, check_values: bool) 
     latent, text = group.latent, group.text
     if latent is None:
         members = sorted(group.members.values())
-        group.fail("missing_latent", f"no '{group.key}.{_LATENT}' member (the sample has {members})")
+        group.fail(
+            "missing_latent",
+            f"no '{group.key}.{_LATENT}' member (the sample has {members})",
+            members[0] if members else None,
+        )
         return
     for npy, ndim, layout in ((latent, 4, "(C, T, H, W)"), (text, 2, "(L, D_text)")):
         if npy is None:
             continue
         problem = _dtype_problem(npy)
         if problem is not None:
-            group.fail("bad_dtype", problem)
+            group.fail("bad_dtype", problem, npy.member)
             return
         if len(npy.shape) != ndim:
             group.fail(
                 "bad_ndim",
                 f"{npy.member}: shape {list(npy.shape)} has {len(npy.shape)} dims, expected {ndim} {layout}",
+                npy.member,
             )
             return
     if min(latent.shape) < 1 or (text is not None and text.shape[1] < 1):
         bad = latent if min(latent.shape) < 1 else text
-        group.fail("bad_shape", f"{bad.member}: shape {list(bad.shape)} has an empty dimension")
+        group.fail("bad_shape", f"{bad.member}: shape {list(bad.shape)} has an empty dimension", bad.member)
         return
     if patch_size is not None:
         problem = _divisibility_problem(latent.shape, patch_size)
         if problem is not None:
-            group.fail("not_divisible", f"{latent.member}: {problem}")
+            group.fail("not_divisible", f"{latent.member}: {problem}", latent.member)
             return
     if check_values and group.mode == _DATA:
         for npy in (latent, text):
@@ -577,7 +696,9 @@ def _finalize(group: _Group, patch_size: _PatchSize | None, check_values: bool) 
             flat = _flat_array(npy)
             bad = _count_non_finite(flat)
             if bad:
-                group.fail("non_finite", f"{npy.member}: {bad} of {flat.size} values are NaN or Inf")
+                group.fail(
+                    "non_finite", f"{npy.member}: {bad} of {flat.size} values are NaN or Inf", npy.member
+                )
                 return
 
 
@@ -586,19 +707,26 @@ def _scan(
     mode_for: Callable[[str], int],
     patch_size: _PatchSize | None,
     check_values: bool,
+    max_member_bytes: int | None = None,
 ) -> Iterator[_Group | _Ignored | _ShardProblem]:
     """Stream one tar and yield its samples (checked) and what was ignored, in file order.
 
     ``mode_for(key)`` is asked when a sample starts: _SKIP passes it over unread, _HEADERS reads the
     .npy headers and the json, _DATA reads everything. Tar-level damage ends the scan with the open
     sample failed as ``truncated_tar``/``corrupt_tar`` (or a _ShardProblem when no sample is open).
+    A member is read only after its claimed size was checked against ``max_member_bytes`` (default
+    :data:`MAX_MEMBER_BYTES`) and, for local files, against the bytes the file holds.
     """
+    cap = MAX_MEMBER_BYTES if max_member_bytes is None else int(max_member_bytes)
     try:
         tf = src.open_tar()
     except OSError as err:  # a pipe or download that failed before the first block
         yield _ShardProblem("unreadable_shard", f"cannot read the shard ({err})", None)
         return
-    except tarfile.ReadError as err:
+    except Refused as err:
+        yield _ShardProblem(err.reason or "corrupt_tar", str(err), None)
+        return
+    except (tarfile.ReadError, *_TAR_PARSE_ERRORS) as err:
         if src.pos == 0:
             return  # a 0-byte file: an empty shard
         head = src.block_at(0, 4)
@@ -616,10 +744,18 @@ def _scan(
 
     seen: set[str] = set()
     group: _Group | None = None
+    last_offset = -1
     try:
-        while (info := tf.next()) is not None:
+        while (info := _next_member(tf)) is not None:
             tf.members = []  # tarfile would otherwise keep every TarInfo of the shard
-            if not info.isreg():
+            if info.size < 0 or info.offset <= last_offset:
+                # A pax "size" can be negative: tarfile would then read the same headers forever.
+                raise _TarDamage(
+                    "corrupt_tar", f"tar header of {info.name!r} at byte {info.offset} has size {info.size}"
+                )
+            last_offset = info.offset
+            sparse = info.sparse is not None or info.type == tarfile.GNUTYPE_SPARSE
+            if not info.isreg() and not sparse:
                 if group is None or group.mode != _SKIP:
                     yield _Ignored("non_file_member", info.name, None)
                 continue
@@ -632,61 +768,107 @@ def _scan(
                     _finalize(group, patch_size, check_values)
                     yield group
                 group = _Group(key=key, mode=mode_for(key))
-                if key in seen:
+                rule = key_problem(key) if group.mode != _SKIP else None
+                if rule is not None:  # such a sample is never read, only reported
+                    group.fail("bad_key", f"member {info.name!r}: key {key!r} {rule}", info.name)
+                elif key in seen:
                     group.fail(
-                        "duplicate_key", f"key {key!r} appears again at member {info.name!r} (non-contiguous)"
+                        "duplicate_key",
+                        f"key {key!r} appears again at member {info.name!r} (non-contiguous)",
+                        info.name,
                     )
                 seen.add(key)
             if group.mode == _SKIP:
                 continue
             if ext in group.members:
-                group.fail("duplicate_key", f"member {info.name!r} appears twice in the sample")
+                group.fail("duplicate_key", f"member {info.name!r} appears twice in the sample", info.name)
                 continue
             group.members[ext] = info.name
+            if sparse:
+                group.fail(
+                    "sparse_member",
+                    f"member {info.name!r} is a GNU sparse file (its data has holes); not read",
+                    info.name,
+                )
+                continue
             if ext.rsplit(".", 1)[-1] in _PICKLE_SUFFIXES:
                 yield _Ignored("pickle_member", info.name, key)
                 continue
+            if ext not in (_LATENT, _TEXT, _META):
+                yield _Ignored("unknown_extension", info.name, key)
+                continue
+            if group.problem is not None:
+                continue  # refused anyway: do not read the data
+            if info.size > cap:
+                group.fail(
+                    "member_too_large",
+                    f"member {info.name!r} claims {_human_size(info.size)}, more than max_member_bytes={cap}",
+                    info.name,
+                )
+                continue
+            if isinstance(src, _FileSource) and info.offset_data + info.size > src.pos:
+                group.fail(
+                    "truncated_tar",
+                    f"member {info.name!r} claims {_human_size(info.size)} but the file ends "
+                    f"{max(src.pos - info.offset_data, 0)} bytes after its header",
+                    info.name,
+                )
+                break  # no member can follow: the tar ends inside this one
             if ext in (_LATENT, _TEXT):
-                if group.problem is not None:
-                    continue  # refused anyway: do not read the data
                 try:
                     npy = _read_npy(src, tf, info, want_data=group.mode == _DATA)
                 except _NpyError as err:
-                    group.fail("bad_npy", str(err))
+                    group.fail("bad_npy", str(err), info.name)
                     continue
                 if ext == _LATENT:
                     group.latent = npy
                 else:
                     group.text = npy
-            elif ext == _META:
-                raw = src.read_member(tf, info)
+            else:
+                json_cap = _untrusted.MAX_JSON_BYTES
+                if info.size > json_cap:
+                    group.fail(
+                        "bad_json",
+                        f"{info.name}: {info.size} bytes, more than the {json_cap} allowed",
+                        info.name,
+                    )
+                    continue
                 try:
-                    meta = json.loads(raw.decode("utf-8"))
-                except (ValueError, UnicodeDecodeError) as err:
-                    group.fail("bad_json", f"{info.name}: JSON does not parse ({err})")
+                    meta = load_json(src.read_member(tf, info))
+                except Refused as err:
+                    group.fail("bad_json", f"{info.name}: JSON {err}", info.name)
                     continue
                 if not isinstance(meta, dict):
-                    group.fail("bad_json", f"{info.name}: JSON is a {type(meta).__name__}, not an object")
+                    group.fail(
+                        "bad_json", f"{info.name}: JSON is a {type(meta).__name__}, not an object", info.name
+                    )
                     continue
                 group.meta = meta
-            else:
-                yield _Ignored("unknown_extension", info.name, key)
-    except (tarfile.TarError, EOFError, OSError) as err:
-        detail = f"tar stream ends or breaks ({err})"
+    except (tarfile.TarError, EOFError, OSError, _TarDamage) as err:
+        if isinstance(err, _TarDamage):
+            reason, detail = err.reason, err.detail
+        else:
+            reason, detail = "truncated_tar", f"tar stream ends or breaks ({err})"
         if group is not None and group.mode != _SKIP:
-            group.fail("truncated_tar", detail)
+            group.fail(reason, detail)
             yield group
         else:  # a sample the caller does not read still must not hide the damage
-            yield _ShardProblem("truncated_tar", detail, None if group is None else group.key)
+            yield _ShardProblem(reason, detail, None if group is None else group.key)
             if group is not None:
                 yield group
         return
-    end = src.block_at(tf.offset, tarfile.BLOCKSIZE)
+    if group is not None and group.problem is not None and group.problem[0] == "truncated_tar":
+        yield group  # stopped inside a member that runs past the end of the file
+        return
+    end = src.block_at(tf.offset, 2 * tarfile.BLOCKSIZE)
     problem = None
     if len(end) < tarfile.BLOCKSIZE:
         problem = ("truncated_tar", f"the file ends at byte {src.pos} without the tar end-of-archive marker")
-    elif end.count(0) != tarfile.BLOCKSIZE:
+    elif end[: tarfile.BLOCKSIZE].count(0) != tarfile.BLOCKSIZE:
         problem = ("corrupt_tar", f"invalid tar header at byte {tf.offset}")
+    elif len(end) == 2 * tarfile.BLOCKSIZE and end[tarfile.BLOCKSIZE :].count(0) != tarfile.BLOCKSIZE:
+        # A lone zero block ends tarfile's reading; whatever follows would be hidden from the index.
+        problem = ("corrupt_tar", f"a lone zero block at byte {tf.offset} hides the members after it")
     if group is not None and group.mode != _SKIP:
         if problem is not None:
             # The last sample may have lost members after the cut: refuse it rather than guess.
@@ -747,57 +929,125 @@ class ShardInfo:
         self.text_lengths = [self.text_lengths[i] for i in keep]
 
 
-def _shard_info_from_json(entry: Any, i: int, source: str, root: str | None) -> ShardInfo:
-    where = f"index {source}: shards[{i}]"
-    fix = "rebuild it with `lightning-adaptiveload index <shards> --rebuild`"
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-        raise ValueError(f"{where}: must be an object with a string 'path'; {fix}")
-    keys = entry.get("keys")
-    shapes = entry.get("latent_shapes")
-    n = entry.get("num_samples", len(keys) if isinstance(keys, list) else None)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ValueError(f"{where}.keys: must be a list of strings; {fix}")
-    if not isinstance(shapes, list) or len(shapes) != len(keys) or n != len(keys):
-        raise ValueError(
-            f"{where}: num_samples ({n}), keys ({len(keys)}) and latent_shapes "
-            f"({len(shapes) if isinstance(shapes, list) else shapes!r}) disagree; {fix}"
-        )
+_MAX_DIM = (1 << 31) - 1  # no latent dimension or text length is larger; bigger numbers are damage
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # not bool, not float: JSON 1e999 or true must not pass as a number
+
+
+class _IndexProblem(Exception):
+    def __init__(self, where: str, detail: str, reason: str = "bad_index") -> None:
+        super().__init__(detail)
+        self.where, self.detail, self.reason = where, detail, reason
+
+
+def _int_list(value: Any, where: str, lo: int, hi: int, n: int | None = None) -> list[int]:
+    if not isinstance(value, list) or (n is not None and len(value) != n):
+        want = "a list" if n is None else f"a list of {n}"
+        raise _IndexProblem(where, f"must be {want} integers, got {_describe(value)}")
+    for v in value:
+        if not _is_int(v) or not lo <= v <= hi:
+            raise _IndexProblem(where, f"holds {_describe(v)}; expected integers in [{lo}, {hi}]")
+    return value
+
+
+def _describe(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _shard_info_from_json(
+    entry: Any,
+    i: int,
+    root: str | None,
+    allow_schemes: Collection[str] = (),
+    allow_outside: bool = False,
+) -> ShardInfo:
+    """One checked ``shards[i]`` entry; raises _IndexProblem naming the field and the rule."""
+    where = f"shards[{i}]"
+    if not isinstance(entry, dict):
+        raise _IndexProblem(where, f"must be an object, got {_describe(entry)}")
     try:
-        latent_shapes = [tuple(int(v) for v in s) for s in shapes]
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}.latent_shapes: must be lists of 4 integers; {fix}") from None
-    if any(len(s) != 4 for s in latent_shapes):
-        raise ValueError(f"{where}.latent_shapes: must be lists of 4 integers [C, T, H, W]; {fix}")
+        path = check_index_path(
+            entry.get("path"), root, allow_schemes=allow_schemes, allow_outside=allow_outside
+        )
+    except Refused as err:
+        raise _IndexProblem(f"{where}.path", str(err), err.reason or "bad_index") from None
+    keys = entry.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _IndexProblem(f"{where}.keys", f"must be a list of strings, got {_describe(keys)}")
+    n = entry.get("num_samples", len(keys))
+    if not _is_int(n) or n != len(keys):
+        raise _IndexProblem(f"{where}.num_samples", f"is {_describe(n)} but keys has {len(keys)} entries")
+    shapes = entry.get("latent_shapes")
+    if not isinstance(shapes, list) or len(shapes) != len(keys):
+        raise _IndexProblem(
+            f"{where}.latent_shapes",
+            f"num_samples ({n}), keys ({len(keys)}) and latent_shapes "
+            f"({len(shapes) if isinstance(shapes, list) else _describe(shapes)}) disagree",
+        )
+    for j, shape in enumerate(shapes):
+        _int_list(shape, f"{where}.latent_shapes[{j}]", 1, _MAX_DIM, 4)
     text_lengths = entry.get("text_lengths", [0] * len(keys))
-    if not isinstance(text_lengths, list) or len(text_lengths) != len(keys):
-        raise ValueError(f"{where}.text_lengths: must list one length per key; {fix}")
-    path = entry["path"]
-    if root is not None and not _is_url(path) and not os.path.isabs(path) and not path.startswith("file:"):
-        path = urllib.parse.urljoin(root, path) if _is_url(root) else os.path.join(root, path)
-    num_bytes = entry.get("bytes")
+    _int_list(text_lengths, f"{where}.text_lengths", 0, _MAX_DIM, len(keys))
+    num_bytes = entry.get("bytes", -1)
+    if num_bytes is None:
+        num_bytes = -1
+    if not _is_int(num_bytes) or not -1 <= num_bytes < 1 << 63:
+        raise _IndexProblem(f"{where}.bytes", f"is {_describe(num_bytes)}, not a file size in bytes")
+    skipped = entry.get("skipped", [])
+    if not isinstance(skipped, list):
+        raise _IndexProblem(f"{where}.skipped", f"must be a list, got {_describe(skipped)}")
+    for j, e in enumerate(skipped):
+        if (
+            not isinstance(e, dict)
+            or not (e.get("key") is None or isinstance(e.get("key"), str))
+            or not isinstance(e.get("reason"), str)
+            or not isinstance(e.get("detail", ""), str)
+        ):
+            raise _IndexProblem(
+                f"{where}.skipped[{j}]",
+                f"must be {{'key': str | null, 'reason': str, 'detail': str}}, got {_describe(e)}",
+            )
+    ignored = entry.get("ignored", {})
+    if not isinstance(ignored, dict) or not all(_is_int(v) and v >= 0 for v in ignored.values()):
+        raise _IndexProblem(f"{where}.ignored", f"must map reasons to counts, got {_describe(ignored)}")
     return ShardInfo(
-        path=_norm_path(path),
+        path=path,
         keys=list(keys),
-        latent_shapes=latent_shapes,  # type: ignore[arg-type]
-        text_lengths=[int(v) for v in text_lengths],
-        num_bytes=-1 if num_bytes is None else int(num_bytes),
-        skipped=list(entry.get("skipped", [])),
-        ignored=dict(entry.get("ignored", {})),
+        latent_shapes=[tuple(s) for s in shapes],  # type: ignore[misc]
+        text_lengths=list(text_lengths),
+        num_bytes=num_bytes,
+        skipped=[dict(e) for e in skipped],
+        ignored=dict(ignored),
     )
 
 
-def _read_bytes(path: str) -> bytes:
+def _read_bytes(path: str, limit: int) -> bytes:
+    """The content of a (local or remote) index file, refused beyond ``limit`` bytes."""
     if _is_url(path):
         if urllib.parse.urlparse(path).scheme in ("http", "https"):
             # Not gopen: its curl retries for a minute on a missing file.
             with urllib.request.urlopen(path, timeout=10) as resp:  # noqa: S310 - user-given data URL
-                return resp.read()
-        from webdataset.gopen import gopen
+                data = resp.read(limit + 1)
+        else:
+            from webdataset.gopen import gopen
 
-        with gopen(path, "rb") as f:
-            return f.read()
-    with open(path, "rb") as f:
-        return f.read()
+            with gopen(path, "rb") as f:
+                data = f.read(limit + 1)
+    else:
+        with _open_regular(path) as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ShardError(
+            path,
+            None,
+            f"the file is larger than max_index_bytes={limit}",
+            reason="bad_index",
+            hint="raise lightning_adaptiveload.untrusted.MAX_INDEX_BYTES if the index is genuine, else rebuild it",
+        )
+    return data
 
 
 @dataclass
@@ -919,44 +1169,99 @@ class ShardIndex:
         return path
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<dict>", root: str | None = None) -> ShardIndex:
-        """Validate and convert the ``index.json`` content; relative shard paths resolve against ``root``."""
-        if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
-            raise ValueError(f"index {source}: must be an object with a 'shards' list")
-        if data.get("version") != INDEX_VERSION:
-            raise ValueError(
-                f"index {source}: version {data.get('version')!r} is not supported (expected {INDEX_VERSION}); "
-                "rebuild it with `lightning-adaptiveload index <shards> --rebuild`"
-            )
-        shards = [_shard_info_from_json(e, i, source, root) for i, e in enumerate(data["shards"])]
+    def from_dict(
+        cls,
+        data: Any,
+        source: str = "<dict>",
+        root: str | None = None,
+        *,
+        allow_schemes: Collection[str] = (),
+        allow_outside: bool = False,
+    ) -> ShardIndex:
+        """Validate and convert the ``index.json`` content; relative shard paths resolve against ``root``.
+
+        Every field is type- and range-checked; shard paths follow the rules of :meth:`load` (with
+        ``root=None`` local paths are taken as given, as there is no folder to stay in).
+
+        Raises:
+            ShardError: ``bad_index`` or ``unsafe_index_path``, naming ``source`` and the entry.
+        """
+        if "pipe" in {str(s).lower() for s in allow_schemes}:
+            raise ValueError("allow_schemes cannot hold 'pipe': commands are never taken from an index")
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
+                raise _IndexProblem("shards", "the index must be an object with a 'shards' list")
+            if not _is_int(data.get("version")) or data.get("version") != INDEX_VERSION:
+                raise _IndexProblem(
+                    "version", f"version {data.get('version')!r} is not supported (expected {INDEX_VERSION})"
+                )
+            patch = data.get("patch_size")
+            if patch is not None:
+                _int_list(patch, "patch_size", 1, _MAX_DIM, 3)
+            if not isinstance(data.get("values_checked", False), bool):
+                raise _IndexProblem(
+                    "values_checked", f"must be true or false, got {_describe(data['values_checked'])}"
+                )
+            metadata = data.get("metadata") or {}
+            if not isinstance(metadata, dict):
+                raise _IndexProblem("metadata", f"must be an object, got {_describe(metadata)}")
+            shards = [
+                _shard_info_from_json(e, i, root, allow_schemes, allow_outside)
+                for i, e in enumerate(data["shards"])
+            ]
+        except _IndexProblem as err:
+            raise ShardError(source, None, err.detail, reason=err.reason, member=err.where) from None
         return cls(
             shards=shards,
-            patch_size=_check_patch(data.get("patch_size")),
-            values_checked=bool(data.get("values_checked", False)),
-            metadata=dict(data.get("metadata") or {}),
+            patch_size=_check_patch(patch),
+            values_checked=data.get("values_checked", False),
+            metadata=dict(metadata),
             source=source,
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> ShardIndex:
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        allow_schemes: Collection[str] = (),
+        allow_outside: bool = False,
+    ) -> ShardIndex:
         """Load an ``index.json`` (local path, ``file://`` or URL); relative shard paths resolve beside it.
+
+        An index is data, never a command: its shard paths may name files in its own folder (for a
+        remote index, URLs under its folder), nothing else unless you opt in. ``pipe:`` paths are
+        always refused; list such shards yourself (``for_paths(["pipe:..."])``, ``train_shards``).
+
+        Args:
+            path: the index file (a ``pipe:`` source you write is allowed here, as for shards).
+            allow_schemes: URL schemes an entry may name anywhere, e.g. ``["https", "s3"]``.
+            allow_outside: accept local paths (and same-scheme URLs) outside the index's folder.
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: the file is not a valid version-1 index; the message names the file and entry.
+            ShardError: (a ``ValueError``) ``bad_index`` when the file is not a valid version-1 index
+                (larger than :data:`~lightning_adaptiveload.untrusted.MAX_INDEX_BYTES`, nested too deep,
+                wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
+                message names the file and the entry.
         """
         text = os.fspath(path)
         if not _is_url(text):
             text = _norm_path(text)
-        raw = _read_bytes(text)
+        raw = _read_bytes(text, _untrusted.MAX_INDEX_BYTES)
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ValueError(
-                f"index {text}: not valid JSON ({err}); rebuild it with `lightning-adaptiveload index <shards> --rebuild`"
-            ) from None
-        root = text.rsplit("/", 1)[0] + "/" if _is_url(text) else os.path.dirname(text)
-        return cls.from_dict(data, source=text, root=root)
+            data = load_json(raw)
+        except Refused as err:
+            raise ShardError(text, None, f"not valid JSON: the file {err}", reason="bad_index") from None
+        if not _is_url(text):
+            root = os.path.dirname(text)
+        elif urllib.parse.urlparse(text).scheme in urllib.parse.uses_relative:
+            root = text.rsplit("/", 1)[0] + "/"
+        else:  # e.g. an index read through a pipe: has no folder; relative paths mean the working directory
+            root = os.getcwd()
+        return cls.from_dict(
+            data, source=text, root=root, allow_schemes=allow_schemes, allow_outside=allow_outside
+        )
 
     # -- building ----------------------------------------------------------------------------------------
 
@@ -970,6 +1275,7 @@ class ShardIndex:
         on_error: str = "raise",
         check_values: bool = True,
         num_workers: int = 1,
+        max_member_bytes: int | None = None,
     ) -> ShardIndex:
         """Index shards in one streaming pass, checking every sample.
 
@@ -984,6 +1290,8 @@ class ShardIndex:
                 sample (or shard) out, record it in ``ShardInfo.skipped`` and log a warning.
             check_values: also check that every latent and text array is finite (reads all data).
             num_workers: shards indexed in parallel (threads; helps with remote shards).
+            max_member_bytes: the largest member read (``member_too_large`` beyond it); None:
+                :data:`MAX_MEMBER_BYTES`.
 
         Returns:
             The index; shard order is the order of ``paths``.
@@ -994,7 +1302,9 @@ class ShardIndex:
         _check_on_error(on_error)
         patch = _check_patch(patch_size)
         shard_paths = expand_paths(paths)
-        infos = _index_shards(shard_paths, patch, on_error, check_values, progress, num_workers)
+        infos = _index_shards(
+            shard_paths, patch, on_error, check_values, progress, num_workers, max_member_bytes
+        )
         index = cls(shards=infos, patch_size=patch, values_checked=check_values)
         _check_cross_duplicates(index.shards, on_error)
         _report(index, on_error)
@@ -1012,6 +1322,9 @@ class ShardIndex:
         save: bool | str | os.PathLike = False,
         index_path: str | os.PathLike | None = None,
         num_workers: int = 1,
+        max_member_bytes: int | None = None,
+        allow_schemes: Collection[str] = (),
+        allow_outside: bool = False,
     ) -> ShardIndex:
         """The index of these shards: from ``index.json`` beside them where it covers them, else built.
 
@@ -1032,6 +1345,11 @@ class ShardIndex:
                 directory), or a path to write it to.
             index_path: an index file to use instead of looking beside the shards.
             num_workers: shards indexed in parallel when building.
+            max_member_bytes: see :meth:`build`.
+            allow_schemes, allow_outside: what the shard paths of a loaded index may name (see
+                :meth:`load`). An index found beside the shards that breaks these rules (or is damaged)
+                is ignored with a warning and the shards are indexed again; one you name (an
+                ``index.json`` as ``paths_or_pattern``, or ``index_path``) raises.
 
         Returns:
             The index, shard order as given.
@@ -1044,10 +1362,10 @@ class ShardIndex:
         given = os.fspath(paths_or_pattern) if isinstance(paths_or_pattern, str | os.PathLike) else None
         if index_path is None and given is not None and given.endswith(".json") and "{" not in given:
             index_path = given
-            shard_paths = cls.load(given).paths
+            shard_paths = cls.load(given, allow_schemes=allow_schemes, allow_outside=allow_outside).paths
         else:
             shard_paths = expand_paths(paths_or_pattern)
-        known = _load_indexes(shard_paths, index_path)
+        known = _load_indexes(shard_paths, index_path, allow_schemes, allow_outside)
         infos: list[ShardInfo | None] = []
         todo: list[int] = []
         for i, path in enumerate(shard_paths):
@@ -1065,7 +1383,13 @@ class ShardIndex:
                     len(todo),
                 )
             built = _index_shards(
-                [shard_paths[i] for i in todo], patch, on_error, check_values, progress, num_workers
+                [shard_paths[i] for i in todo],
+                patch,
+                on_error,
+                check_values,
+                progress,
+                num_workers,
+                max_member_bytes,
             )
             for i, info in zip(todo, built):
                 infos[i] = info
@@ -1098,7 +1422,10 @@ class ShardIndex:
 
 
 def _load_indexes(
-    shard_paths: list[str], index_path: str | os.PathLike | None
+    shard_paths: list[str],
+    index_path: str | os.PathLike | None,
+    allow_schemes: Collection[str] = (),
+    allow_outside: bool = False,
 ) -> dict[str, tuple[ShardInfo, ShardIndex]]:
     """Entries of the index files that may cover ``shard_paths``: normalised path -> (entry, its index)."""
     if index_path is not None:
@@ -1121,7 +1448,7 @@ def _load_indexes(
                 raise FileNotFoundError(f"index file {cand} does not exist")
             continue
         try:
-            idx = ShardIndex.load(cand)
+            idx = ShardIndex.load(cand, allow_schemes=allow_schemes, allow_outside=allow_outside)
         except (OSError, ValueError) as err:
             if index_path is not None:
                 raise
@@ -1165,12 +1492,18 @@ def _usable(
     )
 
 
-def _index_one(path: str, patch: _PatchSize | None, on_error: str, check_values: bool) -> ShardInfo:
+def _index_one(
+    path: str,
+    patch: _PatchSize | None,
+    on_error: str,
+    check_values: bool,
+    max_member_bytes: int | None = None,
+) -> ShardInfo:
     info = ShardInfo(path=path, keys=[], latent_shapes=[], text_lengths=[], num_bytes=0)
 
-    def problem(reason: str, key: str | None, detail: str) -> None:
+    def problem(reason: str, key: str | None, detail: str, member: str | None = None) -> None:
         if on_error == "raise":
-            raise ShardError(path, key, detail, reason=reason)
+            raise ShardError(path, key, detail, reason=reason, member=member)
         info.skipped.append({"key": key, "reason": reason, "detail": detail})
 
     try:
@@ -1186,11 +1519,11 @@ def _index_one(path: str, patch: _PatchSize | None, on_error: str, check_values:
     finished = damaged = False
     mode = _DATA if check_values else _HEADERS
     try:
-        for event in _scan(src, lambda key: mode, patch, check_values):
+        for event in _scan(src, lambda key: mode, patch, check_values, max_member_bytes):
             if isinstance(event, _Group):
                 groups += 1
                 if event.problem is not None:
-                    problem(event.problem[0], event.key, event.problem[1])
+                    problem(event.problem[0], event.key, event.problem[1], event.problem_member)
                     continue
                 assert event.latent is not None
                 info.keys.append(event.key)
@@ -1199,12 +1532,15 @@ def _index_one(path: str, patch: _PatchSize | None, on_error: str, check_values:
             elif isinstance(event, _Ignored):
                 if event.reason == "pickle_member" and on_error == "raise":
                     problem(
-                        "pickle_member", event.key, f"member {event.member!r} is a pickle; refused, not read"
+                        "pickle_member",
+                        event.key,
+                        f"member {event.member!r} is a pickle; refused, not read",
+                        event.member,
                     )
                 info.ignored[event.reason] = info.ignored.get(event.reason, 0) + 1
             else:
                 damaged = True
-                problem(event.reason, event.key, event.detail)
+                problem(event.reason, event.key, event.detail, event.member)
         finished = True
         try:
             info.num_bytes = src.drain()
@@ -1227,17 +1563,22 @@ def _index_shards(
     check_values: bool,
     progress: bool,
     num_workers: int,
+    max_member_bytes: int | None = None,
 ) -> list[ShardInfo]:
     bar = tqdm(total=len(paths), unit="shard", desc="indexing shards", disable=not progress)
     out: list[ShardInfo] = []
     samples = 0
     try:
         if num_workers <= 1:
-            results: Iterable[ShardInfo] = (_index_one(p, patch, on_error, check_values) for p in paths)
+            results: Iterable[ShardInfo] = (
+                _index_one(p, patch, on_error, check_values, max_member_bytes) for p in paths
+            )
             pool = None
         else:
             pool = ThreadPoolExecutor(max_workers=num_workers)
-            results = pool.map(lambda p: _index_one(p, patch, on_error, check_values), paths)
+            results = pool.map(
+                lambda p: _index_one(p, patch, on_error, check_values, max_member_bytes), paths
+            )
         try:
             for info in results:
                 out.append(info)
@@ -1322,6 +1663,7 @@ def iter_shard(
     *,
     keys: Sequence[str] | None = None,
     patch_size: Sequence[int] | None = _DEFAULT_PATCH,
+    max_member_bytes: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Stream one shard in file order and yield its decoded samples.
 
@@ -1345,6 +1687,8 @@ def iter_shard(
         stats: a dict updated in place with counts by reason (skipped samples, ``empty_shard``, ignored
             members such as ``unknown_extension``).
         patch_size: (pt, ph, pw) the latent must be divisible by, or None.
+        max_member_bytes: the largest member (bytes) read; a larger claim is refused
+            (``member_too_large``) before anything is allocated. None: :data:`MAX_MEMBER_BYTES`.
 
     Yields:
         ``{"__key__": str, "__shard__": str, "__ref__": (shard_id, sample_id),
@@ -1383,9 +1727,9 @@ def iter_shard(
             return _DATA if sid is not None and sid in remaining else _SKIP
         return _DATA if wanted is None or state["count"] in wanted else _HEADERS
 
-    def problem(reason: str, key: str | None, detail: str) -> None:
+    def problem(reason: str, key: str | None, detail: str, member: str | None = None) -> None:
         if on_error == "raise":
-            raise ShardError(label, key, detail, reason=reason)
+            raise ShardError(label, key, detail, reason=reason, member=member)
         counts[reason] = counts.get(reason, 0) + 1
         log.warning(
             "skipped %s in shard %s: %s (%s)",
@@ -1407,20 +1751,23 @@ def iter_shard(
     finished = False  # read to the end or to the last wanted sample, without an exception
     groups = 0
     damaged = False
-    scan = _scan(src, mode_for, patch, True)
+    scan = _scan(src, mode_for, patch, True, max_member_bytes)
     try:
         for event in scan:
             if isinstance(event, _Ignored):
                 if event.reason == "pickle_member":
                     problem(
-                        "pickle_member", event.key, f"member {event.member!r} is a pickle; refused, not read"
+                        "pickle_member",
+                        event.key,
+                        f"member {event.member!r} is a pickle; refused, not read",
+                        event.member,
                     )
                 else:
                     counts[event.reason] = counts.get(event.reason, 0) + 1
                 continue
             if isinstance(event, _ShardProblem):
                 damaged = True
-                problem(event.reason, event.key, event.detail)
+                problem(event.reason, event.key, event.detail, event.member)
                 continue
             groups += 1
             if event.mode == _SKIP:
@@ -1429,7 +1776,7 @@ def iter_shard(
                 sid = key_pos[event.key]
                 remaining.discard(sid)  # type: ignore[union-attr]
             if event.problem is not None:
-                problem(event.problem[0], event.key, event.problem[1])
+                problem(event.problem[0], event.key, event.problem[1], event.problem_member)
             else:
                 if key_pos is None:
                     sid = state["count"]
@@ -1479,8 +1826,6 @@ def iter_shard(
 # ----------------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------------
-
-_KEY_FORBIDDEN = re.compile(r"[./\\\x00-\x1f\x7f]")
 
 
 def _tar_size(data_len: int) -> int:
@@ -1643,11 +1988,9 @@ class ShardWriter:
         """
         if self._index is not None:
             raise RuntimeError("ShardWriter is closed")
-        if not isinstance(key, str) or not key or _KEY_FORBIDDEN.search(key) or key.startswith("__"):
-            raise ValueError(
-                f"key {key!r} is invalid: keys are non-empty strings without '.', '/', '\\' or control "
-                "characters, not starting with '__'"
-            )
+        rule = key_problem(key)
+        if rule is not None:  # the reader applies the same rules (untrusted.key_problem)
+            raise ValueError(f"key {key!r} is invalid: it {rule}")
         if key in self._keys:
             raise ValueError(f"key {key!r} was already written; keys must be unique across all shards")
         lat = _as_float_array(latent, "latent", key, 4, "4 (C, T, H, W)")

@@ -17,6 +17,7 @@ import torch
 from lightning_adaptiveload import shards as shards_mod
 from lightning_adaptiveload.mixes import available_mixes, load_mix
 from lightning_adaptiveload.shards import (
+    ShardError,
     ShardIndex,
     ShardWriter,
     expand_paths,
@@ -333,10 +334,12 @@ def test_index_save_load_round_trip_and_relative_paths(tmp_path):
     moved = ShardIndex.load(tmp_path / "b" / "index.json")
     assert moved.paths == [str(tmp_path / "b" / os.path.basename(p)) for p in written.paths]
     assert [x["__key__"] for x in _read_all(moved)] == [s["key"] for s in _samples()]
-    # saved elsewhere, paths outside the index's folder stay absolute
+    # saved elsewhere, paths outside the index's folder stay absolute; loading them needs an opt-in
     (tmp_path / "c").mkdir()
     moved.save(tmp_path / "c" / "elsewhere.json")
-    assert ShardIndex.load(tmp_path / "c" / "elsewhere.json").paths == moved.paths
+    with pytest.raises(ShardError, match="unsafe_index_path"):
+        ShardIndex.load(tmp_path / "c" / "elsewhere.json")
+    assert ShardIndex.load(tmp_path / "c" / "elsewhere.json", allow_outside=True).paths == moved.paths
     assert json.loads((tmp_path / "c" / "elsewhere.json").read_text())["shards"][0]["path"] == moved.paths[0]
 
 
