@@ -101,6 +101,7 @@ class PlannedShardDataset(IterableDataset):
         max_buffered_samples: see :func:`plan_epoch`.
         lockstep_tolerance: see :func:`plan_epoch`.
         fixed_epoch: plan this epoch number every time (validation), or None.
+        max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
     """
 
     def __init__(
@@ -114,10 +115,12 @@ class PlannedShardDataset(IterableDataset):
         max_buffered_samples: int | None = None,
         lockstep_tolerance: float = 0.05,
         fixed_epoch: int | None = None,
+        max_member_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.max_member_bytes = max_member_bytes
         self.index = index
         self.batcher = batcher
         self.schedule = schedule
@@ -243,6 +246,7 @@ class PlannedShardDataset(IterableDataset):
                     on_error=self.on_error,
                     stats=stats,
                     patch_size=patch,
+                    max_member_bytes=self.max_member_bytes,
                 )
             for sample in it:
                 r2 = (int(sample["__ref__"][0]), int(sample["__ref__"][1]))
@@ -406,6 +410,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         max_buffered_samples: samples a worker may hold decoded (independent mode); None: automatic.
         lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
         pin_memory: DataLoader ``pin_memory``.
+        max_member_bytes: the largest shard member read, in bytes; a larger claim is refused
+            (``member_too_large``) before anything is allocated. None: ``shards.MAX_MEMBER_BYTES`` (1 GiB).
+        index_allow_schemes: URL schemes the shard paths in an ``index.json`` may name (e.g.
+            ``["https"]``); by default an index names files in its own folder only, never ``pipe:``
+            (a ``pipe:`` source is taken only from ``train_shards``/``val_shards`` themselves).
+        index_allow_outside: let an ``index.json`` name local shards outside its folder.
 
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
@@ -434,6 +444,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         max_buffered_samples: int | None = None,
         lockstep_tolerance: float = 0.05,
         pin_memory: bool = False,
+        max_member_bytes: int | None = None,
+        index_allow_schemes: list[str] | None = None,
+        index_allow_outside: bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -453,6 +466,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.pin_memory = bool(pin_memory)
+        self.max_member_bytes = max_member_bytes
+        # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
+        self._index_trust = {
+            "allow_schemes": tuple(index_allow_schemes or ()),
+            "allow_outside": bool(index_allow_outside),
+            "max_member_bytes": max_member_bytes,
+        }
         self.patch_size = tuple(int(x) for x in patch_size)
         # Validates the batcher settings now, before any data is touched.
         self.batcher = DualConstraintBatcher(
@@ -514,6 +534,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     patch_size=self.patch_size,
                     on_error=self.on_error,
                     save=os.path.join(folder, INDEX_NAME),
+                    **self._index_trust,
                 )
 
     def setup(self, stage: str | None = None) -> None:
@@ -523,12 +544,20 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         rank, world = _dist.rank_and_world(self.trainer)
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = ShardIndex.for_paths(
-                self.train_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
+                self.train_shards,
+                patch_size=self.patch_size,
+                on_error=self.on_error,
+                progress=rank == 0,
+                **self._index_trust,
             )
             self.train_dataset = self._dataset(self.train_index, self.schedule)
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = ShardIndex.for_paths(
-                self.val_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
+                self.val_shards,
+                patch_size=self.patch_size,
+                on_error=self.on_error,
+                progress=rank == 0,
+                **self._index_trust,
             )
             self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
         for ds in (self.train_dataset, self.val_dataset):
@@ -546,6 +575,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             max_buffered_samples=self.max_buffered_samples,
             lockstep_tolerance=self.lockstep_tolerance,
             fixed_epoch=fixed_epoch,
+            max_member_bytes=self.max_member_bytes,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
