@@ -1024,21 +1024,33 @@ def _shard_info_from_json(
     )
 
 
+def _read_capped(f, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``f``, in chunks: ``read(n)`` would allocate n bytes up front."""
+    chunks, got = [], 0
+    while got <= limit:
+        chunk = f.read(min(_STREAM_CHUNK, limit + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def _read_bytes(path: str, limit: int) -> bytes:
     """The content of a (local or remote) index file, refused beyond ``limit`` bytes."""
     if _is_url(path):
         if urllib.parse.urlparse(path).scheme in ("http", "https"):
             # Not gopen: its curl retries for a minute on a missing file.
             with urllib.request.urlopen(path, timeout=10) as resp:  # noqa: S310 - user-given data URL
-                data = resp.read(limit + 1)
+                data = _read_capped(resp, limit)
         else:
             from webdataset.gopen import gopen
 
             with gopen(path, "rb") as f:
-                data = f.read(limit + 1)
+                data = _read_capped(f, limit)
     else:
         with _open_regular(path) as f:
-            data = f.read(limit + 1)
+            data = _read_capped(f, limit)
     if len(data) > limit:
         raise ShardError(
             path,
@@ -1250,7 +1262,7 @@ class ShardIndex:
             text = _norm_path(text)
         raw = _read_bytes(text, _untrusted.MAX_INDEX_BYTES)
         try:
-            data = load_json(raw)
+            data = load_json(raw, finite=False)  # a 1e999 is then named by the field check
         except Refused as err:
             raise ShardError(text, None, f"not valid JSON: the file {err}", reason="bad_index") from None
         if not _is_url(text):

@@ -284,8 +284,11 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def load_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse strict JSON: UTF-8, nesting at most ``max_depth``, no NaN/Infinity, finite numbers.
+def load_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, finite: bool = True) -> Any:
+    """Parse strict JSON: UTF-8, nesting at most ``max_depth``, no NaN/Infinity literals.
+
+    With ``finite`` a number beyond the float range (``1e999``) is refused too; without, it becomes
+    ``inf`` and the caller's type checks name the field that holds it.
 
     Raises:
         Refused: too deep (``json.loads`` would recurse), not UTF-8, or not JSON.
@@ -294,7 +297,11 @@ def load_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if depth > max_depth:
         raise Refused(f"nests {depth} levels deep (at most {max_depth})")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float if finite else float,
+        )
     except UnicodeDecodeError as err:
         raise Refused(f"does not parse: not UTF-8 ({err})") from None
     except (ValueError, RecursionError) as err:  # ValueError covers JSONDecodeError and huge integers
