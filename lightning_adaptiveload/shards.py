@@ -174,7 +174,7 @@ class ShardError(ValueError):
                 where = f"index {self.shard}"
             else:
                 where = f"shard {self.shard}" + (f", key {key!r}" if key is not None else " (whole shard)")
-            if member is not None:
+            if member is not None and member not in (problem or ""):  # details often name it already
                 where += f", member {member!r}"
             message = f"{where}: {problem}" + (f" [{reason}]" if reason else "")
             if self.hint:
