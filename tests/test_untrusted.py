@@ -88,7 +88,7 @@ def _assert_names(err: ShardError, shard: str, member: str | None, reason: str, 
     assert err.shard == shard and shard in message, message
     assert err.reason == reason and f"[{reason}]" in message and REASONS[reason] in message, message
     if member is not None:
-        assert err.member == member and member in message, message
+        assert err.member == member and (member in message or repr(member) in message), message
     assert words in message, message
 
 
