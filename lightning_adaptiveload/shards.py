@@ -474,6 +474,11 @@ class _StreamSource:
         # The stream's length is unknown: read in bounded chunks, so that memory follows the bytes
         # that actually arrive, never the size the header claims.
         f = tf.extractfile(info)
+        if info.size <= _STREAM_CHUNK:  # the usual latent: one buffer, one copy, as large as a chunk at most
+            buf = bytearray(info.size)
+            if f.readinto(buf) != info.size:
+                raise tarfile.ReadError(f"unexpected end of data in {info.name}")
+            return buf
         chunks, got = [], 0
         while got < info.size:
             chunk = f.read(min(_STREAM_CHUNK, info.size - got))
