@@ -855,8 +855,13 @@ def _scan(
         else:
             reason, detail = "truncated_tar", f"tar stream ends or breaks ({err})"
         if group is not None and group.mode != _SKIP:
+            earlier = group.problem
             group.fail(reason, detail)
             yield group
+            if earlier is not None and earlier[0] != reason:
+                # The sample failed for its own reason first; the damage that ends the shard (and may
+                # hide later samples) is still counted.
+                yield _ShardProblem(reason, detail, group.key)
         else:  # a sample the caller does not read still must not hide the damage
             yield _ShardProblem(reason, detail, None if group is None else group.key)
             if group is not None:
@@ -957,6 +962,14 @@ def _int_list(value: Any, where: str, lo: int, hi: int, n: int | None = None) ->
     return value
 
 
+def _all_ints_in(rows: list, lo: int, hi: int, n: int) -> bool:
+    """True when every row is a list of ``n`` ints in [lo, hi] (one pass over the flattened values)."""
+    if not all(type(r) is list and len(r) == n for r in rows):
+        return False
+    flat = [v for r in rows for v in r]
+    return not flat or (set(map(type, flat)) == {int} and lo <= min(flat) and max(flat) <= hi)
+
+
 def _describe(v: Any) -> str:
     text = repr(v)
     return f"{type(v).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
@@ -992,10 +1005,12 @@ def _shard_info_from_json(
             f"num_samples ({n}), keys ({len(keys)}) and latent_shapes "
             f"({len(shapes) if isinstance(shapes, list) else _describe(shapes)}) disagree",
         )
-    for j, shape in enumerate(shapes):
-        _int_list(shape, f"{where}.latent_shapes[{j}]", 1, _MAX_DIM, 4)
+    if not _all_ints_in(shapes, 1, _MAX_DIM, 4):  # the fast check; the loop names the bad one
+        for j, shape in enumerate(shapes):
+            _int_list(shape, f"{where}.latent_shapes[{j}]", 1, _MAX_DIM, 4)
     text_lengths = entry.get("text_lengths", [0] * len(keys))
-    _int_list(text_lengths, f"{where}.text_lengths", 0, _MAX_DIM, len(keys))
+    if not (isinstance(text_lengths, list) and _all_ints_in([text_lengths], 0, _MAX_DIM, len(keys))):
+        _int_list(text_lengths, f"{where}.text_lengths", 0, _MAX_DIM, len(keys))
     num_bytes = entry.get("bytes", -1)
     if num_bytes is None:
         num_bytes = -1

@@ -576,3 +576,57 @@ def test_gnu_tar_sparse_file_is_named_as_such(tmp_path, fmt):
     assert err.value.reason == "sparse_member" and err.value.member == "b.latent.npy", str(err.value)
     index = ShardIndex.build(str(shard), progress=False, on_error="skip")
     assert index.shards[0].keys == ["a"] and index.counts() == {"sparse_member": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# The bounded parsers against references
+# ------------------------------------------------------------------------------------------------
+
+
+def _depth(obj) -> int:
+    if isinstance(obj, list):
+        return 1 + max((_depth(x) for x in obj), default=0)
+    if isinstance(obj, dict):
+        return 1 + max((_depth(x) for x in obj.values()), default=0)
+    return 0
+
+
+def test_json_depth_ignores_brackets_and_escapes_inside_strings():
+    import random
+
+    rng = random.Random(0)
+    tricky = ["[", "]", "{", '\\"', '"', "\\", "\\\\", "\n", "é", "x"]
+
+    def gen(level: int):
+        r = rng.random()
+        if level > 80 or r < 0.3:
+            return "".join(rng.choice(tricky) for _ in range(rng.randrange(6)))
+        if r < 0.65:
+            return [gen(level + 1) for _ in range(rng.randrange(4))]
+        return {
+            "".join(rng.choice(tricky) for _ in range(3)): gen(level + 1) for _ in range(rng.randrange(3))
+        }
+
+    for _ in range(2000):
+        obj = gen(0)
+        raw = json.dumps(obj, ensure_ascii=rng.random() < 0.5).encode()
+        got = untrusted.json_depth(raw)
+        # exact above the cap; below it an upper bound that stays under the cap is enough
+        assert got == _depth(obj) or (_depth(obj) <= got <= untrusted.MAX_JSON_DEPTH), raw[:120]
+
+
+def test_npy_header_parser_agrees_with_numpy_on_what_numpy_writes():
+    for arr in (
+        np.zeros((4, 1, 2, 2), np.float16),
+        np.zeros((3,), ">f4"),
+        np.zeros((), np.float32),
+        np.asfortranarray(np.zeros((2, 3), np.float64)),
+        np.zeros((2, 2), [("a", "<f4"), ("b", "<i2", (2,))]),
+    ):
+        raw = _npy(arr)
+        header_len = int.from_bytes(raw[8:10], "little")
+        dtype, descr, fortran, shape = untrusted.parse_npy_header(raw[10 : 10 + header_len], 1)
+        assert shape == arr.shape and fortran == (arr.flags.f_contiguous and not arr.flags.c_contiguous)
+        assert (
+            (dtype == arr.dtype) if arr.dtype.fields is None else (dtype is None and isinstance(descr, list))
+        )
