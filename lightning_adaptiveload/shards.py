@@ -789,18 +789,18 @@ def _scan(
                 group.fail("duplicate_key", f"member {info.name!r} appears twice in the sample", info.name)
                 continue
             group.members[ext] = info.name
+            if ext.rsplit(".", 1)[-1] in _PICKLE_SUFFIXES:
+                yield _Ignored("pickle_member", info.name, key)
+                continue
+            if ext not in (_LATENT, _TEXT, _META):
+                yield _Ignored("unknown_extension", info.name, key)
+                continue
             if sparse:
                 group.fail(
                     "sparse_member",
                     f"member {info.name!r} is a GNU sparse file (its data has holes); not read",
                     info.name,
                 )
-                continue
-            if ext.rsplit(".", 1)[-1] in _PICKLE_SUFFIXES:
-                yield _Ignored("pickle_member", info.name, key)
-                continue
-            if ext not in (_LATENT, _TEXT, _META):
-                yield _Ignored("unknown_extension", info.name, key)
                 continue
             if group.problem is not None:
                 continue  # refused anyway: do not read the data
@@ -1187,6 +1187,15 @@ class ShardIndex:
         folder = os.path.dirname(path)
         data = self.to_dict(relative_to=folder)
         shards = data.pop("shards")
+        outside = [e["path"] for e in shards if os.path.isabs(e["path"]) or _is_url(e["path"])]
+        if outside:
+            log.warning(
+                "index %s names %d shards outside its folder (e.g. %s); loading it will need "
+                "allow_outside=True or allow_schemes=[...]",
+                path,
+                len(outside),
+                outside[0],
+            )
         head = json.dumps(data)[:-1]
         # One shard per line: readable and diffable, still compact for large data sets.
         body = ",\n".join(json.dumps(s, separators=(",", ":")) for s in shards)
