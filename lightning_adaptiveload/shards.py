@@ -14,7 +14,9 @@ uses it when it covers the shards (else builds it).
 
 Untrusted data: nothing is ever unpickled. ``.npy`` headers are parsed without touching the data and
 object dtypes are refused; members with pickle extensions (``.pth``, ``.pt``, ``.pyd``, ``.pkl``,
-``.pickle``, ``.ckpt``) are refused without being read.
+``.pickle``, ``.ckpt``) are refused without being read. No size a file claims is allocated before it is
+checked, an index never names a command or a file outside its folder, and every parser is bounded
+(:mod:`lightning_adaptiveload.untrusted`; threat model in ``docs/reliability.md``).
 
 Bad input gives a :class:`ShardError` naming the shard, the key and the problem (``on_error="raise"``,
 the default) or, under ``on_error="skip"``, a skip that is recorded in the index
@@ -1023,12 +1025,12 @@ def _shard_info_from_json(
         if (
             not isinstance(e, dict)
             or not (e.get("key") is None or isinstance(e.get("key"), str))
-            or not isinstance(e.get("reason"), str)
+            or e.get("reason") not in REASONS
             or not isinstance(e.get("detail", ""), str)
         ):
             raise _IndexProblem(
                 f"{where}.skipped[{j}]",
-                f"must be {{'key': str | null, 'reason': str, 'detail': str}}, got {_describe(e)}",
+                f"must be {{'key': str | null, 'reason': <a reason of REASONS>, 'detail': str}}, got {_describe(e)}",
             )
     ignored = entry.get("ignored", {})
     if not isinstance(ignored, dict) or not all(_is_int(v) and v >= 0 for v in ignored.values()):

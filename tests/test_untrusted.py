@@ -436,6 +436,7 @@ INDEX_CASES = {
     "bytes_string": ({"bytes": "20480"}, "shards[0].bytes"),
     "skipped_int": ({"skipped": 5}, "shards[0].skipped"),
     "skipped_bad_entry": ({"skipped": [{"key": 3, "reason": "x"}]}, "shards[0].skipped[0]"),
+    "skipped_unknown_reason": ({"skipped": [{"key": "k9", "reason": "zzz"}]}, "shards[0].skipped[0]"),
     "ignored_list": ({"ignored": [1]}, "shards[0].ignored"),
     "keys_dict": ({"keys": {"a": 1}}, "shards[0].keys"),
     "num_samples_bool": ({"num_samples": True}, "shards[0].num_samples"),
