@@ -217,6 +217,14 @@ def test_index_options_widen_what_it_may_name(dataset, tmp_path):
     assert ShardIndex.load(index).paths[0] == str(dataset / "shard-000000.tar")
 
 
+def test_saving_an_index_that_names_shards_elsewhere_warns(dataset, tmp_path, caplog):
+    index = ShardIndex.load(dataset / "index.json")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        index.save(tmp_path / "elsewhere.json")
+    assert "allow_outside=True" in caplog.text
+    assert ShardIndex.load(tmp_path / "elsewhere.json", allow_outside=True).paths == index.paths
+
+
 @pytest.mark.parametrize(
     "value, ok",
     [
