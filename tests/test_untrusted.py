@@ -219,10 +219,11 @@ def test_index_options_widen_what_it_may_name(dataset, tmp_path):
 
 def test_saving_an_index_that_names_shards_elsewhere_warns(dataset, tmp_path, caplog):
     index = ShardIndex.load(dataset / "index.json")
+    (tmp_path / "other").mkdir()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        index.save(tmp_path / "elsewhere.json")
+        index.save(tmp_path / "other" / "elsewhere.json")
     assert "allow_outside=True" in caplog.text
-    assert ShardIndex.load(tmp_path / "elsewhere.json", allow_outside=True).paths == index.paths
+    assert ShardIndex.load(tmp_path / "other" / "elsewhere.json", allow_outside=True).paths == index.paths
 
 
 @pytest.mark.parametrize(
