@@ -546,6 +546,15 @@ def _finalize(group: _Group, patch_size: _PatchSize | None, check_values: bool) 
     latent, text = group.latent, group.text
     if latent is None:
         members = sorted(group.members.values())
+        dotted = [m for e, m in sorted(group.members.items()) if e.endswith("." + _LATENT)]
+        if dotted:  # webdataset's key ends at the first dot: 'clip.v1.latent.npy' is key 'clip'
+            group.fail(
+                "missing_latent",
+                f"member {dotted[0]!r} has a dot in its key: keys cannot contain dots (the key ends at the "
+                f"first dot, so this is key {group.key!r} with extension "
+                f"{dotted[0].rsplit('/', 1)[-1].partition('.')[2]!r}); rename the sample's members without it",
+            )
+            return
         group.fail("missing_latent", f"no '{group.key}.{_LATENT}' member (the sample has {members})")
         return
     for npy, ndim, layout in ((latent, 4, "(C, T, H, W)"), (text, 2, "(L, D_text)")):
