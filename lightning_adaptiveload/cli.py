@@ -182,10 +182,11 @@ def _check_before_fit(trainer: Any, datamodule: Any) -> None:
 def _report_outputs(trainer: Any, datamodule: Any) -> None:
     """Print (rank 0) where the logs, the load-balance files, the saved config and the synthetic data are,
     and the planned balance of this run beside the ``equal_tokens`` / ``independent`` baseline."""
+    # trainer.log_dir broadcasts from rank 0: every rank asks.
+    log_dir = trainer.log_dir or trainer.default_root_dir
     if not getattr(trainer, "is_global_zero", True):
         return
     lines = ["", "[adaptiveload] where this run's output is:"]
-    log_dir = trainer.log_dir or trainer.default_root_dir
     if log_dir:
         lines.append(f"  logs:            {os.path.abspath(log_dir)}")
         config = os.path.join(log_dir, "config.yaml")
@@ -311,7 +312,10 @@ def _report_failure(err: BaseException, started: float) -> int:
 
     traceback.print_exc()
     # jsonargparse re-raises an error of a class's __init__ inside a long "does not validate" message.
-    while err.__cause__ is not None and "jsonargparse" in (traceback.extract_tb(err.__traceback__) or [None])[-1].filename:
+    while err.__cause__ is not None:
+        frames = traceback.extract_tb(err.__traceback__)
+        if not frames or "jsonargparse" not in frames[-1].filename:
+            break
         err = err.__cause__
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     own = {"rank": rank, "error": f"{type(err).__name__}: {err}", "secondary": _is_secondary(err)}
