@@ -252,3 +252,42 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
         capture_output=True, text=True, cwd=outside, env=env, timeout=60,
     )  # fmt: skip
     assert str(ROOT) not in where.stdout and str(venv) in where.stdout
+
+
+def test_every_tool_flag_has_a_help_line(monkeypatch):
+    import argparse
+
+    parsers = []
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    for name in cli.COMMANDS:
+        with pytest.raises(SystemExit):
+            cli._load(name)(["--help"])
+    assert len(parsers) == len(cli.COMMANDS)
+    missing = [
+        f"{p.prog} {'/'.join(a.option_strings) or a.dest}"
+        for p in parsers
+        for a in p._actions
+        if not isinstance(a, argparse._HelpAction) and not a.help
+    ]
+    assert not missing, missing
+
+
+def test_simulate_flags_separate_schedules_from_modes(capsys):
+    from lightning_adaptiveload import simulate
+
+    assert simulate._configurations(None, None) == list(simulate.DEFAULT_MODES)
+    assert simulate._configurations("dual", "independent,lockstep") == ["dual", "lockstep"]
+    assert simulate._configurations("equal_tokens", None) == ["equal_tokens"]
+    with pytest.raises(ValueError, match="--schedules"):
+        simulate._configurations("dual", "lockstp")
+    # The old spelling (a configuration name in --modes) still works, with a note.
+    assert simulate._configurations("lockstep,dual", None) == ["lockstep", "dual"]
+    assert "deprecated" in capsys.readouterr().err
+    lines = simulate._describe(["lockstep"], None)
+    assert "schedule lockstep, mode dual" in lines[0] and "built-in cost model" in lines[1]
+    assert "measured trace" in simulate._describe(["dual"], "trace.jsonl")[1]
