@@ -648,7 +648,11 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--seq-lens", type=_int_list, help="token counts to measure (single-frame shapes)")
     p.add_argument("--num-shapes", type=int, default=6, help="distinct lengths to measure (<= 0: all)")
     p.add_argument("--batch-sizes", type=_int_list, help="batch sizes to time (default: 1 and the budget's)")
-    p.add_argument("--precision", choices=_PRECISIONS, help="training precision (default: the recipe's, else bf16-mixed on CUDA)")
+    p.add_argument(
+        "--precision",
+        choices=_PRECISIONS,
+        help="training precision (default: the recipe's, else bf16-mixed on CUDA)",
+    )
     p.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,

@@ -105,7 +105,9 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
             if s <= batcher.max_tokens:
                 fits.add(tuple(shape))
             else:
-                raise ValueError(batcher._oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: "))
+                raise ValueError(
+                    batcher._oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
+                )
 
 
 def _index_folder(shards: str | list[str]) -> str | None:

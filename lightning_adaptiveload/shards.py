@@ -1986,7 +1986,9 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--text-dim", type=int, default=32, help="width D of the text states (32)")
     parser.add_argument("--no-text", action="store_true", help="write no text states")
-    parser.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="array dtype (float16)")
+    parser.add_argument(
+        "--dtype", choices=("float16", "float32"), default="float16", help="array dtype (float16)"
+    )
     parser.add_argument(
         "--patch-size",
         type=int,
@@ -2047,7 +2049,10 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         help="the model's patch size; latents must be divisible by it (default: 1 2 2)",
     )
     parser.add_argument(
-        "--on-error", choices=("raise", "skip"), default="raise", help="stop at the first bad sample, or skip and count"
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="stop at the first bad sample, or skip and count",
     )
     parser.add_argument(
         "--no-check-values", action="store_true", help="do not read array data (no NaN check)"

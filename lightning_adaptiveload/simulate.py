@@ -1379,7 +1379,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--search-steps-per-rank", type=int, default=64, help="epoch length per rank in the search"
     )
-    ap.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank the plan is made for")
+    ap.add_argument(
+        "--num-workers", type=int, default=1, help="DataLoader workers per rank the plan is made for"
+    )
     ap.add_argument("--seed", type=int, default=0, help="shard-order seed of the planner")
     ap.add_argument("--epoch", type=int, default=0, help="epoch number to plan (with the seed)")
     ap.add_argument("--min-steps-per-rank", type=int, default=200, help="simulated epoch length per rank")
@@ -1427,7 +1429,10 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
         )
         return mode_list
     schedule_list = [x for x in (schedules or "independent").split(",") if x]
-    for value, valid, flag in ((mode_list, _BATCHER_MODES, "--modes"), (schedule_list, _SCHEDULE_NAMES, "--schedules")):
+    for value, valid, flag in (
+        (mode_list, _BATCHER_MODES, "--modes"),
+        (schedule_list, _SCHEDULE_NAMES, "--schedules"),
+    ):
         bad = [v for v in value if v not in valid]
         if bad:
             raise ValueError(f"{flag} {','.join(bad)}: not one of {','.join(valid)}")

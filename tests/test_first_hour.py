@@ -184,7 +184,9 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=1024, num_workers=0)
     assert not is_overridden("val_dataloader", data)
-    with_val = AdaptiveLoadDataModule(str(tmp_path / "train"), val_shards=str(tmp_path / "train"), num_workers=0)
+    with_val = AdaptiveLoadDataModule(
+        str(tmp_path / "train"), val_shards=str(tmp_path / "train"), num_workers=0
+    )
     assert is_overridden("val_dataloader", with_val)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -225,10 +227,16 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_adaptiveload/recipes/quickstart.yaml" in names
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=180)
+    # The fresh venv sees this environment's packages (torch, lightning, ...) through a .pth line, after its
+    # own site-packages: the wheel installed there wins, and no download is needed.
+    import sysconfig
+
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    (site / "_test_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     python = str(venv / "bin" / "python")
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+        [python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
