@@ -345,6 +345,10 @@ def _report_failure(err: BaseException, started: float) -> int:
                     break
             else:
                 time.sleep(0.2)
+    if folder is not None and rank == 0:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
     where = f" on rank {root['rank']}" if folder is not None else ""
     print(f"\nlightning-adaptiveload: the run failed{where}:\n  {root['error']}", file=sys.stderr, flush=True)
     return 1

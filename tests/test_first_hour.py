@@ -95,6 +95,43 @@ def test_error_of_one_rank_is_shown_last_not_its_peers_connection_error(tmp_path
     assert "on rank 1" in proc.stderr.rstrip().splitlines()[-2]
 
 
+@pytest.mark.timeout(300)
+def test_channel_mismatch_under_2_process_ddp_is_the_last_error(tmp_path):
+    # The quickstart's 16-channel latents given to a model built for 8 channels: both ranks fail in their
+    # first step; the final block names the channels, not the patch size.
+    proc = _run_cli(
+        ["fit", "--config", QUICKSTART, *SHORT, '--model.init_args.model_overrides={"in_channels": 8}'],
+        tmp_path,
+    )
+    assert proc.returncode != 0
+    last = _last_error_block(proc)
+    assert "16 channels" in last and "(B, 8, T, H, W)" in last, last
+
+
+@pytest.mark.timeout(240)
+def test_key_with_a_dot_under_2_process_ddp_is_the_last_error(tmp_path):
+    path = _dotted_shard(tmp_path)
+    proc = _run_cli(
+        ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.synthetic=null",
+         f"--data.init_args.train_shards=[{path}]"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "keys cannot contain dots" in _last_error_block(proc)
+
+
+def _dotted_shard(tmp_path) -> str:
+    """A shard whose one sample is written as ``clip_v1.5.latent.npy`` (a dot inside the key)."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((16, 1, 2, 2), np.float16))
+    path = tmp_path / "dotted.tar"
+    with tarfile.open(path, "w") as tf:
+        info = tarfile.TarInfo("clip_v1.5.latent.npy")
+        info.size = len(buf.getvalue())
+        tf.addfile(info, io.BytesIO(buf.getvalue()))
+    return str(path)
+
+
 # ------------------------------------------------------------------------------------ errors, one process
 
 
@@ -143,15 +180,9 @@ def test_channel_mismatch_is_named():
 def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
     from lightning_adaptiveload.shards import ShardError, ShardIndex
 
-    buf = io.BytesIO()
-    np.save(buf, np.zeros((16, 1, 2, 2), np.float16))
-    path = tmp_path / "dotted.tar"
-    with tarfile.open(path, "w") as tf:
-        info = tarfile.TarInfo("clip_v1.5.latent.npy")
-        info.size = len(buf.getvalue())
-        tf.addfile(info, io.BytesIO(buf.getvalue()))
+    path = _dotted_shard(tmp_path)
     with pytest.raises(ShardError, match="keys cannot contain dots") as err:
-        ShardIndex.build([str(path)], progress=False)
+        ShardIndex.build([path], progress=False)
     assert "clip_v1.5.latent.npy" in str(err.value)
 
 
