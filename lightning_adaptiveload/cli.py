@@ -260,21 +260,57 @@ def _valid_sections(subcommand: str) -> list[str]:
     return [*_RECIPE_SECTIONS, *(p for p in params if p not in skip)]
 
 
+def _hint(key: str, valid: Sequence[str], what: str) -> str:
+    near = difflib.get_close_matches(key, list(valid), n=1)
+    return (
+        f"  unknown {what} {key!r}: "
+        + (f"did you mean {near[0]!r}? " if near else "")
+        + (f"valid keys are {', '.join(valid)}")
+    )
+
+
+def _init_params(class_path: str) -> list[str]:
+    """The keyword arguments of a class named by its import path ([] when it cannot be imported)."""
+    import inspect
+
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return []
+
+
 def _argument_message(argv: Sequence[str], err: Exception) -> str:
     """A few lines for a rejected command line or recipe: the parser's reason and the nearest valid key."""
     import re
 
     message = str(err)
     subcommand = argv[0] if argv and argv[0] in _LIGHTNING_COMMANDS else "fit"
-    lines = [f"lightning-adaptiveload {subcommand}: {message}"]
-    found = re.search(r"option '([^']+)'", message) or re.search(r"[Kk]ey '([^']+)'", message)
-    if found:
-        top = found.group(1).lstrip("-").split(".")[0]
+    lines = []
+    in_class = re.search(r"class_path '([^']+)':\s*Option '([^']+)' is not accepted", message)
+    in_group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
+    anywhere = re.search(r"does not accept option '([^']+)'", message) or re.search(
+        r"Option '([^']+)' is not accepted", message
+    )
+    if in_class:
+        lines.append(f"  {in_class.group(1)} has no argument {in_class.group(2)!r}")
+        lines.append(_hint(in_class.group(2), _init_params(in_class.group(1)), "argument"))
+    elif in_group or anywhere:
+        group, key = in_group.groups() if in_group else ("", anywhere.group(1).lstrip("-"))
+        parts = [*group.split("."), *key.split(".")] if group else key.split(".")
         valid = _valid_sections(subcommand)
-        if top not in valid:
-            near = difflib.get_close_matches(top, valid, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            lines.append(f"  unknown top-level key {top!r}: {hint}valid keys are {', '.join(valid)}")
+        if parts[0] not in valid:
+            lines.append(_hint(parts[0], valid, "top-level key"))
+        elif parts[0] == "trainer" and len(parts) > 1:
+            lines.append(_hint(parts[1], _init_params("lightning.pytorch.Trainer"), "trainer key"))
+    if lines:
+        lines.insert(
+            0, f"lightning-adaptiveload {subcommand}: a key of the recipe or command line is not accepted"
+        )
+    else:  # another problem: the parser's own words, without the usage dump
+        text = [line.strip("'\"") for line in message.strip().splitlines()[:8]]
+        lines = [f"lightning-adaptiveload {subcommand}: {text[0] if text else err!r}", *text[1:]]
     lines.append(f"  (all options: lightning-adaptiveload {subcommand} --help)")
     return "\n".join(lines)
 

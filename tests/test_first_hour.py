@@ -157,6 +157,21 @@ def test_unknown_top_level_key_suggests_the_nearest(tmp_path, capsys):
     assert len(err.splitlines()) <= 5, err  # not the usage dump
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "hint"),
+    [
+        ("max_epochs: 4", "max_epoch: 4", "'max_epochs'"),
+        ("max_tokens: 1024", "max_token: 1024", "'max_tokens'"),
+    ],
+)
+def test_unknown_nested_key_suggests_the_nearest(tmp_path, capsys, old, new, hint):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(Path(QUICKSTART).read_text().replace(old, new))
+    assert cli.main(["fit", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"did you mean {hint}?" in err and len(err.splitlines()) <= 5, err
+
+
 def test_mistyped_command_lists_the_tool_commands(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "ingest", ("lightning_adaptiveload.shards", "index_main", "a new tool"))
     assert cli.main(["simulte"]) == 2
