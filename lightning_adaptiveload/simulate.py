@@ -1254,7 +1254,7 @@ def plot_result(
         for box in bp["boxes"]:
             box.set_facecolor(_color(mode, modes))
             box.set_alpha(0.75)
-        ax.plot([], [], color=_color(mode, modes), lw=8, alpha=0.75, label=mode)
+        ax.plot([], [], color=_color(mode, modes), lw=8, alpha=0.75, label=_legend(mode))
     ax.axhline(100 * _TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
     ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
     ax.set_xlabel("ranks (data-parallel world size)")
@@ -1291,7 +1291,7 @@ def plot_result(
         fig, ax = plt.subplots(figsize=(6.0, 4.0))
         for mode in modes:
             ys = [scale * result.row(mode, w)[key] for w in sizes]
-            ax.plot(sizes, ys, marker="o", color=_color(mode, modes), label=mode)
+            ax.plot(sizes, ys, marker="o", color=_color(mode, modes), label=_legend(mode))
         if key == "wait_share":
             ax.axhline(100 * _TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
         else:
@@ -1413,6 +1413,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _BATCHER_MODES = ("dual", "equal_tokens")
+
+
+def _legend(name: str) -> str:
+    """A configuration's name with its schedule and mode, for plot legends."""
+    return f"{name} ({MODES[name][0]}, {MODES[name][1]})" if name in MODES else name
 
 
 def _configurations(modes: str | None, schedules: str | None) -> list[str]:
