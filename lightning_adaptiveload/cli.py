@@ -67,12 +67,17 @@ def packaged_recipes() -> dict[str, str]:
 def resolve_recipe(value: str) -> str:
     """A ``--config`` value: an existing file as given, else a packaged recipe's path by name.
 
-    ``quickstart`` and ``quickstart.yaml`` name ``lightning_adaptiveload/recipes/quickstart.yaml`` when no
-    such file exists in the working directory, so an installed package runs its recipes from anywhere.
+    ``quickstart``, ``quickstart.yaml`` and ``recipes/quickstart.yaml`` name
+    ``lightning_adaptiveload/recipes/quickstart.yaml`` when no such file exists in the working directory, so
+    an installed package runs its recipes from anywhere.
     """
-    if os.path.exists(value) or os.sep in value or "/" in value:
+    if os.path.exists(value):
         return value
-    name = value[: -len(".yaml")] if value.endswith(".yaml") else value
+    folder, base = os.path.split(value)
+    # `recipes/NAME.yaml`, as written in a checkout's docs, also finds the packaged recipe outside one.
+    if folder not in ("", "recipes", "./recipes"):
+        return value
+    name = base[: -len(".yaml")] if base.endswith(".yaml") else base
     return packaged_recipes().get(name, value)
 
 

@@ -253,6 +253,8 @@ def test_packaged_recipe_resolves_by_name(tmp_path, monkeypatch):
     assert cli.resolve_recipe("quickstart.yaml") == QUICKSTART
     (tmp_path / "quickstart.yaml").write_text("seed_everything: 1\n")
     assert cli.resolve_recipe("quickstart.yaml") == "quickstart.yaml"  # a file here wins
+    assert cli.resolve_recipe("recipes/quickstart.yaml") == QUICKSTART  # the checkout's spelling, elsewhere
+    assert cli.resolve_recipe("other/quickstart.yaml") == "other/quickstart.yaml"
     assert cli.resolve_recipe("no_such_recipe") == "no_such_recipe"
     assert set(cli.packaged_recipes()) >= {"quickstart", "wan13b_480p_lockstep", "wan14b_720p"}
 
