@@ -648,9 +648,20 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--seq-lens", type=_int_list, help="token counts to measure (single-frame shapes)")
     p.add_argument("--num-shapes", type=int, default=6, help="distinct lengths to measure (<= 0: all)")
     p.add_argument("--batch-sizes", type=_int_list, help="batch sizes to time (default: 1 and the budget's)")
-    p.add_argument("--precision", choices=_PRECISIONS)
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--precision",
+        choices=_PRECISIONS,
+        help="training precision (default: the recipe's, else bf16-mixed on CUDA)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute block activations in backward (default: the recipe's)",
+    )
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model"
+    )
     p.add_argument("--text-len", type=int, help="padded text length (default 512 for Wan, 16 for tiny)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--vram-fraction", type=float, default=0.9, help="share of device memory to fill (0.9)")
@@ -663,18 +674,20 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="count DDP gradient buckets in the peak (default: on with CUDA)",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kind", choices=("quadratic", "power"), default="quadratic")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape (2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per shape (5)")
+    p.add_argument(
+        "--kind", choices=("quadratic", "power"), default="quadratic", help="cost model form to fit"
+    )
     p.add_argument(
         "--max-compute",
         choices=("resolve", "auto"),
         default="resolve",
         help="write the resolved 'auto' cap for the measured shapes, or 'auto'",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and inputs (0)")
     p.add_argument("--out", default="-", help="output YAML path ('-' = stdout)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.batching import DualConstraintBatcher, collate
+from lightning_adaptiveload.batching import DualConstraintBatcher, collate, tokens_per_sample
 from lightning_adaptiveload.cost_model import CostModel
 from lightning_adaptiveload.planning import (
     SCHEDULES,
@@ -66,6 +66,48 @@ def _empty_batch(
         "cost": 0.0 * cost_model.cost(seq_len),
         "global_tokens": int(global_tokens),
     }
+
+
+_SYNTHETIC_EXTRA = ("val_num_samples",)
+# write_synthetic_shards arguments the DataModule sets itself.
+_SYNTHETIC_FIXED = ("directory", "progress")
+
+
+def _check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``synthetic`` settings, with unknown keys refused now (not when ``prepare_data`` runs)."""
+    import difflib
+    import inspect
+
+    from lightning_adaptiveload.shards import write_synthetic_shards
+
+    params = inspect.signature(write_synthetic_shards).parameters
+    valid = [n for n in params if n not in _SYNTHETIC_FIXED] + list(_SYNTHETIC_EXTRA)
+    for key in synthetic:
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"data.synthetic has no setting {key!r}: {hint}valid keys are {', '.join(valid)}"
+            )
+    return dict(synthetic)
+
+
+def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
+    """Raise the batcher's oversize error for the first sample over ``max_tokens`` (``oversize="raise"``)."""
+    if batcher.oversize != "raise":
+        return
+    fits: set[tuple[int, ...]] = set()
+    for shard in index.shards:
+        for key, shape in zip(shard.keys, shard.latent_shapes):
+            if tuple(shape) in fits:
+                continue
+            s = tokens_per_sample(shape, batcher.patch_size)
+            if s <= batcher.max_tokens:
+                fits.add(tuple(shape))
+            else:
+                raise ValueError(
+                    batcher._oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
+                )
 
 
 def _index_folder(shards: str | list[str]) -> str | None:
@@ -462,7 +504,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.schedule = schedule
         self.on_error = on_error
-        self.synthetic = dict(synthetic) if synthetic else None
+        self.synthetic = _check_synthetic(synthetic) if synthetic else None
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.pin_memory = bool(pin_memory)
@@ -492,6 +534,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
         self._resume: dict[str, Any] | None = None
         self._train_loader: PlannedDataLoader | None = None
+        if val_shards is None:
+            # No validation data: no validation loader at all. Lightning runs a validation loop when
+            # ``val_dataloader`` is overridden, and an empty one warns that its length is zero on every
+            # run; the base class's hook on the instance reads as "not overridden".
+            self.val_dataloader = pl.LightningDataModule.val_dataloader.__get__(self)  # type: ignore[method-assign]
 
     # -- data preparation ------------------------------------------------------------------------------
 
@@ -564,7 +611,33 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world
 
+    def check_data(self) -> None:
+        """Check the data before training starts, in the launching process (the CLI calls it before fit).
+
+        Loads (or builds) the index of the training and validation shards and checks every sample
+        against the batcher's caps: the same checks :meth:`setup` and the first epoch make, raised here
+        before DDP starts its ranks, so that a missing shard or an oversize sample is the last error shown
+        rather than buried under other ranks' connection errors. Changes no state of the module.
+
+        Raises:
+            ShardError: a shard is missing or bad (under ``on_error="raise"``).
+            ValueError: a sample over ``max_tokens`` (under ``oversize="raise"``), or bad settings.
+        """
+        from lightning_adaptiveload.shards import ShardIndex
+
+        for shards in (self.train_shards, self.val_shards):
+            if shards is not None:
+                index = ShardIndex.for_paths(
+                    shards, patch_size=self.patch_size, on_error=self.on_error, progress=False
+                )
+                batcher = DualConstraintBatcher.from_config(self.batcher.config())
+                _check_oversize(index, batcher)
+                batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
+
     def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
+        # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
+        # teardown (`Please call iter(combined_loader) first`).
+        _check_oversize(index, self.batcher)
         return PlannedShardDataset(
             index,
             self.batcher,
@@ -640,7 +713,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             rank_zero_info(
                 f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
-                f"partial {rep['partial_batches']}, split {rep['split_batches']}, mode {rep['mode']}"
+                f"partial {rep['partial_batches']}, split {rep['split_batches']}, schedule {rep['mode']}, "
+                f"mode {self.batcher.mode}"
                 + (f", lockstep tail steps {rep['lockstep_tail_steps']}" if rep["mode"] == "lockstep" else "")
                 + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"
             )

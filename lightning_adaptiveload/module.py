@@ -237,6 +237,13 @@ class VideoDiTModule(L.LightningModule):
         b = x0.shape[0]
         cfg = self.model_config
         elems_per_token = cfg.in_channels * cfg.patch_volume
+        if x0.dim() != 5 or x0.shape[1] != cfg.in_channels:
+            # Checked before the token count, which a channel mismatch also breaks (and would be blamed).
+            raise ValueError(
+                f"batch['latents'] has shape {tuple(x0.shape)}: {x0.shape[1] if x0.dim() > 1 else '?'} channels, "
+                f"but the model takes (B, {cfg.in_channels}, T, H, W) latents (another VAE's latents?): set "
+                "model_overrides={'in_channels': C} to the latents' channel count, or use this model's VAE"
+            )
         local_tokens = x0.numel() // elems_per_token
         reported = batch.get("num_tokens")
         if reported is not None and int(reported) != local_tokens:

@@ -667,6 +667,16 @@ def _finalize(group: _Group, patch_size: _PatchSize | None, check_values: bool) 
     latent, text = group.latent, group.text
     if latent is None:
         members = sorted(group.members.values())
+        dotted = [m for e, m in sorted(group.members.items()) if e.endswith("." + _LATENT)]
+        if dotted:  # webdataset's key ends at the first dot: 'clip.v1.latent.npy' is key 'clip'
+            group.fail(
+                "missing_latent",
+                f"member {dotted[0]!r} has a dot in its key: keys cannot contain dots (the key ends at the "
+                f"first dot, so this is key {group.key!r} with extension "
+                f"{dotted[0].rsplit('/', 1)[-1].partition('.')[2]!r}); rename the sample's members without it",
+                dotted[0],
+            )
+            return
         group.fail(
             "missing_latent",
             f"no '{group.key}.{_LATENT}' member (the sample has {members})",
@@ -2349,9 +2359,9 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--mix", default="tiny", help="packaged mix name or mix JSON path (default: tiny)")
-    parser.add_argument("--num-samples", type=int, default=256)
-    parser.add_argument("--samples-per-shard", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-samples", type=int, default=256, help="samples to write (256)")
+    parser.add_argument("--samples-per-shard", type=int, default=64, help="samples per shard file (64)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds shapes, values and text (0)")
     parser.add_argument("--uneven", action="store_true", help="uneven shard sizes in [s/2, 1.5 s]")
     parser.add_argument(
         "--text-len",
@@ -2361,9 +2371,11 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         metavar=("MIN", "MAX"),
         help="text length range, inclusive (0 = no text member)",
     )
-    parser.add_argument("--text-dim", type=int, default=32)
+    parser.add_argument("--text-dim", type=int, default=32, help="width D of the text states (32)")
     parser.add_argument("--no-text", action="store_true", help="write no text states")
-    parser.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    parser.add_argument(
+        "--dtype", choices=("float16", "float32"), default="float16", help="array dtype (float16)"
+    )
     parser.add_argument(
         "--patch-size",
         type=int,
@@ -2372,8 +2384,10 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         metavar=("PT", "PH", "PW"),
         help="patch size used for the token counts in the summary",
     )
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace shards written with other settings in --out"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         mix = load_mix(args.mix)
@@ -2413,8 +2427,20 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         description="Build or verify index.json for WebDataset latent shards.",
     )
     parser.add_argument("paths", nargs="+", help="shard paths, URLs, brace patterns or directories")
-    parser.add_argument("--patch-size", type=int, nargs=3, default=_DEFAULT_PATCH, metavar=("PT", "PH", "PW"))
-    parser.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    parser.add_argument(
+        "--patch-size",
+        type=int,
+        nargs=3,
+        default=_DEFAULT_PATCH,
+        metavar=("PT", "PH", "PW"),
+        help="the model's patch size; latents must be divisible by it (default: 1 2 2)",
+    )
+    parser.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="stop at the first bad sample, or skip and count",
+    )
     parser.add_argument(
         "--no-check-values", action="store_true", help="do not read array data (no NaN check)"
     )
@@ -2424,7 +2450,7 @@ def index_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", help="where to write the index (default: index.json beside the shards)")
     parser.add_argument("--no-save", action="store_true", help="verify only; write nothing")
     parser.add_argument("--workers", type=int, default=1, help="shards indexed in parallel")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     paths = args.paths[0] if len(args.paths) == 1 else args.paths
     kwargs = dict(
