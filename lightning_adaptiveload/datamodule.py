@@ -36,14 +36,15 @@ from lightning_adaptiveload.planning import (
     index_fingerprint,
     plan_epoch,
 )
+from lightning_adaptiveload.shards import MEMBER_REASONS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader"]
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# iter_shard's counts of members ignored (not samples skipped).
-_NOT_SKIPS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
+# iter_shard's counts of members ignored or refused (not samples skipped).
+_NOT_SKIPS = MEMBER_REASONS
 
 
 def _identity(batch: Any) -> Any:
@@ -182,7 +183,7 @@ class PlannedShardDataset(IterableDataset):
         self.plan = plan
         self.epoch = epoch
         self.report = dict(plan.report)
-        self.report.update(rank=self.rank, runtime_skipped={}, batches_yielded=0)
+        self.report.update(rank=self.rank, runtime_skipped={}, runtime_ignored_members={}, batches_yielded=0)
         return plan
 
     # -- streaming (worker) ----------------------------------------------------------------------------
@@ -283,7 +284,8 @@ class PlannedShardDataset(IterableDataset):
                     delta["missing"] = lost - explained - reported_missing
                     reported_missing = lost - explained
                 batch["step"] = step
-                batch["skipped"] = delta
+                batch["skipped"] = {r: n for r, n in delta.items() if r not in _NOT_SKIPS}
+                batch["ignored_members"] = {r: n for r, n in delta.items() if r in _NOT_SKIPS}
                 yield batch
         finally:
             for k in list(open_reads):
@@ -314,11 +316,12 @@ class _CountingIterator:
         self.yielded += 1
         report = self._dataset.report
         report["batches_yielded"] = self.yielded
-        skipped = batch.get("skipped") if isinstance(batch, dict) else None
-        if skipped:
-            runtime = report.setdefault("runtime_skipped", {})
-            for reason, n in skipped.items():
-                runtime[reason] = runtime.get(reason, 0) + int(n)
+        for key, total in (("skipped", "runtime_skipped"), ("ignored_members", "runtime_ignored_members")):
+            counted = batch.get(key) if isinstance(batch, dict) else None
+            if counted:
+                runtime = report.setdefault(total, {})
+                for reason, n in counted.items():
+                    runtime[reason] = runtime.get(reason, 0) + int(n)
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -413,7 +416,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     The batches are dicts (``docs/architecture.md``): latents (B, C, T, H, W), text (B, L, D) | None,
     text_mask, keys, meta, seq_len, batch_size, num_tokens, cost, global_tokens, plus ``step`` (the plan
-    step within the epoch) and ``skipped`` (samples of this batch that failed at read time, by reason).
+    step within the epoch), ``skipped`` (samples of this batch that failed at read time, by reason) and
+    ``ignored_members`` (members passed over while reading them, such as a refused pickle beside a good
+    latent: counted apart, the sample itself was read).
     """
 
     def __init__(
