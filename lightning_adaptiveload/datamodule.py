@@ -383,6 +383,53 @@ class PlannedDataLoader(DataLoader):
         return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
 
 
+_INDEX_FIELDS = ("shards", "samples", "fingerprint")
+
+
+def _index_summary(index: Any) -> list[float]:
+    """Shard count, sample count and the two 32-bit halves of the index fingerprint, exact as floats."""
+    fp = index_fingerprint(index)
+    samples = sum(len(s.keys) for s in index.shards)
+    return [float(len(index.shards)), float(samples), float(int(fp[:8], 16)), float(int(fp[8:], 16))]
+
+
+def _index_disagreement(names: Sequence[str], gathered: Sequence[Sequence[float]]) -> str | None:
+    """What differs between the ranks' indexes, in words; None when every rank has the same.
+
+    Args:
+        names: the indexes compared (e.g. ``["train", "validation"]``).
+        gathered: per rank, :func:`_index_summary` of each index in ``names`` order, concatenated.
+    """
+    lines = []
+    for j, name in enumerate(names):
+        rows = [tuple(g[4 * j : 4 * j + 4]) for g in gathered]
+        if len(set(rows)) == 1:
+            continue
+        differ = [f for f, k in zip(_INDEX_FIELDS, (0, 1)) if len({r[k] for r in rows}) > 1] or ["fingerprint"]
+        per_rank = "; ".join(
+            f"rank {r}: {int(row[0])} shards, {int(row[1])} samples, fingerprint "
+            f"{int(row[2]):08x}{int(row[3]):08x}"
+            for r, row in enumerate(rows)
+        )
+        lines.append(f"the {name} index differs between ranks ({', '.join(differ)}): {per_rank}")
+    return "\n".join(lines) or None
+
+
+def _check_indexes_agree(loaded: list[tuple[str, Any, Any]]) -> None:
+    """One all-gather of a few numbers per index: ranks that would plan different epochs fail here, each
+    with the same message, instead of hanging at the first collective of the epoch."""
+    local = [v for _, _, index in loaded for v in _index_summary(index)]
+    message = _index_disagreement([name for name, _, _ in loaded], _dist.all_gather_floats(local))
+    if message is not None:
+        sources = "; ".join(f"{name} shards {shards!r}" for name, shards, _ in loaded)
+        raise RuntimeError(
+            f"{message}. Every rank must index the same samples ({sources}): check that the paths or URL "
+            "patterns resolve to the same shards on every node (a shard written while the job started, a "
+            "different mount), or build the index once (`lightning-adaptiveload index ...`) and give every "
+            "rank the same index.json"
+        )
+
+
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
 
@@ -526,19 +573,24 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         from lightning_adaptiveload.shards import ShardIndex
 
         rank, world = _dist.rank_and_world(self.trainer)
+        loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = ShardIndex.for_paths(
                 self.train_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
             )
             self.train_dataset = self._dataset(self.train_index, self.schedule)
+            loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = ShardIndex.for_paths(
                 self.val_shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0
             )
             self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
+            loaded.append(("validation", self.val_shards, self.val_index))
         for ds in (self.train_dataset, self.val_dataset):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world
+        if loaded:
+            _check_indexes_agree(loaded)
 
     def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
         return PlannedShardDataset(
