@@ -338,3 +338,14 @@ def test_python_schemas_are_the_cpp_ones():
     for name, schema in _impl._SCHEMAS.items():
         op = getattr(torch.ops.lightning_adaptiveload, name).default
         assert str(op._schema) == f"lightning_adaptiveload::{name}{schema}"
+
+
+def test_monitor_summary_says_which_path_ran(monkeypatch):
+    from lightning_adaptiveload.monitor import LoadBalanceMonitor, _norm_modulate_path
+
+    monkeypatch.setattr(_impl, "_paths", {"reference": "x is on cpu; the fused kernels need CUDA"})
+    assert _norm_modulate_path() == fused_op_paths()
+    monitor = LoadBalanceMonitor()
+    meta = {"num_steps": 0, "world_size": 1, "device": "cpu", "timing_method": "step", "flops_source": "none"}
+    monitor.summary = {"meta": {**meta, "norm_modulate_path": _norm_modulate_path()}, "overall": {}, "table": {}}
+    assert "layer_norm_modulate (rank 0): PyTorch fallback (x is on cpu" in monitor._format_summary()
