@@ -273,26 +273,27 @@ def test_eager_calls_and_their_backward_go_through_the_operator():
 
 
 def _eager_inputs(kind: str):
-    """The operator's inputs as layer_norm_modulate prepares them for the layouts eager training uses."""
+    """The operator's inputs as layer_norm_modulate prepares them from the layouts eager training uses.
+
+    opcheck needs leaf tensors, so strided tables and misaligned x become contiguous copies here; the
+    gradient checks above (``_check``) run those through the same operator."""
     D = 256
-    if kind == "wan_chunk":  # strided (B, 1, D) views of a (B, 6, D) fp32 table, bf16 x
+    if kind == "sample_bf16_fp32":  # Wan 2.1: bf16 x, (B, 1, D) fp32 chunks of the modulation table
         x = torch.randn(2, 40, D, device="cuda", dtype=torch.bfloat16)
-        table = torch.randn(2, 6, D, device="cuda")
-        shift, scale = table[:, 0:1], table[:, 1:2]
-    elif kind == "misaligned":  # x with a 6-byte storage offset, per-token modulation
-        base = torch.randn(2 * 24 * D + 3, device="cuda", dtype=torch.bfloat16)
-        x = base[3:].view(2, 24, D)
+        shift = scale = torch.randn(2, 6, D, device="cuda")[:, 0:1]
+    elif kind == "token_bf16":  # Wan 2.2 TI2V: per-token modulation in x's dtype
+        x = torch.randn(2, 24, D, device="cuda", dtype=torch.bfloat16)
         shift = scale = torch.randn(2, 24, D, device="cuda", dtype=torch.bfloat16)
     else:  # "empty": no rows
         x = torch.randn(2, 0, D, device="cuda")
         shift = scale = torch.randn(2, 1, D, device="cuda")
     (t_sh, group), (t_sc, _) = _impl._as_groups(shift, x), _impl._as_groups(scale, x)
-    w = 1.0 + 0.3 * torch.randn(D, device="cuda")
+    w = 1.0 + 0.3 * torch.randn(D, device="cuda")  # weight without bias: the kernels get a zero bias
     leaves = [t.detach().clone().requires_grad_() for t in (x, t_sh, t_sc, w)]
     return (*leaves, None, group, 1e-6)
 
 
-@pytest.mark.parametrize("kind", ["wan_chunk", "misaligned", "empty"])
+@pytest.mark.parametrize("kind", ["sample_bf16_fp32", "token_bf16", "empty"])
 def test_opcheck_on_the_inputs_of_eager_training(kind):
     torch.library.opcheck(_FWD_OP, _eager_inputs(kind))
 
