@@ -245,8 +245,9 @@ def bench_shape(B, S, D, layout, tag, bw, ops, args) -> dict:
 
 def _ext():
     """The benchmark build of the kernels, with launch overrides and the benchmark-only variants."""
-    from lightning_adaptiveload.ops import fused_op_status
     from modulate_variants import load_variants
+
+    from lightning_adaptiveload.ops import fused_op_status
 
     ok, reason = fused_op_status()
     if not ok:
@@ -272,7 +273,9 @@ def run_sweeps(bw, args) -> list[dict]:
             if kind == "fwd":
 
                 def fn(x=x, t_sh=t_sh, t_sc=t_sc, group=group, t=tune):
-                    return ext.forward(x, t_sh, t_sc, None, None, group, 1e-6, t["warps_per_row"], t["rows_per_cta"])
+                    return ext.forward(
+                        x, t_sh, t_sc, None, None, group, 1e-6, t["warps_per_row"], t["rows_per_cta"]
+                    )
 
                 nbytes = 4 * x.numel()
             else:

@@ -235,7 +235,9 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     """A pickle member is refused, but its sample's latent is good: the sample is read and nothing counts
     it as lost; the refused member is counted apart."""
     d = str(tmp_path / "pickled")
-    index = write_synthetic_shards(d, mix="tiny", num_samples=24, samples_per_shard=12, seed=3, progress=False)
+    index = write_synthetic_shards(
+        d, mix="tiny", num_samples=24, samples_per_shard=12, seed=3, progress=False
+    )
     key = index.shards[0].keys[2]
     _add_pickle_member(index.shards[0].path, key)
     os.remove(os.path.join(d, "index.json"))  # index the changed shards afresh

@@ -41,7 +41,9 @@ def test_ranks_with_different_indexes_fail_naming_what_differs(tmp_path):
     write_synthetic_shards(same, mix="tiny", num_samples=20, samples_per_shard=10, seed=1, progress=False)
     more = str(tmp_path / "b")  # one more sample, in a third shard: what a shard added at start-up gives
     write_synthetic_shards(more, mix="tiny", num_samples=21, samples_per_shard=10, seed=1, progress=False)
-    shapes = str(tmp_path / "c")  # the same keys and counts, other latent shapes: only the fingerprint differs
+    shapes = str(
+        tmp_path / "c"
+    )  # the same keys and counts, other latent shapes: only the fingerprint differs
     write_synthetic_shards(shapes, mix="tiny", num_samples=20, samples_per_shard=10, seed=2, progress=False)
     dirs = {"same": [same, same], "more": [same, more], "shapes": [same, shapes]}
     out = tmp_path / "out"

@@ -300,7 +300,9 @@ def test_require_fused_makes_the_fallback_an_error(monkeypatch):
     _impl._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert torch.equal(layer_norm_modulate(x, shift, scale), layer_norm_modulate_reference(x, shift, scale))
+        assert torch.equal(
+            layer_norm_modulate(x, shift, scale), layer_norm_modulate_reference(x, shift, scale)
+        )
 
 
 def test_fused_op_paths_says_which_implementation_ran(monkeypatch):
@@ -347,5 +349,9 @@ def test_monitor_summary_says_which_path_ran(monkeypatch):
     assert _norm_modulate_path() == fused_op_paths()
     monitor = LoadBalanceMonitor()
     meta = {"num_steps": 0, "world_size": 1, "device": "cpu", "timing_method": "step", "flops_source": "none"}
-    monitor.summary = {"meta": {**meta, "norm_modulate_path": _norm_modulate_path()}, "overall": {}, "table": {}}
+    monitor.summary = {
+        "meta": {**meta, "norm_modulate_path": _norm_modulate_path()},
+        "overall": {},
+        "table": {},
+    }
     assert "layer_norm_modulate (rank 0): PyTorch fallback (x is on cpu" in monitor._format_summary()

@@ -56,6 +56,7 @@ _CXX_FLAGS = ["-O3", "-std=c++17"]
 _lock = threading.Lock()
 _extension: str | None = None
 _failure: str | None = None
+_built_seconds: float | None = None  # how long a build in this process took (None: none ran)
 
 
 class FusedOpUnavailable(RuntimeError):
@@ -241,7 +242,9 @@ def load_extension(
                 f"the build in {build_dir} reported success but {library.name} is not there; rerun "
                 "`python -m lightning_adaptiveload build-ops --verbose --force`"
             )
-        _log.warning("lightning_adaptiveload: fused kernels built in %.0f s", time.perf_counter() - start)
+        global _built_seconds
+        _built_seconds = time.perf_counter() - start
+        _log.warning("lightning_adaptiveload: fused kernels built in %.0f s", _built_seconds)
     if load:
         try:
             _load_library(library)
@@ -292,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     archs = [a for spec in args.arch for a in re.split(r"[;,\s]+", spec) if a] if args.arch else None
-    start = time.perf_counter()
     try:
-        # Built (and checked to load) in a child process; this one need not load it.
+        # Built (and checked to load) in a child process; this one need not load it. On a GPU node the
+        # import of the op may have built it already (then this finds it cached).
         library, build_dir = load_extension(archs=archs, verbose=args.verbose, force=args.force, load=False)
     except FusedOpUnavailable as exc:
         print(f"build-ops: {exc}", file=sys.stderr)
         return 1
-    print(f"build-ops: {library.name} ready in {build_dir} ({time.perf_counter() - start:.1f} s)")
+    how = f"built in {_built_seconds:.0f} s" if _built_seconds is not None else "found in the cache"
+    print(f"build-ops: {library.name} ready in {build_dir} ({how})")
     return 0
 
 

@@ -391,9 +391,7 @@ def layer_norm_modulate(
     if blocker is not None:
         return _fallback(f"shape:{blocker}", blocker, *args)
     if not _KERNELS_LOADED:
-        return _fallback(
-            "build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args
-        )
+        return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
     _paths.setdefault("fused", f"CUDA kernels ({_KERNELS_INFO})")
     if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
         table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
