@@ -405,9 +405,9 @@ def _index_disagreement(names: Sequence[str], gathered: Sequence[Sequence[float]
         rows = [tuple(g[4 * j : 4 * j + 4]) for g in gathered]
         if len(set(rows)) == 1:
             continue
-        differ = [f for f, k in zip(_INDEX_FIELDS, (0, 1)) if len({r[k] for r in rows}) > 1] or [
-            "fingerprint"
-        ]
+        # Other counts imply another fingerprint; name the fingerprint alone only when the counts agree.
+        differ = [f for f, k in zip(_INDEX_FIELDS, (0, 1)) if len({r[k] for r in rows}) > 1]
+        differ = differ or ["fingerprint"]
         per_rank = "; ".join(
             f"rank {r}: {int(row[0])} shards, {int(row[1])} samples, fingerprint "
             f"{int(row[2]):08x}{int(row[3]):08x}"

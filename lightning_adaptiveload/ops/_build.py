@@ -215,6 +215,7 @@ def load_extension(
         FusedOpUnavailable: no sources; or no cached build and no CUDA torch, nvcc or ninja; or the build
             failed (the message holds the compiler's error).
     """
+    global _built_seconds
     csrc = find_csrc()
     archs = _arch_list(archs)
     key = build_key(csrc, archs)
@@ -242,7 +243,6 @@ def load_extension(
                 f"the build in {build_dir} reported success but {library.name} is not there; rerun "
                 "`python -m lightning_adaptiveload build-ops --verbose --force`"
             )
-        global _built_seconds
         _built_seconds = time.perf_counter() - start
         _log.warning("lightning_adaptiveload: fused kernels built in %.0f s", _built_seconds)
     if load:
