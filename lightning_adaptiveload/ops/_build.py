@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m lightning_adaptiveload build-ops``: compile the fused op's CUDA kernels ahead of use.
 
     Returns:
-        0 when the extension is built (or already cached) and loads, 1 otherwise (the reason on stderr).
+        0 when the library is in the cache (a fresh build is checked to load in its child process), 1
+        otherwise (the reason on stderr).
     """
     parser = argparse.ArgumentParser(
         prog="lightning_adaptiveload build-ops",
