@@ -13,7 +13,9 @@ compare the fused results with eager ones. Nothing here asserts a time.
 
 ``--paths`` instead compares the forward kernels side by side on every shape (the single-row kernel of
 version 3, the persistent one of version 4, and launch variants of the latter), each checked against an
-fp32 eager forward and timed inside a CUDA graph: see ``compare_paths``.
+fp32 eager forward and timed inside a CUDA graph: see ``compare_paths``. Launch overrides and the
+benchmark-only kernel variants come from a separate build of the kernels (``modulate_variants.py``); the
+shipped operator always uses the launchers' own plan.
 """
 
 from __future__ import annotations
@@ -242,16 +244,20 @@ def bench_shape(B, S, D, layout, tag, bw, ops, args) -> dict:
 
 
 def _ext():
-    from lightning_adaptiveload.ops import _build
+    """The benchmark build of the kernels, with launch overrides and the benchmark-only variants."""
+    from modulate_variants import load_variants
 
-    ext, reason = _build.get_extension()
-    if ext is None:
+    from lightning_adaptiveload.ops import fused_op_status
+
+    ok, reason = fused_op_status()
+    if not ok:
         raise SystemExit(f"the fused kernels are unavailable: {reason}")
-    return ext
+    return load_variants()
 
 
 def run_sweeps(bw, args) -> list[dict]:
     impl = importlib.import_module("lightning_adaptiveload.ops.layer_norm_modulate")
+    ext = _ext()
     out = []
     for (idx, kind), overrides in SWEEPS.items():
         B, S, D, layout, tag = SHAPES[idx]
@@ -262,34 +268,32 @@ def run_sweeps(bw, args) -> list[dict]:
         t_sc, _ = impl._as_groups(scale, x)
         _, mean, rstd = impl._fwd_op(x, t_sh, t_sc, None, None, group, 1e-6)
         dy = torch.randn_like(x)
-        if kind == "fwd":
+        for override in [{}] + overrides:
+            tune = {"warps_per_row": 0, "rows_per_cta": 0, "vectors_per_thread": 0, "slots": 0, **override}
+            if kind == "fwd":
 
-            def fn(x=x, t_sh=t_sh, t_sc=t_sc, group=group):
-                return impl._fwd_op(x, t_sh, t_sc, None, None, group, 1e-6)
+                def fn(x=x, t_sh=t_sh, t_sc=t_sc, group=group, t=tune):
+                    return ext.forward(
+                        x, t_sh, t_sc, None, None, group, 1e-6, t["warps_per_row"], t["rows_per_cta"]
+                    )
 
-            nbytes = 4 * x.numel()
-        else:
+                nbytes = 4 * x.numel()
+            else:
 
-            def fn(dy=dy, x=x, t_sc=t_sc, mean=mean, rstd=rstd, group=group):
-                return impl._bwd_op(dy, x, t_sc, None, None, mean, rstd, group)
+                def fn(dy=dy, x=x, t_sc=t_sc, mean=mean, rstd=rstd, group=group, t=tune):
+                    return ext.backward(
+                        dy, x, t_sc, None, None, mean, rstd, group, t["vectors_per_thread"], t["slots"]
+                    )
 
-            nbytes = 6 * x.numel()
-        saved = dict(impl._TUNING)
-        try:
-            for override in [{}] + overrides:
-                impl._TUNING.update(saved)
-                impl._TUNING.update(override)
-                try:
-                    ms = _time_graph(fn) or _time_calls(fn, args.warmup, args.reps)
-                    res = {"ms": ms, "sol_pct": 100.0 * nbytes / bw / (ms * 1e-3)}
-                except RuntimeError as exc:
-                    res = {"error": str(exc).splitlines()[0]}
-                out.append({"shape": f"{B}x{S}x{D}", "kind": kind, "override": override or "default", **res})
-                shown = f"{res['ms']:.4f} ms {res['sol_pct']:.1f}%" if "ms" in res else res["error"]
-                print(f"  sweep {kind} {B}x{S}x{D} {override or 'default'}: {shown}", flush=True)
-        finally:
-            impl._TUNING.clear()
-            impl._TUNING.update(saved)
+                nbytes = 6 * x.numel()
+            try:
+                ms = _time_graph(fn) or _time_calls(fn, args.warmup, args.reps)
+                res = {"ms": ms, "sol_pct": 100.0 * nbytes / bw / (ms * 1e-3)}
+            except RuntimeError as exc:
+                res = {"error": str(exc).splitlines()[0]}
+            out.append({"shape": f"{B}x{S}x{D}", "kind": kind, "override": override or "default", **res})
+            shown = f"{res['ms']:.4f} ms {res['sol_pct']:.1f}%" if "ms" in res else res["error"]
+            print(f"  sweep {kind} {B}x{S}x{D} {override or 'default'}: {shown}", flush=True)
     return out
 
 
@@ -441,7 +445,7 @@ def main(argv=None) -> int:
         print("bench_modulate: needs a CUDA GPU", file=sys.stderr)
         return 1
     ops = importlib.import_module("lightning_adaptiveload.ops")
-    _ext()  # build before timing anything
+    _ext()  # build both libraries before timing anything
     if args.profile_once:
         return _profile_once([SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES)
     for key in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions

@@ -913,8 +913,15 @@ const void* fwd_kernel_tmv(int kind) {
   if (kind == kFwdSingleRow) return reinterpret_cast<const void*>(&ln_mod_fwd_kernel<T, M, VPT>);
   if constexpr (VPT <= kFwdPersistentMaxVpt) {
     if constexpr (VPT == 4) {
-      if (kind == kFwdPersistentLowRegs)
+      if (kind == kFwdPersistentLowRegs) {
+#ifdef ADAPTIVELOAD_BENCH_VARIANTS
         return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, true>);
+#else
+        // A benchmark-only variant: the shipped build leaves it out (benchmarks/modulate_variants.py
+        // builds it).
+        return nullptr;
+#endif
+      }
     }
     return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, false>);
   }

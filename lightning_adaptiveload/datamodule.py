@@ -36,14 +36,15 @@ from lightning_adaptiveload.planning import (
     index_fingerprint,
     plan_epoch,
 )
+from lightning_adaptiveload.shards import MEMBER_REASONS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader"]
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# iter_shard's counts of members ignored (not samples skipped).
-_NOT_SKIPS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
+# iter_shard's counts of members ignored or refused (not samples skipped).
+_NOT_SKIPS = MEMBER_REASONS
 
 
 def _identity(batch: Any) -> Any:
@@ -227,7 +228,7 @@ class PlannedShardDataset(IterableDataset):
         self.plan = plan
         self.epoch = epoch
         self.report = dict(plan.report)
-        self.report.update(rank=self.rank, runtime_skipped={}, batches_yielded=0)
+        self.report.update(rank=self.rank, runtime_skipped={}, runtime_ignored_members={}, batches_yielded=0)
         return plan
 
     # -- streaming (worker) ----------------------------------------------------------------------------
@@ -329,7 +330,8 @@ class PlannedShardDataset(IterableDataset):
                     delta["missing"] = lost - explained - reported_missing
                     reported_missing = lost - explained
                 batch["step"] = step
-                batch["skipped"] = delta
+                batch["skipped"] = {r: n for r, n in delta.items() if r not in _NOT_SKIPS}
+                batch["ignored_members"] = {r: n for r, n in delta.items() if r in _NOT_SKIPS}
                 yield batch
         finally:
             for k in list(open_reads):
@@ -360,11 +362,12 @@ class _CountingIterator:
         self.yielded += 1
         report = self._dataset.report
         report["batches_yielded"] = self.yielded
-        skipped = batch.get("skipped") if isinstance(batch, dict) else None
-        if skipped:
-            runtime = report.setdefault("runtime_skipped", {})
-            for reason, n in skipped.items():
-                runtime[reason] = runtime.get(reason, 0) + int(n)
+        for key, total in (("skipped", "runtime_skipped"), ("ignored_members", "runtime_ignored_members")):
+            counted = batch.get(key) if isinstance(batch, dict) else None
+            if counted:
+                runtime = report.setdefault(total, {})
+                for reason, n in counted.items():
+                    runtime[reason] = runtime.get(reason, 0) + int(n)
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -426,6 +429,55 @@ class PlannedDataLoader(DataLoader):
         return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
 
 
+_INDEX_FIELDS = ("shards", "samples", "fingerprint")
+
+
+def _index_summary(index: Any) -> list[float]:
+    """Shard count, sample count and the two 32-bit halves of the index fingerprint, exact as floats."""
+    fp = index_fingerprint(index)
+    samples = sum(len(s.keys) for s in index.shards)
+    return [float(len(index.shards)), float(samples), float(int(fp[:8], 16)), float(int(fp[8:], 16))]
+
+
+def _index_disagreement(names: Sequence[str], gathered: Sequence[Sequence[float]]) -> str | None:
+    """What differs between the ranks' indexes, in words; None when every rank has the same.
+
+    Args:
+        names: the indexes compared (e.g. ``["train", "validation"]``).
+        gathered: per rank, :func:`_index_summary` of each index in ``names`` order, concatenated.
+    """
+    lines = []
+    for j, name in enumerate(names):
+        rows = [tuple(g[4 * j : 4 * j + 4]) for g in gathered]
+        if len(set(rows)) == 1:
+            continue
+        # Other counts imply another fingerprint; name the fingerprint alone only when the counts agree.
+        differ = [f for f, k in zip(_INDEX_FIELDS, (0, 1)) if len({r[k] for r in rows}) > 1]
+        differ = differ or ["fingerprint"]
+        per_rank = "; ".join(
+            f"rank {r}: {int(row[0])} shards, {int(row[1])} samples, fingerprint "
+            f"{int(row[2]):08x}{int(row[3]):08x}"
+            for r, row in enumerate(rows)
+        )
+        lines.append(f"the {name} index differs between ranks ({', '.join(differ)}): {per_rank}")
+    return "\n".join(lines) or None
+
+
+def _check_indexes_agree(loaded: list[tuple[str, Any, Any]]) -> None:
+    """One all-gather of a few numbers per index: ranks that would plan different epochs fail here, each
+    with the same message, instead of hanging at the first collective of the epoch."""
+    local = [v for _, _, index in loaded for v in _index_summary(index)]
+    message = _index_disagreement([name for name, _, _ in loaded], _dist.all_gather_floats(local))
+    if message is not None:
+        sources = "; ".join(f"{name} shards {shards!r}" for name, shards, _ in loaded)
+        raise RuntimeError(
+            f"{message}. Every rank must index the same samples ({sources}): check that the paths or URL "
+            "patterns resolve to the same shards on every node (a shard written while the job started, a "
+            "different mount), or build the index once (`lightning-adaptiveload index ...`) and give every "
+            "rank the same index.json"
+        )
+
+
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
 
@@ -465,7 +517,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     The batches are dicts (``docs/architecture.md``): latents (B, C, T, H, W), text (B, L, D) | None,
     text_mask, keys, meta, seq_len, batch_size, num_tokens, cost, global_tokens, plus ``step`` (the plan
-    step within the epoch) and ``skipped`` (samples of this batch that failed at read time, by reason).
+    step within the epoch), ``skipped`` (samples of this batch that failed at read time, by reason) and
+    ``ignored_members`` (members passed over while reading them, such as a refused pickle beside a good
+    latent: counted apart, the sample itself was read).
     """
 
     def __init__(
@@ -589,6 +643,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         from lightning_adaptiveload.shards import ShardIndex
 
         rank, world = _dist.rank_and_world(self.trainer)
+        loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = ShardIndex.for_paths(
                 self.train_shards,
@@ -598,6 +653,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 **self._index_trust,
             )
             self.train_dataset = self._dataset(self.train_index, self.schedule)
+            loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = ShardIndex.for_paths(
                 self.val_shards,
@@ -607,9 +663,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 **self._index_trust,
             )
             self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
+            loaded.append(("validation", self.val_shards, self.val_index))
         for ds in (self.train_dataset, self.val_dataset):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world
+        if loaded:
+            _check_indexes_agree(loaded)
 
     def check_data(self) -> None:
         """Check the data before training starts, in the launching process (the CLI calls it before fit).

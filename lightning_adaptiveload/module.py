@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from torchmetrics import MeanMetric
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
@@ -135,6 +136,11 @@ class VideoDiTModule(L.LightningModule):
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
         self.model: VideoDiT | None = None
         self._noise_generator: torch.Generator | None = None
+        # The epoch's validation loss, weighted by tokens across every batch of every rank: the metric
+        # all-reduces the weighted sum and the total weight at compute(), so ranks with uneven batches
+        # count per token, not per rank. The default nan_strategy: "disable" ignores the weights
+        # (torchmetrics 1.9), so a NaN batch loss is dropped with a warning instead.
+        self.val_loss = MeanMetric()
 
     # -- model -------------------------------------------------------------------------------------
 
@@ -288,6 +294,9 @@ class VideoDiTModule(L.LightningModule):
         x0 = batch["latents"]
         b = x0.shape[0]
         tokens = int(x0.numel() // (self.model_config.in_channels * self.model_config.patch_volume))
+        if tokens == 0:
+            # An empty step (a rank with no validation sample left): weight 0, nothing to compute.
+            return self._log_val_loss(torch.zeros((), device=x0.device), tokens)
         # Only this rank's mean is used: give the local token count, so that no collective runs here.
         local = {**batch, "global_tokens": tokens}
         # Fixed noise per (batch, time) so that validation losses are comparable across epochs.
@@ -300,15 +309,12 @@ class VideoDiTModule(L.LightningModule):
             _, mse = self.compute_loss(local, noise=noise, t=t)
             losses.append(mse)
         mse = torch.stack(losses).mean()
-        self.log(
-            "val/loss",
-            mse,
-            on_step=False,
-            on_epoch=True,
-            prog_bar=True,
-            sync_dist=True,
-            batch_size=max(tokens, 1),
-        )
+        return self._log_val_loss(mse, tokens)
+
+    def _log_val_loss(self, mse: torch.Tensor, tokens: int) -> torch.Tensor:
+        # Not self.log(mse, sync_dist=True): that averages the ranks' means with equal weight.
+        self.val_loss.update(mse.detach().float(), weight=float(tokens))
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
         return mse
 
     def _current_lr(self) -> float:

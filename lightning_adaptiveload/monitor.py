@@ -773,6 +773,7 @@ class LoadBalanceMonitor(Callback):
                 "num_steps": n,
                 "steps_with_flop_counting": int(table["counted"].sum()) if n else 0,
                 "num_collectives": self._num_collectives,
+                "norm_modulate_path": _norm_modulate_path(),
                 "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             },
             "overall": overall,
@@ -791,6 +792,7 @@ class LoadBalanceMonitor(Callback):
                 continue
             lines.append(f"{key:<22}" + "".join(f"{_fmt(d[c]):>12}" for c in ("mean", "p50", "p95", "max")))
         lines.append("whole job: " + ", ".join(f"{k}={_fmt(v)}" for k, v in overall.items() if _finite(v)))
+        lines.append(f"layer_norm_modulate (rank 0): {meta.get('norm_modulate_path', 'not called')}")
         return "\n".join(lines)
 
     def _write_step_files(self) -> None:
@@ -821,6 +823,12 @@ class LoadBalanceMonitor(Callback):
 
 
 # ---------------------------------------------------------------------- module helpers
+
+
+def _norm_modulate_path() -> str:
+    # Only where the model imported the op: importing it here would load (or build) the CUDA kernels.
+    ops = sys.modules.get("lightning_adaptiveload.ops")
+    return ops.fused_op_paths() if ops is not None else "not called"
 
 
 def _as_float(value: Any) -> float:

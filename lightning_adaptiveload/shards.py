@@ -134,6 +134,9 @@ REASONS: dict[str, str] = {
 _IGNORED_REASONS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
 # Problems of an index file rather than of a shard.
 _INDEX_REASONS = frozenset({"bad_index", "unsafe_index_path"})
+#: Reasons that count members, not samples, in iter_shard's stats: ignored members, and members refused
+#: under on_error="skip" (a pickle beside a good latent); the sample itself is still read.
+MEMBER_REASONS = _IGNORED_REASONS | {"pickle_member"}
 
 
 class ShardError(ValueError):
@@ -1808,15 +1811,17 @@ def iter_shard(
     try:
         for event in scan:
             if isinstance(event, _Ignored):
-                if event.reason == "pickle_member":
+                if event.reason == "pickle_member" and on_error == "raise":
                     problem(
                         "pickle_member",
                         event.key,
                         f"member {event.member!r} is a pickle; refused, not read",
                         event.member,
                     )
-                else:
-                    counts[event.reason] = counts.get(event.reason, 0) + 1
+                if event.reason == "pickle_member":
+                    # A refused member, not a lost sample: the key's other members are still read.
+                    log.warning("refused member %r in shard %s: a pickle, never loaded", event.member, label)
+                counts[event.reason] = counts.get(event.reason, 0) + 1
                 continue
             if isinstance(event, _ShardProblem):
                 damaged = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import os
 import tarfile
 
@@ -213,3 +214,41 @@ def test_loader_with_other_worker_count_than_planned_is_refused(data):
     ds.begin_epoch(0)
     with pytest.raises(RuntimeError, match="planned for 2 DataLoader workers"):
         next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)))
+
+
+def _add_pickle_member(path: str, key: str) -> None:
+    """Rewrite the shard with a ``<key>.extra.pth`` member (a pickle, refused) right after the key's members."""
+    with tarfile.open(path) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    last = max(i for i, (m, _) in enumerate(members) if m.name.startswith(key + "."))
+    extra = tarfile.TarInfo(f"{key}.extra.pth")
+    payload = b"not unpickled"
+    extra.size = len(payload)
+    members.insert(last + 1, (extra, payload))
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for m, data in members:
+            tf.addfile(m, io.BytesIO(data))
+
+
+@pytest.mark.timeout(60)
+def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, caplog):
+    """A pickle member is refused, but its sample's latent is good: the sample is read and nothing counts
+    it as lost; the refused member is counted apart."""
+    d = str(tmp_path / "pickled")
+    index = write_synthetic_shards(
+        d, mix="tiny", num_samples=24, samples_per_shard=12, seed=3, progress=False
+    )
+    key = index.shards[0].keys[2]
+    _add_pickle_member(index.shards[0].path, key)
+    os.remove(os.path.join(d, "index.json"))  # index the changed shards afresh
+    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=0, on_error="skip")
+    dm.setup("fit")
+    with caplog.at_level("WARNING"):
+        batches = list(dm.train_dataloader())
+    written = [k for s in index.shards for k in s.keys]
+    assert sorted(k for b in batches for k in b["keys"]) == sorted(written) and key in written
+    assert all(b["skipped"] == {} for b in batches)
+    assert sum(b["ignored_members"].get("pickle_member", 0) for b in batches) == 1
+    assert dm.epoch_report["runtime_skipped"] == {}
+    assert dm.epoch_report["runtime_ignored_members"] == {"pickle_member": 1}
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "skipped" in r.getMessage()]

@@ -221,3 +221,71 @@ def test_empty_batch_adds_nothing_but_touches_every_parameter():
     loss.backward()
     assert loss.item() == 0 and mse.item() == 0
     assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in module.model.parameters())
+
+
+# ------------------------------------------------------------------------------ validation across ranks
+
+
+class _RankBatches(torch.utils.data.IterableDataset):
+    """Each rank's own validation batches (uneven in count and size), picked by the rank at iteration."""
+
+    def __init__(self, per_rank: list[list[dict]]):
+        self.per_rank = per_rank
+
+    def __iter__(self):
+        return iter(self.per_rank[torch.distributed.get_rank()])
+
+
+def _empty_batch() -> dict:
+    return {"latents": torch.zeros(0, 16, 1, 8, 12), "text": torch.zeros(0, 3, 32),
+            "text_mask": torch.zeros(0, 3, dtype=torch.bool), "keys": [], "meta": [], "seq_len": 0,
+            "batch_size": 0, "num_tokens": 0, "cost": 0.0, "global_tokens": -1}  # fmt: skip
+
+
+def test_empty_validation_batch_has_weight_zero():
+    module = VideoDiTModule()
+    module.configure_model()
+    module.log = lambda *a, **k: None  # not attached to a Trainer
+    batch = _batches(1, seed=0)[0]
+    mse = module.validation_step(batch, 0)
+    assert module.validation_step(_empty_batch(), 1).item() == 0
+    assert module.val_loss.compute().item() == pytest.approx(mse.item(), rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_validation_loss_is_token_weighted_across_ranks(one_thread):
+    """Two ranks with uneven batches (rank 0: one large batch; rank 1: three small ones and an empty one):
+    the logged val/loss is the token-weighted mean over all batches of both ranks."""
+    L.seed_everything(7, verbose=False)
+    data = _batches(4, seed=5)
+    # Rank 0's latents scaled up: a larger loss on the rank with fewer tokens, so the two means differ.
+    data[0] = {**data[0], "latents": 4 * data[0]["latents"]}
+    per_rank = [[data[0]], [data[1], data[2], _empty_batch(), data[3]]]
+    module = VideoDiTModule(preset="tiny")
+    module.configure_model()  # built here so that both ranks hold the same weights
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    (logged,) = trainer.validate(module, DataLoader(_RankBatches(per_rank), batch_size=None), verbose=False)
+
+    module.log = lambda *a, **k: None
+    sums, tokens, rank_means = 0.0, 0, []
+    for batches in per_rank:
+        r_sum, r_tok = 0.0, 0
+        for i, batch in enumerate(batches):
+            mse = module.validation_step(batch, i).item()
+            r_sum, r_tok = r_sum + mse * batch["num_tokens"], r_tok + batch["num_tokens"]
+        sums, tokens = sums + r_sum, tokens + r_tok
+        rank_means.append(r_sum / r_tok)
+    expected = sums / tokens
+    assert logged["val/loss"] == pytest.approx(expected, rel=1e-5)
+    # What averaging the ranks' means (self.log with sync_dist=True) gave, clearly apart from it.
+    old = sum(rank_means) / len(rank_means)
+    assert abs(old - expected) > 100 * 1e-5 * expected, (old, expected)

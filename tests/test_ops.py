@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
 import warnings
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from lightning_adaptiveload.ops import (
+    FusedOpUnavailable,
     _build,
+    fused_op_paths,
     fused_op_status,
     layer_norm_modulate,
     layer_norm_modulate_reference,
@@ -265,68 +268,90 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch):
         _build._check_toolchain()
 
 
-class _StandInExtension:
-    """Checks the arguments the CUDA kernels get, and computes with the math implementation."""
+def test_cached_build_loads_without_the_toolchain(tmp_path, monkeypatch):
+    """A build in the (shared) cache loads on a node without nvcc: the toolchain is checked only to build."""
+    monkeypatch.setenv("LIGHTNING_ADAPTIVELOAD_CACHE", str(tmp_path))
+    archs = ["9.0"]
+    key = _build.build_key(_build.find_csrc(), archs)
+    library = tmp_path / "torch_extensions" / key / f"{_build._library_name(key)}.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"stand-in for the shared library")
 
-    def __init__(self):
-        self.calls = []
+    def no_toolchain():
+        raise _build.FusedOpUnavailable("nvcc was not found (stand-in)")
 
-    def forward(self, x, shift, scale, w, b, group_size, eps, warps_per_row, rows_per_cta):
-        self.calls.append(("forward", x, shift, scale, w, b))
-        return _impl._fwd_math(x, shift, scale, w, b, group_size, eps)
-
-    def backward(self, dy, x, scale, w, b, mean, rstd, group_size, vpt, slots):
-        self.calls.append(("backward", dy, x, scale, w, b))
-        return _impl._bwd_math(dy, x, scale, w, b, mean, rstd, group_size)
-
-
-def test_cuda_implementation_prepares_kernel_arguments(monkeypatch):
-    """The CUDA kernel's Python side, exercised on CPU tensors with a stand-in for the extension."""
-    ext = _StandInExtension()
-    monkeypatch.setattr(_build, "get_extension", lambda: (ext, None))
-    base = torch.randn(2 * 5 * 24 + 1, dtype=torch.bfloat16)
-    x = base[1:].view(2, 5, 24)  # 2-byte storage offset: not 16-byte aligned
-    table = torch.randn(2, 6, 24)
-    shift = table[:, 0]  # strided rows, 16-byte aligned (row stride 6 * 24 * 4 bytes)
-    scale = torch.randn(2, 24, dtype=torch.bfloat16)  # another dtype than shift
-    bias = torch.randn(24)
-    y, mean, rstd = _impl._fwd_cuda(x, shift, scale, None, bias, 5, 1e-6)
-    _, kx, ksh, ksc, kw, kb = ext.calls[-1]
-    assert kx.data_ptr() % 16 == 0 and kx.is_contiguous()
-    assert ksh.dtype == ksc.dtype == torch.float32  # mixed modulation dtypes are computed in fp32
-    assert torch.equal(kw, torch.ones(24)) and torch.equal(kb, bias)  # bias alone: weight of ones
-    y_ref, _, _ = _impl._fwd_math(x, shift, scale.float(), None, bias, 5, 1e-6)
-    assert torch.equal(y, y_ref)
-    dy = torch.randn_like(x)
-    dx, dshift, dscale, dweight, dbias = _impl._bwd_cuda(dy, x, scale, None, bias, mean, rstd, 5)
-    assert dscale.dtype == torch.bfloat16 and dshift.dtype == torch.bfloat16  # the scale table's dtype
-    assert dweight.numel() == 0 and dbias.shape == (24,)
-    assert ext.calls[-1][0] == "backward"
+    loaded = []
+    monkeypatch.setattr(_build, "_check_toolchain", no_toolchain)
+    monkeypatch.setattr(_build, "_load_library", loaded.append)
+    path, build_dir = _build.load_extension(archs=archs)
+    assert path == library and loaded == [library] and build_dir == library.parent
+    # Without the cached file the toolchain is needed, and its absence is the error.
+    library.unlink()
+    with pytest.raises(_build.FusedOpUnavailable, match="nvcc was not found"):
+        _build.load_extension(archs=archs)
 
 
-def test_cuda_implementation_falls_back_with_one_warning_when_the_build_fails(monkeypatch):
-    monkeypatch.setattr(_build, "get_extension", lambda: (None, "nvcc was not found (stand-in)"))
+def test_require_fused_makes_the_fallback_an_error(monkeypatch):
+    x, shift, scale = torch.randn(2, 5, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    monkeypatch.setenv("LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED", "1")
+    with pytest.raises(FusedOpUnavailable, match="x is on cpu.*LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1"):
+        layer_norm_modulate(x, shift, scale)
+    monkeypatch.setenv("LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED", "0")
     _impl._warned.clear()
-    x, shift, scale = torch.randn(2, 5, 24), torch.randn(2, 24), torch.randn(2, 24)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        out = _impl._fwd_cuda(x, shift, scale, None, None, 5, 1e-6)
-        _impl._fwd_cuda(x, shift, scale, None, None, 5, 1e-6)
-    msgs = [str(r.message) for r in rec]
-    assert len(msgs) == 1 and "nvcc was not found" in msgs[0]
-    assert torch.equal(out[0], _impl._fwd_math(x, shift, scale, None, None, 5, 1e-6)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(
+            layer_norm_modulate(x, shift, scale), layer_norm_modulate_reference(x, shift, scale)
+        )
 
 
-@pytest.mark.parametrize("affine", [False, True])
-def test_eager_autograd_path_matches_the_op(affine):
-    """The eager path (autograd.Function around the extension) and the custom op give the same gradients."""
-    ext = _StandInExtension()
-    x, shift, scale, w, b, g, eps = _op_inputs(False, affine)
-    leaves = [t for t in (x, shift, scale, w, b) if t is not None]
-    y = _impl._EagerFused.apply(x, shift, scale, w, b, g, eps, ext)
-    y_op, _, _ = _fwd_op(x, shift, scale, w, b, g, eps)
-    assert torch.equal(y, y_op)
-    dy = torch.randn_like(y)
-    for a, c in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(y_op, leaves, dy)):
-        assert torch.equal(a, c)
-    assert [c[0] for c in ext.calls] == ["forward", "backward"]
+def test_fused_op_paths_says_which_implementation_ran(monkeypatch):
+    monkeypatch.setattr(_impl, "_paths", {})
+    assert fused_op_paths() == "not called"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer_norm_modulate(torch.randn(2, 5, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16))
+    assert fused_op_paths() == "PyTorch fallback (x is on cpu; the fused kernels need CUDA)"
+
+
+@pytest.mark.parametrize("m_shape, group_size", [((2, 1, 16), 0), ((2, 0, 16), 1)])
+def test_no_rows_give_an_empty_result(m_shape, group_size):
+    """x of shape (B, 0, D): an empty y and zero modulation gradients, from the reference and the op."""
+    x = torch.randn(2, 0, 16, requires_grad=True)
+    shift, scale = torch.randn(m_shape, requires_grad=True), torch.randn(m_shape, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = layer_norm_modulate(x, shift, scale)
+    assert y.shape == (2, 0, 16)
+    dx, dshift, dscale = torch.autograd.grad(y.sum(), (x, shift, scale))
+    assert dx.shape == x.shape and not dshift.any() and not dscale.any()
+    table_sh, g = _impl._as_groups(shift, x)
+    table_sc, _ = _impl._as_groups(scale, x)
+    assert g == group_size
+    torch.library.opcheck(_fwd_op, (x, table_sh, table_sc, None, None, g, 1e-6))
+
+
+def test_python_schemas_are_the_cpp_ones():
+    """Where the library is not loaded, the operator is defined from copies of its schemas: the same text."""
+    cpp = (_build.find_csrc() / "ln_modulate_binding.cpp").read_text()
+    block = cpp[cpp.index("TORCH_LIBRARY(lightning_adaptiveload") :]
+    defs = ["".join(re.findall(r'"([^"]*)"', d)) for d in re.findall(r"m\.def\((.*?)\);", block, re.S)]
+    assert defs == [name + schema for name, schema in _impl._SCHEMAS.items()]
+    for name, schema in _impl._SCHEMAS.items():
+        op = getattr(torch.ops.lightning_adaptiveload, name).default
+        assert str(op._schema) == f"lightning_adaptiveload::{name}{schema}"
+
+
+def test_monitor_summary_says_which_path_ran(monkeypatch):
+    from lightning_adaptiveload.monitor import LoadBalanceMonitor, _norm_modulate_path
+
+    monkeypatch.setattr(_impl, "_paths", {"reference": "x is on cpu; the fused kernels need CUDA"})
+    assert _norm_modulate_path() == fused_op_paths()
+    monitor = LoadBalanceMonitor()
+    meta = {"num_steps": 0, "world_size": 1, "device": "cpu", "timing_method": "step", "flops_source": "none"}
+    monitor.summary = {
+        "meta": {**meta, "norm_modulate_path": _norm_modulate_path()},
+        "overall": {},
+        "table": {},
+    }
+    assert "layer_norm_modulate (rank 0): PyTorch fallback (x is on cpu" in monitor._format_summary()

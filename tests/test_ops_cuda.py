@@ -13,7 +13,12 @@ import warnings
 import pytest
 import torch
 
-from lightning_adaptiveload.ops import fused_op_status, layer_norm_modulate, layer_norm_modulate_reference
+from lightning_adaptiveload.ops import (
+    fused_op_paths,
+    fused_op_status,
+    layer_norm_modulate,
+    layer_norm_modulate_reference,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -230,3 +235,82 @@ def test_activation_checkpointing():
     dy = torch.randn_like(y)
     for g, gc in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_c, ins_c, dy)):
         assert torch.equal(g, gc)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The one path: registration, eager calls through the operator, opcheck on what eager training passes
+
+
+_FWD_OP = torch.ops.lightning_adaptiveload.layer_norm_modulate.default
+_BWD_OP = torch.ops.lightning_adaptiveload.layer_norm_modulate_backward.default
+
+
+def test_the_library_registered_the_operator_and_its_cuda_kernels():
+    for op, name in ((_FWD_OP, "layer_norm_modulate"), (_BWD_OP, "layer_norm_modulate_backward")):
+        assert str(op._schema) == f"lightning_adaptiveload::{name}{_impl._SCHEMAS[name]}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA")
+    assert _impl._KERNELS_LOADED
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_and_their_backward_go_through_the_operator():
+    x, shift, scale, w, b = _make((2, 64, 256), (2, 1, 256), torch.bfloat16, torch.float32, affine=True)
+    ins = [t.clone().requires_grad_() for t in (x, shift, scale, w, b)]
+    with _OpRecorder() as rec:
+        y = layer_norm_modulate(*ins)
+        torch.autograd.grad(y, ins, torch.randn_like(y))
+    assert _FWD_OP in rec.ops and _BWD_OP in rec.ops
+    assert "fused CUDA kernel" in fused_op_paths()
+
+
+def _eager_inputs(kind: str):
+    """The operator's inputs as layer_norm_modulate prepares them from the layouts eager training uses.
+
+    opcheck needs leaf tensors, so strided tables and misaligned x become contiguous copies here; the
+    gradient checks above (``_check``) run those through the same operator."""
+    D = 256
+    if kind == "sample_bf16_fp32":  # Wan 2.1: bf16 x, (B, 1, D) fp32 chunks of the modulation table
+        x = torch.randn(2, 40, D, device="cuda", dtype=torch.bfloat16)
+        shift = scale = torch.randn(2, 6, D, device="cuda")[:, 0:1]
+    elif kind == "token_bf16":  # Wan 2.2 TI2V: per-token modulation in x's dtype
+        x = torch.randn(2, 24, D, device="cuda", dtype=torch.bfloat16)
+        shift = scale = torch.randn(2, 24, D, device="cuda", dtype=torch.bfloat16)
+    else:  # "empty": no rows
+        x = torch.randn(2, 0, D, device="cuda")
+        shift = scale = torch.randn(2, 1, D, device="cuda")
+    (t_sh, group), (t_sc, _) = _impl._as_groups(shift, x), _impl._as_groups(scale, x)
+    w = 1.0 + 0.3 * torch.randn(D, device="cuda")  # weight without bias: the kernels get a zero bias
+    leaves = [t.detach().clone().requires_grad_() for t in (x, t_sh, t_sc, w)]
+    return (*leaves, None, group, 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sample_bf16_fp32", "token_bf16", "empty"])
+def test_opcheck_on_the_inputs_of_eager_training(kind):
+    torch.library.opcheck(_FWD_OP, _eager_inputs(kind))
+
+
+def test_empty_rows_give_an_empty_result_on_cuda():
+    x = torch.randn(3, 0, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shift = torch.randn(3, 1, 1536, device="cuda", requires_grad=True)
+    scale = torch.randn(3, 1, 1536, device="cuda", requires_grad=True)
+    y = layer_norm_modulate(x, shift, scale)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_cuda
+    dx, dshift, dscale = torch.autograd.grad(y.sum(), (x, shift, scale))
+    assert dx.shape == x.shape and not dshift.any() and not dscale.any()
+
+
+def test_require_fused_passes_where_the_kernels_run_and_raises_where_not(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED", "1")
+    x, shift, scale, _, _ = _make((2, 9, 256), (2, 1, 256), torch.bfloat16, torch.float32, affine=False)
+    layer_norm_modulate(x, shift, scale)
+    with pytest.raises(RuntimeError, match="D = 100.*REQUIRE_FUSED=1"):
+        layer_norm_modulate(*_make((2, 9, 100), (2, 1, 100), torch.bfloat16, torch.float32, affine=False)[:3])

@@ -1,14 +1,23 @@
 """Fused operators. ``layer_norm_modulate`` computes ``LN(x) * (1 + scale) + shift``.
 
-On CUDA it is a ``torch.library`` custom op backed by the kernels in ``csrc/`` (built on first use; prebuild
-with ``python -m lightning_adaptiveload build-ops``); elsewhere it falls back to the plain-PyTorch
-reference with one warning.
+On CUDA it is the custom operator ``torch.ops.lightning_adaptiveload.layer_norm_modulate``, registered by the
+C++ library built from ``csrc/`` (built on the node's first use; prebuild with ``python -m
+lightning_adaptiveload build-ops``); elsewhere it falls back to the plain-PyTorch reference with one warning,
+or raises with ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1``. ``fused_op_paths()`` says which ran.
 """
 
+from lightning_adaptiveload.ops._build import FusedOpUnavailable
 from lightning_adaptiveload.ops.layer_norm_modulate import (
+    fused_op_paths,
     fused_op_status,
     layer_norm_modulate,
     layer_norm_modulate_reference,
 )
 
-__all__ = ["fused_op_status", "layer_norm_modulate", "layer_norm_modulate_reference"]
+__all__ = [
+    "FusedOpUnavailable",
+    "fused_op_paths",
+    "fused_op_status",
+    "layer_norm_modulate",
+    "layer_norm_modulate_reference",
+]

@@ -4,8 +4,12 @@ The kernels (``csrc/`` at the repository root) are compiled on first use with ni
 ``torch.utils.cpp_extension.load`` and cached under ``~/.cache/lightning_adaptiveload/torch_extensions``
 in a directory named by the hash of the sources, the torch and CUDA versions and the GPU architectures,
 so that a changed source, a new torch or another GPU gets its own build and an unchanged one loads in
-well under a second. ``python -m lightning_adaptiveload build-ops`` (``main`` below) builds ahead of time,
-for example once per node before a multi-GPU job.
+well under a second. The extension is a plain shared library that registers the operator with the
+dispatcher (``TORCH_LIBRARY``); loading it is ``torch.ops.load_library``. The cache is consulted first, so
+a node without nvcc loads a build made elsewhere (shared ``LIGHTNING_ADAPTIVELOAD_CACHE``); only a missing
+build needs the toolchain, and it is compiled in a child process so that this one loads the library only
+once. ``python -m lightning_adaptiveload build-ops`` (``main`` below) builds ahead of time, for example once
+per node before a multi-GPU job.
 
 Environment:
     LIGHTNING_ADAPTIVELOAD_CSRC: directory holding the CUDA sources (default: ``csrc/`` of the checkout).
@@ -18,15 +22,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -34,22 +39,24 @@ __all__ = ["FusedOpUnavailable", "find_csrc", "build_key", "load_extension", "ge
 
 _log = logging.getLogger("lightning_adaptiveload.ops")
 
-#: Files of the extension, relative to the csrc directory. Sources are compiled; headers only hashed.
-SOURCES = (
+#: Files of the extension, relative to the csrc directory. Sources are compiled; headers only hashed. The
+#: kernel sources are shared with the benchmarks' build of tuning variants (benchmarks/modulate_variants.py).
+KERNEL_SOURCES = (
     "ln_modulate.cu",
     "ln_modulate_bf16.cu",
     "ln_modulate_fp16.cu",
     "ln_modulate_fp32.cu",
-    "ln_modulate_binding.cpp",
 )
+SOURCES = KERNEL_SOURCES + ("ln_modulate_binding.cpp",)
 HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh")
 
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
 _CXX_FLAGS = ["-O3", "-std=c++17"]
 
 _lock = threading.Lock()
-_extension: ModuleType | None = None
+_extension: str | None = None
 _failure: str | None = None
+_built_seconds: float | None = None  # how long a build in this process took (None: none ran)
 
 
 class FusedOpUnavailable(RuntimeError):
@@ -145,75 +152,116 @@ def _check_toolchain() -> None:
         )
 
 
+def _library_name(key: str) -> str:
+    return "adaptiveload_ln_modulate_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _build_in_child(name: str, csrc: Path, build_dir: Path, archs: list[str], verbose: bool) -> None:
+    """Compiles the library with ``cpp_extension.load`` in a child Python process.
+
+    The child loads what it built (a check that it loads) and exits; this process then loads the cached
+    file once. Building here instead would load the library into this process as a side effect, and a
+    second registration of the operator (say after ``--force``) aborts the process.
+    """
+    spec = {
+        "name": name,
+        "sources": [str(csrc / s) for s in SOURCES],
+        "extra_include_paths": [str(csrc)],
+        "extra_cflags": _CXX_FLAGS,
+        "extra_cuda_cflags": _NVCC_FLAGS,
+        "build_directory": str(build_dir),
+        "verbose": verbose,
+        "with_cuda": True,
+        "is_python_module": False,
+    }
+    code = "import json, sys; from torch.utils import cpp_extension; cpp_extension.load(**json.loads(sys.argv[1]))"
+    env = dict(os.environ, TORCH_CUDA_ARCH_LIST=";".join(archs))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)],
+        env=env,
+        stdout=None if verbose else subprocess.PIPE,
+        stderr=None if verbose else subprocess.PIPE,
+        text=True,
+    )
+    if proc.returncode != 0:
+        output = ((proc.stdout or "") + (proc.stderr or "")).strip()
+        tail = output[-4000:] if output else "(output shown above)"
+        raise FusedOpUnavailable(
+            f"building the CUDA extension in {build_dir} failed (exit status {proc.returncode}): {tail}. Rerun "
+            "`python -m lightning_adaptiveload build-ops --verbose --force` to see the full compiler output."
+        )
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+
+
 def load_extension(
-    archs: list[str] | None = None, verbose: bool = False, force: bool = False
-) -> tuple[ModuleType, Path]:
-    """Builds (when not cached) and imports the extension.
+    archs: list[str] | None = None, verbose: bool = False, force: bool = False, load: bool = True
+) -> tuple[Path, Path]:
+    """Loads the cached extension, building it first when the cache has none.
 
     Args:
         archs: GPU architectures such as ``["9.0"]``; default: ``TORCH_CUDA_ARCH_LIST``, else the visible GPUs.
         verbose: show the compiler's output.
         force: delete the cached build first.
+        load: load the library into this process (registering the operator's CUDA kernels); False only
+            builds it (``build-ops``).
 
     Returns:
-        The extension module (functions ``forward``, ``backward``, ``backward_plan``) and its build directory.
+        The shared library's path and its build directory.
 
     Raises:
-        FusedOpUnavailable: no CUDA torch, no nvcc or ninja, no sources, or the build failed (the message
-            holds the compiler's error).
+        FusedOpUnavailable: no sources; or no cached build and no CUDA torch, nvcc or ninja; or the build
+            failed (the message holds the compiler's error).
     """
-    from torch.utils import cpp_extension
-
-    _check_toolchain()
+    global _built_seconds
     csrc = find_csrc()
     archs = _arch_list(archs)
     key = build_key(csrc, archs)
     build_dir = _cache_root() / "torch_extensions" / key
+    name = _library_name(key)
+    library = build_dir / f"{name}.so"
     if force and build_dir.exists():
         shutil.rmtree(build_dir)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    name = "adaptiveload_ln_modulate_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    fresh = not any(build_dir.glob(f"{name}*.so"))
-    if fresh:
+    # A lock file means another process is building into this directory: build (wait) through torch's lock.
+    cached = library.is_file() and not (build_dir / "lock").exists()
+    if not cached:
+        # Only a build needs the toolchain: a node without nvcc loads a build shared through the cache.
+        _check_toolchain()
+        build_dir.mkdir(parents=True, exist_ok=True)
         _log.warning(
             "lightning_adaptiveload: compiling the fused layer_norm_modulate CUDA kernels for sm %s "
             "(first use, about a minute); cached in %s",
             ",".join(archs),
             build_dir,
         )
-    old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
-    start = time.perf_counter()
-    try:
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(csrc / s) for s in SOURCES],
-            extra_include_paths=[str(csrc)],
-            extra_cflags=_CXX_FLAGS,
-            extra_cuda_cflags=_NVCC_FLAGS,
-            build_directory=str(build_dir),
-            verbose=verbose,
-            with_cuda=True,
-        )
-    except Exception as exc:  # the compiler's message is in exc; keep it
-        raise FusedOpUnavailable(
-            f"building the CUDA extension in {build_dir} failed: {exc}. Rerun "
-            "`python -m lightning_adaptiveload build-ops --verbose --force` to see the full compiler output."
-        ) from exc
-    finally:
-        if old_arch is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
-    if fresh:
-        _log.warning("lightning_adaptiveload: fused kernels built in %.0f s", time.perf_counter() - start)
-    return module, build_dir
+        start = time.perf_counter()
+        _build_in_child(name, csrc, build_dir, archs, verbose)
+        if not library.is_file():
+            raise FusedOpUnavailable(
+                f"the build in {build_dir} reported success but {library.name} is not there; rerun "
+                "`python -m lightning_adaptiveload build-ops --verbose --force`"
+            )
+        _built_seconds = time.perf_counter() - start
+        _log.warning("lightning_adaptiveload: fused kernels built in %.0f s", _built_seconds)
+    if load:
+        try:
+            _load_library(library)
+        except OSError as exc:  # a truncated or foreign file in the cache
+            raise FusedOpUnavailable(
+                f"loading the cached CUDA extension {library} failed: {exc}. Delete {build_dir} or rerun "
+                "`python -m lightning_adaptiveload build-ops --force`"
+            ) from exc
+    return library, build_dir
 
 
-def get_extension() -> tuple[ModuleType | None, str | None]:
-    """The loaded extension, building it on first call; ``(None, reason)`` when it is unavailable.
+def get_extension() -> tuple[str | None, str | None]:
+    """Loads the extension once per process, building it on first call.
 
-    The outcome is remembered for the process: a failed build is not retried on every call.
+    Returns:
+        ``(path of the loaded library, None)`` or ``(None, reason)`` when it is unavailable. The outcome is
+        remembered for the process: a failed build is not retried on every call.
     """
     global _extension, _failure
     if _extension is not None or _failure is not None:
@@ -221,7 +269,7 @@ def get_extension() -> tuple[ModuleType | None, str | None]:
     with _lock:
         if _extension is None and _failure is None:
             try:
-                _extension, _ = load_extension()
+                _extension = str(load_extension()[0])
             except FusedOpUnavailable as exc:
                 _failure = str(exc)
     return _extension, _failure
@@ -231,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m lightning_adaptiveload build-ops``: compile the fused op's CUDA kernels ahead of use.
 
     Returns:
-        0 when the extension is built (or already cached) and loads, 1 otherwise (the reason on stderr).
+        0 when the library is in the cache (a fresh build is checked to load in its child process), 1
+        otherwise (the reason on stderr).
     """
     parser = argparse.ArgumentParser(
         prog="lightning_adaptiveload build-ops",
@@ -247,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     archs = [a for spec in args.arch for a in re.split(r"[;,\s]+", spec) if a] if args.arch else None
-    start = time.perf_counter()
     try:
-        module, build_dir = load_extension(archs=archs, verbose=args.verbose, force=args.force)
+        # Built (and checked to load) in a child process; this one need not load it. On a GPU node the
+        # import of the op may have built it already (then this finds it cached).
+        library, build_dir = load_extension(archs=archs, verbose=args.verbose, force=args.force, load=False)
     except FusedOpUnavailable as exc:
         print(f"build-ops: {exc}", file=sys.stderr)
         return 1
-    print(f"build-ops: {module.__name__} ready in {build_dir} ({time.perf_counter() - start:.1f} s)")
+    how = f"built in {_built_seconds:.0f} s" if _built_seconds is not None else "found in the cache"
+    print(f"build-ops: {library.name} ready in {build_dir} ({how})")
     return 0
 
 

@@ -4,10 +4,18 @@ Two implementations of one function:
 
 - :func:`layer_norm_modulate_reference`: plain PyTorch, any device, differentiable by autograd.
 - :func:`layer_norm_modulate`: the fused op. On CUDA it runs the kernels in ``csrc/`` (one pass over x
-  forward, one pass over x and dy backward). Under ``torch.compile`` it is the custom operator
-  ``torch.ops.lightning_adaptiveload.layer_norm_modulate``, kept as a single node; eager calls reach the
-  same kernels through a small ``autograd.Function`` that skips the dispatcher's Python round trips. Elsewhere,
-  or where the kernels cannot serve the input, it runs the reference and warns once, saying why.
+  forward, one pass over x and dy backward) through the custom operator
+  ``torch.ops.lightning_adaptiveload.layer_norm_modulate``, in eager mode, under ``torch.compile`` (one
+  node) and under activation checkpointing alike: one autograd path. Elsewhere, or where the kernels cannot
+  serve the input, it runs the reference and warns once, saying why; with
+  ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1`` that is an error instead.
+
+The operator is registered like PyTorch's own extensions: the C++ library (``csrc/ln_modulate_binding.cpp``)
+defines the schemas with ``TORCH_LIBRARY`` and the CUDA kernels with ``TORCH_LIBRARY_IMPL``; this module adds
+the fake (shape) implementations, the autograd formula and a plain-PyTorch implementation for every other
+device. The library is loaded when this module is imported on a machine with a visible GPU (building it on
+the node's first use); without it (no GPU, ``LIGHTNING_ADAPTIVELOAD_FUSED=0``, a failed build) this module
+defines the same schemas itself, so the operator exists everywhere.
 
 Modulation layouts (``shift`` and ``scale``; fp32 or x's dtype), for x of shape (..., D):
 
@@ -30,26 +38,28 @@ import torch.nn.functional as F
 
 from lightning_adaptiveload.ops import _build
 
-__all__ = ["layer_norm_modulate", "layer_norm_modulate_reference", "fused_op_status"]
+__all__ = ["layer_norm_modulate", "layer_norm_modulate_reference", "fused_op_status", "fused_op_paths"]
 
 _NS = "lightning_adaptiveload"
 _FWD = f"{_NS}::layer_norm_modulate"
 _BWD = f"{_NS}::layer_norm_modulate_backward"
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_D = 16384
-
-# Launch overrides for benchmarks (0: the kernels' own choice). Not part of the API.
-_TUNING = {"warps_per_row": 0, "rows_per_cta": 0, "vectors_per_thread": 0, "slots": 0}
+_REQUIRE_ENV = "LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED"
 
 _warned: set[str] = set()
+# Which implementation the public function has run in this process, with what: "fused" -> the library,
+# "reference" -> the reason of the first fallback. Read by fused_op_paths() (the monitor's summary).
+_paths: dict[str, str] = {}
 
 
 def _warn_once(key: str, message: str) -> None:
-    # warnings.warn would break a torch.compile graph; the eager call, or the op at run time, warns instead.
+    # warnings.warn would break a torch.compile graph; the eager call warns instead. stacklevel: the caller
+    # of layer_norm_modulate (through _fallback).
     if key in _warned or torch.compiler.is_compiling():
         return
     _warned.add(key)
-    warnings.warn(f"layer_norm_modulate: {message}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"layer_norm_modulate: {message}", RuntimeWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,18 +171,32 @@ def layer_norm_modulate_reference(
 # ---------------------------------------------------------------------------------------------------------
 # The custom operator. Its inputs are normalized by layer_norm_modulate: shift and scale are (M, D)
 # tables with one dtype, row m serving rows [m * group_size, (m + 1) * group_size) of x viewed as (rows, D);
-# weight and bias fp32 (D,).
+# weight and bias fp32 (D,). The schemas are the C++ library's (csrc/ln_modulate_binding.cpp); these copies
+# define the operator where the library is not loaded, and a CUDA test checks that the two agree.
 
-torch.library.define(
-    _FWD,
-    "(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, SymInt group_size, float eps) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-torch.library.define(
-    _BWD,
-    "(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
-    "SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
+_SCHEMAS = {
+    "layer_norm_modulate": "(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
+    "SymInt group_size, float eps) -> (Tensor, Tensor, Tensor)",
+    "layer_norm_modulate_backward": "(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
+    "Tensor mean, Tensor rstd, SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+def _load_kernels() -> tuple[bool, str]:
+    """Loads the C++ library where it can serve: ``(True, library path)`` or ``(False, why not)``."""
+    if os.environ.get("LIGHTNING_ADAPTIVELOAD_FUSED", "1") == "0":
+        return False, "LIGHTNING_ADAPTIVELOAD_FUSED=0"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU is visible"
+    path, reason = _build.get_extension()
+    return (True, path) if path is not None else (False, reason or "unknown")
+
+
+_KERNELS_LOADED, _KERNELS_INFO = _load_kernels()
+for _name, _schema in _SCHEMAS.items():
+    # Loading the library defined the schemas; defining them twice is an error.
+    if not _KERNELS_LOADED and not hasattr(getattr(torch.ops, _NS), _name):
+        torch.library.define(f"{_NS}::{_name}", _schema)
 
 
 def _fwd_math(x, shift, scale, weight, bias, group_size, eps):
@@ -221,8 +245,9 @@ def _bwd_math(dy, x, scale, weight, bias, mean, rstd, group_size):
 _fwd_op = torch.ops.lightning_adaptiveload.layer_norm_modulate.default
 _bwd_op = torch.ops.lightning_adaptiveload.layer_norm_modulate_backward.default
 
-torch.library.impl(_FWD, "default", _fwd_math)
-torch.library.impl(_BWD, "default", _bwd_math)
+# Every device without a kernel of its own (CPU; CUDA when the library is not loaded) runs the math.
+torch.library.impl(_FWD, "CompositeExplicitAutograd", _fwd_math)
+torch.library.impl(_BWD, "CompositeExplicitAutograd", _bwd_math)
 
 
 @torch.library.register_fake(_FWD)
@@ -248,114 +273,6 @@ def _bwd_fake(dy, x, scale, weight, bias, mean, rstd, group_size):
     )
 
 
-def _kernel_blocker(x: torch.Tensor, mod_dtype: torch.dtype) -> str | None:
-    """Why the CUDA kernels cannot take this input (None when they can)."""
-    D = x.shape[-1]
-    if x.dtype not in _SUPPORTED_DTYPES:
-        return f"x has dtype {x.dtype}; the fused kernels take bfloat16, float16 and float32"
-    if D % 8 != 0 or D > _MAX_D or D == 0:
-        return f"D = {D}; the fused kernels take D a multiple of 8 up to {_MAX_D}"
-    if mod_dtype not in _SUPPORTED_DTYPES:
-        return f"shift/scale have dtype {mod_dtype}; the fused kernels take float32 or x's dtype"
-    return None
-
-
-def _extension_or_warn():
-    if os.environ.get("LIGHTNING_ADAPTIVELOAD_FUSED", "1") == "0":
-        _warn_once("disabled", "LIGHTNING_ADAPTIVELOAD_FUSED=0: using the plain-PyTorch reference")
-        return None
-    ext, reason = _build.get_extension()
-    if ext is None:
-        _warn_once("build", f"the CUDA kernels are unavailable, using the plain-PyTorch reference: {reason}")
-    return ext
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _aligned_table(m: torch.Tensor) -> torch.Tensor:
-    # Rows may stay strided (chunks of a (B, 6, D) table) if each row starts on a 16-byte boundary.
-    ok = (
-        m.stride(-1) == 1
-        and m.data_ptr() % 16 == 0
-        and (m.shape[0] <= 1 or (m.stride(0) * m.element_size()) % 16 == 0)
-    )
-    return m if ok else _aligned(m)
-
-
-def _kernel_mod_dtype(x: torch.Tensor, *mods: torch.Tensor) -> torch.dtype:
-    dtypes = {m.dtype for m in mods}
-    return x.dtype if dtypes == {x.dtype} else torch.float32
-
-
-def _affine_pair(weight, bias, D, device):
-    if weight is None and bias is None:
-        return None, None
-    w = weight.float().contiguous() if weight is not None else torch.ones(D, device=device)
-    b = bias.float().contiguous() if bias is not None else torch.zeros(D, device=device)
-    return _aligned(w), _aligned(b)
-
-
-def _fwd_cuda(x, shift, scale, weight, bias, group_size, eps):
-    mod_dtype = _kernel_mod_dtype(x, shift, scale)
-    blocker = _kernel_blocker(x, mod_dtype)
-    if blocker is not None:
-        _warn_once(f"shape:{blocker}", f"{blocker}; using the plain-PyTorch reference")
-        return _fwd_math(x, shift, scale, weight, bias, group_size, eps)
-    ext = _extension_or_warn()
-    if ext is None:
-        return _fwd_math(x, shift, scale, weight, bias, group_size, eps)
-    w, b = _affine_pair(weight, bias, x.shape[-1], x.device)
-    return tuple(
-        ext.forward(
-            _aligned(x),
-            _aligned_table(shift.to(mod_dtype)),
-            _aligned_table(scale.to(mod_dtype)),
-            w,
-            b,
-            int(group_size),
-            float(eps),
-            _TUNING["warps_per_row"],
-            _TUNING["rows_per_cta"],
-        )
-    )
-
-
-def _bwd_cuda(dy, x, scale, weight, bias, mean, rstd, group_size):
-    mod_dtype = _kernel_mod_dtype(x, scale)
-    blocker = _kernel_blocker(x, mod_dtype)
-    ext = _extension_or_warn() if blocker is None else None
-    if ext is None:
-        return _bwd_math(dy, x, scale, weight, bias, mean, rstd, group_size)
-    w, b = _affine_pair(weight, bias, x.shape[-1], x.device)
-    dx, dshift, dscale, dweight, dbias = ext.backward(
-        _aligned(dy.to(x.dtype)),
-        _aligned(x),
-        _aligned_table(scale.to(mod_dtype)),
-        w,
-        b,
-        mean.contiguous(),
-        rstd.contiguous(),
-        int(group_size),
-        _TUNING["vectors_per_thread"],
-        _TUNING["slots"],
-    )
-    empty = x.new_empty((0,), dtype=torch.float32)
-    return (
-        dx,
-        dshift.to(scale.dtype),
-        dscale.to(scale.dtype),
-        dweight if weight is not None else empty,
-        dbias if bias is not None else empty,
-    )
-
-
-torch.library.impl(_FWD, "cuda", _fwd_cuda)
-torch.library.impl(_BWD, "cuda", _bwd_cuda)
-
-
 def _setup_context(ctx, inputs, output):
     x, shift, scale, weight, bias, group_size, eps = inputs
     _, mean, rstd = output
@@ -378,45 +295,41 @@ def _backward(ctx, dy, _dmean, _drstd):
     )
 
 
+# The one autograd formula, for eager calls, torch.compile and checkpointing alike.
 torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 
 
-class _EagerFused(torch.autograd.Function):
-    """The eager path: the same kernels, called straight from autograd.
+def _kernel_blocker(x: torch.Tensor, mod_dtype: torch.dtype) -> str | None:
+    """Why the CUDA kernels cannot take this input (None when they can)."""
+    D = x.shape[-1]
+    if x.dtype not in _SUPPORTED_DTYPES:
+        return f"x has dtype {x.dtype}; the fused kernels take bfloat16, float16 and float32"
+    if D % 8 != 0 or D > _MAX_D or D == 0:
+        return f"D = {D}; the fused kernels take D a multiple of 8 up to {_MAX_D}"
+    if mod_dtype not in _SUPPORTED_DTYPES:
+        return f"shift/scale have dtype {mod_dtype}; the fused kernels take float32 or x's dtype"
+    return None
 
-    Under ``torch.compile`` the custom op above is what gets traced. Eager calls skip its two Python
-    round trips through the dispatcher (the autograd and the CUDA kernel), which cost more CPU time per
-    call than the kernels take on an H100 at D = 1536. Inputs are prepared by ``layer_norm_modulate``: x
-    contiguous and 16-byte aligned, (M, D) tables with aligned rows, weight and bias both fp32 or both None.
-    """
 
-    @staticmethod
-    def forward(ctx, x, shift, scale, weight, bias, group_size, eps, ext):
-        y, mean, rstd = ext.forward(
-            x, shift, scale, weight, bias, group_size, eps, _TUNING["warps_per_row"], _TUNING["rows_per_cta"]
+def _kernel_mod_dtype(x: torch.Tensor, *mods: torch.Tensor) -> torch.dtype:
+    dtypes = {m.dtype for m in mods}
+    return x.dtype if dtypes == {x.dtype} else torch.float32
+
+
+def _require_fused() -> bool:
+    return os.environ.get(_REQUIRE_ENV, "0") not in ("", "0")
+
+
+def _fallback(key: str, reason: str, x, shift, scale, weight, bias, eps) -> torch.Tensor:
+    """The plain-PyTorch reference, once the switch allows it: warns once per reason, records the path."""
+    if _require_fused():
+        raise _build.FusedOpUnavailable(
+            f"layer_norm_modulate: {reason}, and {_REQUIRE_ENV}=1 makes the plain-PyTorch fallback (about 9x "
+            f"slower) an error. Fix the cause (see docs/fused_op.md), or unset {_REQUIRE_ENV} to allow it"
         )
-        ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
-        ctx.group_size = group_size
-        ctx.ext = ext
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, scale, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dshift, dscale, dweight, dbias = ctx.ext.backward(
-            _aligned(dy.to(x.dtype)),
-            x,
-            scale,
-            weight,
-            bias,
-            mean,
-            rstd,
-            ctx.group_size,
-            _TUNING["vectors_per_thread"],
-            _TUNING["slots"],
-        )
-        affine = weight is not None
-        return dx, dshift, dscale, dweight if affine else None, dbias if affine else None, None, None, None
+    _paths.setdefault("reference", reason)
+    _warn_once(key, f"{reason}; using the plain-PyTorch reference")
+    return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -434,7 +347,7 @@ def layer_norm_modulate(
     """Fused ``LN(x) * (1 + scale) + shift``, with optional LayerNorm affine before the modulation.
 
     Args:
-        x: (..., D), bfloat16, float16 or float32.
+        x: (..., D), bfloat16, float16 or float32. Leading dims may be 0 (an empty result).
         shift, scale: the modulation in one of the layouts of the module docstring, float32 or x's dtype
             (other combinations are computed in float32).
         weight, bias: optional (D,) LayerNorm affine, applied before the modulation.
@@ -444,17 +357,20 @@ def layer_norm_modulate(
         (..., D) in x's dtype. Statistics and arithmetic are fp32. Gradients flow to x, shift, scale,
         weight and bias.
 
+    Raises:
+        FusedOpUnavailable: with ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1``, where the fused kernels cannot
+            run (not CUDA, an unsupported shape or dtype, the library unavailable); the message says why.
+
     On CUDA with D a multiple of 8 up to 16384 this runs the fused kernels; on other devices or shapes it
     runs :func:`layer_norm_modulate_reference` and warns once with the reason. Set
     ``LIGHTNING_ADAPTIVELOAD_FUSED=0`` to force the reference.
     """
     _check_inputs(x, shift, scale, weight, bias)
+    args = (x, shift, scale, weight, bias, eps)
     if x.device.type != "cuda":
-        _warn_once(
-            f"device:{x.device.type}",
-            f"x is on {x.device.type}; the fused kernels need CUDA, using the plain-PyTorch reference",
+        return _fallback(
+            f"device:{x.device.type}", f"x is on {x.device.type}; the fused kernels need CUDA", *args
         )
-        return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
     sh, sc = shift, scale
     groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
     if groups_sh is not None and groups_sc is not None and groups_sh[1] != groups_sc[1]:
@@ -463,30 +379,24 @@ def layer_norm_modulate(
         sh, sc = _expand_modulation(sh, x).expand(common), _expand_modulation(sc, x).expand(common)
         groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
     if groups_sh is None or groups_sc is None:
-        _warn_once(
+        return _fallback(
             f"layout:{tuple(shift.shape)}:{tuple(scale.shape)}:{x.dim()}",
             f"shift {tuple(shift.shape)} / scale {tuple(scale.shape)} for x {tuple(x.shape)} broadcast within "
-            "the dims they vary over, which the fused kernels do not read; using the plain-PyTorch reference",
+            "the dims they vary over, which the fused kernels do not read",
+            *args,
         )
-        return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
     (table_sh, group_size), (table_sc, _) = groups_sh, groups_sc
     mod_dtype = _kernel_mod_dtype(x, table_sh, table_sc)
     blocker = _kernel_blocker(x, mod_dtype)
     if blocker is not None:
-        _warn_once(f"shape:{blocker}", f"{blocker}; using the plain-PyTorch reference")
-        return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
+        return _fallback(f"shape:{blocker}", blocker, *args)
+    if not _KERNELS_LOADED:
+        return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
+    _paths.setdefault("fused", f"CUDA kernels ({_KERNELS_INFO})")
     if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
         table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
-    if not torch.compiler.is_compiling():
-        ext = _extension_or_warn()
-        if ext is None:
-            return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
-        w, b = _affine_pair(weight, bias, x.shape[-1], x.device)
-        return _EagerFused.apply(
-            _aligned(x), _aligned_table(table_sh), _aligned_table(table_sc), w, b, group_size, float(eps), ext
-        )
     y, _, _ = _fwd_op(
-        x.contiguous(),
+        x,
         table_sh,
         table_sc,
         weight.float() if weight is not None else None,
@@ -498,14 +408,24 @@ def layer_norm_modulate(
 
 
 def fused_op_status() -> tuple[bool, str]:
-    """Whether the fused CUDA kernels are usable here, building them if needed.
+    """Whether the fused CUDA kernels are usable in this process (decided when the module was imported).
 
     Returns:
-        ``(True, "<build directory>")`` or ``(False, "<reason>")``.
+        ``(True, "<path of the loaded library>")`` or ``(False, "<reason>")``.
     """
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU is visible"
-    ext, reason = _build.get_extension()
-    if ext is None:
-        return False, reason or "unknown"
-    return True, getattr(ext, "__file__", ext.__name__)
+    return _KERNELS_LOADED, _KERNELS_INFO
+
+
+def fused_op_paths() -> str:
+    """Which implementation :func:`layer_norm_modulate` has run in this process, in words.
+
+    Returns:
+        ``"fused CUDA kernel"``, ``"PyTorch fallback (<reason>)"``, both joined with ``" and "`` when both
+        ran (say CUDA blocks and a CPU evaluation), or ``"not called"``.
+    """
+    parts = []
+    if "fused" in _paths:
+        parts.append("fused CUDA kernel")
+    if "reference" in _paths:
+        parts.append(f"PyTorch fallback ({_paths['reference']})")
+    return " and ".join(parts) if parts else "not called"
