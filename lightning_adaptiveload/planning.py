@@ -16,10 +16,13 @@ DataLoader worker ``worker`` of rank ``rank`` (worker 0 when the loader has no w
    (buckets of near-equal cost), then take, at every step, a batch of the same class and the same size on
    every rank (:func:`_lockstep_schedule`). A lockstep stream reads each bucket's samples as a separate
    sequence of shard reads, so it needs to hold no samples beyond the batch it is assembling.
-4. **Equal steps.** Ranks with fewer batches split their largest batches (a smaller batch still meets both
-   constraints); where a rank cannot split enough, whole batches move to it from the rank with the most
-   (read from the giver's shards). Lockstep does this per worker index and only after the last lockstep
-   step of a stream, so that the steps before stay aligned.
+4. **Equal steps.** The common step count is chosen between the fewest batches the ranks can reach
+   (partial batches of a bucket packed together) and the most (one sample per batch), where it changes
+   the fewest batches; samples move between ranks that cannot reach it alone (read from the giver's
+   shards), then each rank splits or packs its own batches (every batch still meets both constraints).
+   Where no common count of non-empty batches exists, or a rank can get no sample at all (``underfull=
+   "pad"``), ranks take empty batches: zero-weight steps. Lockstep does this per worker index first and
+   only after the last lockstep step of a stream, so that the steps before stay aligned.
 5. **Step order.** A rank's step sequence is the DataLoader's round robin over its workers, skipping
    exhausted ones (what torch does for an IterableDataset), so that the plan knows which batch every rank
    takes at every step and hence the step's ``global_tokens``.
