@@ -27,6 +27,9 @@ def _check(plan, n_samples: int) -> None:
     refs = [ref for batches in plan.streams.values() for b in batches for ref in b]
     assert len(refs) == len(set(refs)) == n_samples, "exactly once"
     assert all(len(o) == plan.steps for o in plan.step_order), "equal steps"
+    for st, batches in plan.streams.items():
+        read = sorted((s, i) for s, ids in plan.reads[st] for i in ids)
+        assert read == sorted(ref for b in batches for ref in b), "a stream reads exactly its samples"
 
 
 def random_case(k: int) -> dict:
@@ -50,7 +53,8 @@ def random_case(k: int) -> dict:
     }
 
 
-def run_case(case: dict) -> str | None:
+def run_case(case: dict) -> str | int:
+    """The PlanError's message, or the plan's count of empty (zero-weight) batches."""
     batcher = DualConstraintBatcher(
         case["max_tokens"], mode=case["batch_mode"], cost_model=CostModel(kind="power", p=case["p"])
     )
@@ -61,7 +65,7 @@ def run_case(case: dict) -> str | None:
     except PlanError as err:
         return str(err)
     _check(plan, sum(map(len, case["index"])))
-    return None
+    return int(plan.report["empty_batches"])
 
 
 def wan_case() -> str | None:
@@ -87,15 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     failures = []
+    empty = []
     for k in range(args.plans):
         case = random_case(k)
-        err = run_case(case)
-        if err is not None:
-            failures.append({k: v for k, v in case.items() if k != "index"} | {"error": err})
+        got = run_case(case)
+        if isinstance(got, str):
+            failures.append({k: v for k, v in case.items() if k != "index"} | {"error": got})
+        elif got:
+            empty.append(got)
     wan = wan_case()
     result = {
         "plans": args.plans,
         "plan_errors": len(failures),
+        "plans_with_empty_batches": len(empty),
+        "empty_batches": sum(empty),
         "first_failures": failures[:10],
         "wan21_480p_1024_samples_64_ranks": wan or "planned",
         "seconds": round(time.perf_counter() - t0, 1),

@@ -746,7 +746,7 @@ def plan_epoch(
             f"plan_epoch could not equalise the step counts at world size {world} ({deficit['short']}); "
             "this is a planner bug: report it with the seed, epoch and world size"
         )
-    _apply_moves(reads, moves)
+    _apply_moves(reads, moves, sim)
     samples_per_rank = [
         sum(len(bt[1]) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)
     ]
@@ -872,19 +872,26 @@ def _buffer_bound(max_buffered: int | None, sizes: list[int], buckets: list[_Buc
 
 
 def _apply_moves(
-    reads: dict[Stream, list[tuple[int, list[int]]]], moves: list[tuple[Stream, Stream, list[Ref]]]
+    reads: dict[Stream, list[tuple[int, list[int]]]],
+    moves: list[tuple[Stream, Stream, list[Ref]]],
+    sim: dict[Stream, list[_Batch]],
 ) -> None:
-    gone: dict[Stream, set[Ref]] = {}
-    for giver, receiver, refs in moves:
-        gone.setdefault(giver, set()).update(refs)
-        gone.get(receiver, set()).difference_update(refs)  # moved back and forth
-        by_shard: dict[int, list[int]] = {}
-        for shard, i in refs:
-            by_shard.setdefault(shard, []).append(i)
-        reads[receiver].extend((shard, sorted(ids)) for shard, ids in sorted(by_shard.items()))
-    for st, refs in gone.items():
-        kept = [(shard, [i for i in ids if (shard, i) not in refs]) for shard, ids in reads[st]]
-        reads[st] = [(shard, ids) for shard, ids in kept if ids]
+    """Make the reads of every stream that gave or got samples match its batches: its own reads keep the
+    samples it still holds, and the samples it got are read from their shards (``select``) after them.
+
+    Computed from the final batches, not move by move, so a sample that moved more than once (even back)
+    is read once, by the stream that holds it.
+    """
+    touched = {st for giver, receiver, _ in moves for st in (giver, receiver)}
+    for st in touched:
+        have = {ref for bt in sim[st] for ref in bt[1]}
+        kept = [(shard, [i for i in ids if (shard, i) in have]) for shard, ids in reads[st]]
+        kept = [(shard, ids) for shard, ids in kept if ids]
+        known = {(shard, i) for shard, ids in kept for i in ids}
+        extra: dict[int, list[int]] = {}
+        for shard, i in sorted(have - known):
+            extra.setdefault(shard, []).append(i)
+        reads[st] = kept + sorted(extra.items())
 
 
 def _fixed(stream: list[_Batch]) -> int:
@@ -993,18 +1000,37 @@ def _merge_batches(stream: list[_Batch], need: int, sizes: list[int]) -> int:
     return removed
 
 
-def _common_count(bounds: list[_Bounds], pad: bool) -> int | None:
+def _packed_least(sim: dict[Stream, list[_Batch]], slots: list[list[Stream]], sizes: list[int]) -> int:
+    """The fewest batches all slots together can reach: as :class:`_Bounds` ``least``, but each bucket's
+    partial batches packed across all streams (samples can move between them)."""
+    least = 0
+    partial: dict[int, int] = {}
+    for slot in slots:
+        for st in slot:
+            stream = sim[st]
+            k = _fixed(stream)
+            least += k
+            for bt in stream[k:]:
+                if len(bt[1]) >= sizes[bt[0]]:
+                    least += 1
+                elif bt[1]:
+                    partial[bt[0]] = partial.get(bt[0], 0) + len(bt[1])
+    return least + sum(-(-n // sizes[b]) for b, n in partial.items())
+
+
+def _common_count(bounds: list[_Bounds], least: int, pad: bool) -> int | None:
     """The step count every slot should reach, or None if no count can be reached without empty batches.
 
-    Any count T with ``ceil(sum(least) / S) <= T <= sum(most) // S`` can be reached by moving samples
-    between slots and then splitting or merging within each. Among those, the one that changes the
-    fewest batches (moves weigh more: they add reads) is taken, the smaller on ties (fuller batches).
+    Any count T with ``ceil(least / S) <= T <= samples // S`` (``least``: :func:`_packed_least`) can be
+    reached by moving samples between slots and then splitting or packing within each. Among those, the
+    one that changes the fewest batches (moves weigh more: they add reads) is taken, the smaller on ties
+    (fuller batches).
     """
     n_slots = len(bounds)
     total = sum(b.most for b in bounds)
     if total == 0:
         return 0
-    lo = max(1, -(-sum(b.least for b in bounds) // n_slots))
+    lo = max(1, -(-least // n_slots))
     hi = total // n_slots
     if lo > hi:
         return lo if pad else None
@@ -1042,9 +1068,32 @@ def _equal_counts(
     """
     n_slots = len(slots)
     bounds = [_bounds(sim, slot, sizes) for slot in slots]
-    target = _common_count(bounds, pad_bucket is not None)
+    least = _packed_least(sim, slots, sizes)
+    target = _common_count(bounds, least, pad_bucket is not None)
     if target is None:
-        return {"target": -(-sum(b.least for b in bounds) // n_slots), "short": [(0, 1)], "slots": slots}
+        return {"target": -(-least // n_slots), "short": [(0, 1)], "slots": slots}
+    slot_of = {st: i for i, slot in enumerate(slots) for st in slot}
+
+    def room(st_g: Stream, bucket: int, k: int) -> tuple[Stream, int] | None:
+        """A partial batch of ``bucket`` in another stream that can take ``k`` more samples without raising
+        its slot's fewest batches above the target (or, in the giver's own slot, at all)."""
+        size = sizes[bucket]
+        for st, stream in sim.items():
+            if st == st_g or st not in slot_of:
+                continue
+            first = _fixed(stream)
+            spots = [j for j in range(first, len(stream)) if stream[j][0] == bucket and len(stream[j][1]) < size]
+            if not spots:
+                continue
+            u = sum(len(stream[j][1]) for j in spots)
+            j = next((j for j in spots if len(stream[j][1]) + k <= size), None)
+            if j is None or not stream[j][1]:
+                continue
+            grow = -(-(u + k) // size) - (-(-u // size))
+            q = slot_of[st]
+            if grow == 0 or (q != slot_of[st_g] and bounds[q].least + grow <= target):
+                return st, j
+        return None
 
     def give(g: int, q: int, st_g: Stream, bucket: int, k: int, partial_only: bool) -> None:
         refs = _take(sim[st_g], bucket, k, partial_only, sizes)
@@ -1059,11 +1108,34 @@ def _equal_counts(
         heavy = [i for i in range(n_slots) if bounds[i].least > target]
         short = [i for i in range(n_slots) if bounds[i].most < target]
         if heavy:
-            g = heavy[0]
+            g = max(heavy, key=lambda i: (bounds[i].least - target, -i))
+            # One partial batch's worth of one bucket (the giver's packed count drops by one): first into
+            # another stream's partial batch of that bucket that has room (packing across streams)...
+            packed = False
+            for st in slots[g]:
+                for b, n in _tail_samples(sim[st], True, sizes).items():
+                    k = n - sizes[b] * (-(-n // sizes[b]) - 1)
+                    hit = room(st, b, k)
+                    if hit is None:
+                        continue
+                    refs = _take(sim[st], b, k, True, sizes)
+                    st_q, j = hit
+                    sim[st_q][j] = [b, sim[st_q][j][1] + refs, False]
+                    moves.append((st, st_q, refs))
+                    counts["moved_batches"] += 1
+                    bounds[g] = _bounds(sim, slots[g], sizes)
+                    bounds[slot_of[st_q]] = _bounds(sim, slots[slot_of[st_q]], sizes)
+                    packed = True
+                    break
+                if packed:
+                    break
+            if packed:
+                continue
+            # ... else as a new batch to the slot with the fewest batches
             q = min(range(n_slots), key=lambda i: (bounds[i].least, i))
             if bounds[q].least >= target:
-                break
-            # one partial batch's worth of one bucket (the packed count drops by one), else a full batch
+                target = max(x.least for x in bounds)  # no slot can take a batch: settle for more steps
+                continue
             pick = None
             for st in slots[g]:
                 for b, n in _tail_samples(sim[st], True, sizes).items():
@@ -1075,7 +1147,8 @@ def _equal_counts(
                         pick = (st, bt[0], len(bt[1]), False)
                         break
             if pick is None:
-                break
+                target = max(x.least for x in bounds)  # nothing the giver may move: settle for more steps
+                continue
             give(g, q, *pick)
             continue
         if short:
