@@ -1104,6 +1104,24 @@ def _equal_counts(
         bounds[g] = _bounds(sim, slots[g], sizes)
         bounds[q] = _bounds(sim, slots[q], sizes)
 
+    def pack(g: int) -> bool:
+        """Move one partial batch's worth of a bucket from slot ``g`` into a partial batch elsewhere."""
+        for st in slots[g]:
+            for b, n in _tail_samples(sim[st], True, sizes).items():
+                k = n - sizes[b] * (-(-n // sizes[b]) - 1)
+                hit = room(st, b, k)
+                if hit is None:
+                    continue
+                refs = _take(sim[st], b, k, True, sizes)
+                st_q, j = hit
+                sim[st_q][j] = [b, sim[st_q][j][1] + refs, False]
+                moves.append((st, st_q, refs))
+                counts["moved_batches"] += 1
+                bounds[g] = _bounds(sim, slots[g], sizes)
+                bounds[slot_of[st_q]] = _bounds(sim, slots[slot_of[st_q]], sizes)
+                return True
+        return False
+
     while True:
         heavy = [i for i in range(n_slots) if bounds[i].least > target]
         short = [i for i in range(n_slots) if bounds[i].most < target]
@@ -1111,30 +1129,15 @@ def _equal_counts(
             g = max(heavy, key=lambda i: (bounds[i].least - target, -i))
             # One partial batch's worth of one bucket (the giver's packed count drops by one): first into
             # another stream's partial batch of that bucket that has room (packing across streams)...
-            packed = False
-            for st in slots[g]:
-                for b, n in _tail_samples(sim[st], True, sizes).items():
-                    k = n - sizes[b] * (-(-n // sizes[b]) - 1)
-                    hit = room(st, b, k)
-                    if hit is None:
-                        continue
-                    refs = _take(sim[st], b, k, True, sizes)
-                    st_q, j = hit
-                    sim[st_q][j] = [b, sim[st_q][j][1] + refs, False]
-                    moves.append((st, st_q, refs))
-                    counts["moved_batches"] += 1
-                    bounds[g] = _bounds(sim, slots[g], sizes)
-                    bounds[slot_of[st_q]] = _bounds(sim, slots[slot_of[st_q]], sizes)
-                    packed = True
-                    break
-                if packed:
-                    break
-            if packed:
+            if pack(g):
                 continue
             # ... else as a new batch to the slot with the fewest batches
             q = min(range(n_slots), key=lambda i: (bounds[i].least, i))
             if bounds[q].least >= target:
-                target = max(x.least for x in bounds)  # no slot can take a batch: settle for more steps
+                # No slot can take a batch: make room by packing another slot's partial batches, or
+                # settle for more steps.
+                if not any(pack(i) for i in range(n_slots) if i != g):
+                    target = max(x.least for x in bounds)
                 continue
             pick = None
             for st in slots[g]:
