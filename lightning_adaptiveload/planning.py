@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.batching import DualConstraintBatcher
+from lightning_adaptiveload.stats import balance_summary
 
 __all__ = [
     "EpochPlan",
@@ -615,13 +616,14 @@ def plan_epoch(
         padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
         excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
         bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
-        into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``), reduced_steps (lockstep steps with a
-        smaller common B), lockstep_tail_steps (lockstep mode: steps whose batches differ in lockstep
+        into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
+        reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode: steps whose batches differ in lockstep
         class or size across ranks; 0 in independent mode), unequal_steps (the same count in any mode),
         lockstep_classes, shard_splits, pieces,
         max_buffered_samples, max_compute, est_compute_cv (mean over steps of the CV of the batch costs
-        across ranks), est_wait_share (share of the summed step time spent waiting for the slowest rank,
-        by the cost model), samples_per_rank, plan_seconds.
+        across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.stats.straggler_wait` over the
+        steps: share of the summed step time spent waiting for the slowest rank, by the cost model;
+        ``est_wait_share`` is its old name), samples_per_rank, plan_seconds.
 
     Raises:
         PlanError: ``underfull="error"`` and some rank can get no sample (fewer samples than ranks).
@@ -780,11 +782,8 @@ def plan_epoch(
     if steps:
         sig_same = (cls[step_bucket] == cls[step_bucket[0]]).all(axis=0) & (step_n == step_n[0]).all(axis=0)
         unequal = int((~sig_same).sum())
-        mean = costs.mean(axis=0)
-        top = costs.max(axis=0)
-        cv = np.where(mean > 0, costs.std(axis=0) / np.where(mean > 0, mean, 1.0), 0.0)
-        est_cv = float(cv.mean())
-        est_wait = float((top - mean).sum() / top.sum()) if top.sum() > 0 else 0.0
+        figures = balance_summary(costs.T)  # the cost model's estimate of the step times
+        est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
     else:
         unequal, est_cv, est_wait = 0, 0.0, 0.0
     plan_streams = {st: [bt[1] for bt in sim[st]] for st in sim}
@@ -816,7 +815,8 @@ def plan_epoch(
         "max_buffered_samples": bound,
         "max_compute": batcher.max_compute,
         "est_compute_cv": est_cv,
-        "est_wait_share": est_wait,
+        "est_straggler_wait": est_wait,
+        "est_wait_share": est_wait,  # the old name of est_straggler_wait, kept for scripts
         "samples_per_rank": [
             sum(len(b) for w in range(workers) for b in plan_streams[(r, w)]) for r in range(world)
         ],
