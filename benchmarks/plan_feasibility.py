@@ -60,7 +60,13 @@ def run_case(case: dict) -> str | int:
     )
     try:
         plan = plan_epoch(
-            case["index"], case["world"], case["workers"], batcher, seed=case["seed"], epoch=0, mode=case["mode"]
+            case["index"],
+            case["world"],
+            case["workers"],
+            batcher,
+            seed=case["seed"],
+            epoch=0,
+            mode=case["mode"],
         )
     except PlanError as err:
         return str(err)

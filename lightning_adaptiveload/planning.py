@@ -617,9 +617,9 @@ def plan_epoch(
         excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
         bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
         into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
-        reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode: steps whose batches differ in lockstep
-        class or size across ranks; 0 in independent mode), unequal_steps (the same count in any mode),
-        lockstep_classes, shard_splits, pieces,
+        reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
+        steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
+        unequal_steps (the same count in any mode), lockstep_classes, shard_splits, pieces,
         max_buffered_samples, max_compute, est_compute_cv (mean over steps of the CV of the batch costs
         across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.stats.straggler_wait` over the
         steps: share of the summed step time spent waiting for the slowest rank, by the cost model;
@@ -749,9 +749,7 @@ def plan_epoch(
             "this is a planner bug: report it with the seed, epoch and world size"
         )
     _apply_moves(reads, moves, sim)
-    samples_per_rank = [
-        sum(len(bt[1]) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)
-    ]
+    samples_per_rank = [sum(len(bt[1]) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)]
     if underfull == "error" and n_samples and min(samples_per_rank) == 0:
         raise PlanError(_underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
@@ -1082,7 +1080,9 @@ def _equal_counts(
             if st == st_g or st not in slot_of:
                 continue
             first = _fixed(stream)
-            spots = [j for j in range(first, len(stream)) if stream[j][0] == bucket and len(stream[j][1]) < size]
+            spots = [
+                j for j in range(first, len(stream)) if stream[j][0] == bucket and len(stream[j][1]) < size
+            ]
             if not spots:
                 continue
             u = sum(len(stream[j][1]) for j in spots)

@@ -512,7 +512,7 @@ def balance_metrics(
         "peak_tokens": int(tok.max()),
         "token_fill": float(tok.mean() / max_tokens) if max_tokens else math.nan,
         "compute_fill": math.nan,
-        "vram_utilisation": float(mem.mean() / mem.max()) if mem.max() > 0 else 0.0,
+        "vram_utilisation": stats.peak_vram_utilisation_efficiency(mem.ravel().tolist()),
     }
     if rank_cost is not None and max_compute and math.isfinite(max_compute):
         out["compute_fill"] = float(np.asarray(rank_cost, dtype=np.float64).mean() / max_compute)

@@ -74,7 +74,9 @@ def check_plan(plan, index, batcher, exclude=()):
     batch_mode=st.sampled_from(["dual", "equal_tokens"]),
     resumed=st.booleans(),
 )
-def test_property_exactly_once_equal_steps_constraints(seed, n_shards, world, workers, mode, batch_mode, resumed):
+def test_property_exactly_once_equal_steps_constraints(
+    seed, n_shards, world, workers, mode, batch_mode, resumed
+):
     """Every epoch in which every rank can get a sample is planned (issue 13: no PlanError), any schedule,
     any worker count, fresh or after a resume (``exclude``)."""
     rng = random.Random(seed)
@@ -284,7 +286,9 @@ def test_equal_counts_packs_partial_batches_instead_of_splitting_to_the_largest_
 def test_fewer_samples_than_ranks_pads_with_empty_batches_or_raises():
     index = [[SHAPES[9]] * 2]
     batcher = DualConstraintBatcher(300)
-    with pytest.raises(PlanError, match=r"world size 4: 2 samples in 1 shards leave 2 rank\(s\).*underfull='pad'"):
+    with pytest.raises(
+        PlanError, match=r"world size 4: 2 samples in 1 shards leave 2 rank\(s\).*underfull='pad'"
+    ):
         plan_epoch(index, 4, 0, batcher, seed=0, epoch=0)
     for mode in ("independent", "lockstep"):
         plan = plan_epoch(index, 4, 2, batcher, seed=0, epoch=0, mode=mode, underfull="pad")

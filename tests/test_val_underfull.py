@@ -52,7 +52,9 @@ def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
     index = ShardIndex.load(os.path.join(data["val"], "index.json"))
     ds = PlannedShardDataset(index, DualConstraintBatcher(512), underfull="error")
     ds.world_size = 2
-    with pytest.raises(PlanError, match=r"world size 2: 1 samples in 1 shards leave 1 rank\(s\) without any sample"):
+    with pytest.raises(
+        PlanError, match=r"world size 2: 1 samples in 1 shards leave 1 rank\(s\) without any sample"
+    ):
         ds.begin_epoch(0)
     ds.underfull = "pad"
     assert ds.begin_epoch(0).report["empty_batches"] == 1
