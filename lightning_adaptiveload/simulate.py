@@ -13,8 +13,8 @@ each rank's batches step by step, and reports per mode:
   all-reduce: ``sum_steps (max - mean) / sum_steps max`` (the per-step ``1 - mean / max``, weighted by the
   step's duration; :func:`lightning_adaptiveload.stats.straggler_wait`), and ``step_wait_mean`` (the same
   per-step figure, unweighted). These and the CV and imbalance figures are
-  :data:`lightning_adaptiveload.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses for
-  measured runs. ``wait_share`` and ``wait_mean`` are their old names, kept in the rows;
+  :data:`lightning_adaptiveload.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses
+  for measured runs. ``wait_share`` and ``wait_mean`` are their old names, kept in the rows;
 - ``tokens_per_s`` and ``tokens_per_s_ratio``: total tokens / sum over steps of the slowest rank's time, and
   its ratio to ``equal_tokens`` at the same world size;
 - ``peak_tokens`` (the memory high-water mark in tokens per rank and step), ``token_fill`` (mean tokens of a
@@ -478,8 +478,9 @@ def balance_metrics(
         max_compute: the compute budget in cost-model units, for ``compute_fill``.
 
     Returns:
-        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, straggler_wait (time-weighted),
-        step_wait_mean (unweighted), wait_share and wait_mean (their old names), step_seconds_mean, step_time_cv (of the step durations across steps), total_seconds, total_tokens,
+        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, straggler_wait
+        (time-weighted), step_wait_mean (unweighted), wait_share and wait_mean (their old names),
+        step_seconds_mean, step_time_cv (of the step durations across steps), total_seconds, total_tokens,
         tokens_per_s, peak_tokens, token_fill, compute_fill, vram_utilisation`` (fractions, not percent).
 
     Raises:
