@@ -250,8 +250,8 @@ class LoadBalanceMonitor(Callback):
     (the share of the window's compute time spent waiting for the slowest rank: ``sum(max - mean) /
     sum(max)`` over its steps, :func:`lightning_adaptiveload.stats.straggler_wait`), ``step_wait_mean``
     (the per-step ``1 - mean / max``, averaged over steps unweighted), ``tokens_per_s`` and
-    ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``, ``vram_efficiency_mean``/``_min``,
-    ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
+    ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
+    ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
 
     **End of fit** (rank 0): a summary table is printed; ``load_balance_ranks.csv`` (one row per rank and
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
