@@ -96,6 +96,12 @@ def test_property_exactly_once_equal_steps_constraints(
         index, world, workers, batcher, seed=seed, epoch=rng.randint(0, 3), mode=mode, exclude=exclude
     )
     check_plan(plan, index, batcher, exclude)
+    # resume with another worker count: the rest of the epoch, batch for batch, equal steps
+    done = rng.randint(0, plan.steps)
+    rest = continue_plan(plan, done, rng.randint(0, 4))
+    left = sorted(ref for batches in rest.streams.values() for batch in batches for ref in batch)
+    assert left == sorted(set(all_refs(index)) - exclude - consumed_refs(plan, done))
+    assert all(len(order) == rest.steps == plan.steps - done for order in rest.step_order)
     if mode == "independent":  # empty batches only where no common count of non-empty batches exists
         left = [index[s][i] for s, i in refs if (s, i) not in exclude]
         fewest = sum(-(-left.count(sh) // batcher._sized(sh)[1]) for sh in set(left))

@@ -60,3 +60,17 @@ def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
     assert ds.begin_epoch(0).report["empty_batches"] == 1
     with pytest.raises(ValueError, match="val_underfull must be 'pad' or 'error', got 'skip'"):
         AdaptiveLoadDataModule(train_shards=data["train"], val_underfull="skip")
+
+
+def test_rest_of_a_resumed_epoch_with_fewer_samples_than_ranks_is_padded(data):
+    """Resuming near the end of an epoch on more ranks leaves fewer samples than ranks: planned, not refused."""
+    from lightning_adaptiveload.batching import DualConstraintBatcher
+    from lightning_adaptiveload.datamodule import PlannedShardDataset
+
+    index = ShardIndex.load(os.path.join(data["train"], "index.json"))
+    ds = PlannedShardDataset(index, DualConstraintBatcher(512), num_workers=2)  # underfull="error"
+    ds.world_size = 4
+    refs = [(s, i) for s, shard in enumerate(index.shards) for i in range(len(shard.keys))]
+    plan = ds.make_plan(0, exclude=set(refs[:-2]))  # two samples left for four ranks
+    assert plan.report["samples"] == 2 and plan.report["empty_batches"] == 2
+    assert all(len(order) == plan.steps for order in plan.step_order)
