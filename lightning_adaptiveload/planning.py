@@ -385,7 +385,7 @@ def _simulate_independent(
             elif buffered >= bound:
                 big = max(pending, key=lambda x: len(pending[x]))
                 group = pending.pop(big)
-                out.append([big, group, False])
+                out.append([big, group, False, "bound"])  # marked: never packed with a later batch
                 buffered -= len(group)
                 counts["bound_partial_batches"] += 1
     for b, group in pending.items():  # insertion order = oldest first
@@ -897,14 +897,22 @@ def _fixed(stream: list[_Batch]) -> int:
     return max((j + 1 for j, bt in enumerate(stream) if bt[2]), default=0)
 
 
+def _pack_start(stream: list[_Batch], sizes: list[int]) -> int:
+    """Where the stream's packable batches begin: after its last lockstep batch and after its last batch
+    emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
+    its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
+    holds nothing extra.)"""
+    bound = max((j + 1 for j, bt in enumerate(stream) if len(bt) > 3), default=0)
+    return max(_fixed(stream), bound)
+
+
 @dataclass
 class _Bounds:
     """Batch counts a slot (a list of streams that must together reach the common count) can reach.
 
     ``count``: batches now. ``most``: samples (every batch one sample: the most batches a split can
-    reach). ``least``: the fewest batches a merge can reach: every batch up to the last lockstep batch,
-    every full batch after it, and per (stream, bucket) the partial batches after it packed into
-    ``ceil(samples / B)`` batches.
+    reach). ``least``: the fewest batches a merge can reach: every batch before :func:`_pack_start`, and
+    per (stream, bucket) the partial batches after it packed into ``ceil(samples / B)`` batches.
     """
 
     count: int
@@ -916,9 +924,9 @@ def _bounds(sim: dict[Stream, list[_Batch]], slot: list[Stream], sizes: list[int
     count = most = least = 0
     for st in slot:
         stream = sim[st]
-        k = _fixed(stream)
         count += len(stream)
         most += sum(len(bt[1]) for bt in stream)
+        k = _pack_start(stream, sizes)
         least += k
         partial: dict[int, int] = {}
         for bt in stream[k:]:
@@ -934,7 +942,7 @@ def _take(stream: list[_Batch], bucket: int, k: int, partial_only: bool, sizes: 
     """Remove ``k`` samples of ``bucket`` from the stream's movable batches (after its last lockstep
     batch), last batch first; a batch left empty is dropped. Returns the refs, in file order."""
     out: list[Ref] = []
-    first = _fixed(stream)
+    first = _pack_start(stream, sizes) if partial_only else _fixed(stream)
     for j in range(len(stream) - 1, first - 1, -1):
         bt = stream[j]
         if bt[0] != bucket or (partial_only and len(bt[1]) >= sizes[bucket]):
@@ -950,24 +958,25 @@ def _take(stream: list[_Batch], bucket: int, k: int, partial_only: bool, sizes: 
 
 
 def _tail_samples(stream: list[_Batch], partial_only: bool, sizes: list[int]) -> dict[int, int]:
-    """Samples per bucket in the stream's movable batches (only its partial ones if ``partial_only``)."""
+    """Samples per bucket in the stream's movable batches (only its packable partial ones, see
+    :func:`_pack_start`, if ``partial_only``)."""
     out: dict[int, int] = {}
-    for bt in stream[_fixed(stream) :]:
+    for bt in stream[_pack_start(stream, sizes) if partial_only else _fixed(stream) :]:
         if bt[1] and not (partial_only and len(bt[1]) >= sizes[bt[0]]):
             out[bt[0]] = out.get(bt[0], 0) + len(bt[1])
     return out
 
 
 def _merge_batches(stream: list[_Batch], need: int, sizes: list[int]) -> int:
-    """Remove up to ``need`` batches from ``stream`` by packing its partial batches (after its last lockstep
-    batch) of one bucket into fewer; returns how many were removed.
+    """Remove up to ``need`` batches from ``stream`` by packing its partial batches of one bucket (from
+    :func:`_pack_start` on) into fewer; returns how many were removed.
 
     The packed batches take the places of the last ones of the bucket (file order kept), each at most
     the bucket's batch size B, so every constraint of a batch still holds.
     """
     removed = 0
-    first = _fixed(stream)
     while removed < need:
+        first = _pack_start(stream, sizes)
         where: dict[int, list[int]] = {}
         for j in range(first, len(stream)):
             bt = stream[j]
@@ -1006,12 +1015,12 @@ def _packed_least(sim: dict[Stream, list[_Batch]], slots: list[list[Stream]], si
     for slot in slots:
         for st in slot:
             stream = sim[st]
-            k = _fixed(stream)
+            k = _pack_start(stream, sizes)
             least += k
             for bt in stream[k:]:
                 if len(bt[1]) >= sizes[bt[0]]:
                     least += 1
-                elif bt[1]:
+                else:
                     partial[bt[0]] = partial.get(bt[0], 0) + len(bt[1])
     return least + sum(-(-n // sizes[b]) for b, n in partial.items())
 
@@ -1079,7 +1088,7 @@ def _equal_counts(
         for st, stream in sim.items():
             if st == st_g or st not in slot_of:
                 continue
-            first = _fixed(stream)
+            first = _pack_start(stream, sizes)
             spots = [
                 j for j in range(first, len(stream)) if stream[j][0] == bucket and len(stream[j][1]) < size
             ]

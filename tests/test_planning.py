@@ -287,6 +287,16 @@ def test_equal_counts_packs_partial_batches_instead_of_splitting_to_the_largest_
     assert counts["merged_batches"] == 4 and counts["empty_batches"] == 0
     assert all(len(bt[1]) <= 16 for st in sim for bt in sim[st])
     assert sorted(ref for st in sim for bt in sim[st] for ref in bt[1]) == refs
+    # Batches emitted early at the buffer bound are never packed with later ones (that would hold their
+    # samples past the bound): the same streams then reach a common count without packing them.
+    sim = {
+        (0, 0): [[0, refs[3 * j : 3 * j + 3], False, "bound"] for j in range(6)],
+        (1, 0): [[0, refs[18:20], False]],
+    }
+    counts = dict.fromkeys(counts, 0)
+    assert _equal_counts(sim, [[(0, 0)], [(1, 0)]], sizes, counts, [], pad_bucket=None) is None
+    assert counts["merged_batches"] == 0 and len(sim[(0, 0)]) == len(sim[(1, 0)])
+    assert all(len(bt) == 4 for bt in sim[(0, 0)][:5]), "bound batches stay as they were"
 
 
 def test_fewer_samples_than_ranks_pads_with_empty_batches_or_raises():
