@@ -121,7 +121,7 @@ def mode_summary(ranks: dict[str, np.ndarray], warmup: int, device_total: float 
         "compute_cv_mean": float(np.mean(cvs)) if cvs else math.nan,
         "compute_cv_p95": stats.percentile(cvs, 95),
         "imbalance_mean": float(np.mean(imb)) if imb else math.nan,
-        "straggler_wait": float((top - comp.mean(axis=1)).sum() / top.sum()) if top.sum() > 0 else math.nan,
+        "straggler_wait": stats.straggler_wait(comp) if top.sum() > 0 else math.nan,  # time-weighted
         "token_cv_mean": float(np.mean([stats.cv(r) for r in tokens])) if len(tokens) else math.nan,
         "wall_column": wall_col,
     }

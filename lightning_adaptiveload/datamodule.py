@@ -145,6 +145,7 @@ class PlannedShardDataset(IterableDataset):
         lockstep_tolerance: see :func:`plan_epoch`.
         fixed_epoch: plan this epoch number every time (validation), or None.
         max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
+        underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
     """
 
     def __init__(
@@ -159,6 +160,7 @@ class PlannedShardDataset(IterableDataset):
         lockstep_tolerance: float = 0.05,
         fixed_epoch: int | None = None,
         max_member_bytes: int | None = None,
+        underfull: str = "error",
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -173,6 +175,7 @@ class PlannedShardDataset(IterableDataset):
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.fixed_epoch = fixed_epoch
+        self.underfull = underfull
         self.rank, self.world_size = 0, 1
         self.plan: EpochPlan | None = None
         self.epoch: int | None = None
@@ -211,6 +214,8 @@ class PlannedShardDataset(IterableDataset):
             exclude=exclude,
             max_buffered_samples=s["max_buffered_samples"],
             lockstep_tolerance=s["lockstep_tolerance"],
+            # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
+            underfull="pad" if exclude else self.underfull,
         )
 
     def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
@@ -510,6 +515,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ``["https"]``); by default an index names files in its own folder only, never ``pipe:``
             (a ``pipe:`` source is taken only from ``train_shards``/``val_shards`` themselves).
         index_allow_outside: let an ``index.json`` name local shards outside its folder.
+        val_underfull: a validation set with fewer samples than ranks: ``"pad"`` (default) gives the ranks
+            without a sample one empty batch (``batch_size == 0``, zero tokens), a zero-weight step that
+            keeps the collectives in step and adds nothing to a token-weighted metric; ``"error"`` raises
+            :class:`~lightning_adaptiveload.planning.PlanError` when validation starts. See
+            ``docs/data_path.md``.
 
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
@@ -543,8 +553,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         max_member_bytes: int | None = None,
         index_allow_schemes: list[str] | None = None,
         index_allow_outside: bool = False,
+        val_underfull: str = "pad",
     ) -> None:
         super().__init__()
+        if val_underfull not in ("pad", "error"):
+            raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if on_error not in ("raise", "skip"):
@@ -569,6 +582,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             "allow_outside": bool(index_allow_outside),
             "max_member_bytes": max_member_bytes,
         }
+        self.val_underfull = val_underfull
         self.patch_size = tuple(int(x) for x in patch_size)
         # Validates the batcher settings now, before any data is touched.
         self.batcher = DualConstraintBatcher(
@@ -664,6 +678,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             )
             self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
             loaded.append(("validation", self.val_shards, self.val_index))
+            self.val_dataset.underfull = self.val_underfull
         for ds in (self.train_dataset, self.val_dataset):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world

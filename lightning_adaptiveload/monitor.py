@@ -247,9 +247,11 @@ class LoadBalanceMonitor(Callback):
     **Logged** (through ``pl_module.log``, so any logger or none; the mean over the window's steps):
     ``compute_cv``, ``compute_imbalance`` (of the cost estimates), ``token_cv``, ``step_time_cv`` (of the
     ranks' compute times), ``imbalance`` (``max / mean - 1`` of compute times), ``straggler_wait``
-    (``1 - mean / max`` of compute times), ``tokens_per_s`` and ``samples_per_s`` (summed over ranks),
-    ``tflops_per_device``, ``mfu``, ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``,
-    ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
+    (the share of the window's compute time spent waiting for the slowest rank: ``sum(max - mean) /
+    sum(max)`` over its steps, :func:`lightning_adaptiveload.stats.straggler_wait`), ``step_wait_mean``
+    (the per-step ``1 - mean / max``, averaged over steps unweighted), ``tokens_per_s`` and
+    ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
+    ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
 
     **End of fit** (rank 0): a summary table is printed; ``load_balance_ranks.csv`` (one row per rank and
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
@@ -687,8 +689,11 @@ class LoadBalanceMonitor(Callback):
             "vram_efficiency_min",
         ):
             out[key] = _nanmean(table[key])
-        for key in ("step_time_cv", "imbalance", "straggler_wait", "data_share"):
+        for key in ("step_time_cv", "imbalance", "data_share"):
             out[key] = _nanmean(table[key][timed])
+        figures = _balance_figures(table)
+        out["straggler_wait"] = figures["straggler_wait"]  # time-weighted over the window's timed steps
+        out["step_wait_mean"] = figures["step_wait_mean"]
         for key in ("peak_allocated_gib", "peak_reserved_gib"):
             out[key] = _nanmax(table[key])
         out.update(_throughput(table, steps.shape[1], self._peaks_flops))
@@ -750,6 +755,7 @@ class LoadBalanceMonitor(Callback):
             for key in _SUMMARY_TIMED_STEPS:
                 described[key] = stats.describe(table[key][timed].tolist())
             overall.update(_throughput(table, world, peaks_flops))
+            overall.update(_balance_figures(table))
             overall["tokens"] = float(np.nansum(table["tokens"]))
             overall["samples"] = float(np.nansum(table["samples"]))
             peak_cols = [p for p in self._rank_peak]
@@ -938,6 +944,18 @@ def _step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) 
     t["peak_allocated_gib"] = col("peak_allocated_bytes").max(axis=1) / _GIB
     t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / _GIB
     return t
+
+
+def _balance_figures(table: dict[str, np.ndarray]) -> dict[str, float]:
+    """:data:`stats.BALANCE_FIGURES` of the compute times over the table's timed steps (FLOP-counting steps
+    left out): the names and definitions the simulator reports, so measured and simulated runs compare."""
+    timed = table["counted"] == 0
+    return stats.summarize_steps(
+        table["step_time_cv"][timed],
+        table["imbalance"][timed],
+        table["straggler_wait"][timed],
+        table["compute_time_max_s"][timed],
+    )
 
 
 def _throughput(table: dict[str, np.ndarray], world: int, peaks_flops: np.ndarray | None) -> dict[str, float]:

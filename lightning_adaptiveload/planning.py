@@ -16,10 +16,13 @@ DataLoader worker ``worker`` of rank ``rank`` (worker 0 when the loader has no w
    (buckets of near-equal cost), then take, at every step, a batch of the same class and the same size on
    every rank (:func:`_lockstep_schedule`). A lockstep stream reads each bucket's samples as a separate
    sequence of shard reads, so it needs to hold no samples beyond the batch it is assembling.
-4. **Equal steps.** Ranks with fewer batches split their largest batches (a smaller batch still meets both
-   constraints); where a rank cannot split enough, whole batches move to it from the rank with the most
-   (read from the giver's shards). Lockstep does this per worker index and only after the last lockstep
-   step of a stream, so that the steps before stay aligned.
+4. **Equal steps.** The common step count is chosen between the fewest batches the ranks can reach
+   (partial batches of a bucket packed together) and the most (one sample per batch), where it changes
+   the fewest batches; samples move between ranks that cannot reach it alone (read from the giver's
+   shards), then each rank splits or packs its own batches (every batch still meets both constraints).
+   Where no common count of non-empty batches exists, or a rank can get no sample at all (``underfull=
+   "pad"``), ranks take empty batches: zero-weight steps. Lockstep does this per worker index first and
+   only after the last lockstep step of a stream, so that the steps before stay aligned.
 5. **Step order.** A rank's step sequence is the DataLoader's round robin over its workers, skipping
    exhausted ones (what torch does for an IterableDataset), so that the plan knows which batch every rank
    takes at every step and hence the step's ``global_tokens``.
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.batching import DualConstraintBatcher
+from lightning_adaptiveload.stats import balance_summary
 
 __all__ = [
     "EpochPlan",
@@ -381,7 +385,7 @@ def _simulate_independent(
             elif buffered >= bound:
                 big = max(pending, key=lambda x: len(pending[x]))
                 group = pending.pop(big)
-                out.append([big, group, False])
+                out.append([big, group, False, "bound"])  # marked: never packed with a later batch
                 buffered -= len(group)
                 counts["bound_partial_batches"] += 1
     for b, group in pending.items():  # insertion order = oldest first
@@ -579,6 +583,7 @@ def plan_epoch(
     exclude: Iterable[Ref] | Mapping[int, Collection[int]] | None = None,
     max_buffered_samples: int | None = None,
     lockstep_tolerance: float = 0.05,
+    underfull: str = "error",
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -598,26 +603,37 @@ def plan_epoch(
             its buckets fill; at the bound the fullest pending bucket is emitted early. None:
             ``max(64, 4 * largest batch size)``; must be at least the largest batch size. (Lockstep streams
             read per bucket and hold only the batch being assembled.)
+        lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
+        underfull: what to do when some rank can get no sample at all (fewer samples than ranks, e.g. a
+            tiny validation set): ``"error"`` raises :class:`PlanError`; ``"pad"`` gives such ranks empty
+            batches (``batch_size == 0``: zero-weight steps, which the token-weighted loss and metrics
+            ignore). Where every rank can get a sample, the epoch is always planned; a few empty batches
+            are still added where no common count of non-empty batches exists (say 5 one-sample batches on
+            2 ranks), counted in ``report["empty_batches"]``.
 
     Returns:
         The :class:`EpochPlan`. ``plan.report`` holds: samples, batches, steps, tokens,
         padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
         excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
-        bound), split_batches (batches added to equalise steps), reduced_steps (lockstep steps with a
-        smaller common B), lockstep_tail_steps (lockstep mode: steps whose batches differ in lockstep
-        class or size across ranks; 0 in independent mode), unequal_steps (the same count in any mode),
-        lockstep_classes, shard_splits, pieces,
+        bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
+        into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
+        reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
+        steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
+        unequal_steps (the same count in any mode), lockstep_classes, shard_splits, pieces,
         max_buffered_samples, max_compute, est_compute_cv (mean over steps of the CV of the batch costs
-        across ranks), est_wait_share (share of the summed step time spent waiting for the slowest rank,
-        by the cost model), samples_per_rank, plan_seconds.
+        across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.stats.straggler_wait` over the
+        steps: share of the summed step time spent waiting for the slowest rank, by the cost model;
+        ``est_wait_share`` is its old name), samples_per_rank, plan_seconds.
 
     Raises:
-        PlanError: the ranks cannot get the same number of steps (too few samples for the world size).
+        PlanError: ``underfull="error"`` and some rank can get no sample (fewer samples than ranks).
         ValueError: bad settings, an oversize sample under ``oversize="raise"``, mixed C in a bucket.
     """
     t0 = time.perf_counter()
     if mode not in SCHEDULES:
         raise ValueError(f"mode (schedule) must be one of {SCHEDULES}, got {mode!r}")
+    if underfull not in ("error", "pad"):
+        raise ValueError(f"underfull must be 'error' or 'pad', got {underfull!r}")
     if int(world_size) < 1 or int(num_workers) < 0:
         raise ValueError(f"world_size must be >= 1 and num_workers >= 0, got {world_size} and {num_workers}")
     if batcher.partial != "emit":
@@ -694,46 +710,48 @@ def plan_epoch(
             pieces.append(_Piece(sid, position[sid], ids, bks, sum(weight_of[b] for b in bks)))
     n_samples = sum(len(p.ids) for p in pieces)
 
-    force = 0
-    while True:
-        counts = dict.fromkeys(
-            (
-                "partial_batches",
-                "bound_partial_batches",
-                "reduced_steps",
-                "tail_batches",
-                "split_batches",
-                "moved_samples",
-                "moved_batches",
-            ),
-            0,
+    counts = dict.fromkeys(
+        (
+            "partial_batches",
+            "bound_partial_batches",
+            "reduced_steps",
+            "tail_batches",
+            "split_batches",
+            "merged_batches",
+            "empty_batches",
+            "moved_samples",
+            "moved_batches",
+        ),
+        0,
+    )
+    assignment, n_splits = _assign(pieces, world, workers, weight_of, 0, mode == "lockstep")
+    reads = {st: _reads_of(ps) for st, ps in assignment.items()}
+    sim: dict[Stream, list[_Batch]] = {}
+    if mode == "independent":
+        for st, rd in reads.items():
+            sim[st] = _simulate_independent(_items(rd, bucket_of), sizes, bound, counts)
+    else:
+        for w in range(workers):
+            chains = [_bucket_chains(reads[(r, w)], bucket_of, len(buckets)) for r in range(world)]
+            if world > 1:
+                _balance_classes(chains, class_of, len(class_size), counts)
+            group = _lockstep_schedule(chains, class_of, class_size, sizes, counts)
+            for r in range(world):
+                sim[(r, w)] = group[r]
+                reads[(r, w)], _ = _reads_of_chains(chains[r])
+    moves: list[tuple[Stream, Stream, list[Ref]]] = []
+    # Empty batches take the cheapest bucket's shape (they carry no sample; the shape only types them).
+    pad_bucket = min(range(len(buckets)), key=lambda b: (cost_of[b], b)) if buckets else None
+    deficit = _equalise(sim, world, workers, mode, sizes, counts, moves, pad_bucket)
+    if deficit is not None:
+        raise RuntimeError(
+            f"plan_epoch could not equalise the step counts at world size {world} ({deficit['short']}); "
+            "this is a planner bug: report it with the seed, epoch and world size"
         )
-        assignment, n_splits = _assign(pieces, world, workers, weight_of, force, mode == "lockstep")
-        reads = {st: _reads_of(ps) for st, ps in assignment.items()}
-        sim: dict[Stream, list[_Batch]] = {}
-        if mode == "independent":
-            for st, rd in reads.items():
-                sim[st] = _simulate_independent(_items(rd, bucket_of), sizes, bound, counts)
-        else:
-            for w in range(workers):
-                chains = [_bucket_chains(reads[(r, w)], bucket_of, len(buckets)) for r in range(world)]
-                if world > 1:
-                    _balance_classes(chains, class_of, len(class_size), counts)
-                group = _lockstep_schedule(chains, class_of, class_size, sizes, counts)
-                for r in range(world):
-                    sim[(r, w)] = group[r]
-                    reads[(r, w)], _ = _reads_of_chains(chains[r])
-        moves: list[tuple[Stream, Stream, list[Ref]]] = []
-        deficit = _equalise(sim, world, workers, mode, counts, moves)
-        if deficit is None:
-            _apply_moves(reads, moves)
-            break
-        # Some rank lacks samples for the common step count: split more pieces, or give up.
-        if not any(len(p.ids) > 1 for p in pieces) or force > 4 * max(1, len(pieces)) + 64:
-            raise PlanError(
-                _infeasible_message(deficit, world, workers, len(data.shapes), n_samples, sim, mode)
-            )
-        force = force * 2 + 1
+    _apply_moves(reads, moves, sim)
+    samples_per_rank = [sum(len(bt[1]) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)]
+    if underfull == "error" and n_samples and min(samples_per_rank) == 0:
+        raise PlanError(_underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
     step_order = [_round_robin([len(sim[(r, w)]) for w in range(workers)]) for r in range(world)]
     steps = len(step_order[0]) if step_order else 0
@@ -762,11 +780,8 @@ def plan_epoch(
     if steps:
         sig_same = (cls[step_bucket] == cls[step_bucket[0]]).all(axis=0) & (step_n == step_n[0]).all(axis=0)
         unequal = int((~sig_same).sum())
-        mean = costs.mean(axis=0)
-        top = costs.max(axis=0)
-        cv = np.where(mean > 0, costs.std(axis=0) / np.where(mean > 0, mean, 1.0), 0.0)
-        est_cv = float(cv.mean())
-        est_wait = float((top - mean).sum() / top.sum()) if top.sum() > 0 else 0.0
+        figures = balance_summary(costs.T)  # the cost model's estimate of the step times
+        est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
     else:
         unequal, est_cv, est_wait = 0, 0.0, 0.0
     plan_streams = {st: [bt[1] for bt in sim[st]] for st in sim}
@@ -785,6 +800,8 @@ def plan_epoch(
         "partial_batches": counts["partial_batches"],
         "bound_partial_batches": counts["bound_partial_batches"],
         "split_batches": counts["split_batches"],
+        "merged_batches": counts["merged_batches"],
+        "empty_batches": counts["empty_batches"],
         "reduced_steps": counts["reduced_steps"],
         "lockstep_tail_steps": unequal if mode == "lockstep" else 0,
         "unequal_steps": unequal,
@@ -796,7 +813,8 @@ def plan_epoch(
         "max_buffered_samples": bound,
         "max_compute": batcher.max_compute,
         "est_compute_cv": est_cv,
-        "est_wait_share": est_wait,
+        "est_straggler_wait": est_wait,
+        "est_wait_share": est_wait,  # the old name of est_straggler_wait, kept for scripts
         "samples_per_rank": [
             sum(len(b) for w in range(workers) for b in plan_streams[(r, w)]) for r in range(world)
         ],
@@ -851,55 +869,343 @@ def _buffer_bound(max_buffered: int | None, sizes: list[int], buckets: list[_Buc
     return value
 
 
-def _movable(stream: list[_Batch]) -> int:
-    """Index of the batch to give away: the last one after the stream's last equal (lockstep) batch."""
-    last_equal = max((j for j, bt in enumerate(stream) if bt[2]), default=-1)
-    return len(stream) - 1 if len(stream) - 1 > last_equal else -1
-
-
-def _move_batches(
+def _apply_moves(
+    reads: dict[Stream, list[tuple[int, list[int]]]],
+    moves: list[tuple[Stream, Stream, list[Ref]]],
     sim: dict[Stream, list[_Batch]],
-    groups: list[list[Stream]],
+) -> None:
+    """Make the reads of every stream that gave or got samples match its batches: its own reads keep the
+    samples it still holds, and the samples it got are read from their shards (``select``) after them.
+
+    Computed from the final batches, not move by move, so a sample that moved more than once (even back)
+    is read once, by the stream that holds it.
+    """
+    touched = {st for giver, receiver, _ in moves for st in (giver, receiver)}
+    for st in touched:
+        have = {ref for bt in sim[st] for ref in bt[1]}
+        kept = [(shard, [i for i in ids if (shard, i) in have]) for shard, ids in reads[st]]
+        kept = [(shard, ids) for shard, ids in kept if ids]
+        known = {(shard, i) for shard, ids in kept for i in ids}
+        extra: dict[int, list[int]] = {}
+        for shard, i in sorted(have - known):
+            extra.setdefault(shard, []).append(i)
+        reads[st] = kept + sorted(extra.items())
+
+
+def _fixed(stream: list[_Batch]) -> int:
+    """Length of the stream's prefix that must stay in place: up to its last equal (lockstep) batch."""
+    return max((j + 1 for j, bt in enumerate(stream) if bt[2]), default=0)
+
+
+def _pack_start(stream: list[_Batch], sizes: list[int]) -> int:
+    """Where the stream's packable batches begin: after its last lockstep batch and after its last batch
+    emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
+    its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
+    holds nothing extra.)"""
+    bound = max((j + 1 for j, bt in enumerate(stream) if len(bt) > 3), default=0)
+    return max(_fixed(stream), bound)
+
+
+@dataclass
+class _Bounds:
+    """Batch counts a slot (a list of streams that must together reach the common count) can reach.
+
+    ``count``: batches now. ``most``: samples (every batch one sample: the most batches a split can
+    reach). ``least``: the fewest batches a merge can reach: every batch before :func:`_pack_start`, and
+    per (stream, bucket) the partial batches after it packed into ``ceil(samples / B)`` batches.
+    """
+
+    count: int
+    most: int
+    least: int
+
+
+def _bounds(sim: dict[Stream, list[_Batch]], slot: list[Stream], sizes: list[int]) -> _Bounds:
+    count = most = least = 0
+    for st in slot:
+        stream = sim[st]
+        count += len(stream)
+        most += sum(len(bt[1]) for bt in stream)
+        k = _pack_start(stream, sizes)
+        least += k
+        partial: dict[int, int] = {}
+        for bt in stream[k:]:
+            if len(bt[1]) >= sizes[bt[0]]:
+                least += 1
+            else:
+                partial[bt[0]] = partial.get(bt[0], 0) + len(bt[1])
+        least += sum(-(-n // sizes[b]) for b, n in partial.items())
+    return _Bounds(count, most, least)
+
+
+def _take(stream: list[_Batch], bucket: int, k: int, partial_only: bool, sizes: list[int]) -> list[Ref]:
+    """Remove ``k`` samples of ``bucket`` from the stream's movable batches (after its last lockstep
+    batch), last batch first; a batch left empty is dropped. Returns the refs, in file order."""
+    out: list[Ref] = []
+    first = _pack_start(stream, sizes) if partial_only else _fixed(stream)
+    for j in range(len(stream) - 1, first - 1, -1):
+        bt = stream[j]
+        if bt[0] != bucket or (partial_only and len(bt[1]) >= sizes[bucket]):
+            continue
+        n = min(k - len(out), len(bt[1]))
+        out.extend(bt[1][len(bt[1]) - n :])
+        bt[1] = bt[1][: len(bt[1]) - n]
+        if not bt[1]:
+            del stream[j]
+        if len(out) == k:
+            break
+    return sorted(out)
+
+
+def _tail_samples(stream: list[_Batch], partial_only: bool, sizes: list[int]) -> dict[int, int]:
+    """Samples per bucket in the stream's movable batches (only its packable partial ones, see
+    :func:`_pack_start`, if ``partial_only``)."""
+    out: dict[int, int] = {}
+    for bt in stream[_pack_start(stream, sizes) if partial_only else _fixed(stream) :]:
+        if bt[1] and not (partial_only and len(bt[1]) >= sizes[bt[0]]):
+            out[bt[0]] = out.get(bt[0], 0) + len(bt[1])
+    return out
+
+
+def _merge_batches(stream: list[_Batch], need: int, sizes: list[int]) -> int:
+    """Remove up to ``need`` batches from ``stream`` by packing its partial batches of one bucket (from
+    :func:`_pack_start` on) into fewer; returns how many were removed.
+
+    The packed batches take the places of the last ones of the bucket (file order kept), each at most
+    the bucket's batch size B, so every constraint of a batch still holds.
+    """
+    removed = 0
+    while removed < need:
+        first = _pack_start(stream, sizes)
+        where: dict[int, list[int]] = {}
+        for j in range(first, len(stream)):
+            bt = stream[j]
+            if bt[1] and len(bt[1]) < sizes[bt[0]]:
+                where.setdefault(bt[0], []).append(j)
+        best, spare = -1, 0
+        for b, pos in where.items():
+            n = sum(len(stream[j][1]) for j in pos)
+            s = len(pos) - (-(-n // sizes[b]))
+            if s > spare:
+                best, spare = b, s
+        if best < 0:
+            break
+        pos = where[best]
+        keep = len(pos) - min(spare, need - removed)
+        refs = [ref for j in pos for ref in stream[j][1]]
+        n = len(refs)
+        chunks, start = [], 0
+        for i in range(keep):
+            size = n // keep + (1 if i < n % keep else 0)
+            chunks.append(refs[start : start + size])
+            start += size
+        for j, chunk in zip(pos[len(pos) - keep :], chunks):
+            stream[j] = [best, chunk, False]
+        for j in reversed(pos[: len(pos) - keep]):
+            del stream[j]
+        removed += len(pos) - keep
+    return removed
+
+
+def _packed_least(sim: dict[Stream, list[_Batch]], slots: list[list[Stream]], sizes: list[int]) -> int:
+    """The fewest batches all slots together can reach: as :class:`_Bounds` ``least``, but each bucket's
+    partial batches packed across all streams (samples can move between them)."""
+    least = 0
+    partial: dict[int, int] = {}
+    for slot in slots:
+        for st in slot:
+            stream = sim[st]
+            k = _pack_start(stream, sizes)
+            least += k
+            for bt in stream[k:]:
+                if len(bt[1]) >= sizes[bt[0]]:
+                    least += 1
+                else:
+                    partial[bt[0]] = partial.get(bt[0], 0) + len(bt[1])
+    return least + sum(-(-n // sizes[b]) for b, n in partial.items())
+
+
+def _common_count(bounds: list[_Bounds], least: int, pad: bool) -> int | None:
+    """The step count every slot should reach, or None if no count can be reached without empty batches.
+
+    Any count T with ``ceil(least / S) <= T <= samples // S`` (``least``: :func:`_packed_least`) can be
+    reached by moving samples between slots and then splitting or packing within each. Among those, the
+    one that changes the fewest batches (moves weigh more: they add reads) is taken, the smaller on ties
+    (fuller batches).
+    """
+    n_slots = len(bounds)
+    total = sum(b.most for b in bounds)
+    if total == 0:
+        return 0
+    lo = max(1, -(-least // n_slots))
+    hi = total // n_slots
+    if lo > hi:
+        return lo if pad else None
+    count = np.array([b.count for b in bounds], dtype=np.int64)
+    most = np.array([b.most for b in bounds], dtype=np.int64)
+    least = np.array([b.least for b in bounds], dtype=np.int64)
+    cands = np.unique(np.clip(np.concatenate([count, most, least, [lo, hi]]), lo, hi))
+    t = cands[:, None]
+    cost = np.abs(count[None, :] - t) + 4 * (np.maximum(0, t - most) + np.maximum(0, least - t))
+    return int(cands[int(np.argmin(cost.sum(axis=1)))])
+
+
+def _equal_counts(
+    sim: dict[Stream, list[_Batch]],
+    slots: list[list[Stream]],
+    sizes: list[int],
     counts: dict[str, int],
     moves: list[tuple[Stream, Stream, list[Ref]]],
-) -> None:
-    """Within each group of streams (one per rank, or all of a rank's), move whole batches from the
-    longest to the shortest until their batch counts differ by at most one.
+    pad_bucket: int | None,
+) -> dict[str, Any] | None:
+    """Give every slot (a list of streams: one rank's, or one stream) the same number of batches.
 
-    Only batches after a stream's last lockstep batch move, and they go to the end of the receiver, so
-    no step before them shifts. The receiver reads the moved samples from the giver's shards (an extra
-    ``select`` read). Each group is a list of "rank slots"; a slot is a list of streams of that rank.
+    1. The common count T is chosen between the fewest and the most batches the slots can reach together
+       (:func:`_common_count`), not at the largest count of one slot.
+    2. Samples move between slots until each can reach T alone: a slot with fewer samples than T gets
+       samples from the slot with the most to spare; a slot whose batches cannot be packed into T gets
+       rid of one partial batch's worth at a time. Moved samples go to the end of the receiver's
+       shortest stream as one batch (read from the giver's shard), and leave only batches after the
+       giver's last lockstep batch, so no lockstep step shifts.
+    3. Each slot then splits (``split_batches``) or packs (``merged_batches``) its own batches to T.
+    4. With ``pad_bucket`` set, a slot that still has fewer samples than T takes empty batches of that
+       bucket (zero-weight steps, ``empty_batches``); without it, the shortfall is returned.
+
+    Returns None on success, else the shortfall (for the error message).
     """
-    for group in groups:
-        while True:
-            lens = [len(sim[st]) for st in group]
-            hi = max(range(len(group)), key=lambda i: (lens[i], -i))
-            lo = min(range(len(group)), key=lambda i: (lens[i], i))
-            if lens[hi] - lens[lo] <= 1:
-                break
-            j = _movable(sim[group[hi]])
-            if j < 0:
-                break
-            batch = sim[group[hi]].pop(j)
-            sim[group[lo]].append([batch[0], batch[1], False])
-            moves.append((group[hi], group[lo], batch[1]))
-            counts["moved_batches"] += 1
+    n_slots = len(slots)
+    bounds = [_bounds(sim, slot, sizes) for slot in slots]
+    least = _packed_least(sim, slots, sizes)
+    target = _common_count(bounds, least, pad_bucket is not None)
+    if target is None:
+        return {"target": -(-least // n_slots), "short": [(0, 1)], "slots": slots}
+    slot_of = {st: i for i, slot in enumerate(slots) for st in slot}
 
+    def room(st_g: Stream, bucket: int, k: int) -> tuple[Stream, int] | None:
+        """A partial batch of ``bucket`` in another stream that can take ``k`` more samples without raising
+        its slot's fewest batches above the target (or, in the giver's own slot, at all)."""
+        size = sizes[bucket]
+        for st, stream in sim.items():
+            if st == st_g or st not in slot_of:
+                continue
+            first = _pack_start(stream, sizes)
+            spots = [
+                j for j in range(first, len(stream)) if stream[j][0] == bucket and len(stream[j][1]) < size
+            ]
+            if not spots:
+                continue
+            u = sum(len(stream[j][1]) for j in spots)
+            j = next((j for j in spots if len(stream[j][1]) + k <= size), None)
+            if j is None or not stream[j][1]:
+                continue
+            grow = -(-(u + k) // size) - (-(-u // size))
+            q = slot_of[st]
+            if grow == 0 or (q != slot_of[st_g] and bounds[q].least + grow <= target):
+                return st, j
+        return None
 
-def _apply_moves(
-    reads: dict[Stream, list[tuple[int, list[int]]]], moves: list[tuple[Stream, Stream, list[Ref]]]
-) -> None:
-    gone: dict[Stream, set[Ref]] = {}
-    for giver, receiver, refs in moves:
-        gone.setdefault(giver, set()).update(refs)
-        gone.get(receiver, set()).difference_update(refs)  # moved back and forth
-        by_shard: dict[int, list[int]] = {}
-        for shard, i in refs:
-            by_shard.setdefault(shard, []).append(i)
-        reads[receiver].extend((shard, sorted(ids)) for shard, ids in sorted(by_shard.items()))
-    for st, refs in gone.items():
-        kept = [(shard, [i for i in ids if (shard, i) not in refs]) for shard, ids in reads[st]]
-        reads[st] = [(shard, ids) for shard, ids in kept if ids]
+    def give(g: int, q: int, st_g: Stream, bucket: int, k: int, partial_only: bool) -> None:
+        refs = _take(sim[st_g], bucket, k, partial_only, sizes)
+        st_q = min(slots[q], key=lambda st: (len(sim[st]), st))
+        sim[st_q].append([bucket, refs, False])
+        moves.append((st_g, st_q, refs))
+        counts["moved_batches"] += 1
+        bounds[g] = _bounds(sim, slots[g], sizes)
+        bounds[q] = _bounds(sim, slots[q], sizes)
+
+    def pack(g: int) -> bool:
+        """Move one partial batch's worth of a bucket from slot ``g`` into a partial batch elsewhere."""
+        for st in slots[g]:
+            for b, n in _tail_samples(sim[st], True, sizes).items():
+                k = n - sizes[b] * (-(-n // sizes[b]) - 1)
+                hit = room(st, b, k)
+                if hit is None:
+                    continue
+                refs = _take(sim[st], b, k, True, sizes)
+                st_q, j = hit
+                sim[st_q][j] = [b, sim[st_q][j][1] + refs, False]
+                moves.append((st, st_q, refs))
+                counts["moved_batches"] += 1
+                bounds[g] = _bounds(sim, slots[g], sizes)
+                bounds[slot_of[st_q]] = _bounds(sim, slots[slot_of[st_q]], sizes)
+                return True
+        return False
+
+    while True:
+        heavy = [i for i in range(n_slots) if bounds[i].least > target]
+        short = [i for i in range(n_slots) if bounds[i].most < target]
+        if heavy:
+            g = max(heavy, key=lambda i: (bounds[i].least - target, -i))
+            # One partial batch's worth of one bucket (the giver's packed count drops by one): first into
+            # another stream's partial batch of that bucket that has room (packing across streams)...
+            if pack(g):
+                continue
+            # ... else as a new batch to the slot with the fewest batches
+            q = min(range(n_slots), key=lambda i: (bounds[i].least, i))
+            if bounds[q].least >= target:
+                # No slot can take a batch: make room by packing another slot's partial batches, or
+                # settle for more steps.
+                if not any(pack(i) for i in range(n_slots) if i != g):
+                    target = max(x.least for x in bounds)
+                continue
+            pick = None
+            for st in slots[g]:
+                for b, n in _tail_samples(sim[st], True, sizes).items():
+                    pick = pick or (st, b, n - sizes[b] * (-(-n // sizes[b]) - 1), True)
+            if pick is None:
+                for st in slots[g]:
+                    bt = next((bt for bt in reversed(sim[st][_fixed(sim[st]) :]) if bt[1]), None)
+                    if bt is not None:
+                        pick = (st, bt[0], len(bt[1]), False)
+                        break
+            if pick is None:
+                target = max(x.least for x in bounds)  # nothing the giver may move: settle for more steps
+                continue
+            give(g, q, *pick)
+            continue
+        if short:
+            q = short[0]
+            g = max(range(n_slots), key=lambda i: (bounds[i].most, -i))
+            spare = bounds[g].most - target
+            if spare <= 0:
+                break
+            best = None
+            for st in slots[g]:
+                for b, n in _tail_samples(sim[st], False, sizes).items():
+                    if best is None or n > best[2]:
+                        best = (st, b, n)
+            if best is None:
+                break
+            st, b, n = best
+            give(g, q, st, b, min(target - bounds[q].most, spare, sizes[b], n), False)
+            continue
+        break
+    short = []
+    for i, slot in enumerate(slots):
+        need = target - bounds[i].count
+        if need > 0:
+            for st in sorted(slot, key=lambda x: -_capacity(sim[x])):
+                if need <= 0:
+                    break
+                added = _split_batches(sim[st], need)
+                counts["split_batches"] += added
+                need -= added
+        elif need < 0:
+            for st in slot:
+                removed = _merge_batches(sim[st], -need, sizes)
+                counts["merged_batches"] += removed
+                need += removed
+        if need > 0 and pad_bucket is not None:
+            for _ in range(need):
+                st = min(slot, key=lambda x: (len(sim[x]), x))
+                sim[st].append([pad_bucket, [], False])
+            counts["empty_batches"] += need
+            need = 0
+        if need != 0:
+            short.append((i, need))
+    if short:
+        return {"target": target, "short": short, "slots": slots}
+    return None
 
 
 def _equalise(
@@ -907,98 +1213,35 @@ def _equalise(
     world: int,
     workers: int,
     mode: str,
+    sizes: list[int],
     counts: dict[str, int],
     moves: list[tuple[Stream, Stream, list[Ref]]],
+    pad_bucket: int | None,
 ) -> dict[str, Any] | None:
-    """Move, then split, batches until every rank has the same number of steps.
+    """Give every rank the same number of steps (:func:`_equal_counts` over ranks).
 
-    Returns None on success, else the shortfall (for the error message).
+    Lockstep first equalises each worker index across ranks (one stream per slot), so that every rank's
+    round robin interleaves its workers identically and the lockstep steps stay aligned; where a worker
+    index holds too few samples for that, the ranks are equalised as wholes (the steps after the first
+    unequal one are then counted in ``unequal_steps``). Returns None on success, else the shortfall.
     """
-    if mode == "lockstep":
-        # Per worker index first, so that every rank's round robin interleaves the workers identically.
-        _move_batches(sim, [[(r, w) for r in range(world)] for w in range(workers)], counts, moves)
+    if mode == "lockstep" and world > 1:
         for w in range(workers):
-            target = max(len(sim[(r, w)]) for r in range(world))
-            for r in range(world):
-                counts["split_batches"] += _split_batches(sim[(r, w)], target - len(sim[(r, w)]))
-    totals = [sum(len(sim[(r, w)]) for w in range(workers)) for r in range(world)]
-    caps: list[int | None] = [None] * world  # computed when a rank is below the target
-
-    def cap(r: int) -> int:
-        if caps[r] is None:
-            caps[r] = sum(_capacity(sim[(r, w)]) for w in range(workers))
-        return caps[r]  # type: ignore[return-value]
-
-    # Splitting is preferred (no extra reads); whole batches move only where a rank cannot split enough.
-    last: dict[Stream, int] = {}
-
-    def movable(st: Stream) -> int:
-        if st not in last:
-            last[st] = _movable(sim[st])
-        return last[st]
-
-    while totals:
-        target = max(totals)
-        lacking = [target - totals[r] - cap(r) if totals[r] < target else 0 for r in range(world)]
-        lo = max(range(world), key=lambda r: (lacking[r], -r))
-        if lacking[lo] <= 0:
-            break
-        hi = max(range(world), key=lambda r: (totals[r], -r))
-        giver = max(
-            ((hi, w) for w in range(workers) if movable((hi, w)) >= 0),
-            key=lambda st: len(sim[st]),
-            default=None,
-        )
-        if giver is None or totals[hi] - totals[lo] <= 1:
-            break  # moving would only swap which rank is short
-        receiver = min(((lo, w) for w in range(workers)), key=lambda st: len(sim[st]))
-        batch = sim[giver].pop()
-        last[giver] = _movable(sim[giver])
-        sim[receiver].append([batch[0], batch[1], False])
-        last[receiver] = len(sim[receiver]) - 1
-        moves.append((giver, receiver, batch[1]))
-        counts["moved_batches"] += 1
-        totals[hi] -= 1
-        totals[lo] += 1
-        for r, sign in ((hi, -1), (lo, 1)):
-            if caps[r] is not None:
-                caps[r] += sign * (len(batch[1]) - 1)
-    target = max(totals, default=0)
-    short = []
-    for r in range(world):
-        need = target - totals[r]
-        if need <= 0:
-            continue
-        for w in sorted(range(workers), key=lambda x: -_capacity(sim[(r, x)])):
-            if need <= 0:
-                break
-            added = _split_batches(sim[(r, w)], need)
-            counts["split_batches"] += added
-            need -= added
-        if need > 0:
-            short.append((r, need))
-    if short:
-        return {"target": target, "short": short, "totals": totals}
-    return None
+            _equal_counts(sim, [[(r, w)] for r in range(world)], sizes, counts, moves, None)
+    return _equal_counts(
+        sim, [[(r, w) for w in range(workers)] for r in range(world)], sizes, counts, moves, pad_bucket
+    )
 
 
-def _infeasible_message(
-    deficit: dict[str, Any],
-    world: int,
-    workers: int,
-    n_shards: int,
-    n_samples: int,
-    sim: dict[Stream, list[_Batch]],
-    mode: str,
+def _underfull_message(
+    world: int, workers: int, n_shards: int, n_samples: int, samples_per_rank: list[int]
 ) -> str:
-    r, _ = deficit["short"][0]
-    have = sum(len(bt[1]) for w in range(workers) for bt in sim[(r, w)])
-    hint = " or schedule='independent'" if mode == "lockstep" else ""
+    empty = [r for r, n in enumerate(samples_per_rank) if n == 0]
     return (
-        f"world size {world}: cannot give every rank the same number of steps with {n_samples} samples in "
-        f"{n_shards} shards and {workers} stream(s) per rank: the common count is {deficit['target']} but rank {r} "
-        f"has only {have} samples ({len(deficit['short'])} rank(s) short). Every rank needs at least as many "
-        f"samples as steps: use more data, a smaller world size or fewer workers, more shards{hint}"
+        f"world size {world}: {n_samples} samples in {n_shards} shards leave {len(empty)} rank(s) without "
+        f"any sample (rank {empty[0]} first), with {workers} stream(s) per rank; those ranks would take only "
+        "empty (zero-weight) steps. Pass underfull='pad' to allow that (the DataModule's val_underfull), or "
+        "use more data or fewer ranks"
     )
 
 

@@ -9,9 +9,12 @@ each rank's batches step by step, and reports per mode:
 
 - ``cv_mean``, ``cv_p95``: the compute CV across ranks of each step (population std / mean of the ranks'
   step times), mean and 95th percentile over steps;
-- ``wait_share``: the share of the job's time ranks spend waiting for the slowest rank at the gradient
+- ``straggler_wait``: the share of the job's time ranks spend waiting for the slowest rank at the gradient
   all-reduce: ``sum_steps (max - mean) / sum_steps max`` (the per-step ``1 - mean / max``, weighted by the
-  step's duration);
+  step's duration; :func:`lightning_adaptiveload.stats.straggler_wait`), and ``step_wait_mean`` (the same
+  per-step figure, unweighted). These and the CV and imbalance figures are
+  :data:`lightning_adaptiveload.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses
+  for measured runs. ``wait_share`` and ``wait_mean`` are their old names, kept in the rows;
 - ``tokens_per_s`` and ``tokens_per_s_ratio``: total tokens / sum over steps of the slowest rank's time, and
   its ratio to ``equal_tokens`` at the same world size;
 - ``peak_tokens`` (the memory high-water mark in tokens per rank and step), ``token_fill`` (mean tokens of a
@@ -52,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.cost_model import CostModel
 from lightning_adaptiveload.mixes import Mix, load_mix
 
@@ -461,8 +465,8 @@ def balance_metrics(
 ) -> dict[str, float]:
     """Balance, throughput and memory statistics of per-rank step times.
 
-    The per-step statistics use the definitions of :mod:`lightning_adaptiveload.stats` (population CV,
-    ``imbalance = max / mean - 1``, ``straggler wait = 1 - mean / max``), vectorised over steps.
+    The balance figures are :func:`lightning_adaptiveload.stats.balance_summary` of ``rank_seconds``
+    (:data:`~lightning_adaptiveload.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
 
     Args:
         rank_seconds: float array (steps, world): each rank's compute time of each step, seconds.
@@ -474,7 +478,8 @@ def balance_metrics(
         max_compute: the compute budget in cost-model units, for ``compute_fill``.
 
     Returns:
-        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, wait_share, wait_mean,
+        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, straggler_wait
+        (time-weighted), step_wait_mean (unweighted), wait_share and wait_mean (their old names),
         step_seconds_mean, step_time_cv (of the step durations across steps), total_seconds, total_tokens,
         tokens_per_s, peak_tokens, token_fill, compute_fill, vram_utilisation`` (fractions, not percent).
 
@@ -489,36 +494,26 @@ def balance_metrics(
         )
     if np.any(t < 0) or not np.all(np.isfinite(t)):
         raise ValueError("rank_seconds must be finite and >= 0")
-    mean = t.mean(axis=1)
     top = t.max(axis=1)
-    std = t.std(axis=1)  # population std (ddof=0), as stats.cv
-    safe_mean = np.where(mean > 0, mean, 1.0)
-    safe_top = np.where(top > 0, top, 1.0)
-    cv = np.where(mean > 0, std / safe_mean, 0.0)
-    imb = np.where(mean > 0, top / safe_mean - 1.0, 0.0)
-    wait = np.where(top > 0, 1.0 - mean / safe_top, 0.0)
+    figures = stats.balance_summary(t)
     total_seconds = float(top.sum())
     total_tokens = float(tok.sum())
     mem = tok if rank_memory is None else np.asarray(rank_memory, dtype=np.float64)
     out = {
         "steps": int(t.shape[0]),
         "world": int(t.shape[1]),
-        "cv_mean": float(cv.mean()),
-        "cv_p50": float(np.percentile(cv, 50)),
-        "cv_p95": float(np.percentile(cv, 95)),
-        "imbalance_mean": float(imb.mean()),
-        "imbalance_p95": float(np.percentile(imb, 95)),
-        "wait_share": float((top - mean).sum() / total_seconds) if total_seconds > 0 else 0.0,
-        "wait_mean": float(wait.mean()),
+        **figures,
+        "wait_share": figures["straggler_wait"],  # old names, kept for scripts
+        "wait_mean": figures["step_wait_mean"],
         "step_seconds_mean": float(top.mean()),
-        "step_time_cv": float(top.std() / top.mean()) if top.mean() > 0 else 0.0,
+        "step_time_cv": stats.cv(top),  # of the step durations across steps
         "total_seconds": total_seconds,
         "total_tokens": total_tokens,
         "tokens_per_s": total_tokens / total_seconds if total_seconds > 0 else math.nan,
         "peak_tokens": int(tok.max()),
         "token_fill": float(tok.mean() / max_tokens) if max_tokens else math.nan,
         "compute_fill": math.nan,
-        "vram_utilisation": float(mem.mean() / mem.max()) if mem.max() > 0 else 0.0,
+        "vram_utilisation": stats.peak_vram_utilisation_efficiency(mem.ravel().tolist()),
     }
     if rank_cost is not None and max_compute and math.isfinite(max_compute):
         out["compute_fill"] = float(np.asarray(rank_cost, dtype=np.float64).mean() / max_compute)
@@ -791,7 +786,7 @@ def _run_mode(
     body = max(1, int(0.9 * rep.seconds.shape[0]))
     head = balance_metrics(rep.seconds[:body], rep.tokens[:body])
     m["cv_mean_first90"] = head["cv_mean"]
-    m["wait_share_first90"] = head["wait_share"]
+    m["straggler_wait_first90"] = m["wait_share_first90"] = head["straggler_wait"]
     m["plan_report"] = {
         k: plan.report.get(k)
         for k in (
@@ -804,8 +799,7 @@ def _run_mode(
             "plan_seconds",
         )
     }
-    mt = rep.seconds
-    cv = np.where(mt.mean(1) > 0, mt.std(1) / np.where(mt.mean(1) > 0, mt.mean(1), 1.0), 0.0)
+    cv, _, _ = stats.balance_rows(rep.seconds)
     return m, cv, rep, batcher
 
 

@@ -13,13 +13,19 @@ Definitions (``x`` holds one non-negative value per rank, for example the comput
 - ``imbalance(x) = max(x) / mean(x) - 1``: how much longer the slowest rank works than the average one;
 - ``straggler_wait(x) = 1 - mean(x) / max(x)``: the share of the ranks' time spent waiting for the slowest
   at the gradient all-reduce, when ``x`` is the ranks' compute time (everyone finishes at ``max(x)``);
+  over many steps, ``sum(max - mean) / sum(max)`` (each step weighs by its duration: the share of the
+  job's time lost to waiting);
+- ``step_wait_mean(x)``: the unweighted mean over steps of the per-step ``1 - mean / max`` (another
+  number: short steps weigh as much as long ones);
 - ``vram_efficiency(peak, total) = peak / total``: the share of a device's memory a step's peak used;
 - ``peak_vram_utilisation_efficiency(peaks) = mean(peaks) / max(peaks)`` over ranks and steps: the share of
   the memory the job must provision (its high-water mark) that a rank actually uses at its peak, on average;
   ``1.0`` when every rank peaks equally at every step (see ``docs/monitor.md``);
 - ``mfu(flops, seconds, peak) = flops / seconds / peak``: model FLOPs utilisation (PaLM, arXiv 2204.02311).
 
-All of them are ``0.0`` for a set of equal values, including all zeros (no work is perfectly balanced).
+All of them are exactly ``0.0`` for a set of equal values, including all zeros (no work is perfectly
+balanced), and never leave their range through rounding. :func:`balance_summary` gives the figures both
+the simulator and the monitor report (:data:`BALANCE_FIGURES`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ __all__ = [
     "cv",
     "imbalance",
     "straggler_wait",
+    "step_wait_mean",
     "balance_rows",
+    "BALANCE_FIGURES",
+    "summarize_steps",
+    "balance_summary",
     "vram_efficiency",
     "peak_vram_utilisation_efficiency",
     "achieved_flops_per_s",
@@ -59,6 +69,18 @@ def _values(values: Iterable[float], what: str) -> list[float]:
     return out
 
 
+def _ranks(values: Iterable[float], what: str) -> np.ndarray | None:
+    """One step's values as float64 (ranks,), or None when a value is nan (the statistic is then nan)."""
+    a = np.asarray(_values(values, what), dtype=np.float64)
+    return None if np.isnan(a).any() else a
+
+
+# Rounding can put a mean a few ulps above the maximum of equal values (0.1 three times: the mean is
+# 0.10000000000000002), which would make a statistic of perfectly balanced work -2e-16. Every statistic is
+# therefore exactly 0.0 when all values are equal and is clamped to its mathematical range otherwise:
+# cv in [0, sqrt(n - 1)], imbalance in [0, n - 1], straggler wait in [0, 1 - 1 / n] for n ranks.
+
+
 def cv(values: Iterable[float]) -> float:
     """Coefficient of variation ``std / mean`` with the population standard deviation.
 
@@ -66,20 +88,16 @@ def cv(values: Iterable[float]) -> float:
         values: one non-negative number per rank (any unit; the CV has none).
 
     Returns:
-        The CV as a fraction (``0.12`` is 12%); ``0.0`` when all values are equal (all zeros included);
-        ``nan`` if any value is ``nan``.
+        The CV as a fraction (``0.12`` is 12%), in ``[0, sqrt(n - 1)]``; exactly ``0.0`` when all values are
+        equal (all zeros included); ``nan`` if any value is ``nan``.
 
     Raises:
         ValueError: if ``values`` is empty or holds a negative number.
     """
-    x = _values(values, "cv")
-    if any(math.isnan(v) for v in x):
+    a = _ranks(values, "cv")
+    if a is None:
         return math.nan
-    mean = math.fsum(x) / len(x)
-    if mean == 0.0:
-        return 0.0
-    var = math.fsum((v - mean) ** 2 for v in x) / len(x)
-    return math.sqrt(var) / mean
+    return float(balance_rows(a[None, :])[0][0])
 
 
 def imbalance(values: Iterable[float]) -> float:
@@ -89,43 +107,58 @@ def imbalance(values: Iterable[float]) -> float:
         values: one non-negative number per rank.
 
     Returns:
-        A fraction >= 0; ``0.0`` when all values are equal; ``nan`` if any value is ``nan``.
+        A fraction in ``[0, n - 1]``; exactly ``0.0`` when all values are equal; ``nan`` if any value is
+        ``nan``.
 
     Raises:
         ValueError: if ``values`` is empty or holds a negative number.
     """
-    x = _values(values, "imbalance")
-    if any(math.isnan(v) for v in x):
+    a = _ranks(values, "imbalance")
+    if a is None:
         return math.nan
-    mean = math.fsum(x) / len(x)
-    if mean == 0.0:
-        return 0.0
-    return max(x) / mean - 1.0
+    return float(balance_rows(a[None, :])[1][0])
 
 
-def straggler_wait(values: Iterable[float]) -> float:
-    """Share of the ranks' time spent waiting for the slowest rank: ``1 - mean / max``.
+def straggler_wait(values: Iterable[float] | np.ndarray) -> float:
+    """Share of the ranks' time spent waiting for the slowest rank.
 
     With synchronous data parallelism every rank leaves the gradient all-reduce when the slowest arrives, so
-    rank ``r`` waits ``max - x[r]``; summed over ranks and divided by ``world * max`` this is
-    ``1 - mean / max``.
+    at a step rank ``r`` waits ``max - x[r]``; summed over ranks and divided by ``world * max`` this is
+    ``1 - mean / max`` for one step. Over many steps it is the summed waiting over the summed time,
+    ``sum(max - mean) / sum(max)``: each step weighs by its duration, so this is the share of the job's
+    time lost to waiting (the figure of the simulator, the monitor's summary and the README). The
+    *unweighted* mean over steps of the per-step value is another number: :func:`step_wait_mean`.
 
     Args:
-        values: each rank's own compute time for one step (seconds, or any unit), waiting excluded.
+        values: one step: each rank's own compute time (seconds, or any unit), waiting excluded, shape
+            (ranks,); or many steps, a float array of shape (steps, ranks).
 
     Returns:
-        A fraction in ``[0, 1)``; ``0.0`` when all values are equal; ``nan`` if any value is ``nan``.
+        A fraction in ``[0, 1 - 1 / ranks]``; exactly ``0.0`` when all values of every step are equal;
+        ``nan`` if any value is ``nan``.
 
     Raises:
         ValueError: if ``values`` is empty or holds a negative number.
     """
-    x = _values(values, "straggler_wait")
-    if any(math.isnan(v) for v in x):
+    a = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else None
+    if a is not None and a.ndim == 2:
+        return balance_summary(a)["straggler_wait"]
+    x = _ranks(values, "straggler_wait")
+    if x is None:
         return math.nan
-    top = max(x)
-    if top == 0.0:
-        return 0.0
-    return 1.0 - (math.fsum(x) / len(x)) / top
+    return float(balance_rows(x[None, :])[2][0])
+
+
+def step_wait_mean(x: np.ndarray) -> float:
+    """Mean over steps of each step's :func:`straggler_wait` ``1 - mean / max``, every step weighing the same.
+
+    Short steps count as much as long ones here, unlike :func:`straggler_wait` over steps (time-weighted);
+    the two agree when every step lasts as long.
+
+    Args:
+        x: float array of shape (steps, ranks), non-negative.
+    """
+    return balance_summary(x)["step_wait_mean"]
 
 
 def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,8 +168,8 @@ def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x: float array of shape (steps, ranks), non-negative; a row holding ``nan`` gives ``nan``.
 
     Returns:
-        Three float64 arrays of shape (steps,): CV, imbalance and straggler wait of each row; ``0.0`` for a
-        row of equal values (all zeros included), as the scalar functions.
+        Three float64 arrays of shape (steps,): CV, imbalance and straggler wait of each row; exactly ``0.0``
+        for a row of equal values (all zeros included), each clamped to its range (see above).
 
     Raises:
         ValueError: if ``x`` is not 2-D, has no column, or holds a negative number.
@@ -150,16 +183,81 @@ def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError(
             f"balance_rows: got a negative value {a[a < 0][0]!r}; work and time are non-negative"
         )
+    n = a.shape[1]
     mean = a.mean(axis=1)
     top = a.max(axis=1)
     std = a.std(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        cv_ = np.where(mean == 0.0, 0.0, std / mean)
-        imb = np.where(mean == 0.0, 0.0, top / mean - 1.0)
-        wait = np.where(top == 0.0, 0.0, 1.0 - mean / top)
-    nan = np.isnan(mean)  # np.where picked 0.0 only where mean == 0, which nan is not; keep nan explicit
+        cv_ = np.clip(std / mean, 0.0, math.sqrt(n - 1))
+        imb = np.clip(top / mean - 1.0, 0.0, n - 1.0)
+        wait = np.clip(1.0 - mean / top, 0.0, 1.0 - 1.0 / n)
+    equal = top == a.min(axis=1)  # balanced (or all zero): exactly 0, whatever the rounding of the mean
+    cv_[equal], imb[equal], wait[equal] = 0.0, 0.0, 0.0
+    nan = np.isnan(mean)  # np.clip keeps nan, but `equal` is False for nan rows: keep nan explicit
     cv_[nan], imb[nan], wait[nan] = np.nan, np.nan, np.nan
     return cv_, imb, wait
+
+
+# The balance figures that the simulator and the monitor both report, under these names, so that a
+# simulated number and a measured one can be set side by side.
+BALANCE_FIGURES = (
+    "straggler_wait",
+    "step_wait_mean",
+    "cv_mean",
+    "cv_p50",
+    "cv_p95",
+    "imbalance_mean",
+    "imbalance_p95",
+)
+
+
+def summarize_steps(
+    cv_: np.ndarray, imbalance_: np.ndarray, wait: np.ndarray, step_seconds: np.ndarray
+) -> dict[str, float]:
+    """The :data:`BALANCE_FIGURES` of a run from its per-step statistics.
+
+    Args:
+        cv_, imbalance_, wait: float arrays of shape (steps,), as :func:`balance_rows` returns them for
+            the ranks' compute times; steps holding ``nan`` are left out.
+        step_seconds: float array of shape (steps,): each step's duration, the slowest rank's compute
+            time (``max`` over ranks); it weighs ``straggler_wait``.
+
+    Returns:
+        ``straggler_wait`` (time-weighted: ``sum(max - mean) / sum(max)``), ``step_wait_mean`` (unweighted
+        mean of the per-step wait), ``cv_mean``, ``cv_p50``, ``cv_p95``, ``imbalance_mean``,
+        ``imbalance_p95``; all ``nan`` without a step.
+    """
+    c, i, w, t = (np.asarray(v, dtype=np.float64) for v in (cv_, imbalance_, wait, step_seconds))
+    ok = ~(np.isnan(c) | np.isnan(i) | np.isnan(w) | np.isnan(t))
+    if not ok.any():
+        return dict.fromkeys(BALANCE_FIGURES, math.nan)
+    c, i, w, t = c[ok], i[ok], w[ok], t[ok]
+    # per-step wait x duration = max - mean: the weighted mean is the summed waiting over the summed time
+    weighted = float(np.average(w, weights=t)) if t.sum() > 0 else 0.0
+    return {
+        "straggler_wait": weighted,
+        "step_wait_mean": float(w.mean()),
+        "cv_mean": float(c.mean()),
+        "cv_p50": float(np.percentile(c, 50)),
+        "cv_p95": float(np.percentile(c, 95)),
+        "imbalance_mean": float(i.mean()),
+        "imbalance_p95": float(np.percentile(i, 95)),
+    }
+
+
+def balance_summary(x: np.ndarray) -> dict[str, float]:
+    """The :data:`BALANCE_FIGURES` of the ranks' compute times over many steps.
+
+    Args:
+        x: float array of shape (steps, ranks): each rank's own compute time of each step (seconds),
+            waiting excluded.
+
+    Returns:
+        See :func:`summarize_steps`.
+    """
+    a = np.asarray(x, dtype=np.float64)
+    c, i, w = balance_rows(a)
+    return summarize_steps(c, i, w, a.max(axis=1))
 
 
 def vram_efficiency(peak_bytes: float, total_bytes: float) -> float:
@@ -390,7 +488,8 @@ def peak_flops(device_name: str, dtype: object = "bf16") -> float | None:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method) of ``values``; ``nan`` when empty.
+    """Linear-interpolated percentile (``numpy.percentile``'s default method) of ``values``; ``nan`` when
+    empty.
 
     Args:
         values: numbers (``nan`` entries are ignored).
@@ -398,13 +497,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     """
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile: q must be within [0, 100], got {q!r}")
-    x = sorted(float(v) for v in values if not math.isnan(float(v)))
-    if not x:
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    x = x[~np.isnan(x)]
+    if not x.size:
         return math.nan
-    pos = (len(x) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(x) - 1)
-    return x[lo] + (x[hi] - x[lo]) * (pos - lo)
+    return float(np.percentile(x, q))
 
 
 def describe(values: Sequence[float]) -> dict[str, float]:
@@ -413,14 +510,16 @@ def describe(values: Sequence[float]) -> dict[str, float]:
     Returns:
         ``{"mean", "p50", "p95", "min", "max", "n"}``; ``n`` counts the finite values.
     """
-    x = [float(v) for v in values if not math.isnan(float(v))]
-    if not x:
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    x = x[~np.isnan(x)]
+    if not x.size:
         return {"mean": math.nan, "p50": math.nan, "p95": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    p50, p95 = np.percentile(x, [50.0, 95.0])
     return {
-        "mean": math.fsum(x) / len(x),
-        "p50": percentile(x, 50.0),
-        "p95": percentile(x, 95.0),
-        "min": min(x),
-        "max": max(x),
-        "n": len(x),
+        "mean": float(x.mean()),
+        "p50": float(p50),
+        "p95": float(p95),
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "n": int(x.size),
     }

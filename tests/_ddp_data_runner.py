@@ -123,8 +123,9 @@ def main() -> None:
                 json.dump(dm.epoch_report, f)
 
 
-def launch(cfg: dict, tmp_dir: str, timeout: float) -> list[str]:
-    """Run the config on ``cfg["world"]`` local processes; returns their logs. Raises on failure or timeout."""
+def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> list[str]:
+    """Run the config on ``cfg["world"]`` local processes of ``script`` (this runner by default); returns their
+    logs. Raises on failure or timeout."""
     cfg_path = os.path.join(tmp_dir, f"cfg-{time.monotonic_ns()}.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
@@ -147,7 +148,7 @@ def launch(cfg: dict, tmp_dir: str, timeout: float) -> list[str]:
         logs.append(log_path)
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, cfg_path],
+                [sys.executable, script, cfg_path],
                 env=env,
                 stdout=open(log_path, "w"),
                 stderr=subprocess.STDOUT,

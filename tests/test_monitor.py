@@ -375,6 +375,27 @@ def test_split_blocks_checks_that_ranks_line_up():
         monitor_mod._split_blocks([[1.0, *header, *row0], [1.0, *header, *shifted]])
 
 
+def test_balance_figures_are_the_simulators():
+    """Issue 13: the monitor's whole-run and window figures are stats.balance_summary of the compute times
+    (timed steps only): the simulator's names and definitions; straggler_wait is time-weighted."""
+    from lightning_adaptiveload.simulate import balance_metrics
+
+    rng = np.random.default_rng(2)
+    k, world, f = 6, 3, monitor_mod._F
+    steps = rng.random((k, world, f)) + 0.1
+    steps[:, :, monitor_mod._IDX["batch_idx"]] = np.arange(k)[:, None]
+    steps[:, :, monitor_mod._IDX["flags"]] = 2.0
+    steps[0, 1, monitor_mod._IDX["flags"]] = 3.0  # FLOPs counted on a rank at step 0: its times are left out
+    comp = steps[:, :, monitor_mod._IDX["compute_time_s"]]
+    comp[3] *= 10.0  # a long step: the time-weighted wait differs from the per-step mean
+    table = monitor_mod._step_table(steps, np.full(world, 1e12), np.full(world, 10.0))
+    figures = monitor_mod._balance_figures(table)
+    assert figures == pytest.approx(stats.balance_summary(comp[1:]), rel=1e-12)
+    simulated = balance_metrics(comp[1:], np.ones((k - 1, world), dtype=int))
+    assert {key: simulated[key] for key in stats.BALANCE_FIGURES} == pytest.approx(figures, rel=1e-12)
+    assert figures["straggler_wait"] != pytest.approx(figures["step_wait_mean"])
+
+
 def test_step_table_matches_scalar_statistics():
     rng = np.random.default_rng(1)
     k, world, f = 5, 3, monitor_mod._F

@@ -48,6 +48,17 @@ def test_balance_metrics_matches_stats_definitions():
     assert (m["steps"], m["world"]) == (40, 5)
 
 
+def test_balance_metrics_reports_the_shared_balance_figures():
+    """Issue 13: the simulator reports the monitor's names, from the one definition in stats."""
+    rng = np.random.default_rng(4)
+    t = rng.uniform(0.5, 2.0, size=(30, 4))
+    m = balance_metrics(t, np.ones_like(t, dtype=int))
+    figures = stats.balance_summary(t)
+    assert {k: m[k] for k in stats.BALANCE_FIGURES} == figures
+    assert m["straggler_wait"] == m["wait_share"] and m["step_wait_mean"] == m["wait_mean"]
+    assert m["straggler_wait"] != m["step_wait_mean"]  # two quantities, two names
+
+
 def test_balance_metrics_equal_ranks_have_no_wait():
     t = np.tile(np.array([[1.0], [3.0], [2.0]]), (1, 8))
     m = balance_metrics(t, np.ones_like(t, dtype=int))

@@ -53,10 +53,36 @@ def test_against_numpy(x):
     assert stats.cv(x) == pytest.approx(a.std() / a.mean(), rel=1e-9, abs=1e-12)
     assert stats.imbalance(x) == pytest.approx(a.max() / a.mean() - 1, rel=1e-9, abs=1e-12)
     assert stats.straggler_wait(x) == pytest.approx(1 - a.mean() / a.max(), rel=1e-9, abs=1e-12)
-    assert 0.0 <= stats.straggler_wait(x) < 1.0
+    assert 0.0 <= stats.straggler_wait(x) <= 1.0 - 1.0 / len(x)
+    assert 0.0 <= stats.imbalance(x) <= len(x) - 1
+    assert 0.0 <= stats.cv(x) <= math.sqrt(len(x) - 1)
     # imbalance and straggler wait describe the same gap: s = i / (1 + i)
     i = stats.imbalance(x)
     assert stats.straggler_wait(x) == pytest.approx(i / (1 + i), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1.1, 2.3, 1e-3, 123.456])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 64])
+def test_equal_values_give_exactly_zero(value, n):
+    """Issue 13: the mean of equal values can round above their max (0.1 three times), which gave -2.2e-16."""
+    x = [value] * n
+    assert stats.cv(x) == 0.0 and stats.imbalance(x) == 0.0 and stats.straggler_wait(x) == 0.0
+    c, i, w = stats.balance_rows(np.array([x, x]))
+    assert c.tolist() == i.tolist() == w.tolist() == [0.0, 0.0]
+    assert stats.straggler_wait(np.array([x, x])) == 0.0 and stats.step_wait_mean(np.array([x, x])) == 0.0
+
+
+def test_two_waits_time_weighted_and_per_step_mean():
+    # a long unbalanced step and a short balanced one
+    x = np.array([[1.0, 3.0], [0.5, 0.5]])
+    assert stats.straggler_wait(x) == pytest.approx((3.0 - 2.0) / (3.0 + 0.5))  # sum(max - mean) / sum(max)
+    assert stats.step_wait_mean(x) == pytest.approx((1 / 3 + 0.0) / 2)  # mean of 1 - mean / max
+    s = stats.balance_summary(x)
+    assert set(s) == set(stats.BALANCE_FIGURES)
+    assert s["straggler_wait"] == stats.straggler_wait(x) and s["step_wait_mean"] == stats.step_wait_mean(x)
+    assert s["cv_mean"] == pytest.approx(np.mean([stats.cv(r) for r in x.tolist()]))
+    assert s["imbalance_p95"] == pytest.approx(np.percentile([stats.imbalance(r) for r in x.tolist()], 95))
+    assert all(math.isnan(v) for v in stats.summarize_steps([], [], [], []).values())
 
 
 def test_vram_efficiency():

@@ -1,0 +1,76 @@
+"""A validation set with fewer samples than ranks (issue 13): padded with a zero-weight step, or refused.
+
+Two real processes (gloo, CPU) through the real DataModule; the launcher kills them on a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ddp_data_runner import launch  # noqa: E402
+
+from lightning_adaptiveload.planning import PlanError  # noqa: E402
+from lightning_adaptiveload.shards import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
+
+RUNNER = os.path.join(os.path.dirname(__file__), "_ddp_val_runner.py")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("underfull")
+    train, val = str(root / "train"), str(root / "val")
+    write_synthetic_shards(train, mix="tiny", num_samples=8, samples_per_shard=4, seed=0, progress=False)
+    write_synthetic_shards(val, mix="tiny", num_samples=1, samples_per_shard=1, seed=1, progress=False)
+    return {"train": train, "val": val}
+
+
+def test_one_validation_sample_on_two_ranks_pads_a_zero_weight_step(data, tmp_path):
+    out = str(tmp_path)
+    cfg = {**data, "out": out, "world": 2, "val_underfull": "pad"}
+    launch(cfg, out, timeout=240, script=RUNNER)
+    ranks = [json.load(open(os.path.join(out, f"val.rank{r}.json"))) for r in range(2)]
+    assert all("error" not in r for r in ranks), ranks
+    seen = sorted((b["batch_size"], b["num_tokens"] > 0) for r in ranks for b in r["seen"])
+    assert seen == [(0, False), (1, True)], "one rank takes the sample, the other one empty batch"
+    # The right metric: the one sample's own value, not its average with the empty rank's zero.
+    shard = ShardIndex.load(os.path.join(data["val"], "index.json")).shards[0]
+    (sample,) = list(iter_shard(shard))
+    expected = float(sample["latent"].double().square().mean())
+    assert ranks[0]["probe"] == ranks[1]["probe"] == pytest.approx(expected, rel=1e-5)
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"] and ranks[0]["val_loss"] > 0
+
+
+def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
+    from lightning_adaptiveload.batching import DualConstraintBatcher
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
+
+    index = ShardIndex.load(os.path.join(data["val"], "index.json"))
+    ds = PlannedShardDataset(index, DualConstraintBatcher(512), underfull="error")
+    ds.world_size = 2
+    with pytest.raises(
+        PlanError, match=r"world size 2: 1 samples in 1 shards leave 1 rank\(s\) without any sample"
+    ):
+        ds.begin_epoch(0)
+    ds.underfull = "pad"
+    assert ds.begin_epoch(0).report["empty_batches"] == 1
+    with pytest.raises(ValueError, match="val_underfull must be 'pad' or 'error', got 'skip'"):
+        AdaptiveLoadDataModule(train_shards=data["train"], val_underfull="skip")
+
+
+def test_rest_of_a_resumed_epoch_with_fewer_samples_than_ranks_is_padded(data):
+    """Resuming near the end of an epoch on more ranks leaves fewer samples than ranks: planned, not refused."""
+    from lightning_adaptiveload.batching import DualConstraintBatcher
+    from lightning_adaptiveload.datamodule import PlannedShardDataset
+
+    index = ShardIndex.load(os.path.join(data["train"], "index.json"))
+    ds = PlannedShardDataset(index, DualConstraintBatcher(512), num_workers=2)  # underfull="error"
+    ds.world_size = 4
+    refs = [(s, i) for s, shard in enumerate(index.shards) for i in range(len(shard.keys))]
+    plan = ds.make_plan(0, exclude=set(refs[:-2]))  # two samples left for four ranks
+    assert plan.report["samples"] == 2 and plan.report["empty_batches"] == 2
+    assert all(len(order) == plan.steps for order in plan.step_order)
