@@ -68,26 +68,41 @@ def _load(name: str) -> Any:
     return func
 
 
-def build_cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any):
-    """The package's LightningCLI: any ``VideoDiTModule`` subclass as model, any ``AdaptiveLoadDataModule``
-    subclass as data (both with ``class_path`` / ``init_args``), and a saved config that a repeated run
-    overwrites instead of failing on.
+def build_cli(
+    args: Sequence[str] | None = None,
+    run: bool = True,
+    model_class: type | None = None,
+    datamodule_class: type | None = None,
+    **kwargs: Any,
+):
+    """The package's LightningCLI: any ``LightningModule`` as model (``VideoDiTModule`` when the recipe names
+    none), any ``AdaptiveLoadDataModule`` subclass as data (both with ``class_path`` / ``init_args``), and a
+    saved config that a repeated run overwrites instead of failing on.
 
     Args:
         args: command line (without the program name); None reads ``sys.argv``.
         run: run the subcommand (False: only parse and instantiate, e.g. to check a recipe).
-        **kwargs: passed to ``LightningCLI``.
+        model_class: base class the recipe's ``model.class_path`` must subclass (default:
+            ``LightningModule``, so any module; see ``docs/your_own_model.md``).
+        datamodule_class: base class of ``data.class_path`` (default: ``AdaptiveLoadDataModule``).
+        **kwargs: passed to ``LightningCLI`` (e.g. ``trainer_defaults``, ``save_config_kwargs``).
     """
+    import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 
     try:
         from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-        from lightning_adaptiveload.module import VideoDiTModule
     except ModuleNotFoundError as err:
         raise SystemExit(
             f"lightning-adaptiveload: cannot load the training classes ({err}); reinstall the package "
             "(pip install -e .) or install the missing dependency"
         ) from None
+
+    class _CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            if model_class is None:
+                # Recipes written for VideoDiTModule may leave out model.class_path.
+                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.module.VideoDiTModule"}})
 
     options: dict[str, Any] = dict(
         subclass_mode_model=True,
@@ -96,7 +111,13 @@ def build_cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any
         parser_kwargs={"description": "Load-balanced training of video DiTs on mixed-length data."},
     )
     options.update(kwargs)
-    return LightningCLI(VideoDiTModule, AdaptiveLoadDataModule, args=args, run=run, **options)
+    return _CLI(
+        model_class if model_class is not None else pl.LightningModule,
+        datamodule_class if datamodule_class is not None else AdaptiveLoadDataModule,
+        args=args,
+        run=run,
+        **options,
+    )
 
 
 def _usage() -> str:
