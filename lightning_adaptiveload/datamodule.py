@@ -467,6 +467,16 @@ class PlannedDataLoader(DataLoader):
         return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
 
 
+def _fit_over(trainer: Any) -> bool:
+    """Whether the fit loop will start no further training epoch (max_epochs, max_steps or a stop)."""
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and int(trainer.current_epoch) >= max_epochs:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    return bool(trainer.should_stop)
+
+
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
 
@@ -752,7 +762,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         assert ds is not None
         trainer = self.trainer
         if trainer is not None:
-            running = ds.plan is not None and ds.epoch == int(trainer.current_epoch)
+            # After the last epoch Lightning still asks for the length (when it tears the loader down):
+            # answer with the last plan instead of planning an epoch that will not run.
+            running = ds.plan is not None and (ds.epoch == int(trainer.current_epoch) or _fit_over(trainer))
         else:  # no trainer: the epoch whose iterator has started and not ended
             running = self._iterating
         if self._prepared_epoch is None and not running:
