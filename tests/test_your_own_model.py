@@ -126,3 +126,23 @@ def test_compiled_module_under_default_monitor_compiles(tmp_path):
     steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
     assert steps[0]["counted"] == 1
     assert steps[0]["flops"] == 3 * 2 * 4 * (8 * 16 + 16 * 8)  # counted on the meta copy, 3x forward
+
+
+def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
+    from lightning_adaptiveload import cli
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    from lightning_adaptiveload.shards import write_synthetic_shards
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    write_synthetic_shards(tmp_path / "d", num_samples=4, samples_per_shard=4, progress=False)
+    base = ["--trainer.logger=false", "--trainer.callbacks=[]", f"--data.train_shards={tmp_path / 'd'}"]
+    # A module that is no VideoDiTModule, named in the recipe ("does not correspond to a subclass" before).
+    built = cli.build_cli(["--model=wan_flow.WanFlowModule", *base], run=False)
+    assert type(built.model).__name__ == "WanFlowModule"
+    # A recipe that names no model keeps the VideoDiTModule default.
+    assert type(cli.build_cli(base, run=False).model) is VideoDiTModule
+    # model_class passes through ("got multiple values for argument 'model_class'" before).
+    built = cli.build_cli(["--model=VideoDiTModule", *base], run=False, model_class=VideoDiTModule)
+    assert type(built.model) is VideoDiTModule
