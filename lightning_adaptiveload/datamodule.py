@@ -628,7 +628,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 if isinstance(val_settings.get("samples_per_shard"), list):
                     val_settings["samples_per_shard"] = max(1, n // 4)
                 write_synthetic_shards(self._synthetic_dir(self.val_shards), **val_settings)
-        for shards in (self.train_shards, self.val_shards, self.test_shards, self.predict_shards):
+        stage = getattr(getattr(self.trainer, "state", None), "fn", None)
+        extra = {"test": self.test_shards, "predict": self.predict_shards}
+        # Test and predict data are indexed only for their own stage (they may not exist while training).
+        wanted = [v for k, v in extra.items() if stage is None or getattr(stage, "value", stage) == k]
+        for shards in (self.train_shards, self.val_shards, *wanted):
             folder = _index_folder(shards) if shards is not None else None
             if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
                 # One index pass here, so that the ranks load it in setup instead of each rebuilding it.
