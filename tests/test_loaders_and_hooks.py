@@ -153,3 +153,24 @@ def test_synth_after_index_reuses_the_data(tmp_path):
     assert index_main([d, "--rebuild", "--no-progress"]) == 0
     again = write_synthetic_shards(d, **settings)  # raised "already holds an index of other data" before
     assert again.metadata.get("synthetic") and again.num_samples == 12
+
+
+@pytest.mark.timeout(180)
+def test_video_dit_module_tests_and_predicts(data, tmp_path):
+    # The quickstart's `test` and `predict` subcommands failed: VideoDiTModule had no test_step/predict_step.
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    dm = AdaptiveLoadDataModule(
+        train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model = VideoDiTModule(preset="tiny", shift=1.0)
+    (result,) = trainer.test(model, datamodule=dm)
+    assert result["test/loss"] > 0
+    predictions = trainer.predict(model, datamodule=dm)
+    keys = [k for p in predictions for k in p["keys"]]
+    assert sorted(keys) == sorted(_keys(data))
+    assert all(p["loss"].shape == (len(p["keys"]),) and (p["loss"] > 0).all() for p in predictions)
