@@ -135,6 +135,9 @@ def meta_copy(module: torch.nn.Module, drop: Any = None) -> torch.nn.Module:
     for sub in clone.modules():
         if getattr(sub, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
             sub._compiled_call_impl = None
+        if isinstance(getattr(sub, "_device", None), torch.device):
+            # Lightning's `self.device`: tensors a step makes with device=self.device must be meta too.
+            sub._device = torch.device("meta")
     return clone
 
 

@@ -85,3 +85,23 @@ def test_token_weighted_loss_and_its_fallbacks():
 def test_rank_noise_generators_differ_by_rank_and_repeat_by_seed():
     draw = [torch.randn(4, generator=rank_noise_generator("cpu", rank=r, seed=7)) for r in (0, 1, 0)]
     assert not torch.equal(draw[0], draw[1]) and torch.equal(draw[0], draw[2])
+
+
+class _FusedWanStep(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_adaptiveload import fuse_norm_modulate
+
+        self.wan = _tiny_wan()
+        fuse_norm_modulate(self.wan)
+
+    def training_step(self, batch, batch_idx):
+        t = torch.rand(batch["latents"].shape[0], device=self.device) * 1000  # self.device: meta on the copy
+        return self.wan(batch["latents"], t, batch["text"], return_dict=False)[0].square().mean()
+
+
+def test_meta_count_of_a_fused_wan_equals_the_wan_formula():
+    module = _FusedWanStep()
+    batch = {"latents": torch.randn(2, 4, 3, 4, 6), "text": torch.randn(2, 5, 16)}
+    assert meta_training_flops(module, batch) == wan_flops_per_batch(module.wan.config, batch)
+    assert module.device.type == "cpu"
