@@ -141,13 +141,42 @@ def meta_copy(module: torch.nn.Module, drop: Any = None) -> torch.nn.Module:
     return clone
 
 
+class _TrainerView:
+    """What a training step may read of the Trainer on the meta copy: counts and positions, nothing that acts.
+
+    Collectives (``self.all_gather``), manual optimisation (``self.optimizers()`` goes through the strategy)
+    and logging are out of reach: an attribute not listed raises ``AttributeError``, and the count gives up.
+    """
+
+    _READABLE = frozenset(
+        {
+            "world_size", "global_rank", "local_rank", "node_rank", "num_nodes", "num_devices",
+            "is_global_zero", "current_epoch", "global_step", "max_epochs", "max_steps", "precision",
+            "training", "sanity_checking", "optimizers", "accumulate_grad_batches", "datamodule",
+        }
+    )  # fmt: skip
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _TrainerView._READABLE:
+            return getattr(self._trainer, name)
+        raise AttributeError(f"trainer.{name} is not available while FLOPs are counted on a meta copy")
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: Any = None) -> float:
     """Training FLOPs (3x forward) of ``pl_module.training_step(batch)``, counted on a meta copy.
 
-    The copy runs alone: it holds no Trainer (``self.log`` is a no-op there), ``torch.distributed`` reads
-    as uninitialised (no collective can start on one rank only and hang the others), compiled code runs
-    eagerly (``torch.compiler.set_stance("force_eager")``), gradients are off and the random state is
-    restored afterwards. The live module is not called.
+    The copy runs alone: its ``self.trainer`` answers only reads of counts and positions (world size,
+    ranks, epoch, step, the optimizers' settings), ``self.log``, ``self.log_dict`` and ``self.print`` do
+    nothing, ``torch.distributed`` reads as uninitialised (no collective can start on one rank only and
+    hang the others), compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``), gradients
+    are off and the random state is restored afterwards. The live module is not called.
 
     Args:
         pl_module: the LightningModule (or any module with ``training_step(batch, batch_idx)``).
@@ -165,8 +194,13 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
+    trainer = getattr(pl_module, "_trainer", None)
     if clone is None:
-        clone = meta_copy(pl_module, drop=getattr(pl_module, "_trainer", None))
+        clone = meta_copy(pl_module, drop=trainer)
+    for sub in clone.modules():
+        if hasattr(sub, "_trainer"):  # the LightningModule (and any nested one)
+            sub._trainer = None if trainer is None else _TrainerView(trainer)
+            sub.log = sub.log_dict = sub.print = _quiet
     meta_batch = _to_meta(batch)
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())

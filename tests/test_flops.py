@@ -105,3 +105,32 @@ def test_meta_count_of_a_fused_wan_equals_the_wan_formula():
     batch = {"latents": torch.randn(2, 4, 3, 4, 6), "text": torch.randn(2, 5, 16)}
     assert meta_training_flops(module, batch) == wan_flops_per_batch(module.wan.config, batch)
     assert module.device.type == "cpu"
+
+
+class _ReadsTrainer(_Step):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch["x"]).square().sum()
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.log("lr", lr)
+        self.print("never shown")
+        return token_weighted_loss(loss, batch["n"], -1, self.trainer.world_size)  # -1 and 2 ranks: no hang
+
+
+class _Gathers(_Step):
+    def training_step(self, batch, batch_idx):
+        return self.all_gather(self.net(batch["x"]).sum()).sum()
+
+
+def test_meta_copy_reads_the_trainer_but_cannot_act_on_it():
+    from types import SimpleNamespace
+
+    module = _ReadsTrainer()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    module._trainer = SimpleNamespace(world_size=2, global_rank=1, optimizers=[opt], strategy="real")
+    batch = {"x": torch.randn(4, 8), "n": 4}
+    assert meta_training_flops(module, batch) == 3 * 2 * 4 * (8 * 16 + 16 * 8)
+    gathering = _Gathers()
+    gathering._trainer = module._trainer
+    with pytest.raises(AttributeError, match="trainer.strategy is not available"):
+        meta_training_flops(gathering, batch)  # the monitor warns and goes without FLOPs
+    gathering._trainer = None
