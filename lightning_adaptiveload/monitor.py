@@ -257,6 +257,13 @@ class LoadBalanceMonitor(Callback):
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
     plots are written to ``dirpath`` (default: ``trainer.log_dir``).
 
+    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter moved) or
+    before which FLOPs were counted is marked (``counted`` in the step table, ``flops_counted`` in the rank
+    table) and left out of the time-balance statistics (``step_time_cv``, ``imbalance``,
+    ``straggler_wait``, ``data_share``): a compiling rank holds the others for many seconds, which is not
+    load imbalance. The summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps) and
+    ``steps_compiling``.
+
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
             ``default_root_dir`` without a logger).
@@ -272,12 +279,6 @@ class LoadBalanceMonitor(Callback):
             a warning says so once and TFLOP/s and MFU are not logged.
         count_flops: set ``False`` to disable the meta-copy count (no TFLOP/s or MFU then, unless one of
             the analytic ways applies).
-
-    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter moved) or
-    before which FLOPs were counted is marked (``counted`` in the step table, ``flags`` in the rank table)
-    and left out of the time-balance statistics (``step_time_cv``, ``imbalance``, ``straggler_wait``,
-    ``data_share``): a compiling rank holds the others for many seconds, which is not load imbalance. The
-    summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps) and ``steps_compiling``.
         peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.stats.peak_flops`
             from the device name and the trainer's precision (``None`` on CPU: no MFU).
         write_files: write the CSV and JSON files.
