@@ -16,7 +16,9 @@ from lightning_adaptiveload import _dist
 __all__ = ["global_token_count", "token_weighted_loss", "rank_noise_generator"]
 
 
-def global_token_count(local_tokens: int, global_tokens: int | torch.Tensor = -1, world_size: int | None = None) -> int:
+def global_token_count(
+    local_tokens: int, global_tokens: int | torch.Tensor = -1, world_size: int | None = None
+) -> int:
     """Tokens of this step summed over all ranks.
 
     Args:

@@ -20,7 +20,13 @@ from lightning_adaptiveload.shards import ShardIndex, index_main, write_syntheti
 def data(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hooks"))
     write_synthetic_shards(
-        d, mix="tiny", num_samples=40, samples_per_shard=[15, 25], seed=3, text_len_range=(1, 6), progress=False
+        d,
+        mix="tiny",
+        num_samples=40,
+        samples_per_shard=[15, 25],
+        seed=3,
+        text_len_range=(1, 6),
+        progress=False,
     )
     return d
 
@@ -164,7 +170,10 @@ def test_video_dit_module_tests_and_predicts(data, tmp_path):
         train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0
     )
     trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     model = VideoDiTModule(preset="tiny", shift=1.0)

@@ -93,7 +93,13 @@ class _CompiledMLP(L.LightningModule):
 def _batches(n):
     g = torch.Generator().manual_seed(0)
     return [
-        {"latents": torch.randn(4, 8, generator=g), "cost": 1.0, "num_tokens": 4, "batch_size": 4, "seq_len": 1}
+        {
+            "latents": torch.randn(4, 8, generator=g),
+            "cost": 1.0,
+            "num_tokens": 4,
+            "batch_size": 4,
+            "seq_len": 1,
+        }
         for _ in range(n)
     ]
 
@@ -131,7 +137,6 @@ def test_compiled_module_under_default_monitor_compiles(tmp_path):
 def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
     from lightning_adaptiveload import cli
     from lightning_adaptiveload.module import VideoDiTModule
-
     from lightning_adaptiveload.shards import write_synthetic_shards
 
     monkeypatch.chdir(tmp_path)

@@ -138,7 +138,9 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         self.output_dir = output_dir
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
+    ):
         os.makedirs(self.output_dir, exist_ok=True)
         path = os.path.join(self.output_dir, f"predictions_rank{trainer.global_rank}.jsonl")
         with open(path, "a", encoding="utf-8") as f:
