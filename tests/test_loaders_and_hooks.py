@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
 from lightning_adaptiveload.batching import collate
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedDataLoader
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedDataLoader, PlannedShardDataset
 from lightning_adaptiveload.shards import ShardIndex, index_main, write_synthetic_shards
 
 
@@ -52,6 +52,7 @@ class _Tiny(L.LightningModule):
         self.w = torch.nn.Parameter(torch.zeros(()))
         self.seen: dict[str, list[str]] = {"fit": [], "predict": []}
         self.epoch_steps: list[int] = []
+        self.val_epochs: list[int] = []
 
     def on_train_epoch_start(self) -> None:
         self.epoch_steps.append(self.trainer.num_training_batches)
@@ -59,6 +60,10 @@ class _Tiny(L.LightningModule):
     def training_step(self, batch, batch_idx):
         self.seen["fit"] += batch["keys"]
         return self.w * batch["latents"].float().mean()
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.val_epochs.append(self.current_epoch)
 
     def predict_step(self, batch, batch_idx):
         self.seen["predict"] += batch["keys"]
@@ -68,6 +73,7 @@ class _Tiny(L.LightningModule):
         self.log("n", float(batch["batch_size"]), reduce_fx="sum")
 
     def configure_optimizers(self):
+        # Sized for the longest run the plans allow (estimated_stepping_batches is epoch 0's count x 3 here).
         sched_steps = self.trainer.estimated_stepping_batches
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=sched_steps)
@@ -75,26 +81,43 @@ class _Tiny(L.LightningModule):
 
 
 @pytest.mark.timeout(180)
-def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path):
+def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path, monkeypatch):
+    # Odd epochs plan 10 samples fewer, so the epochs differ in length as they can in a real run.
+    real = PlannedShardDataset.make_plan
+
+    def make_plan(self, epoch, settings=None, exclude=None):
+        if self.fixed_epoch is None and epoch % 2 and exclude is None:
+            exclude = {(0, i) for i in range(10)}
+        return real(self, epoch, settings, exclude)
+
+    monkeypatch.setattr(PlannedShardDataset, "make_plan", make_plan)
     dm = AdaptiveLoadDataModule(
-        train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0
+        train_shards=data,
+        val_shards=data,
+        test_shards=data,
+        predict_shards=data,
+        max_tokens=300,
+        num_workers=0,
     )
     model = _Tiny()
     trainer = L.Trainer(
         accelerator="cpu",
-        max_epochs=2,
+        max_epochs=3,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
         default_root_dir=tmp_path,
     )
-    trainer.fit(model, datamodule=dm)  # OneCycleLR raises on total_steps=-1 or on stepping past it
+    trainer.fit(model, datamodule=dm)  # OneCycleLR raises on total_steps=-1
     assert trainer.reload_dataloaders_every_n_epochs == 1
-    steps = [dm.train_dataset.make_plan(e).steps for e in range(2)]
-    assert model.epoch_steps == steps  # the trainer's count of every epoch is that epoch's plan
+    steps = [dm.train_dataset.make_plan(e).steps for e in range(3)]
+    assert steps[0] > steps[1] and steps[0] == steps[2]
+    assert model.epoch_steps == steps  # the trainer's count of every epoch is that epoch's own plan
     assert trainer.global_step == sum(steps)
-    assert sorted(model.seen["fit"]) == sorted(_keys(data) * 2)
+    assert model.val_epochs == [0, 1, 2]  # validation ran at the end of every epoch, short or long
+    assert len(model.seen["fit"]) == 40 + 30 + 40
 
     trainer.test(model, datamodule=dm)
     assert trainer.callback_metrics["n"].item() == 40
