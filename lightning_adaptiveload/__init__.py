@@ -43,6 +43,11 @@ _EXPORTS = {
     "unregister_fusion_adapter": "fusion",
     "fused_op_status": "ops",
     "NormModulate": "models",
+    "token_weighted_loss": "loss",
+    "global_token_count": "loss",
+    "rank_noise_generator": "loss",
+    "wan_flops_per_batch": "flops",
+    "apply_sample_transform": "datamodule",
 }
 # `simulate()` lives in `lightning_adaptiveload.simulate`; it is not re-exported here because the
 # submodule of the same name would shadow it once imported.

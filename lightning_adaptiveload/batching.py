@@ -94,6 +94,7 @@ def collate(
     patch_size: Sequence[int] = (1, 2, 2),
     cost_model: CostModel | None = None,
     global_tokens: int = -1,
+    text_pad_to: int | None = None,
 ) -> dict[str, Any]:
     """Stack samples of one latent shape into the batch dict of the contract.
 
@@ -104,6 +105,8 @@ def collate(
         patch_size: (pt, ph, pw) for the token count.
         cost_model: for ``"cost"``; the default cost model (:meth:`CostModel.default`) when None.
         global_tokens: sum of ``num_tokens`` over all ranks at this step, or -1 when unknown.
+        text_pad_to: pad every batch's text to this many states L (for models without a text mask, and
+            for one text shape under ``torch.compile``); None: the longest text of the batch.
 
     Returns:
         ``{"latents": Tensor (B, C, T, H, W) (float16 if every latent is, else float32), "text": Tensor
@@ -113,7 +116,8 @@ def collate(
         mask row; ``text`` is None when no sample has text.
 
     Raises:
-        ValueError: empty input, differing latent shapes, or differing text widths D (names the keys).
+        ValueError: empty input, differing latent shapes, differing text widths D, or a text longer than
+            ``text_pad_to`` (names the keys).
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -143,6 +147,14 @@ def collate(
             )
         width = widths.pop()
         l_max = max(int(t.shape[0]) for t in present)
+        if text_pad_to is not None:
+            if l_max > int(text_pad_to):
+                longest = next(k for k, t in zip(keys, texts) if t is not None and int(t.shape[0]) == l_max)
+                raise ValueError(
+                    f"collate: sample {longest!r} has {l_max} text states, more than text_pad_to={text_pad_to}; "
+                    "raise text_pad_to to the longest text of the data (or shorten the captions)"
+                )
+            l_max = int(text_pad_to)
         tdtype = torch.float16 if all(t.dtype == torch.float16 for t in present) else torch.float32
         text = torch.zeros((bsz, l_max, width), dtype=tdtype)
         mask = torch.zeros((bsz, l_max), dtype=torch.bool)

@@ -113,19 +113,29 @@ def _load(name: str) -> Any:
     return func
 
 
-def build_cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any):
-    """The package's LightningCLI: any ``VideoDiTModule`` subclass as model, any ``AdaptiveLoadDataModule``
-    subclass as data (both with ``class_path`` / ``init_args``), and a saved config that a repeated run
-    overwrites instead of failing on.
+def build_cli(
+    args: Sequence[str] | None = None,
+    run: bool = True,
+    model_class: type | None = None,
+    datamodule_class: type | None = None,
+    **kwargs: Any,
+):
+    """The package's LightningCLI: any ``LightningModule`` as model (``VideoDiTModule`` when the recipe names
+    none), any ``AdaptiveLoadDataModule`` subclass as data (both with ``class_path`` / ``init_args``), and a
+    saved config that a repeated run overwrites instead of failing on.
 
     Args:
         args: command line (without the program name); None reads ``sys.argv``.
         run: run the subcommand (False: only parse and instantiate, e.g. to check a recipe).
-        **kwargs: passed to ``LightningCLI``.
+        model_class: base class the recipe's ``model.class_path`` must subclass (default:
+            ``LightningModule``, so any module; see ``docs/your_own_model.md``).
+        datamodule_class: base class of ``data.class_path`` (default: ``AdaptiveLoadDataModule``).
+        **kwargs: passed to ``LightningCLI`` (e.g. ``trainer_defaults``, ``save_config_kwargs``).
     """
+    import lightning.pytorch as pl
+
     try:
         from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-        from lightning_adaptiveload.module import VideoDiTModule
     except ModuleNotFoundError as err:
         raise SystemExit(
             f"lightning-adaptiveload: cannot load the training classes ({err}); reinstall the package "
@@ -143,18 +153,31 @@ def build_cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any
         },
     )
     options.update(kwargs)
-    return _cli_class()(VideoDiTModule, AdaptiveLoadDataModule, args=args, run=run, **options)
+    return _cli_class(default_model=model_class is None)(
+        model_class if model_class is not None else pl.LightningModule,
+        datamodule_class if datamodule_class is not None else AdaptiveLoadDataModule,
+        args=args,
+        run=run,
+        **options,
+    )
 
 
-def _cli_class() -> type:
-    """The LightningCLI subclass (made on first use: importing Lightning is slow, and tools do not need it)."""
-    global _CLI_CLASS
-    if _CLI_CLASS is not None:
-        return _CLI_CLASS
+def _cli_class(default_model: bool) -> type:
+    """The LightningCLI subclass (made on first use: importing Lightning is slow, and tools do not need it).
+
+    Args:
+        default_model: recipes may leave out ``model.class_path``; it then names ``VideoDiTModule``.
+    """
+    if _CLI_CLASSES.get(default_model) is not None:
+        return _CLI_CLASSES[default_model]
     from lightning.pytorch.cli import LightningCLI
 
     class AdaptiveLoadCLI(LightningCLI):
         """Checks the data before ``fit`` starts its ranks, and says at the end where the output went."""
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            if default_model:
+                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.module.VideoDiTModule"}})
 
         def before_fit(self) -> None:
             _check_before_fit(self.trainer, self.datamodule)
@@ -162,11 +185,11 @@ def _cli_class() -> type:
         def after_fit(self) -> None:
             _report_outputs(self.trainer, self.datamodule)
 
-    _CLI_CLASS = AdaptiveLoadCLI
-    return _CLI_CLASS
+    _CLI_CLASSES[default_model] = AdaptiveLoadCLI
+    return AdaptiveLoadCLI
 
 
-_CLI_CLASS: type | None = None
+_CLI_CLASSES: dict[bool, type] = {}
 
 
 def _check_before_fit(trainer: Any, datamodule: Any) -> None:

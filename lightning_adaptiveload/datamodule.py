@@ -38,7 +38,7 @@ from lightning_adaptiveload.planning import (
 )
 from lightning_adaptiveload.shards import MEMBER_REASONS
 
-__all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader"]
+__all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,57 @@ def _index_folder(shards: str | list[str]) -> str | None:
     return folders.pop()
 
 
+def apply_sample_transform(
+    transform: Callable[[dict[str, Any]], dict[str, Any]],
+    sample: Mapping[str, Any],
+    patch_size: Sequence[int] = (1, 2, 2),
+) -> dict[str, Any]:
+    """Run a user's per-sample transform and check that it kept the planned shape.
+
+    The plan fixed every batch's latent shape and token count from the index before any sample was read,
+    so a transform may change values (flip, crop-and-resize back, drop the caption) but not the latent's
+    shape.
+
+    Args:
+        transform: ``f(sample) -> sample``; it gets ``{"__key__": str, "latent": Tensor (C, T, H, W),
+            "text": Tensor (L, D) | None, "meta": dict | None}`` (a copy of the dict; the tensors are the
+            sample's own, so clone before changing them in place) and returns a dict of the same form. The
+            text may change length (e.g. ``None`` for caption dropout).
+        sample: a decoded sample (``iter_shard``'s dict).
+        patch_size: (pt, ph, pw), for the token count named in the error.
+
+    Returns:
+        The transformed sample, with the reader's bookkeeping keys kept.
+
+    Raises:
+        ValueError: the transform returned no dict, or a latent of another shape (names the key).
+    """
+    from lightning_adaptiveload.batching import _sample_fields, tokens_per_sample
+
+    key, latent, text, meta, ref = _sample_fields(sample)
+    out = transform({"__key__": key, "latent": latent, "text": text, "meta": meta})
+    name = getattr(transform, "__qualname__", type(transform).__name__)
+    if not isinstance(out, Mapping) or "latent" not in out:
+        raise ValueError(
+            f"sample_transform {name} returned {type(out).__name__} for sample {key!r}; it must return the "
+            "sample dict with 'latent' (and 'text', 'meta') set"
+        )
+    new = out["latent"]
+    if not torch.is_tensor(new) or tuple(new.shape) != tuple(latent.shape):
+        shape = list(new.shape) if hasattr(new, "shape") else type(new).__name__
+        before = tokens_per_sample(tuple(latent.shape), patch_size)
+        raise ValueError(
+            f"sample_transform {name} changed sample {key!r}'s latent from {list(latent.shape)} "
+            f"({before} tokens) to {shape}; the batch plan fixed the shape from the index: keep the latent's "
+            "shape (crop and resize back, or write shards of the new size and re-index)"
+        )
+    result = dict(out)
+    result["__key__"] = key
+    if ref is not None:
+        result["__ref__"] = ref
+    return result
+
+
 class PlannedShardDataset(IterableDataset):
     """The per-rank streaming dataset: yields the batches the plan gives this rank's worker streams.
 
@@ -146,6 +197,9 @@ class PlannedShardDataset(IterableDataset):
         fixed_epoch: plan this epoch number every time (validation), or None.
         max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
         underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
+        sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
+            collation (see :func:`apply_sample_transform`); None: none.
+        text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
     """
 
     def __init__(
@@ -161,6 +215,8 @@ class PlannedShardDataset(IterableDataset):
         fixed_epoch: int | None = None,
         max_member_bytes: int | None = None,
         underfull: str = "error",
+        sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        text_pad_to: int | None = None,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -176,6 +232,8 @@ class PlannedShardDataset(IterableDataset):
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.fixed_epoch = fixed_epoch
         self.underfull = underfull
+        self.sample_transform = sample_transform
+        self.text_pad_to = text_pad_to
         self.rank, self.world_size = 0, 1
         self.plan: EpochPlan | None = None
         self.epoch: int | None = None
@@ -316,10 +374,18 @@ class PlannedShardDataset(IterableDataset):
                 for ref in refs:
                     ensure(ref)
                 members = [got.pop(ref) for ref in refs if ref in got]
+                if self.sample_transform is not None:
+                    members = [apply_sample_transform(self.sample_transform, m, patch) for m in members]
                 gone = len(refs) - len(members)
                 step = steps[j]
                 if members:
-                    batch = collate(members, patch, self.batcher.cost_model, plan.global_tokens[step])
+                    batch = collate(
+                        members,
+                        patch,
+                        self.batcher.cost_model,
+                        plan.global_tokens[step],
+                        text_pad_to=self.text_pad_to,
+                    )
                 else:
                     spec = plan.buckets[buckets[j]]
                     batch = _empty_batch(
@@ -389,11 +455,17 @@ class PlannedDataLoader(DataLoader):
     ``persistent_workers`` is refused: persistent workers keep the dataset copy of the first epoch and
     would never see a new plan.
 
-    The loader has no ``__len__`` on purpose (the progress bar shows ``n/?``): Lightning reads a sized
-    loader's length once per fit and ends every epoch after that many batches, but the number of steps is
-    planned per epoch and differs between epochs; a stale length would cut an epoch short and silently drop
-    its last batches. The epoch's step count is in the log line printed when it is planned and in
-    :attr:`AdaptiveLoadDataModule.epoch_report`.
+    ``len(loader)`` is ``length_fn()`` when given (else the loader is unsized): the DataModule gives the
+    step count of the epoch the trainer is about to run, planning that epoch early if need be (the plan is
+    kept and iterated). Lightning reads a sized loader's length when it (re)loads the loader and ends
+    every epoch after that many batches, while the step count is planned per epoch and differs slightly
+    between epochs; a stale length would cut an epoch short or skip its validation. The DataModule
+    therefore has Lightning reload its loaders every epoch (``reload_dataloaders_every_n_epochs=1``; a
+    rebuilt loader costs nothing, its plan is made once either way), so the length is always the
+    iterated epoch's own.
+
+    ``sampler`` and ``batch_sampler`` are accepted only as None, so that Lightning can rebuild the loader
+    (it does in the predict loop, to inject its own samplers, which an iterable dataset does not use).
     """
 
     def __init__(
@@ -406,7 +478,15 @@ class PlannedDataLoader(DataLoader):
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         multiprocessing_context: Any = None,
+        length_fn: Callable[[], int] | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
     ) -> None:
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                "PlannedDataLoader takes no sampler or batch_sampler: the epoch plan orders and batches the "
+                "samples; leave them None"
+            )
         if persistent_workers:
             raise ValueError(
                 "persistent_workers=True is not supported: each epoch is planned in the main process before the "
@@ -424,6 +504,13 @@ class PlannedDataLoader(DataLoader):
         )
         self._before_epoch = before_epoch
         self._on_end = on_end
+        self._length_fn = length_fn
+
+    def __len__(self) -> int:
+        if self._length_fn is None:
+            # An unsized loader, as a loader of an iterable dataset without a length is.
+            raise TypeError("this PlannedDataLoader has no length (built without length_fn)")
+        return int(self._length_fn())
 
     def __iter__(self) -> _CountingIterator:  # type: ignore[override]
         if self._before_epoch is not None:
@@ -481,6 +568,14 @@ def _check_indexes_agree(loaded: list[tuple[str, Any, Any]]) -> None:
             "different mount), or build the index once (`lightning-adaptiveload index ...`) and give every "
             "rank the same index.json"
         )
+def _fit_over(trainer: Any) -> bool:
+    """Whether the fit loop will start no further training epoch (max_epochs, max_steps or a stop)."""
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and int(trainer.current_epoch) >= max_epochs:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    return bool(trainer.should_stop)
 
 
 class AdaptiveLoadDataModule(pl.LightningDataModule):
@@ -520,6 +615,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             keeps the collectives in step and adds nothing to a token-weighted metric; ``"error"`` raises
             :class:`~lightning_adaptiveload.planning.PlanError` when validation starts. See
             ``docs/data_path.md``.
+        test_shards: shards for ``trainer.test`` (the same forms as ``train_shards``), or None.
+        predict_shards: shards for ``trainer.predict``, or None. Test and predict data are planned like
+            validation data (independent schedule, one fixed plan): every sample once across all ranks.
+        sample_transform: ``f(sample) -> sample`` run on every sample in the loader workers before it is
+            batched (augmentation, caption dropout); it must keep the latent's shape (checked: the plan
+            fixed it). An import path in a YAML recipe. See :func:`apply_sample_transform`. Applies to
+            training data only; evaluation data is read as stored.
+        text_pad_to: pad every batch's text states to this length L (``text`` (B, L, D), ``text_mask``
+            (B, L)), for models without a text mask or for one shape under ``torch.compile``; a longer text
+            is an error naming the sample. None: pad to the batch's longest text.
 
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
@@ -554,19 +659,31 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         index_allow_schemes: list[str] | None = None,
         index_allow_outside: bool = False,
         val_underfull: str = "pad",
+        test_shards: str | list[str] | None = None,
+        predict_shards: str | list[str] | None = None,
+        sample_transform: Callable[[dict], dict] | None = None,
+        text_pad_to: int | None = None,
     ) -> None:
         super().__init__()
         if val_underfull not in ("pad", "error"):
             raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if sample_transform is not None and not callable(sample_transform):
+            raise ValueError(f"sample_transform must be callable(sample) -> sample, got {sample_transform!r}")
+        if text_pad_to is not None and int(text_pad_to) < 1:
+            raise ValueError(f"text_pad_to must be a positive number of text states or None, got {text_pad_to!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(num_workers) < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["sample_transform"])
         self.train_shards = train_shards
         self.val_shards = val_shards
+        self.test_shards = test_shards
+        self.predict_shards = predict_shards
+        self.sample_transform = sample_transform
+        self.text_pad_to = None if text_pad_to is None else int(text_pad_to)
         self.num_workers = int(num_workers)
         self.seed = int(seed)
         self.schedule = schedule
@@ -597,6 +714,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.val_index: Any = None
         self.train_dataset: PlannedShardDataset | None = None
         self.val_dataset: PlannedShardDataset | None = None
+        self.test_dataset: PlannedShardDataset | None = None
+        self.predict_dataset: PlannedShardDataset | None = None
+        self._prepared_epoch: int | None = None  # the training epoch planned ahead of its iterator (by len)
+        self._iterating = False  # a training epoch's iterator has started and not ended
         self._epoch_counter = -1
         self._segments: list[dict[str, Any]] = []  # the current epoch's plan segments (resume history)
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
@@ -640,7 +761,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 if isinstance(val_settings.get("samples_per_shard"), list):
                     val_settings["samples_per_shard"] = max(1, n // 4)
                 write_synthetic_shards(self._synthetic_dir(self.val_shards), **val_settings)
-        for shards in (self.train_shards, self.val_shards):
+        stage = getattr(getattr(self.trainer, "state", None), "fn", None)
+        extra = {"test": self.test_shards, "predict": self.predict_shards}
+        # Test and predict data are indexed only for their own stage (they may not exist while training).
+        wanted = [v for k, v in extra.items() if stage is None or getattr(stage, "value", stage) == k]
+        for shards in (self.train_shards, self.val_shards, *wanted):
             folder = _index_folder(shards) if shards is not None else None
             if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
                 # One index pass here, so that the ranks load it in setup instead of each rebuilding it.
@@ -654,36 +779,49 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load the indexes and build the datasets; rank and world size come from the trainer."""
-        from lightning_adaptiveload.shards import ShardIndex
-
         rank, world = _dist.rank_and_world(self.trainer)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
-            self.train_index = ShardIndex.for_paths(
-                self.train_shards,
-                patch_size=self.patch_size,
-                on_error=self.on_error,
-                progress=rank == 0,
-                **self._index_trust,
-            )
+            self.train_index = self._load_index(self.train_shards, rank)
             self.train_dataset = self._dataset(self.train_index, self.schedule)
             loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
-            self.val_index = ShardIndex.for_paths(
-                self.val_shards,
-                patch_size=self.patch_size,
-                on_error=self.on_error,
-                progress=rank == 0,
-                **self._index_trust,
-            )
+            self.val_index = self._load_index(self.val_shards, rank)
             self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
             loaded.append(("validation", self.val_shards, self.val_index))
             self.val_dataset.underfull = self.val_underfull
-        for ds in (self.train_dataset, self.val_dataset):
+        if self.test_shards is not None and self.test_dataset is None and stage in (None, "test"):
+            index = self._load_index(self.test_shards, rank)
+            self.test_dataset = self._dataset(index, "independent", fixed_epoch=0)
+            self.test_dataset.underfull = self.val_underfull
+            loaded.append(("test", self.test_shards, index))
+        if self.predict_shards is not None and self.predict_dataset is None and stage in (None, "predict"):
+            index = self._load_index(self.predict_shards, rank)
+            self.predict_dataset = self._dataset(index, "independent", fixed_epoch=0)
+            self.predict_dataset.underfull = self.val_underfull
+            loaded.append(("predict", self.predict_shards, index))
+        for ds in (self.train_dataset, self.val_dataset, self.test_dataset, self.predict_dataset):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world
         if loaded:
             _check_indexes_agree(loaded)
+        trainer = self.trainer
+        if stage in (None, "fit") and trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
+            # The loader's length is its epoch's planned step count, which differs between epochs: Lightning
+            # must re-read it every epoch (see PlannedDataLoader).
+            if trainer.max_epochs != 1:
+                rank_zero_info(
+                    "[adaptiveload] setting reload_dataloaders_every_n_epochs=1 (was "
+                    f"{trainer.reload_dataloaders_every_n_epochs}): every epoch has its own planned length"
+                )
+            trainer.reload_dataloaders_every_n_epochs = 1
+
+    def _load_index(self, shards: Any, rank: int) -> Any:
+        from lightning_adaptiveload.shards import ShardIndex
+
+        return ShardIndex.for_paths(
+            shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0, **self._index_trust
+        )
 
     def check_data(self) -> None:
         """Check the data before training starts, in the launching process (the CLI calls it before fit).
@@ -697,13 +835,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ShardError: a shard is missing or bad (under ``on_error="raise"``).
             ValueError: a sample over ``max_tokens`` (under ``oversize="raise"``), or bad settings.
         """
-        from lightning_adaptiveload.shards import ShardIndex
-
         for shards in (self.train_shards, self.val_shards):
             if shards is not None:
-                index = ShardIndex.for_paths(
-                    shards, patch_size=self.patch_size, on_error=self.on_error, progress=False
-                )
+                index = self._load_index(shards, rank=-1)
                 batcher = DualConstraintBatcher.from_config(self.batcher.config())
                 _check_oversize(index, batcher)
                 batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
@@ -712,6 +846,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
         _check_oversize(index, self.batcher)
+        training = fixed_epoch is None
         return PlannedShardDataset(
             index,
             self.batcher,
@@ -723,6 +858,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             lockstep_tolerance=self.lockstep_tolerance,
             fixed_epoch=fixed_epoch,
             max_member_bytes=self.max_member_bytes,
+            sample_transform=self.sample_transform if training else None,
+            text_pad_to=self.text_pad_to,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
@@ -737,6 +874,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             before_epoch=self._begin_train_epoch,
             on_end=self._end_train_epoch,
             pin_memory=self.pin_memory,
+            length_fn=self._train_epoch_steps,
         )
         return self._train_loader
 
@@ -746,21 +884,72 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.val_dataset is None:
             self.setup("validate")
         assert self.val_dataset is not None
+        return self._eval_loader(self.val_dataset)
+
+    def test_dataloader(self) -> PlannedDataLoader | list:
+        if self.test_shards is None:
+            return []
+        if self.test_dataset is None:
+            self.setup("test")
+        assert self.test_dataset is not None
+        return self._eval_loader(self.test_dataset)
+
+    def predict_dataloader(self) -> PlannedDataLoader | list:
+        if self.predict_shards is None:
+            return []
+        if self.predict_dataset is None:
+            self.setup("predict")
+        assert self.predict_dataset is not None
+        return self._eval_loader(self.predict_dataset)
+
+    def _eval_loader(self, ds: PlannedShardDataset) -> PlannedDataLoader:
+        """A loader of one fixed plan (epoch 0, independent schedule): every sample once across ranks."""
         return PlannedDataLoader(
-            self.val_dataset,
+            ds,
             num_workers=self.num_workers,
-            before_epoch=lambda: self.val_dataset.begin_epoch(0),  # type: ignore[union-attr]
+            before_epoch=lambda: ds.begin_epoch(0),
             pin_memory=self.pin_memory,
+            length_fn=lambda: ds.begin_epoch(0).steps,
         )
 
-    def _current_epoch(self) -> int:
+    def _current_epoch(self, peek: bool = False) -> int:
         trainer = self.trainer
         if trainer is not None:
             return int(trainer.current_epoch)
+        if peek:
+            return self._epoch_counter + 1
         self._epoch_counter += 1
         return self._epoch_counter
 
+    def _train_epoch_steps(self) -> int:
+        """Steps of the training epoch about to run on this rank (whole epoch, a resumed one included).
+
+        Plans the epoch now if its loader has not started yet; the loader then iterates that plan.
+        """
+        ds = self.train_dataset
+        assert ds is not None
+        trainer = self.trainer
+        if trainer is not None:
+            # After the last epoch Lightning still asks for the length (when it tears the loader down):
+            # answer with the last plan instead of planning an epoch that will not run.
+            running = ds.plan is not None and (ds.epoch == int(trainer.current_epoch) or _fit_over(trainer))
+        else:  # no trainer: the epoch whose iterator has started and not ended
+            running = self._iterating
+        if self._prepared_epoch is None and not running:
+            self._prepare_train_epoch()
+        assert ds.plan is not None
+        return self._segment_base + ds.plan.steps
+
     def _begin_train_epoch(self) -> None:
+        trainer = self.trainer
+        prepared, self._prepared_epoch = self._prepared_epoch, None
+        self._iterating = True
+        if prepared is not None and (trainer is None or prepared == int(trainer.current_epoch)):
+            return  # planned ahead by len()
+        self._prepare_train_epoch()
+        self._prepared_epoch = None
+
+    def _prepare_train_epoch(self) -> None:
         ds = self.train_dataset
         assert ds is not None
         rank, world = _dist.rank_and_world(self.trainer)
@@ -782,6 +971,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             self._segments = [{"kind": "fresh", **ds.plan_settings(), "consumed": None}]
             self._segment_base = 0
         ds.begin_epoch(epoch, plan)
+        self._prepared_epoch = epoch
         rep = ds.report
         if rank == 0:
             rank_zero_info(
@@ -810,6 +1000,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             pass
 
     def _end_train_epoch(self) -> None:
+        self._iterating = False
         ds = self.train_dataset
         if ds is not None and ds.report.get("runtime_skipped"):
             log.warning(

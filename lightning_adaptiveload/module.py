@@ -39,6 +39,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_adaptiveload import _dist
+from lightning_adaptiveload.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
 
 __all__ = ["VideoDiTModule", "shift_timesteps", "sample_timesteps"]
@@ -200,26 +201,13 @@ class VideoDiTModule(L.LightningModule):
         return _dist.rank_and_world()[1]
 
     def _global_tokens(self, batch: dict, local_tokens: int, world_size: int) -> int:
-        given = batch.get("global_tokens", -1)
-        given = int(given.item() if torch.is_tensor(given) else given)
-        if given >= 0:
-            if given < local_tokens:
-                raise ValueError(
-                    f"batch['global_tokens'] = {given} is smaller than this rank's {local_tokens} tokens; "
-                    "the data path must report the sum over all ranks (or -1 when unknown)"
-                )
-            return given
-        if world_size == 1:
-            return local_tokens
-        # One small collective; identity when no process group is initialised.
-        return int(round(sum(row[0] for row in _dist.all_gather_floats([float(local_tokens)]))))
+        return global_token_count(local_tokens, batch.get("global_tokens", -1), world_size)
 
     def _noise_gen(self, device: torch.device) -> torch.Generator:
         if self._noise_generator is None or self._noise_generator.device != device:
-            # Lightning seeds every rank identically; offset by rank so ranks draw different noise.
+            # Lightning seeds every rank identically; the generator is offset by rank.
             rank = self.global_rank if self._trainer is not None else _dist.rank_and_world()[0]
-            seed = (torch.initial_seed() + 1_000_003 * rank) % (2**63)
-            self._noise_generator = torch.Generator(device=device).manual_seed(seed)
+            self._noise_generator = rank_noise_generator(device, rank)
         return self._noise_generator
 
     def compute_loss(
@@ -316,6 +304,43 @@ class VideoDiTModule(L.LightningModule):
         self.val_loss.update(mse.detach().float(), weight=float(tokens))
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
         return mse
+
+    def _fixed_time_mse(self, batch: dict, batch_idx: int) -> tuple[torch.Tensor, int]:
+        """Per-token MSE of ``batch`` averaged over ``val_timesteps`` with fixed noise, and its tokens."""
+        x0 = batch["latents"]
+        tokens = int(x0.numel() // (self.model_config.in_channels * self.model_config.patch_volume))
+        local = {**batch, "global_tokens": tokens}  # this rank's mean only: no collective
+        gen = torch.Generator(device=x0.device)
+        losses = []
+        for i, tv in enumerate(self.hparams.val_timesteps):
+            gen.manual_seed(1_000_003 * batch_idx + i)
+            noise = torch.randn(x0.shape, generator=gen, device=x0.device)
+            t = torch.full((x0.shape[0],), float(tv), device=x0.device)
+            losses.append(self.compute_loss(local, noise=noise, t=t)[1])
+        return torch.stack(losses).mean(), tokens
+
+    def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """``test/loss``: the validation measure (fixed times and noise) on the test data."""
+        mse, tokens = self._fixed_time_mse(batch, batch_idx)
+        self.log("test/loss", mse, on_epoch=True, sync_dist=True, batch_size=max(tokens, 1))
+        return mse
+
+    def predict_step(self, batch: dict, batch_idx: int) -> dict[str, Any]:
+        """Per-sample loss at the validation times: ``{"keys": [...], "loss": Tensor (B,)}``.
+
+        A trained DiT is sampled by a diffusion sampler, not by one forward pass; prediction here scores
+        the samples (e.g. to find the hardest clips), with the fixed noise of validation.
+        """
+        keys = list(batch.get("keys", []))
+        losses = []
+        for i in range(int(batch["latents"].shape[0])):
+            one = {**batch, "latents": batch["latents"][i : i + 1], "num_tokens": None}
+            for k in ("text", "text_mask"):
+                if batch.get(k) is not None:
+                    one[k] = batch[k][i : i + 1]
+            losses.append(self._fixed_time_mse(one, batch_idx)[0])
+        loss = torch.stack(losses) if losses else torch.zeros(0)
+        return {"keys": keys, "loss": loss.detach().cpu()}
 
     def _current_lr(self) -> float:
         if self._trainer is None or not self.trainer.optimizers:

@@ -56,13 +56,15 @@ _FIELDS = (
     "peak_reserved_bytes",
     "alloc_retries",  # cumulative cudaMalloc retries (torch.cuda.memory_stats "num_alloc_retries")
     "ooms",  # cumulative out-of-memory errors
-    "flags",  # bit 0: FLOPs were counted during this step (its times are inflated); bit 1: timed by DDP hook
+    "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
+    # it: its times are inflated); bit 1: timed by DDP hook; bit 2: torch.compile compiled in it
 )
 _F = len(_FIELDS)
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
 _HEADER = ("num_steps", "peak_flops", "device_total_bytes")  # per-rank block header
 _FLAG_COUNTED = 1
 _FLAG_HOOK = 2
+_FLAG_COMPILED = 4
 
 _WORK_KEYS = ("cost", "num_tokens", "batch_size", "seq_len")
 
@@ -70,7 +72,7 @@ _WORK_KEYS = ("cost", "num_tokens", "batch_size", "seq_len")
 _STEP_COLUMNS = (
     "step",
     "batch_idx",
-    "counted",  # 1 if some rank counted FLOPs during the step: its time statistics are left out
+    "counted",  # 1 if some rank counted FLOPs or compiled (warm-up) at the step: its time statistics are left out
     "hook_timed",  # 1 if every rank's compute time came from the DDP hook
     "compute_cv",
     "compute_imbalance",
@@ -257,6 +259,13 @@ class LoadBalanceMonitor(Callback):
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
     plots are written to ``dirpath`` (default: ``trainer.log_dir``).
 
+    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter moved) or
+    before which FLOPs were counted is marked (``counted`` in the step table, ``flops_counted`` in the rank
+    table) and left out of the time-balance statistics (``step_time_cv``, ``imbalance``,
+    ``straggler_wait``, ``data_share``): a compiling rank holds the others for many seconds, which is not
+    load imbalance. The summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps) and
+    ``steps_compiling``.
+
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
             ``default_root_dir`` without a logger).
@@ -264,9 +273,14 @@ class LoadBalanceMonitor(Callback):
         flops_fn: ``flops_fn(batch) -> float``, the training FLOPs (forward + backward) of one batch on this
             rank. Default: ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
             ``3 * model.flops(batch_size, seq_len, text_len)`` of the first submodule that has an analytic
-            forward ``flops`` method, else ``torch.utils.flop_counter.FlopCounterMode`` counting the forward
-            of the training step once per distinct batch shape (times 3).
-        count_flops: set ``False`` to disable the FlopCounterMode fallback (no TFLOP/s or MFU then).
+            forward ``flops`` method, else :func:`~lightning_adaptiveload.flops.wan_flops_per_batch` for a
+            diffusers ``WanTransformer3DModel`` inside the module, else ``FlopCounterMode`` counting
+            ``training_step`` on a meta-device copy of the module once per distinct batch shape (times 3;
+            :func:`~lightning_adaptiveload.flops.meta_training_flops`). The module that trains is never run
+            under a FLOP counter (that would stop ``torch.compile`` from compiling it). When no way works,
+            a warning says so once and TFLOP/s and MFU are not logged.
+        count_flops: set ``False`` to disable the meta-copy count (no TFLOP/s or MFU then, unless one of
+            the analytic ways applies).
         peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.stats.peak_flops`
             from the device name and the trainer's precision (``None`` on CPU: no MFU).
         write_files: write the CSV and JSON files.
@@ -333,10 +347,11 @@ class LoadBalanceMonitor(Callback):
         self._flops_source: str | None = None
         self._analytic: Any = None
         self._flops_cache: dict[Any, float] = {}
-        self._counter: Any = None
-        self._counter_key: Any = None
+        self._meta_clone: Any = None  # the meta-device copy FLOPs are counted on (no weights)
         self._step_key: Any = None
-        self._counted_flops: float | None = None
+        self._counted_step = False  # FLOPs were counted before this step
+        self._frames_at_start = 0  # dynamo's compiled-frame count at the step start
+        self._compile_steps = 0  # steps in which some rank compiled (rank 0's count)
         self._device_name = "cpu"
         self._device_total = math.nan
         self._peak = math.nan
@@ -398,22 +413,11 @@ class LoadBalanceMonitor(Callback):
         if self._flops_source == "flop_counter":
             key = self._step_key = _shape_key(batch)
             if key not in self._flops_cache:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                self._counter = FlopCounterMode(display=False)
-                self._counter_key = key
-                self._counter.__enter__()
+                self._count_on_meta(pl_module, batch, batch_idx, key)
+        self._frames_at_start = _dynamo_frames()
         if self._bucket_timer is not None:
             self._bucket_timer.start_step()
         self._start = self._clock.mark()
-
-    @override
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
-        # Stop counting at the end of the forward: training FLOPs are taken as 3x forward, which counts model
-        # FLOPs and leaves activation recomputation (hardware FLOPs) out.
-        self._stop_counter()
 
     @override
     def on_train_batch_end(
@@ -422,9 +426,9 @@ class LoadBalanceMonitor(Callback):
         if self._start is None:  # the batch started before this callback was set up
             return
         end = self._clock.mark()
-        counted = self._counter is not None or self._counter_key is not None
-        self._stop_counter()
-        flags = _FLAG_COUNTED if counted else 0
+        flags = _FLAG_COUNTED if self._counted_step else 0
+        if _dynamo_frames() != self._frames_at_start:
+            flags |= _FLAG_COUNTED | _FLAG_COMPILED
         bucket = None
         if self._bucket_timer is not None:
             self._bucket_timer.active = False
@@ -454,7 +458,7 @@ class LoadBalanceMonitor(Callback):
                 flags=flags,
             )
         )
-        self._counter_key = None
+        self._counted_step = False
         self._start = None
         self._prev_end = end
         if self._should_log(trainer):
@@ -566,7 +570,42 @@ class LoadBalanceMonitor(Callback):
                     self._analytic = module
                     self._flops_source = "analytic"
                     return
-            self._flops_source = "flop_counter" if self.count_flops else None
+            from lightning_adaptiveload.flops import find_wan_config
+
+            self._analytic = find_wan_config(pl_module)
+            if self._analytic is not None:
+                self._flops_source = "wan_config"
+            elif self.count_flops:
+                self._flops_source = "flop_counter"  # FlopCounterMode on a meta copy
+            else:
+                self._flops_source = None
+                self._warn_flops_unknown("count_flops=False")
+
+    def _warn_flops_unknown(self, why: str) -> None:
+        self._warn_once(
+            "flops",
+            f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
+            "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
+            "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
+            "`lightning_adaptiveload.flops.wan_flops_per_batch(config, batch)`.",
+        )
+
+    def _count_on_meta(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, key: Any) -> None:
+        """Count this batch shape's FLOPs on a meta copy of the module (never on the module that trains)."""
+        from lightning_adaptiveload.flops import meta_copy, meta_training_flops
+
+        try:
+            if self._meta_clone is None:
+                self._meta_clone = meta_copy(pl_module, drop=pl_module._trainer)
+            self._flops_cache[key] = meta_training_flops(pl_module, batch, batch_idx, clone=self._meta_clone)
+        except Exception as err:  # any failure of a user's step on meta tensors: go without FLOPs
+            self._flops_source = None
+            self._meta_clone = None
+            self._warn_flops_unknown(
+                f"counting training_step on a meta-device copy failed: {type(err).__name__}: {err}"
+            )
+            return
+        self._counted_step = True
 
     # ------------------------------------------------------------------ per-step helpers
 
@@ -602,18 +641,12 @@ class LoadBalanceMonitor(Callback):
             if args not in self._flops_cache:
                 self._flops_cache[args] = 3.0 * float(self._analytic.flops(*args))
             return self._flops_cache[args]
-        # flop_counter: the key was taken at the batch start
-        key = self._step_key
-        if self._counted_flops is not None and self._counter_key == key:
-            self._flops_cache[key] = 3.0 * self._counted_flops
-            self._counted_flops = None
-        return self._flops_cache.get(key, math.nan)
+        if source == "wan_config":
+            from lightning_adaptiveload.flops import wan_flops_per_batch
 
-    def _stop_counter(self) -> None:
-        if self._counter is not None:
-            counter, self._counter = self._counter, None
-            counter.__exit__(None, None, None)
-            self._counted_flops = float(counter.get_total_flops())
+            return wan_flops_per_batch(self._analytic, batch)
+        # flop_counter: counted on the meta copy at the batch start
+        return self._flops_cache.get(self._step_key, math.nan)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
         # Same rule as Lightning's ThroughputMonitor: Lightning's own logging cadence, at optimizer steps only
@@ -707,6 +740,7 @@ class LoadBalanceMonitor(Callback):
     def _record(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> None:
         """Rank 0 keeps the per-step table and, for the plots, per-rank compute time and peak memory."""
         self._tables.append(table)
+        self._compile_steps += int(((steps[:, :, -1].astype(np.int64) & _FLAG_COMPILED) > 0).any(axis=1).sum())
         for name, store in (
             ("compute_time_s", self._rank_compute),
             ("peak_allocated_bytes", self._rank_peak),
@@ -778,6 +812,7 @@ class LoadBalanceMonitor(Callback):
                 "flops_source": self._flops_source,
                 "num_steps": n,
                 "steps_with_flop_counting": int(table["counted"].sum()) if n else 0,
+                "steps_compiling": self._compile_steps,
                 "num_collectives": self._num_collectives,
                 "norm_modulate_path": _norm_modulate_path(),
                 "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -846,6 +881,14 @@ def _as_float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+
+
+def _dynamo_frames() -> int:
+    """Frames torch.compile (dynamo) has compiled in this process so far; 0 when dynamo was never loaded."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    return int(sum(utils.counters["frames"].values()))
 
 
 def _shape_key(batch: Any) -> Any:

@@ -2420,6 +2420,18 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _keep_metadata(index: ShardIndex, path: str) -> None:
+    """Carry the metadata of the index at ``path`` (e.g. ``synth``'s settings) over to ``index`` when both
+    list the same shards with the same sizes, so that re-indexing does not make the data look foreign."""
+    try:
+        old = ShardIndex.load(path)
+    except (OSError, ValueError):
+        return
+    same = [(s.path, s.num_bytes) for s in old.shards] == [(s.path, s.num_bytes) for s in index.shards]
+    if same and old.metadata:
+        index.metadata = {**old.metadata, **index.metadata}
+
+
 def index_main(argv: Sequence[str] | None = None) -> int:
     """``lightning-adaptiveload index``: build or verify the index of existing shards, print counts.
 
@@ -2471,11 +2483,14 @@ def index_main(argv: Sequence[str] | None = None) -> int:
             index = ShardIndex.for_paths(paths, num_workers=args.workers, **kwargs)
         if not args.no_save:
             if args.output:
+                _keep_metadata(index, args.output)
                 index.save(args.output)
             else:
                 folders = {os.path.dirname(p) for p in index.paths if not _is_url(p)}
                 if len(folders) == 1 and not any(_is_url(p) for p in index.paths):
-                    index.save(os.path.join(folders.pop(), INDEX_NAME))
+                    target = os.path.join(folders.pop(), INDEX_NAME)
+                    _keep_metadata(index, target)
+                    index.save(target)
                 else:
                     print(
                         "note: shards are remote or in several directories; pass --output to save the index",

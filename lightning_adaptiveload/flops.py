@@ -1,0 +1,216 @@
+"""Model FLOPs of a training step without touching the model that trains.
+
+Two ways, in the order :class:`~lightning_adaptiveload.LoadBalanceMonitor` tries them after a user's own
+``flops_per_batch``:
+
+- **Analytic, for diffusers' Wan** (:func:`wan_flops_per_batch`): ``WanTransformer3DModel`` has the block
+  structure of :class:`~lightning_adaptiveload.models.VideoDiT` (patch embedding, time and text
+  embeddings, blocks of self-attention, cross-attention and FFN, a linear head), so its FLOPs are
+  :func:`~lightning_adaptiveload.models.video_dit.forward_flops` of its config: one formula for both.
+- **Counted on a meta-device copy** (:func:`meta_training_flops`): ``FlopCounterMode`` runs over a copy of
+  the LightningModule whose parameters are meta tensors (no memory, no arithmetic). Counting on the module
+  that trains is what this avoids: in torch 2.13 a compiled module first called under ``FlopCounterMode``
+  is never compiled afterwards, silently (see ``tests/test_flops.py``).
+
+Training FLOPs are 3x the forward (forward + backward, model FLOPs: activation recomputation is not
+counted), the convention of :func:`lightning_adaptiveload.stats.mfu`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Mapping
+from contextlib import ExitStack
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import torch
+
+__all__ = ["TRAINING_FLOPS_PER_FORWARD", "wan_flops_per_batch", "find_wan_config", "meta_training_flops"]
+
+# forward + backward (the backward costs two forwards: gradients of the inputs and of the weights)
+TRAINING_FLOPS_PER_FORWARD = 3.0
+
+
+def _wan_as_video_dit(config: Any) -> SimpleNamespace:
+    """The fields of :func:`forward_flops` from a diffusers ``WanTransformer3DModel`` config."""
+    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    patch = tuple(int(p) for p in get("patch_size", (1, 2, 2)))
+    in_channels = int(get("in_channels", 16))
+    return SimpleNamespace(
+        dim=int(get("num_attention_heads")) * int(get("attention_head_dim")),
+        ffn_dim=int(get("ffn_dim")),
+        num_layers=int(get("num_layers")),
+        patch_volume=math.prod(patch),
+        patch_size=patch,
+        in_channels=in_channels,
+        out_channels=int(get("out_channels", None) or in_channels),
+        freq_dim=int(get("freq_dim", 256)),
+        text_dim=int(get("text_dim", 4096)),
+    )
+
+
+def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
+    """Training FLOPs (3x forward) of one batch through a diffusers ``WanTransformer3DModel``.
+
+    Counts the matmuls at 2 FLOPs per multiply-add with the formula of
+    :func:`~lightning_adaptiveload.models.video_dit.forward_flops` (self-attention with its ``S^2`` term,
+    cross-attention over the batch's padded text length, FFN, embeddings, head); norms, RoPE and
+    activations are left out. The image branch of Wan's image-to-video variant is not counted.
+
+    Args:
+        config: the model's ``config`` (a diffusers ``FrozenDict`` or any mapping / object with
+            ``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``ffn_dim``, ``patch_size``,
+            ``in_channels``, ``out_channels``, ``freq_dim``, ``text_dim``).
+        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None.
+
+    Returns:
+        FLOPs of forward + backward of the batch on this rank.
+
+    Example::
+
+        def flops_per_batch(self, batch):  # on your LightningModule
+            return wan_flops_per_batch(self.transformer.config, batch)
+    """
+    from lightning_adaptiveload.models.video_dit import forward_flops
+
+    cfg = _wan_as_video_dit(config)
+    b, _, t, h, w = batch["latents"].shape
+    pt, ph, pw = cfg.patch_size
+    text = batch.get("text")
+    text_len = 0 if text is None else int(text.shape[1])
+    seq_len = (t // pt) * (h // ph) * (w // pw)
+    return TRAINING_FLOPS_PER_FORWARD * int(b) * forward_flops(cfg, seq_len, text_len)  # type: ignore[arg-type]
+
+
+def find_wan_config(module: torch.nn.Module) -> Any:
+    """The config of the first diffusers ``WanTransformer3DModel`` inside ``module``, or None.
+
+    Matched by class name (also for subclasses) so that diffusers need not be imported here.
+    """
+    for sub in module.modules():
+        names = {cls.__name__ for cls in type(sub).__mro__}
+        if "WanTransformer3DModel" in names and getattr(sub, "config", None) is not None:
+            return sub.config
+    return None
+
+
+def _to_meta(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().to("meta")
+    if isinstance(value, Mapping):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def meta_copy(module: torch.nn.Module, drop: Any = None) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors, with compilation removed.
+
+    Only the module structure is copied (the weights are not, so this costs no memory for a large model).
+    ``torch.compile`` wrappers are replaced by the modules they wrap and ``module.compile()`` is undone on
+    the copy, so that running it never enters dynamo.
+
+    Args:
+        module: the module to copy.
+        drop: an object the copy must not hold (its reference becomes None), e.g. the Trainer.
+    """
+    memo: dict[int, Any] = {}
+    if drop is not None:
+        memo[id(drop)] = None
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = t.detach().to("meta")
+        if isinstance(t, torch.nn.Parameter):
+            meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+        memo[id(t)] = meta
+    for sub in module.modules():
+        inner = getattr(sub, "_orig_mod", None)  # torch.compile(module) -> OptimizedModule
+        if isinstance(inner, torch.nn.Module) and type(sub).__name__ == "OptimizedModule":
+            memo[id(sub)] = copy.deepcopy(inner, memo)
+    clone = copy.deepcopy(module, memo)
+    for sub in clone.modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+            sub._compiled_call_impl = None
+        if isinstance(getattr(sub, "_device", None), torch.device):
+            # Lightning's `self.device`: tensors a step makes with device=self.device must be meta too.
+            sub._device = torch.device("meta")
+    return clone
+
+
+class _TrainerView:
+    """What a training step may read of the Trainer on the meta copy: counts and positions, nothing that acts.
+
+    Collectives (``self.all_gather``), manual optimisation (``self.optimizers()`` goes through the strategy)
+    and logging are out of reach: an attribute not listed raises ``AttributeError``, and the count gives up.
+    """
+
+    _READABLE = frozenset(
+        {
+            "world_size", "global_rank", "local_rank", "node_rank", "num_nodes", "num_devices",
+            "is_global_zero", "current_epoch", "global_step", "max_epochs", "max_steps", "precision",
+            "training", "sanity_checking", "optimizers", "accumulate_grad_batches", "datamodule",
+        }
+    )  # fmt: skip
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _TrainerView._READABLE:
+            return getattr(self._trainer, name)
+        raise AttributeError(f"trainer.{name} is not available while FLOPs are counted on a meta copy")
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: Any = None) -> float:
+    """Training FLOPs (3x forward) of ``pl_module.training_step(batch)``, counted on a meta copy.
+
+    The copy runs alone: its ``self.trainer`` answers only reads of counts and positions (world size,
+    ranks, epoch, step, the optimizers' settings), ``self.log``, ``self.log_dict`` and ``self.print`` do
+    nothing, ``torch.distributed`` reads as uninitialised (no collective can start on one rank only and
+    hang the others), compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``), gradients
+    are off and the random state is restored afterwards. The live module is not called.
+
+    Args:
+        pl_module: the LightningModule (or any module with ``training_step(batch, batch_idx)``).
+        batch: the batch on its device; tensors are moved to meta (shapes kept).
+        batch_idx: passed to ``training_step``.
+        clone: a copy made earlier by :func:`meta_copy` (reused across batch shapes); None: make one.
+
+    Returns:
+        ``3 * forward FLOPs`` as counted by ``torch.utils.flop_counter.FlopCounterMode``.
+
+    Raises:
+        Exception: whatever the training step raises on meta tensors (``.item()``, data-dependent
+            control flow, a generator on the device): the caller decides what to do.
+    """
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    trainer = getattr(pl_module, "_trainer", None)
+    if clone is None:
+        clone = meta_copy(pl_module, drop=trainer)
+    for sub in clone.modules():
+        if hasattr(sub, "_trainer"):  # the LightningModule (and any nested one)
+            sub._trainer = None if trainer is None else _TrainerView(trainer)
+            sub.log = sub.log_dict = sub.print = _quiet
+    meta_batch = _to_meta(batch)
+    with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(mock.patch.object(dist, "is_initialized", lambda: False))
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            stack.enter_context(set_stance("force_eager"))
+        stack.enter_context(torch.no_grad())
+        counter = stack.enter_context(FlopCounterMode(display=False))
+        clone.training_step(meta_batch, batch_idx)
+    return TRAINING_FLOPS_PER_FORWARD * float(counter.get_total_flops())

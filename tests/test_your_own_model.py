@@ -1,0 +1,153 @@
+"""A user's own LightningModule (diffusers Wan + the fusion mixin) through the CLI, as docs/your_own_model.md
+tells it: 2-process DDP from the user's YAML, fit / validate / test / predict; OneCycleLR sized from
+``trainer.estimated_stepping_batches``; and a compiled module under the default monitor still compiles."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "your_own_model"
+
+
+def _run(cmd: str, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_adaptiveload", cmd, "--config", "wan_flow.yaml", *extra],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+        env=env,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_own_wan_module_fits_validates_tests_and_predicts_under_ddp(tmp_path):
+    work = tmp_path / "mine"
+    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("runs", "data", "__pycache__"))
+    small = ["--data.init_args.synthetic.num_samples=24", "--data.init_args.synthetic.samples_per_shard=6"]
+
+    fit = _run("fit", work, *small, "--trainer.log_every_n_steps=1")
+    assert fit.returncode == 0, fit.stderr[-4000:]
+    out = fit.stdout + fit.stderr
+    assert "FLOPs by wan_config" in out  # the monitor knew the Wan's FLOPs without running a counter
+    assert "fused" in out.lower() or "WanTransformerBlock" in out  # the mixin's report
+    metrics = next((work / "runs" / "wan_flow" / "logs").rglob("metrics.csv"))
+    rows = list(csv.DictReader(open(metrics)))
+    lrs = [float(r["train/lr"]) for r in rows if r.get("train/lr")]
+    steps = max(int(r["step"]) for r in rows if r.get("train/lr")) + 1
+    planned = int(out.split(" steps x 2 ranks")[0].rsplit(" ", 1)[-1])
+    # The loader's length is the plan's: the trainer ran exactly the planned steps, OneCycleLR was sized
+    # from estimated_stepping_batches = that count (it raises when stepped past its total), and the bar
+    # showed n/N.
+    assert steps == planned and f"{planned}/{planned}" in out
+    # One cycle, ending exactly at the last step: max_lr / div_factor / final_div_factor (defaults 25, 1e4).
+    assert len(lrs) == steps and lrs[0] < max(lrs)
+    assert lrs[-1] == pytest.approx(1e-3 / 25 / 1e4, rel=1e-3)
+
+    for cmd in ("validate", "test"):
+        proc = _run(cmd, work, *small)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"{'val' if cmd == 'validate' else 'test'}/loss" in proc.stdout
+
+    pred = _run("predict", work, *small)
+    assert pred.returncode == 0, pred.stderr[-4000:]
+    keys = []
+    for path in sorted((work / "runs" / "wan_flow" / "predictions").glob("predictions_rank*.jsonl")):
+        keys += [json.loads(line)["key"] for line in open(path)]
+    index = json.load(open(work / "data" / "wan_flow" / "val" / "index.json"))
+    expected = [k for shard in index["shards"] for k in shard["keys"]]
+    assert len(keys) == len(expected) and sorted(keys) == sorted(expected)  # each sample once, both ranks
+
+
+class _CompiledMLP(L.LightningModule):
+    """No flops_per_batch, no analytic flops, no Wan: the monitor's fallback counts on a meta copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        self.compiled = torch.compile(self.net)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compiled(batch["latents"]).square().mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(0)
+    return [
+        {
+            "latents": torch.randn(4, 8, generator=g),
+            "cost": 1.0,
+            "num_tokens": 4,
+            "batch_size": 4,
+            "seq_len": 1,
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_compiled_module_under_default_monitor_compiles(tmp_path):
+    from torch._dynamo.utils import counters
+
+    from lightning_adaptiveload import LoadBalanceMonitor
+
+    torch._dynamo.reset()
+    counters.clear()
+    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_CompiledMLP(), train_dataloaders=torch.utils.data.DataLoader(_batches(3), batch_size=None))
+    assert sum(counters["frames"].values()) > 0  # FlopCounterMode on the live module would leave this at 0
+    meta = monitor.summary["meta"]
+    assert meta["flops_source"] == "flop_counter"
+    assert meta["steps_compiling"] >= 1  # the first step compiled: a warm-up step, kept out of the balance
+    steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
+    assert steps[0]["counted"] == 1
+    assert steps[0]["flops"] == 3 * 2 * 4 * (8 * 16 + 16 * 8)  # counted on the meta copy, 3x forward
+
+
+def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
+    from lightning_adaptiveload import cli
+    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.shards import write_synthetic_shards
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    write_synthetic_shards(tmp_path / "d", num_samples=4, samples_per_shard=4, progress=False)
+    base = ["--trainer.logger=false", "--trainer.callbacks=[]", f"--data.train_shards={tmp_path / 'd'}"]
+    # A module that is no VideoDiTModule, named in the recipe ("does not correspond to a subclass" before).
+    built = cli.build_cli(["--model=wan_flow.WanFlowModule", *base], run=False)
+    assert type(built.model).__name__ == "WanFlowModule"
+    # A recipe that names no model keeps the VideoDiTModule default.
+    assert type(cli.build_cli(base, run=False).model) is VideoDiTModule
+    # model_class passes through ("got multiple values for argument 'model_class'" before).
+    built = cli.build_cli(["--model=VideoDiTModule", *base], run=False, model_class=VideoDiTModule)
+    assert type(built.model) is VideoDiTModule
