@@ -764,7 +764,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         stage = getattr(getattr(self.trainer, "state", None), "fn", None)
         extra = {"test": self.test_shards, "predict": self.predict_shards}
         # Test and predict data are indexed only for their own stage (they may not exist while training).
-        wanted = [v for k, v in extra.items() if stage is None or getattr(stage, "value", stage) == k]
+        # Unknown stage (no trainer yet, or the CLI's check before fit): training data only.
+        wanted = [v for k, v in extra.items() if stage is not None and getattr(stage, "value", stage) == k]
         for shards in (self.train_shards, self.val_shards, *wanted):
             folder = _index_folder(shards) if shards is not None else None
             if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
