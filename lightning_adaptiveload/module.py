@@ -98,6 +98,10 @@ class VideoDiTModule(L.LightningModule):
         compile: ``torch.compile`` every block (lazily: the first forward traces, so later
             ``configure_model`` steps such as fusion still apply).
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
+        init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
+            :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
+            ``config.json``, where present, gives the architecture (``preset`` is then unused;
+            ``model_overrides`` still apply).
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class VideoDiTModule(L.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool = False,
         val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -133,6 +138,10 @@ class VideoDiTModule(L.LightningModule):
         if bad:
             raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
+        if init_from is not None:
+            from lightning_adaptiveload.models.pretrained import config_from_folder
+
+            self.model_config = config_from_folder(init_from, **(model_overrides or {})) or self.model_config
         self.model: VideoDiT | None = None
         self._noise_generator: torch.Generator | None = None
 
@@ -145,6 +154,10 @@ class VideoDiTModule(L.LightningModule):
             return
         with self._init_context():
             self.model = VideoDiT(self.model_config)
+        if self.hparams.init_from is not None:
+            from lightning_adaptiveload.models.pretrained import load_pretrained
+
+            load_pretrained(self.model, self.hparams.init_from)
         self.model.set_activation_checkpointing(self.hparams.activation_checkpointing)
         if self.hparams.compile:
             # Per block: a graph per block type instead of one over the whole (shape-varying) model, and
