@@ -593,6 +593,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         self.skipped: dict[str, int] = {}
         self.video_seconds = 0.0
         self._bar = None
+        self._rank = 0
         self._t0 = 0.0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -606,6 +607,7 @@ class ShardPredictionWriter(BasePredictionWriter):
             self.out, prefix=prefix, max_samples_per_shard=self.samples_per_shard, max_bytes=None,
             patch_size=None, index_name=f".index-{prefix}.json",
         )
+        self._rank = rank
         self._skip_log = os.path.join(self.out, f"ingest-skipped-r{rank:03d}.jsonl")
         self._t0 = time.perf_counter()
 
@@ -661,7 +663,7 @@ class ShardPredictionWriter(BasePredictionWriter):
     def summary(self) -> dict[str, Any]:
         """This rank's counts: written, skipped by reason, hours of video, seconds, samples/s."""
         seconds = time.perf_counter() - self._t0
-        return {"written": self.written, "skipped": dict(self.skipped), "video_hours": self.video_seconds / 3600,
+        return {"rank": self._rank, "written": self.written, "skipped": dict(self.skipped), "video_hours": self.video_seconds / 3600,
                 "seconds": seconds, "samples_per_s": self.written / seconds if seconds > 0 else 0.0}
 
 
@@ -720,6 +722,13 @@ def ingest(
         ``samples_per_s``, plus ``already_done`` (inputs skipped because they were written before) and
         ``assigned`` (inputs this rank was given).
     """
+    import importlib.util
+
+    for module, package in (("av", "av"), ("PIL", "pillow"), ("diffusers", "diffusers")):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(
+                f"ingest needs {package!r}, which is not installed; pip install 'lightning-adaptiveload[ingest]'"
+            )
     out = os.path.abspath(os.fspath(out))
     if isinstance(inputs, (str, os.PathLike)):
         src = os.fspath(inputs)

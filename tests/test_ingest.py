@@ -217,6 +217,24 @@ def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
                    trainer_kwargs={"accelerator": "cpu", "devices": 1})
 
 
+def test_cli_ingest(tmp_path, vae_dir, capsys):
+    from PIL import Image
+
+    from lightning_adaptiveload import cli
+
+    src = tmp_path / "in"
+    src.mkdir()
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(src / "a.png")
+    (src / "broken.mp4").write_bytes(b"garbage" * 50)
+    out = tmp_path / "out"
+    code = cli.main(["ingest", str(src), "--out", str(out), "--vae", vae_dir, "--buckets", "native",
+                     "--accelerator", "cpu", "--devices", "1", "--num-workers", "0", "--no-progress"])
+    assert code == 1  # one input skipped
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["written"] == 1 and report["skipped"] == {"unreadable": 1}
+    assert ShardIndex.load(out / "index.json").shards[0].latent_shapes == [(Z, 1, 4, 6)]
+
+
 _RUNNER = textwrap.dedent("""
     import os, sys, json
     import torch
