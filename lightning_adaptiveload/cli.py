@@ -41,7 +41,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "simulate batch planning: balance per mode and world size",
     ),
     "build-ops": ("lightning_adaptiveload.ops._build", "main", "compile the fused CUDA op ahead of time"),
-    "ingest": ("lightning_adaptiveload.cli", "ingest_main", "encode videos and images into latent shards (Wan VAE)"),
+    "ingest": (
+        "lightning_adaptiveload.cli",
+        "ingest_main",
+        "encode videos and images into latent shards (Wan VAE)",
+    ),
 }
 
 _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -140,22 +144,35 @@ def ingest_main(argv: Sequence[str]) -> int:
         prog="lightning-adaptiveload ingest",
         description="Encode videos and images into latent shards with Wan's VAE (Trainer.predict; resumable).",
     )
-    p.add_argument("inputs", help="a folder of videos/images (captions in <file>.txt) or a CSV/JSONL manifest")
+    p.add_argument(
+        "inputs", help="a folder of videos/images (captions in <file>.txt) or a CSV/JSONL manifest"
+    )
     p.add_argument("--out", required=True, help="output folder (a rerun skips what is already written)")
-    p.add_argument("--vae", required=True, help="folder of a diffusers AutoencoderKLWan (e.g. <Wan2.1-Diffusers>/vae)")
-    p.add_argument("--text-encoder", default=None, help="folder of a transformers UMT5EncoderModel; omit for no text")
+    p.add_argument(
+        "--vae", required=True, help="folder of a diffusers AutoencoderKLWan (e.g. <Wan2.1-Diffusers>/vae)"
+    )
+    p.add_argument(
+        "--text-encoder", default=None, help="folder of a transformers UMT5EncoderModel; omit for no text"
+    )
     p.add_argument("--tokenizer", default=None, help="folder of its tokenizer (default: --text-encoder)")
     p.add_argument("--fps", type=float, default=16.0, help="target frame rate; 0 = the source's (default 16)")
-    p.add_argument("--max-frames", type=int, default=81, help="at most this many frames, cut to 4k+1 (default 81)")
     p.add_argument(
-        "--buckets", default="wan480p",
+        "--max-frames", type=int, default=81, help="at most this many frames, cut to 4k+1 (default 81)"
+    )
+    p.add_argument(
+        "--buckets",
+        default="wan480p",
         help="'wan480p' (480x832, 832x480, 624x624), 'HxW,HxW,...', or 'native' (own size rounded down to 16)",
     )
     p.add_argument("--samples-per-shard", type=int, default=100)
     p.add_argument("--latent-dtype", choices=("float16", "float32"), default="float16")
-    p.add_argument("--on-error", choices=("skip", "raise"), default="skip", help="a corrupt input: count it, or stop")
+    p.add_argument(
+        "--on-error", choices=("skip", "raise"), default="skip", help="a corrupt input: count it, or stop"
+    )
     p.add_argument("--num-workers", type=int, default=2, help="decoding processes per rank")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="encoder compute dtype")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="encoder compute dtype"
+    )
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--devices", default="auto", help="'auto', a count, or a list such as 0,1")
     p.add_argument("--num-nodes", type=int, default=1)

@@ -162,7 +162,9 @@ def read_manifest(path: str | os.PathLike) -> list[IngestItem]:
         if key in seen:
             raise ValueError(f"{path}:{n}: key {key!r} appears twice; keys must be unique")
         seen.add(key)
-        items.append(IngestItem(path=os.path.abspath(file), key=key, caption=row.get("caption") or "", fps=fps))
+        items.append(
+            IngestItem(path=os.path.abspath(file), key=key, caption=row.get("caption") or "", fps=fps)
+        )
     return items
 
 
@@ -179,7 +181,9 @@ def wan_frame_count(available: int, max_frames: int) -> int:
     return (n - 1) // VAE_TEMPORAL_STRIDE * VAE_TEMPORAL_STRIDE + 1
 
 
-def sample_frame_indices(num_source: int, source_fps: float, target_fps: float | None, max_frames: int) -> list[int]:
+def sample_frame_indices(
+    num_source: int, source_fps: float, target_fps: float | None, max_frames: int
+) -> list[int]:
     """Source frame indices (0-based decode order) of the frames kept; see the module docstring.
 
     Args:
@@ -242,7 +246,10 @@ def size_plan(height: int, width: int, buckets: Sequence[tuple[int, int]] | None
         ValueError: a native frame smaller than 16 on a side.
     """
     if buckets is None:
-        out_h, out_w = height // SPATIAL_MULTIPLE * SPATIAL_MULTIPLE, width // SPATIAL_MULTIPLE * SPATIAL_MULTIPLE
+        out_h, out_w = (
+            height // SPATIAL_MULTIPLE * SPATIAL_MULTIPLE,
+            width // SPATIAL_MULTIPLE * SPATIAL_MULTIPLE,
+        )
         if out_h == 0 or out_w == 0:
             raise ValueError(f"frame {height}x{width} is smaller than {SPATIAL_MULTIPLE} on a side")
         rh, rw = height, width
@@ -266,7 +273,9 @@ def to_pixels(frames: torch.Tensor, plan: dict[str, Any]) -> torch.Tensor:
     x = frames.permute(0, 3, 1, 2).float()  # (T, 3, H, W)
     rh, rw = plan["resize"]
     if (rh, rw) != tuple(x.shape[-2:]):
-        x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False).clamp(0, 255)
+        x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False).clamp(
+            0, 255
+        )
     top, left, h, w = plan["crop"]
     x = x[:, :, top : top + h, left : left + w]
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
@@ -285,7 +294,9 @@ class InputError(Exception):
         self.reason = reason
 
 
-def _decode_video(path: str, target_fps: float | None, max_frames: int) -> tuple[torch.Tensor, float, list[int]]:
+def _decode_video(
+    path: str, target_fps: float | None, max_frames: int
+) -> tuple[torch.Tensor, float, list[int]]:
     import av  # the [ingest] extra
 
     try:
@@ -314,7 +325,13 @@ def _decode_video(path: str, target_fps: float | None, max_frames: int) -> tuple
         except av.error.FFmpegError as err:
             if not kept:
                 raise InputError("decode_error", f"{path}: decoding failed at frame {j} ({err})") from None
-            log.warning("ingest: %s: decoding stopped at frame %d (%s); using the %d frames before", path, j, err, len(kept))
+            log.warning(
+                "ingest: %s: decoding stopped at frame %d (%s); using the %d frames before",
+                path,
+                j,
+                err,
+                len(kept),
+            )
     finally:
         container.close()
     count = wan_frame_count(len(kept), max_frames)
@@ -523,7 +540,10 @@ class IngestModule(pl.LightningModule):
             if isinstance(cb, ShardPredictionWriter):
                 cb.start_bar(self.global_rank, len(mine))
         return torch.utils.data.DataLoader(
-            IngestDataset(mine, *self.decode_args), batch_size=1, collate_fn=_first, num_workers=self.num_workers
+            IngestDataset(mine, *self.decode_args),
+            batch_size=1,
+            collate_fn=_first,
+            num_workers=self.num_workers,
         )
 
     def configure_model(self) -> None:
@@ -532,7 +552,9 @@ class IngestModule(pl.LightningModule):
         if isinstance(self._vae_src, (str, os.PathLike)):
             from diffusers import AutoencoderKLWan
 
-            self.vae = AutoencoderKLWan.from_pretrained(os.fspath(self._vae_src), torch_dtype=self.compute_dtype)
+            self.vae = AutoencoderKLWan.from_pretrained(
+                os.fspath(self._vae_src), torch_dtype=self.compute_dtype
+            )
         else:
             self.vae = self._vae_src
         self.vae.eval().requires_grad_(False)
@@ -560,7 +582,13 @@ class IngestModule(pl.LightningModule):
         text = None
         if self.text_encoder is not None and batch["caption"]:
             text = encode_text(self.tokenizer, self.text_encoder, batch["caption"])
-        return {"key": batch["key"], "path": batch["path"], "latent": latent.cpu(), "text": None if text is None else text.cpu(), "meta": batch["meta"]}
+        return {
+            "key": batch["key"],
+            "path": batch["path"],
+            "latent": latent.cpu(),
+            "text": None if text is None else text.cpu(),
+            "meta": batch["meta"],
+        }
 
 
 class ShardPredictionWriter(BasePredictionWriter):
@@ -579,12 +607,22 @@ class ShardPredictionWriter(BasePredictionWriter):
     """
 
     def __init__(
-        self, out: str, samples_per_shard: int = 100, latent_dtype: str = "float16", on_error: str = "skip", progress: bool = True
+        self,
+        out: str,
+        samples_per_shard: int = 100,
+        latent_dtype: str = "float16",
+        on_error: str = "skip",
+        progress: bool = True,
     ) -> None:
         super().__init__(write_interval="batch")
         if on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-        self.out, self.samples_per_shard, self.on_error, self.progress = out, samples_per_shard, on_error, progress
+        self.out, self.samples_per_shard, self.on_error, self.progress = (
+            out,
+            samples_per_shard,
+            on_error,
+            progress,
+        )
         self.total = 0
         self.latent_dtype = np.dtype(latent_dtype)
         self.writer = None
@@ -601,11 +639,19 @@ class ShardPredictionWriter(BasePredictionWriter):
 
         rank = trainer.global_rank
         os.makedirs(self.out, exist_ok=True)
-        attempts = [int(m.group(2)) for n in os.listdir(self.out) if (m := _SHARD.fullmatch(n)) and int(m.group(1)) == rank]
+        attempts = [
+            int(m.group(2))
+            for n in os.listdir(self.out)
+            if (m := _SHARD.fullmatch(n)) and int(m.group(1)) == rank
+        ]
         prefix = f"r{rank:03d}a{max(attempts, default=-1) + 1:03d}"
         self.writer = ShardWriter(
-            self.out, prefix=prefix, max_samples_per_shard=self.samples_per_shard, max_bytes=None,
-            patch_size=None, index_name=f".index-{prefix}.json",
+            self.out,
+            prefix=prefix,
+            max_samples_per_shard=self.samples_per_shard,
+            max_bytes=None,
+            patch_size=None,
+            index_name=f".index-{prefix}.json",
         )
         self._rank = rank
         self._skip_log = os.path.join(self.out, f"ingest-skipped-r{rank:03d}.jsonl")
@@ -619,11 +665,15 @@ class ShardPredictionWriter(BasePredictionWriter):
 
             self._bar = tqdm(total=total, desc="ingest (rank 0)", unit="sample")
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
+    ) -> None:
         if "error" in prediction:
             if self.on_error == "raise":
-                raise RuntimeError(f"ingest: {prediction['detail']} (reason: {prediction['error']}); "
-                                   "fix or remove the file, or run with on_error='skip'")
+                raise RuntimeError(
+                    f"ingest: {prediction['detail']} (reason: {prediction['error']}); "
+                    "fix or remove the file, or run with on_error='skip'"
+                )
             self.skipped[prediction["error"]] = self.skipped.get(prediction["error"], 0) + 1
             with open(self._skip_log, "a", encoding="utf-8") as f:
                 f.write(json.dumps({k: prediction[k] for k in ("key", "path", "error", "detail")}) + "\n")
@@ -648,8 +698,11 @@ class ShardPredictionWriter(BasePredictionWriter):
                 self.video_seconds += len(meta["frame_indices"]) / meta["fps"]
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(written=self.written, skipped=sum(self.skipped.values()),
-                                  video_h=f"{self.video_seconds / 3600:.3f}")
+            self._bar.set_postfix(
+                written=self.written,
+                skipped=sum(self.skipped.values()),
+                video_h=f"{self.video_seconds / 3600:.3f}",
+            )
 
     def on_predict_end(self, trainer, pl_module) -> None:
         self.writer.close()
@@ -663,8 +716,14 @@ class ShardPredictionWriter(BasePredictionWriter):
     def summary(self) -> dict[str, Any]:
         """This rank's counts: written, skipped by reason, hours of video, seconds, samples/s."""
         seconds = time.perf_counter() - self._t0
-        return {"rank": self._rank, "written": self.written, "skipped": dict(self.skipped), "video_hours": self.video_seconds / 3600,
-                "seconds": seconds, "samples_per_s": self.written / seconds if seconds > 0 else 0.0}
+        return {
+            "rank": self._rank,
+            "written": self.written,
+            "skipped": dict(self.skipped),
+            "video_hours": self.video_seconds / 3600,
+            "seconds": seconds,
+            "samples_per_s": self.written / seconds if seconds > 0 else 0.0,
+        }
 
 
 def write_index(out: str | os.PathLike):
@@ -741,8 +800,15 @@ def ingest(
     bucket_list = parse_buckets(buckets)
     if max_frames < 1:
         raise ValueError(f"ingest: max_frames must be >= 1, got {max_frames}")
-    kwargs = dict(accelerator="auto", devices="auto", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, use_distributed_sampler=False)
+    kwargs = dict(
+        accelerator="auto",
+        devices="auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     kwargs.update(trainer_kwargs or {})
     writer = ShardPredictionWriter(out, samples_per_shard, latent_dtype, on_error, progress)
     trainer = pl.Trainer(callbacks=[writer, *callbacks], **kwargs)

@@ -31,6 +31,7 @@ normalised by its own global token count and Lightning averages the micro-batche
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -140,6 +141,12 @@ class VideoDiTModule(L.LightningModule):
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
         if init_from is not None:
             from lightning_adaptiveload.models.pretrained import config_from_folder
+
+            if not os.path.exists(init_from):
+                raise FileNotFoundError(
+                    f"VideoDiTModule: init_from={init_from!r} does not exist; give a Wan 2.1 transformer folder "
+                    "(e.g. <Wan2.1-T2V-1.3B-Diffusers>/transformer) or leave init_from unset"
+                )
 
             self.model_config = config_from_folder(init_from, **(model_overrides or {})) or self.model_config
         self.model: VideoDiT | None = None

@@ -29,8 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _tiny_vae():
     torch.manual_seed(0)
     return diffusers.AutoencoderKLWan(
-        base_dim=8, z_dim=Z, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.3, -0.2, 0.1, 0.5], latents_std=[1.5, 0.7, 2.0, 1.1],
+        base_dim=8,
+        z_dim=Z,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.3, -0.2, 0.1, 0.5],
+        latents_std=[1.5, 0.7, 2.0, 1.1],
     ).eval()
 
 
@@ -61,11 +66,20 @@ def vae_dir(tmp_path_factory):
 def text_dirs(tmp_path_factory):
     """A tiny umT5 encoder and a word-level tokenizer built offline."""
     folder = tmp_path_factory.mktemp("umt5")
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate("a red cat dog runs on grass".split())}}
+    vocab = {
+        "<pad>": 0,
+        "</s>": 1,
+        "<unk>": 2,
+        **{w: i + 3 for i, w in enumerate("a red cat dog runs on grass".split())},
+    }
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.save_pretrained(folder)
     torch.manual_seed(0)
     cfg = transformers.UMT5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
@@ -107,7 +121,9 @@ def test_manifest_csv_and_jsonl(tmp_path):
     (tmp_path / "m.csv").write_text("path,caption,fps\na.mp4,a red cat,8\nsub/b.png,,\n")
     items = ing.read_manifest(tmp_path / "m.csv")
     assert [(os.path.relpath(i.path, tmp_path), i.caption, i.fps) for i in items] == [
-        ("a.mp4", "a red cat", 8.0), (os.path.join("sub", "b.png"), "", None)]
+        ("a.mp4", "a red cat", 8.0),
+        (os.path.join("sub", "b.png"), "", None),
+    ]
     (tmp_path / "m.jsonl").write_text('{"path": "a.mp4", "key": "k1"}\n{"caption": "x"}\n')
     with pytest.raises(ValueError, match=r"m\.jsonl:2: every row needs a 'path'"):
         ing.read_manifest(tmp_path / "m.jsonl")
@@ -130,7 +146,9 @@ def test_decode_sampling_and_encode_equal_direct_diffusers(tmp_path):
     with av.open(str(tmp_path / "clip.mp4")) as c:
         allf = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
     frames = torch.from_numpy(np.stack([allf[i] for i in meta["frame_indices"]])).permute(0, 3, 1, 2).float()
-    frames = torch.nn.functional.interpolate(frames, size=(36, 48), mode="bilinear", antialias=True).clamp(0, 255)
+    frames = torch.nn.functional.interpolate(frames, size=(36, 48), mode="bilinear", antialias=True).clamp(
+        0, 255
+    )
     direct_px = (frames[:, :, 2:34, :] / 127.5 - 1).permute(1, 0, 2, 3)[None]
     torch.testing.assert_close(pixels[None], direct_px)
     vae = _tiny_vae()
@@ -180,12 +198,25 @@ def _all_keys(out):
 def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_dirs):
     src = _dataset(tmp_path / "in")
     out = tmp_path / "out"
-    summary = ing.ingest(src, out, vae_dir, text_encoder=text_dirs, fps=8.0, max_frames=9, buckets="32x48,32x32",
-                         samples_per_shard=2, latent_dtype="float32", num_workers=0, progress=False,
-                         trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    summary = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        text_encoder=text_dirs,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        samples_per_shard=2,
+        latent_dtype="float32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
     assert summary["written"] == 4 and summary["skipped"] == {"unreadable": 1}
     skipped = [json.loads(line) for line in open(out / "ingest-skipped-r000.jsonl")]
-    assert [os.path.basename(s["path"]) for s in skipped] == ["broken.mp4"] and "broken.mp4" in skipped[0]["detail"]
+    assert [os.path.basename(s["path"]) for s in skipped] == ["broken.mp4"] and "broken.mp4" in skipped[0][
+        "detail"
+    ]
     index = ShardIndex.load(out / "index.json")
     assert index.num_samples == 4 and index.num_shards == 2
     samples = [s for i, sh in enumerate(index.shards) for s in iter_shard(sh, i)]
@@ -201,8 +232,17 @@ def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_d
     assert v2["text"].shape == (5, 8)
     torch.testing.assert_close(v2["text"], direct)
     # Rerun: nothing left to do, nothing written twice.
-    again = ing.ingest(src, out, vae_dir, fps=8.0, max_frames=9, buckets="32x48,32x32", num_workers=0, progress=False,
-                       trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    again = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
     assert again["written"] == 0 and again["already_done"] == 4
     keys = _all_keys(out)
     assert len(keys) == len(set(keys)) == 4
@@ -213,8 +253,15 @@ def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
     src.mkdir()
     (src / "broken.mp4").write_bytes(b"garbage" * 50)
     with pytest.raises(RuntimeError, match=r"broken\.mp4"):
-        ing.ingest(src, tmp_path / "out", vae_dir, on_error="raise", num_workers=0, progress=False,
-                   trainer_kwargs={"accelerator": "cpu", "devices": 1})
+        ing.ingest(
+            src,
+            tmp_path / "out",
+            vae_dir,
+            on_error="raise",
+            num_workers=0,
+            progress=False,
+            trainer_kwargs={"accelerator": "cpu", "devices": 1},
+        )
 
 
 def test_cli_ingest(tmp_path, vae_dir, capsys):
@@ -227,8 +274,25 @@ def test_cli_ingest(tmp_path, vae_dir, capsys):
     Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(src / "a.png")
     (src / "broken.mp4").write_bytes(b"garbage" * 50)
     out = tmp_path / "out"
-    code = cli.main(["ingest", str(src), "--out", str(out), "--vae", vae_dir, "--buckets", "native",
-                     "--accelerator", "cpu", "--devices", "1", "--num-workers", "0", "--no-progress"])
+    code = cli.main(
+        [
+            "ingest",
+            str(src),
+            "--out",
+            str(out),
+            "--vae",
+            vae_dir,
+            "--buckets",
+            "native",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "1",
+            "--num-workers",
+            "0",
+            "--no-progress",
+        ]
+    )
     assert code == 1  # one input skipped
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["written"] == 1 and report["skipped"] == {"unreadable": 1}
@@ -266,8 +330,15 @@ def _launch(cfg, world, timeout=120):
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
     for r in range(world):
         e = {**env, "LOCAL_RANK": str(r)} if world > 1 else env
-        procs.append(subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(cfg)], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RUNNER, json.dumps(cfg)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -286,15 +357,27 @@ def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path
     inputs = {it.key for it in ing.find_inputs(src)}
     # Two ranks of 3 inputs each, hard-killed (os._exit) after their 3rd sample: with 2 samples per shard
     # each leaves one complete shard and a temp file holding its 3rd sample, and no index.
-    results = _launch({"src": str(src), "out": str(out), "vae": vae_dir, "world": 2, "kill_after": 3, "per_shard": 2}, 2)
+    results = _launch(
+        {"src": str(src), "out": str(out), "vae": vae_dir, "world": 2, "kill_after": 3, "per_shard": 2}, 2
+    )
     assert [code for code, _ in results] == [17, 17], results
     first = _all_keys(out)
     assert len(first) == len(set(first)) == 4 and not (out / "index.json").exists()
     assert {n[:4] for n in os.listdir(out) if n.endswith(".tar")} == {"r000", "r001"}  # both ranks wrote
     assert len([n for n in os.listdir(out) if n.endswith(".tmp")]) == 2
     # Resume (here on one rank: the done set comes from the shards, whatever the world size before).
-    summary = ing.ingest(src, out, vae_dir, fps=8.0, max_frames=5, buckets="32x48,32x32", samples_per_shard=2,
-                         num_workers=0, progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    summary = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=5,
+        buckets="32x48,32x32",
+        samples_per_shard=2,
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
     assert summary["already_done"] == 4 and summary["written"] == len(inputs) - 4
     keys = _all_keys(out)
     assert len(keys) == len(set(keys)) and set(keys) == inputs
@@ -311,13 +394,32 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
 
     src = _dataset(tmp_path / "in", n_videos=3, corrupt=False)
     out = tmp_path / "train"
-    ing.ingest(src, out, vae_dir, fps=8.0, max_frames=9, buckets="32x48,32x32", num_workers=0, progress=False,
-               trainer_kwargs={"accelerator": "cpu", "devices": 1})
-    data = AdaptiveLoadDataModule(train_shards=str(out), max_tokens=1024, max_compute="auto", mode="dual",
-                                  num_workers=0, seed=0)
-    model = VideoDiTModule(preset="tiny", model_overrides={"in_channels": Z, "out_channels": Z}, lr=2e-3, shift=1.0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
+    data = AdaptiveLoadDataModule(
+        train_shards=str(out), max_tokens=1024, max_compute="auto", mode="dual", num_workers=0, seed=0
+    )
+    model = VideoDiTModule(
+        preset="tiny", model_overrides={"in_channels": Z, "out_channels": Z}, lr=2e-3, shift=1.0
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, data)
     assert trainer.global_step >= 1
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -117,8 +117,10 @@ def test_wan_layout_sharded_with_index(diffusers_folder, tmp_path):
     state = {k: v.contiguous() for k, v in source.state_dict().items()}
     keys = sorted(state)
     half = len(keys) // 2
-    files = {"diffusion_pytorch_model-00001-of-00002.safetensors": keys[:half],
-             "diffusion_pytorch_model-00002-of-00002.safetensors": keys[half:]}
+    files = {
+        "diffusion_pytorch_model-00001-of-00002.safetensors": keys[:half],
+        "diffusion_pytorch_model-00002-of-00002.safetensors": keys[half:],
+    }
     weight_map = {}
     for name, part in files.items():
         safetensors_torch.save_file({k: state[k] for k in part}, str(tmp_path / name))
@@ -126,10 +128,24 @@ def test_wan_layout_sharded_with_index(diffusers_folder, tmp_path):
     (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
-    wan_config = {"_class_name": "WanModel", "model_type": "t2v", "dim": 24, "num_heads": 2, "num_layers": 2,
-                  "ffn_dim": 40, "in_dim": 4, "out_dim": 4, "text_dim": 16, "freq_dim": 16, "eps": 1e-6,
-                  "patch_size": [1, 2, 2], "text_len": 512, "window_size": [-1, -1], "qk_norm": True,
-                  "cross_attn_norm": True}
+    wan_config = {
+        "_class_name": "WanModel",
+        "model_type": "t2v",
+        "dim": 24,
+        "num_heads": 2,
+        "num_layers": 2,
+        "ffn_dim": 40,
+        "in_dim": 4,
+        "out_dim": 4,
+        "text_dim": 16,
+        "freq_dim": 16,
+        "eps": 1e-6,
+        "patch_size": [1, 2, 2],
+        "text_len": 512,
+        "window_size": [-1, -1],
+        "qk_norm": True,
+        "cross_attn_norm": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(wan_config))
     loaded = VideoDiT.from_pretrained(tmp_path)
     assert loaded.config == source.config
@@ -164,7 +180,10 @@ def test_strict_missing_unexpected_misshaped(diffusers_folder, tmp_path):
 
     _write_diffusers_like(tmp_path, full)
     model = VideoDiT(VideoDiTConfig(**{**cfg.__dict__, "ffn_dim": 48}))
-    with pytest.raises(PretrainedError, match=r"shape mismatch.*blocks\.0\.ffn\.0\.weight: checkpoint \(40, 24\) vs model \(48, 24\)"):
+    with pytest.raises(
+        PretrainedError,
+        match=r"shape mismatch.*blocks\.0\.ffn\.0\.weight: checkpoint \(40, 24\) vs model \(48, 24\)",
+    ):
         load_pretrained(model, tmp_path)
 
     with pytest.raises(PretrainedError, match="has no config.json"):
@@ -188,6 +207,11 @@ def test_module_init_from(diffusers_folder):
     x, timestep, ctx = _inputs()
     with torch.no_grad():
         torch.testing.assert_close(
-            module.model.eval()(x, timestep, ctx), ref(x, timestep, ctx, return_dict=False)[0], rtol=1e-4, atol=1e-5
+            module.model.eval()(x, timestep, ctx),
+            ref(x, timestep, ctx, return_dict=False)[0],
+            rtol=1e-4,
+            atol=1e-5,
         )
     assert os.path.isdir(module.hparams.init_from)
+    with pytest.raises(FileNotFoundError, match="init_from='/no/such/folder' does not exist"):
+        VideoDiTModule(init_from="/no/such/folder")

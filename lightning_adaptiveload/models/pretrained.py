@@ -94,7 +94,7 @@ def diffusers_to_wan_key(key: str) -> str | None:
             return f"blocks.{index}.modulation"
         for old, new in _IN_BLOCK.items():
             if rest.startswith(old) and rest.count(".") == old.count("."):
-                return f"blocks.{index}.{new}{rest[len(old):]}"
+                return f"blocks.{index}.{new}{rest[len(old) :]}"
         return None
     for old, new in _TOP_LEVEL.items():
         if key.startswith(old) and key.count(".") == old.count("."):
@@ -328,7 +328,9 @@ def load_pretrained(model: VideoDiT, path: str | os.PathLike) -> VideoDiT:
     """
     path = os.fspath(path)
     config_file = os.path.join(path, CONFIG_NAME)
-    config_layout = _layout_of_config(_read_json(config_file), config_file) if os.path.isfile(config_file) else None
+    config_layout = (
+        _layout_of_config(_read_json(config_file), config_file) if os.path.isfile(config_file) else None
+    )
     tensors = read_checkpoint(path)
     state = wan_state_dict(tensors, _detect_layout(tensors, config_layout))
     own = model.state_dict()
@@ -341,13 +343,17 @@ def load_pretrained(model: VideoDiT, path: str | os.PathLike) -> VideoDiT:
     ]
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint ({len(missing)}): {missing[:6]}{'...' if len(missing) > 6 else ''}")
+        problems.append(
+            f"missing from the checkpoint ({len(missing)}): {missing[:6]}{'...' if len(missing) > 6 else ''}"
+        )
     if unexpected:
         problems.append(
             f"not in the model ({len(unexpected)}): {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}"
         )
     if mis_shaped:
-        problems.append(f"shape mismatch ({len(mis_shaped)}): {mis_shaped[:6]}{'...' if len(mis_shaped) > 6 else ''}")
+        problems.append(
+            f"shape mismatch ({len(mis_shaped)}): {mis_shaped[:6]}{'...' if len(mis_shaped) > 6 else ''}"
+        )
     if problems:
         raise PretrainedError(
             f"{path} does not fit the model ({model.config.num_layers} blocks, dim {model.config.dim}): "
