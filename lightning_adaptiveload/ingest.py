@@ -181,6 +181,16 @@ def wan_frame_count(available: int, max_frames: int) -> int:
     return (n - 1) // VAE_TEMPORAL_STRIDE * VAE_TEMPORAL_STRIDE + 1
 
 
+def _frame_step(source_fps: float, target_fps: float | None) -> float:
+    # Source frames per target frame; never below 1, so frames are not duplicated.
+    return 1.0 if target_fps is None else max(1.0, float(source_fps) / float(target_fps))
+
+
+def _source_index(i: int, step: float) -> int:
+    # The one formula of frame sampling: target frame i is source frame round(i * step).
+    return int(round(i * step))
+
+
 def sample_frame_indices(
     num_source: int, source_fps: float, target_fps: float | None, max_frames: int
 ) -> list[int]:
@@ -192,10 +202,10 @@ def sample_frame_indices(
         target_fps: wanted rate (capped at ``source_fps``), or None for the source's.
         max_frames: at most this many frames (then cut to ``4k + 1``).
     """
-    step = 1.0 if target_fps is None else max(1.0, float(source_fps) / float(target_fps))
+    step = _frame_step(source_fps, target_fps)
     available = int(math.floor((num_source - 1) / step + 1e-9)) + 1 if num_source > 0 else 0
     count = wan_frame_count(available, max_frames)
-    return [min(num_source - 1, int(round(i * step))) for i in range(count)]
+    return [min(num_source - 1, _source_index(i, step)) for i in range(count)]
 
 
 def parse_buckets(spec: str | Sequence[Sequence[int]] | None) -> list[tuple[int, int]] | None:
@@ -311,14 +321,14 @@ def _decode_video(
         if not rate:
             raise InputError("no_frame_rate", f"{path}: the video stream reports no frame rate")
         src_fps = float(rate)
-        step = 1.0 if target_fps is None else max(1.0, src_fps / float(target_fps))
+        step = _frame_step(src_fps, target_fps)
         # Stream the decode and keep only the sampled frames: memory is bounded by max_frames.
         kept, indices, j = [], [], 0
         try:
             for frame in container.decode(stream):
                 if len(kept) >= max_frames:
                     break
-                if j == min(int(round(len(kept) * step)), 10**12):
+                if j == _source_index(len(kept), step):
                     kept.append(frame.to_ndarray(format="rgb24"))
                     indices.append(j)
                 j += 1

@@ -138,6 +138,10 @@ def test_decode_sampling_and_encode_equal_direct_diffusers(tmp_path):
     pixels, meta = ing.decode_input(item, 5.0, 81, [(32, 32), (32, 48)])
     # 10 -> 5 fps keeps every second frame: 10 frames available -> 9 (4k + 1).
     assert meta["frame_indices"] == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    assert meta["frame_indices"] == ing.sample_frame_indices(20, 10.0, 5.0, 81)
+    # A non-integer ratio (10 -> 4 fps: round(2.5 i)) streams the same indices as the pure function.
+    _, meta4 = ing.decode_input(ing.IngestItem(item.path, "clip", fps=4.0), None, 81, None)
+    assert meta4["frame_indices"] == ing.sample_frame_indices(20, 10.0, 4.0, 81) == [0, 2, 5, 8, 10]
     assert meta["fps"] == 5.0 and meta["source_fps"] == 10.0 and meta["source_size"] == [48, 64]
     assert meta["crop"] == [2, 0, 32, 48] and meta["resize"] == [36, 48]  # 4:3 -> the 32x48 bucket
     assert pixels.shape == (3, 9, 32, 48) and pixels.min() >= -1 and pixels.max() <= 1
