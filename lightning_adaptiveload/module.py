@@ -102,7 +102,9 @@ class VideoDiTModule(L.LightningModule):
         init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
             :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
             ``config.json``, where present, gives the architecture (``preset`` is then unused;
-            ``model_overrides`` still apply).
+            ``model_overrides`` still apply). The path is saved in the hyper-parameters: where the folder
+            is absent, restore a checkpoint with ``load_from_checkpoint(ckpt, init_from=None)`` (the
+            folder's architecture is saved as ``model_overrides``).
     """
 
     def __init__(
@@ -149,6 +151,10 @@ class VideoDiTModule(L.LightningModule):
                 )
 
             self.model_config = config_from_folder(init_from, **(model_overrides or {})) or self.model_config
+            # Saved with checkpoints: the architecture then restores without the folder (init_from=None).
+            self.hparams["model_overrides"] = {
+                k: list(v) if isinstance(v, tuple) else v for k, v in vars(self.model_config).items()
+            }
         self.model: VideoDiT | None = None
         self._noise_generator: torch.Generator | None = None
 

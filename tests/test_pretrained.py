@@ -213,5 +213,8 @@ def test_module_init_from(diffusers_folder):
             atol=1e-5,
         )
     assert os.path.isdir(module.hparams.init_from)
+    # The folder's architecture is in the hyper-parameters: a checkpoint restores without the folder.
+    again = VideoDiTModule(init_from=None, model_overrides=module.hparams.model_overrides)
+    assert again.model_config == module.model_config
     with pytest.raises(FileNotFoundError, match="init_from='/no/such/folder' does not exist"):
         VideoDiTModule(init_from="/no/such/folder")
