@@ -369,24 +369,20 @@ def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path
     assert len(first) == len(set(first)) == 4 and not (out / "index.json").exists()
     assert {n[:4] for n in os.listdir(out) if n.endswith(".tar")} == {"r000", "r001"}  # both ranks wrote
     assert len([n for n in os.listdir(out) if n.endswith(".tmp")]) == 2
-    # Resume (here on one rank: the done set comes from the shards, whatever the world size before).
-    summary = ing.ingest(
-        src,
-        out,
-        vae_dir,
-        fps=8.0,
-        max_frames=5,
-        buckets="32x48,32x32",
-        samples_per_shard=2,
-        num_workers=0,
-        progress=False,
-        trainer_kwargs={"accelerator": "cpu", "devices": 1},
-    )
-    assert summary["already_done"] == 4 and summary["written"] == len(inputs) - 4
+    # Resume on two ranks, to the end (rank 0 writes the index after both finish).
+    results = _launch({"src": str(src), "out": str(out), "vae": vae_dir, "world": 2, "per_shard": 2}, 2)
+    assert [code for code, _ in results] == [0, 0], results
+    summaries = [json.load(open(out / f"summary-{r}.json")) for r in range(2)]
+    assert [s["already_done"] for s in summaries] == [4, 4]
+    assert sum(s["written"] for s in summaries) == len(inputs) - 4
     keys = _all_keys(out)
     assert len(keys) == len(set(keys)) and set(keys) == inputs
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     assert ShardIndex.load(out / "index.json").num_samples == len(inputs)
+    # A rerun on one rank (another world size) finds everything done.
+    again = ing.ingest(src, out, vae_dir, fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0,
+                       progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    assert again["written"] == 0 and again["already_done"] == len(inputs)
 
 
 def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
