@@ -31,6 +31,7 @@ normalised by its own global token count and Lightning averages the micro-batche
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -100,6 +101,12 @@ class VideoDiTModule(L.LightningModule):
         compile: ``torch.compile`` every block (lazily: the first forward traces, so later
             ``configure_model`` steps such as fusion still apply).
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
+        init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
+            :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
+            ``config.json``, where present, gives the architecture (``preset`` is then unused;
+            ``model_overrides`` still apply). The path is saved in the hyper-parameters: where the folder
+            is absent, restore a checkpoint with ``load_from_checkpoint(ckpt, init_from=None)`` (the
+            folder's architecture is saved as ``model_overrides``).
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class VideoDiTModule(L.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool = False,
         val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -135,6 +143,20 @@ class VideoDiTModule(L.LightningModule):
         if bad:
             raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
+        if init_from is not None:
+            from lightning_adaptiveload.models.pretrained import config_from_folder
+
+            if not os.path.exists(init_from):
+                raise FileNotFoundError(
+                    f"VideoDiTModule: init_from={init_from!r} does not exist; give a Wan 2.1 transformer folder "
+                    "(e.g. <Wan2.1-T2V-1.3B-Diffusers>/transformer) or leave init_from unset"
+                )
+
+            self.model_config = config_from_folder(init_from, **(model_overrides or {})) or self.model_config
+            # Saved with checkpoints: the architecture then restores without the folder (init_from=None).
+            self.hparams["model_overrides"] = {
+                k: list(v) if isinstance(v, tuple) else v for k, v in vars(self.model_config).items()
+            }
         self.model: VideoDiT | None = None
         self._noise_generator: torch.Generator | None = None
         # The epoch's validation loss, weighted by tokens across every batch of every rank: the metric
@@ -152,6 +174,10 @@ class VideoDiTModule(L.LightningModule):
             return
         with self._init_context():
             self.model = VideoDiT(self.model_config)
+        if self.hparams.init_from is not None:
+            from lightning_adaptiveload.models.pretrained import load_pretrained
+
+            load_pretrained(self.model, self.hparams.init_from)
         self.model.set_activation_checkpointing(self.hparams.activation_checkpointing)
         if self.hparams.compile:
             # Per block: a graph per block type instead of one over the whole (shape-varying) model, and

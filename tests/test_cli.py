@@ -117,7 +117,8 @@ def test_gpu_recipes_share_one_memory_ceiling():
     for recipe in RECIPES:
         with open(recipe, encoding="utf-8") as f:
             config = yaml.safe_load(f)
-        if Path(recipe).name.startswith("wan13b_480p"):
+        # The three batching comparisons (the fine-tuning recipe is not one of them).
+        if Path(recipe).name.startswith("wan13b_480p") and "finetune" not in Path(recipe).name:
             ceilings[Path(recipe).name] = config["data"]["init_args"]["max_tokens"]
             assert config["trainer"]["precision"] == "bf16-mixed"
             assert config["model"]["init_args"]["activation_checkpointing"] is True

@@ -545,6 +545,14 @@ class VideoDiT(nn.Module):
         x = tokens.view(b, f, h, w, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(b, c, f * pt, h * ph, w * pw)
 
+    @classmethod
+    def from_pretrained(cls, path: str, config: VideoDiTConfig | None = None, **overrides: Any) -> VideoDiT:
+        """A model with a Wan 2.1 checkpoint folder's config and weights (Wan's or diffusers' layout);
+        see :func:`lightning_adaptiveload.models.pretrained.from_pretrained`."""
+        from lightning_adaptiveload.models.pretrained import from_pretrained
+
+        return from_pretrained(path, config, **overrides)
+
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = bool(enabled)
 

@@ -1,0 +1,425 @@
+"""ingest: videos and images to latent shards (tiny random VAE and umT5, videos written by the test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+av = pytest.importorskip("av")
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from lightning_adaptiveload import ingest as ing  # noqa: E402
+from lightning_adaptiveload.shards import ShardIndex, iter_shard  # noqa: E402
+
+Z = 4  # latent channels of the tiny VAE
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_vae():
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLWan(
+        base_dim=8,
+        z_dim=Z,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.3, -0.2, 0.1, 0.5],
+        latents_std=[1.5, 0.7, 2.0, 1.1],
+    ).eval()
+
+
+def write_video(path, frames=20, fps=10, size=(48, 64), seed=0):
+    """A small H.264/MPEG-4 clip of smooth random colours (height, width = size)."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = size
+        stream.pix_fmt = "yuv420p"
+        base = rng.integers(0, 255, size=(size[0], size[1], 3)).astype(np.int16)
+        for i in range(frames):
+            img = np.clip(base + 8 * i, 0, 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vae")
+    _tiny_vae().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def text_dirs(tmp_path_factory):
+    """A tiny umT5 encoder and a word-level tokenizer built offline."""
+    folder = tmp_path_factory.mktemp("umt5")
+    vocab = {
+        "<pad>": 0,
+        "</s>": 1,
+        "<unk>": 2,
+        **{w: i + 3 for i, w in enumerate("a red cat dog runs on grass".split())},
+    }
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = transformers.UMT5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    transformers.UMT5EncoderModel(cfg).eval().save_pretrained(folder)
+    return str(folder)
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+
+
+def test_wan_frame_count_and_sampling():
+    assert [ing.wan_frame_count(n, 81) for n in (0, 1, 4, 5, 8, 9, 100)] == [0, 1, 1, 5, 5, 9, 81]
+    assert ing.wan_frame_count(100, 20) == 17
+    # 30 fps source at 15 fps: every second frame; 20 source frames hold 10 target frames -> 9 kept.
+    assert ing.sample_frame_indices(20, 30.0, 15.0, 81) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    # 25 -> 16 fps: round(i * 25 / 16).
+    assert ing.sample_frame_indices(30, 25.0, 16.0, 5) == [0, 2, 3, 5, 6]
+    # Target above the source rate: no duplicated frames.
+    assert ing.sample_frame_indices(6, 10.0, 30.0, 81) == [0, 1, 2, 3, 4]
+    assert ing.sample_frame_indices(6, 10.0, None, 81) == [0, 1, 2, 3, 4]
+
+
+def test_bucket_choice_and_crop():
+    buckets = ing.parse_buckets("480x832,832x480,624x624")
+    assert ing.choose_bucket(1080, 1920, buckets) == (480, 832)
+    assert ing.choose_bucket(1920, 1080, buckets) == (832, 480)
+    assert ing.choose_bucket(1000, 1100, buckets) == (624, 624)
+    plan = ing.size_plan(1080, 1920, buckets)
+    # Cover 480x832 from 16:9: scale = max(480/1080, 832/1920) = 0.4444 -> 480 x 853, crop 10 columns off
+    # each side.
+    assert plan == {"resize": [480, 853], "crop": [0, 10, 480, 832]}
+    assert ing.size_plan(100, 250, None) == {"resize": [100, 250], "crop": [2, 5, 96, 240]}
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ing.parse_buckets("480x830")
+    assert ing.parse_buckets("native") is None
+
+
+def test_manifest_csv_and_jsonl(tmp_path):
+    (tmp_path / "m.csv").write_text("path,caption,fps\na.mp4,a red cat,8\nsub/b.png,,\n")
+    items = ing.read_manifest(tmp_path / "m.csv")
+    assert [(os.path.relpath(i.path, tmp_path), i.caption, i.fps) for i in items] == [
+        ("a.mp4", "a red cat", 8.0),
+        (os.path.join("sub", "b.png"), "", None),
+    ]
+    (tmp_path / "m.jsonl").write_text('{"path": "a.mp4", "key": "k1"}\n{"caption": "x"}\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: every row needs a 'path'"):
+        ing.read_manifest(tmp_path / "m.jsonl")
+
+
+# -- decode and encode -----------------------------------------------------------------------------
+
+
+def test_decode_sampling_and_encode_equal_direct_diffusers(tmp_path):
+    write_video(tmp_path / "clip.mp4", frames=20, fps=10, size=(48, 64))
+    item = ing.IngestItem(str(tmp_path / "clip.mp4"), "clip")
+    pixels, meta = ing.decode_input(item, 5.0, 81, [(32, 32), (32, 48)])
+    # 10 -> 5 fps keeps every second frame: 10 frames available -> 9 (4k + 1).
+    assert meta["frame_indices"] == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    assert meta["frame_indices"] == ing.sample_frame_indices(20, 10.0, 5.0, 81)
+    # A non-integer ratio (10 -> 4 fps: round(2.5 i)) streams the same indices as the pure function.
+    _, meta4 = ing.decode_input(ing.IngestItem(item.path, "clip", fps=4.0), None, 81, None)
+    assert meta4["frame_indices"] == ing.sample_frame_indices(20, 10.0, 4.0, 81) == [0, 2, 5, 8, 10]
+    assert meta["fps"] == 5.0 and meta["source_fps"] == 10.0 and meta["source_size"] == [48, 64]
+    assert meta["crop"] == [2, 0, 32, 48] and meta["resize"] == [36, 48]  # 4:3 -> the 32x48 bucket
+    assert pixels.shape == (3, 9, 32, 48) and pixels.min() >= -1 and pixels.max() <= 1
+
+    # The same frames through diffusers directly: decode every frame, pick, resize, crop, encode.
+    with av.open(str(tmp_path / "clip.mp4")) as c:
+        allf = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    frames = torch.from_numpy(np.stack([allf[i] for i in meta["frame_indices"]])).permute(0, 3, 1, 2).float()
+    frames = torch.nn.functional.interpolate(frames, size=(36, 48), mode="bilinear", antialias=True).clamp(
+        0, 255
+    )
+    direct_px = (frames[:, :, 2:34, :] / 127.5 - 1).permute(1, 0, 2, 3)[None]
+    torch.testing.assert_close(pixels[None], direct_px)
+    vae = _tiny_vae()
+    with torch.no_grad():
+        z = vae.encode(direct_px).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean).view(1, Z, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, Z, 1, 1, 1)
+    latent = ing.encode_video(vae, pixels[None])
+    assert latent.shape == (1, Z, 3, 4, 6)  # 1 + (9 - 1) / 4 frames, /8 spatially
+    torch.testing.assert_close(latent, (z - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_image_is_one_frame(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.zeros((40, 70, 3), np.uint8)).save(tmp_path / "im.png")
+    pixels, meta = ing.decode_input(ing.IngestItem(str(tmp_path / "im.png"), "im"), 16.0, 81, None)
+    assert pixels.shape == (3, 1, 32, 64) and meta["frame_indices"] == [0] and meta["fps"] is None
+    assert meta["crop"] == [4, 3, 32, 64]
+
+
+# -- the Lightning job ----------------------------------------------------------------------------
+
+
+def _dataset(folder, n_videos=3, corrupt=True):
+    folder.mkdir(exist_ok=True)
+    for i in range(n_videos):
+        write_video(folder / f"v{i}.mp4", frames=12 + 4 * i, fps=8, size=(32, 48), seed=i)
+        (folder / f"v{i}.txt").write_text("a red cat runs")
+    from PIL import Image
+
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(folder / "img.png")
+    if corrupt:
+        (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 this is not a video" * 10)
+    return folder
+
+
+def _all_keys(out):
+    keys = []
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".tar"):
+            with tarfile.open(os.path.join(out, name)) as tf:
+                keys += sorted({n.split(".")[0] for n in tf.getnames()})
+    return keys
+
+
+def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_dirs):
+    src = _dataset(tmp_path / "in")
+    out = tmp_path / "out"
+    summary = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        text_encoder=text_dirs,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        samples_per_shard=2,
+        latent_dtype="float32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
+    assert summary["written"] == 4 and summary["skipped"] == {"unreadable": 1}
+    skipped = [json.loads(line) for line in open(out / "ingest-skipped-r000.jsonl")]
+    assert [os.path.basename(s["path"]) for s in skipped] == ["broken.mp4"] and "broken.mp4" in skipped[0][
+        "detail"
+    ]
+    index = ShardIndex.load(out / "index.json")
+    assert index.num_samples == 4 and index.num_shards == 2
+    samples = [s for i, sh in enumerate(index.shards) for s in iter_shard(sh, i)]
+    by_src = {os.path.basename(s["meta"]["source"]): s for s in samples}
+    assert by_src["img.png"]["latent"].shape == (Z, 1, 4, 4) and by_src["img.png"]["text"] is None
+    v2 = by_src["v2.mp4"]  # 20 frames at 8 fps, max 9 -> 9 frames -> 3 latent frames
+    assert v2["latent"].shape == (Z, 3, 4, 6) and v2["meta"]["frame_indices"] == list(range(9))
+    # Text: the tiny umT5 on "a red cat runs" + </s>: 5 tokens of width 8, equal to a direct encode.
+    tok = transformers.AutoTokenizer.from_pretrained(text_dirs)
+    enc = transformers.UMT5EncoderModel.from_pretrained(text_dirs).eval()
+    with torch.no_grad():
+        direct = enc(**tok("a red cat runs", return_tensors="pt")).last_hidden_state[0]
+    assert v2["text"].shape == (5, 8)
+    torch.testing.assert_close(v2["text"], direct)
+    # Rerun: nothing left to do, nothing written twice.
+    again = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
+    assert again["written"] == 0 and again["already_done"] == 4
+    keys = _all_keys(out)
+    assert len(keys) == len(set(keys)) == 4
+
+
+def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "broken.mp4").write_bytes(b"garbage" * 50)
+    with pytest.raises(RuntimeError, match=r"broken\.mp4"):
+        ing.ingest(
+            src,
+            tmp_path / "out",
+            vae_dir,
+            on_error="raise",
+            num_workers=0,
+            progress=False,
+            trainer_kwargs={"accelerator": "cpu", "devices": 1},
+        )
+
+
+def test_cli_ingest(tmp_path, vae_dir, capsys):
+    from PIL import Image
+
+    from lightning_adaptiveload import cli
+
+    src = tmp_path / "in"
+    src.mkdir()
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(src / "a.png")
+    (src / "broken.mp4").write_bytes(b"garbage" * 50)
+    out = tmp_path / "out"
+    code = cli.main(
+        [
+            "ingest",
+            str(src),
+            "--out",
+            str(out),
+            "--vae",
+            vae_dir,
+            "--buckets",
+            "native",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "1",
+            "--num-workers",
+            "0",
+            "--no-progress",
+        ]
+    )
+    assert code == 1  # one input skipped
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["written"] == 1 and report["skipped"] == {"unreadable": 1}
+    assert ShardIndex.load(out / "index.json").shards[0].latent_shapes == [(Z, 1, 4, 6)]
+
+
+_RUNNER = textwrap.dedent("""
+    import os, sys, json
+    import torch
+    torch.set_num_threads(1)
+    from lightning.pytorch import Callback
+    from lightning_adaptiveload import ingest as ing
+    cfg = json.loads(sys.argv[1])
+
+    class Kill(Callback):
+        def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            if cfg.get("kill_after") is not None and batch_idx + 1 >= cfg["kill_after"]:
+                os._exit(17)  # a hard kill: no close, no index
+
+    kw = {"accelerator": "cpu", "devices": cfg["world"], "strategy": "ddp" if cfg["world"] > 1 else "auto"}
+    s = ing.ingest(cfg["src"], cfg["out"], cfg["vae"], fps=8.0, max_frames=5, buckets="32x48,32x32",
+                   samples_per_shard=cfg["per_shard"], num_workers=0, progress=False, trainer_kwargs=kw, callbacks=[Kill()])
+    with open(os.path.join(cfg["out"], f"summary-{os.environ.get('LOCAL_RANK', '0')}.json"), "w") as f:
+        json.dump(s, f)
+""")
+
+
+def _launch(cfg, world, timeout=120):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    procs = []
+    if world > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
+    for r in range(world):
+        e = {**env, "LOCAL_RANK": str(r)} if world > 1 else env
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RUNNER, json.dumps(cfg)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.wait(timeout=timeout), p.stdout.read()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return outs
+
+
+@pytest.mark.timeout(200)
+def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path, vae_dir):
+    src = _dataset(tmp_path / "in", n_videos=5, corrupt=False)
+    out = tmp_path / "out"
+    inputs = {it.key for it in ing.find_inputs(src)}
+    # Two ranks of 3 inputs each, hard-killed (os._exit) after their 3rd sample: with 2 samples per shard
+    # each leaves one complete shard and a temp file holding its 3rd sample, and no index.
+    results = _launch(
+        {"src": str(src), "out": str(out), "vae": vae_dir, "world": 2, "kill_after": 3, "per_shard": 2}, 2
+    )
+    assert [code for code, _ in results] == [17, 17], results
+    first = _all_keys(out)
+    assert len(first) == len(set(first)) == 4 and not (out / "index.json").exists()
+    assert {n[:4] for n in os.listdir(out) if n.endswith(".tar")} == {"r000", "r001"}  # both ranks wrote
+    assert len([n for n in os.listdir(out) if n.endswith(".tmp")]) == 2
+    # Resume on two ranks, to the end (rank 0 writes the index after both finish).
+    results = _launch({"src": str(src), "out": str(out), "vae": vae_dir, "world": 2, "per_shard": 2}, 2)
+    assert [code for code, _ in results] == [0, 0], results
+    summaries = [json.load(open(out / f"summary-{r}.json")) for r in range(2)]
+    assert [s["already_done"] for s in summaries] == [4, 4]
+    assert sum(s["written"] for s in summaries) == len(inputs) - 4
+    keys = _all_keys(out)
+    assert len(keys) == len(set(keys)) and set(keys) == inputs
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert ShardIndex.load(out / "index.json").num_samples == len(inputs)
+    # A rerun on one rank (another world size) finds everything done.
+    again = ing.ingest(src, out, vae_dir, fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0,
+                       progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    assert again["written"] == 0 and again["already_done"] == len(inputs)
+
+
+def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
+    """A short fit of the tiny model on ingested shards, with the quickstart's data settings."""
+    import lightning.pytorch as pl
+
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    src = _dataset(tmp_path / "in", n_videos=3, corrupt=False)
+    out = tmp_path / "train"
+    ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=9,
+        buckets="32x48,32x32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
+    data = AdaptiveLoadDataModule(
+        train_shards=str(out), max_tokens=1024, max_compute="auto", mode="dual", num_workers=0, seed=0
+    )
+    model = VideoDiTModule(
+        preset="tiny", model_overrides={"in_channels": Z, "out_channels": Z}, lr=2e-3, shift=1.0
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    assert trainer.global_step >= 1
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
