@@ -26,7 +26,13 @@ from torch import nn
 
 from lightning_adaptiveload import attention as _attention
 
-__all__ = ["MAX_GRAPHS_PER_MODE", "compile_blocks", "repeated_blocks", "set_attention_backend"]
+__all__ = [
+    "MAX_GRAPHS_PER_MODE",
+    "checkpoint_blocks_for_budget",
+    "compile_blocks",
+    "repeated_blocks",
+    "set_attention_backend",
+]
 
 MAX_GRAPHS_PER_MODE = 2
 
@@ -128,3 +134,37 @@ def set_attention_backend(model: nn.Module, name: str = "auto", device: torch.de
     diffusers_name = _DIFFUSERS_BACKENDS[name]
     model.set_attention_backend(diffusers_name)
     return diffusers_name
+
+
+def checkpoint_blocks_for_budget(
+    num_blocks: int, tokens: int, budget_bytes: float, peak_all_bytes: float, peak_none_bytes: float
+) -> int:
+    """The fewest blocks to checkpoint so that a batch of ``tokens`` fits ``budget_bytes``.
+
+    From two memory probes at that token count: ``peak_all_bytes`` with every block checkpointed and
+    ``peak_none_bytes`` with none. Each block left un-checkpointed adds the same share of the difference
+    (blocks of one model keep the same activations), so the peak with k checkpointed blocks is
+    ``peak_all + (num_blocks - k) / num_blocks * (peak_none - peak_all)``.
+
+    Args:
+        num_blocks: blocks in the model.
+        tokens: tokens of the probed batch (for the error message only).
+        budget_bytes: memory the step may use.
+        peak_all_bytes, peak_none_bytes: the two probes' peak allocated bytes.
+
+    Returns:
+        k in [0, num_blocks], for ``VideoDiT.set_activation_checkpointing(True, policy, num_blocks=k)``.
+
+    Raises:
+        ValueError: even checkpointing every block does not fit.
+    """
+    if peak_all_bytes > budget_bytes:
+        raise ValueError(
+            f"a batch of {tokens} tokens needs {peak_all_bytes / 2**30:.1f} GiB with every block checkpointed, "
+            f"over the budget of {budget_bytes / 2**30:.1f} GiB; lower max_tokens"
+        )
+    per_block = max(peak_none_bytes - peak_all_bytes, 0.0) / num_blocks
+    if per_block == 0.0:
+        return 0
+    free_blocks = int((budget_bytes - peak_all_bytes) // per_block)
+    return max(0, num_blocks - free_blocks)

@@ -9,11 +9,18 @@ an activation-checkpoint recompute, which must pick the same kernel (their saved
 
 Names (``attention_backend`` of :class:`~lightning_adaptiveload.models.VideoDiT` and of the module):
 
+- ``"default"`` (the model's default): PyTorch's own choice, no context manager. On the measured H100
+  (torch 2.11) that already ran cuDNN attention for Wan's head dim 128.
 - ``"auto"``: cuDNN first on Hopper and newer (compute capability >= 9.0; cuDNN's Hopper kernels use
   wgmma and TMA, FlashAttention-2 does not), FlashAttention-2 first on older GPUs; elsewhere PyTorch's own
   order.
 - ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``: that kernel first, the others after it.
-- ``"default"``: PyTorch's own choice, no context manager.
+
+Measured on one H100 (``benchmarks/results/bench_step_*``): one clip's self-attention forward + backward
+(1 x 12 x 32760 x 128, bf16) takes 40.4 ms on cuDNN (572 TFLOP/s), 69.8 ms on FlashAttention-2 and 165 ms
+on the memory-efficient kernel. An explicit list enters ``sdpa_kernel`` at every call in eager mode (under
+``torch.compile`` it is resolved while tracing, at no cost per call); an eager step with it was slower on
+the host (see ``docs/performance.md``), which is why the model's default is ``"default"``.
 
 FlashAttention-3/4 plug in underneath the ``"flash"`` backend through ``torch.nn.attention``'s registry
 (``activate_flash_attention_impl("FA3")``) when their packages are installed; :func:`activate_flash_impl`
@@ -119,13 +126,18 @@ def attention_kernel_name(
     """
     if q.device.type != "cuda":
         return f"PyTorch SDPA on {q.device.type}"
-    order = backends or [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    order = backends or [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, 0.0, False, False)
-    checks = {
+    checks = {  # PyTorch's own admission checks, the ones SDPA applies
         SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.can_use_cudnn_attention,
         SDPBackend.FLASH_ATTENTION: torch.backends.cuda.can_use_flash_attention,
         SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.can_use_efficient_attention,
     }
+    if backends is None:
+        # PyTorch's own order depends on the GPU and version (on an H100 with torch 2.11 it ran cuDNN, seen in
+        # a profile); name what is admissible rather than guess.
+        ok = [_LABELS[b] for b in order if checks[b](params, False)]
+        return "PyTorch's own choice among " + (", ".join(ok) if ok else _LABELS[SDPBackend.MATH])
     for backend in order:
         if backend == SDPBackend.MATH:
             return _LABELS[backend]

@@ -101,8 +101,9 @@ class VideoDiTModule(L.LightningModule):
         checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only) or ``"save_attention"``
             (also the attention kernels' outputs, so the recompute skips attention).
         checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth.
-        attention_backend: SDPA kernel order, ``"auto"`` (cuDNN on Hopper), ``"cudnn"``, ``"flash"``,
-            ``"efficient"``, ``"math"``, ``"default"``; see :mod:`lightning_adaptiveload.attention`.
+        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (cuDNN first on
+            Hopper), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
+            :mod:`lightning_adaptiveload.attention`.
         weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
             fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.master_weights.MasterWeightAdamW`).
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
@@ -126,7 +127,7 @@ class VideoDiTModule(L.LightningModule):
         val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
         checkpoint_policy: Literal["full", "save_attention"] = "full",
         checkpoint_blocks: int | None = None,
-        attention_backend: str = "auto",
+        attention_backend: str = "default",
         weight_dtype: Literal["fp32", "bf16"] = "fp32",
     ) -> None:
         super().__init__()
@@ -163,7 +164,7 @@ class VideoDiTModule(L.LightningModule):
         self.model.set_activation_checkpointing(
             hp.activation_checkpointing, hp.get("checkpoint_policy", "full"), hp.get("checkpoint_blocks")
         )
-        self.model.set_attention_backend(hp.get("attention_backend", "auto"))
+        self.model.set_attention_backend(hp.get("attention_backend", "default"))
         if hp.get("weight_dtype", "fp32") == "bf16":
             self.model.to(torch.bfloat16)
         if hp.compile:

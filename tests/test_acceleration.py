@@ -15,7 +15,12 @@ import torch._dynamo
 from torch.nn.attention import SDPBackend
 
 from lightning_adaptiveload import attention
-from lightning_adaptiveload.acceleration import MAX_GRAPHS_PER_MODE, compile_blocks, repeated_blocks
+from lightning_adaptiveload.acceleration import (
+    MAX_GRAPHS_PER_MODE,
+    checkpoint_blocks_for_budget,
+    compile_blocks,
+    repeated_blocks,
+)
 from lightning_adaptiveload.fusion import fuse_norm_modulate
 from lightning_adaptiveload.master_weights import MasterWeightAdamW
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, _spread
@@ -131,6 +136,17 @@ def test_checkpoint_policies_give_the_same_gradients(policy, num_blocks):
     assert got.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], msg=name)
+
+
+def test_checkpoint_blocks_for_budget():
+    gib = 2**30
+    # 30 blocks; all checkpointed 40 GiB, none 100 GiB: 2 GiB per un-checkpointed block.
+    assert checkpoint_blocks_for_budget(30, 65520, 70 * gib, 40 * gib, 100 * gib) == 15
+    assert checkpoint_blocks_for_budget(30, 65520, 100 * gib, 40 * gib, 100 * gib) == 0
+    assert checkpoint_blocks_for_budget(30, 65520, 40 * gib, 40 * gib, 100 * gib) == 30
+    assert checkpoint_blocks_for_budget(30, 65520, 41.9 * gib, 40 * gib, 100 * gib) == 30
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        checkpoint_blocks_for_budget(30, 131040, 39 * gib, 40 * gib, 100 * gib)
 
 
 # -- regional compile --------------------------------------------------------------------------------------

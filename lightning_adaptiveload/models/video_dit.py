@@ -574,7 +574,7 @@ class VideoDiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.attention_backend = "auto"
+        self.attention_backend = "default"
         self._backends_for: tuple[str, str] | None = None  # (device, name) the attention modules were set for
         self.reset_parameters()
 
@@ -654,8 +654,9 @@ class VideoDiT(nn.Module):
             block.checkpoint_policy = policy if i in chosen else None
 
     def set_attention_backend(self, name: str) -> None:
-        """Pick the attention kernels (see :mod:`lightning_adaptiveload.attention`): ``"auto"`` (cuDNN on
-        Hopper, FlashAttention before), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``, ``"default"``.
+        """Pick the attention kernels (see :mod:`lightning_adaptiveload.attention`): ``"default"`` (PyTorch's
+        choice; the initial setting), ``"auto"`` (cuDNN on Hopper, FlashAttention before), ``"cudnn"``,
+        ``"flash"``, ``"efficient"``, ``"math"``.
 
         The choice is resolved for the input's device at the next forward; the first forward on a new
         input layout logs the kernel that runs (logger ``lightning_adaptiveload.attention``).
