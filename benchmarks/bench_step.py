@@ -40,6 +40,12 @@ from _common import jsonable  # noqa: E402
 VARIANTS = {
     "baseline": dict(model="ours", weights="fp32", attention="default", compile=False, ckpt=("full", None)),
     "flash": dict(model="ours", weights="fp32", attention="flash", compile=False, ckpt=("full", None)),
+    # Isolate the two changes the "bf16w" variant bundles (its eager host time rose on the image step).
+    "auto": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
+    "bf16w-default-attn": dict(model="ours", weights="bf16", attention="default", compile=False, ckpt=("full", None)),
+    "compile+sac": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", None)
+    ),
     "bf16w": dict(model="ours", weights="bf16", attention="auto", compile=False, ckpt=("full", None)),
     "bf16w+compile": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=("full", None)),
     "bf16w+compile+sac": dict(

@@ -2,7 +2,9 @@
 # One device call on a single H100: every lever of the training step side by side (benchmarks/bench_step.py).
 # Usage (device tool, from a copy of the tree; wheels for diffusers in ./.whl or ../.whl):
 #   bash benchmarks/gpu_bench_step.sh            # writes $OUT/bench_step_*.json and $OUT/bench_step.log
-# About 9 minutes: the fused op builds in the background while diffusers' unfused baseline runs.
+# About 9 minutes: the fused op builds in the background while diffusers' unfused baseline runs. The compiled,
+# checkpointed variants need a first step of a minute or more per batch-size class: give them their own call,
+# e.g. VARIANTS=bf16w+compile+sac,compile+sac BUDGET=500 bash benchmarks/gpu_bench_step.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 WHL=.whl; [ -d "$WHL" ] || WHL=../.whl

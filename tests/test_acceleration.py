@@ -277,3 +277,49 @@ def test_master_weights_state_dict_round_trip_and_scheduler():
     for a, b in zip(clone.inner.param_groups[0]["params"], opt.inner.param_groups[0]["params"]):
         torch.testing.assert_close(a, b)
     assert clone.inner.state_dict()["state"].keys() == opt.inner.state_dict()["state"].keys()
+
+
+# -- the module's switches and users' diffusers models -------------------------------------------------------
+
+
+def test_module_switches_reach_the_model_and_optimizer():
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    module = VideoDiTModule(
+        preset="tiny",
+        model_overrides={"num_layers": 2},
+        activation_checkpointing=True,
+        checkpoint_policy="save_attention",
+        checkpoint_blocks=1,
+        attention_backend="math",
+        weight_dtype="bf16",
+    )
+    module.configure_model()
+    assert [b.checkpoint_policy for b in module.model.blocks] == ["save_attention", None]
+    assert module.model.attention_backend == "math"
+    assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
+    assert isinstance(module.configure_optimizers()["optimizer"], MasterWeightAdamW)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        VideoDiTModule(preset="tiny", weight_dtype="fp16")
+
+
+def _tiny_diffusers_wan():
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=8, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6,
+    )
+
+
+def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():
+    from lightning_adaptiveload.acceleration import set_attention_backend
+
+    model = _tiny_diffusers_wan()
+    assert repeated_blocks(model) == list(model.blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert set_attention_backend(model, "math") == "_native_math"
+        assert set_attention_backend(model, "auto", "cpu") == "native"  # PyTorch's choice off CUDA
+    with pytest.raises(ValueError, match="no set_attention_backend"):
+        set_attention_backend(torch.nn.Linear(2, 2), "cudnn")
