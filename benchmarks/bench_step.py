@@ -42,7 +42,9 @@ VARIANTS = {
     "flash": dict(model="ours", weights="fp32", attention="flash", compile=False, ckpt=("full", None)),
     # Isolate the two changes the "bf16w" variant bundles (its eager host time rose on the image step).
     "auto": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
-    "bf16w-default-attn": dict(model="ours", weights="bf16", attention="default", compile=False, ckpt=("full", None)),
+    "bf16w-default-attn": dict(
+        model="ours", weights="bf16", attention="default", compile=False, ckpt=("full", None)
+    ),
     "compile+sac": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", None)
     ),
@@ -54,14 +56,21 @@ VARIANTS = {
     "bf16w+compile+noac": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=None),
     # The same without our fused op: inductor fuses the eager LayerNorm + modulate itself.
     "bf16w+compile+sac+nofuse": dict(
-        model="ours", weights="bf16", attention="auto", compile=True, ckpt=("save_attention", None), fused=False
+        model="ours",
+        weights="bf16",
+        attention="auto",
+        compile=True,
+        ckpt=("save_attention", None),
+        fused=False,
     ),
     "diffusers": dict(model="diffusers", fused=False, compile=False, attention="default"),
     "diffusers+fused": dict(model="diffusers", fused=True, compile=False, attention="default"),
     "diffusers+fused+compile": dict(model="diffusers", fused=True, compile=True, attention="auto"),
     # CPU smoke test
     "eager": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
-    "compiled": dict(model="ours", weights="fp32", attention="auto", compile=True, ckpt=("save_attention", None)),
+    "compiled": dict(
+        model="ours", weights="fp32", attention="auto", compile=True, ckpt=("save_attention", None)
+    ),
 }
 # name -> (B, T, H, W) latent batch.
 SHAPES = {
@@ -121,12 +130,24 @@ def _build(spec, cfg, dev, text_dim):
     from lightning_adaptiveload.fusion import fuse_norm_modulate
 
     torch.manual_seed(0)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_channels, out_channels=cfg.out_channels, text_dim=text_dim, freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-    ).to(dev, torch.bfloat16).train()
+    model = (
+        WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=cfg.num_heads,
+            attention_head_dim=cfg.head_dim,
+            in_channels=cfg.in_channels,
+            out_channels=cfg.out_channels,
+            text_dim=text_dim,
+            freq_dim=cfg.freq_dim,
+            ffn_dim=cfg.ffn_dim,
+            num_layers=cfg.num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        )
+        .to(dev, torch.bfloat16)
+        .train()
+    )
     model.enable_gradient_checkpointing()
     info["attention"] = set_attention_backend(model, spec["attention"], dev)
     if spec["fused"]:
@@ -204,7 +225,8 @@ def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile
     }
     if profile:
         from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile as _profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as _profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with _profile(activities=acts) as prof:
@@ -230,10 +252,15 @@ def _attention_micro(dev, reps=10):
     from lightning_adaptiveload.attention import activate_flash_impl
 
     rows = {}
-    q, k, v = (torch.randn(1, 12, 32760, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 12, 32760, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     flops = 4 * 32760 * 32760 * 128 * 12 * 3.5  # fwd 4*S^2*d*H, bwd 2.5x
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         try:
             with sdpa_kernel([backend]):
                 for _ in range(2):
@@ -262,15 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="wan-1.3b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variants", default="baseline,bf16w,bf16w+compile,bf16w+compile+sac,bf16w+compile+noac,"
-                    "flash,diffusers,diffusers+fused,diffusers+fused+compile")
+    ap.add_argument(
+        "--variants",
+        default="baseline,bf16w,bf16w+compile,bf16w+compile+sac,bf16w+compile+noac,"
+        "flash,diffusers,diffusers+fused,diffusers+fused+compile",
+    )
     ap.add_argument("--shapes", default="clip,images,image,tok65k,tok131k")
     ap.add_argument("--skip", default="", help="variant:shape,... pairs not to run (e.g. known OOM)")
     ap.add_argument("--text-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--time-budget-s", type=float, default=480.0)
     ap.add_argument("--no-micro", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
     logging_setup()
@@ -332,8 +364,19 @@ def main(argv: list[str] | None = None) -> int:
             b, t_, h, w = shape
             s_tok = t_ * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])
             try:
-                row = _measure(fwd, model, opt, shape, cfg, args.text_len, text_dim, dev, args.reps, sname in PROFILED,
-                               spec["model"] == "diffusers")
+                row = _measure(
+                    fwd,
+                    model,
+                    opt,
+                    shape,
+                    cfg,
+                    args.text_len,
+                    text_dim,
+                    dev,
+                    args.reps,
+                    sname in PROFILED,
+                    spec["model"] == "diffusers",
+                )
             except torch.OutOfMemoryError:
                 row = {"error": "OOM"}
             except Exception as err:
@@ -346,8 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             if "fwd_bwd_ms" in row:
                 flops = 3 * b * forward_flops(cfg, s_tok, args.text_len)
                 step_ms = row["fwd_bwd_ms"] + row["opt_ms"]
-                row.update(tokens=b * s_tok, step_ms=step_ms, tflops=flops / step_ms / 1e9,
-                           tokens_per_s=b * s_tok / step_ms * 1e3)
+                row.update(
+                    tokens=b * s_tok,
+                    step_ms=step_ms,
+                    tflops=flops / step_ms / 1e9,
+                    tokens_per_s=b * s_tok / step_ms * 1e3,
+                )
                 row["mfu"] = flops / (step_ms / 1e3) / peak if peak else None
             entry["rows"][sname] = row
             graphs = int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
@@ -377,12 +424,16 @@ def _fmt(row):
     mfu = f"{100 * row['mfu']:5.1f}%" if row.get("mfu") else "  -  "
     busy = f"{100 * row['gpu_busy']:4.0f}%" if row.get("gpu_busy") else "  - "
     peak = f"{row['peak_gib']:5.1f}" if row.get("peak_gib") is not None else "  -  "
-    return (f"{row['fwd_bwd_ms']:9.1f} +{row['opt_ms']:6.1f} ms  host {row['host_ms']:8.1f}  MFU {mfu}  busy {busy}"
-            f"  peak {peak} GiB  tok/s {row['tokens_per_s']:8.0f}  first {row['first_step_s']:6.1f} s")
+    return (
+        f"{row['fwd_bwd_ms']:9.1f} +{row['opt_ms']:6.1f} ms  host {row['host_ms']:8.1f}  MFU {mfu}  busy {busy}"
+        f"  peak {peak} GiB  tok/s {row['tokens_per_s']:8.0f}  first {row['first_step_s']:6.1f} s"
+    )
 
 
 def _table(result):
-    print("\n== step = fwd+bwd + optimizer; MFU at 3x forward FLOPs, dense bf16 peak; busy = kernel time / fwd+bwd")
+    print(
+        "\n== step = fwd+bwd + optimizer; MFU at 3x forward FLOPs, dense bf16 peak; busy = kernel time / fwd+bwd"
+    )
     for vname, entry in result["variants"].items():
         if "error" in entry:
             print(f"{vname:26s} build failed: {entry['error'][:100]}")

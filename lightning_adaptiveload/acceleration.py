@@ -101,7 +101,9 @@ def compile_blocks(
     return len(chosen)
 
 
-def set_attention_backend(model: nn.Module, name: str = "auto", device: torch.device | str | None = None) -> str:
+def set_attention_backend(
+    model: nn.Module, name: str = "auto", device: torch.device | str | None = None
+) -> str:
     """Select the attention kernels of ``model``; returns the backend name actually set.
 
     Args:
@@ -127,10 +129,14 @@ def set_attention_backend(model: nn.Module, name: str = "auto", device: torch.de
     if name == "auto":
         dev = torch.device(device) if device is not None else next(model.parameters()).device
         order = _attention.resolve_attention_backends("auto", dev)
-        name = "default" if order is None else {
-            torch.nn.attention.SDPBackend.CUDNN_ATTENTION: "cudnn",
-            torch.nn.attention.SDPBackend.FLASH_ATTENTION: "flash",
-        }.get(order[0], "default")
+        name = (
+            "default"
+            if order is None
+            else {
+                torch.nn.attention.SDPBackend.CUDNN_ATTENTION: "cudnn",
+                torch.nn.attention.SDPBackend.FLASH_ATTENTION: "flash",
+            }.get(order[0], "default")
+        )
     diffusers_name = _DIFFUSERS_BACKENDS[name]
     model.set_attention_backend(diffusers_name)
     return diffusers_name

@@ -60,7 +60,9 @@ _LABELS = {
 ATTENTION_BACKENDS = ("auto", "default", *_KERNELS)
 
 
-def resolve_attention_backends(name: str, device: torch.device | str | None = None) -> list[SDPBackend] | None:
+def resolve_attention_backends(
+    name: str, device: torch.device | str | None = None
+) -> list[SDPBackend] | None:
     """The SDPA kernels to allow, in priority order, for ``name`` on ``device``.
 
     Args:
@@ -126,7 +128,11 @@ def attention_kernel_name(
     """
     if q.device.type != "cuda":
         return f"PyTorch SDPA on {q.device.type}"
-    order = backends or [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    order = backends or [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+    ]
     params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, 0.0, False, False)
     checks = {  # PyTorch's own admission checks, the ones SDPA applies
         SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.can_use_cudnn_attention,
@@ -145,9 +151,11 @@ def attention_kernel_name(
         if check is not None and check(params, False):
             label = _LABELS[backend]
             if backend == SDPBackend.FLASH_ATTENTION:
-                impl = torch.nn.attention.current_flash_attention_impl() if hasattr(
-                    torch.nn.attention, "current_flash_attention_impl"
-                ) else None
+                impl = (
+                    torch.nn.attention.current_flash_attention_impl()
+                    if hasattr(torch.nn.attention, "current_flash_attention_impl")
+                    else None
+                )
                 label += f" ({impl or 'FA2, built into PyTorch'})"
             return label
     return _LABELS[SDPBackend.MATH]

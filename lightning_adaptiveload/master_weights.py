@@ -52,7 +52,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             masters = [p.detach().float().clone() for p in group["params"]]
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         on_cuda = all(m.is_cuda for g in inner_groups for m in g["params"])
-        self.inner = torch.optim.AdamW(inner_groups, fused=bool(on_cuda if fused is None else fused and on_cuda))
+        self.inner = torch.optim.AdamW(
+            inner_groups, fused=bool(on_cuda if fused is None else fused and on_cuda)
+        )
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -648,7 +648,9 @@ class VideoDiT(nn.Module):
         n = len(self.blocks)
         count = n if num_blocks is None else int(num_blocks)
         if not 0 <= count <= n:
-            raise ValueError(f"num_blocks must lie in [0, {n}] (the model has {n} blocks), got {num_blocks!r}")
+            raise ValueError(
+                f"num_blocks must lie in [0, {n}] (the model has {n} blocks), got {num_blocks!r}"
+            )
         chosen = set(_spread(count, n)) if enabled else set()
         for i, block in enumerate(self.blocks):
             block.checkpoint_policy = policy if i in chosen else None

@@ -129,7 +129,9 @@ def _as_groups(m: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int] | N
     lead_m, lead_x = m.shape[:-1], x.shape[:-1]
     k = len(lead_m)
     # A leading size counts as broadcast only when it is certainly 1 (sizes may be symbolic under compile).
-    while k > 0 and (lead_m[k - 1] == 1 if isinstance(lead_m[k - 1], int) else guard_or_false(lead_m[k - 1] == 1)):
+    while k > 0 and (
+        lead_m[k - 1] == 1 if isinstance(lead_m[k - 1], int) else guard_or_false(lead_m[k - 1] == 1)
+    ):
         k -= 1
     if any(_differ(lead_m[i], lead_x[i]) for i in range(k)):
         return None
