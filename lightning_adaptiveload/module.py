@@ -97,9 +97,18 @@ class VideoDiTModule(L.LightningModule):
         shift: timestep shift (1 = none; Wan uses 5 at 480p/720p).
         sigmoid_scale: logit standard deviation for ``"sigmoid"`` sampling.
         num_train_timesteps: the model sees ``t * num_train_timesteps`` (Wan: 1000).
-        activation_checkpointing: recompute every block in the backward pass.
+        activation_checkpointing: recompute blocks in the backward pass.
         compile: ``torch.compile`` every block (lazily: the first forward traces, so later
-            ``configure_model`` steps such as fusion still apply).
+            ``configure_model`` steps such as fusion still apply), with symbolic sizes so that a length mix
+            compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.acceleration`).
+        checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only) or ``"save_attention"``
+            (also the attention kernels' outputs, so the recompute skips attention).
+        checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth.
+        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (cuDNN first on
+            Hopper), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
+            :mod:`lightning_adaptiveload.attention`.
+        weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
+            fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.master_weights.MasterWeightAdamW`).
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
         init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
             :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
@@ -125,6 +134,10 @@ class VideoDiTModule(L.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool = False,
         val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
+        checkpoint_policy: Literal["full", "save_attention"] = "full",
+        checkpoint_blocks: int | None = None,
+        attention_backend: str = "default",
+        weight_dtype: Literal["fp32", "bf16"] = "fp32",
         init_from: str | None = None,
     ) -> None:
         super().__init__()
@@ -142,6 +155,8 @@ class VideoDiTModule(L.LightningModule):
         bad = [t for t in val_timesteps if not 0.0 <= t <= 1.0]
         if bad:
             raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
+        if weight_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"VideoDiTModule: weight_dtype must be 'fp32' or 'bf16', got {weight_dtype!r}")
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
         if init_from is not None:
             from lightning_adaptiveload.models.pretrained import config_from_folder
@@ -174,16 +189,23 @@ class VideoDiTModule(L.LightningModule):
             return
         with self._init_context():
             self.model = VideoDiT(self.model_config)
-        if self.hparams.init_from is not None:
+        hp = self.hparams
+        if hp.init_from is not None:
             from lightning_adaptiveload.models.pretrained import load_pretrained
 
-            load_pretrained(self.model, self.hparams.init_from)
-        self.model.set_activation_checkpointing(self.hparams.activation_checkpointing)
-        if self.hparams.compile:
+            load_pretrained(self.model, hp.init_from)
+        self.model.set_activation_checkpointing(
+            hp.activation_checkpointing, hp.get("checkpoint_policy", "full"), hp.get("checkpoint_blocks")
+        )
+        self.model.set_attention_backend(hp.get("attention_backend", "default"))
+        if hp.get("weight_dtype", "fp32") == "bf16":
+            self.model.to(torch.bfloat16)
+        if hp.compile:
             # Per block: a graph per block type instead of one over the whole (shape-varying) model, and
             # the RoPE table cache stays outside the compiled code.
-            for block in self.model.blocks:
-                block.compile()
+            from lightning_adaptiveload.acceleration import compile_blocks
+
+            compile_blocks(self.model, self.model.blocks, dynamic=True)
 
     def _init_context(self):
         # FSDP materialises (and shards) a meta-device model unit by unit with each module's
@@ -385,7 +407,12 @@ class VideoDiTModule(L.LightningModule):
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(
+        optimizer_cls = torch.optim.AdamW
+        if self.hparams.get("weight_dtype", "fp32") == "bf16":
+            from lightning_adaptiveload.master_weights import MasterWeightAdamW
+
+            optimizer_cls = MasterWeightAdamW
+        optimizer = optimizer_cls(
             [g for g in groups if g["params"]],
             lr=self.hparams.lr,
             betas=tuple(self.hparams.betas),

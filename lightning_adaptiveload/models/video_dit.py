@@ -41,11 +41,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_adaptiveload import attention as _attention
 from lightning_adaptiveload import ops as _ops
 
-__all__ = ["NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
+__all__ = ["CHECKPOINT_POLICIES", "NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
+
+# What an activation-checkpointed block keeps for its backward pass (see VideoDiT.set_activation_checkpointing).
+CHECKPOINT_POLICIES = ("full", "save_attention")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,6 +311,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
+_logged_kernels: set[tuple] = set()
+
+
+def _log_kernel_once(where: str, q, k, v, mask, backends) -> None:
+    # One log line per input layout (device, dtype, head dim, mask or not, backend list), not per call.
+    key = (where, q.device.type, q.dtype, q.shape[-1], mask is None, tuple(backends or ()))
+    if key in _logged_kernels:
+        return
+    _logged_kernels.add(key)
+    try:
+        name = _attention.attention_kernel_name(q, k, v, mask, backends)
+    except Exception as err:  # a log line must never stop training (the checks' API moves between versions)
+        name = f"unknown ({type(err).__name__}: {err})"
+    _attention.log_attention_kernel(where, name)
+
+
+# Outputs of these ops are kept by the "save_attention" checkpoint policy: the attention kernels hold about
+# 70% of a long clip's FLOPs, everything else in a block is cheap to run again.
+_ATTENTION_OPS = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_attention_contexts():
+    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
 class SelfAttention(nn.Module):
     """Full (bidirectional) self-attention over the video tokens with q/k RMSNorm and 3D RoPE."""
 
@@ -319,6 +361,8 @@ class SelfAttention(nn.Module):
         self.o = _Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        # SDPA kernels in priority order (None: PyTorch's choice); set by VideoDiT.set_attention_backend.
+        self.backends = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Args: x (B, S, D); cos, sin (S, d/2). Returns (B, S, D)."""
@@ -326,8 +370,11 @@ class SelfAttention(nn.Module):
         q = apply_rope(self.norm_q(self.q(x)).unflatten(-1, (h, -1)), cos, sin)
         k = apply_rope(self.norm_k(self.k(x)).unflatten(-1, (h, -1)), cos, sin)
         v = self.v(x).unflatten(-1, (h, -1))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if not torch.compiler.is_compiling():
+            _log_kernel_once("VideoDiT self-attention", q, k, v, None, self.backends)
         # No mask: a batch holds samples of one shape (never padded), so the fastest kernels apply.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = _attention.sdpa(q, k, v, backends=self.backends)
         return self.o(out.transpose(1, 2).flatten(2))
 
 
@@ -343,6 +390,7 @@ class CrossAttention(nn.Module):
         self.o = _Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.backends = None
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
@@ -361,7 +409,7 @@ class CrossAttention(nn.Module):
             # arithmetically so that no host sync is needed to find such rows.
             keep = context_mask.any(dim=-1)  # (B,)
             attn_mask = (context_mask | ~keep[:, None])[:, None, None, :]  # (B, 1, 1, L)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).flatten(2)
+        out = _attention.sdpa(q, k, v, attn_mask, self.backends).transpose(1, 2).flatten(2)
         if keep is not None:
             out = out * keep[:, None, None].to(out.dtype)
         return self.o(out)
@@ -385,6 +433,9 @@ class DiTBlock(nn.Module):
         )
         # Per-block table added to the shared timestep projection (Wan's scale_shift_table).
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        # None, or one of CHECKPOINT_POLICIES; set by VideoDiT.set_activation_checkpointing. Applied inside
+        # forward so that a compiled block (torch.compile over forward) includes its checkpoint.
+        self.checkpoint_policy: str | None = None
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -401,6 +452,21 @@ class DiTBlock(nn.Module):
     ) -> torch.Tensor:
         """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32; cos, sin (S, d/2); context (B, L, D) or
         None; context_mask (B, L) bool or None. Returns (B, S, D) in x.dtype."""
+        policy = self.checkpoint_policy
+        if policy is None or not (self.training and torch.is_grad_enabled()):
+            return self._forward(x, e0, cos, sin, context, context_mask)
+        extra = {"context_fn": _save_attention_contexts} if policy == "save_attention" else {}
+        return checkpoint(self._forward, x, e0, cos, sin, context, context_mask, use_reentrant=False, **extra)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        e0: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (self.modulation.float() + e0).chunk(
             6, dim=1
         )
@@ -467,6 +533,11 @@ def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> in
     return total
 
 
+def _spread(count: int, n: int) -> list[int]:
+    """``count`` indices out of ``range(n)``, evenly spaced (e.g. 2 of 6 -> [0, 3])."""
+    return sorted({(i * n) // count for i in range(count)}) if count else []
+
+
 # --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------
@@ -479,14 +550,15 @@ class VideoDiT(nn.Module):
         config: a :class:`VideoDiTConfig`, e.g. ``VideoDiTConfig.preset("wan-1.3b")``.
 
     Attributes:
-        gradient_checkpointing: recompute each block in the backward pass (activation checkpointing) while
-            training; saves the blocks' activations at the cost of one more forward per block.
+        gradient_checkpointing: recompute blocks in the backward pass (activation checkpointing) while
+            training; saves the blocks' activations at the cost of one more forward per block. Setting it
+            is ``set_activation_checkpointing(value)``; that method also picks what is kept and how many
+            blocks are checkpointed.
     """
 
     def __init__(self, config: VideoDiTConfig) -> None:
         super().__init__()
         self.config = cfg = config
-        self.gradient_checkpointing = False
         self.patch_embedding = _PatchEmbed(
             cfg.in_channels, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
         )
@@ -502,6 +574,8 @@ class VideoDiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attention_backend = "default"
+        self._backends_for: tuple[str, str] | None = None  # (device, name) the attention modules were set for
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -553,8 +627,63 @@ class VideoDiT(nn.Module):
 
         return from_pretrained(path, config, **overrides)
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        self.gradient_checkpointing = bool(enabled)
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return any(block.checkpoint_policy is not None for block in self.blocks)
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.set_activation_checkpointing(bool(enabled))
+
+    def set_activation_checkpointing(
+        self, enabled: bool = True, policy: str = "full", num_blocks: int | None = None
+    ) -> None:
+        """Choose which blocks recompute their forward in the backward pass, and what they keep.
+
+        Args:
+            enabled: False turns checkpointing off everywhere.
+            policy: ``"full"`` keeps only each block's inputs (the least memory, one more forward of the
+                block); ``"save_attention"`` also keeps the attention kernels' outputs (per block about
+                2 bytes x B x S x D more at bf16), so the recompute skips attention, the costliest part.
+            num_blocks: how many blocks to checkpoint (None: all), spread evenly over the depth; the rest
+                keep all their activations. ``calibrate`` picks it from the memory budget.
+
+        Raises:
+            ValueError: unknown policy or num_blocks out of range.
+        """
+        if policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint policy must be one of {list(CHECKPOINT_POLICIES)}, got {policy!r}")
+        n = len(self.blocks)
+        count = n if num_blocks is None else int(num_blocks)
+        if not 0 <= count <= n:
+            raise ValueError(
+                f"num_blocks must lie in [0, {n}] (the model has {n} blocks), got {num_blocks!r}"
+            )
+        chosen = set(_spread(count, n)) if enabled else set()
+        for i, block in enumerate(self.blocks):
+            block.checkpoint_policy = policy if i in chosen else None
+
+    def set_attention_backend(self, name: str) -> None:
+        """Pick the attention kernels (see :mod:`lightning_adaptiveload.attention`): ``"default"`` (PyTorch's
+        choice; the initial setting), ``"auto"`` (cuDNN on Hopper, FlashAttention before), ``"cudnn"``,
+        ``"flash"``, ``"efficient"``, ``"math"``.
+
+        The choice is resolved for the input's device at the next forward; the first forward on a new
+        input layout logs the kernel that runs (logger ``lightning_adaptiveload.attention``).
+        """
+        _attention.resolve_attention_backends(name)  # validates the name
+        self.attention_backend = name
+        self._backends_for = None
+
+    def _apply_attention_backend(self, device: torch.device) -> None:
+        key = (str(device), self.attention_backend)
+        if self._backends_for == key:
+            return
+        backends = _attention.resolve_attention_backends(self.attention_backend, device)
+        for block in self.blocks:
+            block.self_attn.backends = backends
+            block.cross_attn.backends = backends
+        self._backends_for = key
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -592,6 +721,9 @@ class VideoDiT(nn.Module):
             stream_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
 
         h = self.patch_embedding(x.to(param_dtype)).flatten(2).transpose(1, 2).to(stream_dtype)  # (B, S, D)
+        # Contiguous, not a transposed view: every block then sees inputs of one layout, so a compiled block
+        # serves the first block too (a view input would add a guard on its base and a second graph).
+        h = h.contiguous()
 
         # Meta tensors (shape and FLOP analysis) have no autocast.
         no_autocast = (
@@ -618,11 +750,10 @@ class VideoDiT(nn.Module):
                 context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
 
         cos, sin = self._rope(grid, x.device)
+        self._apply_attention_backend(x.device)
         for block in self.blocks:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(block, h, e0, cos, sin, ctx, context_mask, use_reentrant=False)
-            else:
-                h = block(h, e0, cos, sin, ctx, context_mask)
+            # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
+            h = block(h, e0, cos, sin, ctx, context_mask)
         out = self.unpatchify(self.head(h, e), grid)
         if ctx is None and self.training and torch.is_grad_enabled():
             # DDP expects a gradient for every parameter at every step; a batch without text would leave

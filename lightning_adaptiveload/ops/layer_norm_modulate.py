@@ -35,6 +35,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lightning_adaptiveload.ops import _build
 
@@ -91,17 +92,29 @@ def _check_inputs(x, shift, scale, weight, bias) -> None:
                 f"layer_norm_modulate: {name} {tuple(t.shape)} must end in D = {D} like x {tuple(x.shape)}; "
                 "layouts: per sample (B, 1, D) or (B, D), per token (B, S, D), per frame (B, F, 1, D)"
             )
-        if t.dim() == 2 and x.dim() >= 3 and t.shape[0] not in (1, x.shape[0]):
+        if t.dim() == 2 and x.dim() >= 3 and _differ(t.shape[0], 1) and _differ(t.shape[0], x.shape[0]):
             raise ValueError(
                 f"layer_norm_modulate: {name} {tuple(t.shape)} is read as per sample (B, D) but x {tuple(x.shape)} "
                 f"has B = {x.shape[0]}"
             )
         padded = _padded_shape(t, x)
-        if len(padded) > x.dim() or any(m not in (1, n) for m, n in zip(padded, x.shape)):
+        if len(padded) > x.dim() or any(_differ(m, 1) and _differ(m, n) for m, n in zip(padded, x.shape)):
             raise ValueError(
                 f"layer_norm_modulate: {name} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}; layouts: "
                 "per sample (B, 1, D) or (B, D), per token (B, S, D), per frame (B, F, 1, D) for x (B, F, L, D)"
             )
+
+
+def _differ(a, b) -> bool:
+    """``a != b`` for sizes that may be symbolic (torch.compile with dynamic shapes).
+
+    Inside a traced activation-checkpoint region, x and the modulation table carry separate symbols for
+    the same batch size, and their equality cannot be guarded there; only a difference that is certain
+    counts (eager sizes are plain ints, so eager checks are exact).
+    """
+    if isinstance(a, int) and isinstance(b, int):
+        return a != b
+    return guard_or_false(a != b)
 
 
 def _padded_shape(m: torch.Tensor, x: torch.Tensor) -> tuple[int, ...]:
@@ -125,12 +138,15 @@ def _as_groups(m: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int] | N
     m = _expand_modulation(m, x)
     lead_m, lead_x = m.shape[:-1], x.shape[:-1]
     k = len(lead_m)
-    while k > 0 and lead_m[k - 1] == 1:
+    # A leading size counts as broadcast only when it is certainly 1 (sizes may be symbolic under compile).
+    while k > 0 and (
+        lead_m[k - 1] == 1 if isinstance(lead_m[k - 1], int) else guard_or_false(lead_m[k - 1] == 1)
+    ):
         k -= 1
-    if any(lead_m[i] != lead_x[i] for i in range(k)):
+    if any(_differ(lead_m[i], lead_x[i]) for i in range(k)):
         return None
-    num_groups = math.prod(lead_x[:k])
-    return m.reshape(num_groups, x.shape[-1]), math.prod(lead_x[k:])
+    # The table's row count from m's own sizes (equal to x's leading sizes, see _differ).
+    return m.reshape(-1, x.shape[-1]), math.prod(lead_x[k:])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -367,7 +383,9 @@ def layer_norm_modulate(
     """
     _check_inputs(x, shift, scale, weight, bias)
     args = (x, shift, scale, weight, bias, eps)
-    if x.device.type != "cuda":
+    # Under torch.compile every device takes the custom op (its default implementation is the reference
+    # math), so a compiled graph holds the op as one node wherever it is traced.
+    if x.device.type != "cuda" and not torch.compiler.is_compiling():
         return _fallback(
             f"device:{x.device.type}", f"x is on {x.device.type}; the fused kernels need CUDA", *args
         )
@@ -390,9 +408,10 @@ def layer_norm_modulate(
     blocker = _kernel_blocker(x, mod_dtype)
     if blocker is not None:
         return _fallback(f"shape:{blocker}", blocker, *args)
-    if not _KERNELS_LOADED:
-        return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
-    _paths.setdefault("fused", f"CUDA kernels ({_KERNELS_INFO})")
+    if x.device.type == "cuda":
+        if not _KERNELS_LOADED:
+            return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
+        _paths.setdefault("fused", f"CUDA kernels ({_KERNELS_INFO})")
     if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
         table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
     y, _, _ = _fwd_op(

@@ -1,0 +1,447 @@
+"""Side-by-side training-step speed of wan-1.3b (ours and diffusers'), one variant per lever.
+
+For each variant (attention kernel, weight dtype, regional compile, checkpoint policy; diffusers' Wan 1.3B
+with and without our fused op) and each shape (one 81-frame 480p clip, 21 images, one image, batches of
+65,520 and 131,040 tokens), times forward + backward with CUDA events (warm-up, then the median of
+``--reps``), the optimizer step apart, the host time to issue the step, the GPU-busy share (kernel time
+from ``torch.profiler`` over the step time, on the small shapes where the host can be the limit), peak
+memory, and MFU = 3 x forward FLOPs (recompute not counted) / step time / dense bf16 peak. Compile time
+and the number of compiled graphs are recorded per variant. A micro-benchmark of the attention kernels
+alone (one clip's self-attention, forward + backward) comes first.
+
+Writes ``bench_step_<device>_<date>.json`` into ``--out`` after every measurement (a run cut short keeps
+what it measured) and prints a table last.
+
+    python benchmarks/bench_step.py                                   # one H100, about 8 minutes
+    python benchmarks/bench_step.py --device cpu --preset tiny --variants eager,compiled  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import jsonable  # noqa: E402
+
+# name -> settings. "ours": VideoDiT; weights fp32 (autocast casts them) or bf16 (+ fp32 master in AdamW);
+# attention: our backend names; compile: regional per block; ckpt: (policy, num_blocks or None) or None.
+VARIANTS = {
+    "baseline": dict(model="ours", weights="fp32", attention="default", compile=False, ckpt=("full", None)),
+    "flash": dict(model="ours", weights="fp32", attention="flash", compile=False, ckpt=("full", None)),
+    # Isolate the two changes the "bf16w" variant bundles (its eager host time rose on the image step).
+    "auto": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
+    "bf16w-default-attn": dict(
+        model="ours", weights="bf16", attention="default", compile=False, ckpt=("full", None)
+    ),
+    "compile+sac": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", None)
+    ),
+    "bf16w": dict(model="ours", weights="bf16", attention="auto", compile=False, ckpt=("full", None)),
+    "bf16w+compile": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=("full", None)),
+    "bf16w+compile+sac": dict(
+        model="ours", weights="bf16", attention="auto", compile=True, ckpt=("save_attention", None)
+    ),
+    "bf16w+compile+noac": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=None),
+    # The same without our fused op: inductor fuses the eager LayerNorm + modulate itself.
+    "bf16w+compile+sac+nofuse": dict(
+        model="ours",
+        weights="bf16",
+        attention="auto",
+        compile=True,
+        ckpt=("save_attention", None),
+        fused=False,
+    ),
+    "diffusers": dict(model="diffusers", fused=False, compile=False, attention="default"),
+    "diffusers+fused": dict(model="diffusers", fused=True, compile=False, attention="default"),
+    "diffusers+fused+compile": dict(model="diffusers", fused=True, compile=True, attention="auto"),
+    # CPU smoke test
+    "eager": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
+    "compiled": dict(
+        model="ours", weights="fp32", attention="auto", compile=True, ckpt=("save_attention", None)
+    ),
+}
+# name -> (B, T, H, W) latent batch.
+SHAPES = {
+    "clip": (1, 21, 60, 104),
+    "images": (21, 1, 60, 104),
+    "image": (1, 1, 60, 104),
+    "tok65k": (2, 21, 60, 104),
+    "tok131k": (4, 21, 60, 104),
+    # tiny preset (CPU)
+    "tiny_clip": (1, 5, 8, 8),
+    "tiny_images": (3, 1, 8, 8),
+}
+PROFILED = {"image", "images", "tiny_images"}
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _build(spec, cfg, dev, text_dim):
+    """(model, optimizer, forward(x, t, ctx) -> out, info)."""
+    info = {}
+    if spec["model"] == "ours":
+        from lightning_adaptiveload.fusion import fuse_norm_modulate
+        from lightning_adaptiveload.master_weights import MasterWeightAdamW
+        from lightning_adaptiveload.models import VideoDiT
+
+        torch.manual_seed(0)
+        model = VideoDiT(cfg).to(dev).train()
+        torch.nn.init.normal_(model.head.head.weight, std=0.02)
+        if spec["ckpt"] is None:
+            model.set_activation_checkpointing(False)
+        else:
+            model.set_activation_checkpointing(True, spec["ckpt"][0], spec["ckpt"][1])
+        model.set_attention_backend(spec["attention"])
+        fuse = dev.type == "cuda" and spec.get("fused", True)
+        info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites if fuse else 0
+        if spec["weights"] == "bf16":
+            model = model.to(torch.bfloat16)
+            opt = MasterWeightAdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+        if spec["compile"]:
+            from lightning_adaptiveload.acceleration import compile_blocks
+
+            # Symbolic sizes from the first call: one graph for B = 1 and one for B > 1 (see acceleration.py).
+            info["compiled_blocks"] = compile_blocks(model, dynamic=True)
+
+        def fwd(x, t, ctx):
+            return model(x, t, ctx, None)
+
+        return model, opt, fwd, info
+    from diffusers import WanTransformer3DModel
+
+    from lightning_adaptiveload.acceleration import set_attention_backend
+    from lightning_adaptiveload.fusion import fuse_norm_modulate
+
+    torch.manual_seed(0)
+    model = (
+        WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=cfg.num_heads,
+            attention_head_dim=cfg.head_dim,
+            in_channels=cfg.in_channels,
+            out_channels=cfg.out_channels,
+            text_dim=text_dim,
+            freq_dim=cfg.freq_dim,
+            ffn_dim=cfg.ffn_dim,
+            num_layers=cfg.num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        )
+        .to(dev, torch.bfloat16)
+        .train()
+    )
+    model.enable_gradient_checkpointing()
+    info["attention"] = set_attention_backend(model, spec["attention"], dev)
+    if spec["fused"]:
+        info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites
+    if spec["compile"]:
+        if hasattr(model, "compile_repeated_blocks"):
+            model.compile_repeated_blocks(fullgraph=True, dynamic=True)
+            info["compile"] = "compile_repeated_blocks"
+        else:
+            from lightning_adaptiveload.acceleration import compile_blocks
+
+            info["compile"] = f"compile_blocks: {compile_blocks(model)}"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+    def fwd(x, t, ctx):
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
+
+    return model, opt, fwd, info
+
+
+def _fwd_bwd(fwd, x, t, ctx, dev):
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        out = fwd(x, t, ctx)
+    F.mse_loss(out.float(), x.float()).backward()
+
+
+def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile, bf16_inputs):
+    b, t_, h, w = shape
+    dtype = torch.bfloat16 if dev.type == "cuda" or bf16_inputs else torch.float32
+    x = torch.randn(b, cfg.in_channels, t_, h, w, device=dev, dtype=dtype)
+    ts = torch.rand(b, device=dev) * 1000
+    ctx = torch.randn(b, text_len, text_dim, device=dev, dtype=dtype)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    walls = []
+    for _ in range(1):  # warm-up; includes compilation
+        t0 = time.perf_counter()
+        _fwd_bwd(fwd, x, ts, ctx, dev)
+        _sync(dev)
+        walls.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    ms, host = [], []
+    reps = reps if b * t_ * h * w <= 32760 * 4 else max(2, reps - 1)
+    for _ in range(reps):
+        if dev.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+        t0 = time.perf_counter()
+        _fwd_bwd(fwd, x, ts, ctx, dev)
+        host.append(1e3 * (time.perf_counter() - t0))
+        if dev.type == "cuda":
+            e.record()
+            e.synchronize()
+            ms.append(s.elapsed_time(e))
+        else:
+            ms.append(host[-1])
+        if len(ms) < reps:
+            opt.zero_grad(set_to_none=True)
+    # Optimizer step on the last step's gradients, timed apart.
+    opt_ms = []
+    for _ in range(2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(dev)
+        opt_ms.append(1e3 * (time.perf_counter() - t0))
+    opt.zero_grad(set_to_none=True)
+    row = {
+        "fwd_bwd_ms": statistics.median(ms),
+        "fwd_bwd_ms_all": ms,
+        "host_ms": statistics.median(host),
+        "opt_ms": min(opt_ms),
+        "first_step_s": walls[0],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+    }
+    if profile:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as _profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with _profile(activities=acts) as prof:
+            _fwd_bwd(fwd, x, ts, ctx, dev)
+            _sync(dev)
+        opt.zero_grad(set_to_none=True)
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        row["kernel_ms"] = sum(e.self_device_time_total for e in kernels) / 1e3
+        row["kernel_launches"] = sum(e.count for e in kernels)
+        row["gpu_busy"] = row["kernel_ms"] / row["fwd_bwd_ms"] if kernels else None
+        row["top_kernels"] = [
+            {"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "count": e.count}
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
+        ]
+    del x, ctx
+    return row
+
+
+def _attention_micro(dev, reps=10):
+    """One clip's self-attention (1 x 12 heads x 32760 x 128, bf16), forward + backward, per SDPA kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lightning_adaptiveload.attention import activate_flash_impl
+
+    rows = {}
+    q, k, v = (
+        torch.randn(1, 12, 32760, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    flops = 4 * 32760 * 32760 * 128 * 12 * 3.5  # fwd 4*S^2*d*H, bwd 2.5x
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+        try:
+            with sdpa_kernel([backend]):
+                for _ in range(2):
+                    F.scaled_dot_product_attention(q, k, v).sum().backward()
+                times = []
+                for _ in range(reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    F.scaled_dot_product_attention(q, k, v).sum().backward()
+                    e.record()
+                    e.synchronize()
+                    times.append(s.elapsed_time(e))
+            m = statistics.median(times)
+            rows[name] = {"fwd_bwd_ms": m, "tflops": flops / m / 1e9}
+        except Exception as err:
+            rows[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+    for impl in ("FA3", "FA4"):
+        ok, why = activate_flash_impl(impl)
+        rows[impl] = {"available": ok, "detail": why}
+        if ok:
+            torch.nn.attention.restore_flash_attention_impl()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="wan-1.3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--variants",
+        default="baseline,bf16w,bf16w+compile,bf16w+compile+sac,bf16w+compile+noac,"
+        "flash,diffusers,diffusers+fused,diffusers+fused+compile",
+    )
+    ap.add_argument("--shapes", default="clip,images,image,tok65k,tok131k")
+    ap.add_argument("--skip", default="", help="variant:shape,... pairs not to run (e.g. known OOM)")
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--time-budget-s", type=float, default=480.0)
+    ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    )
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    logging_setup()
+    dev = torch.device(args.device)
+    from lightning_adaptiveload.models.video_dit import VideoDiTConfig, forward_flops
+    from lightning_adaptiveload.stats import PEAK_FLOPS
+
+    cfg = VideoDiTConfig.preset(args.preset)
+    text_dim = cfg.text_dim
+    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
+    peak = PEAK_FLOPS["h100-sxm"]["bf16"] if "H100" in name or "H200" in name else None
+    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_step_{tag}_{_dt.date.today().isoformat()}.json")
+    result = {
+        "benchmark": "benchmarks/bench_step.py",
+        "device": name,
+        "torch": torch.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        "preset": args.preset,
+        "text_len": args.text_len,
+        "peak_flops": peak,
+        "mfu_convention": "3 x forward FLOPs (matmuls, forward_flops), recompute not counted; step = fwd+bwd+opt",
+        "shapes": {s: SHAPES[s] for s in args.shapes.split(",")},
+        "variants": {},
+        "attention_micro": None,
+    }
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(jsonable(result), f, indent=1)
+
+    if dev.type == "cuda" and not args.no_micro:
+        result["attention_micro"] = _attention_micro(dev)
+        print("attention micro:", json.dumps(result["attention_micro"]), flush=True)
+        save()
+    skip = set(filter(None, args.skip.split(",")))
+    for vname in args.variants.split(","):
+        if time.perf_counter() - started > args.time_budget_s:
+            print(f"time budget reached, skipping {vname}", flush=True)
+            continue
+        spec = VARIANTS[vname]
+        entry = {"spec": {k: v for k, v in spec.items()}, "rows": {}}
+        result["variants"][vname] = entry
+        try:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            model, opt, fwd, info = _build(spec, cfg, dev, text_dim)
+            entry["info"] = info
+        except Exception as err:
+            entry["error"] = f"{type(err).__name__}: {err}"
+            print(f"{vname}: build failed: {entry['error']}", flush=True)
+            traceback.print_exc()
+            continue
+        for sname in args.shapes.split(","):
+            if f"{vname}:{sname}" in skip or time.perf_counter() - started > args.time_budget_s:
+                continue
+            shape = SHAPES[sname]
+            b, t_, h, w = shape
+            s_tok = t_ * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])
+            try:
+                row = _measure(
+                    fwd,
+                    model,
+                    opt,
+                    shape,
+                    cfg,
+                    args.text_len,
+                    text_dim,
+                    dev,
+                    args.reps,
+                    sname in PROFILED,
+                    spec["model"] == "diffusers",
+                )
+            except torch.OutOfMemoryError:
+                row = {"error": "OOM"}
+            except Exception as err:
+                row = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                traceback.print_exc()
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            if "fwd_bwd_ms" in row:
+                flops = 3 * b * forward_flops(cfg, s_tok, args.text_len)
+                step_ms = row["fwd_bwd_ms"] + row["opt_ms"]
+                row.update(
+                    tokens=b * s_tok,
+                    step_ms=step_ms,
+                    tflops=flops / step_ms / 1e9,
+                    tokens_per_s=b * s_tok / step_ms * 1e3,
+                )
+                row["mfu"] = flops / (step_ms / 1e3) / peak if peak else None
+            entry["rows"][sname] = row
+            graphs = int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+            entry["graphs_compiled"] = graphs
+            print(f"{vname:26s} {sname:8s} " + _fmt(row), flush=True)
+            save()
+        del model, opt, fwd
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    _table(result)
+    print(f"wrote {path}")
+    return 0
+
+
+def logging_setup():
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("lightning_adaptiveload.attention").setLevel(logging.INFO)
+
+
+def _fmt(row):
+    if "error" in row:
+        return row["error"]
+    mfu = f"{100 * row['mfu']:5.1f}%" if row.get("mfu") else "  -  "
+    busy = f"{100 * row['gpu_busy']:4.0f}%" if row.get("gpu_busy") else "  - "
+    peak = f"{row['peak_gib']:5.1f}" if row.get("peak_gib") is not None else "  -  "
+    return (
+        f"{row['fwd_bwd_ms']:9.1f} +{row['opt_ms']:6.1f} ms  host {row['host_ms']:8.1f}  MFU {mfu}  busy {busy}"
+        f"  peak {peak} GiB  tok/s {row['tokens_per_s']:8.0f}  first {row['first_step_s']:6.1f} s"
+    )
+
+
+def _table(result):
+    print(
+        "\n== step = fwd+bwd + optimizer; MFU at 3x forward FLOPs, dense bf16 peak; busy = kernel time / fwd+bwd"
+    )
+    for vname, entry in result["variants"].items():
+        if "error" in entry:
+            print(f"{vname:26s} build failed: {entry['error'][:100]}")
+            continue
+        print(f"{vname} (graphs compiled: {entry.get('graphs_compiled', 0)})")
+        for sname, row in entry["rows"].items():
+            print(f"  {sname:8s} {_fmt(row)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Step-speed switches: attention kernel choice, checkpoint policies, regional compile, bf16 master weights.
+
+Compilation uses the ``aot_eager`` backend (Dynamo + AOTAutograd, the parts that decide graph breaks,
+recompiles and what a checkpoint keeps) so the tests stay within seconds on a 2-core CPU; inductor adds
+code generation only.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch.nn.attention import SDPBackend
+
+from lightning_adaptiveload import attention
+from lightning_adaptiveload.acceleration import (
+    MAX_GRAPHS_PER_MODE,
+    checkpoint_blocks_for_budget,
+    compile_blocks,
+    repeated_blocks,
+)
+from lightning_adaptiveload.fusion import fuse_norm_modulate
+from lightning_adaptiveload.master_weights import MasterWeightAdamW
+from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, _spread
+
+_CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
+
+
+def _model(seed: int = 0, **overrides) -> VideoDiT:
+    torch.manual_seed(seed)
+    model = VideoDiT(VideoDiTConfig.preset("tiny", **{**_CFG, **overrides})).train()
+    torch.nn.init.normal_(model.head.head.weight, std=0.02)  # non-zero gradients everywhere
+    return model
+
+
+def _inputs(b: int, t: int, h: int = 4, w: int = 4, text: int = 5, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(b, 16, t, h, w, generator=g),
+        torch.rand(b, generator=g) * 1000,
+        torch.randn(b, text, _CFG["text_dim"], generator=g),
+    )
+
+
+def _grads(model: VideoDiT, x, t, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(x, t, ctx)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- attention kernel choice -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cudnn", "flash", "efficient", "math"])
+def test_named_backend_comes_first_and_math_is_the_fallback(name):
+    order = attention.resolve_attention_backends(name, "cuda")
+    assert order[0] == attention._KERNELS[name]
+    assert order[-1] == SDPBackend.MATH or name == "math"
+    assert SDPBackend.MATH in order and len(set(order)) == len(order) == 4
+    assert all(isinstance(b, SDPBackend) for b in order)
+
+
+def test_auto_and_default_leave_pytorch_choice_off_cuda():
+    assert attention.resolve_attention_backends("auto", "cpu") is None
+    assert attention.resolve_attention_backends("default", "cpu") is None
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        attention.resolve_attention_backends("flash3", "cpu")
+
+
+@pytest.mark.parametrize("name", attention.ATTENTION_BACKENDS)
+def test_every_backend_runs_and_agrees_with_math(name):
+    # On CPU only math and the CPU flash kernel exist: the fallback order must still reach one that runs.
+    q, k, v = (torch.randn(2, 2, 7, 8) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 7) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = attention.sdpa(q, k, v, mask, attention.resolve_attention_backends(name, "cpu"))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert attention.attention_kernel_name(q, k, v, mask, None) == "PyTorch SDPA on cpu"
+
+
+def test_flash_impl_activation_reports_instead_of_raising():
+    ok, detail = attention.activate_flash_impl("FA3")
+    if ok:  # the package is installed: leave the process as it was
+        torch.nn.attention.restore_flash_attention_impl()
+    assert isinstance(detail, str) and detail
+
+
+def test_model_attention_backend_is_validated_and_applied():
+    model = _model()
+    with pytest.raises(ValueError, match="attention_backend"):
+        model.set_attention_backend("fastest")
+    model.set_attention_backend("math")
+    x, t, ctx = _inputs(1, 2)
+    model(x, t, ctx)
+    assert model.blocks[0].self_attn.backends[0] == SDPBackend.MATH
+    assert model.blocks[1].cross_attn.backends[0] == SDPBackend.MATH
+
+
+# -- checkpoint policies -----------------------------------------------------------------------------------
+
+
+def test_spread_picks_evenly_spaced_blocks():
+    assert _spread(0, 30) == []
+    assert _spread(30, 30) == list(range(30))
+    assert _spread(2, 6) == [0, 3]
+    assert len(_spread(7, 30)) == 7
+
+
+def test_checkpoint_settings_per_block():
+    model = _model(num_layers=4)
+    model.set_activation_checkpointing(True, "save_attention", num_blocks=2)
+    assert [b.checkpoint_policy for b in model.blocks] == ["save_attention", None, "save_attention", None]
+    assert model.gradient_checkpointing
+    model.gradient_checkpointing = False
+    assert all(b.checkpoint_policy is None for b in model.blocks) and not model.gradient_checkpointing
+    model.gradient_checkpointing = True
+    assert all(b.checkpoint_policy == "full" for b in model.blocks)
+    with pytest.raises(ValueError, match="checkpoint policy"):
+        model.set_activation_checkpointing(True, "everything")
+    with pytest.raises(ValueError, match="num_blocks"):
+        model.set_activation_checkpointing(True, "full", num_blocks=5)
+
+
+@pytest.mark.parametrize("policy,num_blocks", [("full", None), ("save_attention", None), ("full", 1)])
+def test_checkpoint_policies_give_the_same_gradients(policy, num_blocks):
+    model = _model()
+    x, t, ctx = _inputs(2, 2)
+    out_ref, ref = _grads(model, x, t, ctx)
+    model.set_activation_checkpointing(True, policy, num_blocks)
+    out, got = _grads(model, x, t, ctx)
+    torch.testing.assert_close(out, out_ref)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], msg=name)
+
+
+def test_checkpoint_blocks_for_budget():
+    gib = 2**30
+    # 30 blocks; all checkpointed 40 GiB, none 100 GiB: 2 GiB per un-checkpointed block.
+    assert checkpoint_blocks_for_budget(30, 65520, 70 * gib, 40 * gib, 100 * gib) == 15
+    assert checkpoint_blocks_for_budget(30, 65520, 100 * gib, 40 * gib, 100 * gib) == 0
+    assert checkpoint_blocks_for_budget(30, 65520, 40 * gib, 40 * gib, 100 * gib) == 30
+    assert checkpoint_blocks_for_budget(30, 65520, 41.9 * gib, 40 * gib, 100 * gib) == 30
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        checkpoint_blocks_for_budget(30, 131040, 39 * gib, 40 * gib, 100 * gib)
+
+
+# -- regional compile --------------------------------------------------------------------------------------
+
+
+def test_repeated_blocks_finds_the_block_list():
+    model = _model(num_layers=3)
+    assert repeated_blocks(model) == list(model.blocks)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        compile_blocks(torch.nn.Linear(2, 2))
+
+
+def test_block_graph_has_no_break_and_keeps_the_fused_op_as_one_node():
+    model = _model(num_layers=1)
+    fuse_norm_modulate(model, verify=False)
+    model.set_activation_checkpointing(True, "save_attention")
+    block = model.blocks[0]
+    x, t, ctx = _inputs(1, 2)
+    b, s, d = 1, 2 * 2 * 2, _CFG["dim"]
+    h = torch.randn(b, s, d)
+    e0 = torch.randn(b, 6, d)
+    cos, sin = model._rope((2, 2, 2), h.device)
+    ctx_emb = torch.randn(b, 5, d)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(block)(h, e0, cos, sin, ctx_emb, None)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    text = "\n".join(str(g.graph) for g in explained.graphs)
+    # Two NormModulate sites per block, each one node of the custom op (inside the checkpoint's body).
+    assert "lightning_adaptiveload.layer_norm_modulate" in text or any(
+        "layer_norm_modulate" in str(n.target)
+        for g in explained.graphs
+        for m in g.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+    )
+
+
+def test_compiled_model_matches_eager_with_bounded_recompiles():
+    eager = _model()
+    compiled = _model()
+    for m in (eager, compiled):
+        fuse_norm_modulate(m, verify=False)
+        m.set_activation_checkpointing(True, "save_attention")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_blocks(compiled, backend="aot_eager") == 2
+    # The mix's layouts: one long clip (B = 1), batches of images and of short clips (B > 1), new lengths.
+    shapes = [(1, 3), (3, 1), (2, 2), (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for b, t in shapes:
+            x, ts, ctx = _inputs(b, t)
+            out_e, g_e = _grads(eager, x, ts, ctx)
+            out_c, g_c = _grads(compiled, x, ts, ctx)
+            torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+            for name in g_e:
+                torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-5, msg=name)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= MAX_GRAPHS_PER_MODE, graphs
+
+
+# -- bf16 weights with fp32 master ---------------------------------------------------------------------------
+
+
+def _train(model, opt, steps=3):
+    for i in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i), dtype=torch.float32)
+        loss = model(x.to(next(model.parameters()).dtype)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_master_weights_match_adamw_in_fp32():
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    b.load_state_dict(a.state_dict())
+    _train(a, torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1))
+    _train(b, MasterWeightAdamW(b.parameters(), lr=1e-2, weight_decay=0.1))
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pb, pa)
+
+
+def test_master_weights_keep_small_updates_that_bf16_would_lose():
+    # lr 1e-4 on weights of size ~1: one bf16 ulp there is 2^-8 or 2^-7, so plain bf16 AdamW rounds every
+    # update away, while the fp32 master accumulates them (Adam's steps are about lr each).
+    torch.manual_seed(0)
+    init = torch.nn.Linear(8, 2)
+    with torch.no_grad():
+        init.weight.copy_(torch.randn(2, 8).sign() * (1.0 + torch.rand(2, 8)))
+    w16 = torch.nn.Linear(8, 2).to(torch.bfloat16)
+    plain16 = torch.nn.Linear(8, 2).to(torch.bfloat16)
+    with torch.no_grad():
+        for m in (w16, plain16):
+            m.weight.copy_(init.weight)
+            m.bias.copy_(init.bias)
+    start = w16.weight.detach().float().clone()
+    opt = MasterWeightAdamW(w16.parameters(), lr=1e-4, weight_decay=0.0)
+    _train(w16, opt, steps=20)
+    _train(plain16, torch.optim.AdamW(plain16.parameters(), lr=1e-4, weight_decay=0.0), steps=20)
+    master = opt.inner.param_groups[0]["params"][0]
+    assert w16.weight.dtype == torch.bfloat16 and master.dtype == torch.float32
+    assert (master - start).abs().mean().item() > 5e-4  # the master moved by many lr-sized steps
+    assert torch.equal(plain16.weight.float(), start)  # plain bf16 lost every one of them
+    torch.testing.assert_close(w16.weight, master.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_master_weights_state_dict_round_trip_and_scheduler():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    opt = MasterWeightAdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    _train_lin = lambda: model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()  # noqa: E731
+    _train_lin()
+    opt.step()
+    sched.step()
+    assert opt.inner.param_groups[0]["lr"] == pytest.approx(1e-3)  # copied at the next step
+    _train_lin()
+    opt.step()
+    assert opt.inner.param_groups[0]["lr"] == pytest.approx(5e-4)
+    state = opt.state_dict()
+    clone = MasterWeightAdamW(model.parameters(), lr=1e-3)
+    clone.load_state_dict(state)
+    for a, b in zip(clone.inner.param_groups[0]["params"], opt.inner.param_groups[0]["params"]):
+        torch.testing.assert_close(a, b)
+    assert clone.inner.state_dict()["state"].keys() == opt.inner.state_dict()["state"].keys()
+
+
+# -- the module's switches and users' diffusers models -------------------------------------------------------
+
+
+def test_module_switches_reach_the_model_and_optimizer():
+    from lightning_adaptiveload.module import VideoDiTModule
+
+    module = VideoDiTModule(
+        preset="tiny",
+        model_overrides={"num_layers": 2},
+        activation_checkpointing=True,
+        checkpoint_policy="save_attention",
+        checkpoint_blocks=1,
+        attention_backend="math",
+        weight_dtype="bf16",
+    )
+    module.configure_model()
+    assert [b.checkpoint_policy for b in module.model.blocks] == ["save_attention", None]
+    assert module.model.attention_backend == "math"
+    assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
+    assert isinstance(module.configure_optimizers()["optimizer"], MasterWeightAdamW)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        VideoDiTModule(preset="tiny", weight_dtype="fp16")
+
+
+def _tiny_diffusers_wan():
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=8,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )
+
+
+def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():
+    from lightning_adaptiveload.acceleration import set_attention_backend
+
+    model = _tiny_diffusers_wan()
+    assert repeated_blocks(model) == list(model.blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert set_attention_backend(model, "math") == "_native_math"
+        assert set_attention_backend(model, "auto", "cpu") == "native"  # PyTorch's choice off CUDA
+    with pytest.raises(ValueError, match="no set_attention_backend"):
+        set_attention_backend(torch.nn.Linear(2, 2), "cudnn")
