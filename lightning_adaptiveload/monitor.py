@@ -492,7 +492,6 @@ class LoadBalanceMonitor(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._stop_counter()
         if self._bucket_timer is not None:
             self._bucket_timer.active = False
 
