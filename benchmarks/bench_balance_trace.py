@@ -2,7 +2,7 @@
 
 Takes one or more step-time traces (JSONL, one line per (T, H, W, B): the anchor trace of diffusers' Wan 2.1
 1.3B on an H100, and/or ours from ``benchmarks/gpu_trace_wan13b.py``), and simulates with the real planner
-(:func:`lightning_adaptiveload.simulate.simulate`) the wan21_480p mix at 2, 8, 16 and 64 ranks in the modes
+(:func:`lightning_adaptiveload.tools.simulate.simulate`) the wan21_480p mix at 2, 8, 16 and 64 ranks in the modes
 ``equal_tokens``, ``dual`` (p fitted to the trace, ``max_compute="auto"``), ``lockstep`` (dual constraint) and
 ``lockstep_equal_tokens``. Then it checks the anchor README's numbers for the equal-token baseline (9.7% wait
 at 2 ranks, 13% at 8 to 64) in two ways: by the planner-driven simulation, and by the anchor's own replay (each
@@ -44,7 +44,7 @@ def iid_replay(table, mix, max_tokens: int, world: int, steps: int, seed: int) -
     of the ``equal_tokens`` mode with no end of epoch: the reference the planner-driven numbers are
     compared with. It is not the simulator (which runs the real planner); it only checks the trace's numbers.
     """
-    from lightning_adaptiveload.simulate import balance_metrics
+    from lightning_adaptiveload.tools.simulate import balance_metrics
 
     shapes = [b.latent_shape for b in mix.buckets]
     sizes = np.array([max(1, max_tokens // b.tokens) for b in mix.buckets])
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     args = ap.parse_args(argv)
 
-    from lightning_adaptiveload.mixes import load_mix
-    from lightning_adaptiveload.simulate import StepTimeTable, plot_result, simulate
+    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.tools.simulate import StepTimeTable, plot_result, simulate
 
     traces = args.trace
     if not traces:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from _common import cpu_name, jsonable
 
-from lightning_adaptiveload import ingest as ing
+from lightning_adaptiveload.data import ingest as ing
 
 
 def write_clip(path: str, seconds: float, fps: int, size: tuple[int, int], seed: int) -> None:

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from _common import cpu_name
 
-from lightning_adaptiveload.batching import DualConstraintBatcher, tokens_per_sample
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.mixes import Mix, load_mix
-from lightning_adaptiveload.planning import plan_epoch
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, tokens_per_sample
+from lightning_adaptiveload.planning.planner import plan_epoch
 
 
 def scaled_mix(name: str, scale: int) -> Mix:
@@ -195,8 +195,8 @@ def bench_plan(mix: Mix, sizes: list[tuple[int, int, int]], max_tokens: int) -> 
 
 def bench_step_overhead(mix: Mix, n: int) -> dict:
     """Per-batch cost of a worker's stream loop with reading and collating replaced by no-ops."""
-    import lightning_adaptiveload.datamodule as dmod
-    import lightning_adaptiveload.shards as shards_mod
+    import lightning_adaptiveload.data.datamodule as dmod
+    import lightning_adaptiveload.data.shards as shards_mod
 
     index_shapes = synthetic_index(mix, n, 100)
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
 
     mix = scaled_mix(args.mix, args.scale)
     max_tokens = max(b.tokens_for((1, 2, 2)) for b in mix.buckets)

@@ -95,9 +95,9 @@ def _build(spec, cfg, dev, text_dim):
     """(model, optimizer, forward(x, t, ctx) -> out, info)."""
     info = {}
     if spec["model"] == "ours":
-        from lightning_adaptiveload.fusion import fuse_norm_modulate
-        from lightning_adaptiveload.master_weights import MasterWeightAdamW
+        from lightning_adaptiveload.fusion.core import fuse_norm_modulate
         from lightning_adaptiveload.models import VideoDiT
+        from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
         torch.manual_seed(0)
         model = VideoDiT(cfg).to(dev).train()
@@ -115,7 +115,7 @@ def _build(spec, cfg, dev, text_dim):
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
         if spec["compile"]:
-            from lightning_adaptiveload.acceleration import compile_blocks
+            from lightning_adaptiveload.models.acceleration import compile_blocks
 
             # Symbolic sizes from the first call: one graph for B = 1 and one for B > 1 (see acceleration.py).
             info["compiled_blocks"] = compile_blocks(model, dynamic=True)
@@ -126,8 +126,8 @@ def _build(spec, cfg, dev, text_dim):
         return model, opt, fwd, info
     from diffusers import WanTransformer3DModel
 
-    from lightning_adaptiveload.acceleration import set_attention_backend
-    from lightning_adaptiveload.fusion import fuse_norm_modulate
+    from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+    from lightning_adaptiveload.models.acceleration import set_attention_backend
 
     torch.manual_seed(0)
     model = (
@@ -157,7 +157,7 @@ def _build(spec, cfg, dev, text_dim):
             model.compile_repeated_blocks(fullgraph=True, dynamic=True)
             info["compile"] = "compile_repeated_blocks"
         else:
-            from lightning_adaptiveload.acceleration import compile_blocks
+            from lightning_adaptiveload.models.acceleration import compile_blocks
 
             info["compile"] = f"compile_blocks: {compile_blocks(model)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
@@ -249,7 +249,7 @@ def _attention_micro(dev, reps=10):
     """One clip's self-attention (1 x 12 heads x 32760 x 128, bf16), forward + backward, per SDPA kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lightning_adaptiveload.attention import activate_flash_impl
+    from lightning_adaptiveload.models.attention import activate_flash_impl
 
     rows = {}
     q, k, v = (
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     logging_setup()
     dev = torch.device(args.device)
     from lightning_adaptiveload.models.video_dit import VideoDiTConfig, forward_flops
-    from lightning_adaptiveload.stats import PEAK_FLOPS
+    from lightning_adaptiveload.monitor.stats import PEAK_FLOPS
 
     cfg = VideoDiTConfig.preset(args.preset)
     text_dim = cfg.text_dim
@@ -415,7 +415,7 @@ def logging_setup():
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("lightning_adaptiveload.attention").setLevel(logging.INFO)
+    logging.getLogger("lightning_adaptiveload.models.attention").setLevel(logging.INFO)
 
 
 def _fmt(row):

@@ -3,7 +3,7 @@
 Runs, on one machine with 2 (or more) GPUs, the recipes ``recipes/wan13b_480p_<mode>.yaml`` through the
 package's LightningCLI (``python -m lightning_adaptiveload fit --config ...``) for the same number of steps
 and the same ``max_tokens`` (memory ceiling) in every mode, over synthetic shards of the wan21_480p mix
-generated on the machine. Each run's :class:`~lightning_adaptiveload.monitor.LoadBalanceMonitor` writes
+generated on the machine. Each run's :class:`~lightning_adaptiveload.monitor.callback.LoadBalanceMonitor` writes
 ``load_balance_ranks.csv`` (one row per rank and step) into ``<out>/<mode>/...``; the logger's
 ``metrics.csv`` holds the loss. ``benchmarks/ddp_modes_report.py <out>`` turns them into the comparison
 table, JSON and plots.
@@ -51,7 +51,7 @@ def _recipe(pattern: str, mode: str) -> str | None:
 
 def _samples_needed(steps: int, world: int, max_tokens: int, mix_name: str) -> int:
     """Samples for ``steps`` steps on ``world`` ranks in the mode with the biggest batches, plus 25%."""
-    from lightning_adaptiveload.mixes import load_mix
+    from lightning_adaptiveload.data.mixes import load_mix
 
     mix = load_mix(mix_name)
     per_batch = 1.0 / sum(b.p / max(1, max_tokens // b.tokens) for b in mix.buckets)
@@ -60,7 +60,7 @@ def _samples_needed(steps: int, world: int, max_tokens: int, mix_name: str) -> i
 
 def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: int) -> str:
     """Write (or reuse) synthetic shards; returns the index path."""
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
 
     index = write_synthetic_shards(
         data_dir,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             # A benchmark keeps no checkpoints (a wan-1.3b one with AdamW state is about 17 GB): the monitor
             # is the only callback.
             "--trainer.callbacks",
-            '[{"class_path": "lightning_adaptiveload.monitor.LoadBalanceMonitor"}]',
+            '[{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor"}]',
             "--trainer.enable_checkpointing",
             "false",
             # Every step is gathered and logged (one collective of a few floats: well under 1% of a step).

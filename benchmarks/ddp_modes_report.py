@@ -10,7 +10,7 @@ reports per mode:
 - compute CV across ranks per step (mean, p95) and the straggler wait ``sum (max - mean) / sum max`` of the
   ranks' own compute times; imbalance ``max / mean - 1``;
 - memory: the peak allocated over (rank, step) as a share of the device, and the paper's "peak VRAM
-  utilisation efficiency" ``mean / max`` of the per-step peaks (``lightning_adaptiveload.stats``);
+  utilisation efficiency" ``mean / max`` of the per-step peaks (``lightning_adaptiveload.monitor.stats``);
 - the target of issue 7: lockstep's tokens/s gain over ``equal_tokens`` against the baseline's wait share.
 
 Writes ``benchmarks/results/ddp_modes_<date>.json``, a Markdown table on stdout, and plots into
@@ -91,7 +91,7 @@ def load_loss(path: str | None) -> tuple[np.ndarray, np.ndarray]:
 
 def mode_summary(ranks: dict[str, np.ndarray], warmup: int, device_total: float | None) -> dict[str, float]:
     """Per-mode figures from the per-rank arrays (see the module docstring)."""
-    from lightning_adaptiveload import stats
+    from lightning_adaptiveload.monitor import stats
 
     keep = np.ones(ranks["compute_time_s"].shape[0], dtype=bool)
     keep[:warmup] = False
@@ -150,7 +150,7 @@ def _plots(per_mode: dict[str, dict], img_dir: str) -> dict[str, str]:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from lightning_adaptiveload import stats
+    from lightning_adaptiveload.monitor import stats
 
     os.makedirs(img_dir, exist_ok=True)
     out = {}
@@ -224,8 +224,8 @@ def simulate_calibrated(run_dir: str, sizes: list[int], mix_name: str, max_token
     waiting excluded); buckets or batch sizes never met are interpolated or fitted, and the result says how
     many lookups that was.
     """
-    from lightning_adaptiveload.mixes import load_mix
-    from lightning_adaptiveload.simulate import StepTimeTable, simulate
+    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.tools.simulate import StepTimeTable, simulate
 
     csvs = [p for m in MODES if (p := _find(run_dir, m, "load_balance_ranks.csv"))]
     mix = load_mix(mix_name)

@@ -15,7 +15,7 @@ still leaves what it measured::
      "peak_gb": 12.3, "reps_ms": [...], "fused": true}
 
 plus a leading ``# meta {...}`` line (device, torch, settings) and a trailing ``# fit ...`` line. Read it
-with ``lightning_adaptiveload.simulate.StepTimeTable.from_jsonl``.
+with ``lightning_adaptiveload.tools.simulate.StepTimeTable.from_jsonl``.
 
 Run (one H100, < 4 minutes with the defaults; prebuild the fused op first so the build is not timed)::
 
@@ -44,7 +44,7 @@ def _fusion_state(model: torch.nn.Module, want: bool) -> dict:
     if not want:
         return state
     try:
-        from lightning_adaptiveload.fusion import fuse_norm_modulate
+        from lightning_adaptiveload.fusion.core import fuse_norm_modulate
 
         report = fuse_norm_modulate(model, verify=False)
         state["fused_sites"] = report.num_sites + sum(report.already_fused.values())
@@ -65,7 +65,7 @@ def _fusion_state(model: torch.nn.Module, want: bool) -> dict:
 
 def _buckets(mix_name: str, patch: tuple[int, int, int]) -> list[tuple[int, int, int, int, int]]:
     """Unique (C, T, H, W, S) of the mix, longest first (so the slowest are measured while time remains)."""
-    from lightning_adaptiveload.mixes import load_mix
+    from lightning_adaptiveload.data.mixes import load_mix
 
     mix = load_mix(mix_name)
     seen = {}
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if skipped:
             f.write("# skipped (time budget) " + json.dumps(skipped) + "\n")
         if len({r["S"] for r in rows}) >= 3:
-            from lightning_adaptiveload.cost_model import CostModel
+            from lightning_adaptiveload.planning.cost_model import CostModel
 
             fit = CostModel.fit(
                 [r["S"] for r in rows],

@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_adaptiveload.batching import DualConstraintBatcher
-from lightning_adaptiveload.cost_model import CostModel
-from lightning_adaptiveload.planning import PlanError, plan_epoch
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.planner import PlanError, plan_epoch
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
 WEIGHTS = [8, 8, 4, 2, 2, 1, 2, 2, 1, 6, 6, 3]
@@ -75,8 +75,8 @@ def run_case(case: dict) -> str | int:
 
 
 def wan_case() -> str | None:
-    from lightning_adaptiveload.mixes import load_mix
-    from lightning_adaptiveload.simulate import _mix_population
+    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.tools.simulate import _mix_population
 
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)  # the case
     out = []

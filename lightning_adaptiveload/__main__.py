@@ -1,6 +1,6 @@
-"""``python -m lightning_adaptiveload ...``; see :mod:`lightning_adaptiveload.cli`."""
+"""``python -m lightning_adaptiveload ...``; see :mod:`lightning_adaptiveload.cli.main`."""
 
-from lightning_adaptiveload.cli import main
+from lightning_adaptiveload.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
 torch.set_num_threads(1)
 

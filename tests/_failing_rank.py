@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_adaptiveload.module import VideoDiTModule
+from lightning_adaptiveload.models.module import VideoDiTModule
 
 
 class FailsOnRankOne(VideoDiTModule):

@@ -14,15 +14,15 @@ import torch
 import torch._dynamo
 from torch.nn.attention import SDPBackend
 
-from lightning_adaptiveload import attention
-from lightning_adaptiveload.acceleration import (
+from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+from lightning_adaptiveload.models import attention
+from lightning_adaptiveload.models.acceleration import (
     MAX_GRAPHS_PER_MODE,
     checkpoint_blocks_for_budget,
     compile_blocks,
     repeated_blocks,
 )
-from lightning_adaptiveload.fusion import fuse_norm_modulate
-from lightning_adaptiveload.master_weights import MasterWeightAdamW
+from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, _spread
 
 _CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
@@ -283,7 +283,7 @@ def test_master_weights_state_dict_round_trip_and_scheduler():
 
 
 def test_module_switches_reach_the_model_and_optimizer():
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     module = VideoDiTModule(
         preset="tiny",
@@ -322,7 +322,7 @@ def _tiny_diffusers_wan():
 
 
 def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():
-    from lightning_adaptiveload.acceleration import set_attention_backend
+    from lightning_adaptiveload.models.acceleration import set_attention_backend
 
     model = _tiny_diffusers_wan()
     assert repeated_blocks(model) == list(model.blocks)

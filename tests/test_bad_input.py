@@ -13,9 +13,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.data.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
 
-LOGGER = "lightning_adaptiveload.shards"
+LOGGER = "lightning_adaptiveload.data.shards"
 
 
 def _npy(arr: np.ndarray, allow_pickle: bool = False) -> bytes:

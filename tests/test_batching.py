@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_adaptiveload.batching import DualConstraintBatcher, collate, tokens_per_sample
-from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate, tokens_per_sample
+from lightning_adaptiveload.planning.cost_model import CostModel
 
 QUAD = CostModel(kind="quadratic", alpha=1.0, beta=0.01)
 
@@ -191,7 +191,7 @@ def _npy(data: bytes) -> np.ndarray:
 def test_batcher_is_a_webdataset_pipeline_stage(tmp_path):
     import webdataset as wds
 
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
 
     index = write_synthetic_shards(
         str(tmp_path), mix="tiny", num_samples=60, samples_per_shard=20, seed=1, progress=False

@@ -13,13 +13,13 @@ import pytest
 import torch
 import yaml
 
-from lightning_adaptiveload import cli
-from lightning_adaptiveload.calibrate import calibrate
-from lightning_adaptiveload.calibrate import main as calibrate_main
+from lightning_adaptiveload.cli import main as cli
+from lightning_adaptiveload.tools.calibrate import calibrate
+from lightning_adaptiveload.tools.calibrate import main as calibrate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "*.yaml")))
-HAVE_DATAMODULE = importlib.util.find_spec("lightning_adaptiveload.datamodule") is not None
+HAVE_DATAMODULE = importlib.util.find_spec("lightning_adaptiveload.data.datamodule") is not None
 needs_datamodule = pytest.mark.skipif(not HAVE_DATAMODULE, reason="datamodule.py not in this tree yet")
 
 
@@ -57,7 +57,7 @@ def test_missing_tool_module_gives_a_clear_message(monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.no_such_module", "main", "gone"))
     with pytest.raises(SystemExit, match="no lightning_adaptiveload.no_such_module module"):
         cli.main(["ghost"])
-    monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli", "no_such_function", "gone"))
+    monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli.main", "no_such_function", "gone"))
     with pytest.raises(SystemExit, match="has no no_such_function"):
         cli.main(["ghost"])
 
@@ -213,8 +213,8 @@ def _tiny_calibration(tmp_path, **kwargs):
 
 @pytest.mark.timeout(240)
 def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
-    from lightning_adaptiveload.batching import DualConstraintBatcher
-    from lightning_adaptiveload.cost_model import CostModel
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.cost_model import CostModel
 
     out = tmp_path / "cal.yaml"
     rc = calibrate_main(
@@ -234,7 +234,7 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     model = CostModel.from_dict(data["cost_model"])
     assert model.cost(225) > model.cost(24) > 0
     # max_compute is the batcher's "auto" rule on the mix's shapes.
-    from lightning_adaptiveload.mixes import load_mix
+    from lightning_adaptiveload.data.mixes import load_mix
 
     batcher = DualConstraintBatcher(
         data["max_tokens"], "auto", cost_model=model, mode="dual", oversize="skip"

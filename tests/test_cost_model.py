@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.planning.cost_model import CostModel
 
 
 def test_cost_forms():

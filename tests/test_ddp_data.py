@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
 
-from lightning_adaptiveload.shards import ShardIndex, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
 
 # Uneven shard sizes: from 3 to 29 samples.
 SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]
@@ -81,7 +81,7 @@ def test_ddp_spawn_two_ranks(shards, tmp_path):
     import lightning.pytorch as pl
     from _ddp_data_runner import KeyRecorder
 
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
     base = str(tmp_path / "spawn")
     dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=512, schedule="lockstep", num_workers=0)

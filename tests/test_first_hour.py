@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload import cli
+from lightning_adaptiveload.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml")
@@ -136,7 +136,7 @@ def _dotted_shard(tmp_path) -> str:
 
 
 def test_synthetic_typo_is_caught_when_the_config_is_read(tmp_path):
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
     with pytest.raises(ValueError, match="did you mean 'num_samples'") as err:
         AdaptiveLoadDataModule(str(tmp_path / "train"), synthetic={"mix": "tiny", "num_sample": 8})
@@ -173,7 +173,7 @@ def test_unknown_nested_key_suggests_the_nearest(tmp_path, capsys, old, new, hin
 
 
 def test_mistyped_command_lists_the_tool_commands(capsys, monkeypatch):
-    monkeypatch.setitem(cli.COMMANDS, "ingest", ("lightning_adaptiveload.shards", "index_main", "a new tool"))
+    monkeypatch.setitem(cli.COMMANDS, "ingest", ("lightning_adaptiveload.data.shards", "index_main", "a new tool"))
     assert cli.main(["simulte"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'simulate'?" in err
@@ -182,7 +182,7 @@ def test_mistyped_command_lists_the_tool_commands(capsys, monkeypatch):
 
 
 def test_channel_mismatch_is_named():
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     module = VideoDiTModule(preset="tiny")
     batch = {"latents": torch.zeros(8, 4, 1, 8, 8), "text": None, "text_mask": None, "num_tokens": 128}
@@ -193,7 +193,7 @@ def test_channel_mismatch_is_named():
 
 
 def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
-    from lightning_adaptiveload.shards import ShardError, ShardIndex
+    from lightning_adaptiveload.data.shards import ShardError, ShardIndex
 
     path = _dotted_shard(tmp_path)
     with pytest.raises(ShardError, match="keys cannot contain dots") as err:
@@ -205,9 +205,9 @@ def test_oversize_in_a_library_fit_is_the_error_raised(tmp_path):
     # Without the CLI: the oversize error is raised by setup, not masked by Lightning's teardown.
     import lightning as L
 
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.module import VideoDiTModule
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=100, mode="equal_tokens", num_workers=0)
@@ -223,9 +223,9 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     import lightning as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.module import VideoDiTModule
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=1024, num_workers=0)
@@ -334,7 +334,7 @@ def test_every_tool_flag_has_a_help_line(monkeypatch):
 
 
 def test_simulate_flags_separate_schedules_from_modes(capsys):
-    from lightning_adaptiveload import simulate
+    from lightning_adaptiveload.tools import simulate
 
     assert simulate._configurations(None, None) == list(simulate.DEFAULT_MODES)
     assert simulate._configurations("dual", "independent,lockstep") == ["dual", "lockstep"]

@@ -9,7 +9,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_adaptiveload import global_token_count, rank_noise_generator, token_weighted_loss
-from lightning_adaptiveload.flops import find_wan_config, meta_copy, meta_training_flops, wan_flops_per_batch
+from lightning_adaptiveload.monitor.flops import (
+    find_wan_config,
+    meta_copy,
+    meta_training_flops,
+    wan_flops_per_batch,
+)
 
 
 def _tiny_wan():

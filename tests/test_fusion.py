@@ -19,8 +19,8 @@ from torch import nn
 
 import lightning_adaptiveload
 import lightning_adaptiveload.ops as ops
-from lightning_adaptiveload import fusion
-from lightning_adaptiveload.fusion import (
+from lightning_adaptiveload.fusion import core as fusion
+from lightning_adaptiveload.fusion.core import (
     FusedNormModulateMixin,
     FusionAdapter,
     FusionError,
@@ -970,7 +970,7 @@ def test_mixin_options_from_class_attributes_and_kwargs():
 
 def test_mixin_composes_with_video_dit_module():
     module_py = pytest.importorskip(
-        "lightning_adaptiveload.module", reason="module.py (VideoDiTModule) not present"
+        "lightning_adaptiveload.models.module", reason="module.py (VideoDiTModule) not present"
     )
 
     class FusedVideoDiTModule(FusedNormModulateMixin, module_py.VideoDiTModule):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning_adaptiveload.ops as ops
-from lightning_adaptiveload.fusion import fuse_norm_modulate
+from lightning_adaptiveload.fusion.core import fuse_norm_modulate
 
 pytestmark = pytest.mark.cuda
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, _index_disagreement
-from lightning_adaptiveload.shards import write_synthetic_shards
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, _index_disagreement
+from lightning_adaptiveload.data.shards import write_synthetic_shards
 
 
 def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], out_dir: str) -> None:

@@ -19,8 +19,8 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from lightning_adaptiveload import ingest as ing  # noqa: E402
-from lightning_adaptiveload.shards import ShardIndex, iter_shard  # noqa: E402
+from lightning_adaptiveload.data import ingest as ing  # noqa: E402
+from lightning_adaptiveload.data.shards import ShardIndex, iter_shard  # noqa: E402
 
 Z = 4  # latent channels of the tiny VAE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,7 +271,7 @@ def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
 def test_cli_ingest(tmp_path, vae_dir, capsys):
     from PIL import Image
 
-    from lightning_adaptiveload import cli
+    from lightning_adaptiveload.cli import main as cli
 
     src = tmp_path / "in"
     src.mkdir()
@@ -308,7 +308,7 @@ _RUNNER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from lightning.pytorch import Callback
-    from lightning_adaptiveload import ingest as ing
+    from lightning_adaptiveload.data import ingest as ing
     cfg = json.loads(sys.argv[1])
 
     class Kill(Callback):
@@ -389,8 +389,8 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
     """A short fit of the tiny model on ingested shards, with the quickstart's data settings."""
     import lightning.pytorch as pl
 
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     src = _dataset(tmp_path / "in", n_videos=3, corrupt=False)
     out = tmp_path / "train"

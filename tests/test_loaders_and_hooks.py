@@ -11,9 +11,13 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
-from lightning_adaptiveload.batching import collate
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedDataLoader, PlannedShardDataset
-from lightning_adaptiveload.shards import ShardIndex, index_main, write_synthetic_shards
+from lightning_adaptiveload.data.datamodule import (
+    AdaptiveLoadDataModule,
+    PlannedDataLoader,
+    PlannedShardDataset,
+)
+from lightning_adaptiveload.data.shards import ShardIndex, index_main, write_synthetic_shards
+from lightning_adaptiveload.planning.batching import collate
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +191,7 @@ def test_synth_after_index_reuses_the_data(tmp_path):
 @pytest.mark.timeout(180)
 def test_video_dit_module_tests_and_predicts(data, tmp_path):
     # The quickstart's `test` and `predict` subcommands failed: VideoDiTModule had no test_step/predict_step.
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     dm = AdaptiveLoadDataModule(
         train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_adaptiveload.module import VideoDiTModule
+from lightning_adaptiveload.models.module import VideoDiTModule
 
 _TEXT_DIM = 32
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.models import NormModulate
-from lightning_adaptiveload.module import VideoDiTModule, sample_timesteps, shift_timesteps
+from lightning_adaptiveload.models.module import VideoDiTModule, sample_timesteps, shift_timesteps
 
 # ---------------------------------------------------------------------------------------------- timesteps
 
@@ -72,7 +72,7 @@ def test_compile_option_compiles_every_block_lazily():
 
 
 def test_fused_mixin_composes_with_configure_model():
-    fusion = pytest.importorskip("lightning_adaptiveload.fusion")
+    fusion = pytest.importorskip("lightning_adaptiveload.fusion.core")
 
     class Fused(fusion.FusedNormModulateMixin, VideoDiTModule):
         pass

@@ -11,9 +11,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload import _dist, stats
-from lightning_adaptiveload import monitor as monitor_mod
-from lightning_adaptiveload.monitor import LoadBalanceMonitor
+from lightning_adaptiveload import _dist
+from lightning_adaptiveload.monitor import callback as monitor_mod
+from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 
 D_IN, D_OUT = 8, 16
 
@@ -378,7 +379,7 @@ def test_split_blocks_checks_that_ranks_line_up():
 def test_balance_figures_are_the_simulators():
     """Issue 13: the monitor's whole-run and window figures are stats.balance_summary of the compute times
     (timed steps only): the simulator's names and definitions; straggler_wait is time-weighted."""
-    from lightning_adaptiveload.simulate import balance_metrics
+    from lightning_adaptiveload.tools.simulate import balance_metrics
 
     rng = np.random.default_rng(2)
     k, world, f = 6, 3, monitor_mod._F

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_adaptiveload.batching import DualConstraintBatcher
-from lightning_adaptiveload.cost_model import CostModel
-from lightning_adaptiveload.planning import (
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.planner import (
     PlanError,
     consumed_refs,
     continue_plan,
@@ -169,7 +169,7 @@ def test_step_order_is_torch_dataloader_round_robin():
     plan = plan_epoch(index, 1, 3, DualConstraintBatcher(400), seed=0, epoch=0)
     expected_shape = [(w, j) for j in range(max(lengths)) for w in range(3) if j < lengths[w]]
     assert seen == expected_shape
-    from lightning_adaptiveload.planning import _round_robin
+    from lightning_adaptiveload.planning.planner import _round_robin
 
     assert _round_robin(lengths) == seen
     assert plan.step_order[0] == _round_robin([len(plan.streams[(0, w)]) for w in range(3)])
@@ -257,8 +257,8 @@ def test_buffer_bound_forces_early_partial_batches_in_independent_mode():
 
 def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
     """Issue 13: "common count is 15 but rank 13 has only 14 samples" on an easy epoch."""
-    from lightning_adaptiveload.mixes import load_mix
-    from lightning_adaptiveload.simulate import _mix_population
+    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.tools.simulate import _mix_population
 
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)
     shapes = [s.latent_shapes for s in index.shards]
@@ -270,7 +270,7 @@ def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
 
 
 def test_equal_counts_packs_partial_batches_instead_of_splitting_to_the_largest_count():
-    from lightning_adaptiveload.planning import _equal_counts
+    from lightning_adaptiveload.planning.planner import _equal_counts
 
     sizes = [16]  # one bucket, B = 16
     refs = [(0, i) for i in range(20)]

@@ -198,7 +198,7 @@ def test_pickled_checkpoint_refused(tmp_path):
 
 
 def test_module_init_from(diffusers_folder):
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
 
     folder, ref = diffusers_folder
     module = VideoDiTModule(init_from=folder)

@@ -1,4 +1,4 @@
-"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.shards / .mixes)."""
+"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.data.shards / .mixes)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload import shards as shards_mod
-from lightning_adaptiveload.mixes import available_mixes, load_mix
-from lightning_adaptiveload.shards import (
+from lightning_adaptiveload.data import shards as shards_mod
+from lightning_adaptiveload.data.mixes import available_mixes, load_mix
+from lightning_adaptiveload.data.shards import (
     ShardError,
     ShardIndex,
     ShardWriter,

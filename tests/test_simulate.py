@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from lightning_adaptiveload import stats
-from lightning_adaptiveload.cost_model import CostModel
-from lightning_adaptiveload.planning import EpochPlan
-from lightning_adaptiveload.shards import ShardIndex, ShardInfo
-from lightning_adaptiveload.simulate import (
+from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
+from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.planner import EpochPlan
+from lightning_adaptiveload.tools.simulate import (
     StepTimeTable,
     _Coster,
     _replay,

@@ -15,10 +15,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lightning_adaptiveload import untrusted
-from lightning_adaptiveload.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.data import untrusted
+from lightning_adaptiveload.data.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
 
-LOGGER = "lightning_adaptiveload.shards"
+LOGGER = "lightning_adaptiveload.data.shards"
 MiB = 1 << 20
 GNU_TAR = shutil.which("tar")
 
@@ -170,7 +170,7 @@ def test_index_with_a_pipe_path_runs_nothing(dataset, tmp_path, caplog):
 
 
 def test_datamodule_refuses_a_pipe_in_its_index_but_takes_one_it_was_given(dataset, tmp_path):
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
     marker = tmp_path / "ran"
     shard = f"{dataset}/shard-000000.tar"

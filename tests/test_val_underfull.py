@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
 
-from lightning_adaptiveload.planning import PlanError  # noqa: E402
-from lightning_adaptiveload.shards import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data.shards import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.planning.planner import PlanError  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "_ddp_val_runner.py")
 
@@ -46,8 +46,8 @@ def test_one_validation_sample_on_two_ranks_pads_a_zero_weight_step(data, tmp_pa
 
 
 def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
-    from lightning_adaptiveload.batching import DualConstraintBatcher
-    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     index = ShardIndex.load(os.path.join(data["val"], "index.json"))
     ds = PlannedShardDataset(index, DualConstraintBatcher(512), underfull="error")
@@ -64,8 +64,8 @@ def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
 
 def test_rest_of_a_resumed_epoch_with_fewer_samples_than_ranks_is_padded(data):
     """Resuming near the end of an epoch on more ranks leaves fewer samples than ranks: planned, not refused."""
-    from lightning_adaptiveload.batching import DualConstraintBatcher
-    from lightning_adaptiveload.datamodule import PlannedShardDataset
+    from lightning_adaptiveload.data.datamodule import PlannedShardDataset
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     index = ShardIndex.load(os.path.join(data["train"], "index.json"))
     ds = PlannedShardDataset(index, DualConstraintBatcher(512), num_workers=2)  # underfull="error"

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload import attention as _attention
 from lightning_adaptiveload import ops as _ops
+from lightning_adaptiveload.models import attention as _attention
 
 __all__ = ["CHECKPOINT_POLICIES", "NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
 
@@ -198,7 +198,7 @@ class NormModulate(nn.Module):
 
     With ``fused = False`` the eager form runs (LayerNorm and modulation in fp32, output cast back to
     ``x.dtype``); with ``fused = True`` it calls :func:`lightning_adaptiveload.ops.layer_norm_modulate`.
-    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.fuse_norm_modulate``) changes no parameter.
+    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.core.fuse_norm_modulate``) changes no parameter.
 
     Args:
         dim: normalised width D.
@@ -664,12 +664,12 @@ class VideoDiT(nn.Module):
             block.checkpoint_policy = policy if i in chosen else None
 
     def set_attention_backend(self, name: str) -> None:
-        """Pick the attention kernels (see :mod:`lightning_adaptiveload.attention`): ``"default"`` (PyTorch's
+        """Pick the attention kernels (see :mod:`lightning_adaptiveload.models.attention`): ``"default"`` (PyTorch's
         choice; the initial setting), ``"auto"`` (cuDNN on Hopper, FlashAttention before), ``"cudnn"``,
         ``"flash"``, ``"efficient"``, ``"math"``.
 
         The choice is resolved for the input's device at the next forward; the first forward on a new
-        input layout logs the kernel that runs (logger ``lightning_adaptiveload.attention``).
+        input layout logs the kernel that runs (logger ``lightning_adaptiveload.models.attention``).
         """
         _attention.resolve_attention_backends(name)  # validates the name
         self.attention_backend = name

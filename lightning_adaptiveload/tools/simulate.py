@@ -1,19 +1,19 @@
 """Planning simulator: how evenly each batching mode loads the ranks, before any GPU hour is spent.
 
 For a data set (a length mix or the index of real shards), a model of what a batch costs (a fitted
-:class:`~lightning_adaptiveload.cost_model.CostModel`, or step times measured per bucket), a set of world
+:class:`~lightning_adaptiveload.planning.cost_model.CostModel`, or step times measured per bucket), a set of world
 sizes and the budgets, the simulator plans one epoch with the real planner
-(:func:`lightning_adaptiveload.planning.plan_epoch` and
-:class:`~lightning_adaptiveload.batching.DualConstraintBatcher`, the very code the DataModule runs), replays
+(:func:`lightning_adaptiveload.planning.planner.plan_epoch` and
+:class:`~lightning_adaptiveload.planning.batching.DualConstraintBatcher`, the very code the DataModule runs), replays
 each rank's batches step by step, and reports per mode:
 
 - ``cv_mean``, ``cv_p95``: the compute CV across ranks of each step (population std / mean of the ranks'
   step times), mean and 95th percentile over steps;
 - ``straggler_wait``: the share of the job's time ranks spend waiting for the slowest rank at the gradient
   all-reduce: ``sum_steps (max - mean) / sum_steps max`` (the per-step ``1 - mean / max``, weighted by the
-  step's duration; :func:`lightning_adaptiveload.stats.straggler_wait`), and ``step_wait_mean`` (the same
+  step's duration; :func:`lightning_adaptiveload.monitor.stats.straggler_wait`), and ``step_wait_mean`` (the same
   per-step figure, unweighted). These and the CV and imbalance figures are
-  :data:`lightning_adaptiveload.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses
+  :data:`lightning_adaptiveload.monitor.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses
   for measured runs. ``wait_share`` and ``wait_mean`` are their old names, kept in the rows;
 - ``tokens_per_s`` and ``tokens_per_s_ratio``: total tokens / sum over steps of the slowest rank's time, and
   its ratio to ``equal_tokens`` at the same world size;
@@ -33,7 +33,7 @@ The time of a rank's step is the time of its batch (from the per-bucket table or
 optional fixed per-step overhead. The simulator is deterministic for a seed.
 
 Example:
-    >>> from lightning_adaptiveload.simulate import simulate
+    >>> from lightning_adaptiveload.tools.simulate import simulate
     >>> result = simulate("tiny", world_sizes=[4], max_tokens=512, min_steps_per_rank=8, progress=False)
     >>> sorted({row["mode"] for row in result.rows})
     ['dual', 'equal_tokens', 'lockstep']
@@ -55,9 +55,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload import stats
-from lightning_adaptiveload.cost_model import CostModel
-from lightning_adaptiveload.mixes import Mix, load_mix
+from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.planning.cost_model import CostModel
 
 __all__ = [
     "MODES",
@@ -465,8 +465,8 @@ def balance_metrics(
 ) -> dict[str, float]:
     """Balance, throughput and memory statistics of per-rank step times.
 
-    The balance figures are :func:`lightning_adaptiveload.stats.balance_summary` of ``rank_seconds``
-    (:data:`~lightning_adaptiveload.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
+    The balance figures are :func:`lightning_adaptiveload.monitor.stats.balance_summary` of ``rank_seconds``
+    (:data:`~lightning_adaptiveload.monitor.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
 
     Args:
         rank_seconds: float array (steps, world): each rank's compute time of each step, seconds.
@@ -538,7 +538,7 @@ def _largest_remainder(p: np.ndarray, n: int) -> np.ndarray:
 
 def _mix_population(mix: Mix, num_samples: int, num_shards: int, seed: int) -> Any:
     """An in-memory ShardIndex of ``num_samples`` latent shapes in the mix's exact proportions, shuffled."""
-    from lightning_adaptiveload.shards import ShardIndex, ShardInfo
+    from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
 
     counts = _largest_remainder(mix.probabilities, num_samples)
     bucket_ids = np.repeat(np.arange(len(mix.buckets)), counts)
@@ -733,7 +733,7 @@ def _replay(plan: Any, coster: _Coster, plan_cost: CostModel) -> _Replay:
 
 
 def _make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: CostModel, patch) -> Any:
-    from lightning_adaptiveload.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     if batching == "equal_tokens":
         return DualConstraintBatcher(max_tokens=max_tokens, mode="equal_tokens", patch_size=patch)
@@ -757,7 +757,7 @@ def _run_mode(
     epoch: int,
     plan_options: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], np.ndarray, _Replay, Any]:
-    from lightning_adaptiveload.planning import plan_epoch
+    from lightning_adaptiveload.planning.planner import plan_epoch
 
     schedule, batching = MODES[mode]
     batcher = _make_batcher(batching, max_tokens, max_compute, plan_cost, patch)
@@ -891,9 +891,9 @@ def simulate(
     """Plan an epoch with the real planner for each mode and world size, and measure the balance.
 
     Args:
-        source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.mixes.Mix`
+        source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.data.mixes.Mix`
             (a synthetic population is drawn from it at each world size), or a
-            :class:`~lightning_adaptiveload.shards.ShardIndex` or the path of an ``index.json`` (real shards,
+            :class:`~lightning_adaptiveload.data.shards.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
         world_sizes: data-parallel ranks to simulate, each in 2..1024.
         modes: names from :data:`MODES`. ``equal_tokens`` is always simulated (the reference for
@@ -916,7 +916,7 @@ def simulate(
         min_steps_per_rank: a mix population is sized so that every rank gets about this many steps in the
             ``equal_tokens`` mode (more in the others).
         shards_per_stream: virtual shards per (rank, worker) stream when drawing from a mix.
-        plan_options: extra keyword arguments of :func:`~lightning_adaptiveload.planning.plan_epoch`, e.g.
+        plan_options: extra keyword arguments of :func:`~lightning_adaptiveload.planning.planner.plan_epoch`, e.g.
             ``{"max_buffered_samples": 256, "lockstep_tolerance": 0.01}``.
         step_overhead_s: fixed seconds added to every rank's step (optimizer, all-reduce), which dilutes the
             imbalance.
@@ -931,8 +931,8 @@ def simulate(
     Raises:
         ValueError: bad world size, mode, budget or source; the message names the argument and value.
     """
-    from lightning_adaptiveload.planning import PlanError
-    from lightning_adaptiveload.shards import ShardIndex
+    from lightning_adaptiveload.data.shards import ShardIndex
+    from lightning_adaptiveload.planning.planner import PlanError
 
     patch = tuple(int(v) for v in patch_size)
     if len(patch) != 3 or min(patch) < 1:

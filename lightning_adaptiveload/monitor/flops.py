@@ -13,7 +13,7 @@ Two ways, in the order :class:`~lightning_adaptiveload.LoadBalanceMonitor` tries
   is never compiled afterwards, silently (see ``tests/test_flops.py``).
 
 Training FLOPs are 3x the forward (forward + backward, model FLOPs: activation recomputation is not
-counted), the convention of :func:`lightning_adaptiveload.stats.mfu`.
+counted), the convention of :func:`lightning_adaptiveload.monitor.stats.mfu`.
 """
 
 from __future__ import annotations

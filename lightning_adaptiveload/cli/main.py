@@ -29,31 +29,35 @@ __all__ = ["build_cli", "main", "COMMANDS", "resolve_recipe", "packaged_recipes"
 # them and a missing optional part only breaks its own command.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "synth": (
-        "lightning_adaptiveload.shards",
+        "lightning_adaptiveload.cli.data",
         "synth_main",
         "write synthetic latent shards following a length mix",
     ),
-    "index": ("lightning_adaptiveload.shards", "index_main", "build or verify index.json for latent shards"),
+    "index": (
+        "lightning_adaptiveload.cli.data",
+        "index_main",
+        "build or verify index.json for latent shards",
+    ),
     "calibrate": (
-        "lightning_adaptiveload.calibrate",
+        "lightning_adaptiveload.cli.calibrate",
         "main",
         "time the model on this device, fit the cost model, find the token budget -> YAML fragment",
     ),
     "simulate": (
-        "lightning_adaptiveload.simulate",
+        "lightning_adaptiveload.cli.simulate",
         "main",
         "simulate batch planning: balance per mode and world size",
     ),
-    "build-ops": ("lightning_adaptiveload.ops._build", "main", "compile the fused CUDA op ahead of time"),
+    "build-ops": ("lightning_adaptiveload.cli.build_ops", "main", "compile the fused CUDA op ahead of time"),
     "ingest": (
-        "lightning_adaptiveload.cli",
-        "ingest_main",
+        "lightning_adaptiveload.cli.ingest",
+        "main",
         "encode videos and images into latent shards (Wan VAE)",
     ),
 }
 
 _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-_RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+_RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 # Top-level keys of a recipe besides the arguments of the subcommand's Trainer method.
 _RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler")
 
@@ -140,7 +144,7 @@ def build_cli(
     import lightning.pytorch as pl
 
     try:
-        from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+        from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
     except ModuleNotFoundError as err:
         raise SystemExit(
             f"lightning-adaptiveload: cannot load the training classes ({err}); reinstall the package "
@@ -182,7 +186,7 @@ def _cli_class(default_model: bool) -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             if default_model:
-                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.module.VideoDiTModule"}})
+                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.VideoDiTModule"}})
 
         def before_fit(self) -> None:
             _check_before_fit(self.trainer, self.datamodule)
@@ -245,8 +249,8 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     batcher = getattr(datamodule, "batcher", None)
     if index is None or batcher is None:
         return None
-    from lightning_adaptiveload.batching import DualConstraintBatcher
-    from lightning_adaptiveload.planning import plan_epoch
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.planner import plan_epoch
 
     world = int(getattr(trainer, "world_size", 1))
     workers = int(getattr(datamodule, "num_workers", 0))
@@ -505,7 +509,7 @@ def ingest_main(argv: Sequence[str]) -> int:
     p.add_argument("--strategy", default="auto")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(list(argv))
-    from lightning_adaptiveload.ingest import ingest
+    from lightning_adaptiveload.data.ingest import ingest
 
     devices: Any = args.devices
     if devices != "auto":

@@ -106,7 +106,7 @@ class Mix:
 
 def available_mixes() -> list[str]:
     """Names of the mixes shipped with the package."""
-    folder = resources.files("lightning_adaptiveload") / "mixes"
+    folder = resources.files("lightning_adaptiveload.data") / "mixes"
     return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -117,7 +117,7 @@ def _read_mix_text(name_or_path: str | os.PathLike) -> tuple[str, str]:
         with open(text_path, encoding="utf-8") as f:
             return f.read(), text_path
     if not looks_like_path:
-        packaged = resources.files("lightning_adaptiveload") / "mixes" / f"{text_path}.json"
+        packaged = resources.files("lightning_adaptiveload.data") / "mixes" / f"{text_path}.json"
         if packaged.is_file():
             return packaged.read_text(encoding="utf-8"), str(packaged)
     raise FileNotFoundError(

@@ -5,7 +5,7 @@
   and the parts that change with the input's shape (RoPE tables, patchify) stay eager. The fused
   ``layer_norm_modulate`` op is a ``torch.library`` custom op, so it stays one node in the graph.
 - :func:`set_attention_backend`: the attention-kernel switch. On our model it sets the SDPA kernel order
-  (:mod:`lightning_adaptiveload.attention`); on a diffusers model it uses diffusers' own setting
+  (:mod:`lightning_adaptiveload.models.attention`); on a diffusers model it uses diffusers' own setting
   (``ModelMixin.set_attention_backend``) with the matching name.
 
 Recompiles: :func:`compile_blocks` compiles with symbolic sizes (``dynamic=True``) from the first call, so
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lightning_adaptiveload import attention as _attention
+from lightning_adaptiveload.models import attention as _attention
 
 __all__ = [
     "MAX_GRAPHS_PER_MODE",
@@ -109,7 +109,7 @@ def set_attention_backend(
     Args:
         model: our ``VideoDiT`` (anything with ``set_attention_backend`` taking our names) or a diffusers
             ``ModelMixin`` (``WanTransformer3DModel`` ...).
-        name: one of :data:`lightning_adaptiveload.attention.ATTENTION_BACKENDS`.
+        name: one of :data:`lightning_adaptiveload.models.attention.ATTENTION_BACKENDS`.
         device: for ``"auto"`` on a diffusers model: the device whose capability decides (default: the
             model's parameters' device).
 
@@ -124,7 +124,7 @@ def set_attention_backend(
     if not hasattr(model, "set_attention_backend"):
         raise ValueError(
             f"{type(model).__name__} has no set_attention_backend; wrap its attention calls in "
-            "lightning_adaptiveload.attention.sdpa(..., backends=resolve_attention_backends(name))"
+            "lightning_adaptiveload.models.attention.sdpa(..., backends=resolve_attention_backends(name))"
         )
     if name == "auto":
         dev = torch.device(device) if device is not None else next(model.parameters()).device

@@ -40,7 +40,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.loss import global_token_count, rank_noise_generator
+from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
 
 __all__ = ["VideoDiTModule", "shift_timesteps", "sample_timesteps"]
@@ -100,15 +100,15 @@ class VideoDiTModule(L.LightningModule):
         activation_checkpointing: recompute blocks in the backward pass.
         compile: ``torch.compile`` every block (lazily: the first forward traces, so later
             ``configure_model`` steps such as fusion still apply), with symbolic sizes so that a length mix
-            compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.acceleration`).
+            compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.models.acceleration`).
         checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only) or ``"save_attention"``
             (also the attention kernels' outputs, so the recompute skips attention).
         checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth.
         attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (cuDNN first on
             Hopper), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
-            :mod:`lightning_adaptiveload.attention`.
+            :mod:`lightning_adaptiveload.models.attention`.
         weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
-            fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.master_weights.MasterWeightAdamW`).
+            fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.models.master_weights.MasterWeightAdamW`).
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
         init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
             :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
@@ -203,7 +203,7 @@ class VideoDiTModule(L.LightningModule):
         if hp.compile:
             # Per block: a graph per block type instead of one over the whole (shape-varying) model, and
             # the RoPE table cache stays outside the compiled code.
-            from lightning_adaptiveload.acceleration import compile_blocks
+            from lightning_adaptiveload.models.acceleration import compile_blocks
 
             compile_blocks(self.model, self.model.blocks, dynamic=True)
 
@@ -409,7 +409,7 @@ class VideoDiTModule(L.LightningModule):
         ]
         optimizer_cls = torch.optim.AdamW
         if self.hparams.get("weight_dtype", "fp32") == "bf16":
-            from lightning_adaptiveload.master_weights import MasterWeightAdamW
+            from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
             optimizer_cls = MasterWeightAdamW
         optimizer = optimizer_cls(

@@ -14,7 +14,7 @@ What it does, in order:
 3. **Timing**: forward + backward of the actual training step (:meth:`VideoDiTModule.compute_loss` and
    ``backward``; no optimizer step, whose cost does not depend on the batch) at every selected shape and
    batch size: ``--warmup`` untimed runs, then the median of ``--repeats`` timed runs (CUDA events on GPU).
-4. Fits :class:`~lightning_adaptiveload.cost_model.CostModel` to the batch times (``batch_sizes`` given, so
+4. Fits :class:`~lightning_adaptiveload.planning.cost_model.CostModel` to the batch times (``batch_sizes`` given, so
    the model is seconds per sample) and resolves ``max_compute`` with the batcher's ``"auto"`` rule on the
    measured shapes.
 5. Writes a YAML fragment for a second ``--config``::
@@ -199,7 +199,7 @@ def _select_shapes(
 ) -> list[tuple[int, int, int, int]]:
     """Distinct shapes, one per token count, ``num`` of them spread evenly over the token range (the
     shortest and the longest always included)."""
-    from lightning_adaptiveload.batching import tokens_per_sample
+    from lightning_adaptiveload.planning.batching import tokens_per_sample
 
     by_tokens: dict[int, tuple[int, int, int, int]] = {}
     for s in shapes:
@@ -428,9 +428,9 @@ def calibrate(
     """
     from tqdm.auto import tqdm
 
-    from lightning_adaptiveload.batching import DualConstraintBatcher, tokens_per_sample
-    from lightning_adaptiveload.cost_model import CostModel
-    from lightning_adaptiveload.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher, tokens_per_sample
+    from lightning_adaptiveload.planning.cost_model import CostModel
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -464,7 +464,7 @@ def calibrate(
         )
     mix_name = None
     if shapes is None:
-        from lightning_adaptiveload.mixes import load_mix
+        from lightning_adaptiveload.data.mixes import load_mix
 
         loaded = load_mix(mix)
         mix_name = loaded.name

@@ -7,7 +7,7 @@ Lightning's :class:`~lightning.pytorch.callbacks.ThroughputMonitor` times rank 0
 and :class:`~lightning.pytorch.callbacks.DeviceStatsMonitor` reads rank 0's memory: on a job whose ranks get
 different work, both report the average rank and hide the straggler that everyone waits for. This callback
 measures every rank, gathers the measurements in one small collective per logged step, and logs the
-balance statistics of :mod:`lightning_adaptiveload.stats`. See ``docs/monitor.md``.
+balance statistics of :mod:`lightning_adaptiveload.monitor.stats`. See ``docs/monitor.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload import _dist, stats
+from lightning_adaptiveload import _dist
+from lightning_adaptiveload.monitor import stats
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -250,7 +251,7 @@ class LoadBalanceMonitor(Callback):
     ``compute_cv``, ``compute_imbalance`` (of the cost estimates), ``token_cv``, ``step_time_cv`` (of the
     ranks' compute times), ``imbalance`` (``max / mean - 1`` of compute times), ``straggler_wait``
     (the share of the window's compute time spent waiting for the slowest rank: ``sum(max - mean) /
-    sum(max)`` over its steps, :func:`lightning_adaptiveload.stats.straggler_wait`), ``step_wait_mean``
+    sum(max)`` over its steps, :func:`lightning_adaptiveload.monitor.stats.straggler_wait`), ``step_wait_mean``
     (the per-step ``1 - mean / max``, averaged over steps unweighted), ``tokens_per_s`` and
     ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
     ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
@@ -273,15 +274,15 @@ class LoadBalanceMonitor(Callback):
         flops_fn: ``flops_fn(batch) -> float``, the training FLOPs (forward + backward) of one batch on this
             rank. Default: ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
             ``3 * model.flops(batch_size, seq_len, text_len)`` of the first submodule that has an analytic
-            forward ``flops`` method, else :func:`~lightning_adaptiveload.flops.wan_flops_per_batch` for a
+            forward ``flops`` method, else :func:`~lightning_adaptiveload.monitor.flops.wan_flops_per_batch` for a
             diffusers ``WanTransformer3DModel`` inside the module, else ``FlopCounterMode`` counting
             ``training_step`` on a meta-device copy of the module once per distinct batch shape (times 3;
-            :func:`~lightning_adaptiveload.flops.meta_training_flops`). The module that trains is never run
+            :func:`~lightning_adaptiveload.monitor.flops.meta_training_flops`). The module that trains is never run
             under a FLOP counter (that would stop ``torch.compile`` from compiling it). When no way works,
             a warning says so once and TFLOP/s and MFU are not logged.
         count_flops: set ``False`` to disable the meta-copy count (no TFLOP/s or MFU then, unless one of
             the analytic ways applies).
-        peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.stats.peak_flops`
+        peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.monitor.stats.peak_flops`
             from the device name and the trainer's precision (``None`` on CPU: no MFU).
         write_files: write the CSV and JSON files.
         plots: write the PNG plots (matplotlib, Agg).
@@ -569,7 +570,7 @@ class LoadBalanceMonitor(Callback):
                     self._analytic = module
                     self._flops_source = "analytic"
                     return
-            from lightning_adaptiveload.flops import find_wan_config
+            from lightning_adaptiveload.monitor.flops import find_wan_config
 
             self._analytic = find_wan_config(pl_module)
             if self._analytic is not None:
@@ -586,12 +587,12 @@ class LoadBalanceMonitor(Callback):
             f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
             "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
             "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
-            "`lightning_adaptiveload.flops.wan_flops_per_batch(config, batch)`.",
+            "`lightning_adaptiveload.monitor.flops.wan_flops_per_batch(config, batch)`.",
         )
 
     def _count_on_meta(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, key: Any) -> None:
         """Count this batch shape's FLOPs on a meta copy of the module (never on the module that trains)."""
-        from lightning_adaptiveload.flops import meta_copy, meta_training_flops
+        from lightning_adaptiveload.monitor.flops import meta_copy, meta_training_flops
 
         try:
             if self._meta_clone is None:
@@ -641,7 +642,7 @@ class LoadBalanceMonitor(Callback):
                 self._flops_cache[args] = 3.0 * float(self._analytic.flops(*args))
             return self._flops_cache[args]
         if source == "wan_config":
-            from lightning_adaptiveload.flops import wan_flops_per_batch
+            from lightning_adaptiveload.monitor.flops import wan_flops_per_batch
 
             return wan_flops_per_batch(self._analytic, batch)
         # flop_counter: counted on the meta copy at the batch start

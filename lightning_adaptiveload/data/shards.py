@@ -16,7 +16,7 @@ Untrusted data: nothing is ever unpickled. ``.npy`` headers are parsed without t
 object dtypes are refused; members with pickle extensions (``.pth``, ``.pt``, ``.pyd``, ``.pkl``,
 ``.pickle``, ``.ckpt``) are refused without being read. No size a file claims is allocated before it is
 checked, an index never names a command or a file outside its folder, and every parser is bounded
-(:mod:`lightning_adaptiveload.untrusted`; threat model in ``docs/reliability.md``).
+(:mod:`lightning_adaptiveload.data.untrusted`; threat model in ``docs/reliability.md``).
 
 Bad input gives a :class:`ShardError` naming the shard, the key and the problem (``on_error="raise"``,
 the default) or, under ``on_error="skip"``, a skip that is recorded in the index
@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from lightning_adaptiveload import untrusted as _untrusted
-from lightning_adaptiveload.mixes import Mix, load_mix
-from lightning_adaptiveload.untrusted import (
+from lightning_adaptiveload.data import untrusted as _untrusted
+from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.data.untrusted import (
     CheckedTarInfo,
     Refused,
     check_index_path,
@@ -1092,7 +1092,7 @@ def _read_bytes(path: str, limit: int) -> bytes:
             None,
             f"the file is larger than max_index_bytes={limit}",
             reason="bad_index",
-            hint="raise lightning_adaptiveload.untrusted.MAX_INDEX_BYTES if the index is genuine, else rebuild it",
+            hint="raise lightning_adaptiveload.data.untrusted.MAX_INDEX_BYTES if the index is genuine, else rebuild it",
         )
     return data
 
@@ -1297,7 +1297,7 @@ class ShardIndex:
         Raises:
             FileNotFoundError: no such file.
             ShardError: (a ``ValueError``) ``bad_index`` when the file is not a valid version-1 index
-                (larger than :data:`~lightning_adaptiveload.untrusted.MAX_INDEX_BYTES`, nested too deep,
+                (larger than :data:`~lightning_adaptiveload.data.untrusted.MAX_INDEX_BYTES`, nested too deep,
                 wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
                 message names the file and the entry.
         """

@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.batching import DualConstraintBatcher
-from lightning_adaptiveload.stats import balance_summary
+from lightning_adaptiveload.monitor.stats import balance_summary
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
 __all__ = [
     "EpochPlan",
@@ -621,7 +621,7 @@ def plan_epoch(
         steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
         unequal_steps (the same count in any mode), lockstep_classes, shard_splits, pieces,
         max_buffered_samples, max_compute, est_compute_cv (mean over steps of the CV of the batch costs
-        across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.stats.straggler_wait` over the
+        across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the
         steps: share of the summed step time spent waiting for the slowest rank, by the cost model;
         ``est_wait_share`` is its old name), samples_per_rank, plan_seconds.
 

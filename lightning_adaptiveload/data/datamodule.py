@@ -1,6 +1,6 @@
 """``AdaptiveLoadDataModule``: planned, load-balanced streaming of WebDataset shards for Lightning.
 
-Every epoch is planned from the shard index alone (:func:`~lightning_adaptiveload.planning.plan_epoch`),
+Every epoch is planned from the shard index alone (:func:`~lightning_adaptiveload.planning.planner.plan_epoch`),
 identically on every rank, in the main process when the epoch's DataLoader iterator is created (so
 DataLoader workers, forked after it, inherit the plan). Each worker then streams only the shards its
 stream needs (``iter_shard(select=...)``) and yields its planned batches in order. Every sample is yielded
@@ -26,9 +26,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.batching import DualConstraintBatcher, collate, tokens_per_sample
-from lightning_adaptiveload.cost_model import CostModel
-from lightning_adaptiveload.planning import (
+from lightning_adaptiveload.data.shards import MEMBER_REASONS
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate, tokens_per_sample
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.planner import (
     SCHEDULES,
     EpochPlan,
     consumed_refs,
@@ -36,7 +37,6 @@ from lightning_adaptiveload.planning import (
     index_fingerprint,
     plan_epoch,
 )
-from lightning_adaptiveload.shards import MEMBER_REASONS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
@@ -79,7 +79,7 @@ def _check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
     import difflib
     import inspect
 
-    from lightning_adaptiveload.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.shards import write_synthetic_shards
 
     params = inspect.signature(write_synthetic_shards).parameters
     valid = [n for n in params if n not in _SYNTHETIC_FIXED] + list(_SYNTHETIC_EXTRA)
@@ -113,7 +113,7 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
 
 def _index_folder(shards: str | list[str]) -> str | None:
     """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
-    from lightning_adaptiveload.shards import expand_paths
+    from lightning_adaptiveload.data.shards import expand_paths
 
     if isinstance(shards, str) and shards.endswith(".json"):
         return None
@@ -152,7 +152,7 @@ def apply_sample_transform(
     Raises:
         ValueError: the transform returned no dict, or a latent of another shape (names the key).
     """
-    from lightning_adaptiveload.batching import _sample_fields, tokens_per_sample
+    from lightning_adaptiveload.planning.batching import _sample_fields, tokens_per_sample
 
     key, latent, text, meta, ref = _sample_fields(sample)
     out = transform({"__key__": key, "latent": latent, "text": text, "meta": meta})
@@ -312,7 +312,7 @@ class PlannedShardDataset(IterableDataset):
         yield from self._stream(plan, (self.rank, worker))
 
     def _stream(self, plan: EpochPlan, stream: tuple[int, int]) -> Iterator[dict[str, Any]]:
-        from lightning_adaptiveload.shards import iter_shard
+        from lightning_adaptiveload.data.shards import iter_shard
 
         batches = plan.streams[stream]
         buckets = plan.batch_buckets[stream]
@@ -613,7 +613,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         val_underfull: a validation set with fewer samples than ranks: ``"pad"`` (default) gives the ranks
             without a sample one empty batch (``batch_size == 0``, zero tokens), a zero-weight step that
             keeps the collectives in step and adds nothing to a token-weighted metric; ``"error"`` raises
-            :class:`~lightning_adaptiveload.planning.PlanError` when validation starts. See
+            :class:`~lightning_adaptiveload.planning.planner.PlanError` when validation starts. See
             ``docs/data_path.md``.
         test_shards: shards for ``trainer.test`` (the same forms as ``train_shards``), or None.
         predict_shards: shards for ``trainer.predict``, or None. Test and predict data are planned like
@@ -748,7 +748,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
         Runs on one process per node (Lightning). Reuses shards already written with the same settings.
         """
-        from lightning_adaptiveload.shards import INDEX_NAME, ShardIndex, write_synthetic_shards
+        from lightning_adaptiveload.data.shards import INDEX_NAME, ShardIndex, write_synthetic_shards
 
         if self.synthetic is not None:
             settings = dict(self.synthetic)
@@ -818,7 +818,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             trainer.reload_dataloaders_every_n_epochs = 1
 
     def _load_index(self, shards: Any, rank: int) -> Any:
-        from lightning_adaptiveload.shards import ShardIndex
+        from lightning_adaptiveload.data.shards import ShardIndex
 
         return ShardIndex.for_paths(
             shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0, **self._index_trust

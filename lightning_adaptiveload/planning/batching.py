@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_adaptiveload.cost_model import CostModel
+from lightning_adaptiveload.planning.cost_model import CostModel
 
 __all__ = ["DualConstraintBatcher", "collate", "tokens_per_sample", "MODES"]
 
