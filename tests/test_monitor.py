@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import callback as monitor_mod
+from lightning_adaptiveload.monitor import steps as monitor_mod
 from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 
@@ -236,7 +236,7 @@ def _count_gathers(monkeypatch):
         calls.append(len(values))
         return real(values)
 
-    monkeypatch.setattr(monitor_mod._dist, "all_gather_floats", counting)
+    monkeypatch.setattr(_dist, "all_gather_floats", counting)
     return calls
 
 
@@ -247,7 +247,7 @@ def test_one_collective_per_logged_step_and_files_cover_every_step(tmp_path, mon
     trainer.fit(TinyModule())
 
     # flushes at steps 3 and 6 (logged) and at the end of fit (2 left); each a few floats per step
-    header, per_step = len(monitor_mod._HEADER), monitor_mod._F
+    header, per_step = len(monitor_mod.HEADER), monitor_mod.NUM_FIELDS
     assert calls == [header + 3 * per_step, header + 3 * per_step, header + 2 * per_step]
     steps = _read_csv(tmp_path / "out" / "load_balance_steps.csv")
     assert len(steps) == STEPS
@@ -272,8 +272,8 @@ def test_gradient_accumulation_logs_at_optimizer_steps(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, monitor, log_every_n_steps=2, accumulate_grad_batches=2)
     trainer.fit(TinyModule())
     # 8 batches = 4 optimizer steps; logged at optimizer steps 2 and 4, each window 4 batches
-    per_step = monitor_mod._F
-    assert calls == [len(monitor_mod._HEADER) + 4 * per_step] * 2
+    per_step = monitor_mod.NUM_FIELDS
+    assert calls == [len(monitor_mod.HEADER) + 4 * per_step] * 2
     steps = _read_csv(tmp_path / "load_balance_steps.csv")
     assert [int(s["step"]) for s in steps] == [0, 1, 1, 2, 2, 3, 3, 4]
 
@@ -342,7 +342,7 @@ def test_max_buffered_steps_bounds_the_buffer_without_logging(tmp_path, monkeypa
     calls = _count_gathers(monkeypatch)
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False, max_buffered_steps=3)
     _trainer(tmp_path, monitor, log_every_n_steps=0).fit(TinyModule())
-    per_step, h = monitor_mod._F, len(monitor_mod._HEADER)
+    per_step, h = monitor_mod.NUM_FIELDS, len(monitor_mod.HEADER)
     assert calls == [h + 3 * per_step, h + 3 * per_step, h + 2 * per_step]
     assert len(_read_csv(tmp_path / "load_balance_steps.csv")) == STEPS
 
@@ -361,19 +361,19 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_split_blocks_checks_that_ranks_line_up():
-    f = monitor_mod._F
+    f = monitor_mod.NUM_FIELDS
     header = [math.nan, math.nan]  # peak FLOP/s, device memory
     row0, row1 = [float(i) for i in range(f)], [float(i) for i in range(f)]
-    row0[monitor_mod._IDX["cost"]], row1[monitor_mod._IDX["cost"]] = 3.0, 5.0
-    steps = monitor_mod._split_blocks([[1.0, *header, *row0], [1.0, *header, *row1]])
+    row0[monitor_mod.FIELD_INDEX["cost"]], row1[monitor_mod.FIELD_INDEX["cost"]] = 3.0, 5.0
+    steps = monitor_mod.split_blocks([[1.0, *header, *row0], [1.0, *header, *row1]])
     assert steps.shape == (1, 2, f)  # (steps, ranks, fields)
-    assert steps[0, :, monitor_mod._IDX["cost"]].tolist() == [3.0, 5.0]
+    assert steps[0, :, monitor_mod.FIELD_INDEX["cost"]].tolist() == [3.0, 5.0]
     with pytest.raises(RuntimeError, match=r"different step counts \[1, 2\]"):
-        monitor_mod._split_blocks([[1.0, *header, *row0], [2.0, *header, *row0, *row0]])
+        monitor_mod.split_blocks([[1.0, *header, *row0], [2.0, *header, *row0, *row0]])
     shifted = list(row0)
-    shifted[monitor_mod._IDX["batch_idx"]] = 5.0
+    shifted[monitor_mod.FIELD_INDEX["batch_idx"]] = 5.0
     with pytest.raises(RuntimeError, match=r"out of step: batch indices \[0.0, 5.0\]"):
-        monitor_mod._split_blocks([[1.0, *header, *row0], [1.0, *header, *shifted]])
+        monitor_mod.split_blocks([[1.0, *header, *row0], [1.0, *header, *shifted]])
 
 
 def test_balance_figures_are_the_simulators():
@@ -382,15 +382,15 @@ def test_balance_figures_are_the_simulators():
     from lightning_adaptiveload.tools.simulate import balance_metrics
 
     rng = np.random.default_rng(2)
-    k, world, f = 6, 3, monitor_mod._F
+    k, world, f = 6, 3, monitor_mod.NUM_FIELDS
     steps = rng.random((k, world, f)) + 0.1
-    steps[:, :, monitor_mod._IDX["batch_idx"]] = np.arange(k)[:, None]
-    steps[:, :, monitor_mod._IDX["flags"]] = 2.0
-    steps[0, 1, monitor_mod._IDX["flags"]] = 3.0  # FLOPs counted on a rank at step 0: its times are left out
-    comp = steps[:, :, monitor_mod._IDX["compute_time_s"]]
+    steps[:, :, monitor_mod.FIELD_INDEX["batch_idx"]] = np.arange(k)[:, None]
+    steps[:, :, monitor_mod.FIELD_INDEX["flags"]] = 2.0
+    steps[0, 1, monitor_mod.FIELD_INDEX["flags"]] = 3.0  # FLOPs counted on a rank at step 0: its times are left out
+    comp = steps[:, :, monitor_mod.FIELD_INDEX["compute_time_s"]]
     comp[3] *= 10.0  # a long step: the time-weighted wait differs from the per-step mean
-    table = monitor_mod._step_table(steps, np.full(world, 1e12), np.full(world, 10.0))
-    figures = monitor_mod._balance_figures(table)
+    table = monitor_mod.step_table(steps, np.full(world, 1e12), np.full(world, 10.0))
+    figures = monitor_mod.balance_figures(table)
     assert figures == pytest.approx(stats.balance_summary(comp[1:]), rel=1e-12)
     simulated = balance_metrics(comp[1:], np.ones((k - 1, world), dtype=int))
     assert {key: simulated[key] for key in stats.BALANCE_FIGURES} == pytest.approx(figures, rel=1e-12)
@@ -399,25 +399,25 @@ def test_balance_figures_are_the_simulators():
 
 def test_step_table_matches_scalar_statistics():
     rng = np.random.default_rng(1)
-    k, world, f = 5, 3, monitor_mod._F
+    k, world, f = 5, 3, monitor_mod.NUM_FIELDS
     steps = rng.random((k, world, f)) + 0.1
-    steps[:, :, monitor_mod._IDX["batch_idx"]] = np.arange(k)[:, None]
-    steps[:, :, monitor_mod._IDX["flags"]] = 2.0
+    steps[:, :, monitor_mod.FIELD_INDEX["batch_idx"]] = np.arange(k)[:, None]
+    steps[:, :, monitor_mod.FIELD_INDEX["flags"]] = 2.0
     totals = np.array([10.0, 20.0, 40.0])
-    table = monitor_mod._step_table(steps, np.array([1e12, 1e12, 2e12]), totals)
+    table = monitor_mod.step_table(steps, np.array([1e12, 1e12, 2e12]), totals)
     for i in range(k):
-        cost = steps[i, :, monitor_mod._IDX["cost"]].tolist()
-        comp = steps[i, :, monitor_mod._IDX["compute_time_s"]].tolist()
+        cost = steps[i, :, monitor_mod.FIELD_INDEX["cost"]].tolist()
+        comp = steps[i, :, monitor_mod.FIELD_INDEX["compute_time_s"]].tolist()
         assert table["compute_cv"][i] == pytest.approx(stats.cv(cost))
         assert table["compute_imbalance"][i] == pytest.approx(stats.imbalance(cost))
         assert table["step_time_cv"][i] == pytest.approx(stats.cv(comp))
         assert table["straggler_wait"][i] == pytest.approx(stats.straggler_wait(comp))
-        wall = steps[i, :, monitor_mod._IDX["iter_time_s"]].max()
-        tokens = steps[i, :, monitor_mod._IDX["num_tokens"]].sum()
+        wall = steps[i, :, monitor_mod.FIELD_INDEX["iter_time_s"]].max()
+        tokens = steps[i, :, monitor_mod.FIELD_INDEX["num_tokens"]].sum()
         assert table["tokens_per_s"][i] == pytest.approx(tokens / wall)
-        flops = steps[i, :, monitor_mod._IDX["flops"]].sum()
+        flops = steps[i, :, monitor_mod.FIELD_INDEX["flops"]].sum()
         assert table["mfu"][i] == pytest.approx(flops / wall / 4e12)
-        eff = steps[i, :, monitor_mod._IDX["peak_allocated_bytes"]] / totals
+        eff = steps[i, :, monitor_mod.FIELD_INDEX["peak_allocated_bytes"]] / totals
         assert table["vram_efficiency_mean"][i] == pytest.approx(eff.mean())
         assert table["vram_efficiency_min"][i] == pytest.approx(eff.min())
     assert table["hook_timed"].tolist() == [1.0] * k and table["counted"].tolist() == [0.0] * k

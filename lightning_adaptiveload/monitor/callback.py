@@ -8,18 +8,18 @@ and :class:`~lightning.pytorch.callbacks.DeviceStatsMonitor` reads rank 0's memo
 different work, both report the average rank and hide the straggler that everyone waits for. This callback
 measures every rank, gathers the measurements in one small collective per logged step, and logs the
 balance statistics of :mod:`lightning_adaptiveload.monitor.stats`. See ``docs/monitor.md``.
+
+This module holds the Lightning hooks only: the clocks and the DDP hook are in
+:mod:`~lightning_adaptiveload.monitor.timing`, the per-step table in :mod:`~lightning_adaptiveload.monitor.steps`,
+the files and plots in :mod:`~lightning_adaptiveload.monitor.report`.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -30,203 +30,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.monitor import report, stats
+from lightning_adaptiveload.monitor import steps as step_table
+from lightning_adaptiveload.monitor.timing import (
+    BucketTimer,
+    CudaClock,
+    HostClock,
+    PendingStep,
+    dynamo_frames,
+    timed_allreduce_hook,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["LoadBalanceMonitor"]
 
-_GIB = float(1 << 30)
-
-# Per-step record gathered from every rank, in this order (one float each). Batches that lack a field, and
-# memory on a device without CUDA, give nan: such fields are absent from the logs, empty in the CSV.
-_FIELDS = (
-    "batch_idx",  # trainer.fit_loop.total_batch_idx of the batch: the same on every rank (checked)
-    "step",  # trainer.global_step after the batch
-    "cost",  # batch["cost"]: cost-model estimate of the batch
-    "num_tokens",  # batch["num_tokens"]
-    "batch_size",  # batch["batch_size"]
-    "seq_len",  # batch["seq_len"]
-    "flops",  # model FLOPs of forward + backward (3x forward)
-    "compute_time_s",  # the rank's own compute: step start -> last gradient bucket ready (or the whole step)
-    "step_time_s",  # step start -> step end (on_train_batch_start -> on_train_batch_end), waiting included
-    "iter_time_s",  # previous step end -> this step end: data loading, step and callbacks
-    "data_time_s",  # previous step end -> this step start (nan for the first step and after validation)
-    "peak_allocated_bytes",  # torch.cuda peak allocated within the step (reset at the step start)
-    "peak_reserved_bytes",
-    "alloc_retries",  # cumulative cudaMalloc retries (torch.cuda.memory_stats "num_alloc_retries")
-    "ooms",  # cumulative out-of-memory errors
-    "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
-    # it: its times are inflated); bit 1: timed by DDP hook; bit 2: torch.compile compiled in it
-)
-_F = len(_FIELDS)
-_IDX = {name: i for i, name in enumerate(_FIELDS)}
-_HEADER = ("num_steps", "peak_flops", "device_total_bytes")  # per-rank block header
-_FLAG_COUNTED = 1
-_FLAG_HOOK = 2
-_FLAG_COMPILED = 4
-
 _WORK_KEYS = ("cost", "num_tokens", "batch_size", "seq_len")
-
-# Columns of the per-step table (load_balance_steps.csv, the "steps" of load_balance.json).
-_STEP_COLUMNS = (
-    "step",
-    "batch_idx",
-    "counted",  # 1 if some rank counted FLOPs or compiled (warm-up) at the step: its time statistics are left out
-    "hook_timed",  # 1 if every rank's compute time came from the DDP hook
-    "compute_cv",
-    "compute_imbalance",
-    "token_cv",
-    "step_time_cv",
-    "imbalance",
-    "straggler_wait",
-    "compute_time_max_s",
-    "step_time_s",
-    "iter_time_s",
-    "data_share",
-    "tokens",
-    "samples",
-    "flops",
-    "tokens_per_s",
-    "samples_per_s",
-    "tflops_per_device",
-    "mfu",
-    "vram_efficiency_mean",
-    "vram_efficiency_min",
-    "peak_allocated_gib",
-    "peak_reserved_gib",
-)
-_SUMMARY_ALL_STEPS = (
-    "compute_cv",
-    "compute_imbalance",
-    "token_cv",
-    "iter_time_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "tflops_per_device",
-    "mfu",
-    "vram_efficiency_mean",
-    "vram_efficiency_min",
-    "peak_allocated_gib",
-    "peak_reserved_gib",
-)
-_SUMMARY_TIMED_STEPS = (
-    "step_time_cv",
-    "imbalance",
-    "straggler_wait",
-    "data_share",
-    "compute_time_max_s",
-    "step_time_s",
-)
-_MAX_PLOTTED_RANKS = 16  # above this, plots and history keep min/mean/max over ranks instead of every rank
-
-
-class _HostClock:
-    """Host wall clock (CPU training): a mark is a ``time.perf_counter()`` reading in seconds."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def new_bucket_mark(self) -> None:
-        return None
-
-    def record_bucket(self, current: Any) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return float(end - start)
-
-    def wait(self, mark: Any) -> None:
-        pass
-
-
-class _CudaClock:
-    """CUDA events on the current stream: no host synchronisation per step, resolved at the flush."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def new_bucket_mark(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
-
-    def record_bucket(self, current: torch.cuda.Event) -> torch.cuda.Event:
-        # Re-recording one event per step keeps only the last bucket, which is all the timing needs.
-        current.record()
-        return current
-
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end) / 1e3
-
-    def wait(self, mark: torch.cuda.Event) -> None:
-        # The whole device, not just `mark`: bucket events may sit on the autograd engine's stream.
-        torch.cuda.synchronize(self.device)
-
-
-class _BucketTimer:
-    """State of the DDP communication hook: the time the last gradient bucket of the step became ready."""
-
-    def __init__(self, clock: _HostClock | _CudaClock, process_group: Any) -> None:
-        self.clock = clock
-        self.process_group = process_group
-        self.active = False
-        self.mark: Any = None
-        self.buckets = 0
-
-    def start_step(self) -> None:
-        self.mark = self.clock.new_bucket_mark()
-        self.buckets = 0
-        self.active = True
-
-
-def _timed_allreduce_hook(state: _BucketTimer, bucket):
-    # `bucket` stays unannotated: DDP compares annotations with dist.GradBucket, and postponed annotations
-    # (a string) would fail that check.
-    # DDP calls this when a bucket's gradients are computed. Timing here, before the all-reduce is launched,
-    # separates the rank's own backward from the wait for slower ranks that follows in finalize.
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if state.active:
-        state.mark = state.clock.record_bucket(state.mark)
-        state.buckets += 1
-    return default_hooks.allreduce_hook(state.process_group, bucket)
-
-
-@dataclass
-class _Pending:
-    """One step of this rank, before its clock marks are resolved to seconds at the flush."""
-
-    batch_idx: int
-    step: int
-    work: tuple[float, float, float, float]
-    flops: float
-    start: Any
-    end: Any
-    prev_end: Any
-    bucket: Any
-    memory: tuple[float, float, float, float]
-    flags: int
-
-
-def _nanmean(values: np.ndarray) -> float:
-    x = np.asarray(values, dtype=np.float64)
-    x = x[~np.isnan(x)]
-    return float(x.mean()) if x.size else math.nan
-
-
-def _nanmax(values: np.ndarray) -> float:
-    x = np.asarray(values, dtype=np.float64)
-    x = x[~np.isnan(x)]
-    return float(x.max()) if x.size else math.nan
-
-
-def _finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
 
 
 class LoadBalanceMonitor(Callback):
@@ -342,8 +162,8 @@ class LoadBalanceMonitor(Callback):
     def _reset(self) -> None:
         self._rank, self._world = 0, 1
         self._device = torch.device("cpu")
-        self._clock: _HostClock | _CudaClock = _HostClock()
-        self._bucket_timer: _BucketTimer | None = None
+        self._clock: HostClock | CudaClock = HostClock()
+        self._bucket_timer: BucketTimer | None = None
         self._timing_method = "step"
         self._flops_source: str | None = None
         self._analytic: Any = None
@@ -357,7 +177,7 @@ class LoadBalanceMonitor(Callback):
         self._device_total = math.nan
         self._peak = math.nan
         self._dtype_key: str | None = None
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingStep] = []
         self._start: Any = None
         self._prev_end: Any = None
         self._warned: set[str] = set()
@@ -385,11 +205,11 @@ class LoadBalanceMonitor(Callback):
         self._rank, self._world = _dist.rank_and_world(trainer)
         self._device = trainer.strategy.root_device
         if self._device.type == "cuda":
-            self._clock = _CudaClock(self._device)
+            self._clock = CudaClock(self._device)
             self._device_name = torch.cuda.get_device_name(self._device)
             self._device_total = float(torch.cuda.get_device_properties(self._device).total_memory)
         else:
-            self._clock = _HostClock()
+            self._clock = HostClock()
             self._device_name = self._device.type
         self._peak = self._resolve_peak(trainer)
         self._install_comm_hook(trainer)
@@ -400,8 +220,7 @@ class LoadBalanceMonitor(Callback):
             self._outdir = outdir
             os.makedirs(outdir, exist_ok=True)
             self._ranks_csv = os.path.join(outdir, "load_balance_ranks.csv")
-            with open(self._ranks_csv, "w", newline="") as f:
-                csv.writer(f).writerow(["rank", *_FIELDS[:-1], "flops_counted", "ddp_hook_timed"])
+            report.write_ranks_header(self._ranks_csv)
         elif self._rank == 0:
             self._outdir = outdir
 
@@ -415,7 +234,7 @@ class LoadBalanceMonitor(Callback):
             key = self._step_key = _shape_key(batch)
             if key not in self._flops_cache:
                 self._count_on_meta(pl_module, batch, batch_idx, key)
-        self._frames_at_start = _dynamo_frames()
+        self._frames_at_start = dynamo_frames()
         if self._bucket_timer is not None:
             self._bucket_timer.start_step()
         self._start = self._clock.mark()
@@ -427,15 +246,15 @@ class LoadBalanceMonitor(Callback):
         if self._start is None:  # the batch started before this callback was set up
             return
         end = self._clock.mark()
-        flags = _FLAG_COUNTED if self._counted_step else 0
-        if _dynamo_frames() != self._frames_at_start:
-            flags |= _FLAG_COUNTED | _FLAG_COMPILED
+        flags = step_table.FLAG_COUNTED if self._counted_step else 0
+        if dynamo_frames() != self._frames_at_start:
+            flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
         bucket = None
         if self._bucket_timer is not None:
             self._bucket_timer.active = False
             if self._bucket_timer.buckets > 0:
                 bucket = self._bucket_timer.mark
-                flags |= _FLAG_HOOK
+                flags |= step_table.FLAG_HOOK
         memory = (math.nan,) * 4
         if self._device.type == "cuda":
             s = torch.cuda.memory_stats(self._device)
@@ -446,7 +265,7 @@ class LoadBalanceMonitor(Callback):
                 float(s.get("num_ooms", math.nan)),
             )
         self._pending.append(
-            _Pending(
+            PendingStep(
                 batch_idx=int(trainer.fit_loop.total_batch_idx),
                 step=int(trainer.global_step),
                 work=self._work(batch),
@@ -483,9 +302,9 @@ class LoadBalanceMonitor(Callback):
             return
         self.summary = self._summarize()
         if self.print_summary:
-            print(self._format_summary(), file=sys.stdout, flush=True)
+            print(report.format_summary(self.summary), file=sys.stdout, flush=True)
         if self._outdir is not None and self.write_files:
-            self._write_step_files()
+            report.write_step_files(self._outdir, step_table.history(self._tables), self.summary)
         if self._outdir is not None and self.plots and self._tables:
             self._write_plots()
 
@@ -546,9 +365,9 @@ class LoadBalanceMonitor(Callback):
                 "imbalance).",
             )
             return
-        timer = _BucketTimer(self._clock, model.process_group)
+        timer = BucketTimer(self._clock, model.process_group)
         try:
-            model.register_comm_hook(timer, _timed_allreduce_hook)
+            model.register_comm_hook(timer, timed_allreduce_hook)
         except RuntimeError as err:  # a built-in (C++) hook was registered: the reducer takes only one
             self._warn_once(
                 "hook",
@@ -666,21 +485,21 @@ class LoadBalanceMonitor(Callback):
         self._clock.wait(pending[-1].end)  # the one host synchronisation per flush (no-op on CPU)
         block: list[float] = [float(len(pending)), self._peak, self._device_total]
         for p in pending:
-            block.extend(self._resolve(p))
+            block.extend(p.resolve(self._clock))
         gathered = _dist.all_gather_floats(block)
         self._num_collectives += 1
-        steps = _split_blocks(gathered)  # (K, world, F)
+        steps = step_table.split_blocks(gathered)  # (K, world, F)
         if self._peaks_flops is None:
             self._peaks_flops = np.array([g[1] for g in gathered], dtype=np.float64)
             self._totals = np.array([g[2] for g in gathered], dtype=np.float64)
-        peaks = steps[:, :, _IDX["peak_allocated_bytes"]]
+        peaks = steps[:, :, step_table.FIELD_INDEX["peak_allocated_bytes"]]
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
-        table = _step_table(steps, self._peaks_flops, self._totals)
+        table = step_table.step_table(steps, self._peaks_flops, self._totals)
         if self._rank == 0:
             self._record(steps, table)
         if log:
-            metrics = self._window_metrics(steps, table)
+            metrics = step_table.window_metrics(steps, table, self._peaks_flops, self._high_water)
             if metrics:
                 pl_module.log_dict(
                     {self.prefix + k: v for k, v in metrics.items()},
@@ -689,118 +508,26 @@ class LoadBalanceMonitor(Callback):
                     batch_size=1,
                 )
 
-    def _resolve(self, p: _Pending) -> list[float]:
-        step_time = self._clock.seconds(p.start, p.end)
-        compute = self._clock.seconds(p.start, p.bucket) if p.bucket is not None else step_time
-        if p.prev_end is not None:
-            iter_time = self._clock.seconds(p.prev_end, p.end)
-            data_time = self._clock.seconds(p.prev_end, p.start)
-        else:
-            iter_time, data_time = step_time, math.nan
-        return [
-            float(p.batch_idx),
-            float(p.step),
-            *p.work,
-            p.flops,
-            compute,
-            step_time,
-            iter_time,
-            data_time,
-            *p.memory,
-            float(p.flags),
-        ]
-
-    def _window_metrics(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> dict[str, float]:
-        """The logged values of one window: means over its steps (time balance over un-counted steps only)."""
-        timed = table["counted"] == 0
-        out: dict[str, float] = {}
-        for key in (
-            "compute_cv",
-            "compute_imbalance",
-            "token_cv",
-            "vram_efficiency_mean",
-            "vram_efficiency_min",
-        ):
-            out[key] = _nanmean(table[key])
-        for key in ("step_time_cv", "imbalance", "data_share"):
-            out[key] = _nanmean(table[key][timed])
-        figures = _balance_figures(table)
-        out["straggler_wait"] = figures["straggler_wait"]  # time-weighted over the window's timed steps
-        out["step_wait_mean"] = figures["step_wait_mean"]
-        for key in ("peak_allocated_gib", "peak_reserved_gib"):
-            out[key] = _nanmax(table[key])
-        out.update(_throughput(table, steps.shape[1], self._peaks_flops))
-        peaks = steps[:, :, _IDX["peak_allocated_bytes"]]
-        if peaks.size and not np.isnan(peaks).any():
-            out["peak_vram_util_eff"] = stats.peak_vram_utilisation_efficiency(
-                peaks.ravel(), self._high_water
-            )
-        return {k: float(v) for k, v in out.items() if _finite(v)}
-
     def _record(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> None:
         """Rank 0 keeps the per-step table and, for the plots, per-rank compute time and peak memory."""
         self._tables.append(table)
-        self._compile_steps += int(((steps[:, :, -1].astype(np.int64) & _FLAG_COMPILED) > 0).any(axis=1).sum())
-        for name, store in (
-            ("compute_time_s", self._rank_compute),
-            ("peak_allocated_bytes", self._rank_peak),
-        ):
-            x = steps[:, :, _IDX[name]]
-            if x.shape[1] > _MAX_PLOTTED_RANKS:  # keep a band, not every rank, on large jobs
-                x = np.stack([x.min(axis=1), x.mean(axis=1), x.max(axis=1)], axis=1)
-            store.append(x.astype(np.float32))
-        if self._ranks_csv is None:
-            return
-        k, world, _ = steps.shape
-        flags = steps[:, :, -1].astype(np.int64)
-        with open(self._ranks_csv, "a", newline="") as f:
-            writer = csv.writer(f)
-            for i in range(k):
-                for r in range(world):
-                    row = steps[i, r]
-                    writer.writerow(
-                        [
-                            r,
-                            *(_csv_cell(float(v), _FIELDS[j]) for j, v in enumerate(row[:-1])),
-                            int(bool(flags[i, r] & _FLAG_COUNTED)),
-                            int(bool(flags[i, r] & _FLAG_HOOK)),
-                        ]
-                    )
+        self._compile_steps += step_table.compiled_steps(steps)
+        self._rank_compute.append(step_table.rank_band(steps, "compute_time_s"))
+        self._rank_peak.append(step_table.rank_band(steps, "peak_allocated_bytes"))
+        if self._ranks_csv is not None:
+            report.append_rank_rows(self._ranks_csv, steps)
 
     # ------------------------------------------------------------------ end of fit (rank 0)
 
-    def _history(self) -> dict[str, np.ndarray]:
-        if not self._tables:
-            return {}
-        return {k: np.concatenate([t[k] for t in self._tables]) for k in self._tables[0]}
-
     def _summarize(self) -> dict[str, Any]:
-        table = self._history()
+        table = step_table.history(self._tables)
         world = self._world
         peaks_flops = self._peaks_flops if self._peaks_flops is not None else np.full(world, self._peak)
         totals = self._totals if self._totals is not None else np.full(world, self._device_total)
         n = len(table.get("step", ()))
-        described: dict[str, dict[str, float]] = {}
-        overall: dict[str, float] = {}
-        if n:
-            timed = table["counted"] == 0
-            for key in _SUMMARY_ALL_STEPS:
-                described[key] = stats.describe(table[key].tolist())
-            for key in _SUMMARY_TIMED_STEPS:
-                described[key] = stats.describe(table[key][timed].tolist())
-            overall.update(_throughput(table, world, peaks_flops))
-            overall.update(_balance_figures(table))
-            overall["tokens"] = float(np.nansum(table["tokens"]))
-            overall["samples"] = float(np.nansum(table["samples"]))
-            peak_cols = [p for p in self._rank_peak]
-            if peak_cols and world <= _MAX_PLOTTED_RANKS:
-                peaks = np.concatenate(peak_cols).astype(np.float64)
-                if not np.isnan(peaks).any():
-                    overall["peak_vram_util_eff"] = stats.peak_vram_utilisation_efficiency(peaks.ravel())
-            elif _finite(self._high_water) and self._high_water > 0:
-                # Large jobs keep min/mean/max per step only; the mean column gives the same mean over ranks.
-                means = np.concatenate(peak_cols)[:, 1].astype(np.float64)
-                overall["peak_vram_util_eff"] = float(means.mean() / self._high_water)
+        described, overall = step_table.summarize_table(
+            table, world, peaks_flops, self._rank_peak, self._high_water
+        )
         return {
             "meta": {
                 "world_size": world,
@@ -822,44 +549,18 @@ class LoadBalanceMonitor(Callback):
         }
 
     def _format_summary(self) -> str:
-        meta, overall, table = self.summary["meta"], self.summary["overall"], self.summary["table"]
-        lines = [
-            f"LoadBalanceMonitor: {meta['num_steps']} steps x {meta['world_size']} ranks on {meta['device']}; "
-            f"compute time by {meta['timing_method']}, FLOPs by {meta['flops_source']}",
-            f"{'statistic':<22}{'mean':>12}{'p50':>12}{'p95':>12}{'max':>12}",
-        ]
-        for key, d in table.items():
-            if d["n"] == 0:
-                continue
-            lines.append(f"{key:<22}" + "".join(f"{_fmt(d[c]):>12}" for c in ("mean", "p50", "p95", "max")))
-        lines.append("whole job: " + ", ".join(f"{k}={_fmt(v)}" for k, v in overall.items() if _finite(v)))
-        lines.append(f"layer_norm_modulate (rank 0): {meta.get('norm_modulate_path', 'not called')}")
-        return "\n".join(lines)
-
-    def _write_step_files(self) -> None:
-        assert self._outdir is not None
-        table = self._history()
-        keys = list(_STEP_COLUMNS)
-        rows = [dict(zip(keys, vals)) for vals in zip(*(table[k].tolist() for k in keys))] if table else []
-        with open(os.path.join(self._outdir, "load_balance_steps.csv"), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(keys)
-            for row in rows:
-                writer.writerow([_csv_cell(row[k], k) for k in keys])
-        payload = {"summary": _jsonable(self.summary), "steps": [_jsonable(r) for r in rows]}
-        with open(os.path.join(self._outdir, "load_balance.json"), "w") as f:
-            json.dump(payload, f, indent=1, allow_nan=False)
+        return report.format_summary(self.summary)
 
     def _write_plots(self) -> None:
         assert self._outdir is not None
         totals = self._totals if self._totals is not None else np.full(self._world, self._device_total)
-        _write_plots(
+        report.write_monitor_plots(
             self._outdir,
-            self._history(),
+            step_table.history(self._tables),
             np.concatenate(self._rank_compute),
             np.concatenate(self._rank_peak),
             totals,
-            banded=self._world > _MAX_PLOTTED_RANKS,
+            banded=self._world > step_table.MAX_PLOTTED_RANKS,
         )
 
 
@@ -867,6 +568,7 @@ class LoadBalanceMonitor(Callback):
 
 
 def _norm_modulate_path() -> str:
+    """How the fused LayerNorm-Modulate op ran on this rank (``"not called"`` when the model never imported it)."""
     # Only where the model imported the op: importing it here would load (or build) the CUDA kernels.
     ops = sys.modules.get("lightning_adaptiveload.ops")
     return ops.fused_op_paths() if ops is not None else "not called"
@@ -881,14 +583,6 @@ def _as_float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _dynamo_frames() -> int:
-    """Frames torch.compile (dynamo) has compiled in this process so far; 0 when dynamo was never loaded."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return 0
-    return int(sum(utils.counters["frames"].values()))
 
 
 def _shape_key(batch: Any) -> Any:
@@ -917,277 +611,3 @@ def _analytic_args(batch: Any) -> tuple[int, int, int]:
     text = batch.get("text")
     text_len = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.ndim >= 2 else 0
     return int(batch["batch_size"]), int(batch["seq_len"]), text_len
-
-
-def _split_blocks(gathered: list[list[float]]) -> np.ndarray:
-    """Turn the ranks' flat blocks into an array (steps, ranks, fields), checking that the ranks line up."""
-    counts = [int(g[0]) for g in gathered]
-    if len(set(counts)) != 1:
-        raise RuntimeError(
-            f"LoadBalanceMonitor: the ranks buffered different step counts {counts} (index = rank); every rank "
-            "must run the same number of training batches (unequal counts also hang DDP)."
-        )
-    h = len(_HEADER)
-    a = np.asarray([g[h:] for g in gathered], dtype=np.float64).reshape(len(gathered), counts[0], _F)
-    a = a.transpose(1, 0, 2)
-    idx = a[:, :, _IDX["batch_idx"]]
-    bad = np.flatnonzero((idx != idx[:, :1]).any(axis=1))
-    if bad.size:
-        raise RuntimeError(
-            f"LoadBalanceMonitor: the ranks' batches are out of step: batch indices {idx[bad[0]].tolist()} "
-            "(index = rank) were gathered together; every rank must call the training hooks for the same batches."
-        )
-    return a
-
-
-def _step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) -> dict[str, np.ndarray]:
-    """Statistics across ranks of every step.
-
-    Args:
-        steps: float64 (steps, ranks, len(_FIELDS)), the gathered records.
-        peaks_flops: float64 (ranks,), dense peak FLOP/s of each rank's device (nan if unknown).
-        totals: float64 (ranks,), device memory in bytes (nan without CUDA).
-
-    Returns:
-        One float64 array of shape (steps,) per name of ``_STEP_COLUMNS``; nan where a value is unknown.
-    """
-
-    def col(name: str) -> np.ndarray:
-        return steps[:, :, _IDX[name]]
-
-    world = steps.shape[1]
-    flags = col("flags").astype(np.int64)
-    t: dict[str, np.ndarray] = {
-        "step": col("step")[:, 0],
-        "batch_idx": col("batch_idx")[:, 0],
-        "counted": ((flags & _FLAG_COUNTED) > 0).any(axis=1).astype(np.float64),
-        "hook_timed": ((flags & _FLAG_HOOK) > 0).all(axis=1).astype(np.float64),
-    }
-    t["compute_cv"], t["compute_imbalance"], _ = stats.balance_rows(col("cost"))
-    t["token_cv"], _, _ = stats.balance_rows(col("num_tokens"))
-    t["step_time_cv"], t["imbalance"], t["straggler_wait"] = stats.balance_rows(col("compute_time_s"))
-    t["compute_time_max_s"] = col("compute_time_s").max(axis=1)
-    t["step_time_s"] = col("step_time_s").max(axis=1)
-    wall = col("iter_time_s").max(axis=1)  # a synchronous step ends for everyone with the slowest rank
-    t["iter_time_s"] = wall
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = col("data_time_s") / col("iter_time_s")
-        n = (~np.isnan(share)).sum(axis=1)
-        t["data_share"] = np.where(n > 0, np.nansum(share, axis=1) / np.maximum(n, 1), np.nan)
-        t["tokens"] = col("num_tokens").sum(axis=1)
-        t["samples"] = col("batch_size").sum(axis=1)
-        t["flops"] = col("flops").sum(axis=1)
-        t["tokens_per_s"] = t["tokens"] / wall
-        t["samples_per_s"] = t["samples"] / wall
-        t["tflops_per_device"] = t["flops"] / wall / world / 1e12
-        t["mfu"] = t["flops"] / wall / peaks_flops.sum()
-        eff = col("peak_allocated_bytes") / totals[None, :]
-    t["vram_efficiency_mean"] = eff.mean(axis=1)
-    t["vram_efficiency_min"] = eff.min(axis=1)
-    t["peak_allocated_gib"] = col("peak_allocated_bytes").max(axis=1) / _GIB
-    t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / _GIB
-    return t
-
-
-def _balance_figures(table: dict[str, np.ndarray]) -> dict[str, float]:
-    """:data:`stats.BALANCE_FIGURES` of the compute times over the table's timed steps (FLOP-counting steps
-    left out): the names and definitions the simulator reports, so measured and simulated runs compare."""
-    timed = table["counted"] == 0
-    return stats.summarize_steps(
-        table["step_time_cv"][timed],
-        table["imbalance"][timed],
-        table["straggler_wait"][timed],
-        table["compute_time_max_s"][timed],
-    )
-
-
-def _throughput(table: dict[str, np.ndarray], world: int, peaks_flops: np.ndarray | None) -> dict[str, float]:
-    """Job throughput over the steps of ``table``, summed over ranks, FLOP-counting steps included.
-
-    Those steps are the job's real time, the monitor's cost with it; leaving them out would flatter it.
-    """
-    wall = float(table["iter_time_s"].sum())
-    flops = float(table["flops"].sum())
-    peak = float(peaks_flops.sum()) if peaks_flops is not None else math.nan
-    return {
-        "tokens_per_s": stats.achieved_flops_per_s(float(table["tokens"].sum()), wall),
-        "samples_per_s": stats.achieved_flops_per_s(float(table["samples"].sum()), wall),
-        "tflops_per_device": stats.achieved_flops_per_s(flops, wall) / world / 1e12,
-        "mfu": stats.mfu(flops, wall, peak),
-    }
-
-
-def _csv_cell(value: float, name: str) -> str | int | float:
-    if math.isnan(value):
-        return ""
-    if name in (
-        "batch_idx",
-        "step",
-        "num_tokens",
-        "batch_size",
-        "seq_len",
-        "peak_allocated_bytes",
-        "peak_reserved_bytes",
-        "alloc_retries",
-        "ooms",
-        "counted",
-        "hook_timed",
-        "tokens",
-        "samples",
-    ):
-        return int(value)
-    return repr(float(value))
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if _finite(value) else None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _fmt(value: float) -> str:
-    if not _finite(value):
-        return "-"
-    a = abs(value)
-    if a != 0 and (a >= 1e5 or a < 1e-3):
-        return f"{value:.3e}"
-    return f"{value:.4f}"
-
-
-# ---------------------------------------------------------------------- plots (rank 0, end of fit)
-
-
-def _rolling_mean(values: np.ndarray, width: int) -> np.ndarray:
-    out = np.empty(len(values))
-    for i in range(len(values)):
-        out[i] = _nanmean(values[max(0, i - width + 1) : i + 1])
-    return out
-
-
-def _write_plots(
-    outdir: str,
-    table: dict[str, np.ndarray],
-    rank_compute: np.ndarray,
-    rank_peak: np.ndarray,
-    totals: np.ndarray,
-    banded: bool = False,
-) -> list[str]:
-    """Write the PNG plots and return their paths.
-
-    Args:
-        outdir: directory to write into.
-        table: the per-step table (``_STEP_COLUMNS`` -> float array (steps,)).
-        rank_compute: compute time in seconds, (steps, ranks), or (steps, 3) min/mean/max when ``banded``.
-        rank_peak: peak allocated bytes, same layout; all nan without CUDA (no memory plot then).
-        totals: (ranks,) device memory in bytes.
-        banded: the per-rank arrays hold min/mean/max over ranks instead of every rank.
-
-    Uses matplotlib's object API (``Figure``, Agg canvas): no pyplot state, no global backend switch.
-    """
-    from matplotlib.figure import Figure
-
-    written = []
-    n = len(table["step"])
-    x = table["batch_idx"] + 1
-    counted = table["counted"] > 0
-    width = max(1, min(50, n // 10))  # rolling-mean window of the throughput plot
-    world = rank_compute.shape[1] if not banded else None
-
-    def save(fig: Figure, name: str) -> None:
-        written.append(os.path.join(outdir, name))
-        fig.savefig(written[-1], dpi=110)
-
-    # 1. distribution of the per-step CVs across ranks
-    fig = Figure(figsize=(12, 3.8), layout="constrained")
-    for ax, key, label in zip(
-        fig.subplots(1, 3),
-        ("compute_cv", "token_cv", "step_time_cv"),
-        ("compute CV (cost-model estimate)", "token CV", "step-time CV (measured compute)"),
-    ):
-        vals = 100 * table[key][~counted] if key == "step_time_cv" else 100 * table[key]
-        vals = vals[~np.isnan(vals)]
-        if vals.size:
-            d = stats.describe(vals.tolist())
-            ax.hist(vals, bins=min(50, max(5, vals.size // 3)), color="tab:blue", alpha=0.8)
-            ax.axvline(d["mean"], color="k", linestyle="--", label=f"mean {d['mean']:.1f}%")
-            ax.axvline(d["p95"], color="tab:red", linestyle=":", label=f"p95 {d['p95']:.1f}%")
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("CV across ranks per step (%)")
-        ax.set_ylabel("steps")
-    ranks = f"{world} ranks" if world is not None else "ranks"
-    fig.suptitle(f"Balance across {ranks}, {n} steps")
-    save(fig, "load_balance_cv.png")
-
-    # 2. job throughput over steps
-    fig = Figure(figsize=(10, 5.5), layout="constrained")
-    axes = fig.subplots(2, 1, sharex=True)
-    for ax, key, label in zip(axes, ("tokens_per_s", "samples_per_s"), ("tokens/s", "samples/s")):
-        ax.plot(x, table[key], color="tab:blue", alpha=0.35, linewidth=0.8, label="per step")
-        ax.plot(
-            x, _rolling_mean(table[key], width), color="tab:blue", linewidth=1.8, label=f"mean of {width}"
-        )
-        ax.set_ylabel(f"{label} (all ranks)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
-    axes[-1].set_xlabel("training batch")
-    fig.suptitle("Job throughput, summed over ranks")
-    save(fig, "load_balance_throughput.png")
-
-    # 3. per-rank compute time over steps
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
-    ax = fig.subplots()
-    ms = 1e3 * rank_compute
-    if banded:
-        ax.fill_between(x, ms[:, 0], ms[:, 2], color="tab:blue", alpha=0.3, label="min to max over ranks")
-        ax.plot(x, ms[:, 1], color="tab:blue", linewidth=0.9, label="mean over ranks")
-    else:
-        for r in range(ms.shape[1]):
-            ax.plot(x, ms[:, r], linewidth=0.9, label=f"rank {r}")
-    ax.plot(
-        x,
-        1e3 * table["step_time_s"],
-        color="k",
-        linestyle="--",
-        linewidth=0.9,
-        label="step wall time (slowest)",
-    )
-    ax.set_xlabel("training batch")
-    ax.set_ylabel("ms")
-    ax.set_title("Each rank's own compute time (waiting for other ranks excluded)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=4)
-    save(fig, "load_balance_compute_time.png")
-
-    # 4. memory over steps (CUDA only)
-    if not np.isnan(rank_peak).all():
-        fig = Figure(figsize=(10, 4.5), layout="constrained")
-        ax = fig.subplots()
-        gib = rank_peak / _GIB
-        if banded:
-            ax.fill_between(
-                x, gib[:, 0], gib[:, 2], color="tab:blue", alpha=0.3, label="min to max over ranks"
-            )
-            ax.plot(x, gib[:, 1], color="tab:blue", linewidth=0.9, label="mean over ranks")
-        else:
-            for r in range(gib.shape[1]):
-                ax.plot(x, gib[:, r], linewidth=0.9, label=f"rank {r}")
-        ax.axhline(float(np.nanmax(gib)), color="k", linestyle=":", label="high-water mark")
-        if not np.isnan(totals).all():
-            ax.axhline(
-                float(np.nanmin(totals)) / _GIB, color="tab:red", linestyle="--", label="device memory"
-            )
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("training batch")
-        ax.set_ylabel("peak allocated (GiB)")
-        ax.set_title("Peak allocated memory per step and rank")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=4, loc="lower right")
-        save(fig, "load_balance_memory.png")
-    return written

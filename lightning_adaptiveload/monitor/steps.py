@@ -1,0 +1,332 @@
+"""The per-step table of the LoadBalanceMonitor, from the blocks its ranks gathered.
+
+Owns the layout of the record every rank sends per step (:data:`FIELDS`), the check that the ranks' blocks
+line up (:func:`split_blocks`), the statistics across ranks of every step (:func:`step_table`), and what a
+logging window or the whole run reports from that table (:func:`window_metrics`, :func:`summarize_table`).
+Plain numpy: every formula is a call into :mod:`lightning_adaptiveload.monitor.stats`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from lightning_adaptiveload.monitor import stats
+
+__all__ = [
+    "FIELDS",
+    "NUM_FIELDS",
+    "FIELD_INDEX",
+    "HEADER",
+    "FLAG_COUNTED",
+    "FLAG_HOOK",
+    "FLAG_COMPILED",
+    "STEP_COLUMNS",
+    "MAX_PLOTTED_RANKS",
+    "GIB",
+    "split_blocks",
+    "step_table",
+    "balance_figures",
+    "throughput",
+    "window_metrics",
+    "rank_band",
+    "compiled_steps",
+    "summarize_table",
+    "history",
+]
+
+GIB = float(1 << 30)
+
+# Per-step record gathered from every rank, in this order (one float each). Batches that lack a field, and
+# memory on a device without CUDA, give nan: such fields are absent from the logs, empty in the CSV.
+FIELDS = (
+    "batch_idx",  # trainer.fit_loop.total_batch_idx of the batch: the same on every rank (checked)
+    "step",  # trainer.global_step after the batch
+    "cost",  # batch["cost"]: cost-model estimate of the batch
+    "num_tokens",  # batch["num_tokens"]
+    "batch_size",  # batch["batch_size"]
+    "seq_len",  # batch["seq_len"]
+    "flops",  # model FLOPs of forward + backward (3x forward)
+    "compute_time_s",  # the rank's own compute: step start -> last gradient bucket ready (or the whole step)
+    "step_time_s",  # step start -> step end (on_train_batch_start -> on_train_batch_end), waiting included
+    "iter_time_s",  # previous step end -> this step end: data loading, step and callbacks
+    "data_time_s",  # previous step end -> this step start (nan for the first step and after validation)
+    "peak_allocated_bytes",  # torch.cuda peak allocated within the step (reset at the step start)
+    "peak_reserved_bytes",
+    "alloc_retries",  # cumulative cudaMalloc retries (torch.cuda.memory_stats "num_alloc_retries")
+    "ooms",  # cumulative out-of-memory errors
+    "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
+    # it: its times are inflated); bit 1: timed by DDP hook; bit 2: torch.compile compiled in it
+)
+NUM_FIELDS = len(FIELDS)
+FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
+HEADER = ("num_steps", "peak_flops", "device_total_bytes")  # per-rank block header
+FLAG_COUNTED = 1
+FLAG_HOOK = 2
+FLAG_COMPILED = 4
+
+# Columns of the per-step table (load_balance_steps.csv, the "steps" of load_balance.json).
+STEP_COLUMNS = (
+    "step",
+    "batch_idx",
+    "counted",  # 1 if some rank counted FLOPs or compiled (warm-up) at the step: its time statistics are left out
+    "hook_timed",  # 1 if every rank's compute time came from the DDP hook
+    "compute_cv",
+    "compute_imbalance",
+    "token_cv",
+    "step_time_cv",
+    "imbalance",
+    "straggler_wait",
+    "compute_time_max_s",
+    "step_time_s",
+    "iter_time_s",
+    "data_share",
+    "tokens",
+    "samples",
+    "flops",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops_per_device",
+    "mfu",
+    "vram_efficiency_mean",
+    "vram_efficiency_min",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+)
+_SUMMARY_ALL_STEPS = (
+    "compute_cv",
+    "compute_imbalance",
+    "token_cv",
+    "iter_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops_per_device",
+    "mfu",
+    "vram_efficiency_mean",
+    "vram_efficiency_min",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+)
+_SUMMARY_TIMED_STEPS = (
+    "step_time_cv",
+    "imbalance",
+    "straggler_wait",
+    "data_share",
+    "compute_time_max_s",
+    "step_time_s",
+)
+MAX_PLOTTED_RANKS = 16  # above this, plots and history keep min/mean/max over ranks instead of every rank
+
+
+def _nanmean(values: np.ndarray) -> float:
+    x = np.asarray(values, dtype=np.float64)
+    return float(np.nanmean(x)) if (~np.isnan(x)).any() else math.nan  # no "empty slice" warning
+
+
+def _nanmax(values: np.ndarray) -> float:
+    x = np.asarray(values, dtype=np.float64)
+    return float(np.nanmax(x)) if (~np.isnan(x)).any() else math.nan
+
+
+def split_blocks(gathered: list[list[float]]) -> np.ndarray:
+    """Turn the ranks' flat blocks into an array (steps, ranks, fields), checking that the ranks line up.
+
+    Args:
+        gathered: one flat block per rank: :data:`HEADER` then :data:`NUM_FIELDS` floats per step.
+
+    Raises:
+        RuntimeError: the ranks buffered different step counts, or different batches at one step.
+    """
+    counts = [int(g[0]) for g in gathered]
+    if len(set(counts)) != 1:
+        raise RuntimeError(
+            f"LoadBalanceMonitor: the ranks buffered different step counts {counts} (index = rank); every rank "
+            "must run the same number of training batches (unequal counts also hang DDP)."
+        )
+    h = len(HEADER)
+    a = np.asarray([g[h:] for g in gathered], dtype=np.float64).reshape(len(gathered), counts[0], NUM_FIELDS)
+    a = a.transpose(1, 0, 2)
+    idx = a[:, :, FIELD_INDEX["batch_idx"]]
+    bad = np.flatnonzero((idx != idx[:, :1]).any(axis=1))
+    if bad.size:
+        raise RuntimeError(
+            f"LoadBalanceMonitor: the ranks' batches are out of step: batch indices {idx[bad[0]].tolist()} "
+            "(index = rank) were gathered together; every rank must call the training hooks for the same batches."
+        )
+    return a
+
+
+def step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) -> dict[str, np.ndarray]:
+    """Statistics across ranks of every step.
+
+    Args:
+        steps: float64 (steps, ranks, NUM_FIELDS), the gathered records.
+        peaks_flops: float64 (ranks,), dense peak FLOP/s of each rank's device (nan if unknown).
+        totals: float64 (ranks,), device memory in bytes (nan without CUDA).
+
+    Returns:
+        One float64 array of shape (steps,) per name of :data:`STEP_COLUMNS`; nan where a value is unknown.
+    """
+
+    def col(name: str) -> np.ndarray:
+        return steps[:, :, FIELD_INDEX[name]]
+
+    world = steps.shape[1]
+    flags = col("flags").astype(np.int64)
+    t: dict[str, np.ndarray] = {
+        "step": col("step")[:, 0],
+        "batch_idx": col("batch_idx")[:, 0],
+        "counted": ((flags & FLAG_COUNTED) > 0).any(axis=1).astype(np.float64),
+        "hook_timed": ((flags & FLAG_HOOK) > 0).all(axis=1).astype(np.float64),
+    }
+    t["compute_cv"], t["compute_imbalance"], _ = stats.balance_rows(col("cost"))
+    t["token_cv"], _, _ = stats.balance_rows(col("num_tokens"))
+    t["step_time_cv"], t["imbalance"], t["straggler_wait"] = stats.balance_rows(col("compute_time_s"))
+    t["compute_time_max_s"] = col("compute_time_s").max(axis=1)
+    t["step_time_s"] = col("step_time_s").max(axis=1)
+    wall = col("iter_time_s").max(axis=1)  # a synchronous step ends for everyone with the slowest rank
+    t["iter_time_s"] = wall
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = col("data_time_s") / col("iter_time_s")
+        n = (~np.isnan(share)).sum(axis=1)
+        t["data_share"] = np.where(n > 0, np.nansum(share, axis=1) / np.maximum(n, 1), np.nan)
+        t["tokens"] = col("num_tokens").sum(axis=1)
+        t["samples"] = col("batch_size").sum(axis=1)
+        t["flops"] = col("flops").sum(axis=1)
+        t["tokens_per_s"] = t["tokens"] / wall
+        t["samples_per_s"] = t["samples"] / wall
+        t["tflops_per_device"] = t["flops"] / wall / world / 1e12
+        t["mfu"] = t["flops"] / wall / peaks_flops.sum()
+        eff = col("peak_allocated_bytes") / totals[None, :]
+    t["vram_efficiency_mean"] = eff.mean(axis=1)
+    t["vram_efficiency_min"] = eff.min(axis=1)
+    t["peak_allocated_gib"] = col("peak_allocated_bytes").max(axis=1) / GIB
+    t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / GIB
+    return t
+
+
+def balance_figures(table: dict[str, np.ndarray]) -> dict[str, float]:
+    """:data:`stats.BALANCE_FIGURES` of the compute times over the table's timed steps (FLOP-counting steps
+    left out): the names and definitions the simulator reports, so measured and simulated runs compare."""
+    timed = table["counted"] == 0
+    return stats.summarize_steps(
+        table["step_time_cv"][timed],
+        table["imbalance"][timed],
+        table["straggler_wait"][timed],
+        table["compute_time_max_s"][timed],
+    )
+
+
+def throughput(table: dict[str, np.ndarray], world: int, peaks_flops: np.ndarray | None) -> dict[str, float]:
+    """Job throughput over the steps of ``table``, summed over ranks, FLOP-counting steps included.
+
+    Those steps are the job's real time, the monitor's cost with it; leaving them out would flatter it.
+    """
+    wall = float(table["iter_time_s"].sum())
+    flops = float(table["flops"].sum())
+    peak = float(peaks_flops.sum()) if peaks_flops is not None else math.nan
+    return {
+        "tokens_per_s": stats.achieved_flops_per_s(float(table["tokens"].sum()), wall),
+        "samples_per_s": stats.achieved_flops_per_s(float(table["samples"].sum()), wall),
+        "tflops_per_device": stats.achieved_flops_per_s(flops, wall) / world / 1e12,
+        "mfu": stats.mfu(flops, wall, peak),
+    }
+
+
+def window_metrics(
+    steps: np.ndarray, table: dict[str, np.ndarray], peaks_flops: np.ndarray | None, high_water: float
+) -> dict[str, float]:
+    """The logged values of one window: means over its steps (time balance over un-counted steps only).
+
+    Args:
+        steps: float64 (steps, ranks, NUM_FIELDS), the window's gathered records.
+        table: :func:`step_table` of ``steps``.
+        peaks_flops: float64 (ranks,) dense peak FLOP/s, or None.
+        high_water: the job's running peak allocated bytes, for ``peak_vram_util_eff``.
+
+    Returns:
+        The finite values only, by name (without the logging prefix).
+    """
+    timed = table["counted"] == 0
+    out: dict[str, float] = {}
+    for key in ("compute_cv", "compute_imbalance", "token_cv", "vram_efficiency_mean", "vram_efficiency_min"):
+        out[key] = _nanmean(table[key])
+    for key in ("step_time_cv", "imbalance", "data_share"):
+        out[key] = _nanmean(table[key][timed])
+    figures = balance_figures(table)
+    out["straggler_wait"] = figures["straggler_wait"]  # time-weighted over the window's timed steps
+    out["step_wait_mean"] = figures["step_wait_mean"]
+    for key in ("peak_allocated_gib", "peak_reserved_gib"):
+        out[key] = _nanmax(table[key])
+    out.update(throughput(table, steps.shape[1], peaks_flops))
+    peaks = steps[:, :, FIELD_INDEX["peak_allocated_bytes"]]
+    if peaks.size and not np.isnan(peaks).any():
+        out["peak_vram_util_eff"] = stats.peak_vram_utilisation_efficiency(peaks.ravel(), high_water)
+    return {k: float(v) for k, v in out.items() if math.isfinite(v)}
+
+
+def rank_band(steps: np.ndarray, name: str) -> np.ndarray:
+    """One field of every rank, float32 (steps, ranks); min/mean/max over ranks (steps, 3) on large jobs."""
+    x = steps[:, :, FIELD_INDEX[name]]
+    if x.shape[1] > MAX_PLOTTED_RANKS:  # keep a band, not every rank, on large jobs
+        x = np.stack([x.min(axis=1), x.mean(axis=1), x.max(axis=1)], axis=1)
+    return x.astype(np.float32)
+
+
+def compiled_steps(steps: np.ndarray) -> int:
+    """How many steps of ``steps`` some rank compiled (torch.compile) in."""
+    flags = steps[:, :, FIELD_INDEX["flags"]].astype(np.int64)
+    return int(((flags & FLAG_COMPILED) > 0).any(axis=1).sum())
+
+
+def summarize_table(
+    table: dict[str, np.ndarray],
+    world: int,
+    peaks_flops: np.ndarray,
+    rank_peaks: list[np.ndarray],
+    high_water: float,
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """The whole run's statistics from its per-step table.
+
+    Args:
+        table: the run's :func:`step_table`, every flush concatenated (may be empty).
+        world: the number of ranks.
+        peaks_flops: float64 (ranks,) dense peak FLOP/s (nan if unknown).
+        rank_peaks: the :func:`rank_band` blocks of ``peak_allocated_bytes``, one per flush.
+        high_water: the job's peak allocated bytes.
+
+    Returns:
+        ``(described, overall)``: :func:`stats.describe` of each summarised column, and the whole-job
+        throughput, balance figures, totals and peak VRAM utilisation efficiency.
+    """
+    described: dict[str, dict[str, float]] = {}
+    overall: dict[str, float] = {}
+    if not len(table.get("step", ())):
+        return described, overall
+    timed = table["counted"] == 0
+    for key in _SUMMARY_ALL_STEPS:
+        described[key] = stats.describe(table[key].tolist())
+    for key in _SUMMARY_TIMED_STEPS:
+        described[key] = stats.describe(table[key][timed].tolist())
+    overall.update(throughput(table, world, peaks_flops))
+    overall.update(balance_figures(table))
+    overall["tokens"] = float(np.nansum(table["tokens"]))
+    overall["samples"] = float(np.nansum(table["samples"]))
+    if rank_peaks and world <= MAX_PLOTTED_RANKS:
+        peaks = np.concatenate(rank_peaks).astype(np.float64)
+        if not np.isnan(peaks).any():
+            overall["peak_vram_util_eff"] = stats.peak_vram_utilisation_efficiency(peaks.ravel())
+    elif math.isfinite(high_water) and high_water > 0:
+        # Large jobs keep min/mean/max per step only; the mean column gives the same mean over ranks.
+        means = np.concatenate(rank_peaks)[:, 1].astype(np.float64)
+        overall["peak_vram_util_eff"] = float(means.mean() / high_water)
+    return described, overall
+
+
+def history(tables: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """The per-step tables of several flushes as one table (empty without a flush)."""
+    if not tables:
+        return {}
+    return {k: np.concatenate([t[k] for t in tables]) for k in tables[0]}
