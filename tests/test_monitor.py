@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import steps as monitor_mod
 from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.monitor import steps as monitor_mod
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 
 D_IN, D_OUT = 8, 16
@@ -386,7 +386,9 @@ def test_balance_figures_are_the_simulators():
     steps = rng.random((k, world, f)) + 0.1
     steps[:, :, monitor_mod.FIELD_INDEX["batch_idx"]] = np.arange(k)[:, None]
     steps[:, :, monitor_mod.FIELD_INDEX["flags"]] = 2.0
-    steps[0, 1, monitor_mod.FIELD_INDEX["flags"]] = 3.0  # FLOPs counted on a rank at step 0: its times are left out
+    steps[0, 1, monitor_mod.FIELD_INDEX["flags"]] = (
+        3.0  # FLOPs counted on a rank at step 0: its times are left out
+    )
     comp = steps[:, :, monitor_mod.FIELD_INDEX["compute_time_s"]]
     comp[3] *= 10.0  # a long step: the time-weighted wait differs from the per-step mean
     table = monitor_mod.step_table(steps, np.full(world, 1e12), np.full(world, 10.0))

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.monitor import report, stats
 from lightning_adaptiveload.monitor import steps as step_table
+from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
     BucketTimer,
     CudaClock,
@@ -165,11 +166,7 @@ class LoadBalanceMonitor(Callback):
         self._clock: HostClock | CudaClock = HostClock()
         self._bucket_timer: BucketTimer | None = None
         self._timing_method = "step"
-        self._flops_source: str | None = None
-        self._analytic: Any = None
-        self._flops_cache: dict[Any, float] = {}
-        self._meta_clone: Any = None  # the meta-device copy FLOPs are counted on (no weights)
-        self._step_key: Any = None
+        self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
         self._frames_at_start = 0  # dynamo's compiled-frame count at the step start
         self._compile_steps = 0  # steps in which some rank compiled (rank 0's count)
@@ -213,7 +210,7 @@ class LoadBalanceMonitor(Callback):
             self._device_name = self._device.type
         self._peak = self._resolve_peak(trainer)
         self._install_comm_hook(trainer)
-        self._resolve_flops_source(pl_module)
+        self._flops = BatchFlops(pl_module, self.flops_fn, self.count_flops, self._warn_once)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
         outdir = self.dirpath if self.dirpath is not None else (trainer.log_dir or trainer.default_root_dir)
         if self._rank == 0 and self.write_files:
@@ -230,10 +227,8 @@ class LoadBalanceMonitor(Callback):
     ) -> None:
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        if self._flops_source == "flop_counter":
-            key = self._step_key = _shape_key(batch)
-            if key not in self._flops_cache:
-                self._count_on_meta(pl_module, batch, batch_idx, key)
+        if self._flops is not None:
+            self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
         self._frames_at_start = dynamo_frames()
         if self._bucket_timer is not None:
             self._bucket_timer.start_step()
@@ -269,7 +264,7 @@ class LoadBalanceMonitor(Callback):
                 batch_idx=int(trainer.fit_loop.total_batch_idx),
                 step=int(trainer.global_step),
                 work=self._work(batch),
-                flops=self._batch_flops(pl_module, batch),
+                flops=self._flops(pl_module, batch) if self._flops is not None else math.nan,
                 start=self._start,
                 end=end,
                 prev_end=self._prev_end,
@@ -378,54 +373,6 @@ class LoadBalanceMonitor(Callback):
         self._bucket_timer = timer
         self._timing_method = "ddp_comm_hook"
 
-    def _resolve_flops_source(self, pl_module: pl.LightningModule) -> None:
-        if self.flops_fn is not None:
-            self._flops_source = "flops_fn"
-        elif hasattr(pl_module, "flops_per_batch"):
-            self._flops_source = "flops_per_batch"
-        else:
-            for module in pl_module.modules():  # the LightningModule first, then its submodules
-                if callable(getattr(module, "flops", None)):
-                    self._analytic = module
-                    self._flops_source = "analytic"
-                    return
-            from lightning_adaptiveload.monitor.flops import find_wan_config
-
-            self._analytic = find_wan_config(pl_module)
-            if self._analytic is not None:
-                self._flops_source = "wan_config"
-            elif self.count_flops:
-                self._flops_source = "flop_counter"  # FlopCounterMode on a meta copy
-            else:
-                self._flops_source = None
-                self._warn_flops_unknown("count_flops=False")
-
-    def _warn_flops_unknown(self, why: str) -> None:
-        self._warn_once(
-            "flops",
-            f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
-            "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
-            "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
-            "`lightning_adaptiveload.monitor.flops.wan_flops_per_batch(config, batch)`.",
-        )
-
-    def _count_on_meta(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, key: Any) -> None:
-        """Count this batch shape's FLOPs on a meta copy of the module (never on the module that trains)."""
-        from lightning_adaptiveload.monitor.flops import meta_copy, meta_training_flops
-
-        try:
-            if self._meta_clone is None:
-                self._meta_clone = meta_copy(pl_module, drop=pl_module._trainer)
-            self._flops_cache[key] = meta_training_flops(pl_module, batch, batch_idx, clone=self._meta_clone)
-        except Exception as err:  # any failure of a user's step on meta tensors: go without FLOPs
-            self._flops_source = None
-            self._meta_clone = None
-            self._warn_flops_unknown(
-                f"counting training_step on a meta-device copy failed: {type(err).__name__}: {err}"
-            )
-            return
-        self._counted_step = True
-
     # ------------------------------------------------------------------ per-step helpers
 
     def _work(self, batch: Any) -> tuple[float, float, float, float]:
@@ -445,27 +392,6 @@ class LoadBalanceMonitor(Callback):
                 "statistics that need them are not logged. Add them in `on_after_batch_transfer`.",
             )
         return tuple(_as_float(batch.get(k)) for k in _WORK_KEYS)  # type: ignore[return-value]
-
-    def _batch_flops(self, pl_module: pl.LightningModule, batch: Any) -> float:
-        source = self._flops_source
-        if source is None:
-            return math.nan
-        if source == "flops_fn":
-            return float(self.flops_fn(batch))  # type: ignore[misc]
-        if source == "flops_per_batch":
-            value = pl_module.flops_per_batch  # type: ignore[attr-defined]
-            return float(value(batch) if callable(value) else value)
-        if source == "analytic":
-            args = _analytic_args(batch)
-            if args not in self._flops_cache:
-                self._flops_cache[args] = 3.0 * float(self._analytic.flops(*args))
-            return self._flops_cache[args]
-        if source == "wan_config":
-            from lightning_adaptiveload.monitor.flops import wan_flops_per_batch
-
-            return wan_flops_per_batch(self._analytic, batch)
-        # flop_counter: counted on the meta copy at the batch start
-        return self._flops_cache.get(self._step_key, math.nan)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
         # Same rule as Lightning's ThroughputMonitor: Lightning's own logging cadence, at optimizer steps only
@@ -536,7 +462,7 @@ class LoadBalanceMonitor(Callback):
                 "peak_flops_per_device": peaks_flops.tolist(),
                 "peak_flops_dtype": self._dtype_key,
                 "timing_method": self._timing_method,
-                "flops_source": self._flops_source,
+                "flops_source": self._flops.source if self._flops is not None else None,
                 "num_steps": n,
                 "steps_with_flop_counting": int(table["counted"].sum()) if n else 0,
                 "steps_compiling": self._compile_steps,
@@ -583,31 +509,3 @@ def _as_float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _shape_key(batch: Any) -> Any:
-    """A hashable key of the tensor shapes in a batch (dicts, lists and tuples are walked; the rest ignored)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape  # torch.Size is a hashable tuple
-    if isinstance(batch, Mapping):
-        return tuple(
-            (k, _shape_key(v))
-            for k, v in batch.items()
-            if isinstance(v, (torch.Tensor, Mapping, list, tuple))
-        )
-    if isinstance(batch, (list, tuple)):
-        return tuple(_shape_key(v) for v in batch if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
-    return None
-
-
-def _analytic_args(batch: Any) -> tuple[int, int, int]:
-    if not isinstance(batch, Mapping) or "batch_size" not in batch or "seq_len" not in batch:
-        raise ValueError(
-            "LoadBalanceMonitor: the model's analytic `flops(batch_size, seq_len, text_len)` needs batches with "
-            f"'batch_size' and 'seq_len' keys; got {type(batch).__name__}"
-            + (f" with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else "")
-            + ". Pass `flops_fn=` to LoadBalanceMonitor instead."
-        )
-    text = batch.get("text")
-    text_len = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.ndim >= 2 else 0
-    return int(batch["batch_size"]), int(batch["seq_len"]), text_len

@@ -12,6 +12,9 @@ Two ways, in the order :class:`~lightning_adaptiveload.LoadBalanceMonitor` tries
   that trains is what this avoids: in torch 2.13 a compiled module first called under ``FlopCounterMode``
   is never compiled afterwards, silently (see ``tests/test_flops.py``).
 
+:class:`BatchFlops` picks the first way that works for a module (a user's function and the module's own
+``flops_per_batch`` or analytic ``flops`` first) and gives each batch's FLOPs; the callback only calls it.
+
 Training FLOPs are 3x the forward (forward + backward, model FLOPs: activation recomputation is not
 counted), the convention of :func:`lightning_adaptiveload.monitor.stats.mfu`.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +32,14 @@ from unittest import mock
 
 import torch
 
-__all__ = ["TRAINING_FLOPS_PER_FORWARD", "wan_flops_per_batch", "find_wan_config", "meta_training_flops"]
+__all__ = [
+    "TRAINING_FLOPS_PER_FORWARD",
+    "wan_flops_per_batch",
+    "find_wan_config",
+    "meta_copy",
+    "meta_training_flops",
+    "BatchFlops",
+]
 
 # forward + backward (the backward costs two forwards: gradients of the inputs and of the weights)
 TRAINING_FLOPS_PER_FORWARD = 3.0
@@ -214,3 +224,134 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
         counter = stack.enter_context(FlopCounterMode(display=False))
         clone.training_step(meta_batch, batch_idx)
     return TRAINING_FLOPS_PER_FORWARD * float(counter.get_total_flops())
+
+
+class BatchFlops:
+    """The training FLOPs of each batch of a run, by the first way that works for the module.
+
+    In order: the user's ``flops_fn(batch)``; the module's ``flops_per_batch`` (method or value); the
+    analytic ``flops(batch_size, seq_len, text_len)`` of the first (sub)module that has one, times 3;
+    :func:`wan_flops_per_batch` for a diffusers Wan inside the module; else, with ``count_flops``,
+    :func:`meta_training_flops` once per distinct batch shape (:meth:`before_step`). When no way works,
+    ``warn`` is called once and every batch gives ``nan``.
+
+    Args:
+        pl_module: the LightningModule (or any module with ``training_step``).
+        flops_fn: ``flops_fn(batch) -> float``, or None.
+        count_flops: allow the count on a meta-device copy.
+        warn: ``warn(key, message)``, e.g. a rank-zero warning issued once per key.
+
+    Attributes:
+        source: ``"flops_fn"``, ``"flops_per_batch"``, ``"analytic"``, ``"wan_config"``, ``"flop_counter"``
+            or None (unknown).
+    """
+
+    def __init__(
+        self,
+        pl_module: Any,
+        flops_fn: Callable[[Any], float] | None,
+        count_flops: bool,
+        warn: Callable[[str, str], None],
+    ) -> None:
+        self.flops_fn = flops_fn
+        self.warn = warn
+        self.source: str | None = None
+        self._analytic: Any = None
+        self._cache: dict[Any, float] = {}
+        self._meta_clone: Any = None  # the meta-device copy FLOPs are counted on (no weights)
+        self._step_key: Any = None
+        self._resolve(pl_module, count_flops)
+
+    def _resolve(self, pl_module: Any, count_flops: bool) -> None:
+        if self.flops_fn is not None:
+            self.source = "flops_fn"
+            return
+        if hasattr(pl_module, "flops_per_batch"):
+            self.source = "flops_per_batch"
+            return
+        for module in pl_module.modules():  # the LightningModule first, then its submodules
+            if callable(getattr(module, "flops", None)):
+                self._analytic = module
+                self.source = "analytic"
+                return
+        self._analytic = find_wan_config(pl_module)
+        if self._analytic is not None:
+            self.source = "wan_config"
+        elif count_flops:
+            self.source = "flop_counter"  # FlopCounterMode on a meta copy
+        else:
+            self._unknown("count_flops=False")
+
+    def _unknown(self, why: str) -> None:
+        self.source = None
+        self.warn(
+            "flops",
+            f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
+            "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
+            "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
+            "`lightning_adaptiveload.monitor.flops.wan_flops_per_batch(config, batch)`.",
+        )
+
+    def before_step(self, pl_module: Any, batch: Any, batch_idx: int) -> bool:
+        """Count a new batch shape on the meta copy (never on the module that trains); True if it counted."""
+        if self.source != "flop_counter":
+            return False
+        key = self._step_key = _shape_key(batch)
+        if key in self._cache:
+            return False
+        try:
+            if self._meta_clone is None:
+                self._meta_clone = meta_copy(pl_module, drop=pl_module._trainer)
+            self._cache[key] = meta_training_flops(pl_module, batch, batch_idx, clone=self._meta_clone)
+        except Exception as err:  # any failure of a user's step on meta tensors: go without FLOPs
+            self._meta_clone = None
+            self._unknown(f"counting training_step on a meta-device copy failed: {type(err).__name__}: {err}")
+            return False
+        return True
+
+    def __call__(self, pl_module: Any, batch: Any) -> float:
+        """Training FLOPs of ``batch`` on this rank; ``nan`` when unknown."""
+        if self.source is None:
+            return math.nan
+        if self.source == "flops_fn":
+            return float(self.flops_fn(batch))  # type: ignore[misc]
+        if self.source == "flops_per_batch":
+            value = pl_module.flops_per_batch
+            return float(value(batch) if callable(value) else value)
+        if self.source == "analytic":
+            args = _analytic_args(batch)
+            if args not in self._cache:
+                self._cache[args] = TRAINING_FLOPS_PER_FORWARD * float(self._analytic.flops(*args))
+            return self._cache[args]
+        if self.source == "wan_config":
+            return wan_flops_per_batch(self._analytic, batch)
+        # flop_counter: counted on the meta copy at the batch start
+        return self._cache.get(self._step_key, math.nan)
+
+
+def _shape_key(batch: Any) -> Any:
+    """A hashable key of the tensor shapes in a batch (dicts, lists and tuples are walked; the rest ignored)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape  # torch.Size is a hashable tuple
+    if isinstance(batch, Mapping):
+        return tuple(
+            (k, _shape_key(v))
+            for k, v in batch.items()
+            if isinstance(v, (torch.Tensor, Mapping, list, tuple))
+        )
+    if isinstance(batch, (list, tuple)):
+        return tuple(_shape_key(v) for v in batch if isinstance(v, (torch.Tensor, Mapping, list, tuple)))
+    return None
+
+
+def _analytic_args(batch: Any) -> tuple[int, int, int]:
+    if not isinstance(batch, Mapping) or "batch_size" not in batch or "seq_len" not in batch:
+        raise ValueError(
+            "LoadBalanceMonitor: the model's analytic `flops(batch_size, seq_len, text_len)` needs batches with "
+            f"'batch_size' and 'seq_len' keys; got {type(batch).__name__}"
+            + (f" with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else "")
+            + ". Pass `flops_fn=` to LoadBalanceMonitor instead."
+        )
+    text = batch.get("text")
+    text_len = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.ndim >= 2 else 0
+    return int(batch["batch_size"]), int(batch["seq_len"]), text_len

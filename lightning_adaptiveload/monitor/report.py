@@ -116,7 +116,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     for key, d in table.items():
         if d["n"] == 0:
             continue
-        lines.append(f"{key:<22}" + "".join(f"{format_value(d[c]):>12}" for c in ("mean", "p50", "p95", "max")))
+        lines.append(
+            f"{key:<22}" + "".join(f"{format_value(d[c]):>12}" for c in ("mean", "p50", "p95", "max"))
+        )
     lines.append(
         "whole job: " + ", ".join(f"{k}={format_value(v)}" for k, v in overall.items() if math.isfinite(v))
     )
@@ -222,14 +224,18 @@ def _plot_throughput(outdir: str, table: dict[str, np.ndarray]) -> str:
 def _plot_ranks(ax: Any, x: np.ndarray, values: np.ndarray, banded: bool) -> None:
     """Every rank's line, or the min-to-max band and the mean over ranks."""
     if banded:
-        ax.fill_between(x, values[:, 0], values[:, 2], color="tab:blue", alpha=0.3, label="min to max over ranks")
+        ax.fill_between(
+            x, values[:, 0], values[:, 2], color="tab:blue", alpha=0.3, label="min to max over ranks"
+        )
         ax.plot(x, values[:, 1], color="tab:blue", linewidth=0.9, label="mean over ranks")
     else:
         for r in range(values.shape[1]):
             ax.plot(x, values[:, r], linewidth=0.9, label=f"rank {r}")
 
 
-def _plot_compute_time(outdir: str, table: dict[str, np.ndarray], rank_compute: np.ndarray, banded: bool) -> str:
+def _plot_compute_time(
+    outdir: str, table: dict[str, np.ndarray], rank_compute: np.ndarray, banded: bool
+) -> str:
     """Each rank's compute time over steps, with the step's wall time."""
     x = table["batch_idx"] + 1
     fig = new_figure((10, 4.5))
@@ -299,4 +305,3 @@ def write_monitor_plots(
     if not np.isnan(rank_peak).all():  # CUDA only
         written.append(_plot_memory(outdir, table, rank_peak, totals, banded))
     return written
-
