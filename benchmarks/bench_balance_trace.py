@@ -27,7 +27,8 @@ import sys
 import time
 
 import numpy as np
-from _common import jsonable
+
+from lightning_adaptiveload.monitor.report import jsonable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -44,7 +45,7 @@ def iid_replay(table, mix, max_tokens: int, world: int, steps: int, seed: int) -
     of the ``equal_tokens`` mode with no end of epoch: the reference the planner-driven numbers are
     compared with. It is not the simulator (which runs the real planner); it only checks the trace's numbers.
     """
-    from lightning_adaptiveload.tools.simulate import balance_metrics
+    from lightning_adaptiveload.tools.replay import balance_metrics
 
     shapes = [b.latent_shape for b in mix.buckets]
     sizes = np.array([max(1, max_tokens // b.tokens) for b in mix.buckets])
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from lightning_adaptiveload.data.mixes import load_mix
-    from lightning_adaptiveload.tools.simulate import StepTimeTable, plot_result, simulate
+    from lightning_adaptiveload.tools.simulate import StepTimeTable, simulate
+    from lightning_adaptiveload.tools.simulate_plots import plot_result
 
     traces = args.trace
     if not traces:

@@ -33,9 +33,10 @@ import time
 
 import numpy as np
 import torch
-from _common import cpu_name, jsonable
+from _common import cpu_name
 
 from lightning_adaptiveload.data import ingest as ing
+from lightning_adaptiveload.monitor.report import jsonable
 
 
 def write_clip(path: str, seconds: float, fps: int, size: tuple[int, int], seed: int) -> None:

@@ -33,7 +33,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import jsonable  # noqa: E402
+from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
 # name -> settings. "ours": VideoDiT; weights fp32 (autocast casts them) or bf16 (+ fp32 master in AdamW);
 # attention: our backend names; compile: regional per block; ckpt: (policy, num_blocks or None) or None.

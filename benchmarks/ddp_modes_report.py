@@ -33,7 +33,8 @@ import os
 import sys
 
 import numpy as np
-from _common import jsonable
+
+from lightning_adaptiveload.monitor.report import jsonable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

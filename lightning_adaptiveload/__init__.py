@@ -33,7 +33,7 @@ _EXPORTS = {
     "VideoDiTConfig": "models",
     "VideoDiTModule": "models.module",
     "SimulationResult": "tools.simulate",
-    "StepTimeTable": "tools.simulate",
+    "StepTimeTable": "tools.step_times",
     "ShardInfo": "data.shards",
     "expand_paths": "data.shards",
     "Mix": "data.mixes",

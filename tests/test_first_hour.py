@@ -334,7 +334,7 @@ def test_every_tool_flag_has_a_help_line(monkeypatch):
 
 
 def test_simulate_flags_separate_schedules_from_modes(capsys):
-    from lightning_adaptiveload.tools import simulate
+    from lightning_adaptiveload.cli import simulate
 
     assert simulate._configurations(None, None) == list(simulate.DEFAULT_MODES)
     assert simulate._configurations("dual", "independent,lockstep") == ["dual", "lockstep"]

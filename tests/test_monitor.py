@@ -379,7 +379,7 @@ def test_split_blocks_checks_that_ranks_line_up():
 def test_balance_figures_are_the_simulators():
     """Issue 13: the monitor's whole-run and window figures are stats.balance_summary of the compute times
     (timed steps only): the simulator's names and definitions; straggler_wait is time-weighted."""
-    from lightning_adaptiveload.tools.simulate import balance_metrics
+    from lightning_adaptiveload.tools.replay import balance_metrics
 
     rng = np.random.default_rng(2)
     k, world, f = 6, 3, monitor_mod.NUM_FIELDS

@@ -1,5 +1,220 @@
-"""`lightning-adaptiveload simulate`: the planning simulator."""
+"""``lightning-adaptiveload simulate``: the planning simulator's command line.
 
-from lightning_adaptiveload.tools.simulate import main
+Parses the flags, maps ``--modes``/``--schedules`` to the simulator's configurations, runs
+:func:`lightning_adaptiveload.tools.simulate.simulate` and prints its table; the library itself never
+parses arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_adaptiveload.tools.simulate import DEFAULT_MODES, DEFAULT_WORLD_SIZES, MODES, simulate
+from lightning_adaptiveload.tools.step_times import DEFAULT_PATCH
 
 __all__ = ["main"]
+
+
+def _int_list_arg(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _budget_arg(text: str) -> float | str:
+    if text in ("auto", "search"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or 'search', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"max_compute must be positive, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="lightning-adaptiveload simulate",
+        description=(
+            "Plan one epoch with the real planner for each batching mode and world size, replay per-rank step "
+            "times and report the compute CV, straggler wait, tokens/s, memory fill and a recommended max_compute."
+        ),
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--mix", default=None, help="packaged mix name or mix JSON path (default: wan21_480p)")
+    src.add_argument("--index", default=None, help="index.json of real shards (or its folder)")
+    ap.add_argument(
+        "--times",
+        default=None,
+        help="per-bucket step times (JSONL trace with T,H,W,B,ms) or a cost-model JSON; default: the built-in "
+        "Wan 2.1 1.3B H100 fit",
+    )
+    ap.add_argument(
+        "--world-sizes", type=_int_list_arg, default=list(DEFAULT_WORLD_SIZES), help="e.g. 2,8,16,64"
+    )
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="batcher modes, comma-separated, from dual,equal_tokens (default with --schedules: both; with "
+        f"neither flag: the configurations {','.join(DEFAULT_MODES)}). Deprecated: the configuration names "
+        f"{','.join(n for n in MODES if n not in _BATCHER_MODES)} here still work",
+    )
+    ap.add_argument(
+        "--schedules",
+        default=None,
+        help="schedules, comma-separated, from independent,lockstep (default with --modes: independent); "
+        "every schedule is simulated with every mode",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=32760, help="token budget per rank and step (memory cap)"
+    )
+    ap.add_argument("--max-compute", type=_budget_arg, default="auto", help="number, 'auto' or 'search'")
+    ap.add_argument(
+        "--p", type=float, default=None, help="planning exponent of S^p (default: fitted to --times)"
+    )
+    ap.add_argument("--no-recommend", action="store_true", help="skip the max_compute search")
+    ap.add_argument("--candidates", type=int, default=10, help="max_compute candidates in the search")
+    ap.add_argument(
+        "--search-steps-per-rank", type=int, default=64, help="epoch length per rank in the search"
+    )
+    ap.add_argument(
+        "--num-workers", type=int, default=1, help="DataLoader workers per rank the plan is made for"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="shard-order seed of the planner")
+    ap.add_argument("--epoch", type=int, default=0, help="epoch number to plan (with the seed)")
+    ap.add_argument("--min-steps-per-rank", type=int, default=200, help="simulated epoch length per rank")
+    ap.add_argument(
+        "--max-buffered-samples",
+        type=int,
+        default=None,
+        help="planner's per-stream buffer bound (default: its own)",
+    )
+    ap.add_argument(
+        "--lockstep-tolerance",
+        type=float,
+        default=None,
+        help="planner's lockstep cost tolerance (default: its own)",
+    )
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed ms added to every step")
+    ap.add_argument(
+        "--patch-size",
+        type=int,
+        nargs=3,
+        default=list(DEFAULT_PATCH),
+        metavar=("PT", "PH", "PW"),
+        help="the model's patch size, for the token counts (default: 1 2 2)",
+    )
+    ap.add_argument("--out", default="simulate_out", help="folder for simulate.json and PNG plots")
+    ap.add_argument("--no-plots", action="store_true", help="write simulate.json only")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+_BATCHER_MODES = ("dual", "equal_tokens")
+
+
+def _configurations(modes: str | None, schedules: str | None) -> list[str]:
+    """The configuration names (keys of :data:`MODES`) for the ``--modes`` and ``--schedules`` flags."""
+    if modes is None and schedules is None:
+        return list(DEFAULT_MODES)
+    mode_list = [m for m in (modes or ",".join(_BATCHER_MODES)).split(",") if m]
+    legacy = [m for m in mode_list if m not in _BATCHER_MODES]
+    if legacy and schedules is None and all(m in MODES for m in legacy):
+        print(
+            f"note: --modes {','.join(legacy)} names schedule+mode configurations; this spelling is deprecated: "
+            "use --schedules independent,lockstep --modes dual,equal_tokens",
+            file=sys.stderr,
+        )
+        return mode_list
+    schedule_list = [x for x in (schedules or "independent").split(",") if x]
+    for value, valid, flag in (
+        (mode_list, _BATCHER_MODES, "--modes"),
+        (schedule_list, _SCHEDULE_NAMES, "--schedules"),
+    ):
+        bad = [v for v in value if v not in valid]
+        if bad:
+            raise ValueError(f"{flag} {','.join(bad)}: not one of {','.join(valid)}")
+    by_pair = {pair: name for name, pair in MODES.items()}
+    return [by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
+
+
+_SCHEDULE_NAMES = ("independent", "lockstep")
+
+
+def _describe(names: Sequence[str], times: Any) -> list[str]:
+    """What the output's configuration names mean, and where the step times come from."""
+    lines = [
+        "configurations: "
+        + "; ".join(f"{n} = schedule {MODES[n][0]}, mode {MODES[n][1]}" for n in names if n in MODES)
+    ]
+    if times is None:
+        lines.append(
+            "step times: the built-in cost model (CostModel.default(), a fit of Wan 2.1 1.3B on one H100), not "
+            "a measured trace; pass --times TRACE.jsonl for measured per-bucket times"
+        )
+    else:
+        kind = "measured trace" if str(times).endswith((".jsonl", ".txt")) else "cost model"
+        lines.append(f"step times: {kind} {times}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lightning_adaptiveload simulate [options]``; ``argv`` excludes the word ``simulate``.
+
+    Prints the table, writes ``simulate.json`` and PNGs to ``--out``; returns 0, or 2 on bad input.
+    """
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    source = args.index if args.index is not None else (args.mix or "wan21_480p")
+    try:
+        names = _configurations(args.modes, args.schedules)
+        for line in _describe(names, args.times):
+            print(line)
+        result = simulate(
+            source,
+            world_sizes=args.world_sizes,
+            modes=names,
+            max_tokens=args.max_tokens,
+            max_compute=args.max_compute,
+            times=args.times,
+            p=args.p,
+            recommend=not args.no_recommend,
+            max_candidates=args.candidates,
+            search_steps_per_rank=args.search_steps_per_rank,
+            num_workers=args.num_workers,
+            seed=args.seed,
+            epoch=args.epoch,
+            min_steps_per_rank=args.min_steps_per_rank,
+            plan_options={
+                k: v
+                for k, v in (
+                    ("max_buffered_samples", args.max_buffered_samples),
+                    ("lockstep_tolerance", args.lockstep_tolerance),
+                )
+                if v is not None
+            },
+            step_overhead_s=args.step_overhead_ms / 1e3,
+            patch_size=args.patch_size,
+            out_dir=args.out,
+            plots=not args.no_plots,
+            progress=not args.no_progress,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(result.table())
+    for key, value in result.targets().items():
+        print(f"  {key}: {value if not isinstance(value, float) else f'{100 * value:.2f}%'}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    print(f"wrote {os.path.join(args.out, 'simulate.json')}" + ("" if args.no_plots else " and PNG plots"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""Load-balance measurement: statistics (pure), report files, and the LoadBalanceMonitor callback."""
+"""Load-balance measurement: statistics (``stats``, pure), the per-step table (``steps``, pure), result files
+(``report``, pure, shared with the simulator), clocks (``timing``), FLOPs (``flops``) and the
+LoadBalanceMonitor callback (``callback``, the only module here that imports Lightning)."""
 
 from __future__ import annotations
 
@@ -8,5 +10,14 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "LoadBalanceMonitor": "callback",
+        "BatchFlops": "flops",
+        "HostClock": "timing",
+        "CudaClock": "timing",
+        "BucketTimer": "timing",
+        "timed_allreduce_hook": "timing",
+        "split_blocks": "steps",
+        "step_table": "steps",
+        "jsonable": "report",
+        "write_json": "report",
     },
 )

@@ -1,4 +1,6 @@
-"""Tools that use the library: calibration of a model on a GPU, the planning simulator."""
+"""Tools that use the library: calibration of a model on a GPU, the planning simulator (``simulate``: the
+orchestrator; ``replay``: one configuration planned and replayed; ``step_times``: what a batch costs;
+``simulate_plots``: its figures)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "SimulationResult": "simulate",
-        "StepTimeTable": "simulate",
+        "StepTimeTable": "step_times",
+        "BatchCoster": "step_times",
+        "Replay": "replay",
+        "balance_metrics": "replay",
+        "plot_result": "simulate_plots",
     },
 )

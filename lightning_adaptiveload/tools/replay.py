@@ -1,0 +1,346 @@
+"""One configuration of the simulator: plan an epoch with the real planner, replay it, measure it.
+
+Owns the configurations (:data:`MODES`: schedule and batcher mode), the populations a plan is made over
+(:func:`mix_population`: a mix's exact proportions; :func:`bucket_shares`), the replay of an
+:class:`~lightning_adaptiveload.planning.planner.EpochPlan` into per-(step, rank) times
+(:func:`replay_plan`), the balance figures of a replay (:func:`balance_metrics`, every formula from
+:mod:`lightning_adaptiveload.monitor.stats`) and the break points of the ``max_compute`` search
+(:func:`budget_candidates`). Plain Python and numpy; no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_adaptiveload.data.mixes import Mix
+from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.tools.step_times import BatchCoster, StepTimeTable, tokens_per_sample
+
+__all__ = [
+    "MODES",
+    "Replay",
+    "balance_metrics",
+    "bucket_shares",
+    "budget_candidates",
+    "default_plan_cost",
+    "make_batcher",
+    "mix_population",
+    "replay_plan",
+    "resolved_max_compute",
+    "run_mode",
+]
+
+# mode name -> (schedule passed to plan_epoch, batcher mode)
+MODES: dict[str, tuple[str, str]] = {
+    "equal_tokens": ("independent", "equal_tokens"),
+    "dual": ("independent", "dual"),
+    "lockstep": ("lockstep", "dual"),
+    "lockstep_equal_tokens": ("lockstep", "equal_tokens"),
+}
+
+
+def balance_metrics(
+    rank_seconds: np.ndarray,
+    rank_tokens: np.ndarray,
+    *,
+    rank_memory: np.ndarray | None = None,
+    rank_cost: np.ndarray | None = None,
+    max_tokens: int | None = None,
+    max_compute: float | None = None,
+) -> dict[str, float]:
+    """Balance, throughput and memory statistics of per-rank step times.
+
+    The balance figures are :func:`lightning_adaptiveload.monitor.stats.balance_summary` of ``rank_seconds``
+    (:data:`~lightning_adaptiveload.monitor.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
+
+    Args:
+        rank_seconds: float array (steps, world): each rank's compute time of each step, seconds.
+        rank_tokens: int array (steps, world): tokens in each rank's batch.
+        rank_memory: optional float array (steps, world): each rank's peak memory per step (any unit);
+            tokens are used when None.
+        rank_cost: optional float array (steps, world): the planner's cost-model estimate of each batch.
+        max_tokens: the token budget, for ``token_fill``.
+        max_compute: the compute budget in cost-model units, for ``compute_fill``.
+
+    Returns:
+        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, straggler_wait
+        (time-weighted), step_wait_mean (unweighted), wait_share and wait_mean (their old names),
+        step_seconds_mean, step_time_cv (of the step durations across steps), total_seconds, total_tokens,
+        tokens_per_s, peak_tokens, token_fill, compute_fill, vram_utilisation`` (fractions, not percent).
+
+    Raises:
+        ValueError: arrays of different or non-2-D shapes, no steps, or negative times.
+    """
+    t = np.asarray(rank_seconds, dtype=np.float64)
+    tok = np.asarray(rank_tokens, dtype=np.float64)
+    if t.ndim != 2 or t.shape != tok.shape or t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(
+            f"rank_seconds {t.shape} and rank_tokens {tok.shape} must both be (steps, world) with steps, world >= 1"
+        )
+    if np.any(t < 0) or not np.all(np.isfinite(t)):
+        raise ValueError("rank_seconds must be finite and >= 0")
+    top = t.max(axis=1)
+    figures = stats.balance_summary(t)
+    total_seconds = float(top.sum())
+    total_tokens = float(tok.sum())
+    mem = tok if rank_memory is None else np.asarray(rank_memory, dtype=np.float64)
+    out = {
+        "steps": int(t.shape[0]),
+        "world": int(t.shape[1]),
+        **figures,
+        "wait_share": figures["straggler_wait"],  # old names, kept for scripts
+        "wait_mean": figures["step_wait_mean"],
+        "step_seconds_mean": float(top.mean()),
+        "step_time_cv": stats.cv(top),  # of the step durations across steps
+        "total_seconds": total_seconds,
+        "total_tokens": total_tokens,
+        "tokens_per_s": total_tokens / total_seconds if total_seconds > 0 else math.nan,
+        "peak_tokens": int(tok.max()),
+        "token_fill": float(tok.mean() / max_tokens) if max_tokens else math.nan,
+        "compute_fill": math.nan,
+        "vram_utilisation": stats.peak_vram_utilisation_efficiency(mem.ravel().tolist()),
+    }
+    if rank_cost is not None and max_compute and math.isfinite(max_compute):
+        out["compute_fill"] = float(np.asarray(rank_cost, dtype=np.float64).mean() / max_compute)
+    return out
+
+
+def _largest_remainder(p: np.ndarray, n: int) -> np.ndarray:
+    """Integer counts summing to n, proportional to p (Hamilton's method): no bucket is under-drawn by chance."""
+    raw = p * n
+    counts = np.floor(raw).astype(np.int64)
+    rest = n - int(counts.sum())
+    if rest > 0:
+        order = np.argsort(-(raw - counts), kind="stable")
+        counts[order[:rest]] += 1
+    return counts
+
+
+def mix_population(mix: Mix, num_samples: int, num_shards: int, seed: int) -> Any:
+    """An in-memory ShardIndex of ``num_samples`` latent shapes in the mix's exact proportions, shuffled."""
+    from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
+
+    counts = _largest_remainder(mix.probabilities, num_samples)
+    bucket_ids = np.repeat(np.arange(len(mix.buckets)), counts)
+    np.random.default_rng(seed).shuffle(bucket_ids)
+    shapes = [mix.buckets[i].latent_shape for i in bucket_ids.tolist()]
+    shards = []
+    for k, part in enumerate(np.array_split(np.arange(num_samples), num_shards)):
+        idx = part.tolist()
+        shards.append(
+            ShardInfo(
+                path=f"sim://{mix.name}/shard-{k:06d}.tar",
+                keys=[f"s{i:09d}" for i in idx],
+                latent_shapes=[tuple(shapes[i]) for i in idx],
+                text_lengths=[0] * len(idx),
+                num_bytes=-1,
+            )
+        )
+    return ShardIndex(shards=shards, metadata={"simulated_from_mix": mix.name, "num_samples": num_samples})
+
+
+def bucket_shares(source: Any) -> dict[tuple[int, int, int, int], float]:
+    """Share of each latent shape (C, T, H, W): a mix's probabilities, or the counts of an index's samples."""
+    if isinstance(source, Mix):
+        return {b.latent_shape: float(b.p) for b in source.buckets}
+    counts: dict[tuple[int, int, int, int], int] = {}
+    for s in source.shards:
+        for shape in s.latent_shapes:
+            counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    n = sum(counts.values())
+    return {k: v / n for k, v in sorted(counts.items())}
+
+
+@dataclass
+class Replay:
+    """Per-(step, rank) arrays of a replayed plan, and which batch sizes each bucket got."""
+
+    seconds: np.ndarray  # (steps, world)
+    tokens: np.ndarray
+    memory: np.ndarray | None
+    cost: np.ndarray
+    samples: int
+    batch_sizes: dict[tuple[int, int, int, int], set[int]]
+
+
+def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
+    """Turn an EpochPlan into per-(step, rank) seconds, tokens, memory and planned cost.
+
+    Uses the plan's own step order (``plan.step_order``: the DataLoader's round robin over a rank's
+    workers) and bucket table, so that what is replayed is exactly what the DataModule would yield.
+    """
+    world, n = plan.world_size, plan.steps
+    counts = {len(order) for order in plan.step_order}
+    if counts != {n}:
+        raise RuntimeError(
+            f"the plan gives ranks different step counts {sorted(counts)} (plan.steps={n}) at world size {world}; "
+            "DDP would hang. This is a planner bug: report it with the seed and world size"
+        )
+    seconds = np.zeros((n, world))
+    tokens = np.zeros((n, world), dtype=np.int64)
+    cost = np.zeros((n, world))
+    memory: np.ndarray | None = np.zeros((n, world))
+    samples = 0
+    sizes: dict[tuple[int, int, int, int], set[int]] = {}
+    shapes = [tuple(int(v) for v in bk["shape"]) for bk in plan.buckets]
+    for r in range(world):
+        for k, (w, j) in enumerate(plan.step_order[r]):
+            b = len(plan.streams[(r, w)][j])
+            if b == 0:
+                continue
+            shape = shapes[plan.batch_buckets[(r, w)][j]]
+            thw = (shape[1], shape[2], shape[3])
+            sec, mem = coster(thw, b)
+            seconds[k, r] = sec
+            tok = coster.tokens(thw)
+            tokens[k, r] = b * tok
+            cost[k, r] = plan_cost.batch_cost(b, tok)
+            if mem is None:
+                memory = None
+            elif memory is not None:
+                memory[k, r] = mem
+            samples += b
+            sizes.setdefault(shape, set()).add(b)
+    return Replay(seconds, tokens, memory, cost, samples, sizes)
+
+
+def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: CostModel, patch) -> Any:
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+
+    if batching == "equal_tokens":
+        return DualConstraintBatcher(max_tokens=max_tokens, mode="equal_tokens", patch_size=patch)
+    return DualConstraintBatcher(
+        max_tokens=max_tokens, max_compute=max_compute, cost_model=plan_cost, mode="dual", patch_size=patch
+    )
+
+
+def run_mode(
+    index: Any,
+    world: int,
+    mode: str,
+    *,
+    max_tokens: int,
+    max_compute: Any,
+    plan_cost: CostModel,
+    coster: BatchCoster,
+    patch,
+    num_workers: int,
+    seed: int,
+    epoch: int,
+    plan_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], np.ndarray, Replay, Any]:
+    """Plan one epoch of configuration ``mode`` at ``world`` ranks and measure its replay.
+
+    Returns:
+        ``(metrics, per-step compute CV, the replay, the batcher)``; metrics are :func:`balance_metrics`
+        plus ``samples``, ``max_compute``, the first-90% figures and the plan's report.
+    """
+    from lightning_adaptiveload.planning.planner import plan_epoch
+
+    schedule, batching = MODES[mode]
+    batcher = make_batcher(batching, max_tokens, max_compute, plan_cost, patch)
+    plan = plan_epoch(
+        index, world, num_workers, batcher, seed, epoch, mode=schedule, **dict(plan_options or {})
+    )
+    rep = replay_plan(plan, coster, plan_cost)
+    if rep.seconds.shape[0] == 0:
+        raise ValueError(
+            f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
+            "use more samples (min_steps_per_rank) or fewer ranks"
+        )
+    resolved = resolved_max_compute(batcher, index) if batching == "dual" else None
+    m = balance_metrics(
+        rep.seconds,
+        rep.tokens,
+        rank_memory=rep.memory,
+        rank_cost=rep.cost,
+        max_tokens=max_tokens,
+        max_compute=resolved,
+    )
+    m["samples"] = rep.samples
+    m["max_compute"] = resolved
+    # The end of an epoch (leftover partial buckets, steps split to equalise step counts, lockstep tails)
+    # weighs more in a short simulated epoch than in a real one: report the first 90% of steps apart.
+    body = max(1, int(0.9 * rep.seconds.shape[0]))
+    head = balance_metrics(rep.seconds[:body], rep.tokens[:body])
+    m["cv_mean_first90"] = head["cv_mean"]
+    m["straggler_wait_first90"] = m["wait_share_first90"] = head["straggler_wait"]
+    m["plan_report"] = {
+        k: plan.report.get(k)
+        for k in (
+            "partial_batches",
+            "bound_partial_batches",
+            "split_batches",
+            "reduced_steps",
+            "unequal_steps",
+            "max_buffered_samples",
+            "plan_seconds",
+        )
+    }
+    cv, _, _ = stats.balance_rows(rep.seconds)
+    return m, cv, rep, batcher
+
+
+def resolved_max_compute(batcher: Any, index: Any) -> float | None:
+    """The batcher's max_compute as a number (``"auto"`` resolved over the index's shapes), or None."""
+    value = getattr(batcher, "max_compute", None)
+    if isinstance(value, int | float):
+        return float(value)
+    shapes = [shape for s in index.shards for shape in s.latent_shapes]
+    try:
+        return float(batcher.resolve_max_compute(shapes))
+    except (AttributeError, TypeError):
+        return None
+
+
+def budget_candidates(
+    shares: Mapping[tuple[int, int, int, int], float],
+    max_tokens: int,
+    plan_cost: CostModel,
+    patch,
+    limit: int,
+    extra: Iterable[float] = (),
+) -> list[float]:
+    """max_compute values at which some bucket's batch size changes, thinned to ``limit``.
+
+    Any max_compute between two consecutive break points gives the same batch sizes, so the break points
+    (``b * cost(S)`` for every bucket S and every b up to ``max_tokens // S``) are the only values worth
+    trying. The largest is the unconstrained (equal-token) plan.
+    """
+    points: set[float] = set()
+    for shape in shares:
+        s = tokens_per_sample(shape[1:], patch)
+        b_max = max_tokens // s
+        c = plan_cost.cost(s)
+        for b in range(1, b_max + 1):
+            points.add(round(b * c, 12))
+    # Below the cheapest single sample every bucket has B = 1, the same plan as at that point.
+    floor = min(plan_cost.cost(tokens_per_sample(sh[1:], patch)) for sh in shares)
+    pts = sorted(v for v in points if v >= floor * (1 - 1e-12))
+    if len(pts) > limit:
+        # Geometric thinning keeps resolution where batches are small, where each step of B matters most.
+        picks = np.unique(np.round(np.geomspace(1, len(pts), limit)).astype(int) - 1)
+        pts = [pts[i] for i in picks]
+    pts = sorted(set(pts) | {float(v) for v in extra if v is not None and math.isfinite(v)})
+    return pts
+
+
+def default_plan_cost(times: StepTimeTable | CostModel, shares, patch, p: float | None) -> CostModel:
+    """The cost model the dual batcher plans with: ``S^p`` with p given, else p fitted to the times."""
+    if p is not None:
+        return CostModel(kind="power", p=float(p))
+    seqs = sorted({tokens_per_sample(sh[1:], patch) for sh in shares})
+    if isinstance(times, StepTimeTable):
+        if len(set(times.points()[0])) >= 2:
+            return times.fit_cost_model("power")
+        # One measured length cannot fix an exponent: plan with the times' own fallback model instead.
+        times = times.fallback
+    if len(seqs) < 2:
+        return times
+    return CostModel.fit(seqs, [times.cost(s) for s in seqs], kind="power")

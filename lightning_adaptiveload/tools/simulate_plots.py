@@ -1,0 +1,135 @@
+"""PNG plots of a simulation: per-step CV per mode and world size, straggler wait and throughput.
+
+Drawn with the figure helpers of :mod:`lightning_adaptiveload.monitor.report` (matplotlib's object API,
+no pyplot state), the same as the LoadBalanceMonitor's plots. No Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lightning_adaptiveload.monitor.report import new_figure, save_figure
+from lightning_adaptiveload.tools.replay import MODES
+from lightning_adaptiveload.tools.simulate import TARGET_LOCKSTEP
+
+if TYPE_CHECKING:
+    from lightning_adaptiveload.tools.simulate import SimulationResult
+
+__all__ = ["plot_result"]
+
+_COLORS = {
+    "equal_tokens": "#7f7f7f",
+    "dual": "#1f77b4",
+    "lockstep": "#d62728",
+    "lockstep_equal_tokens": "#ff7f0e",
+}
+_EXTRA_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2")
+
+
+def _color(mode: str, modes: list[str]) -> str:
+    if mode in _COLORS:
+        return _COLORS[mode]
+    extras = [m for m in modes if m not in _COLORS]
+    return _EXTRA_COLORS[extras.index(mode) % len(_EXTRA_COLORS)]
+
+
+def plot_result(
+    result: SimulationResult, out_dir: str | os.PathLike, prefix: str = "simulate_"
+) -> dict[str, str]:
+    """PNG plots: per-step CV distributions per mode, wait share and tokens/s ratio against world size."""
+    modes = list(dict.fromkeys(r["mode"] for r in result.rows))
+    sizes = sorted({r["world_size"] for r in result.rows})
+    out: dict[str, str] = {"cv_png": _plot_cv(result, modes, sizes, os.path.join(out_dir, f"{prefix}cv.png"))}
+    out.update(_plot_against_world_size(result, modes, sizes, out_dir, prefix))
+    return out
+
+
+def _plot_cv(result: SimulationResult, modes: list[str], sizes: list[int], path: str) -> str:
+    """CV distributions: one box per mode, grouped by world size."""
+    fig = new_figure((max(6.0, 1.6 * len(sizes) + 2), 4.8), layout="tight")
+    ax = fig.subplots()
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        data = [100 * result.per_step_cv.get((mode, w), np.zeros(1)) for w in sizes]
+        pos = [k + (i - (len(modes) - 1) / 2) * width for k in range(len(sizes))]
+        bp = ax.boxplot(
+            data,
+            positions=pos,
+            widths=width * 0.85,
+            patch_artist=True,
+            showfliers=False,
+            whis=(5, 95),
+            showmeans=True,
+            medianprops={"color": "black"},
+            meanprops={
+                "marker": "D",
+                "markerfacecolor": "white",
+                "markeredgecolor": "black",
+                "markersize": 4,
+            },
+        )
+        for box in bp["boxes"]:
+            box.set_facecolor(_color(mode, modes))
+            box.set_alpha(0.75)
+        ax.plot([], [], color=_color(mode, modes), lw=8, alpha=0.75, label=_legend(mode))
+    ax.axhline(100 * TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
+    ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
+    ax.set_xlabel("ranks (data-parallel world size)")
+    ax.set_ylabel("compute CV across ranks per step (%)")
+    # Two lines: on one, the title is wider than the figure and is cut off.
+    ax.set_title(
+        "Per-step compute CV across ranks\n(box p25-p75, whiskers p5-p95, diamond: mean)", fontsize=10
+    )
+    # Below the axes: the boxes of the small world sizes reach the top.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, len(modes) + 1))
+    ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def _plot_against_world_size(
+    result: SimulationResult, modes: list[str], sizes: list[int], out_dir: str | os.PathLike, prefix: str
+) -> dict[str, str]:
+    """Wait share and tokens/s ratio against world size."""
+    out: dict[str, str] = {}
+    for key, ylabel, title, fname, scale in (
+        (
+            "wait_share",
+            "straggler wait (% of step time)",
+            "Time spent waiting for the slowest rank",
+            "wait",
+            100,
+        ),
+        (
+            "tokens_per_s_ratio",
+            "tokens/s relative to equal_tokens",
+            "Throughput at the same max_tokens",
+            "throughput",
+            1,
+        ),
+    ):
+        fig = new_figure((6.0, 4.0), layout="tight")
+        ax = fig.subplots()
+        for mode in modes:
+            ys = [scale * result.row(mode, w)[key] for w in sizes]
+            ax.plot(sizes, ys, marker="o", color=_color(mode, modes), label=_legend(mode))
+        if key == "wait_share":
+            ax.axhline(100 * TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
+        else:
+            ax.axhline(1.0, color="k", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(w) for w in sizes])
+        ax.set_xlabel("ranks (data-parallel world size)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        out[f"{fname}_png"] = save_figure(fig, os.path.join(out_dir, f"{prefix}{fname}.png"))
+    return out
+
+
+def _legend(name: str) -> str:
+    """A configuration's name with its schedule and mode, for plot legends."""
+    return f"{name} ({MODES[name][0]}, {MODES[name][1]})" if name in MODES else name
