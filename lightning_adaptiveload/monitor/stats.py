@@ -498,10 +498,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile: q must be within [0, 100], got {q!r}")
     x = np.asarray([float(v) for v in values], dtype=np.float64)
-    x = x[~np.isnan(x)]
-    if not x.size:
+    if np.isnan(x).all():  # also empty: numpy would warn and return nan
         return math.nan
-    return float(np.percentile(x, q))
+    return float(np.nanpercentile(x, q))
 
 
 def describe(values: Sequence[float]) -> dict[str, float]:
@@ -511,15 +510,15 @@ def describe(values: Sequence[float]) -> dict[str, float]:
         ``{"mean", "p50", "p95", "min", "max", "n"}``; ``n`` counts the finite values.
     """
     x = np.asarray([float(v) for v in values], dtype=np.float64)
-    x = x[~np.isnan(x)]
-    if not x.size:
+    n = int(np.count_nonzero(~np.isnan(x)))
+    if not n:  # numpy's nan-functions would warn on an empty or all-nan input
         return {"mean": math.nan, "p50": math.nan, "p95": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    p50, p95 = np.percentile(x, [50.0, 95.0])
+    p50, p95 = np.nanpercentile(x, [50.0, 95.0])
     return {
-        "mean": float(x.mean()),
+        "mean": float(np.nanmean(x)),
         "p50": float(p50),
         "p95": float(p95),
-        "min": float(x.min()),
-        "max": float(x.max()),
-        "n": int(x.size),
+        "min": float(np.nanmin(x)),
+        "max": float(np.nanmax(x)),
+        "n": n,
     }

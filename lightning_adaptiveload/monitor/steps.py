@@ -95,19 +95,13 @@ STEP_COLUMNS = (
     "peak_allocated_gib",
     "peak_reserved_gib",
 )
+# Summarised over every step: the work balance, then iteration time and the table's rates and memory.
 _SUMMARY_ALL_STEPS = (
     "compute_cv",
     "compute_imbalance",
     "token_cv",
     "iter_time_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "tflops_per_device",
-    "mfu",
-    "vram_efficiency_mean",
-    "vram_efficiency_min",
-    "peak_allocated_gib",
-    "peak_reserved_gib",
+    *STEP_COLUMNS[STEP_COLUMNS.index("tokens_per_s") :],
 )
 _SUMMARY_TIMED_STEPS = (
     "step_time_cv",

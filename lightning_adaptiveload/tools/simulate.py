@@ -301,31 +301,27 @@ def simulate(
     bar.close()
     elapsed = time.perf_counter() - started
     runs.notes.extend(_lookup_notes(time_source))
-    meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
-        "source": (mix.source or mix.name) if mix is not None else (fixed_index.source or "<ShardIndex>"),
-        "source_kind": "mix" if mix is not None else "index",
-        "world_sizes": sizes,
-        "modes": mode_list,
-        "max_tokens": int(max_tokens),
-        "max_compute": max_compute,
-        "times": time_source.to_dict()
-        if isinstance(time_source, StepTimeTable)
-        else {"cost_model": time_source.to_dict()},
-        "plan_cost_model": plan_cost.to_dict(),
-        "num_workers": num_workers,
-        "seed": seed,
-        "epoch": epoch,
-        "min_steps_per_rank": min_steps_per_rank,
-        "shards_per_stream": shards_per_stream,
-        "search_steps_per_rank": search_steps_per_rank,
-        "max_candidates": max_candidates,
-        "plan_options": dict(plan_options or {}),
-        "step_overhead_s": step_overhead_s,
-        "patch_size": list(patch),
-        "elapsed_s": elapsed,
-    }
+    meta = _meta(
+        mix,
+        fixed_index,
+        time_source,
+        plan_cost,
+        sizes,
+        mode_list,
+        elapsed,
+        max_tokens=int(max_tokens),
+        max_compute=max_compute,
+        num_workers=num_workers,
+        seed=seed,
+        epoch=epoch,
+        min_steps_per_rank=min_steps_per_rank,
+        shards_per_stream=shards_per_stream,
+        search_steps_per_rank=search_steps_per_rank,
+        max_candidates=max_candidates,
+        plan_options=dict(plan_options or {}),
+        step_overhead_s=step_overhead_s,
+        patch_size=list(patch),
+    )
     result = SimulationResult(
         rows=runs.rows,
         per_step_cv=runs.per_step_cv,
@@ -598,6 +594,35 @@ def _bucket_table(setup: _Setup, runs: _Runs) -> list[dict[str, Any]]:
                 entry[f"batch_seconds_{mode}"] = [setup.coster(thw, b)[0] for b in bs]
         buckets.append(entry)
     return buckets
+
+
+def _meta(
+    mix: Mix | None,
+    fixed_index: Any,
+    time_source: StepTimeTable | CostModel,
+    plan_cost: CostModel,
+    sizes: list[int],
+    mode_list: list[str],
+    elapsed: float,
+    **settings: Any,
+) -> dict[str, Any]:
+    """The result's ``meta``: date, machine, sources, the time and planning models, and the settings."""
+    settings["elapsed_s"] = elapsed
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "source": (mix.source or mix.name) if mix is not None else (fixed_index.source or "<ShardIndex>"),
+        "source_kind": "mix" if mix is not None else "index",
+        "world_sizes": sizes,
+        "modes": mode_list,
+        "max_tokens": settings.pop("max_tokens"),
+        "max_compute": settings.pop("max_compute"),
+        "times": time_source.to_dict()
+        if isinstance(time_source, StepTimeTable)
+        else {"cost_model": time_source.to_dict()},
+        "plan_cost_model": plan_cost.to_dict(),
+        **settings,
+    }
 
 
 def _tok(shape: Sequence[int], patch: Sequence[int]) -> int:
