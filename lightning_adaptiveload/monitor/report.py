@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import platform
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from lightning_adaptiveload.monitor.steps import FIELDS, FLAG_COUNTED, FLAG_HOOK
 __all__ = [
     "jsonable",
     "write_json",
+    "machine_info",
     "new_figure",
     "save_figure",
     "format_value",
@@ -71,6 +73,25 @@ def write_json(path: str | os.PathLike, payload: Any) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(jsonable(payload), f, indent=1, allow_nan=False)
     return path
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was computed on: CPU model, core count, platform, Python (for result files)."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def new_figure(figsize: tuple[float, float], layout: str = "constrained") -> Any:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
-import platform
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.data.mixes import Mix, load_mix
-from lightning_adaptiveload.monitor.report import jsonable, write_json
+from lightning_adaptiveload.monitor.report import jsonable, machine_info, write_json
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.replay import (
     MODES,
@@ -168,24 +167,6 @@ class SimulationResult:
                 f"{100 * r['vram_utilisation']:>8.1f}%{('-' if rec is None else f'{rec:.4g}'):>18}"
             )
         return "\n".join(lines)
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
 
 
 def simulate(
@@ -300,7 +281,8 @@ def simulate(
         _simulate_world(setup, w, index, search_index, from_index=mix is None, runs=runs, bar=bar)
     bar.close()
     elapsed = time.perf_counter() - started
-    runs.notes.extend(_lookup_notes(time_source))
+    if isinstance(time_source, StepTimeTable):
+        runs.notes.extend(time_source.lookup_notes())
     meta = _meta(
         mix,
         fixed_index,
@@ -560,26 +542,6 @@ def _simulate_world(
         bar.update(1)
 
 
-def _lookup_notes(time_source: StepTimeTable | CostModel) -> list[str]:
-    """Notes on how much of a trace's step times were interpolated, scaled or fitted, not measured."""
-    if not isinstance(time_source, StepTimeTable):
-        return []
-    notes = []
-    lk = time_source.lookups
-    if lk.get("fallback"):
-        notes.append(
-            f"{lk['fallback']} (shape, batch size) pairs were for buckets missing from the trace; they used the quadratic "
-            f"fit {time_source.fallback.describe()} s per sample"
-        )
-    if lk.get("interpolated") or lk.get("scaled"):
-        notes.append(
-            f"batch sizes not measured in the trace were interpolated linearly in B "
-            f"({lk.get('interpolated', 0)} shape/B pairs) or scaled in proportion to B ({lk.get('scaled', 0)}); "
-            "measure them (benchmarks/gpu_trace_wan13b.py takes B=1 and the equal-token B) to rely on them"
-        )
-    return notes
-
-
 def _bucket_table(setup: _Setup, runs: _Runs) -> list[dict[str, Any]]:
     """Per bucket: latent shape, share, tokens, and per mode the batch sizes it got and their seconds."""
     buckets = []
@@ -610,7 +572,7 @@ def _meta(
     settings["elapsed_s"] = elapsed
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
         "source": (mix.source or mix.name) if mix is not None else (fixed_index.source or "<ShardIndex>"),
         "source_kind": "mix" if mix is not None else "index",
         "world_sizes": sizes,

@@ -299,6 +299,23 @@ class StepTimeTable:
             return None
         return line[0] + line[1] * b * self._tokens(key)
 
+    def lookup_notes(self) -> list[str]:
+        """Notes on how many lookups were interpolated, scaled or fitted rather than measured."""
+        notes = []
+        lk = self.lookups
+        if lk.get("fallback"):
+            notes.append(
+                f"{lk['fallback']} (shape, batch size) pairs were for buckets missing from the trace; they used the "
+                f"quadratic fit {self.fallback.describe()} s per sample"
+            )
+        if lk.get("interpolated") or lk.get("scaled"):
+            notes.append(
+                f"batch sizes not measured in the trace were interpolated linearly in B "
+                f"({lk.get('interpolated', 0)} shape/B pairs) or scaled in proportion to B ({lk.get('scaled', 0)}); "
+                "measure them (benchmarks/gpu_trace_wan13b.py takes B=1 and the equal-token B) to rely on them"
+            )
+        return notes
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary: source, the measured points and the lookup counts."""
         return {
