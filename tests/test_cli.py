@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from lightning_adaptiveload.cli import main as cli
+from lightning_adaptiveload.cli.calibrate import main as calibrate_main
 from lightning_adaptiveload.tools.calibrate import calibrate
-from lightning_adaptiveload.tools.calibrate import main as calibrate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "*.yaml")))
