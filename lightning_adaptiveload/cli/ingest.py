@@ -39,8 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         default="wan480p",
         help="'wan480p' (480x832, 832x480, 624x624), 'HxW,HxW,...', or 'native' (own size rounded down to 16)",
     )
-    p.add_argument("--samples-per-shard", type=int, default=100)
-    p.add_argument("--latent-dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--samples-per-shard", type=int, default=100, help="samples per output shard (100)")
+    p.add_argument(
+        "--latent-dtype",
+        choices=("float16", "float32"),
+        default="float16",
+        help="dtype of the stored latents",
+    )
     p.add_argument(
         "--on-error", choices=("skip", "raise"), default="skip", help="a corrupt input: count it, or stop"
     )
@@ -48,10 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="encoder compute dtype"
     )
-    p.add_argument("--accelerator", default="auto")
+    p.add_argument("--accelerator", default="auto", help="Trainer accelerator (default auto)")
     p.add_argument("--devices", default="auto", help="'auto', a count, or a list such as 0,1")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--strategy", default="auto")
+    p.add_argument("--num-nodes", type=int, default=1, help="Trainer num_nodes (default 1)")
+    p.add_argument("--strategy", default="auto", help="Trainer strategy (default auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
