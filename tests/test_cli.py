@@ -57,7 +57,9 @@ def test_missing_tool_module_gives_a_clear_message(monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.no_such_module", "main", "gone"))
     with pytest.raises(SystemExit, match="no lightning_adaptiveload.no_such_module module"):
         cli.main(["ghost"])
-    monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli.main", "no_such_function", "gone"))
+    monkeypatch.setitem(
+        cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli.main", "no_such_function", "gone")
+    )
     with pytest.raises(SystemExit, match="has no no_such_function"):
         cli.main(["ghost"])
 

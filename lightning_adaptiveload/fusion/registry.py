@@ -4,6 +4,9 @@ the :class:`FusionReport` they return.
 The pass walks a model's modules, hands each to the first registered adapter whose target matches it (user
 adapters first, most recent first; then the built-in ones of ``video_dit.py``, ``wan.py`` and ``dit.py``),
 checks the fused forward numerically once per class, fuses, and records on the module what to undo.
+Nothing but the instance ``forward`` (or a switch the block has) changes, so ``state_dict`` is untouched
+and :func:`unfuse_norm_modulate` restores each module exactly. Users add adapters for their own blocks with
+:func:`register_fusion_adapter`; see ``docs/fusion.md``.
 """
 
 from __future__ import annotations
