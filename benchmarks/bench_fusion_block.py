@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+    from lightning_adaptiveload.fusion import fuse_norm_modulate
 
     env = _environment()
     unfused = _make_block(torch.bfloat16)

@@ -95,7 +95,7 @@ def _build(spec, cfg, dev, text_dim):
     """(model, optimizer, forward(x, t, ctx) -> out, info)."""
     info = {}
     if spec["model"] == "ours":
-        from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+        from lightning_adaptiveload.fusion import fuse_norm_modulate
         from lightning_adaptiveload.models import VideoDiT
         from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
@@ -126,7 +126,7 @@ def _build(spec, cfg, dev, text_dim):
         return model, opt, fwd, info
     from diffusers import WanTransformer3DModel
 
-    from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+    from lightning_adaptiveload.fusion import fuse_norm_modulate
     from lightning_adaptiveload.models.acceleration import set_attention_backend
 
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ def _fusion_state(model: torch.nn.Module, want: bool) -> dict:
     if not want:
         return state
     try:
-        from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+        from lightning_adaptiveload.fusion import fuse_norm_modulate
 
         report = fuse_norm_modulate(model, verify=False)
         state["fused_sites"] = report.num_sites + sum(report.already_fused.values())

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+    from lightning_adaptiveload.fusion import fuse_norm_modulate
     from lightning_adaptiveload.models import VideoDiT, VideoDiTConfig
 
     dev = torch.device("cuda")

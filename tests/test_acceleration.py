@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 from torch.nn.attention import SDPBackend
 
-from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+from lightning_adaptiveload.fusion import fuse_norm_modulate
 from lightning_adaptiveload.models import attention
 from lightning_adaptiveload.models.acceleration import (
     MAX_GRAPHS_PER_MODE,

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from lightning_adaptiveload.cli import main as cli
+from lightning_adaptiveload.cli.calibrate import main as calibrate_main
 from lightning_adaptiveload.tools.calibrate import calibrate
-from lightning_adaptiveload.tools.calibrate import main as calibrate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "*.yaml")))
@@ -57,7 +57,9 @@ def test_missing_tool_module_gives_a_clear_message(monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.no_such_module", "main", "gone"))
     with pytest.raises(SystemExit, match="no lightning_adaptiveload.no_such_module module"):
         cli.main(["ghost"])
-    monkeypatch.setitem(cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli.main", "no_such_function", "gone"))
+    monkeypatch.setitem(
+        cli.COMMANDS, "ghost", ("lightning_adaptiveload.cli.main", "no_such_function", "gone")
+    )
     with pytest.raises(SystemExit, match="has no no_such_function"):
         cli.main(["ghost"])
 

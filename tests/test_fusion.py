@@ -1,4 +1,4 @@
-"""CPU tests of fusion.py: the swap is exact, reversible, state_dict-neutral and visible in the report.
+"""CPU tests of the fusion pass (fusion/): the swap is exact, reversible, state_dict-neutral and visible in the report.
 
 On CPU ``layer_norm_modulate`` is the plain-PyTorch reference, so fused and original models must agree
 within fp32 rounding. Every comparison also counts the calls to the op, so a test cannot pass because the
@@ -19,8 +19,8 @@ from torch import nn
 
 import lightning_adaptiveload
 import lightning_adaptiveload.ops as ops
-from lightning_adaptiveload.fusion import core as fusion
-from lightning_adaptiveload.fusion.core import (
+from lightning_adaptiveload import fusion
+from lightning_adaptiveload.fusion import (
     FusedNormModulateMixin,
     FusionAdapter,
     FusionError,
@@ -31,6 +31,7 @@ from lightning_adaptiveload.fusion.core import (
     unfuse_norm_modulate,
     unregister_fusion_adapter,
 )
+from lightning_adaptiveload.fusion import registry as fusion_registry
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "fusion.md"
 
@@ -206,9 +207,9 @@ def _instance_dicts(model: nn.Module) -> dict[str, set[str]]:
 @pytest.fixture
 def user_adapters():
     """Removes every adapter a test registers."""
-    before = list(fusion._USER)
+    before = list(fusion_registry._USER)
     yield
-    for entry in list(fusion._USER):
+    for entry in list(fusion_registry._USER):
         if entry not in before:
             unregister_fusion_adapter(entry.adapter)
 

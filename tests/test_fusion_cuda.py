@@ -1,4 +1,4 @@
-"""GPU tests of fusion.py: with the CUDA op, fused models train like the originals at bf16 tolerances.
+"""GPU tests of the fusion pass (fusion/): with the CUDA op, fused models train like the originals at bf16 tolerances.
 
 Skipped without CUDA (tests/conftest.py). The CPU tests (test_fusion.py) already hold the fused paths to fp32
 rounding against the reference op; here the questions are whether the CUDA op, in bf16 and with the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning_adaptiveload.ops as ops
-from lightning_adaptiveload.fusion.core import fuse_norm_modulate
+from lightning_adaptiveload.fusion import fuse_norm_modulate
 
 pytestmark = pytest.mark.cuda
 

@@ -72,7 +72,7 @@ def test_compile_option_compiles_every_block_lazily():
 
 
 def test_fused_mixin_composes_with_configure_model():
-    fusion = pytest.importorskip("lightning_adaptiveload.fusion.core")
+    fusion = pytest.importorskip("lightning_adaptiveload.fusion.mixin")
 
     class Fused(fusion.FusedNormModulateMixin, VideoDiTModule):
         pass

@@ -1,4 +1,9 @@
-"""The norm+modulate fusion pass, its adapter registry and the adapters for the model families it knows."""
+"""The norm+modulate fusion pass, its adapter registry and the adapters for the model families it knows.
+
+``registry.py`` holds the pass and the registry, ``adapter.py`` the adapter interface, ``probe.py`` the
+numerical check; ``video_dit.py``, ``wan.py`` and ``dit.py`` the built-in adapters of each model family;
+``mixin.py`` the LightningModule mixin.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,15 @@ from lightning_adaptiveload._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        "FusedNormModulateMixin": "core",
-        "FusionError": "core",
-        "FusionReport": "core",
-        "fuse_norm_modulate": "core",
-        "register_fusion_adapter": "core",
-        "unfuse_norm_modulate": "core",
-        "unregister_fusion_adapter": "core",
+        "FusedNormModulateMixin": "mixin",
+        "FusionAdapter": "adapter",
+        "FusionError": "adapter",
+        "FusionReport": "registry",
+        "ReplaceForward": "adapter",
+        "SkippedModule": "registry",
+        "fuse_norm_modulate": "registry",
+        "register_fusion_adapter": "registry",
+        "unfuse_norm_modulate": "registry",
+        "unregister_fusion_adapter": "registry",
     },
 )

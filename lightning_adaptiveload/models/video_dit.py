@@ -198,7 +198,7 @@ class NormModulate(nn.Module):
 
     With ``fused = False`` the eager form runs (LayerNorm and modulation in fp32, output cast back to
     ``x.dtype``); with ``fused = True`` it calls :func:`lightning_adaptiveload.ops.layer_norm_modulate`.
-    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.core.fuse_norm_modulate``) changes no parameter.
+    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.fuse_norm_modulate``) changes no parameter.
 
     Args:
         dim: normalised width D.

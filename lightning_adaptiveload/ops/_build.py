@@ -8,7 +8,7 @@ well under a second. The extension is a plain shared library that registers the 
 dispatcher (``TORCH_LIBRARY``); loading it is ``torch.ops.load_library``. The cache is consulted first, so
 a node without nvcc loads a build made elsewhere (shared ``LIGHTNING_ADAPTIVELOAD_CACHE``); only a missing
 build needs the toolchain, and it is compiled in a child process so that this one loads the library only
-once. ``python -m lightning_adaptiveload build-ops`` (``main`` below) builds ahead of time, for example once
+once. ``python -m lightning_adaptiveload build-ops`` (:func:`build_ahead_of_time`) builds ahead of time, for example once
 per node before a multi-GPU job.
 
 Environment:
@@ -20,7 +20,6 @@ Environment:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -35,7 +34,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FusedOpUnavailable", "find_csrc", "build_key", "load_extension", "get_extension", "main"]
+__all__ = [
+    "FusedOpUnavailable",
+    "find_csrc",
+    "build_key",
+    "load_extension",
+    "get_extension",
+    "build_ahead_of_time",
+]
 
 _log = logging.getLogger("lightning_adaptiveload.ops")
 
@@ -275,38 +281,23 @@ def get_extension() -> tuple[str | None, str | None]:
     return _extension, _failure
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_adaptiveload build-ops``: compile the fused op's CUDA kernels ahead of use.
+def build_ahead_of_time(archs: list[str] | None = None, *, force: bool = False, verbose: bool = False) -> str:
+    """Compile the fused op's CUDA kernels into the cache (``lightning-adaptiveload build-ops``).
+
+    Built, and checked to load, in a child process; this one need not load the library. On a GPU node the
+    import of the op may have built it already (then this finds it cached).
+
+    Args:
+        archs: GPU architectures, e.g. ``["9.0"]`` (default: ``TORCH_CUDA_ARCH_LIST``, else the visible GPUs).
+        force: rebuild even when a cached build exists.
+        verbose: show the compiler's output.
 
     Returns:
-        0 when the library is in the cache (a fresh build is checked to load in its child process), 1
-        otherwise (the reason on stderr).
+        One line saying where the library is and whether it was built or found in the cache.
+
+    Raises:
+        FusedOpUnavailable: it cannot be built (the message says why).
     """
-    parser = argparse.ArgumentParser(
-        prog="lightning_adaptiveload build-ops",
-        description="Compile the fused layer_norm_modulate CUDA kernels into the cache.",
-    )
-    parser.add_argument(
-        "--arch",
-        action="append",
-        default=None,
-        help="GPU architecture to build for, e.g. 9.0 (repeatable; default: the visible GPUs)",
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
-    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    args = parser.parse_args(argv)
-    archs = [a for spec in args.arch for a in re.split(r"[;,\s]+", spec) if a] if args.arch else None
-    try:
-        # Built (and checked to load) in a child process; this one need not load it. On a GPU node the
-        # import of the op may have built it already (then this finds it cached).
-        library, build_dir = load_extension(archs=archs, verbose=args.verbose, force=args.force, load=False)
-    except FusedOpUnavailable as exc:
-        print(f"build-ops: {exc}", file=sys.stderr)
-        return 1
+    library, build_dir = load_extension(archs=archs, verbose=verbose, force=force, load=False)
     how = f"built in {_built_seconds:.0f} s" if _built_seconds is not None else "found in the cache"
-    print(f"build-ops: {library.name} ready in {build_dir} ({how})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return f"{library.name} ready in {build_dir} ({how})"

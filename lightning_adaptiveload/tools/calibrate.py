@@ -31,7 +31,6 @@ What it does, in order:
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import gc
 import json
@@ -39,7 +38,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -48,9 +46,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["CalibrationResult", "calibrate", "main"]
+__all__ = ["PRECISIONS", "CalibrationResult", "calibrate", "shape_for_seq_len"]
 
-_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _GIB = 1024**3
 
 
@@ -177,21 +175,12 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _shape_for_seq_len(seq_len: int, channels: int, patch: Sequence[int]) -> tuple[int, int, int, int]:
+def shape_for_seq_len(seq_len: int, channels: int, patch: Sequence[int]) -> tuple[int, int, int, int]:
+    """A latent shape (C, T, H, W) with exactly ``seq_len`` tokens for ``patch`` (for ``--seq-lens``)."""
     # One frame, the most square grid with seq_len tokens: only S matters to the cost.
     pt, ph, pw = patch
     h = max(d for d in range(1, int(math.isqrt(seq_len)) + 1) if seq_len % d == 0)
     return (channels, pt, h * ph, (seq_len // h) * pw)
-
-
-def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
-    shapes = []
-    for part in text.split(","):
-        dims = part.strip().lower().split("x")
-        if len(dims) != 4 or not all(d.isdigit() and int(d) > 0 for d in dims):
-            raise ValueError(f"--shapes: {part!r} is not CxTxHxW with positive integers, e.g. 16x21x60x104")
-        shapes.append(tuple(int(d) for d in dims))
-    return shapes
 
 
 def _select_shapes(
@@ -438,8 +427,8 @@ def calibrate(
             f"calibrate: device {device!r} requested but CUDA is not available; use --device cpu"
         )
     precision = precision or ("bf16-mixed" if dev.type == "cuda" else "32-true")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"calibrate: precision must be one of {_PRECISIONS}, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"calibrate: precision must be one of {PRECISIONS}, got {precision!r}")
     if not 0 < vram_fraction <= 1:
         raise ValueError(f"calibrate: vram_fraction must be in (0, 1], got {vram_fraction}")
     if warmup < 0 or repeats < 1:
@@ -580,168 +569,3 @@ def calibrate(
         else "auto (resolved by the data module)",
     }
     return CalibrationResult(max_tokens, cap, cost, timings, probes, info)
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _recipe_defaults(path: str) -> dict[str, Any]:
-    """Settings from a recipe: model.init_args, trainer.precision and the synthetic data's mix."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
-    except OSError as err:
-        raise ValueError(f"--recipe {path}: cannot read it ({err})") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"--recipe {path}: not valid YAML ({err})") from None
-    model = recipe.get("model") or {}
-    args = model.get("init_args", model) if isinstance(model, dict) else {}
-    out: dict[str, Any] = {}
-    for key in ("preset", "model_overrides", "activation_checkpointing", "compile"):
-        if key in args:
-            out[key] = args[key]
-    data = recipe.get("data") or {}
-    data_args = data.get("init_args", data) if isinstance(data, dict) else {}
-    synthetic = data_args.get("synthetic") or {}
-    if isinstance(synthetic, dict) and synthetic.get("mix"):
-        out["mix"] = synthetic["mix"]
-        text_range = synthetic.get("text_len_range")
-        if isinstance(text_range, list | tuple) and len(text_range) == 2:
-            out["text_len"] = int(text_range[1])
-    precision = (recipe.get("trainer") or {}).get("precision")
-    if precision is not None:
-        precision = str(precision)
-        out["precision"] = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
-    return out
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lightning-adaptiveload calibrate",
-        description="Time the model per sequence length on this device, fit the cost model, find the token "
-        "budget that fits the memory, and write a YAML fragment for a recipe.",
-    )
-    p.add_argument(
-        "--recipe",
-        help="read preset, model_overrides, activation_checkpointing, compile, trainer.precision and the "
-        "synthetic data's mix from this recipe (flags override it)",
-    )
-    p.add_argument("--preset", help="model preset: tiny, wan-1.3b, wan-14b (default wan-1.3b)")
-    p.add_argument("--model-overrides", type=json.loads, help="JSON, e.g. '{\"num_layers\": 4}'")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--mix", help="length mix whose bucket shapes are measured (name or JSON path)")
-    src.add_argument("--shapes", type=_parse_shapes, help="latent shapes CxTxHxW,... to measure")
-    src.add_argument("--seq-lens", type=_int_list, help="token counts to measure (single-frame shapes)")
-    p.add_argument("--num-shapes", type=int, default=6, help="distinct lengths to measure (<= 0: all)")
-    p.add_argument("--batch-sizes", type=_int_list, help="batch sizes to time (default: 1 and the budget's)")
-    p.add_argument(
-        "--precision",
-        choices=_PRECISIONS,
-        help="training precision (default: the recipe's, else bf16-mixed on CUDA)",
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="recompute block activations in backward (default: the recipe's)",
-    )
-    p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model"
-    )
-    p.add_argument("--text-len", type=int, help="padded text length (default 512 for Wan, 16 for tiny)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--vram-fraction", type=float, default=0.9, help="share of device memory to fill (0.9)")
-    p.add_argument("--memory-budget-gb", type=float, help="memory budget in GiB instead of --vram-fraction")
-    p.add_argument("--max-tokens", type=int, help="skip the memory search and use this token budget")
-    p.add_argument("--max-batch", type=int, default=256, help="largest batch size the search tries (256)")
-    p.add_argument(
-        "--ddp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="count DDP gradient buckets in the peak (default: on with CUDA)",
-    )
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per shape (2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per shape (5)")
-    p.add_argument(
-        "--kind", choices=("quadratic", "power"), default="quadratic", help="cost model form to fit"
-    )
-    p.add_argument(
-        "--max-compute",
-        choices=("resolve", "auto"),
-        default="resolve",
-        help="write the resolved 'auto' cap for the measured shapes, or 'auto'",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seeds the model and inputs (0)")
-    p.add_argument("--out", default="-", help="output YAML path ('-' = stdout)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``lightning-adaptiveload calibrate``; returns the exit status."""
-    args = _parser().parse_args(argv)
-    try:
-        settings = _recipe_defaults(args.recipe) if args.recipe else {}
-        for key in ("preset", "model_overrides", "activation_checkpointing", "compile", "precision"):
-            value = getattr(args, key)
-            if value is not None:
-                settings[key] = value
-        settings.setdefault("preset", "wan-1.3b")
-        recipe_mix = settings.pop("mix", None)
-        recipe_text_len = settings.pop("text_len", None)
-        shapes = args.shapes
-        if args.seq_lens:
-            from lightning_adaptiveload.models import VideoDiTConfig
-
-            cfg = VideoDiTConfig.preset(settings["preset"], **(settings.get("model_overrides") or {}))
-            shapes = [_shape_for_seq_len(s, cfg.in_channels, cfg.patch_size) for s in args.seq_lens]
-        result = calibrate(
-            shapes=shapes,
-            mix=args.mix or (recipe_mix if shapes is None and not args.seq_lens else None),
-            num_shapes=args.num_shapes,
-            batch_sizes=args.batch_sizes,
-            text_len=args.text_len if args.text_len is not None else recipe_text_len,
-            device=args.device,
-            vram_fraction=args.vram_fraction,
-            memory_budget_gb=args.memory_budget_gb,
-            max_tokens=args.max_tokens,
-            max_batch=args.max_batch,
-            ddp=args.ddp,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            kind=args.kind,
-            max_compute=args.max_compute,
-            seed=args.seed,
-            progress=not args.no_progress,
-            **settings,
-        )
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    text = result.to_yaml()
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(
-            f"wrote {args.out}: max_tokens={result.max_tokens}, max_compute={result.max_compute}, "
-            f"cost model {result.cost_model.describe()}",
-            file=sys.stderr,
-        )
-    return 0

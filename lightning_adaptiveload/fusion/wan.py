@@ -1,0 +1,152 @@
+"""Fusion adapters for diffusers' Wan transformer (``WanTransformer3DModel``, Wan 2.1 and 2.2).
+
+``WanTransformerBlock``: its norm1 and norm3 sites are fused by a forward replacement, for per-sample
+modulation (``temb`` (B, 6, D)) and per-token modulation (``temb`` (B, S, 6, D), Wan 2.2 TI2V). The model's
+output head is recognised and deliberately left unfused (the report says why). diffusers is optional: the
+classes are looked up only in modules already imported, so nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_adaptiveload import ops as _ops
+from lightning_adaptiveload.fusion.adapter import (
+    FusionAdapter,
+    NoteAdapter,
+    ReplaceForward,
+    class_forward,
+    layer_norm_args,
+)
+from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
+
+__all__ = ["builtin_entries"]
+
+_WAN_MODULE = "diffusers.models.transformers.transformer_wan"
+_WAN_BLOCK_ATTRS = ("norm1", "norm2", "norm3", "attn1", "attn2", "ffn", "scale_shift_table")
+_WAN_FORWARD_PARAMS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
+
+
+def _diffusers_version() -> str:
+    module = sys.modules.get("diffusers")
+    return getattr(module, "__version__", "unknown")
+
+
+def _wan_block_check(block: nn.Module) -> str | None:
+    drift = f"diffusers {_diffusers_version()}: "
+    missing = [a for a in _WAN_BLOCK_ATTRS if not hasattr(block, a)]
+    if missing:
+        return drift + f"WanTransformerBlock has no {missing}; the fused forward does not fit this version"
+    table = block.scale_shift_table
+    if not (isinstance(table, torch.Tensor) and table.dim() == 3 and tuple(table.shape[:2]) == (1, 6)):
+        shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        return drift + f"scale_shift_table is {shape}, expected (1, 6, D)"
+    dim = table.shape[-1]
+    for name in ("norm1", "norm3"):
+        norm = getattr(block, name)
+        if not isinstance(norm, nn.LayerNorm) or tuple(norm.normalized_shape) != (dim,):
+            return drift + f"{name} is {type(norm).__name__}, expected a LayerNorm over D={dim}"
+    params = list(inspect.signature(class_forward(block)).parameters)[1:]
+    if params != _WAN_FORWARD_PARAMS:
+        return drift + f"forward takes ({', '.join(params)}), expected ({', '.join(_WAN_FORWARD_PARAMS)})"
+    return None
+
+
+def _wan_block_forward_fused(
+    block: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: Any,
+) -> torch.Tensor:
+    """WanTransformerBlock.forward with the norm1 and norm3 sites fused.
+
+    Everything else is as diffusers computes it: modulation vectors in fp32 (table + temb), the attention
+    processors, rotary embedding, the cross-attention norm2, the fp32 gated residuals and the casts back.
+
+    Args:
+        hidden_states: (B, S, D), the block's dtype.
+        encoder_hidden_states: (B, L, D) text (and image) states.
+        temb: (B, 6, D) per-sample modulation (Wan 2.1, Wan 2.2 14B) or (B, S, 6, D) per-token (Wan 2.2
+            TI2V); any float dtype, used in fp32.
+        rotary_emb: (cos, sin), each (1, S, 1, head_dim), as the model passes it.
+    """
+    table = block.scale_shift_table
+    if temb.ndim == 4:
+        # Per token: each chunk is (B, S, 1, D) -> (B, S, D), the op's per-token layout.
+        mods = [m.squeeze(2) for m in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    else:
+        # Per sample: each chunk is (B, 1, D).
+        mods = (table + temb.float()).chunk(6, dim=1)
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mods
+
+    norm_hidden_states = _ops.layer_norm_modulate(
+        hidden_states, shift_msa, scale_msa, **layer_norm_args(block.norm1)
+    )
+    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+
+    norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
+    attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    hidden_states = hidden_states + attn_output
+
+    norm_hidden_states = _ops.layer_norm_modulate(
+        hidden_states, c_shift_msa, c_scale_msa, **layer_norm_args(block.norm3)
+    )
+    ff_output = block.ffn(norm_hidden_states)
+    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+
+def _wan_block_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
+    device, dtype = probe_device_dtype(block)
+    dim = block.scale_shift_table.shape[-1]
+    head_dim = dim // block.attn1.heads
+    batch, seq = 2, 6
+    # The processor splits image context off the front when add_k_proj exists; it assumes 512 text tokens.
+    context = 514 if getattr(block.attn2, "add_k_proj", None) is not None else 5
+    x = probe_randn((batch, seq, dim), generator, device, dtype)
+    enc = probe_randn((batch, context, dim), generator, device, dtype)
+    angle = probe_randn((1, seq, 1, head_dim), generator, device, torch.float32)
+    rotary = (angle.cos(), angle.sin())
+    per_sample = probe_randn((batch, 6, dim), generator, device, dtype)
+    per_token = probe_randn((batch, seq, 6, dim), generator, device, dtype)
+    return [((x, enc, per_sample, rotary), {}), ((x, enc, per_token, rotary), {})]
+
+
+def _wan_model_head_reason(model: nn.Module) -> str | None:
+    if not hasattr(model, "norm_out"):
+        return None
+    return (
+        "output head (norm_out with the model's scale_shift_table) is modulated inline in "
+        "WanTransformer3DModel.forward; left unfused, since fusing it means replacing the whole model forward "
+        "for one site per model (the blocks hold the other 2 x num_layers)"
+    )
+
+
+class _LazyWanForward(ReplaceForward):
+    """The Wan adapter, whose expected class forward is known only once diffusers is imported."""
+
+    def check(self, module: nn.Module) -> str | None:
+        cls = getattr(sys.modules.get(_WAN_MODULE), "WanTransformerBlock", None)
+        self.expected_forward = getattr(cls, "forward", None)
+        return super().check(module)
+
+
+def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
+    """The ``(target, adapter)`` pairs of this family, in the order the registry tries them."""
+    wan_block = _LazyWanForward(
+        _wan_block_forward_fused,
+        name="diffusers-wan-block",
+        sites=2,
+        check=_wan_block_check,
+        probe=_wan_block_probe,
+    )
+    return [
+        ((_WAN_MODULE, "WanTransformerBlock"), wan_block),
+        ((_WAN_MODULE, "WanTransformer3DModel"), NoteAdapter("diffusers-wan-head", _wan_model_head_reason)),
+    ]
