@@ -13,7 +13,7 @@ import pytest
 from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
 from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.planner import EpochPlan
+from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.tools.simulate import (
     StepTimeTable,
     _Coster,

@@ -932,7 +932,7 @@ def simulate(
         ValueError: bad world size, mode, budget or source; the message names the argument and value.
     """
     from lightning_adaptiveload.data.shards import ShardIndex
-    from lightning_adaptiveload.planning.planner import PlanError
+    from lightning_adaptiveload.planning.plan import PlanError
 
     patch = tuple(int(v) for v in patch_size)
     if len(patch) != 3 or min(patch) < 1:
