@@ -59,7 +59,19 @@ class EpochPlan:
         step_order: ``step_order[rank][k] = (worker, j)``: the batch the rank takes at step k.
         steps: steps per rank (the same for every rank).
         global_tokens: per step, the sum of the batch tokens over all ranks.
-        report: counters of the plan (see :func:`~.planner.plan_epoch`).
+        report: counters of the plan: epoch, mode, world_size, num_workers, samples, batches, steps, tokens,
+            padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
+            excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
+            bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
+            into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
+            reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
+            steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
+            unequal_steps (the same count in any mode), lockstep_classes, moved_samples, moved_batches,
+            shard_splits, reads, max_buffered_samples, max_compute, est_compute_cv (mean over steps of the
+            CV of the batch costs across ranks), est_straggler_wait
+            (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the steps: share of the summed
+            step time spent waiting for the slowest rank, by the cost model; ``est_wait_share`` is its old
+            name), samples_per_rank, plan_seconds. :func:`~.resume.continue_plan` adds resumed_at_step.
     """
 
     world_size: int

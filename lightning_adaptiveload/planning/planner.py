@@ -101,18 +101,8 @@ def plan_epoch(
             2 ranks), counted in ``report["empty_batches"]``.
 
     Returns:
-        The :class:`EpochPlan`. ``plan.report`` holds: samples, batches, steps, tokens,
-        padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
-        excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
-        bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
-        into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
-        reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
-        steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
-        unequal_steps (the same count in any mode), lockstep_classes, shard_splits, pieces,
-        max_buffered_samples, max_compute, est_compute_cv (mean over steps of the CV of the batch costs
-        across ranks), est_straggler_wait (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the
-        steps: share of the summed step time spent waiting for the slowest rank, by the cost model;
-        ``est_wait_share`` is its old name), samples_per_rank, plan_seconds.
+        The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
+        ``report`` attribute of :class:`~.plan.EpochPlan`).
 
     Raises:
         PlanError: ``underfull="error"`` and some rank can get no sample (fewer samples than ranks).
@@ -151,7 +141,6 @@ def plan_epoch(
         raise PlanError(_underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
     steps = _step_table(sim, world, workers, buckets, class_of)
-    streams = {st: [bt.refs for bt in sim[st]] for st in sim}
     counts.update(
         samples=n_samples,
         excluded=n_excluded,
@@ -160,10 +149,9 @@ def plan_epoch(
         max_buffered_samples=bound,
     )
     report = _report(
-        epoch, mode, world, num_workers, counts, streams, reads, steps, len(class_size), batcher.max_compute
+        epoch, mode, world, num_workers, counts, sim, reads, steps, len(class_size), batcher.max_compute
     )
-    report["samples_per_rank"] = samples_per_rank
-    report["plan_seconds"] = 0.0
+    report.update(samples_per_rank=samples_per_rank, plan_seconds=0.0)
     plan = EpochPlan(
         world_size=world,
         num_workers=int(num_workers),
@@ -171,7 +159,7 @@ def plan_epoch(
         epoch=int(epoch),
         mode=mode,
         buckets=_bucket_dicts(buckets, class_of),
-        streams=streams,
+        streams={st: [bt.refs for bt in sim[st]] for st in sim},
         batch_buckets={st: [bt.bucket for bt in sim[st]] for st in sim},
         batch_steps=steps.batch_steps,
         reads=reads,
@@ -190,7 +178,7 @@ def _report(
     world: int,
     num_workers: int,
     counts: dict[str, int],
-    streams: dict[Stream, list[list[Ref]]],
+    sim: dict[Stream, list[Batch]],
     reads: dict[Stream, list[Read]],
     steps: _Steps,
     n_classes: int,
@@ -203,7 +191,7 @@ def _report(
         "world_size": world,
         "num_workers": int(num_workers),
         "samples": counts["samples"],
-        "batches": sum(len(v) for v in streams.values()),
+        "batches": sum(len(v) for v in sim.values()),
         "steps": steps.steps,
         "tokens": int(sum(steps.global_tokens)),
         "padding_tokens": 0,
