@@ -156,13 +156,11 @@ class _Schedule:
         sizes: list[int],
         counts: dict[str, int],
     ) -> None:
-        self.chains, self.class_of, self.class_size, self.sizes, self.counts = (
-            chains,
-            class_of,
-            class_size,
-            sizes,
-            counts,
-        )
+        self.chains = chains
+        self.class_of = class_of
+        self.class_size = class_size
+        self.sizes = sizes
+        self.counts = counts
         n_r, n_b, n_c = len(chains), len(class_of), len(class_size)
         self.members = _class_members(class_of, n_c)
         self.pos = [[0] * n_b for _ in range(n_r)]
