@@ -38,8 +38,9 @@ from _common import cpu_name
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.mixes import Mix, load_mix
-from lightning_adaptiveload.planning.batching import DualConstraintBatcher, tokens_per_sample
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 
 def scaled_mix(name: str, scale: int) -> Mix:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.planner import PlanError, plan_epoch
+from lightning_adaptiveload.planning.plan import PlanError
+from lightning_adaptiveload.planning.planner import plan_epoch
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
 WEIGHTS = [8, 8, 4, 2, 2, 1, 2, 2, 1, 6, 6, 3]

@@ -12,10 +12,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CostModel": "planning.cost_model",
     "DualConstraintBatcher": "planning.batching",
-    "tokens_per_sample": "planning.batching",
+    "tokens_per_sample": "planning.sizing",
     "collate": "planning.batching",
     "plan_epoch": "planning.planner",
-    "EpochPlan": "planning.planner",
+    "EpochPlan": "planning.plan",
     "ShardIndex": "data.shards",
     "ShardWriter": "data.shards",
     "ShardError": "data.shards",

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate, tokens_per_sample
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 QUAD = CostModel(kind="quadratic", alpha=1.0, beta=0.01)
 

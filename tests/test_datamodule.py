@@ -16,8 +16,8 @@ from lightning_adaptiveload.data.datamodule import (
     PlannedShardDataset,
 )
 from lightning_adaptiveload.data.shards import ShardError, ShardIndex, write_synthetic_shards
-from lightning_adaptiveload.planning.batching import tokens_per_sample
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 
 @pytest.fixture(scope="module")

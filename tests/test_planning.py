@@ -8,13 +8,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.planner import (
-    PlanError,
-    consumed_refs,
-    continue_plan,
-    index_fingerprint,
-    plan_epoch,
-)
+from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.planning.plan import PlanError
+from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
 
@@ -104,7 +101,7 @@ def test_property_exactly_once_equal_steps_constraints(
     assert all(len(order) == rest.steps == plan.steps - done for order in rest.step_order)
     if mode == "independent":  # empty batches only where no common count of non-empty batches exists
         left = [index[s][i] for s, i in refs if (s, i) not in exclude]
-        fewest = sum(-(-left.count(sh) // batcher._sized(sh)[1]) for sh in set(left))
+        fewest = sum(-(-left.count(sh) // batcher.sizer.size(sh).batch_size) for sh in set(left))
         if -(-fewest // world) <= len(left) // world:
             assert plan.report["empty_batches"] == 0
 
@@ -270,13 +267,14 @@ def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
 
 
 def test_equal_counts_packs_partial_batches_instead_of_splitting_to_the_largest_count():
-    from lightning_adaptiveload.planning.planner import _equal_counts
+    from lightning_adaptiveload.planning.equalise import _equal_counts
+    from lightning_adaptiveload.planning.plan import Batch
 
     sizes = [16]  # one bucket, B = 16
     refs = [(0, i) for i in range(20)]
     sim = {
-        (0, 0): [[0, refs[3 * j : 3 * j + 3], False] for j in range(6)],  # six partial batches of 3
-        (1, 0): [[0, refs[18:20], False]],  # one batch of 2
+        (0, 0): [Batch(0, refs[3 * j : 3 * j + 3]) for j in range(6)],  # six partial batches of 3
+        (1, 0): [Batch(0, refs[18:20])],  # one batch of 2
     }
     counts = dict.fromkeys(("split_batches", "merged_batches", "empty_batches", "moved_batches"), 0)
     moves = []
@@ -285,18 +283,18 @@ def test_equal_counts_packs_partial_batches_instead_of_splitting_to_the_largest_
     # samples. A count between the fewest and most reachable (here 2) packs rank 0's batches instead.
     assert [len(sim[(r, 0)]) for r in (0, 1)] == [2, 2]
     assert counts["merged_batches"] == 4 and counts["empty_batches"] == 0
-    assert all(len(bt[1]) <= 16 for st in sim for bt in sim[st])
-    assert sorted(ref for st in sim for bt in sim[st] for ref in bt[1]) == refs
+    assert all(len(bt.refs) <= 16 for st in sim for bt in sim[st])
+    assert sorted(ref for st in sim for bt in sim[st] for ref in bt.refs) == refs
     # Batches emitted early at the buffer bound are never packed with later ones (that would hold their
     # samples past the bound): the same streams then reach a common count without packing them.
     sim = {
-        (0, 0): [[0, refs[3 * j : 3 * j + 3], False, "bound"] for j in range(6)],
-        (1, 0): [[0, refs[18:20], False]],
+        (0, 0): [Batch(0, refs[3 * j : 3 * j + 3], bound=True) for j in range(6)],
+        (1, 0): [Batch(0, refs[18:20])],
     }
     counts = dict.fromkeys(counts, 0)
     assert _equal_counts(sim, [[(0, 0)], [(1, 0)]], sizes, counts, [], pad_bucket=None) is None
     assert counts["merged_batches"] == 0 and len(sim[(0, 0)]) == len(sim[(1, 0)])
-    assert all(len(bt) == 4 for bt in sim[(0, 0)][:5]), "bound batches stay as they were"
+    assert all(bt.bound for bt in sim[(0, 0)][:5]), "bound batches stay as they were"
 
 
 def test_fewer_samples_than_ranks_pads_with_empty_batches_or_raises():

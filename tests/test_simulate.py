@@ -14,7 +14,7 @@ from lightning_adaptiveload.cli.simulate import main
 from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
 from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.planner import EpochPlan
+from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.tools.replay import balance_metrics
 from lightning_adaptiveload.tools.replay import replay_plan as _replay
 from lightning_adaptiveload.tools.simulate import simulate

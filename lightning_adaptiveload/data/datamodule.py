@@ -27,16 +27,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.data.shards import MEMBER_REASONS
-from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate, tokens_per_sample
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.planner import (
-    SCHEDULES,
-    EpochPlan,
-    consumed_refs,
-    continue_plan,
-    index_fingerprint,
-    plan_epoch,
-)
+from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
@@ -107,7 +104,7 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
                 fits.add(tuple(shape))
             else:
                 raise ValueError(
-                    batcher._oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
+                    batcher.sizer.oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
                 )
 
 
@@ -152,9 +149,9 @@ def apply_sample_transform(
     Raises:
         ValueError: the transform returned no dict, or a latent of another shape (names the key).
     """
-    from lightning_adaptiveload.planning.batching import _sample_fields, tokens_per_sample
+    from lightning_adaptiveload.planning.batching import sample_fields
 
-    key, latent, text, meta, ref = _sample_fields(sample)
+    key, latent, text, meta, ref = sample_fields(sample)
     out = transform({"__key__": key, "latent": latent, "text": text, "meta": meta})
     name = getattr(transform, "__qualname__", type(transform).__name__)
     if not isinstance(out, Mapping) or "latent" not in out:

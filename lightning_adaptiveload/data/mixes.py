@@ -39,7 +39,7 @@ __all__ = ["Bucket", "Mix", "available_mixes", "load_mix"]
 # Probabilities must sum to 1 within this tolerance (they are written with a few decimals).
 _P_TOLERANCE = 1e-6
 # The "tokens" field of a mix file is the token count under the default patch; other patch sizes are
-# computed with Mix.tokens_per_bucket().
+# computed with Bucket.tokens_for().
 _FILE_PATCH = (1, 2, 2)
 
 
@@ -94,10 +94,6 @@ class Mix:
         """Bucket probabilities, float64 of shape (num_buckets,), renormalised to sum to exactly 1."""
         p = np.asarray([b.p for b in self.buckets], dtype=np.float64)
         return p / p.sum()
-
-    def mean_tokens(self, patch_size: tuple[int, int, int] = _FILE_PATCH) -> float:
-        """Expected tokens per sample under ``patch_size``."""
-        return float(sum(b.p * b.tokens_for(patch_size) for b in self.buckets))
 
     def sample_buckets(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """Draw ``n`` bucket indices (int64 array of shape (n,)) with the mix's probabilities."""

@@ -1,4 +1,5 @@
-"""Who computes what (pure, no Lightning): the cost model, the batch sizing rule and batching stage, the epoch planner."""
+"""Who computes what (pure, no Lightning): the cost model, the batch sizing rule and batching stage, the
+epoch planner (buckets, assignment, the independent and lockstep schedules, equal steps, resume)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,18 @@ from lightning_adaptiveload._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
+        "BatchSizer": "sizing",
+        "BucketSize": "sizing",
         "CostModel": "cost_model",
         "DualConstraintBatcher": "batching",
-        "EpochPlan": "planner",
+        "EpochPlan": "plan",
+        "PlanError": "plan",
+        "SCHEDULES": "plan",
         "collate": "batching",
+        "consumed_refs": "resume",
+        "continue_plan": "resume",
+        "index_fingerprint": "inputs",
         "plan_epoch": "planner",
-        "tokens_per_sample": "batching",
+        "tokens_per_sample": "sizing",
     },
 )

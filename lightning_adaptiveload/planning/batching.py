@@ -1,7 +1,7 @@
 """Dual-constraint batching: a token cap and a compute cap per batch, one latent shape per batch.
 
 A batch holds B samples of one latent shape (C, T, H, W), so it is never padded. With S tokens per
-sample (``tokens_per_sample``), the batch size of a bucket is
+sample, the batch size of a bucket is (the rule itself: :class:`~.sizing.BatchSizer`)
 
 - ``mode="equal_tokens"`` (the baseline every trainer uses): ``B = floor(max_tokens / S)``;
 - ``mode="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor(max_compute / cost(S))))``.
@@ -17,62 +17,31 @@ bucket at the token cap: ``min over the buckets b present of floor(max_tokens / 
 a convex cost this is usually the image bucket, so every bucket's batch compute is brought down to the
 image batch's, except buckets where one sample already costs more (B = 1).
 
-:class:`DualConstraintBatcher` is also a WebDataset pipeline stage (``__call__``: an iterator of decoded
-samples -> an iterator of batches); the planned path (``planning.py`` + ``datamodule.py``) uses its
-:meth:`~DualConstraintBatcher.batch_size` and :func:`collate` only. Pure Python / PyTorch.
+This module holds the torch side: :class:`DualConstraintBatcher` (the settings, the "auto" cap's
+resolution, and a WebDataset pipeline stage: ``__call__``, an iterator of decoded samples -> an iterator
+of batches) and :func:`collate`. The planned path (``planner.py`` + ``datamodule.py``) uses the
+batcher's :attr:`~DualConstraintBatcher.sizer` and :func:`collate` only.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.sizing import MODES, BatchSizer, tokens_per_sample
 
-__all__ = ["DualConstraintBatcher", "collate", "tokens_per_sample", "MODES"]
+__all__ = ["DualConstraintBatcher", "collate", "sample_fields"]
 
-MODES = ("dual", "equal_tokens")
 _OVERSIZE = ("raise", "skip")
 _PARTIAL = ("emit", "carry")
-# Relative slack on the compute cap: the "auto" cap is itself a batch cost, and floor(cap / cost) must
-# not lose a sample to the last bit of a float division.
-_COMPUTE_RTOL = 1e-9
 
 
-def tokens_per_sample(latent_shape: Sequence[int], patch_size: Sequence[int] = (1, 2, 2)) -> int:
-    """Tokens of one sample: ``(T / pt) * (H / ph) * (W / pw)`` for a latent (C, T, H, W).
-
-    Args:
-        latent_shape: (C, T, H, W); a 3-tuple (T, H, W) is accepted too.
-        patch_size: (pt, ph, pw).
-
-    Raises:
-        ValueError: wrong number of dims, non-positive sizes, or T, H, W not divisible by the patch;
-            the message names the shape and the patch size.
-    """
-    shape = tuple(int(x) for x in latent_shape)
-    patch = tuple(int(x) for x in patch_size)
-    if len(patch) != 3 or min(patch) < 1:
-        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
-    if len(shape) == 4:
-        shape = shape[1:]
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"latent shape {list(latent_shape)} must be (C, T, H, W) with every size >= 1")
-    t, h, w = shape
-    pt, ph, pw = patch
-    if t % pt or h % ph or w % pw:
-        raise ValueError(
-            f"latent shape {list(latent_shape)} is not divisible by patch size {list(patch)}: T, H, W must be "
-            "multiples of (pt, ph, pw); crop or pad the latent, or use the model's patch size"
-        )
-    return (t // pt) * (h // ph) * (w // pw)
-
-
-def _sample_fields(sample: Mapping[str, Any]) -> tuple[str, torch.Tensor, Any, Any, Any]:
+def sample_fields(sample: Mapping[str, Any]) -> tuple[str, torch.Tensor, Any, Any, Any]:
     """(key, latent, text, meta, ref) of a decoded sample: ``iter_shard``'s dict or webdataset's."""
     key = str(sample.get("__key__", "?"))
     latent = sample.get("latent")
@@ -121,7 +90,7 @@ def collate(
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
-    fields = [_sample_fields(s) for s in samples]
+    fields = [sample_fields(s) for s in samples]
     keys = [f[0] for f in fields]
     latents = [f[1] for f in fields]
     shape = tuple(latents[0].shape)
@@ -224,35 +193,27 @@ class DualConstraintBatcher:
             raise ValueError(f"oversize must be one of {_OVERSIZE}, got {oversize!r}")
         if partial not in _PARTIAL:
             raise ValueError(f"partial must be one of {_PARTIAL}, got {partial!r}")
-        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or int(max_tokens) < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        self.max_tokens = int(max_tokens)
-        self.mode = mode
-        self.patch_size = tuple(int(x) for x in patch_size)
-        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
-            raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
         self.oversize = oversize
         self.partial = partial
-        self.cost_model = CostModel.from_dict(cost_model) if cost_model is not None else CostModel.default()
+        # The sizer checks max_tokens and patch_size, before the cost model is read.
+        sizer = BatchSizer(max_tokens, mode=mode, patch_size=patch_size)
         self._explicit_cost_model = cost_model is not None
+        if self._explicit_cost_model:
+            sizer = replace(sizer, cost_model=CostModel.from_dict(cost_model))
         self._auto = False
-        self._max_compute: float | None = None
         if mode == "dual":
             if max_compute is None or max_compute == "auto":
                 self._auto = True
             elif isinstance(max_compute, str):
                 raise ValueError(f"max_compute must be a number, 'auto' or None, got {max_compute!r}")
             else:
-                value = float(max_compute)
-                if not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"max_compute must be a positive number, got {max_compute!r}")
+                sizer = replace(sizer, max_compute=max_compute)  # checks that it is a positive number
                 if not self._explicit_cost_model:
                     raise ValueError(
                         f"max_compute={max_compute!r} is in the unit of a cost model, but no cost_model was given; "
                         "pass cost_model (e.g. {'kind': 'power', 'p': 1.5} or a fitted one) or use max_compute='auto'"
                     )
-                self._max_compute = value
-        self._cache: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._sizer = sizer
         self._carry: list[dict[str, Any]] = []
         self.stats: dict[str, int] = {}
         self._reset_stats()
@@ -260,21 +221,46 @@ class DualConstraintBatcher:
     # -- configuration ---------------------------------------------------------------------------------
 
     @property
+    def sizer(self) -> BatchSizer:
+        """The sizing rule in use (torch-free); replaced by a new one when the "auto" cap is resolved."""
+        return self._sizer
+
+    @property
+    def max_tokens(self) -> int:
+        """Token cap per batch."""
+        return self._sizer.max_tokens
+
+    @property
+    def mode(self) -> str:
+        """``"dual"`` or ``"equal_tokens"``."""
+        return self._sizer.mode
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        """(pt, ph, pw) of the model."""
+        return self._sizer.patch_size
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model (:meth:`CostModel.default` when none was given)."""
+        return self._sizer.cost_model
+
+    @property
     def max_compute(self) -> float | None:
         """The compute cap in use (None in ``equal_tokens`` mode or while ``"auto"`` is unresolved)."""
-        return self._max_compute
+        return self._sizer.max_compute
 
     @property
     def needs_resolution(self) -> bool:
         """True while ``max_compute="auto"`` waits for :meth:`resolve_max_compute`."""
-        return self.mode == "dual" and self._max_compute is None
+        return self.mode == "dual" and self.max_compute is None
 
     def config(self) -> dict[str, Any]:
         """Settings that rebuild this batcher (``DualConstraintBatcher(**config)``), with the resolved cap."""
         return {
             "max_tokens": self.max_tokens,
-            "max_compute": self._max_compute
-            if self._max_compute is not None
+            "max_compute": self.max_compute
+            if self.max_compute is not None
             else ("auto" if self._auto else None),
             "cost_model": self.cost_model.to_dict() if self._explicit_cost_model else None,
             "mode": self.mode,
@@ -289,18 +275,21 @@ class DualConstraintBatcher:
         cfg = dict(config)
         batcher = cls(**{**cfg, "max_compute": None if cfg.get("mode") == "dual" else cfg.get("max_compute")})
         if cfg.get("mode") == "dual" and isinstance(cfg.get("max_compute"), int | float):
-            batcher._max_compute = float(cfg["max_compute"])
-            batcher._auto = False
-            batcher._cache.clear()
+            batcher._fix_max_compute(float(cfg["max_compute"]), auto=False)
         return batcher
+
+    def _fix_max_compute(self, value: float, auto: bool) -> None:
+        """Fix the compute cap; ``auto``: it was resolved by the "auto" rule (which a later call re-applies)."""
+        self._sizer = replace(self._sizer, max_compute=value)
+        self._auto = auto
 
     def resolve_max_compute(self, latent_shapes: Iterable[Sequence[int]]) -> float | None:
         """Apply the ``"auto"`` rule to the data set's latent shapes and fix the cap on this batcher.
 
         ``max_compute = min over the distinct buckets b of floor(max_tokens / S_b) * cost(S_b)``, over the
-        buckets that fit the token cap. No-op (returns the cap) when the cap is numeric or the mode is
-        ``equal_tokens``. Call it once with every shape of the data set (the index's), not per shard, so
-        that every rank and every epoch uses the same cap.
+        buckets that fit the token cap (:meth:`BatchSizer.auto_max_compute`). No-op (returns the cap) when
+        the cap is numeric or the mode is ``equal_tokens``. Call it once with every shape of the data set
+        (the index's), not per shard, so that every rank and every epoch uses the same cap.
 
         Returns:
             The cap (cost-model units), or None in ``equal_tokens`` mode.
@@ -309,50 +298,15 @@ class DualConstraintBatcher:
             ValueError: no shape fits the token cap, or the cost is not positive at some length.
         """
         if self.mode != "dual" or not self._auto:
-            return self._max_compute
-        lens = {tokens_per_sample(s, self.patch_size) for s in set(tuple(x) for x in latent_shapes)}
-        fitting = sorted(s for s in lens if s <= self.max_tokens)
-        if not fitting:
-            raise ValueError(
-                f"max_compute='auto' found no sample within max_tokens={self.max_tokens} (smallest has "
-                f"{min(lens) if lens else 'no'} tokens); raise max_tokens"
-            )
-        self.cost_model.check_positive(fitting)
-        self._max_compute = min((self.max_tokens // s) * self.cost_model.cost(s) for s in fitting)
-        self._cache.clear()
-        return self._max_compute
+            return self.max_compute
+        self._fix_max_compute(self._sizer.auto_max_compute(latent_shapes), auto=True)
+        return self.max_compute
 
     # -- batch sizes -----------------------------------------------------------------------------------
 
-    def _sized(self, latent_shape: Sequence[int]) -> tuple[int, int]:
-        """(S, B) with B = 0 for an oversize sample (whatever the policy); cached per shape."""
-        shape = tuple(int(x) for x in latent_shape)
-        hit = self._cache.get(shape)
-        if hit is not None:
-            return hit
-        s = tokens_per_sample(shape, self.patch_size)
-        if s > self.max_tokens:
-            out = (s, 0)
-        else:
-            b = self.max_tokens // s
-            if self.mode == "dual":
-                if self._max_compute is None:
-                    raise ValueError(
-                        "max_compute='auto' is not resolved yet: call batcher.resolve_max_compute(latent_shapes) "
-                        "with the data set's shapes (the DataModule and plan_epoch do it from the index)"
-                    )
-                c = self.cost_model.cost(s)
-                if not c > 0:
-                    self.cost_model.check_positive([s])
-                ratio = self._max_compute / c
-                b = max(1, min(b, math.floor(ratio * (1 + _COMPUTE_RTOL))))
-            out = (s, b)
-        self._cache[shape] = out
-        return out
-
     def seq_len(self, latent_shape: Sequence[int]) -> int:
         """Tokens per sample S of this latent shape (cached)."""
-        return self._sized(latent_shape)[0]
+        return self._sizer.size(latent_shape).seq_len
 
     def batch_size(self, latent_shape: Sequence[int]) -> int:
         """Samples per batch for this latent shape; 0 only for an oversize sample under ``oversize="skip"``.
@@ -360,16 +314,10 @@ class DualConstraintBatcher:
         Raises:
             ValueError: an oversize sample under ``oversize="raise"`` (names the shape, S and max_tokens).
         """
-        s, b = self._sized(latent_shape)
+        s, b = self._sizer.size(latent_shape)
         if b == 0 and self.oversize == "raise":
-            raise ValueError(self._oversize_message(latent_shape, s))
+            raise ValueError(self._sizer.oversize_message(latent_shape, s))
         return b
-
-    def _oversize_message(self, latent_shape: Sequence[int], s: int, where: str = "") -> str:
-        return (
-            f"{where}latent shape {list(latent_shape)} has {s} tokens, more than max_tokens={self.max_tokens}; "
-            f"raise max_tokens to at least {s}, or set oversize='skip' to leave such samples out (counted)"
-        )
 
     def satisfies(self, batch_size: int, seq_len: int) -> bool:
         """Whether a batch of ``batch_size`` samples of ``seq_len`` tokens meets the constraints.
@@ -377,17 +325,7 @@ class DualConstraintBatcher:
         ``B * S <= max_tokens`` and (dual) ``B * cost(S) <= max_compute``, except that a single sample
         (B = 1) within the token cap is always allowed.
         """
-        if batch_size < 1 or batch_size * seq_len > self.max_tokens:
-            return False
-        if self.mode != "dual" or batch_size == 1:
-            return True
-        if self._max_compute is None:
-            raise ValueError("max_compute='auto' is not resolved yet: call resolve_max_compute first")
-        return self.cost_model.batch_cost(batch_size, seq_len) <= self._max_compute * (1 + _COMPUTE_RTOL)
-
-    def bucket_key(self, latent_shape: Sequence[int]) -> tuple[int, int, int]:
-        """(T, H, W): the bucket of a latent (C, T, H, W)."""
-        return tuple(int(x) for x in latent_shape[-3:])  # type: ignore[return-value]
+        return self._sizer.satisfies(batch_size, seq_len)
 
     # -- the pipeline stage ----------------------------------------------------------------------------
 
@@ -421,16 +359,16 @@ class DualConstraintBatcher:
 
         n_carried = len(carried)
         for i, sample in enumerate(stream()):
-            key, latent, _, _, _ = _sample_fields(sample)
+            key, latent, _, _, _ = sample_fields(sample)
             shape = tuple(latent.shape)
             if len(shape) != 4:
                 raise ValueError(f"sample {key!r}: latent must be (C, T, H, W), got shape {list(shape)}")
-            s, b = self._sized(shape)
+            s, b = self._sizer.size(shape)
             if i >= n_carried:
                 self.stats["samples"] += 1
             if b == 0:
                 if self.oversize == "raise":
-                    raise ValueError(self._oversize_message(shape, s, where=f"sample {key!r}: "))
+                    raise ValueError(self._sizer.oversize_message(shape, s, where=f"sample {key!r}: "))
                 self.stats["skipped_oversize"] += 1
                 continue
             bucket = shape[1:]

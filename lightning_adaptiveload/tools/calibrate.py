@@ -188,7 +188,7 @@ def _select_shapes(
 ) -> list[tuple[int, int, int, int]]:
     """Distinct shapes, one per token count, ``num`` of them spread evenly over the token range (the
     shortest and the longest always included)."""
-    from lightning_adaptiveload.planning.batching import tokens_per_sample
+    from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     by_tokens: dict[int, tuple[int, int, int, int]] = {}
     for s in shapes:
@@ -418,8 +418,9 @@ def calibrate(
     from tqdm.auto import tqdm
 
     from lightning_adaptiveload.models.module import VideoDiTModule
-    from lightning_adaptiveload.planning.batching import DualConstraintBatcher, tokens_per_sample
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.cost_model import CostModel
+    from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -467,7 +467,7 @@ def _search_budget(
     setup: _Setup, w: int, mode: str, search_index: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Try the ``max_compute`` candidates of a dual mode; returns every candidate's figures and the best."""
-    from lightning_adaptiveload.planning.planner import PlanError
+    from lightning_adaptiveload.planning.plan import PlanError
 
     max_compute = setup.max_compute
     auto_value = None

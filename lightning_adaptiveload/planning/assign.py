@@ -1,0 +1,150 @@
+"""Which stream reads which samples: shards (or contiguous parts of shards, *pieces*) go to the (rank,
+worker) streams by a greedy longest-processing-time partition.
+
+The shard order is a permutation seeded by ``(seed, epoch)``, the same on every rank; excluded samples
+(already consumed, on resume) are left out of the pieces. A piece is split in halves when the loads
+would differ by more than 5% or there are fewer pieces than bins. Pure Python.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_adaptiveload.planning.plan import Read, Stream
+
+__all__ = ["Piece", "assign", "reads_of", "shard_pieces"]
+
+# A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
+_BALANCE_TOLERANCE = 0.05
+# Splitting stops at this many pieces per stream (each piece is one extra pass over part of a shard).
+_MAX_PIECES_PER_STREAM = 8
+
+
+@dataclass
+class Piece:
+    """Samples of one shard that go to one stream together."""
+
+    shard: int
+    order: int  # position of the shard in the seeded order
+    ids: list[int]  # sample ids, ascending
+    buckets: list[int]  # bucket id per sample
+    cost: float
+
+
+def _exclusions(exclude: Any) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    if exclude is None:
+        return out
+    if isinstance(exclude, Mapping):
+        for shard, ids in exclude.items():
+            out.setdefault(int(shard), set()).update(int(i) for i in ids)
+        return out
+    for shard, sample in exclude:
+        out.setdefault(int(shard), set()).add(int(sample))
+    return out
+
+
+def shard_pieces(
+    bucket_of: list[list[int]], seed: int, epoch: int, exclude: Any, weight_of: list[float]
+) -> tuple[list[Piece], int]:
+    """One piece per shard with samples left: its samples that are not oversize (bucket -1) or excluded.
+
+    Args:
+        bucket_of: per shard, per sample, its bucket id.
+        seed, epoch: seed the shard order.
+        exclude: refs ``(shard_id, sample_id)`` or ``{shard_id: sample_ids}`` to leave out, or None.
+        weight_of: per bucket, the load of one sample for the assignment.
+
+    Returns:
+        The pieces and how many (non-oversize) samples were excluded.
+    """
+    # Seeded shard order, the same on every rank (string seeds hash with SHA-512, not PYTHONHASHSEED).
+    order = list(range(len(bucket_of)))
+    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
+    position = {shard: k for k, shard in enumerate(order)}
+    excl = _exclusions(exclude)
+    pieces: list[Piece] = []
+    n_excluded = 0
+    for sid, row in enumerate(bucket_of):
+        gone = excl.get(sid, ())
+        ids = [i for i, b in enumerate(row) if b >= 0 and i not in gone]
+        n_excluded += sum(1 for i in gone if 0 <= i < len(row) and row[i] >= 0)
+        if ids:
+            bks = [row[i] for i in ids]
+            pieces.append(Piece(sid, position[sid], ids, bks, sum(weight_of[b] for b in bks)))
+    return pieces, n_excluded
+
+
+def _lpt(pieces: list[Piece], bins: int) -> tuple[list[list[Piece]], list[float]]:
+    """Greedy longest-processing-time partition: largest piece first onto the least-loaded bin."""
+    loads = [0.0] * bins
+    out: list[list[Piece]] = [[] for _ in range(bins)]
+    heap = [(0.0, b) for b in range(bins)]
+    for piece in sorted(pieces, key=lambda p: (-p.cost, p.order, p.ids[0])):
+        load, b = heapq.heappop(heap)
+        out[b].append(piece)
+        loads[b] = load + piece.cost
+        heapq.heappush(heap, (loads[b], b))
+    return out, loads
+
+
+def _split_piece(piece: Piece, cost_of: list[float]) -> tuple[Piece, Piece]:
+    half = (len(piece.ids) + 1) // 2
+    parts = []
+    for ids, bk in ((piece.ids[:half], piece.buckets[:half]), (piece.ids[half:], piece.buckets[half:])):
+        parts.append(Piece(piece.shard, piece.order, ids, bk, sum(cost_of[b] for b in bk)))
+    return parts[0], parts[1]
+
+
+def assign(
+    pieces: list[Piece], world: int, workers: int, cost_of: list[float], lockstep: bool
+) -> tuple[dict[Stream, list[Piece]], int]:
+    """Pieces -> streams. Returns the assignment and how many pieces were split.
+
+    Independent mode balances ranks (LPT over ranks, then over each rank's workers). Lockstep mode pairs
+    the streams of one worker index across ranks, so it balances every stream (LPT over all R * W).
+    """
+    pieces = list(pieces)
+    splits = 0
+    bins = world * workers if lockstep else world
+    cap = world * workers * _MAX_PIECES_PER_STREAM
+    while True:
+        per_bin, loads = _lpt(pieces, bins)
+        mean = sum(loads) / bins
+        want = len(pieces) < bins or (mean > 0 and max(loads) > (1 + _BALANCE_TOLERANCE) * mean)
+        splittable = [p for p in pieces if len(p.ids) > 1]
+        if not want or not splittable or len(pieces) >= cap:
+            break
+        # Split the costliest eighth of the pieces per round: a few LPT rounds instead of one per split.
+        splittable.sort(key=lambda p: (-p.cost, -len(p.ids), p.order, p.ids[0]))
+        chosen = splittable[: max(1, len(pieces) // 8)]
+        chosen_ids = {id(p) for p in chosen}
+        pieces = [p for p in pieces if id(p) not in chosen_ids]
+        for p in chosen:
+            pieces.extend(_split_piece(p, cost_of))
+        splits += len(chosen)
+    out: dict[Stream, list[Piece]] = {}
+    for r in range(world):
+        if lockstep:
+            # bin k -> (rank k % world, worker k // world): the LPT's first bins spread over ranks.
+            per_worker = [per_bin[w * world + r] for w in range(workers)]
+        else:
+            per_worker, _ = _lpt(per_bin[r], workers)
+        for w in range(workers):
+            out[(r, w)] = sorted(per_worker[w], key=lambda p: (p.order, p.ids[0]))
+    return out, splits
+
+
+def reads_of(pieces: list[Piece]) -> list[Read]:
+    """A stream's reads: one per piece, in order (consecutive pieces of one shard read as one)."""
+    reads: list[Read] = []
+    for p in pieces:
+        if reads and reads[-1][0] == p.shard:
+            reads[-1] = (p.shard, sorted(reads[-1][1] + p.ids))
+        else:
+            reads.append((p.shard, list(p.ids)))
+    return reads

@@ -1,0 +1,371 @@
+"""Equal step counts: every rank must take the same number of steps, or DDP hangs.
+
+The common count is chosen between the fewest batches the ranks can reach (partial batches of a bucket
+packed together) and the most (one sample per batch), where it changes the fewest batches. Samples move
+between ranks that cannot reach it alone (read from the giver's shards), then each rank splits or packs
+its own batches (:mod:`.reshape`; every batch still meets both constraints). Where no common count of
+non-empty batches exists, or a rank can get no sample at all, ranks take empty batches: zero-weight
+steps. Lockstep does this per worker index first and only after the last lockstep step of a stream, so
+that the steps before stay aligned. Pure Python and NumPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
+from lightning_adaptiveload.planning.reshape import (
+    capacity,
+    fixed_prefix,
+    merge_batches,
+    pack_start,
+    split_batches,
+    tail_samples,
+    take,
+)
+
+__all__ = ["apply_moves", "equalise"]
+
+Move = tuple[Stream, Stream, list[Ref]]  # (giver, receiver, refs)
+
+
+def equalise(
+    sim: dict[Stream, list[Batch]],
+    world: int,
+    workers: int,
+    mode: str,
+    sizes: list[int],
+    counts: dict[str, int],
+    moves: list[Move],
+    pad_bucket: int | None,
+) -> dict[str, Any] | None:
+    """Give every rank the same number of steps (:func:`_equal_counts` over ranks).
+
+    Lockstep first equalises each worker index across ranks (one stream per slot), so that every rank's
+    round robin interleaves its workers identically and the lockstep steps stay aligned; where a worker
+    index holds too few samples for that, the ranks are equalised as wholes (the steps after the first
+    unequal one are then counted in ``unequal_steps``). Returns None on success, else the shortfall.
+    """
+    if mode == "lockstep" and world > 1:
+        for w in range(workers):
+            _equal_counts(sim, [[(r, w)] for r in range(world)], sizes, counts, moves, None)
+    return _equal_counts(
+        sim, [[(r, w) for w in range(workers)] for r in range(world)], sizes, counts, moves, pad_bucket
+    )
+
+
+def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[Stream, list[Batch]]) -> None:
+    """Make the reads of every stream that gave or got samples match its batches: its own reads keep the
+    samples it still holds, and the samples it got are read from their shards (``select``) after them.
+
+    Computed from the final batches, not move by move, so a sample that moved more than once (even back)
+    is read once, by the stream that holds it.
+    """
+    touched = {st for giver, receiver, _ in moves for st in (giver, receiver)}
+    for st in touched:
+        have = {ref for bt in sim[st] for ref in bt.refs}
+        kept = [(shard, [i for i in ids if (shard, i) in have]) for shard, ids in reads[st]]
+        kept = [(shard, ids) for shard, ids in kept if ids]
+        known = {(shard, i) for shard, ids in kept for i in ids}
+        extra: dict[int, list[int]] = {}
+        for shard, i in sorted(have - known):
+            extra.setdefault(shard, []).append(i)
+        reads[st] = kept + sorted(extra.items())
+
+
+@dataclass
+class _Bounds:
+    """Batch counts a slot (a list of streams that must together reach the common count) can reach.
+
+    ``count``: batches now. ``most``: samples (every batch one sample: the most batches a split can
+    reach). ``least``: the fewest batches a merge can reach: every batch before
+    :func:`~.reshape.pack_start`, and per (stream, bucket) the partial batches after it packed into
+    ``ceil(samples / B)`` batches.
+    """
+
+    count: int
+    most: int
+    least: int
+
+
+def _bounds(sim: dict[Stream, list[Batch]], slot: list[Stream], sizes: list[int]) -> _Bounds:
+    count = most = least = 0
+    for st in slot:
+        stream = sim[st]
+        count += len(stream)
+        most += sum(len(bt.refs) for bt in stream)
+        k = pack_start(stream, sizes)
+        least += k
+        partial: dict[int, int] = {}
+        for bt in stream[k:]:
+            if len(bt.refs) >= sizes[bt.bucket]:
+                least += 1
+            else:
+                partial[bt.bucket] = partial.get(bt.bucket, 0) + len(bt.refs)
+        least += sum(-(-n // sizes[b]) for b, n in partial.items())
+    return _Bounds(count, most, least)
+
+
+def _packed_least(sim: dict[Stream, list[Batch]], slots: list[list[Stream]], sizes: list[int]) -> int:
+    """The fewest batches all slots together can reach: as :class:`_Bounds` ``least``, but each bucket's
+    partial batches packed across all streams (samples can move between them)."""
+    least = 0
+    partial: dict[int, int] = {}
+    for slot in slots:
+        for st in slot:
+            stream = sim[st]
+            k = pack_start(stream, sizes)
+            least += k
+            for bt in stream[k:]:
+                if len(bt.refs) >= sizes[bt.bucket]:
+                    least += 1
+                else:
+                    partial[bt.bucket] = partial.get(bt.bucket, 0) + len(bt.refs)
+    return least + sum(-(-n // sizes[b]) for b, n in partial.items())
+
+
+def _common_count(bounds: list[_Bounds], least: int, pad: bool) -> int | None:
+    """The step count every slot should reach, or None if no count can be reached without empty batches.
+
+    Any count T with ``ceil(least / S) <= T <= samples // S`` (``least``: :func:`_packed_least`) can be
+    reached by moving samples between slots and then splitting or packing within each. Among those, the
+    one that changes the fewest batches (moves weigh more: they add reads) is taken, the smaller on ties
+    (fuller batches).
+    """
+    n_slots = len(bounds)
+    total = sum(b.most for b in bounds)
+    if total == 0:
+        return 0
+    lo = max(1, -(-least // n_slots))
+    hi = total // n_slots
+    if lo > hi:
+        return lo if pad else None
+    count = np.array([b.count for b in bounds], dtype=np.int64)
+    most = np.array([b.most for b in bounds], dtype=np.int64)
+    least = np.array([b.least for b in bounds], dtype=np.int64)
+    cands = np.unique(np.clip(np.concatenate([count, most, least, [lo, hi]]), lo, hi))
+    t = cands[:, None]
+    cost = np.abs(count[None, :] - t) + 4 * (np.maximum(0, t - most) + np.maximum(0, least - t))
+    return int(cands[int(np.argmin(cost.sum(axis=1)))])
+
+
+def _equal_counts(
+    sim: dict[Stream, list[Batch]],
+    slots: list[list[Stream]],
+    sizes: list[int],
+    counts: dict[str, int],
+    moves: list[Move],
+    pad_bucket: int | None,
+) -> dict[str, Any] | None:
+    """Give every slot (a list of streams: one rank's, or one stream) the same number of batches.
+
+    1. The common count T is chosen between the fewest and the most batches the slots can reach together
+       (:func:`_common_count`), not at the largest count of one slot.
+    2. Samples move between slots until each can reach T alone: a slot with fewer samples than T gets
+       samples from the slot with the most to spare; a slot whose batches cannot be packed into T gets
+       rid of one partial batch's worth at a time. Moved samples go to the end of the receiver's
+       shortest stream as one batch (read from the giver's shard), and leave only batches after the
+       giver's last lockstep batch, so no lockstep step shifts.
+    3. Each slot then splits (``split_batches``) or packs (``merged_batches``) its own batches to T.
+    4. With ``pad_bucket`` set, a slot that still has fewer samples than T takes empty batches of that
+       bucket (zero-weight steps, ``empty_batches``); without it, the shortfall is returned.
+
+    Returns None on success, else the shortfall (for the error message).
+    """
+    bounds = [_bounds(sim, slot, sizes) for slot in slots]
+    least = _packed_least(sim, slots, sizes)
+    target = _common_count(bounds, least, pad_bucket is not None)
+    if target is None:
+        return {"target": -(-least // len(slots)), "short": [(0, 1)], "slots": slots}
+    mover = _Mover(sim, slots, sizes, counts, moves, bounds, target)
+    mover.run()
+    short = _reach(sim, slots, sizes, counts, mover.bounds, mover.target, pad_bucket)
+    if short:
+        return {"target": mover.target, "short": short, "slots": slots}
+    return None
+
+
+def _reach(
+    sim: dict[Stream, list[Batch]],
+    slots: list[list[Stream]],
+    sizes: list[int],
+    counts: dict[str, int],
+    bounds: list[_Bounds],
+    target: int,
+    pad_bucket: int | None,
+) -> list[tuple[int, int]]:
+    """Split or pack each slot's own batches to ``target`` (then pad with empty batches if allowed).
+    Returns the slots that missed it: (slot, batches still wanted; negative: too many)."""
+    short = []
+    for i, slot in enumerate(slots):
+        need = target - bounds[i].count
+        if need > 0:
+            for st in sorted(slot, key=lambda x: -capacity(sim[x])):
+                if need <= 0:
+                    break
+                added = split_batches(sim[st], need)
+                counts["split_batches"] += added
+                need -= added
+        elif need < 0:
+            for st in slot:
+                removed = merge_batches(sim[st], -need, sizes)
+                counts["merged_batches"] += removed
+                need += removed
+        if need > 0 and pad_bucket is not None:
+            for _ in range(need):
+                st = min(slot, key=lambda x: (len(sim[x]), x))
+                sim[st].append(Batch(pad_bucket, []))
+            counts["empty_batches"] += need
+            need = 0
+        if need != 0:
+            short.append((i, need))
+    return short
+
+
+class _Mover:
+    """Step 2 of :func:`_equal_counts`: moves samples between slots until each can reach the target
+    alone (the target rises where no slot can take more)."""
+
+    def __init__(
+        self,
+        sim: dict[Stream, list[Batch]],
+        slots: list[list[Stream]],
+        sizes: list[int],
+        counts: dict[str, int],
+        moves: list[Move],
+        bounds: list[_Bounds],
+        target: int,
+    ) -> None:
+        self.sim = sim
+        self.slots = slots
+        self.sizes = sizes
+        self.counts = counts
+        self.moves = moves
+        self.bounds = bounds
+        self.target = target
+        self.slot_of = {st: i for i, slot in enumerate(slots) for st in slot}
+
+    def run(self) -> None:
+        bounds, n_slots = self.bounds, len(self.slots)
+        while True:
+            heavy = [i for i in range(n_slots) if bounds[i].least > self.target]
+            short = [i for i in range(n_slots) if bounds[i].most < self.target]
+            if heavy:
+                self._relieve(max(heavy, key=lambda i: (bounds[i].least - self.target, -i)))
+                continue
+            if short and self._fill(short[0]):
+                continue
+            break
+
+    def _relieve(self, g: int) -> None:
+        """Slot ``g`` cannot pack its batches into the target: move one partial batch's worth of one bucket
+        (its packed count drops by one)."""
+        bounds = self.bounds
+        # First into another stream's partial batch of that bucket that has room (packing across streams)...
+        if self._pack(g):
+            return
+        # ... else as a new batch to the slot with the fewest batches
+        q = min(range(len(self.slots)), key=lambda i: (bounds[i].least, i))
+        if bounds[q].least >= self.target:
+            # No slot can take a batch: make room by packing another slot's partial batches, or settle for
+            # more steps.
+            if not any(self._pack(i) for i in range(len(self.slots)) if i != g):
+                self.target = max(x.least for x in bounds)
+            return
+        pick = self._pick(g)
+        if pick is None:
+            self.target = max(x.least for x in bounds)  # nothing the giver may move: settle for more steps
+            return
+        self._give(g, q, *pick)
+
+    def _pick(self, g: int) -> tuple[Stream, int, int, bool] | None:
+        """What slot ``g`` gives: the samples of one bucket beyond its full batches (partial only), else its
+        last non-empty movable batch; None if nothing may move."""
+        sim, sizes = self.sim, self.sizes
+        for st in self.slots[g]:
+            for b, n in tail_samples(sim[st], True, sizes).items():
+                return st, b, n - sizes[b] * (-(-n // sizes[b]) - 1), True
+        for st in self.slots[g]:
+            bt = next((bt for bt in reversed(sim[st][fixed_prefix(sim[st]) :]) if bt.refs), None)
+            if bt is not None:
+                return st, bt.bucket, len(bt.refs), False
+        return None
+
+    def _fill(self, q: int) -> bool:
+        """Slot ``q`` has fewer samples than the target: give it samples from the slot with the most to
+        spare. False if no slot can."""
+        bounds = self.bounds
+        g = max(range(len(self.slots)), key=lambda i: (bounds[i].most, -i))
+        spare = bounds[g].most - self.target
+        if spare <= 0:
+            return False
+        best = None
+        for st in self.slots[g]:
+            for b, n in tail_samples(self.sim[st], False, self.sizes).items():
+                if best is None or n > best[2]:
+                    best = (st, b, n)
+        if best is None:
+            return False
+        st, b, n = best
+        self._give(g, q, st, b, min(self.target - bounds[q].most, spare, self.sizes[b], n), False)
+        return True
+
+    def _refresh(self, *slots: int) -> None:
+        for i in slots:
+            self.bounds[i] = _bounds(self.sim, self.slots[i], self.sizes)
+
+    def _give(self, g: int, q: int, st_g: Stream, bucket: int, k: int, partial_only: bool) -> None:
+        """Move ``k`` samples of ``bucket`` from stream ``st_g`` (of slot ``g``) to slot ``q``'s shortest
+        stream, as a new batch at its end."""
+        refs = take(self.sim[st_g], bucket, k, partial_only, self.sizes)
+        st_q = min(self.slots[q], key=lambda st: (len(self.sim[st]), st))
+        self.sim[st_q].append(Batch(bucket, refs))
+        self.moves.append((st_g, st_q, refs))
+        self.counts["moved_batches"] += 1
+        self._refresh(g, q)
+
+    def _room(self, st_g: Stream, bucket: int, k: int) -> tuple[Stream, int] | None:
+        """A partial batch of ``bucket`` in another stream that can take ``k`` more samples without raising
+        its slot's fewest batches above the target (or, in the giver's own slot, at all)."""
+        size = self.sizes[bucket]
+        for st, stream in self.sim.items():
+            if st == st_g or st not in self.slot_of:
+                continue
+            first = pack_start(stream, self.sizes)
+            spots = [
+                j
+                for j in range(first, len(stream))
+                if stream[j].bucket == bucket and len(stream[j].refs) < size
+            ]
+            if not spots:
+                continue
+            u = sum(len(stream[j].refs) for j in spots)
+            j = next((j for j in spots if len(stream[j].refs) + k <= size), None)
+            if j is None or not stream[j].refs:
+                continue
+            grow = -(-(u + k) // size) - (-(-u // size))
+            q = self.slot_of[st]
+            if grow == 0 or (q != self.slot_of[st_g] and self.bounds[q].least + grow <= self.target):
+                return st, j
+        return None
+
+    def _pack(self, g: int) -> bool:
+        """Move one partial batch's worth of a bucket from slot ``g`` into a partial batch elsewhere."""
+        sim, sizes = self.sim, self.sizes
+        for st in self.slots[g]:
+            for b, n in tail_samples(sim[st], True, sizes).items():
+                k = n - sizes[b] * (-(-n // sizes[b]) - 1)
+                hit = self._room(st, b, k)
+                if hit is None:
+                    continue
+                refs = take(sim[st], b, k, True, sizes)
+                st_q, j = hit
+                sim[st_q][j] = Batch(b, sim[st_q][j].refs + refs)
+                self.moves.append((st, st_q, refs))
+                self.counts["moved_batches"] += 1
+                self._refresh(g, self.slot_of[st_q])
+                return True
+        return False

@@ -1,0 +1,104 @@
+"""What an epoch plan is: :class:`EpochPlan` (every stream's batches, reads and step order), the
+:class:`Batch` the planning steps hand each other while they build it, and :class:`PlanError`.
+
+:mod:`.planner` makes plans (:func:`~.planner.plan_epoch`); :mod:`.resume` continues them. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SCHEDULES", "Batch", "EpochPlan", "PlanError", "Read", "Ref", "Stream"]
+
+Ref = tuple[int, int]  # a sample: (shard id, sample id)
+Stream = tuple[int, int]  # (rank, worker)
+Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream reads of one shard
+SCHEDULES = ("independent", "lockstep")
+
+
+class PlanError(ValueError):
+    """An epoch cannot be planned with these settings; the message says why and what to do."""
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch of a stream while the epoch is planned (the plan keeps only ``refs`` and ``bucket``).
+
+    Attributes:
+        bucket: bucket id (index into the plan's buckets).
+        refs: the batch's samples, in file order; empty for an empty (zero-weight) batch.
+        equal: a lockstep step shared by every rank (same class and size): it must keep its step.
+        bound: emitted early at the independent mode's buffer bound: never packed with a later batch.
+    """
+
+    bucket: int
+    refs: list[Ref]
+    equal: bool = False
+    bound: bool = False
+
+
+@dataclass
+class EpochPlan:
+    """The plan of one epoch for every stream; identical on every rank.
+
+    Attributes:
+        world_size, num_workers, seed, epoch, mode: the settings planned for (``num_workers`` as given;
+            0 means one stream per rank, worker 0).
+        buckets: per bucket id: ``{"shape": (C, T, H, W), "seq_len": S, "batch_size": B, "cost": cost(S),
+            "lockstep_class": int}``.
+        streams: ``streams[(rank, worker)]`` is the list of batches that stream yields, in order; a batch
+            is a list of sample refs ``(shard_id, sample_id)`` in file order.
+        batch_buckets: ``batch_buckets[(rank, worker)][j]`` is the bucket id of batch j.
+        batch_steps: ``batch_steps[(rank, worker)][j]`` is the rank step at which batch j is taken.
+        reads: ``reads[(rank, worker)]`` is the list of ``(shard_id, sample_ids)`` the stream reads (sample
+            ids ascending). Independent mode: one read per piece, in order. Lockstep mode: per bucket, the
+            runs of that bucket's samples in each shard, so that the stream can take the next samples of
+            any bucket without buffering others; a shard is then opened once per bucket it holds (seeking
+            over the other members). A reader opens a read when a batch first needs it.
+        step_order: ``step_order[rank][k] = (worker, j)``: the batch the rank takes at step k.
+        steps: steps per rank (the same for every rank).
+        global_tokens: per step, the sum of the batch tokens over all ranks.
+        report: counters of the plan: epoch, mode, world_size, num_workers, samples, batches, steps, tokens,
+            padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
+            excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
+            bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
+            into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
+            reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
+            steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
+            unequal_steps (the same count in any mode), lockstep_classes, moved_samples, moved_batches,
+            shard_splits, reads, max_buffered_samples, max_compute, est_compute_cv (mean over steps of the
+            CV of the batch costs across ranks), est_straggler_wait
+            (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the steps: share of the summed
+            step time spent waiting for the slowest rank, by the cost model; ``est_wait_share`` is its old
+            name), samples_per_rank, plan_seconds. :func:`~.resume.continue_plan` adds resumed_at_step.
+    """
+
+    world_size: int
+    num_workers: int
+    seed: int
+    epoch: int
+    mode: str
+    buckets: list[dict[str, Any]]
+    streams: dict[Stream, list[list[Ref]]]
+    batch_buckets: dict[Stream, list[int]]
+    batch_steps: dict[Stream, list[int]]
+    reads: dict[Stream, list[Read]]
+    step_order: list[list[tuple[int, int]]]
+    steps: int
+    global_tokens: list[int]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Streams per rank: ``max(1, num_workers)``."""
+        return max(1, self.num_workers)
+
+    def rank_batches(self, rank: int) -> list[list[Ref]]:
+        """The batches rank ``rank`` takes, in step order."""
+        return [self.streams[(rank, w)][j] for w, j in self.step_order[rank]]
+
+    def step_batch(self, rank: int, step: int) -> tuple[int, list[Ref]]:
+        """(bucket id, refs) of the batch rank ``rank`` takes at ``step``."""
+        w, j = self.step_order[rank][step]
+        return self.batch_buckets[(rank, w)][j], self.streams[(rank, w)][j]

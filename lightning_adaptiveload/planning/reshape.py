@@ -1,0 +1,157 @@
+"""Edits of one stream's batches that keep every batch within the constraints: split batches, pack
+partial batches of a bucket into fewer, take samples out; and where a stream's batches may be edited.
+
+A stream's batches up to its last lockstep (``equal``) batch keep their steps, so edits act after it
+(:func:`fixed_prefix`); packing also stays after the last batch emitted early at the buffer bound
+(:func:`pack_start`). Used by :mod:`.equalise` to give every rank the same number of steps. Pure Python.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from lightning_adaptiveload.planning.plan import Batch, Ref
+
+__all__ = [
+    "capacity",
+    "fixed_prefix",
+    "merge_batches",
+    "pack_start",
+    "split_batches",
+    "tail_samples",
+    "take",
+]
+
+
+def fixed_prefix(stream: list[Batch]) -> int:
+    """Length of the stream's prefix that must stay in place: up to its last equal (lockstep) batch."""
+    return max((j + 1 for j, bt in enumerate(stream) if bt.equal), default=0)
+
+
+def pack_start(stream: list[Batch], sizes: list[int]) -> int:
+    """Where the stream's packable batches begin: after its last lockstep batch and after its last batch
+    emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
+    its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
+    holds nothing extra.)"""
+    bound = max((j + 1 for j, bt in enumerate(stream) if bt.bound), default=0)
+    return max(fixed_prefix(stream), bound)
+
+
+def capacity(stream: list[Batch]) -> int:
+    """How many batches splitting could add: every batch down to one sample each."""
+    return sum(len(bt.refs) - 1 for bt in stream)
+
+
+def split_batches(stream: list[Batch], need: int) -> int:
+    """Add up to ``need`` batches to ``stream`` by splitting; returns how many were added.
+
+    Only the batches after the stream's last equal (lockstep) batch are split first, largest piece first
+    (latest on ties): splitting a batch shifts every later batch of the stream by one step, so earlier
+    steps must not move. Then equal batches, latest first. In independent mode no batch is "equal", so
+    the largest batches anywhere are split.
+    """
+    if need <= 0:
+        return 0
+    pieces = [1] * len(stream)
+    last_equal = max((j for j, bt in enumerate(stream) if bt.equal), default=-1)
+    heap = [(-len(bt.refs), -j) for j, bt in enumerate(stream) if j > last_equal and len(bt.refs) > 1]
+    heapq.heapify(heap)
+    equal_left = [j for j, bt in enumerate(stream) if bt.equal and len(bt.refs) > 1]
+    added = 0
+    while added < need:
+        if heap:
+            _, neg_j = heapq.heappop(heap)
+            j = -neg_j
+        elif equal_left:
+            j = equal_left.pop()
+        else:
+            break
+        pieces[j] += 1
+        added += 1
+        n = len(stream[j].refs)
+        if n > pieces[j]:
+            heapq.heappush(heap, (-math.ceil(n / pieces[j]), -j))
+    if added:
+        new: list[Batch] = []
+        for bt, k in zip(stream, pieces):
+            if k == 1:
+                new.append(bt)
+                continue
+            new.extend(Batch(bt.bucket, chunk) for chunk in _chunks(bt.refs, k))
+        stream[:] = new
+    return added
+
+
+def _chunks(refs: list[Ref], k: int) -> list[list[Ref]]:
+    """``refs`` in ``k`` consecutive runs whose sizes differ by at most one (the larger first)."""
+    n = len(refs)
+    out, start = [], 0
+    for i in range(k):
+        size = n // k + (1 if i < n % k else 0)
+        out.append(refs[start : start + size])
+        start += size
+    return out
+
+
+def take(stream: list[Batch], bucket: int, k: int, partial_only: bool, sizes: list[int]) -> list[Ref]:
+    """Remove ``k`` samples of ``bucket`` from the stream's movable batches (after its last lockstep
+    batch), last batch first; a batch left empty is dropped. Returns the refs, in file order."""
+    out: list[Ref] = []
+    first = pack_start(stream, sizes) if partial_only else fixed_prefix(stream)
+    for j in range(len(stream) - 1, first - 1, -1):
+        bt = stream[j]
+        if bt.bucket != bucket or (partial_only and len(bt.refs) >= sizes[bucket]):
+            continue
+        n = min(k - len(out), len(bt.refs))
+        out.extend(bt.refs[len(bt.refs) - n :])
+        bt.refs = bt.refs[: len(bt.refs) - n]
+        if not bt.refs:
+            del stream[j]
+        if len(out) == k:
+            break
+    return sorted(out)
+
+
+def tail_samples(stream: list[Batch], partial_only: bool, sizes: list[int]) -> dict[int, int]:
+    """Samples per bucket in the stream's movable batches (only its packable partial ones, see
+    :func:`pack_start`, if ``partial_only``)."""
+    out: dict[int, int] = {}
+    for bt in stream[pack_start(stream, sizes) if partial_only else fixed_prefix(stream) :]:
+        if bt.refs and not (partial_only and len(bt.refs) >= sizes[bt.bucket]):
+            out[bt.bucket] = out.get(bt.bucket, 0) + len(bt.refs)
+    return out
+
+
+def merge_batches(stream: list[Batch], need: int, sizes: list[int]) -> int:
+    """Remove up to ``need`` batches from ``stream`` by packing its partial batches of one bucket (from
+    :func:`pack_start` on) into fewer; returns how many were removed.
+
+    The packed batches take the places of the last ones of the bucket (file order kept), each at most
+    the bucket's batch size B, so every constraint of a batch still holds.
+    """
+    removed = 0
+    while removed < need:
+        first = pack_start(stream, sizes)
+        where: dict[int, list[int]] = {}
+        for j in range(first, len(stream)):
+            bt = stream[j]
+            if bt.refs and len(bt.refs) < sizes[bt.bucket]:
+                where.setdefault(bt.bucket, []).append(j)
+        best, spare = -1, 0
+        for b, pos in where.items():
+            n = sum(len(stream[j].refs) for j in pos)
+            s = len(pos) - (-(-n // sizes[b]))
+            if s > spare:
+                best, spare = b, s
+        if best < 0:
+            break
+        pos = where[best]
+        keep = len(pos) - min(spare, need - removed)
+        refs = [ref for j in pos for ref in stream[j].refs]
+        for j, chunk in zip(pos[len(pos) - keep :], _chunks(refs, keep)):
+            stream[j] = Batch(best, chunk)
+        for j in reversed(pos[: len(pos) - keep]):
+            del stream[j]
+        removed += len(pos) - keep
+    return removed

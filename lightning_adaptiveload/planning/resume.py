@@ -1,0 +1,118 @@
+"""Resuming an epoch: the samples an interrupted plan consumed, and the rest of a plan for another
+number of DataLoader workers.
+
+:func:`consumed_refs` gives the samples in the steps each rank took; passed as ``exclude`` to
+:func:`~.planner.plan_epoch` they let the rest of an epoch be planned for another number of ranks.
+:func:`continue_plan` continues a plan for the same ranks with another number of workers, batch for
+batch. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_adaptiveload.planning.plan import EpochPlan, Read, Ref, Stream
+
+__all__ = ["consumed_refs", "continue_plan"]
+
+
+def consumed_refs(plan: EpochPlan, steps_per_rank: Sequence[int] | int) -> set[Ref]:
+    """The sample refs in the first ``steps_per_rank[r]`` steps of every rank r (an int: the same for all)."""
+    if isinstance(steps_per_rank, int):
+        steps_per_rank = [steps_per_rank] * plan.world_size
+    if len(steps_per_rank) != plan.world_size:
+        raise ValueError(
+            f"steps_per_rank has {len(steps_per_rank)} entries but the plan has world size {plan.world_size}"
+        )
+    out: set[Ref] = set()
+    for r, k in enumerate(steps_per_rank):
+        if not 0 <= int(k) <= plan.steps:
+            raise ValueError(f"rank {r} consumed {k} steps but the plan has {plan.steps}")
+        for w, j in plan.step_order[r][: int(k)]:
+            out.update(plan.streams[(r, w)][j])
+    return out
+
+
+def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPlan:
+    """The rest of ``plan`` after ``steps_done`` steps, for the same ranks and ``num_workers`` workers.
+
+    Every rank takes exactly the batches it would have taken in the uninterrupted epoch, at the same
+    steps (so the resumed run sees the same data in the same order, and lockstep steps stay equal); the
+    remaining steps are dealt to the new workers round robin, which is the order the DataLoader takes them
+    in. A stream reads, per shard, the samples its batches need (one read per shard, opened when first
+    needed).
+
+    Args:
+        plan: the epoch's plan (same world size as now).
+        steps_done: steps every rank has consumed (0 <= steps_done <= plan.steps).
+        num_workers: DataLoader workers per rank now (0: the main process).
+
+    Returns:
+        A plan with ``steps = plan.steps - steps_done``; its report counts the remaining work.
+    """
+    if not 0 <= steps_done <= plan.steps:
+        raise ValueError(f"steps_done={steps_done} is outside 0..{plan.steps} for this plan")
+    workers = max(1, int(num_workers))
+    world = plan.world_size
+    steps = plan.steps - steps_done
+    streams: dict[Stream, list[list[Ref]]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    buckets_of: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    batch_steps: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    for r in range(world):
+        for k in range(steps):
+            w_old, j = plan.step_order[r][steps_done + k]
+            st = (r, k % workers)
+            streams[st].append(plan.streams[(r, w_old)][j])
+            buckets_of[st].append(plan.batch_buckets[(r, w_old)][j])
+            batch_steps[st].append(k)
+    reads = {st: _reads_per_shard(batches) for st, batches in streams.items()}
+    return EpochPlan(
+        world_size=world,
+        num_workers=int(num_workers),
+        seed=plan.seed,
+        epoch=plan.epoch,
+        mode=plan.mode,
+        buckets=plan.buckets,
+        streams=streams,
+        batch_buckets=buckets_of,
+        batch_steps=batch_steps,
+        reads=reads,
+        step_order=[[(k % workers, k // workers) for k in range(steps)] for _ in range(world)],
+        steps=steps,
+        global_tokens=list(plan.global_tokens[steps_done:]),
+        report=_rest_report(plan, steps_done, int(num_workers), streams, reads),
+    )
+
+
+def _reads_per_shard(batches: list[list[Ref]]) -> list[Read]:
+    """One read per shard, in order of first need, of the samples ``batches`` take from it."""
+    per_shard: dict[int, list[int]] = {}
+    for batch in batches:
+        for shard, i in batch:
+            per_shard.setdefault(shard, []).append(i)
+    return [(shard, sorted(ids)) for shard, ids in per_shard.items()]
+
+
+def _rest_report(
+    plan: EpochPlan,
+    steps_done: int,
+    num_workers: int,
+    streams: dict[Stream, list[list[Ref]]],
+    reads: dict[Stream, list[Read]],
+) -> dict:
+    """``plan.report`` with the counters of the remaining work."""
+    workers, world = max(1, num_workers), plan.world_size
+    report = dict(plan.report)
+    samples = sum(len(b) for v in streams.values() for b in v)
+    report.update(
+        num_workers=num_workers,
+        samples=samples,
+        batches=sum(len(v) for v in streams.values()),
+        steps=plan.steps - steps_done,
+        tokens=int(sum(plan.global_tokens[steps_done:])),
+        excluded=report.get("excluded", 0) + report.get("samples", 0) - samples,
+        resumed_at_step=steps_done,
+        reads=sum(len(v) for v in reads.values()),
+        samples_per_rank=[sum(len(b) for w in range(workers) for b in streams[(r, w)]) for r in range(world)],
+    )
+    return report
