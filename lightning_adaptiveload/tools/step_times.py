@@ -17,16 +17,12 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 __all__ = ["DEFAULT_PATCH", "StepTimeTable", "BatchCoster", "load_times", "tokens_per_sample"]
 
 _THW = tuple[int, int, int]
 DEFAULT_PATCH = (1, 2, 2)
-
-
-def tokens_per_sample(thw: Sequence[int], patch: Sequence[int]) -> int:
-    """Tokens of one latent of (T, H, W) = ``thw`` under the patch size ``patch`` = (pt, ph, pw)."""
-    return (int(thw[0]) // patch[0]) * (int(thw[1]) // patch[1]) * (int(thw[2]) // patch[2])
 
 
 @dataclass
