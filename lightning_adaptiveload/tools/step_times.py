@@ -19,7 +19,7 @@ import numpy as np
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-__all__ = ["DEFAULT_PATCH", "StepTimeTable", "BatchCoster", "load_times", "tokens_per_sample"]
+__all__ = ["DEFAULT_PATCH", "StepTimeTable", "BatchCoster", "load_times"]
 
 _THW = tuple[int, int, int]
 DEFAULT_PATCH = (1, 2, 2)
