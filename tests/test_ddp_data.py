@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
 
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
 
 # Uneven shard sizes: from 3 to 29 samples.
 SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]

@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
+from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
 

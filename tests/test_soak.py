@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
 
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
 
 SIZES = [13, 2, 9, 17, 5, 11, 3, 8]  # uneven, 68 samples
 

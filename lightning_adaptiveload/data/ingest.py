@@ -645,7 +645,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         self._t0 = 0.0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from lightning_adaptiveload.data.shards import ShardWriter
+        from lightning_adaptiveload.data.writer import ShardWriter
 
         rank = trainer.global_rank
         os.makedirs(self.out, exist_ok=True)
@@ -738,7 +738,7 @@ class ShardPredictionWriter(BasePredictionWriter):
 
 def write_index(out: str | os.PathLike):
     """Index every complete shard in ``out`` (headers only) and save ``<out>/index.json``; returns it."""
-    from lightning_adaptiveload.data.shards import ShardIndex
+    from lightning_adaptiveload.data.index import ShardIndex
 
     out = os.fspath(out)
     index = ShardIndex.build(_complete_shards(out), progress=False, patch_size=None, check_values=False)

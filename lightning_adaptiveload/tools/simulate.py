@@ -538,7 +538,7 @@ def _largest_remainder(p: np.ndarray, n: int) -> np.ndarray:
 
 def _mix_population(mix: Mix, num_samples: int, num_shards: int, seed: int) -> Any:
     """An in-memory ShardIndex of ``num_samples`` latent shapes in the mix's exact proportions, shuffled."""
-    from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
+    from lightning_adaptiveload.data import ShardIndex, ShardInfo
 
     counts = _largest_remainder(mix.probabilities, num_samples)
     bucket_ids = np.repeat(np.arange(len(mix.buckets)), counts)
@@ -893,7 +893,7 @@ def simulate(
     Args:
         source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.data.mixes.Mix`
             (a synthetic population is drawn from it at each world size), or a
-            :class:`~lightning_adaptiveload.data.shards.ShardIndex` or the path of an ``index.json`` (real shards,
+            :class:`~lightning_adaptiveload.data.index.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
         world_sizes: data-parallel ranks to simulate, each in 2..1024.
         modes: names from :data:`MODES`. ``equal_tokens`` is always simulated (the reference for
@@ -931,7 +931,7 @@ def simulate(
     Raises:
         ValueError: bad world size, mode, budget or source; the message names the argument and value.
     """
-    from lightning_adaptiveload.data.shards import ShardIndex
+    from lightning_adaptiveload.data import ShardIndex
     from lightning_adaptiveload.planning.planner import PlanError
 
     patch = tuple(int(v) for v in patch_size)
