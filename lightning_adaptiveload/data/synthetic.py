@@ -126,32 +126,48 @@ def write_synthetic_shards(
         return _reuse(directory, index_path, settings)
     rng = np.random.default_rng(seed)
     buckets = mix_obj.sample_buckets(rng, num_samples)
-    bar = tqdm(total=num_samples, unit="sample", desc="writing synthetic shards", disable=not progress)
+    with ShardWriter(
+        directory,
+        prefix=prefix,
+        max_samples_per_shard=None,
+        max_bytes=None,
+        patch_size=DEFAULT_PATCH,  # load_mix guarantees even H and W
+        overwrite=overwrite,
+        metadata={"synthetic": settings},
+    ) as writer:
+        _write_samples(
+            writer, rng, mix_obj, buckets, sizes, seed, text_range, text_dim, dt, key_prefix, progress
+        )
+    return writer.index
+
+
+def _write_samples(
+    writer: ShardWriter,
+    rng: np.random.Generator,
+    mix: Mix,
+    buckets: np.ndarray,
+    sizes: list[int],
+    seed: int,
+    text_range: tuple[int, int] | None,
+    text_dim: int,
+    dt: np.dtype,
+    key_prefix: str,
+    progress: bool,
+) -> None:
+    """Draw and write every sample, one shard of ``sizes`` after the other."""
+    bar = tqdm(total=sum(sizes), unit="sample", desc="writing synthetic shards", disable=not progress)
     i = 0
     try:
-        with ShardWriter(
-            directory,
-            prefix=prefix,
-            max_samples_per_shard=None,
-            max_bytes=None,
-            patch_size=DEFAULT_PATCH,  # load_mix guarantees even H and W
-            overwrite=overwrite,
-            metadata={"synthetic": settings},
-        ) as writer:
-            for size in sizes:
-                for _ in range(size):
-                    bucket = int(buckets[i])
-                    latent, text = _random_arrays(
-                        rng, mix_obj.buckets[bucket].latent_shape, text_range, text_dim, dt
-                    )
-                    meta = _sample_meta(mix_obj, bucket, seed)
-                    writer.write(f"{key_prefix}{i:08d}", latent, text=text, meta=meta)
-                    i += 1
-                    bar.update(1)
-                writer.finish_shard()
+        for size in sizes:
+            for _ in range(size):
+                bucket = int(buckets[i])
+                latent, text = _random_arrays(rng, mix.buckets[bucket].latent_shape, text_range, text_dim, dt)
+                writer.write(f"{key_prefix}{i:08d}", latent, text=text, meta=_sample_meta(mix, bucket, seed))
+                i += 1
+                bar.update(1)
+            writer.finish_shard()
     finally:
         bar.close()
-    return writer.index
 
 
 def _check_text(text_len_range: tuple[int, int] | None, text_dim: int) -> tuple[int, int] | None:
