@@ -1,10 +1,17 @@
 """The shard format's vocabulary: member names, limits, the REASONS table, ShardError, ShardInfo.
 
-Everything the reader, the index, the writer and the commands agree on lives here: the member
-extensions of a sample, the default patch size and member cap, the stable reason names of every
-problem (with what to do about it), the error that carries them, the per-shard record of the index,
-and the small patch-size rules (token count, divisibility). The layout itself is described in
-``docs/data_format.md``.
+A shard is a plain tar file in the WebDataset layout: a sample is the run of members sharing a key
+(the member name up to its first dot; keys contain no dots):
+
+- ``<key>.latent.npy``: the VAE latent (C, T, H, W), float16 or float32; required;
+- ``<key>.text.npy``: text-encoder states (L, D_text), float16 or float32; optional;
+- ``<key>.json``: metadata, a JSON object; optional.
+
+Everything the scan, reader, index, writer and commands agree on lives here: those member names, the
+default patch size and member cap, the stable reason names of every problem (with what to do about
+it), the :class:`ShardError` that carries them, the per-shard record of the index
+(:class:`ShardInfo`), and the patch-size rules (token count, divisibility). See
+``docs/data_format.md`` and ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -163,9 +170,6 @@ def divisibility_problem(shape: Sequence[int], patch_size: Sequence[int]) -> str
     if not bad:
         return None
     return f"latent shape {list(shape)} is not divisible by patch size {list(patch_size)} ({', '.join(bad)})"
-
-
-# ----------------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -3,6 +3,11 @@
 :func:`scan_shard` walks one tar in file order and yields each sample's members (checked: key rules,
 size caps, ``.npy`` headers, dtypes, shapes, patch divisibility, finiteness), the members it ignored,
 and tar-level damage, reading only what the caller asks for per sample (skip, headers, or data).
+
+Untrusted data: nothing is ever unpickled. Members with pickle extensions (``.pth``, ``.pt``, ``.pyd``,
+``.pkl``, ``.pickle``, ``.ckpt``) are refused without being read, object dtypes are refused, and no size
+a member claims is allocated before it was checked (:mod:`lightning_adaptiveload.data.untrusted`;
+threat model in ``docs/reliability.md``).
 """
 
 from __future__ import annotations
