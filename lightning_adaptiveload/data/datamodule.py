@@ -134,7 +134,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
         pin_memory: DataLoader ``pin_memory``.
         max_member_bytes: the largest shard member read, in bytes; a larger claim is refused
-            (``member_too_large``) before anything is allocated. None: ``shards.MAX_MEMBER_BYTES`` (1 GiB).
+            (``member_too_large``) before anything is allocated. None: ``data.format.MAX_MEMBER_BYTES`` (1 GiB).
         index_allow_schemes: URL schemes the shard paths in an ``index.json`` may name (e.g.
             ``["https"]``); by default an index names files in its own folder only, never ``pipe:``
             (a ``pipe:`` source is taken only from ``train_shards``/``val_shards`` themselves).

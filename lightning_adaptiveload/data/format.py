@@ -20,6 +20,27 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "DEFAULT_PATCH",
+    "IGNORED_REASONS",
+    "INDEX_NAME",
+    "INDEX_VERSION",
+    "LATENT_EXT",
+    "MAX_MEMBER_BYTES",
+    "MEMBER_REASONS",
+    "META_EXT",
+    "PICKLE_SUFFIXES",
+    "PatchSize",
+    "REASONS",
+    "ShardError",
+    "ShardInfo",
+    "TEXT_EXT",
+    "check_on_error",
+    "check_patch",
+    "divisibility_problem",
+    "patch_tokens",
+]
+
 INDEX_NAME = "index.json"
 INDEX_VERSION = 1
 

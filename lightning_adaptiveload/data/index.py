@@ -55,6 +55,8 @@ from lightning_adaptiveload.data.untrusted import (
     load_json,
 )
 
+__all__ = ["ShardIndex"]
+
 log = logging.getLogger(__name__)
 
 

@@ -26,6 +26,16 @@ from lightning_adaptiveload.data.untrusted import (
     check_index_path,
 )
 
+__all__ = [
+    "IndexProblem",
+    "MAX_DIM",
+    "describe",
+    "int_list",
+    "is_int",
+    "read_index_bytes",
+    "shard_info_from_json",
+]
+
 MAX_DIM = (1 << 31) - 1  # no latent dimension or text length is larger; bigger numbers are damage
 
 

@@ -37,6 +37,8 @@ from lightning_adaptiveload.data.scan import (
 if TYPE_CHECKING:  # the index calls this module; only its type is needed here
     from lightning_adaptiveload.data.index import ShardIndex
 
+__all__ = ["apply_patch_check", "check_cross_duplicates", "index_shards", "report_skips"]
+
 log = logging.getLogger(__name__)
 
 

@@ -20,6 +20,16 @@ from lightning_adaptiveload.data.untrusted import (
     parse_npy_header,
 )
 
+__all__ = [
+    "Npy",
+    "NpyError",
+    "count_non_finite",
+    "dtype_problem",
+    "flat_array",
+    "read_npy_header",
+    "to_tensor",
+]
+
 
 class NpyError(Exception):
     """A malformed .npy member (never escapes this module)."""

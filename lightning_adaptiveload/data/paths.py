@@ -14,6 +14,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 
+__all__ = ["close_quietly", "expand_paths", "is_url", "norm_path", "open_regular", "open_shard"]
+
 log = logging.getLogger(__name__)
 
 

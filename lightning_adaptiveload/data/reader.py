@@ -39,6 +39,8 @@ from lightning_adaptiveload.data.scan import (
     scan_shard,
 )
 
+__all__ = ["iter_shard"]
+
 log = logging.getLogger(__name__)
 
 

@@ -47,6 +47,20 @@ from lightning_adaptiveload.data.untrusted import (
     load_json,
 )
 
+__all__ = [
+    "DATA",
+    "HEADERS",
+    "SKIP",
+    "FileSource",
+    "Group",
+    "Ignored",
+    "STREAM_CHUNK",
+    "ShardProblem",
+    "StreamSource",
+    "open_source",
+    "scan_shard",
+]
+
 STREAM_CHUNK = 1 << 22  # bytes read at a time from a stream
 _READS_AT_END = 64  # reads that may return nothing before the stream counts as cut short
 

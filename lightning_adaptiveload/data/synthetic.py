@@ -23,6 +23,8 @@ from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.writer import ShardWriter
 
+__all__ = ["write_synthetic_shards"]
+
 log = logging.getLogger(__name__)
 
 

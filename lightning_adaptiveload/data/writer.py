@@ -31,6 +31,8 @@ from lightning_adaptiveload.data.untrusted import (
     key_problem,
 )
 
+__all__ = ["ShardWriter"]
+
 log = logging.getLogger(__name__)
 
 
