@@ -54,6 +54,12 @@ def _print_bucket_table(index: ShardIndex, patch: Sequence[int], mix: Mix | None
         print(line + f" {n * patch_tokens(shape, patch):>12}", file=out)
 
 
+def _add_patch_size(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--patch-size", type=int, nargs=3, default=DEFAULT_PATCH, metavar=("PT", "PH", "PW"), help=help
+    )
+
+
 def synth_parser() -> argparse.ArgumentParser:
     """The arguments of ``lightning-adaptiveload synth``."""
     parser = argparse.ArgumentParser(
@@ -79,14 +85,7 @@ def synth_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", choices=("float16", "float32"), default="float16", help="array dtype (float16)"
     )
-    parser.add_argument(
-        "--patch-size",
-        type=int,
-        nargs=3,
-        default=DEFAULT_PATCH,
-        metavar=("PT", "PH", "PW"),
-        help="patch size used for the token counts in the summary",
-    )
+    _add_patch_size(parser, "patch size used for the token counts in the summary")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace shards written with other settings in --out"
     )
@@ -146,14 +145,7 @@ def index_parser() -> argparse.ArgumentParser:
         description="Build or verify index.json for WebDataset latent shards.",
     )
     parser.add_argument("paths", nargs="+", help="shard paths, URLs, brace patterns or directories")
-    parser.add_argument(
-        "--patch-size",
-        type=int,
-        nargs=3,
-        default=DEFAULT_PATCH,
-        metavar=("PT", "PH", "PW"),
-        help="the model's patch size; latents must be divisible by it (default: 1 2 2)",
-    )
+    _add_patch_size(parser, "the model's patch size; latents must be divisible by it (default: 1 2 2)")
     parser.add_argument(
         "--on-error",
         choices=("raise", "skip"),
