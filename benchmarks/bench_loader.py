@@ -197,7 +197,7 @@ def bench_plan(mix: Mix, sizes: list[tuple[int, int, int]], max_tokens: int) -> 
 def bench_step_overhead(mix: Mix, n: int) -> dict:
     """Per-batch cost of a worker's stream loop with reading and collating replaced by no-ops."""
     import lightning_adaptiveload.data.datamodule as dmod
-    import lightning_adaptiveload.data.shards as shards_mod
+    import lightning_adaptiveload.data.stream as stream_mod
 
     index_shapes = synthetic_index(mix, n, 100)
 
@@ -217,9 +217,9 @@ def bench_step_overhead(mix: Mix, n: int) -> dict:
             yield {"__ref__": (shard_id, i)}
 
     results = {}
-    real_iter, real_collate = shards_mod.iter_shard, dmod.collate
-    shards_mod.iter_shard = fake_iter_shard
-    dmod.collate = lambda members, *a, **k: {"n": len(members)}
+    real_iter, real_collate = stream_mod.iter_shard, stream_mod.collate
+    stream_mod.iter_shard = fake_iter_shard
+    stream_mod.collate = lambda members, *a, **k: {"n": len(members)}
     try:
         for schedule in ("independent", "lockstep"):
             ds = dmod.PlannedShardDataset(_Index(), DualConstraintBatcher(32760), schedule=schedule)
@@ -228,7 +228,7 @@ def bench_step_overhead(mix: Mix, n: int) -> dict:
             steps = sum(1 for _ in ds._stream(ds.plan, (0, 0)))
             results[schedule] = {"batches": steps, "us_per_batch": 1e6 * (time.perf_counter() - t0) / steps}
     finally:
-        shards_mod.iter_shard, dmod.collate = real_iter, real_collate
+        stream_mod.iter_shard, stream_mod.collate = real_iter, real_collate
     return results
 
 
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.data import write_synthetic_shards
 
     mix = scaled_mix(args.mix, args.scale)
     max_tokens = max(b.tokens_for((1, 2, 2)) for b in mix.buckets)

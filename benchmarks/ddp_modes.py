@@ -60,7 +60,7 @@ def _samples_needed(steps: int, world: int, max_tokens: int, mix_name: str) -> i
 
 def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: int) -> str:
     """Write (or reuse) synthetic shards; returns the index path."""
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.data import write_synthetic_shards
 
     index = write_synthetic_shards(
         data_dir,

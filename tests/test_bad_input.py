@@ -13,9 +13,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
 
-LOGGER = "lightning_adaptiveload.data.shards"
+LOGGER = "lightning_adaptiveload.data"  # parent of the shard I/O modules' loggers
 
 
 def _npy(arr: np.ndarray, allow_pickle: bool = False) -> bytes:

@@ -192,7 +192,7 @@ def _npy(data: bytes) -> np.ndarray:
 def test_batcher_is_a_webdataset_pipeline_stage(tmp_path):
     import webdataset as wds
 
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.data import write_synthetic_shards
 
     index = write_synthetic_shards(
         str(tmp_path), mix="tiny", num_samples=60, samples_per_shard=20, seed=1, progress=False

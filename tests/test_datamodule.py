@@ -10,12 +10,12 @@ import tarfile
 import pytest
 import torch
 
+from lightning_adaptiveload.data import ShardError, ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.data.shards import ShardError, ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 

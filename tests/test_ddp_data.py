@@ -6,7 +6,6 @@ that one launch runs several fits; one test also uses Lightning's own ``ddp_spaw
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
@@ -15,8 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
 
 # Uneven shard sizes: from 3 to 29 samples.
 SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]
@@ -24,26 +22,16 @@ SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("ddp-shards"))
-    write_synthetic_shards(
-        d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=3, progress=False
-    )
-    return d
-
-
-def all_keys(data: str) -> list[str]:
-    return [k for s in ShardIndex.load(os.path.join(data, "index.json")).shards for k in s.keys]
+    return uneven_shards(tmp_path_factory, "ddp-shards", SIZES, seed=3)
 
 
 def check_epochs(rows: list[list[dict]], keys: list[str], epochs: range, lockstep: bool) -> None:
     world = len(rows)
     for epoch in epochs:
-        per_rank = [[r for r in rank_rows if r["epoch"] == epoch] for rank_rows in rows]
+        per_rank = epoch_rows(rows, epoch)
         steps = [len(x) for x in per_rank]
         assert len(set(steps)) == 1 and steps[0] > 0, f"epoch {epoch}: unequal step counts {steps}"
-        seen = collections.Counter(k for x in per_rank for r in x for k in r["keys"])
-        assert sorted(seen) == sorted(keys), f"epoch {epoch}: missing {set(keys) - set(seen)}"
-        assert max(seen.values()) == 1, f"epoch {epoch}: repeated {[k for k, n in seen.items() if n > 1]}"
+        assert_each_key_once(per_rank, keys, f"epoch {epoch}")
         for k in range(steps[0]):
             at = [x[k] for x in per_rank]
             assert len({r["step"] for r in at}) == 1, "ranks are at different plan steps"
@@ -66,7 +54,7 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
     ]
     out = str(tmp_path)
     launch({"data": shards, "out": out, "world": 2, "runs": runs}, out, timeout=220)
-    keys = all_keys(shards)
+    keys = index_keys(shards)
     for run in runs:
         rows = read_records(out, run["name"], 2)
         check_epochs(rows, keys, range(2), lockstep=run["schedule"] == "lockstep")
@@ -98,4 +86,4 @@ def test_ddp_spawn_two_ranks(shards, tmp_path):
     model = KeyRecorder(base + ".rank{}.jsonl")
     trainer.fit(model, datamodule=dm)
     rows = [[json.loads(line) for line in open(base + f".rank{r}.jsonl")] for r in range(2)]
-    check_epochs(rows, all_keys(shards), range(1), lockstep=True)
+    check_epochs(rows, index_keys(shards), range(1), lockstep=True)

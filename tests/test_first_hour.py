@@ -173,7 +173,9 @@ def test_unknown_nested_key_suggests_the_nearest(tmp_path, capsys, old, new, hin
 
 
 def test_mistyped_command_lists_the_tool_commands(capsys, monkeypatch):
-    monkeypatch.setitem(cli.COMMANDS, "ingest", ("lightning_adaptiveload.data.shards", "index_main", "a new tool"))
+    monkeypatch.setitem(
+        cli.COMMANDS, "ingest", ("lightning_adaptiveload.cli.data", "index_main", "a new tool")
+    )
     assert cli.main(["simulte"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'simulate'?" in err
@@ -193,7 +195,7 @@ def test_channel_mismatch_is_named():
 
 
 def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
-    from lightning_adaptiveload.data.shards import ShardError, ShardIndex
+    from lightning_adaptiveload.data import ShardError, ShardIndex
 
     path = _dotted_shard(tmp_path)
     with pytest.raises(ShardError, match="keys cannot contain dots") as err:
@@ -205,8 +207,8 @@ def test_oversize_in_a_library_fit_is_the_error_raised(tmp_path):
     # Without the CLI: the oversize error is raised by setup, not masked by Lightning's teardown.
     import lightning as L
 
+    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
@@ -223,8 +225,8 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     import lightning as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)

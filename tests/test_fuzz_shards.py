@@ -26,7 +26,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
 
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,13 +98,15 @@ class _Untraced:
 
 @pytest.fixture()
 def watch(tmp_path):
-    logging.getLogger("lightning_adaptiveload.data.shards").disabled = True  # thousands of skip warnings
+    data_log = logging.getLogger("lightning_adaptiveload.data")  # the shard I/O modules log under it
+    level = data_log.level
+    data_log.setLevel(logging.ERROR)  # thousands of skip warnings
     _WATCH.update(on=True, root=os.path.realpath(tmp_path), pipes=False, seen=[], memory=_Memory())
     try:
         yield _WATCH
     finally:
         _WATCH["on"] = False
-        logging.getLogger("lightning_adaptiveload.data.shards").disabled = False
+        data_log.setLevel(level)
     memory = _WATCH["memory"]
     assert not _WATCH["seen"], f"touched outside the test folder: {_WATCH['seen'][:5]}"
     assert memory.cases > 100 and memory.peak < 64 * MiB, f"peak traced memory {memory.peak / MiB:.0f} MiB"

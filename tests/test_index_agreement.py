@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, _index_disagreement
-from lightning_adaptiveload.data.shards import write_synthetic_shards
+from lightning_adaptiveload.data import write_synthetic_shards
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.data.index_agreement import index_disagreement
 
 
 def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], out_dir: str) -> None:
@@ -69,7 +70,7 @@ def test_ranks_with_different_indexes_fail_naming_what_differs(tmp_path):
 
 def test_disagreement_names_each_differing_index_only():
     a, b = [2.0, 20.0, 1.0, 2.0], [2.0, 20.0, 1.0, 3.0]
-    assert _index_disagreement(["train"], [a, a]) is None
-    msg = _index_disagreement(["train", "validation"], [a + a, a + b])
+    assert index_disagreement(["train"], [a, a]) is None
+    msg = index_disagreement(["train", "validation"], [a + a, a + b])
     assert msg is not None and "validation index differs" in msg and "train" not in msg
     assert "rank 1: 2 shards, 20 samples, fingerprint 0000000100000003" in msg

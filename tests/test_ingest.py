@@ -19,8 +19,8 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from lightning_adaptiveload.data import ShardIndex, iter_shard  # noqa: E402
 from lightning_adaptiveload.data import ingest as ing  # noqa: E402
-from lightning_adaptiveload.data.shards import ShardIndex, iter_shard  # noqa: E402
 
 Z = 4  # latent channels of the tiny VAE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,12 +11,13 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
+from lightning_adaptiveload.cli.data import index_main
+from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.data.shards import ShardIndex, index_main, write_synthetic_shards
 from lightning_adaptiveload.planning.batching import collate
 
 

@@ -16,10 +16,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
+from _fixtures import assert_each_key_once, index_keys, resumed_run, uneven_shards  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
+from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
 
@@ -28,15 +29,7 @@ SIZES = [21, 4, 15, 9, 30, 7, 12, 18]
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("resume-shards"))
-    write_synthetic_shards(
-        d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
-    )
-    return d
-
-
-def keys_of(data: str) -> list[str]:
-    return [k for s in ShardIndex.load(os.path.join(data, "index.json")).shards for k in s.keys]
+    return uneven_shards(tmp_path_factory, "resume-shards", SIZES, seed=5)
 
 
 def make_dm(
@@ -68,7 +61,7 @@ def take(dm: AdaptiveLoadDataModule, n: int | None, monkeypatch, rank: int, worl
     ("world", "new_world", "workers", "new_workers"), [(2, 2, 0, 2), (2, 3, 2, 0), (3, 1, 0, 0)]
 )
 def test_resume_without_trainer(shards, monkeypatch, schedule, world, new_world, workers, new_workers):
-    keys = keys_of(shards)
+    keys = index_keys(shards)
     dms = [make_dm(shards, r, world, workers, schedule, monkeypatch) for r in range(world)]
     firsts = [take(dm, 3, monkeypatch, r, world) for r, dm in enumerate(dms)]
     steps = dms[0].epoch_report["steps"]
@@ -90,7 +83,7 @@ def test_resume_without_trainer(shards, monkeypatch, schedule, world, new_world,
 
 @pytest.mark.timeout(120)
 def test_resume_twice_in_one_epoch(shards, monkeypatch):
-    keys = keys_of(shards)
+    keys = index_keys(shards)
     dm = make_dm(shards, 0, 1, 0, "independent", monkeypatch)
     first = take(dm, 2, monkeypatch, 0, 1)
     state = dm.state_dict()
@@ -116,7 +109,7 @@ def test_resume_state_of_finished_epoch_starts_next_epoch_afresh(shards, monkeyp
     dm2.load_state_dict(state)
     assert take(dm2, None, monkeypatch, 0, 1) == []  # epoch 0 again: nothing left
     nxt = take(dm2, None, monkeypatch, 0, 1)  # epoch 1: everything
-    assert sorted(k for b in nxt for k in b) == sorted(keys_of(shards))
+    assert sorted(k for b in nxt for k in b) == sorted(index_keys(shards))
 
 
 def test_resume_rejects_other_data(shards, tmp_path, monkeypatch):
@@ -186,18 +179,9 @@ def test_ddp_kill_and_resume_with_other_worker_count(shards, tmp_path):
     for run, k, workers in ((runs[0], k_a, 0), (runs[1], k_b, 2), (runs[2], k_c, 2)):
         ckpt = glob.glob(os.path.join(out, f"{run['name']}-ckpt", f"at-{k}.ckpt"))
         assert ckpt, os.listdir(os.path.join(out, f"{run['name']}-ckpt"))
-        resumes.append(
-            {
-                **run,
-                "name": run["name"] + "-resumed",
-                "num_workers": workers,
-                "kill_at": None,
-                "ckpt_every": None,
-                "resume": ckpt[0],
-            }
-        )
+        resumes.append(resumed_run(run, ckpt[0], run["name"] + "-resumed", workers))
     launch({"data": shards, "out": out, "world": 2, "runs": resumes}, out, timeout=140)
-    keys = keys_of(shards)
+    keys = index_keys(shards)
     for run, k in ((runs[0], k_a), (runs[1], k_b), (runs[2], k_c)):
         before = read_records(out, run["name"], 2)
         after = read_records(out, run["name"] + "-resumed", 2)
@@ -209,8 +193,6 @@ def test_ddp_kill_and_resume_with_other_worker_count(shards, tmp_path):
                 for x in range(2)
             ]
             assert len(rows[0]) == len(rows[1]), f"{run['name']} epoch {epoch}: unequal steps"
-            seen = collections.Counter(key for x in rows for r in x for key in r["keys"])
-            assert sorted(seen) == sorted(keys), f"{run['name']} epoch {epoch}: missing samples"
-            assert max(seen.values()) == 1, f"{run['name']} epoch {epoch}: repeated samples"
+            assert_each_key_once(rows, keys, f"{run['name']} epoch {epoch}")
         # The resumed run starts at the checkpoint's global step: nothing in flight was repeated.
         assert min(r["global_step"] for r in after[0]) == k

@@ -1,4 +1,4 @@
-"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.data.shards / .mixes)."""
+"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.data: writer, reader, index, synthetic, mixes)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.data import shards as shards_mod
-from lightning_adaptiveload.data.mixes import available_mixes, load_mix
-from lightning_adaptiveload.data.shards import (
+from lightning_adaptiveload.cli.data import index_main, synth_main
+from lightning_adaptiveload.data import (
     ShardError,
     ShardIndex,
     ShardWriter,
     expand_paths,
-    index_main,
     iter_shard,
-    synth_main,
     write_synthetic_shards,
 )
+from lightning_adaptiveload.data import indexing as indexing_mod
+from lightning_adaptiveload.data import reader as reader_mod
+from lightning_adaptiveload.data.mixes import available_mixes, load_mix
 
 GNU_TAR = shutil.which("tar")
 
@@ -379,8 +379,8 @@ def test_index_load_errors_name_the_file_and_entry(tmp_path, content, match):
 def test_for_paths_uses_the_index_without_reading_shards(tmp_path, monkeypatch):
     written = _write(tmp_path, _samples(), max_samples_per_shard=3)
     calls = []
-    real = shards_mod._index_one
-    monkeypatch.setattr(shards_mod, "_index_one", lambda p, *a: calls.append(p) or real(p, *a))
+    real = indexing_mod._index_one
+    monkeypatch.setattr(indexing_mod, "_index_one", lambda p, *a: calls.append(p) or real(p, *a))
     for given in (
         tmp_path,
         str(tmp_path / "shard-{000000..000002}.tar"),
@@ -410,15 +410,15 @@ def test_for_paths_builds_with_the_requested_checks(tmp_path):
     data["values_checked"] = False  # e.g. made with `index --no-check-values`
     (tmp_path / "index.json").write_text(json.dumps(data))
     calls = []
-    real = shards_mod._index_one
+    real = indexing_mod._index_one
     try:
-        shards_mod._index_one = lambda p, *a: calls.append(p) or real(p, *a)
+        indexing_mod._index_one = lambda p, *a: calls.append(p) or real(p, *a)
         ShardIndex.for_paths(tmp_path, progress=False, check_values=False)
         assert calls == []
         ShardIndex.for_paths(tmp_path, progress=False, check_values=True)
         assert len(calls) == 1
     finally:
-        shards_mod._index_one = real
+        indexing_mod._index_one = real
 
 
 def test_expand_paths(tmp_path):
@@ -467,8 +467,8 @@ def test_iter_shard_select_with_and_without_keys(tmp_path):
 def test_iter_shard_select_skips_decoding_of_others(tmp_path, monkeypatch):
     index = _write(tmp_path, _samples())
     decoded = []
-    real = shards_mod._to_tensor
-    monkeypatch.setattr(shards_mod, "_to_tensor", lambda npy: decoded.append(npy.member) or real(npy))
+    real = reader_mod.to_tensor
+    monkeypatch.setattr(reader_mod, "to_tensor", lambda npy: decoded.append(npy.member) or real(npy))
     list(iter_shard(index.shards[0], 0, select={2}))
     assert decoded == ["k002.latent.npy", "k002.text.npy"]
 
@@ -509,7 +509,7 @@ def test_http_shards_use_the_index_beside_them(tmp_path, monkeypatch):
     try:
         base = f"http://127.0.0.1:{server.server_port}"
         monkeypatch.setattr(
-            shards_mod, "_index_one", lambda *a: pytest.fail("should use the remote index.json")
+            indexing_mod, "_index_one", lambda *a: pytest.fail("should use the remote index.json")
         )
         index = ShardIndex.for_paths(base + "/shard-{000000..000001}.tar", progress=False)
         assert index.paths == [f"{base}/shard-000000.tar", f"{base}/shard-000001.tar"]

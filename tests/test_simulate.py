@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.cli.simulate import main
-from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
+from lightning_adaptiveload.data import ShardIndex, ShardInfo
 from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan

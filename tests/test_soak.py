@@ -9,7 +9,6 @@ epochs each) is marked ``slow``:
 
 from __future__ import annotations
 
-import collections
 import glob
 import os
 import sys
@@ -18,36 +17,27 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-
-from lightning_adaptiveload.data.shards import ShardIndex, write_synthetic_shards  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys, resumed_run, uneven_shards  # noqa: E402
 
 SIZES = [13, 2, 9, 17, 5, 11, 3, 8]  # uneven, 68 samples
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("soak-shards"))
-    write_synthetic_shards(
-        d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=11, progress=False
-    )
-    return d
+    return uneven_shards(tmp_path_factory, "soak-shards", SIZES, seed=11)
 
 
 def _check(rows_by_rank: list[list[dict]], keys: list[str], epochs: int, label: str) -> None:
     for epoch in range(epochs):
-        per = [[r for r in rows if r["epoch"] == epoch] for rows in rows_by_rank]
+        per = epoch_rows(rows_by_rank, epoch)
         assert len({len(x) for x in per}) == 1 and per[0], (
             f"{label} epoch {epoch}: steps {[len(x) for x in per]}"
         )
-        seen = collections.Counter(k for x in per for r in x for k in r["keys"])
-        assert sorted(seen) == sorted(keys), (
-            f"{label} epoch {epoch}: missing {sorted(set(keys) - set(seen))[:5]}"
-        )
-        assert max(seen.values()) == 1, f"{label} epoch {epoch}: repeated"
+        assert_each_key_once(per, keys, f"{label} epoch {epoch}")
 
 
 def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: float) -> None:
-    keys = [k for s in ShardIndex.load(os.path.join(shards, "index.json")).shards for k in s.keys]
+    keys = index_keys(shards)
     runs = []
     for schedule in ("independent", "lockstep"):
         for workers in (0, 2):
@@ -73,16 +63,7 @@ def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: 
         assert os.path.exists(os.path.join(out, run["name"] + ".crashed")), run["name"]
         ckpt = glob.glob(os.path.join(out, run["name"] + "-ckpt", f"at-{run['ckpt_every']}.ckpt"))
         assert ckpt
-        resumed.append(
-            {
-                **run,
-                "name": run["name"] + "-b",
-                "num_workers": 2 - run["num_workers"],
-                "kill_at": None,
-                "ckpt_every": None,
-                "resume": ckpt[0],
-            }
-        )
+        resumed.append(resumed_run(run, ckpt[0], run["name"] + "-b", 2 - run["num_workers"]))
     launch({"data": shards, "out": out, "world": world, "runs": resumed}, out, timeout=timeout)
     for run in runs:
         before = read_records(out, run["name"], world)

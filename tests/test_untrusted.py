@@ -15,10 +15,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import untrusted
-from lightning_adaptiveload.data.shards import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard, untrusted
 
-LOGGER = "lightning_adaptiveload.data.shards"
+LOGGER = "lightning_adaptiveload.data"  # parent of the shard I/O modules' loggers
 MiB = 1 << 20
 GNU_TAR = shutil.which("tar")
 

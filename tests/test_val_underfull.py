@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
 
-from lightning_adaptiveload.data.shards import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.planning.plan import PlanError  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "_ddp_val_runner.py")

@@ -136,7 +136,7 @@ def test_compiled_module_under_default_monitor_compiles(tmp_path):
 
 def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
     from lightning_adaptiveload.cli import main as cli
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,12 @@
-"""Shard I/O (pure: format, reader, index, writer, synthetic data, mixes) and the DataModule that adapts it to Lightning."""
+"""Shard I/O (pure: format, reader, index, writer, synthetic data, mixes, the planned loader) and the
+DataModule that adapts it to Lightning.
+
+Pure (no Lightning): ``format`` (names, limits, REASONS, ShardError, ShardInfo), ``paths``, ``npy``,
+``scan`` (the checking tar scan), ``reader`` (iter_shard), ``index_file`` / ``index`` / ``indexing``
+(ShardIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``stream`` (a plan's
+stream into batches), ``loader`` (PlannedShardDataset, PlannedDataLoader), ``resume``,
+``index_agreement``. Lightning adapters: ``datamodule``, ``ingest``.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +16,22 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "AdaptiveLoadDataModule": "datamodule",
+        "INDEX_NAME": "format",
+        "MAX_MEMBER_BYTES": "format",
         "Mix": "mixes",
-        "ShardError": "shards",
-        "ShardIndex": "shards",
-        "ShardInfo": "shards",
-        "ShardWriter": "shards",
+        "PlannedDataLoader": "loader",
+        "PlannedShardDataset": "loader",
+        "REASONS": "format",
+        "ShardError": "format",
+        "ShardIndex": "index",
+        "ShardInfo": "format",
+        "ShardWriter": "writer",
+        "apply_sample_transform": "stream",
         "available_mixes": "mixes",
-        "expand_paths": "shards",
-        "iter_shard": "shards",
+        "expand_paths": "paths",
+        "iter_shard": "reader",
         "load_mix": "mixes",
-        "write_synthetic_shards": "shards",
+        "stream_batches": "stream",
+        "write_synthetic_shards": "synthetic",
     },
 )

@@ -17,53 +17,24 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data.shards import MEMBER_REASONS
-from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate
-from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.data.index_agreement import check_indexes_agree
+from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset
+from lightning_adaptiveload.data.resume import STATE_VERSION, check_state_version, resume_plan
+from lightning_adaptiveload.data.stream import apply_sample_transform
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
-from lightning_adaptiveload.planning.planner import plan_epoch
-from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
 log = logging.getLogger(__name__)
-
-_STATE_VERSION = 1
-# iter_shard's counts of members ignored or refused (not samples skipped).
-_NOT_SKIPS = MEMBER_REASONS
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def _empty_batch(
-    shape: Sequence[int], seq_len: int, cost_model: CostModel, global_tokens: int
-) -> dict[str, Any]:
-    """A batch of 0 samples of ``shape``: every planned member was skipped at read time (on_error='skip')."""
-    return {
-        "latents": torch.zeros((0, *shape), dtype=torch.float32),
-        "text": None,
-        "text_mask": None,
-        "keys": [],
-        "meta": [],
-        "seq_len": int(seq_len),
-        "batch_size": 0,
-        "num_tokens": 0,
-        "cost": 0.0 * cost_model.cost(seq_len),
-        "global_tokens": int(global_tokens),
-    }
 
 
 _SYNTHETIC_EXTRA = ("val_num_samples",)
@@ -76,7 +47,7 @@ def _check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
     import difflib
     import inspect
 
-    from lightning_adaptiveload.data.shards import write_synthetic_shards
+    from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
     params = inspect.signature(write_synthetic_shards).parameters
     valid = [n for n in params if n not in _SYNTHETIC_FIXED] + list(_SYNTHETIC_EXTRA)
@@ -110,7 +81,7 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
 
 def _index_folder(shards: str | list[str]) -> str | None:
     """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
-    from lightning_adaptiveload.data.shards import expand_paths
+    from lightning_adaptiveload.data.paths import expand_paths
 
     if isinstance(shards, str) and shards.endswith(".json"):
         return None
@@ -124,447 +95,6 @@ def _index_folder(shards: str | list[str]) -> str | None:
     return folders.pop()
 
 
-def apply_sample_transform(
-    transform: Callable[[dict[str, Any]], dict[str, Any]],
-    sample: Mapping[str, Any],
-    patch_size: Sequence[int] = (1, 2, 2),
-) -> dict[str, Any]:
-    """Run a user's per-sample transform and check that it kept the planned shape.
-
-    The plan fixed every batch's latent shape and token count from the index before any sample was read,
-    so a transform may change values (flip, crop-and-resize back, drop the caption) but not the latent's
-    shape.
-
-    Args:
-        transform: ``f(sample) -> sample``; it gets ``{"__key__": str, "latent": Tensor (C, T, H, W),
-            "text": Tensor (L, D) | None, "meta": dict | None}`` (a copy of the dict; the tensors are the
-            sample's own, so clone before changing them in place) and returns a dict of the same form. The
-            text may change length (e.g. ``None`` for caption dropout).
-        sample: a decoded sample (``iter_shard``'s dict).
-        patch_size: (pt, ph, pw), for the token count named in the error.
-
-    Returns:
-        The transformed sample, with the reader's bookkeeping keys kept.
-
-    Raises:
-        ValueError: the transform returned no dict, or a latent of another shape (names the key).
-    """
-    from lightning_adaptiveload.planning.batching import sample_fields
-
-    key, latent, text, meta, ref = sample_fields(sample)
-    out = transform({"__key__": key, "latent": latent, "text": text, "meta": meta})
-    name = getattr(transform, "__qualname__", type(transform).__name__)
-    if not isinstance(out, Mapping) or "latent" not in out:
-        raise ValueError(
-            f"sample_transform {name} returned {type(out).__name__} for sample {key!r}; it must return the "
-            "sample dict with 'latent' (and 'text', 'meta') set"
-        )
-    new = out["latent"]
-    if not torch.is_tensor(new) or tuple(new.shape) != tuple(latent.shape):
-        shape = list(new.shape) if hasattr(new, "shape") else type(new).__name__
-        before = tokens_per_sample(tuple(latent.shape), patch_size)
-        raise ValueError(
-            f"sample_transform {name} changed sample {key!r}'s latent from {list(latent.shape)} "
-            f"({before} tokens) to {shape}; the batch plan fixed the shape from the index: keep the latent's "
-            "shape (crop and resize back, or write shards of the new size and re-index)"
-        )
-    result = dict(out)
-    result["__key__"] = key
-    if ref is not None:
-        result["__ref__"] = ref
-    return result
-
-
-class PlannedShardDataset(IterableDataset):
-    """The per-rank streaming dataset: yields the batches the plan gives this rank's worker streams.
-
-    The plan is made in the main process by :meth:`begin_epoch` (the :class:`PlannedDataLoader` calls
-    it in ``__iter__``, before it starts workers); ``__iter__`` then runs in each worker (or the main
-    process with 0 workers) and streams that worker's reads.
-
-    Args:
-        index: the ``ShardIndex`` of the shards.
-        batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
-        schedule: ``"independent"`` or ``"lockstep"``.
-        seed: shard-order seed.
-        num_workers: DataLoader workers per rank the plan is made for.
-        on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
-        max_buffered_samples: see :func:`plan_epoch`.
-        lockstep_tolerance: see :func:`plan_epoch`.
-        fixed_epoch: plan this epoch number every time (validation), or None.
-        max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
-        underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
-        sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
-            collation (see :func:`apply_sample_transform`); None: none.
-        text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
-    """
-
-    def __init__(
-        self,
-        index: Any,
-        batcher: DualConstraintBatcher,
-        schedule: str = "independent",
-        seed: int = 0,
-        num_workers: int = 0,
-        on_error: str = "raise",
-        max_buffered_samples: int | None = None,
-        lockstep_tolerance: float = 0.05,
-        fixed_epoch: int | None = None,
-        max_member_bytes: int | None = None,
-        underfull: str = "error",
-        sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-        text_pad_to: int | None = None,
-    ) -> None:
-        super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.max_member_bytes = max_member_bytes
-        self.index = index
-        self.batcher = batcher
-        self.schedule = schedule
-        self.seed = int(seed)
-        self.num_workers = int(num_workers)
-        self.on_error = on_error
-        self.max_buffered_samples = max_buffered_samples
-        self.lockstep_tolerance = float(lockstep_tolerance)
-        self.fixed_epoch = fixed_epoch
-        self.underfull = underfull
-        self.sample_transform = sample_transform
-        self.text_pad_to = text_pad_to
-        self.rank, self.world_size = 0, 1
-        self.plan: EpochPlan | None = None
-        self.epoch: int | None = None
-        self.report: dict[str, Any] = {}
-        self.fingerprint = index_fingerprint(index)
-        batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
-
-    # -- planning (main process) -----------------------------------------------------------------------
-
-    def plan_settings(self) -> dict[str, Any]:
-        """What a fresh plan of an epoch depends on besides the index (saved with resume state)."""
-        return {
-            "world_size": self.world_size,
-            "num_workers": self.num_workers,
-            "seed": self.seed,
-            "mode": self.schedule,
-            "batcher": self.batcher.config(),
-            "max_buffered_samples": self.max_buffered_samples,
-            "lockstep_tolerance": self.lockstep_tolerance,
-        }
-
-    def make_plan(
-        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None
-    ) -> EpochPlan:
-        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``."""
-        s = dict(self.plan_settings() if settings is None else settings)
-        batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
-        return plan_epoch(
-            self.index,
-            s["world_size"],
-            s["num_workers"],
-            batcher,
-            s["seed"],
-            epoch,
-            mode=s["mode"],
-            exclude=exclude,
-            max_buffered_samples=s["max_buffered_samples"],
-            lockstep_tolerance=s["lockstep_tolerance"],
-            # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
-            underfull="pad" if exclude else self.underfull,
-        )
-
-    def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
-        """Plan ``epoch`` (or take ``plan``) for this rank; must run before the workers start."""
-        epoch = int(self.fixed_epoch if self.fixed_epoch is not None else epoch)
-        if plan is None:
-            if self.plan is not None and self.epoch == epoch and self.fixed_epoch is not None:
-                return self.plan
-            plan = self.make_plan(epoch)
-        if plan.world_size != self.world_size or max(1, plan.num_workers) != max(1, self.num_workers):
-            raise ValueError(
-                f"plan for world size {plan.world_size} and {plan.num_workers} workers, but this loader runs "
-                f"world size {self.world_size} with {self.num_workers} workers"
-            )
-        self.plan = plan
-        self.epoch = epoch
-        self.report = dict(plan.report)
-        self.report.update(rank=self.rank, runtime_skipped={}, runtime_ignored_members={}, batches_yielded=0)
-        return plan
-
-    # -- streaming (worker) ----------------------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        plan = self.plan
-        if plan is None:
-            # Used without PlannedDataLoader: plan here (each worker computes the same plan).
-            plan = self.begin_epoch(0 if self.epoch is None else self.epoch)
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        n_workers = info.num_workers if info is not None else 0
-        if max(1, n_workers) != plan.workers_per_rank:
-            raise RuntimeError(
-                f"the epoch was planned for {plan.num_workers} DataLoader workers per rank but this loader has "
-                f"{n_workers}; build the loader with num_workers={plan.num_workers} (the DataModule does)"
-            )
-        yield from self._stream(plan, (self.rank, worker))
-
-    def _stream(self, plan: EpochPlan, stream: tuple[int, int]) -> Iterator[dict[str, Any]]:
-        from lightning_adaptiveload.data.shards import iter_shard
-
-        batches = plan.streams[stream]
-        buckets = plan.batch_buckets[stream]
-        steps = plan.batch_steps[stream]
-        reads = plan.reads[stream]
-        read_of: dict[tuple[int, int], int] = {}
-        left: list[int] = []
-        for k, (shard, ids) in enumerate(reads):
-            for i in ids:
-                read_of[(shard, i)] = k
-            left.append(len(ids))
-        open_reads: dict[int, Iterator[dict[str, Any]]] = {}
-        got: dict[tuple[int, int], dict[str, Any]] = {}
-        missing: set[tuple[int, int]] = set()
-        pulled: set[tuple[int, int]] = set()
-        stats: dict[str, int] = {}
-        seen: dict[str, int] = {}
-        lost = reported_missing = 0
-        patch = self.batcher.patch_size
-
-        def close(k: int) -> None:
-            it = open_reads.pop(k, None)
-            if it is not None:
-                it.close()  # type: ignore[attr-defined]
-
-        def ensure(ref: tuple[int, int]) -> None:
-            if ref in got or ref in missing:
-                return
-            k = read_of[ref]
-            it = open_reads.get(k)
-            if it is None:
-                shard, ids = reads[k]
-                it = open_reads[k] = iter_shard(
-                    self.index.shards[shard],
-                    shard_id=shard,
-                    select=ids,
-                    on_error=self.on_error,
-                    stats=stats,
-                    patch_size=patch,
-                    max_member_bytes=self.max_member_bytes,
-                )
-            for sample in it:
-                r2 = (int(sample["__ref__"][0]), int(sample["__ref__"][1]))
-                got[r2] = sample
-                pulled.add(r2)
-                left[k] -= 1
-                if r2 == ref or r2[1] > ref[1]:
-                    if r2 != ref:  # file order passed it: the reader skipped it (counted in stats)
-                        missing.add(ref)
-                    if left[k] == 0:
-                        close(k)
-                    return
-            close(k)
-            shard = reads[k][0]
-            missing.update((shard, i) for i in reads[k][1] if (shard, i) not in pulled)
-
-        try:
-            for j, refs in enumerate(batches):
-                for ref in refs:
-                    ensure(ref)
-                members = [got.pop(ref) for ref in refs if ref in got]
-                if self.sample_transform is not None:
-                    members = [apply_sample_transform(self.sample_transform, m, patch) for m in members]
-                gone = len(refs) - len(members)
-                step = steps[j]
-                if members:
-                    batch = collate(
-                        members,
-                        patch,
-                        self.batcher.cost_model,
-                        plan.global_tokens[step],
-                        text_pad_to=self.text_pad_to,
-                    )
-                else:
-                    spec = plan.buckets[buckets[j]]
-                    batch = _empty_batch(
-                        spec["shape"], spec["seq_len"], self.batcher.cost_model, plan.global_tokens[step]
-                    )
-                delta = {r: n - seen.get(r, 0) for r, n in stats.items() if n != seen.get(r, 0)}
-                seen = dict(stats)
-                # A sample the reader did not deliver without counting a reason (e.g. a shard shorter than
-                # its index): report it as "missing", once.
-                lost += gone
-                explained = sum(n for r, n in stats.items() if r not in _NOT_SKIPS)
-                if lost > explained + reported_missing:
-                    delta["missing"] = lost - explained - reported_missing
-                    reported_missing = lost - explained
-                batch["step"] = step
-                batch["skipped"] = {r: n for r, n in delta.items() if r not in _NOT_SKIPS}
-                batch["ignored_members"] = {r: n for r, n in delta.items() if r in _NOT_SKIPS}
-                yield batch
-        finally:
-            for k in list(open_reads):
-                close(k)
-
-
-class _CountingIterator:
-    """Main-process wrapper of the DataLoader iterator: counts batches and runtime skips."""
-
-    def __init__(
-        self, it: Iterator[dict[str, Any]], dataset: PlannedShardDataset, on_end: Callable[[], None] | None
-    ) -> None:
-        self._it = it
-        self._dataset = dataset
-        self._on_end = on_end
-        self.yielded = 0
-
-    def __iter__(self) -> _CountingIterator:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            if self._on_end is not None:
-                self._on_end()
-            raise
-        self.yielded += 1
-        report = self._dataset.report
-        report["batches_yielded"] = self.yielded
-        for key, total in (("skipped", "runtime_skipped"), ("ignored_members", "runtime_ignored_members")):
-            counted = batch.get(key) if isinstance(batch, dict) else None
-            if counted:
-                runtime = report.setdefault(total, {})
-                for reason, n in counted.items():
-                    runtime[reason] = runtime.get(reason, 0) + int(n)
-        return batch
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_it":
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-class PlannedDataLoader(DataLoader):
-    """A DataLoader over a :class:`PlannedShardDataset` that plans each epoch before its workers start.
-
-    ``__iter__`` asks ``epoch_fn`` for the epoch number (the trainer's current epoch in the DataModule),
-    lets ``before_epoch`` plan it in the main process, then starts the workers, which inherit the plan.
-    ``persistent_workers`` is refused: persistent workers keep the dataset copy of the first epoch and
-    would never see a new plan.
-
-    ``len(loader)`` is ``length_fn()`` when given (else the loader is unsized): the DataModule gives the
-    step count of the epoch the trainer is about to run, planning that epoch early if need be (the plan is
-    kept and iterated). Lightning reads a sized loader's length when it (re)loads the loader and ends
-    every epoch after that many batches, while the step count is planned per epoch and differs slightly
-    between epochs; a stale length would cut an epoch short or skip its validation. The DataModule
-    therefore has Lightning reload its loaders every epoch (``reload_dataloaders_every_n_epochs=1``; a
-    rebuilt loader costs nothing, its plan is made once either way), so the length is always the
-    iterated epoch's own.
-
-    ``sampler`` and ``batch_sampler`` are accepted only as None, so that Lightning can rebuild the loader
-    (it does in the predict loop, to inject its own samplers, which an iterable dataset does not use).
-    """
-
-    def __init__(
-        self,
-        dataset: PlannedShardDataset,
-        num_workers: int = 0,
-        before_epoch: Callable[[], Any] | None = None,
-        on_end: Callable[[], None] | None = None,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        multiprocessing_context: Any = None,
-        length_fn: Callable[[], int] | None = None,
-        sampler: Any = None,
-        batch_sampler: Any = None,
-    ) -> None:
-        if sampler is not None or batch_sampler is not None:
-            raise ValueError(
-                "PlannedDataLoader takes no sampler or batch_sampler: the epoch plan orders and batches the "
-                "samples; leave them None"
-            )
-        if persistent_workers:
-            raise ValueError(
-                "persistent_workers=True is not supported: each epoch is planned in the main process before the "
-                "workers start, and persistent workers would keep the first epoch's plan; leave it False"
-            )
-        super().__init__(
-            dataset,
-            batch_size=None,
-            num_workers=num_workers,
-            collate_fn=_identity,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            persistent_workers=False,
-            multiprocessing_context=multiprocessing_context,
-        )
-        self._before_epoch = before_epoch
-        self._on_end = on_end
-        self._length_fn = length_fn
-
-    def __len__(self) -> int:
-        if self._length_fn is None:
-            # An unsized loader, as a loader of an iterable dataset without a length is.
-            raise TypeError("this PlannedDataLoader has no length (built without length_fn)")
-        return int(self._length_fn())
-
-    def __iter__(self) -> _CountingIterator:  # type: ignore[override]
-        if self._before_epoch is not None:
-            self._before_epoch()
-        elif self.dataset.plan is None:  # type: ignore[attr-defined]
-            self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
-        # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
-        return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
-
-
-_INDEX_FIELDS = ("shards", "samples", "fingerprint")
-
-
-def _index_summary(index: Any) -> list[float]:
-    """Shard count, sample count and the two 32-bit halves of the index fingerprint, exact as floats."""
-    fp = index_fingerprint(index)
-    samples = sum(len(s.keys) for s in index.shards)
-    return [float(len(index.shards)), float(samples), float(int(fp[:8], 16)), float(int(fp[8:], 16))]
-
-
-def _index_disagreement(names: Sequence[str], gathered: Sequence[Sequence[float]]) -> str | None:
-    """What differs between the ranks' indexes, in words; None when every rank has the same.
-
-    Args:
-        names: the indexes compared (e.g. ``["train", "validation"]``).
-        gathered: per rank, :func:`_index_summary` of each index in ``names`` order, concatenated.
-    """
-    lines = []
-    for j, name in enumerate(names):
-        rows = [tuple(g[4 * j : 4 * j + 4]) for g in gathered]
-        if len(set(rows)) == 1:
-            continue
-        # Other counts imply another fingerprint; name the fingerprint alone only when the counts agree.
-        differ = [f for f, k in zip(_INDEX_FIELDS, (0, 1)) if len({r[k] for r in rows}) > 1]
-        differ = differ or ["fingerprint"]
-        per_rank = "; ".join(
-            f"rank {r}: {int(row[0])} shards, {int(row[1])} samples, fingerprint "
-            f"{int(row[2]):08x}{int(row[3]):08x}"
-            for r, row in enumerate(rows)
-        )
-        lines.append(f"the {name} index differs between ranks ({', '.join(differ)}): {per_rank}")
-    return "\n".join(lines) or None
-
-
-def _check_indexes_agree(loaded: list[tuple[str, Any, Any]]) -> None:
-    """One all-gather of a few numbers per index: ranks that would plan different epochs fail here, each
-    with the same message, instead of hanging at the first collective of the epoch."""
-    local = [v for _, _, index in loaded for v in _index_summary(index)]
-    message = _index_disagreement([name for name, _, _ in loaded], _dist.all_gather_floats(local))
-    if message is not None:
-        sources = "; ".join(f"{name} shards {shards!r}" for name, shards, _ in loaded)
-        raise RuntimeError(
-            f"{message}. Every rank must index the same samples ({sources}): check that the paths or URL "
-            "patterns resolve to the same shards on every node (a shard written while the job started, a "
-            "different mount), or build the index once (`lightning-adaptiveload index ...`) and give every "
-            "rank the same index.json"
-        )
 def _fit_over(trainer: Any) -> bool:
     """Whether the fit loop will start no further training epoch (max_epochs, max_steps or a stop)."""
     max_epochs = trainer.max_epochs
@@ -602,7 +132,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
         pin_memory: DataLoader ``pin_memory``.
         max_member_bytes: the largest shard member read, in bytes; a larger claim is refused
-            (``member_too_large``) before anything is allocated. None: ``shards.MAX_MEMBER_BYTES`` (1 GiB).
+            (``member_too_large``) before anything is allocated. None: ``data.format.MAX_MEMBER_BYTES`` (1 GiB).
         index_allow_schemes: URL schemes the shard paths in an ``index.json`` may name (e.g.
             ``["https"]``); by default an index names files in its own folder only, never ``pipe:``
             (a ``pipe:`` source is taken only from ``train_shards``/``val_shards`` themselves).
@@ -669,7 +199,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if sample_transform is not None and not callable(sample_transform):
             raise ValueError(f"sample_transform must be callable(sample) -> sample, got {sample_transform!r}")
         if text_pad_to is not None and int(text_pad_to) < 1:
-            raise ValueError(f"text_pad_to must be a positive number of text states or None, got {text_pad_to!r}")
+            raise ValueError(
+                f"text_pad_to must be a positive number of text states or None, got {text_pad_to!r}"
+            )
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(num_workers) < 0:
@@ -745,7 +277,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
         Runs on one process per node (Lightning). Reuses shards already written with the same settings.
         """
-        from lightning_adaptiveload.data.shards import INDEX_NAME, ShardIndex, write_synthetic_shards
+        from lightning_adaptiveload.data.format import INDEX_NAME
+        from lightning_adaptiveload.data.index import ShardIndex
+        from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
         if self.synthetic is not None:
             settings = dict(self.synthetic)
@@ -802,7 +336,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             if ds is not None:
                 ds.rank, ds.world_size = rank, world
         if loaded:
-            _check_indexes_agree(loaded)
+            check_indexes_agree(loaded)
         trainer = self.trainer
         if stage in (None, "fit") and trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
             # The loader's length is its epoch's planned step count, which differs between epochs: Lightning
@@ -815,10 +349,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             trainer.reload_dataloaders_every_n_epochs = 1
 
     def _load_index(self, shards: Any, rank: int) -> Any:
-        from lightning_adaptiveload.data.shards import ShardIndex
+        from lightning_adaptiveload.data.index import ShardIndex
 
         return ShardIndex.for_paths(
-            shards, patch_size=self.patch_size, on_error=self.on_error, progress=rank == 0, **self._index_trust
+            shards,
+            patch_size=self.patch_size,
+            on_error=self.on_error,
+            progress=rank == 0,
+            **self._index_trust,
         )
 
     def check_data(self) -> None:
@@ -1058,7 +596,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         segments = [dict(s) for s in self._segments]
         segments[-1]["consumed"] = consumed
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "fingerprint": ds.fingerprint,
             "epoch": ds.epoch,
             "segments": segments,
@@ -1068,48 +606,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """Restore the position saved by :meth:`state_dict`; applied when that epoch's loader starts."""
         if not state_dict:
             return
-        if state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"AdaptiveLoadDataModule state version {state_dict.get('version')!r} is not supported "
-                f"(expected {_STATE_VERSION}); resume without the datamodule state or from a newer checkpoint"
-            )
+        check_state_version(state_dict)
         self._resume = dict(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
-        if state["fingerprint"] != ds.fingerprint:
-            raise ValueError(
-                "the checkpoint's data position belongs to other shards (index fingerprint "
-                f"{state['fingerprint']} vs {ds.fingerprint} now): resume with the same shards, or drop the "
-                "datamodule state from the checkpoint to start the epoch afresh"
-            )
-        epoch = int(state["epoch"])
-        segments = [dict(s) for s in state["segments"]]
-        # Replay the epoch's segments to find what was consumed and the last plan.
-        plan: EpochPlan | None = None
-        gone: set[tuple[int, int]] = set()
-        previous = 0
-        for seg in segments:
-            if seg["kind"] == "continue" and plan is not None:
-                plan = continue_plan(plan, previous, int(seg["num_workers"]))
-            else:
-                plan = ds.make_plan(epoch, seg, exclude=gone)
-            consumed = [int(x) for x in seg["consumed"]]
-            gone |= consumed_refs(plan, consumed)
-            previous = consumed[0]
-        assert plan is not None
-        last = segments[-1]
-        same_ranks = plan.world_size == ds.world_size and len(set(last["consumed"])) == 1
-        if same_ranks:
-            new_plan = continue_plan(plan, int(last["consumed"][0]), ds.num_workers)
-            kind = "continue"
-        else:
-            new_plan = ds.make_plan(epoch, exclude=gone)
-            kind = "replan"
-        self._segments = segments + [{"kind": kind, **ds.plan_settings(), "consumed": None}]
-        # Lightning restores its processed-batch count to the total consumed so far (equal on all ranks).
-        self._segment_base = sum(max(int(x) for x in s["consumed"]) for s in segments)
+        resumed = resume_plan(ds, state)
+        self._segments = resumed.segments
+        self._segment_base = resumed.segment_base
         rank_zero_info(
-            f"[adaptiveload] resuming epoch {epoch} after {len(gone)} consumed samples ({kind}: world size "
-            f"{ds.world_size}, {ds.num_workers} workers, {new_plan.steps} steps left)"
+            f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples "
+            f"({resumed.kind}: world size {ds.world_size}, {ds.num_workers} workers, {resumed.plan.steps} steps left)"
         )
-        return new_plan
+        return resumed.plan

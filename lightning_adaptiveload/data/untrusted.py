@@ -2,8 +2,9 @@
 
 Shards and their ``index.json`` travel between teams and buckets, so everything here assumes a hostile
 file: no parser recurses on input nesting, nothing allocates from a size the file claims before that size
-is checked, and every refusal says which rule was broken. :mod:`lightning_adaptiveload.data.shards` turns
-:class:`Refused` into a :class:`~lightning_adaptiveload.data.shards.ShardError` naming the shard and member.
+is checked, and every refusal says which rule was broken. The scan (:mod:`lightning_adaptiveload.data.scan`)
+and the index reader turn :class:`Refused` into a :class:`~lightning_adaptiveload.data.format.ShardError`
+naming the shard and member.
 The threat model is in ``docs/reliability.md``.
 """
 

@@ -124,7 +124,8 @@ def _largest_remainder(p: np.ndarray, n: int) -> np.ndarray:
 
 def mix_population(mix: Mix, num_samples: int, num_shards: int, seed: int) -> Any:
     """An in-memory ShardIndex of ``num_samples`` latent shapes in the mix's exact proportions, shuffled."""
-    from lightning_adaptiveload.data.shards import ShardIndex, ShardInfo
+    from lightning_adaptiveload.data.format import ShardInfo
+    from lightning_adaptiveload.data.index import ShardIndex
 
     counts = _largest_remainder(mix.probabilities, num_samples)
     bucket_ids = np.repeat(np.arange(len(mix.buckets)), counts)

@@ -199,7 +199,7 @@ def simulate(
     Args:
         source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.data.mixes.Mix`
             (a synthetic population is drawn from it at each world size), or a
-            :class:`~lightning_adaptiveload.data.shards.ShardIndex` or the path of an ``index.json`` (real shards,
+            :class:`~lightning_adaptiveload.data.index.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
         world_sizes: data-parallel ranks to simulate, each in 2..1024.
         modes: names from :data:`MODES`. ``equal_tokens`` is always simulated (the reference for
@@ -366,7 +366,7 @@ def _checked_args(
 
 def _load_source(source: Any) -> tuple[Mix | None, Any]:
     """``(mix, None)`` for a mix (name, path or object), ``(None, index)`` for a ShardIndex or its path."""
-    from lightning_adaptiveload.data.shards import ShardIndex
+    from lightning_adaptiveload.data.index import ShardIndex
 
     if isinstance(source, Mix):
         return source, None

@@ -1,0 +1,283 @@
+"""The planned loader: a per-rank ``IterableDataset`` that streams its plan, and the DataLoader that plans it.
+
+Pure PyTorch (no Lightning): :class:`PlannedShardDataset` plans an epoch (in the main process) and, in
+each worker, streams that worker's batches (:func:`~lightning_adaptiveload.data.stream.stream_batches`);
+:class:`PlannedDataLoader` plans the epoch before its workers start and counts the batches it yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_adaptiveload.data.stream import stream_batches
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.planner import plan_epoch
+
+__all__ = ["PlannedDataLoader", "PlannedShardDataset"]
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class PlannedShardDataset(IterableDataset):
+    """The per-rank streaming dataset: yields the batches the plan gives this rank's worker streams.
+
+    The plan is made in the main process by :meth:`begin_epoch` (the :class:`PlannedDataLoader` calls
+    it in ``__iter__``, before it starts workers); ``__iter__`` then runs in each worker (or the main
+    process with 0 workers) and streams that worker's reads.
+
+    Args:
+        index: the ``ShardIndex`` of the shards.
+        batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
+        schedule: ``"independent"`` or ``"lockstep"``.
+        seed: shard-order seed.
+        num_workers: DataLoader workers per rank the plan is made for.
+        on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
+        max_buffered_samples: see :func:`plan_epoch`.
+        lockstep_tolerance: see :func:`plan_epoch`.
+        fixed_epoch: plan this epoch number every time (validation), or None.
+        max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
+        underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
+        sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
+            collation (see :func:`apply_sample_transform`); None: none.
+        text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
+    """
+
+    def __init__(
+        self,
+        index: Any,
+        batcher: DualConstraintBatcher,
+        schedule: str = "independent",
+        seed: int = 0,
+        num_workers: int = 0,
+        on_error: str = "raise",
+        max_buffered_samples: int | None = None,
+        lockstep_tolerance: float = 0.05,
+        fixed_epoch: int | None = None,
+        max_member_bytes: int | None = None,
+        underfull: str = "error",
+        sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        text_pad_to: int | None = None,
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.max_member_bytes = max_member_bytes
+        self.index = index
+        self.batcher = batcher
+        self.schedule = schedule
+        self.seed = int(seed)
+        self.num_workers = int(num_workers)
+        self.on_error = on_error
+        self.max_buffered_samples = max_buffered_samples
+        self.lockstep_tolerance = float(lockstep_tolerance)
+        self.fixed_epoch = fixed_epoch
+        self.underfull = underfull
+        self.sample_transform = sample_transform
+        self.text_pad_to = text_pad_to
+        self.rank, self.world_size = 0, 1
+        self.plan: EpochPlan | None = None
+        self.epoch: int | None = None
+        self.report: dict[str, Any] = {}
+        self.fingerprint = index_fingerprint(index)
+        batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
+
+    # -- planning (main process) -----------------------------------------------------------------------
+
+    def plan_settings(self) -> dict[str, Any]:
+        """What a fresh plan of an epoch depends on besides the index (saved with resume state)."""
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "seed": self.seed,
+            "mode": self.schedule,
+            "batcher": self.batcher.config(),
+            "max_buffered_samples": self.max_buffered_samples,
+            "lockstep_tolerance": self.lockstep_tolerance,
+        }
+
+    def make_plan(
+        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None
+    ) -> EpochPlan:
+        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``."""
+        s = dict(self.plan_settings() if settings is None else settings)
+        batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
+        return plan_epoch(
+            self.index,
+            s["world_size"],
+            s["num_workers"],
+            batcher,
+            s["seed"],
+            epoch,
+            mode=s["mode"],
+            exclude=exclude,
+            max_buffered_samples=s["max_buffered_samples"],
+            lockstep_tolerance=s["lockstep_tolerance"],
+            # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
+            underfull="pad" if exclude else self.underfull,
+        )
+
+    def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
+        """Plan ``epoch`` (or take ``plan``) for this rank; must run before the workers start."""
+        epoch = int(self.fixed_epoch if self.fixed_epoch is not None else epoch)
+        if plan is None:
+            if self.plan is not None and self.epoch == epoch and self.fixed_epoch is not None:
+                return self.plan
+            plan = self.make_plan(epoch)
+        if plan.world_size != self.world_size or max(1, plan.num_workers) != max(1, self.num_workers):
+            raise ValueError(
+                f"plan for world size {plan.world_size} and {plan.num_workers} workers, but this loader runs "
+                f"world size {self.world_size} with {self.num_workers} workers"
+            )
+        self.plan = plan
+        self.epoch = epoch
+        self.report = dict(plan.report)
+        self.report.update(rank=self.rank, runtime_skipped={}, runtime_ignored_members={}, batches_yielded=0)
+        return plan
+
+    # -- streaming (worker) ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        plan = self.plan
+        if plan is None:
+            # Used without PlannedDataLoader: plan here (each worker computes the same plan).
+            plan = self.begin_epoch(0 if self.epoch is None else self.epoch)
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        n_workers = info.num_workers if info is not None else 0
+        if max(1, n_workers) != plan.workers_per_rank:
+            raise RuntimeError(
+                f"the epoch was planned for {plan.num_workers} DataLoader workers per rank but this loader has "
+                f"{n_workers}; build the loader with num_workers={plan.num_workers} (the DataModule does)"
+            )
+        yield from self._stream(plan, (self.rank, worker))
+
+    def _stream(self, plan: EpochPlan, stream: tuple[int, int]) -> Iterator[dict[str, Any]]:
+        return stream_batches(
+            plan,
+            stream,
+            self.index,
+            self.batcher,
+            on_error=self.on_error,
+            max_member_bytes=self.max_member_bytes,
+            sample_transform=self.sample_transform,
+            text_pad_to=self.text_pad_to,
+        )
+
+
+class _CountingIterator:
+    """Main-process wrapper of the DataLoader iterator: counts batches and runtime skips."""
+
+    def __init__(
+        self, it: Iterator[dict[str, Any]], dataset: PlannedShardDataset, on_end: Callable[[], None] | None
+    ) -> None:
+        self._it = it
+        self._dataset = dataset
+        self._on_end = on_end
+        self.yielded = 0
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._on_end is not None:
+                self._on_end()
+            raise
+        self.yielded += 1
+        report = self._dataset.report
+        report["batches_yielded"] = self.yielded
+        for key, total in (("skipped", "runtime_skipped"), ("ignored_members", "runtime_ignored_members")):
+            counted = batch.get(key) if isinstance(batch, dict) else None
+            if counted:
+                runtime = report.setdefault(total, {})
+                for reason, n in counted.items():
+                    runtime[reason] = runtime.get(reason, 0) + int(n)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_it":
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class PlannedDataLoader(DataLoader):
+    """A DataLoader over a :class:`PlannedShardDataset` that plans each epoch before its workers start.
+
+    ``__iter__`` asks ``epoch_fn`` for the epoch number (the trainer's current epoch in the DataModule),
+    lets ``before_epoch`` plan it in the main process, then starts the workers, which inherit the plan.
+    ``persistent_workers`` is refused: persistent workers keep the dataset copy of the first epoch and
+    would never see a new plan.
+
+    ``len(loader)`` is ``length_fn()`` when given (else the loader is unsized): the DataModule gives the
+    step count of the epoch the trainer is about to run, planning that epoch early if need be (the plan is
+    kept and iterated). Lightning reads a sized loader's length when it (re)loads the loader and ends
+    every epoch after that many batches, while the step count is planned per epoch and differs slightly
+    between epochs; a stale length would cut an epoch short or skip its validation. The DataModule
+    therefore has Lightning reload its loaders every epoch (``reload_dataloaders_every_n_epochs=1``; a
+    rebuilt loader costs nothing, its plan is made once either way), so the length is always the
+    iterated epoch's own.
+
+    ``sampler`` and ``batch_sampler`` are accepted only as None, so that Lightning can rebuild the loader
+    (it does in the predict loop, to inject its own samplers, which an iterable dataset does not use).
+    """
+
+    def __init__(
+        self,
+        dataset: PlannedShardDataset,
+        num_workers: int = 0,
+        before_epoch: Callable[[], Any] | None = None,
+        on_end: Callable[[], None] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        multiprocessing_context: Any = None,
+        length_fn: Callable[[], int] | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+    ) -> None:
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                "PlannedDataLoader takes no sampler or batch_sampler: the epoch plan orders and batches the "
+                "samples; leave them None"
+            )
+        if persistent_workers:
+            raise ValueError(
+                "persistent_workers=True is not supported: each epoch is planned in the main process before the "
+                "workers start, and persistent workers would keep the first epoch's plan; leave it False"
+            )
+        super().__init__(
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            persistent_workers=False,
+            multiprocessing_context=multiprocessing_context,
+        )
+        self._before_epoch = before_epoch
+        self._on_end = on_end
+        self._length_fn = length_fn
+
+    def __len__(self) -> int:
+        if self._length_fn is None:
+            # An unsized loader, as a loader of an iterable dataset without a length is.
+            raise TypeError("this PlannedDataLoader has no length (built without length_fn)")
+        return int(self._length_fn())
+
+    def __iter__(self) -> _CountingIterator:  # type: ignore[override]
+        if self._before_epoch is not None:
+            self._before_epoch()
+        elif self.dataset.plan is None:  # type: ignore[attr-defined]
+            self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
+        # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
+        return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]

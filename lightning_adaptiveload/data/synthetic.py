@@ -1,0 +1,230 @@
+"""Synthetic shards: random latents whose shapes follow a length mix, deterministic for a seed.
+
+The settings are recorded in the index's metadata (``metadata["synthetic"]``), so that a second call
+with the same settings reuses the shards instead of writing them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lightning_adaptiveload.data.format import (
+    DEFAULT_PATCH,
+    INDEX_NAME,
+)
+from lightning_adaptiveload.data.index import ShardIndex
+from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.data.writer import ShardWriter
+
+__all__ = ["write_synthetic_shards"]
+
+log = logging.getLogger(__name__)
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.float16: np.float16, torch.float32: np.float32}.get(dtype, dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
+    return dt
+
+
+def _shard_sizes(
+    num_samples: int, samples_per_shard: int | Sequence[int], uneven: bool, seed: int
+) -> list[int]:
+    if not isinstance(samples_per_shard, int):
+        sizes = [int(s) for s in samples_per_shard]
+        if sum(sizes) != num_samples or any(s < 1 for s in sizes):
+            raise ValueError(
+                f"samples_per_shard {sizes} must be positive and sum to num_samples={num_samples}"
+            )
+        return sizes
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    sizes = []
+    rng = np.random.default_rng([seed, 1])  # its own stream: sizes never change the sample contents
+    left = num_samples
+    while left > 0:
+        if uneven:
+            lo, hi = max(1, samples_per_shard // 2), max(1, samples_per_shard + samples_per_shard // 2)
+            n = int(rng.integers(lo, hi + 1))
+        else:
+            n = samples_per_shard
+        sizes.append(min(n, left))
+        left -= sizes[-1]
+    return sizes
+
+
+def write_synthetic_shards(
+    directory: str | os.PathLike,
+    mix: str | os.PathLike | Mix = "tiny",
+    num_samples: int = 256,
+    samples_per_shard: int | Sequence[int] = 64,
+    seed: int = 0,
+    text_len_range: tuple[int, int] | None = (0, 16),
+    text_dim: int = 32,
+    dtype: Any = "float16",
+    progress: bool = True,
+    *,
+    uneven: bool = False,
+    prefix: str = "shard",
+    key_prefix: str = "sample",
+    overwrite: bool = False,
+) -> ShardIndex:
+    """Write shards of random latents whose shapes follow a length mix; deterministic for a seed.
+
+    If ``directory`` already holds shards written by this function with the same settings (recorded in
+    the index's metadata, file sizes intact), they are reused and nothing is written.
+
+    Args:
+        directory: where the shards and ``index.json`` go.
+        mix: a packaged mix name, a mix file path, or a :class:`Mix`.
+        num_samples: samples to write.
+        samples_per_shard: samples per shard, or the list of shard sizes (summing to ``num_samples``).
+        seed: seeds the bucket draws, latents, text lengths and states, and uneven shard sizes.
+        text_len_range: (min, max) text length L, inclusive; L = 0 writes no text member; None for none.
+        text_dim: D_text of the text states.
+        dtype: float16 or float32 (numpy, torch or string).
+        uneven: draw shard sizes in [s/2, 1.5 s] for ``samples_per_shard = s`` (deterministic).
+        prefix: shard file prefix; key_prefix: sample keys are ``<key_prefix>NNNNNNNN``.
+        progress: tqdm bar over samples.
+        overwrite: replace existing shards written with other settings (else FileExistsError).
+
+    Returns:
+        The index of the shards (as saved in ``directory/index.json``).
+    """
+    mix_obj = mix if isinstance(mix, Mix) else load_mix(mix)
+    dt = _np_dtype(dtype)
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    text_range = _check_text(text_len_range, text_dim)
+    sizes = _shard_sizes(num_samples, samples_per_shard, uneven, seed)
+    settings = {
+        "mix": mix_obj.name,
+        "buckets": [[list(b.latent_shape), b.p] for b in mix_obj.buckets],
+        "num_samples": num_samples,
+        "shard_sizes": sizes,
+        "seed": seed,
+        "text_len_range": None if text_range is None else list(text_range),
+        "text_dim": text_dim,
+        "dtype": dt.name,
+        "prefix": prefix,
+        "key_prefix": key_prefix,
+    }
+    directory = os.path.abspath(os.fspath(directory))
+    index_path = os.path.join(directory, INDEX_NAME)
+    if os.path.exists(index_path) and not overwrite:
+        return _reuse(directory, index_path, settings)
+    rng = np.random.default_rng(seed)
+    buckets = mix_obj.sample_buckets(rng, num_samples)
+    with ShardWriter(
+        directory,
+        prefix=prefix,
+        max_samples_per_shard=None,
+        max_bytes=None,
+        patch_size=DEFAULT_PATCH,  # load_mix guarantees even H and W
+        overwrite=overwrite,
+        metadata={"synthetic": settings},
+    ) as writer:
+        _write_samples(
+            writer, rng, mix_obj, buckets, sizes, seed, text_range, text_dim, dt, key_prefix, progress
+        )
+    return writer.index
+
+
+def _write_samples(
+    writer: ShardWriter,
+    rng: np.random.Generator,
+    mix: Mix,
+    buckets: np.ndarray,
+    sizes: list[int],
+    seed: int,
+    text_range: tuple[int, int] | None,
+    text_dim: int,
+    dt: np.dtype,
+    key_prefix: str,
+    progress: bool,
+) -> None:
+    """Draw and write every sample, one shard of ``sizes`` after the other."""
+    bar = tqdm(total=sum(sizes), unit="sample", desc="writing synthetic shards", disable=not progress)
+    i = 0
+    try:
+        for size in sizes:
+            for _ in range(size):
+                bucket = int(buckets[i])
+                latent, text = _random_arrays(rng, mix.buckets[bucket].latent_shape, text_range, text_dim, dt)
+                writer.write(f"{key_prefix}{i:08d}", latent, text=text, meta=_sample_meta(mix, bucket, seed))
+                i += 1
+                bar.update(1)
+            writer.finish_shard()
+    finally:
+        bar.close()
+
+
+def _check_text(text_len_range: tuple[int, int] | None, text_dim: int) -> tuple[int, int] | None:
+    if text_len_range is None:
+        return None
+    lo, hi = (int(v) for v in text_len_range)
+    if lo < 0 or hi < lo:
+        raise ValueError(f"text_len_range must be (min, max) with 0 <= min <= max, got {text_len_range!r}")
+    if text_dim < 1:
+        raise ValueError(f"text_dim must be >= 1, got {text_dim}")
+    return lo, hi
+
+
+def _reuse(directory: str, index_path: str, settings: dict[str, Any]) -> ShardIndex:
+    """The existing index when it was written with the same settings and its shards are intact."""
+    try:
+        old = ShardIndex.load(index_path)
+    except (OSError, ValueError):
+        old = None
+    if (
+        old is not None
+        and old.metadata.get("synthetic") == settings
+        and all(os.path.exists(s.path) and os.path.getsize(s.path) == s.num_bytes for s in old.shards)
+    ):
+        log.info("reusing synthetic shards in %s (same settings)", directory)
+        return old
+    raise FileExistsError(
+        f"{directory} already holds an index of other data or other settings; pass overwrite=True to "
+        "replace it, or use another directory"
+    )
+
+
+def _random_arrays(
+    rng: np.random.Generator,
+    latent_shape: Sequence[int],
+    text_range: tuple[int, int] | None,
+    text_dim: int,
+    dt: np.dtype,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One sample's latent and text states; the draw order is fixed (it defines the data of a seed)."""
+    latent = rng.standard_normal(latent_shape, dtype=np.float32).astype(dt)
+    text = None
+    if text_range is not None:
+        length = int(rng.integers(text_range[0], text_range[1] + 1))
+        if length:
+            text = rng.standard_normal((length, text_dim), dtype=np.float32).astype(dt)
+    return latent, text
+
+
+def _sample_meta(mix: Mix, bucket: int, seed: int) -> dict[str, Any]:
+    b = mix.buckets[bucket]
+    return {
+        "bucket": bucket,
+        "frames": b.frames,
+        "height": b.height,
+        "width": b.width,
+        "source": f"synthetic:{mix.name}:seed={seed}",
+    }
