@@ -85,6 +85,7 @@ def main() -> None:
     rank = int(os.environ["LOCAL_RANK"])
     for run in cfg["runs"]:
         name, out = run["name"], cfg["out"]
+        pl.seed_everything(1234, verbose=False)  # the noise generator's seed: the same in every launch
         path = os.path.join(out, f"{name}.rank{{}}.jsonl")
         dm = AdaptiveLoadDataModule(
             train_shards=cfg["data"], max_tokens=run.get("max_tokens", 512), schedule="lockstep", num_workers=0, seed=0

@@ -63,89 +63,110 @@ def _errors(out: str, name: str) -> list[str]:
     return [open(p).read() for r in range(2) if os.path.exists(p := os.path.join(out, f"{name}.rank{r}.error"))]
 
 
+def _column(rows: list[tuple[int, float]]) -> torch.Tensor:
+    return torch.tensor([x for _, x in rows])
+
+
 @pytest.mark.timeout(240)
 def test_fsdp2_matches_ddp_resumes_and_is_timed(setup, tmp_path):
     out = str(tmp_path)
     steps = 6
+    ckpt = os.path.join(out, "killed-ckpt", "at-3.ckpt")
     _run(
         setup,
         out,
         [
             {"name": "ddp", "strategy": "ddp", "max_steps": steps, "clip": 1.0},
-            {"name": "fsdp", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "ckpt_every": 3},
             {"name": "fused", "strategy": "fsdp2", "max_steps": 3, "fused": True, "checkpointing": True, "clip": 1.0},
+            # Checkpoint at step 3, crash at step 4, resume from the checkpoint in a new Trainer.
+            {"name": "killed", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "ckpt_every": 3, "kill_at": 4},
+            {"name": "resumed", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "resume": ckpt},
         ],
         timeout=220,
     )
-    ddp, fsdp, fused = _losses(out, "ddp"), _losses(out, "fsdp"), _losses(out, "fused")
+    ddp, fused, killed, resumed = (_losses(out, n) for n in ("ddp", "fused", "killed", "resumed"))
     assert [len(r) for r in ddp] == [steps, steps], _errors(out, "ddp")
-    assert [len(r) for r in fsdp] == [steps, steps], _errors(out, "fsdp")
+    assert os.path.exists(os.path.join(out, "killed.crashed")), _errors(out, "killed")
+    assert os.path.isdir(ckpt)  # a distributed checkpoint (one file per rank): a folder
     for rank in range(2):
-        # Same data, same weights, same noise: only the reduction order differs (reduce-scatter vs all-reduce).
-        torch.testing.assert_close(
-            torch.tensor([x for _, x in fsdp[rank]]), torch.tensor([x for _, x in ddp[rank]]), rtol=1e-4, atol=1e-6
-        )
-        # Fusion and activation checkpointing under fully_shard change nothing (the CPU path of the op).
-        torch.testing.assert_close(
-            torch.tensor([x for _, x in fused[rank]]), torch.tensor([x for _, x in ddp[rank][:3]]), rtol=1e-4, atol=1e-6
-        )
+        # Same data, weights and noise: only the gradient reduction differs (reduce-scatter vs all-reduce).
+        close = {"rtol": 1e-4, "atol": 1e-6}
+        assert [s for s, _ in killed[rank]] == [0, 1, 2, 3], _errors(out, "killed")
+        torch.testing.assert_close(_column(killed[rank]), _column(ddp[rank][:4]), **close)
+        # Fusion and activation checkpointing under fully_shard change nothing (the op's CPU path here).
+        torch.testing.assert_close(_column(fused[rank]), _column(ddp[rank][:3]), **close)
+        # The resumed run continues the uninterrupted one: weights, optimizer, data position and noise.
+        assert [s for s, _ in resumed[rank]] == list(range(3, steps)), _errors(out, "resumed")
+        torch.testing.assert_close(_column(resumed[rank]), _column(ddp[rank][3:]), **close)
     # Training moved the weights: the losses are not all the same number.
     assert len({round(x, 6) for _, x in ddp[0]}) > 1
-
-    meta = json.load(open(os.path.join(out, "fsdp.monitor.json")))["meta"]
-    assert meta["timing_method"] == "fsdp2_post_backward"
+    assert json.load(open(os.path.join(out, "resumed.monitor.json")))["meta"]["timing_method"] == "fsdp2_post_backward"
     assert json.load(open(os.path.join(out, "ddp.monitor.json")))["meta"]["timing_method"] == "ddp_comm_hook"
 
-    ckpt = os.path.join(out, "fsdp-ckpt", "at-3.ckpt")
-    assert os.path.isdir(ckpt), os.listdir(os.path.join(out, "fsdp-ckpt"))  # a distributed checkpoint: a folder
-    # Kill at step 4 of a fresh run (after its own checkpoint at 3 was written), then resume from that one.
+
+SKEW_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def small_runs(setup, tmp_path_factory) -> str:
+    """One launch for the short runs: a module that does not shard, and a run with a slow rank 1."""
+    out = str(tmp_path_factory.mktemp("fsdp-small"))
     _run(
         setup,
         out,
         [
-            {"name": "killed", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "ckpt_every": 3, "kill_at": 4},
-            {
-                "name": "resumed",
-                "strategy": "fsdp2",
-                "max_steps": steps,
-                "clip": 1.0,
-                "resume": os.path.join(out, "killed-ckpt", "at-3.ckpt"),
-            },
+            {"name": "bare", "strategy": "fsdp2_unsharded", "max_steps": 2},
+            {"name": "skew", "strategy": "fsdp2", "max_steps": 4, "skew": SKEW_S},
         ],
-        timeout=200,
+        timeout=110,
     )
-    assert os.path.exists(os.path.join(out, "killed.crashed"))
-    resumed = _losses(out, "resumed")
-    for rank in range(2):
-        assert [s for s, _ in resumed[rank]] == list(range(3, steps)), _errors(out, "resumed")
-        torch.testing.assert_close(
-            torch.tensor([x for _, x in resumed[rank]]),
-            torch.tensor([x for _, x in fsdp[rank][3:]]),
-            rtol=1e-4,
-            atol=1e-6,
-        )
+    return out
 
 
 @pytest.mark.timeout(120)
-def test_fsdp2_compute_time_leaves_out_the_wait(setup, tmp_path):
-    # Rank 1 sleeps 0.3 s at the start of every backward: its compute includes the sleep, rank 0 waits
-    # for it in the all-gathers of the backward, and that wait must not count as rank 0's compute.
-    out = str(tmp_path)
-    skew = 0.3
-    _run(setup, out, [{"name": "skew", "strategy": "fsdp2", "max_steps": 4, "skew": skew}], timeout=100)
-    summary = json.load(open(os.path.join(out, "skew.monitor.json")))
+def test_fsdp2_compute_time_leaves_out_the_wait(small_runs):
+    # Rank 1 sleeps at the start of every backward: its compute includes the sleep, rank 0 waits for it in
+    # the backward's all-gathers, and that wait must not count as rank 0's compute.
+    summary = json.load(open(os.path.join(small_runs, "skew.monitor.json")))
     assert summary["meta"]["timing_method"] == "fsdp2_post_backward"
     compute = [row for block in summary["rank_compute_s"] for row in block]
     assert len(compute) == 4
     for fast, slow in compute[1:]:  # the first step also initialises FSDP
-        assert slow - fast > 0.5 * skew, compute
+        assert slow - fast > 0.5 * SKEW_S, compute
 
 
 @pytest.mark.timeout(120)
-def test_model_parallel_strategy_without_sharding_is_refused(setup, tmp_path):
-    out = str(tmp_path)
-    _run(setup, out, [{"name": "bare", "strategy": "fsdp2_unsharded", "max_steps": 2}], timeout=100)
-    errors = _errors(out, "bare")
+def test_model_parallel_strategy_without_sharding_is_refused(small_runs):
+    errors = _errors(small_runs, "bare")
     assert len(errors) == 2
     assert all("UnsupportedStrategyError" in e and "ModelParallelStrategy" in e and "shard_model" in e for e in errors)
-    assert _losses(out, "bare") == [[], []]  # not one step ran
+    assert _losses(small_runs, "bare") == [[], []]  # not one step ran
+
+
+class _Hparams(dict):
+    pass
+
+
+class _Module:
+    def __init__(self, **hp):
+        self.hparams = _Hparams(hp)
+
+
+def _strategy(name: str, world: int, base: type = object):
+    return type(name, (base,), {"world_size": world})()
+
+
+def test_check_strategy_refuses_what_does_not_synchronise():
+    from lightning_adaptiveload.models.strategies import UnsupportedStrategyError, check_strategy
+
+    module = _Module(weight_dtype="fp32")
+    assert check_strategy(None, module) is None
+    assert check_strategy(_strategy("SingleDeviceStrategy", 1), module) is None
+    ddp = type("DDPStrategy", (), {"world_size": 2})
+    assert check_strategy(_strategy("DeepSpeedStrategy", 2, ddp), module) == "ddp"  # by the MRO
+    assert check_strategy(_strategy("FSDPStrategy", 2), module) == "fsdp"
+    assert check_strategy(_strategy("ModelParallelStrategy", 2), module) == "fsdp2"
+    with pytest.raises(UnsupportedStrategyError, match="MyStrategy runs 2 processes.*ModelParallelStrategy"):
+        check_strategy(_strategy("MyStrategy", 2), module)
+    with pytest.raises(UnsupportedStrategyError, match="weight_dtype='bf16' under ModelParallelStrategy"):
+        check_strategy(_strategy("ModelParallelStrategy", 2), _Module(weight_dtype="bf16"))

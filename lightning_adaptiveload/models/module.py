@@ -269,9 +269,27 @@ class VideoDiTModule(L.LightningModule):
     def _noise_gen(self, device: torch.device) -> torch.Generator:
         if self._noise_generator is None or self._noise_generator.device != device:
             # Lightning seeds every rank identically; the generator is offset by rank.
-            rank = self.global_rank if self._trainer is not None else _dist.rank_and_world()[0]
+            rank, world = _dist.rank_and_world(self._trainer)
             self._noise_generator = rank_noise_generator(device, rank)
+            saved = getattr(self, "_saved_noise_states", None)
+            if saved is not None and len(saved) == world and saved[rank] is not None:
+                # Resumed on the same ranks: draw the noise the uninterrupted run would have drawn.
+                self._noise_generator.set_state(saved[rank])
+            self._saved_noise_states = None
         return self._noise_generator
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save every rank's noise/timestep generator state (one small gather: Lightning calls this on every
+        rank, and rank 0 writes the checkpoint), so that a resumed run continues with the same losses."""
+        gen = self._noise_generator
+        checkpoint["noise_generator_states"] = _dist.all_gather_object(
+            gen.get_state() if gen is not None else None
+        )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Applied when the generator is next made (on the batch's device); ignored for another world size.
+        self._saved_noise_states = checkpoint.get("noise_generator_states")
+        self._noise_generator = None
 
     def compute_loss(
         self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None
