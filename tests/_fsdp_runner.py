@@ -7,7 +7,7 @@ Launched like torchrun (see ``tests/_ddp_data_runner.launch``). Usage::
 CONFIG: {"data": shard dir, "out": dir, "world": N, "init_from": weights folder, "runs": [{"name",
 "strategy": "ddp" | "fsdp2" | "fsdp2_unsharded" | "fsdp2_clip" | "ddp_clip", "max_steps", "ckpt_every" |
 null, "kill_at": global step | null, "resume": checkpoint path | null, "fused": bool, "checkpointing": bool,
-"skew": seconds}]}.
+"skew": seconds}], "num_nodes": 1 | world}.
 
 Every training step appends one JSON line to ``<out>/<name>.rank<r>.jsonl`` (global step, plan step, keys,
 this rank's loss); rank 0 writes the monitor's summary to ``<out>/<name>.monitor.json`` and any error
@@ -82,7 +82,12 @@ def _strategy(name: str):
 
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
-    rank = int(os.environ["LOCAL_RANK"])
+    nodes = int(cfg.get("num_nodes", 1))
+    if nodes > 1:
+        # One process per "node" (as SLURM or torchrun on several hosts would start them): the node rank
+        # differs, the local rank is 0 everywhere, so only the trainer knows the global rank.
+        os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = os.environ["LOCAL_RANK"], "0"
+    rank = int(os.environ["NODE_RANK"]) * (cfg["world"] // nodes) + int(os.environ["LOCAL_RANK"])
     for run in cfg["runs"]:
         name, out = run["name"], cfg["out"]
         pl.seed_everything(1234, verbose=False)  # the noise generator's seed: the same in every launch
@@ -115,7 +120,8 @@ def main() -> None:
             callbacks.append(CrashAt(run["kill_at"]))
         trainer = pl.Trainer(
             accelerator="cpu",
-            devices=cfg["world"],
+            devices=cfg["world"] // nodes,
+            num_nodes=nodes,
             strategy=_strategy(run["strategy"]),
             max_steps=run["max_steps"],
             gradient_clip_val=run.get("clip"),

@@ -46,9 +46,16 @@ def setup(tmp_path_factory) -> dict:
     return {"data": data, "init_from": str(weights)}
 
 
-def _run(setup: dict, out: str, runs: list[dict], timeout: float = 150) -> None:
+def _run(setup: dict, out: str, runs: list[dict], timeout: float = 150, num_nodes: int = 1) -> None:
     os.makedirs(out, exist_ok=True)
-    launch({**setup, "out": out, "world": 2, "runs": runs}, out, timeout=timeout, script=RUNNER)
+    launch({**setup, "out": out, "world": 2, "runs": runs, "num_nodes": num_nodes}, out, timeout=timeout, script=RUNNER)
+
+
+def _keys(out: str, name: str) -> list[list[str]]:
+    return [
+        [k for d in map(json.loads, open(os.path.join(out, f"{name}.rank{r}.jsonl"))) for k in d["keys"]]
+        for r in range(2)
+    ]
 
 
 def _losses(out: str, name: str) -> list[list[tuple[int, float]]]:
@@ -102,6 +109,24 @@ def test_fsdp2_matches_ddp_resumes_and_is_timed(setup, tmp_path):
     assert len({round(x, 6) for _, x in ddp[0]}) > 1
     assert json.load(open(os.path.join(out, "resumed.monitor.json")))["meta"]["timing_method"] == "fsdp2_post_backward"
     assert json.load(open(os.path.join(out, "ddp.monitor.json")))["meta"]["timing_method"] == "ddp_comm_hook"
+
+
+@pytest.mark.timeout(150)
+def test_two_nodes_take_ranks_from_the_trainer_and_hsdp_matches_ddp(setup, tmp_path):
+    # Two "nodes" of one process each: LOCAL_RANK is 0 on both, so anything that read the rank from the
+    # environment would give both the same data. Lightning's mesh is then (2 nodes x 1 GPU): HSDP.
+    out = str(tmp_path)
+    runs = [{"name": n, "strategy": n, "max_steps": 3} for n in ("ddp", "fsdp2")]
+    _run(setup, out, runs, timeout=140, num_nodes=2)
+    ddp, hsdp = _losses(out, "ddp"), _losses(out, "fsdp2")
+    assert [len(r) for r in hsdp] == [3, 3], _errors(out, "fsdp2")
+    keys = _keys(out, "fsdp2")
+    assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])  # each rank its own samples
+    assert keys == _keys(out, "ddp")
+    for rank in range(2):
+        torch.testing.assert_close(_column(hsdp[rank]), _column(ddp[rank]), rtol=1e-4, atol=1e-6)
+    meta = json.load(open(os.path.join(out, "fsdp2.monitor.json")))["meta"]
+    assert meta["world_size"] == 2 and meta["timing_method"] == "fsdp2_post_backward"
 
 
 SKEW_S = 0.3
