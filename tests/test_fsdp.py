@@ -195,3 +195,30 @@ def test_check_strategy_refuses_what_does_not_synchronise():
         check_strategy(_strategy("MyStrategy", 2), module)
     with pytest.raises(UnsupportedStrategyError, match="weight_dtype='bf16' under ModelParallelStrategy"):
         check_strategy(_strategy("ModelParallelStrategy", 2), _Module(weight_dtype="bf16"))
+
+
+def test_shard_model_names_what_is_missing():
+    from lightning_adaptiveload.models.sharding import ShardingError, shard_model
+
+    with pytest.raises(ShardingError, match="mesh is None.*device_mesh"):
+        shard_model(torch.nn.Linear(2, 2), None)
+
+    class Mesh:
+        ndim, shape, mesh_dim_names, device_type = 1, (2,), ("dp",), "cpu"
+
+    with pytest.raises(ShardingError, match="Linear has no `blocks` attribute; pass blocks="):
+        shard_model(torch.nn.Linear(2, 2), Mesh())
+    with pytest.raises(ShardingError, match="3-D device mesh"):
+        shard_model(torch.nn.Linear(2, 2), type("M3", (Mesh,), {"ndim": 3, "shape": (1, 1, 2)})())
+
+
+def test_fsdp_step_marks_subtract_the_waits():
+    from lightning_adaptiveload.monitor.fsdp_timing import FsdpStepMarks
+
+    class Clock:  # marks are plain seconds
+        @staticmethod
+        def seconds(a, b):
+            return b - a
+
+    marks = FsdpStepMarks(end=10.0, waits=[(1.0, 3.0), (6.0, 6.5)])
+    assert marks.compute_seconds(Clock, 0.0) == pytest.approx(7.5)
