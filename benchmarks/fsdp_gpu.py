@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import jsonable  # noqa: E402
 
 from lightning_adaptiveload.fusion.core import fuse_norm_modulate  # noqa: E402
+from lightning_adaptiveload.ops import fused_op_status  # noqa: E402
 from lightning_adaptiveload.models.sharding import default_mp_policy, load_full_state_dict, shard_model  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.tools.memory import activation_bytes_per_token, estimate_memory  # noqa: E402
@@ -96,6 +97,7 @@ def parity(args) -> dict:
         "grad_rel_diff_max": rel[worst],
         "grad_rel_diff_worst_param": worst,
         "fusion_report": report,
+        "fused_op_status": str(fused_op_status()),
         "match": abs(l1 - l0) / max(abs(l0), 1e-12) < 2e-2 and rel[worst] < 5e-2,
     }
 
@@ -124,15 +126,15 @@ def _choose(args, world: int, gpu_gb: float) -> tuple[VideoDiTConfig, bool, dict
         est, params = plan(args.layers, args.offload)
         return VideoDiTConfig.preset(args.preset, num_layers=args.layers), args.offload, {"estimate": vars(est), "params": params}
     full = base.num_layers
-    for offload in (False, True):
-        est, params = plan(full, offload)
-        # Offloaded state is pinned host memory: leave a quarter of the host for the rest.
-        if est.fits and est.host_gb < 0.75 * host_gb / max(1, torch.cuda.device_count()):
-            return base, offload, {"estimate": vars(est), "params": params, "host_gb": host_gb}
-    for layers in range(full - 1, 0, -1):
-        est, params = plan(layers, False)
-        if est.fits:
-            return VideoDiTConfig.preset(args.preset, num_layers=layers), False, {"estimate": vars(est), "params": params, "host_gb": host_gb, "reduced_from": full}
+    # The most blocks that fit; at equal depth, without offload first (the optimizer step stays on the GPU).
+    # Offloaded state is pinned host memory: leave a quarter of the host for the rest.
+    host_share = 0.75 * host_gb / max(1, torch.cuda.device_count())
+    for layers in range(full, 0, -1):
+        for offload in (False, True):
+            est, params = plan(layers, offload)
+            if est.fits and est.host_gb <= host_share:
+                cfg = base if layers == full else VideoDiTConfig.preset(args.preset, num_layers=layers)
+                return cfg, offload, {"estimate": vars(est), "params": params, "host_gb": host_gb, "full_layers": full}
     raise SystemExit(f"no {args.preset}-wide model fits {gpu_gb:.0f} GB at {args.tokens} tokens")
 
 
