@@ -8,5 +8,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "LoadBalanceMonitor": "callback",
+        "FsdpStepTimer": "fsdp_timing",
     },
 )

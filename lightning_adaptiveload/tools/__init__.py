@@ -9,5 +9,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     {
         "SimulationResult": "simulate",
         "StepTimeTable": "simulate",
+        "estimate_memory": "memory",
+        "MemoryEstimate": "memory",
     },
 )
