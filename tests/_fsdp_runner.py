@@ -5,7 +5,7 @@ Launched like torchrun (see ``tests/_ddp_data_runner.launch``). Usage::
     python tests/_fsdp_runner.py CONFIG.json
 
 CONFIG: {"data": shard dir, "out": dir, "world": N, "init_from": weights folder, "runs": [{"name",
-"strategy": "ddp" | "fsdp2" | "fsdp2_unsharded" | "fsdp2_clip" | "ddp_clip", "max_steps", "ckpt_every" |
+"strategy": "ddp" | "fsdp2" | "fsdp2_full" | "fsdp2_unsharded", "max_steps", "ckpt_every" |
 null, "kill_at": global step | null, "resume": checkpoint path | null, "fused": bool, "checkpointing": bool,
 "skew": seconds}], "num_nodes": 1 | world}.
 
@@ -77,7 +77,9 @@ class NoSharding(Recording):
 def _strategy(name: str):
     if name.startswith("ddp"):
         return DDPStrategy(process_group_backend="gloo")
-    return ModelParallelStrategy(process_group_backend="gloo", save_distributed_checkpoint=True)
+    # "fsdp2_full": a full (single-file) checkpoint gathered on rank 0, instead of one file per rank.
+    full = name == "fsdp2_full"
+    return ModelParallelStrategy(process_group_backend="gloo", save_distributed_checkpoint=not full)
 
 
 def main() -> None:

@@ -142,6 +142,13 @@ def small_runs(setup, tmp_path_factory) -> str:
         [
             {"name": "bare", "strategy": "fsdp2_unsharded", "max_steps": 2},
             {"name": "skew", "strategy": "fsdp2", "max_steps": 4, "skew": SKEW_S},
+            {"name": "full", "strategy": "fsdp2_full", "max_steps": 4, "ckpt_every": 2},
+            {
+                "name": "fullres",
+                "strategy": "fsdp2_full",
+                "max_steps": 4,
+                "resume": os.path.join(out, "full-ckpt", "at-2.ckpt"),
+            },
         ],
         timeout=110,
     )
@@ -158,6 +165,16 @@ def test_fsdp2_compute_time_leaves_out_the_wait(small_runs):
     assert len(compute) == 4
     for fast, slow in compute[1:]:  # the first step also initialises FSDP
         assert slow - fast > 0.5 * SKEW_S, compute
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_full_checkpoint_resumes(small_runs):
+    # save_distributed_checkpoint=False: one file gathered on rank 0, loaded back into the shards.
+    assert os.path.isfile(os.path.join(small_runs, "full-ckpt", "at-2.ckpt"))
+    full, resumed = _losses(small_runs, "full"), _losses(small_runs, "fullres")
+    for rank in range(2):
+        assert [s for s, _ in resumed[rank]] == [2, 3], _errors(small_runs, "fullres")
+        torch.testing.assert_close(_column(resumed[rank]), _column(full[rank][2:]), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.timeout(120)
