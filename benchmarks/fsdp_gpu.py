@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import jsonable  # noqa: E402
 
 from lightning_adaptiveload.fusion.core import fuse_norm_modulate  # noqa: E402
-from lightning_adaptiveload.ops import fused_op_status  # noqa: E402
 from lightning_adaptiveload.models.sharding import default_mp_policy, load_full_state_dict, shard_model  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
+from lightning_adaptiveload.ops import fused_op_status  # noqa: E402
 from lightning_adaptiveload.tools.memory import activation_bytes_per_token, estimate_memory  # noqa: E402
 
 
@@ -113,8 +113,14 @@ def _host_memory_gb() -> float:
 def _choose(args, world: int, gpu_gb: float) -> tuple[VideoDiTConfig, bool, dict]:
     base = VideoDiTConfig.preset(args.preset)
     with torch.device("meta"):
-        one_block = sum(p.numel() for p in VideoDiT(VideoDiTConfig.preset(args.preset, num_layers=1)).blocks[0].parameters())
-        rest = sum(p.numel() for p in VideoDiT(VideoDiTConfig.preset(args.preset, num_layers=1)).parameters()) - one_block
+        one_block = sum(
+            p.numel()
+            for p in VideoDiT(VideoDiTConfig.preset(args.preset, num_layers=1)).blocks[0].parameters()
+        )
+        rest = (
+            sum(p.numel() for p in VideoDiT(VideoDiTConfig.preset(args.preset, num_layers=1)).parameters())
+            - one_block
+        )
     host_gb = _host_memory_gb()
 
     def plan(layers: int, offload: bool):
@@ -124,7 +130,11 @@ def _choose(args, world: int, gpu_gb: float) -> tuple[VideoDiTConfig, bool, dict
 
     if args.layers:
         est, params = plan(args.layers, args.offload)
-        return VideoDiTConfig.preset(args.preset, num_layers=args.layers), args.offload, {"estimate": vars(est), "params": params}
+        return (
+            VideoDiTConfig.preset(args.preset, num_layers=args.layers),
+            args.offload,
+            {"estimate": vars(est), "params": params},
+        )
     full = base.num_layers
     # The most blocks that fit; at equal depth, without offload first (the optimizer step stays on the GPU).
     # Offloaded state is pinned host memory: leave a quarter of the host for the rest.
@@ -134,7 +144,11 @@ def _choose(args, world: int, gpu_gb: float) -> tuple[VideoDiTConfig, bool, dict
             est, params = plan(layers, offload)
             if est.fits and est.host_gb <= host_share:
                 cfg = base if layers == full else VideoDiTConfig.preset(args.preset, num_layers=layers)
-                return cfg, offload, {"estimate": vars(est), "params": params, "host_gb": host_gb, "full_layers": full}
+                return (
+                    cfg,
+                    offload,
+                    {"estimate": vars(est), "params": params, "host_gb": host_gb, "full_layers": full},
+                )
     raise SystemExit(f"no {args.preset}-wide model fits {gpu_gb:.0f} GB at {args.tokens} tokens")
 
 
@@ -205,7 +219,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         result.update(
-            device=torch.cuda.get_device_name(), world_size=world, torch=torch.__version__,
+            device=torch.cuda.get_device_name(),
+            world_size=world,
+            torch=torch.__version__,
             time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         os.makedirs(args.out, exist_ok=True)

@@ -95,9 +95,19 @@ def main() -> None:
         pl.seed_everything(1234, verbose=False)  # the noise generator's seed: the same in every launch
         path = os.path.join(out, f"{name}.rank{{}}.jsonl")
         dm = AdaptiveLoadDataModule(
-            train_shards=cfg["data"], max_tokens=run.get("max_tokens", 512), schedule="lockstep", num_workers=0, seed=0
+            train_shards=cfg["data"],
+            max_tokens=run.get("max_tokens", 512),
+            schedule="lockstep",
+            num_workers=0,
+            seed=0,
         )
-        cls = NoSharding if run["strategy"] == "fsdp2_unsharded" else FusedRecording if run.get("fused") else Recording
+        cls = (
+            NoSharding
+            if run["strategy"] == "fsdp2_unsharded"
+            else FusedRecording
+            if run.get("fused")
+            else Recording
+        )
         module = cls(
             path,
             skew=run.get("skew", 0.0),

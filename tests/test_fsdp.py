@@ -32,7 +32,9 @@ SIZES = [9, 4, 7, 5, 8, 3]
 def setup(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fsdp")
     data = str(root / "shards")
-    write_synthetic_shards(data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False)
+    write_synthetic_shards(
+        data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
+    )
     weights = root / "weights"
     weights.mkdir()
     torch.manual_seed(11)
@@ -48,7 +50,12 @@ def setup(tmp_path_factory) -> dict:
 
 def _run(setup: dict, out: str, runs: list[dict], timeout: float = 150, num_nodes: int = 1) -> None:
     os.makedirs(out, exist_ok=True)
-    launch({**setup, "out": out, "world": 2, "runs": runs, "num_nodes": num_nodes}, out, timeout=timeout, script=RUNNER)
+    launch(
+        {**setup, "out": out, "world": 2, "runs": runs, "num_nodes": num_nodes},
+        out,
+        timeout=timeout,
+        script=RUNNER,
+    )
 
 
 def _keys(out: str, name: str) -> list[list[str]]:
@@ -62,12 +69,18 @@ def _losses(out: str, name: str) -> list[list[tuple[int, float]]]:
     rows = []
     for r in range(2):
         path = os.path.join(out, f"{name}.rank{r}.jsonl")
-        rows.append([(d["global_step"], d["loss"]) for d in map(json.loads, open(path))] if os.path.exists(path) else [])
+        rows.append(
+            [(d["global_step"], d["loss"]) for d in map(json.loads, open(path))]
+            if os.path.exists(path)
+            else []
+        )
     return rows
 
 
 def _errors(out: str, name: str) -> list[str]:
-    return [open(p).read() for r in range(2) if os.path.exists(p := os.path.join(out, f"{name}.rank{r}.error"))]
+    return [
+        open(p).read() for r in range(2) if os.path.exists(p := os.path.join(out, f"{name}.rank{r}.error"))
+    ]
 
 
 def _column(rows: list[tuple[int, float]]) -> torch.Tensor:
@@ -84,9 +97,23 @@ def test_fsdp2_matches_ddp_resumes_and_is_timed(setup, tmp_path):
         out,
         [
             {"name": "ddp", "strategy": "ddp", "max_steps": steps, "clip": 1.0},
-            {"name": "fused", "strategy": "fsdp2", "max_steps": 3, "fused": True, "checkpointing": True, "clip": 1.0},
+            {
+                "name": "fused",
+                "strategy": "fsdp2",
+                "max_steps": 3,
+                "fused": True,
+                "checkpointing": True,
+                "clip": 1.0,
+            },
             # Checkpoint at step 3, crash at step 4, resume from the checkpoint in a new Trainer.
-            {"name": "killed", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "ckpt_every": 3, "kill_at": 4},
+            {
+                "name": "killed",
+                "strategy": "fsdp2",
+                "max_steps": steps,
+                "clip": 1.0,
+                "ckpt_every": 3,
+                "kill_at": 4,
+            },
             {"name": "resumed", "strategy": "fsdp2", "max_steps": steps, "clip": 1.0, "resume": ckpt},
         ],
         timeout=220,
@@ -107,7 +134,10 @@ def test_fsdp2_matches_ddp_resumes_and_is_timed(setup, tmp_path):
         torch.testing.assert_close(_column(resumed[rank]), _column(ddp[rank][3:]), **close)
     # Training moved the weights: the losses are not all the same number.
     assert len({round(x, 6) for _, x in ddp[0]}) > 1
-    assert json.load(open(os.path.join(out, "resumed.monitor.json")))["meta"]["timing_method"] == "fsdp2_post_backward"
+    assert (
+        json.load(open(os.path.join(out, "resumed.monitor.json")))["meta"]["timing_method"]
+        == "fsdp2_post_backward"
+    )
     assert json.load(open(os.path.join(out, "ddp.monitor.json")))["meta"]["timing_method"] == "ddp_comm_hook"
 
 
@@ -181,7 +211,10 @@ def test_fsdp2_full_checkpoint_resumes(small_runs):
 def test_model_parallel_strategy_without_sharding_is_refused(small_runs):
     errors = _errors(small_runs, "bare")
     assert len(errors) == 2
-    assert all("UnsupportedStrategyError" in e and "ModelParallelStrategy" in e and "shard_model" in e for e in errors)
+    assert all(
+        "UnsupportedStrategyError" in e and "ModelParallelStrategy" in e and "shard_model" in e
+        for e in errors
+    )
     assert _losses(small_runs, "bare") == [[], []]  # not one step ran
 
 

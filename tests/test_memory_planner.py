@@ -15,11 +15,15 @@ def test_ddp_state_is_twenty_bytes_per_parameter_on_every_gpu():
 
 def test_fsdp2_state_shrinks_with_gpus_down_to_the_gathered_units():
     params, block = 14e9, 0.35e9
-    states = [estimate_memory(params, 141, g, 0, 1.0, "fsdp2", block_params=block).state_gb for g in (1, 2, 8, 64)]
+    states = [
+        estimate_memory(params, 141, g, 0, 1.0, "fsdp2", block_params=block).state_gb for g in (1, 2, 8, 64)
+    ]
     assert states == sorted(states, reverse=True)
     assert states[1] == pytest.approx(params * 16 / 2 / GB + block * 8 / GB)
     offloaded = estimate_memory(params, 141, 1, 0, 1.0, "fsdp2", block_params=block, cpu_offload=True)
-    assert offloaded.state_gb == pytest.approx(block * 8 / GB) and offloaded.host_gb == pytest.approx(params * 16 / GB)
+    assert offloaded.state_gb == pytest.approx(block * 8 / GB) and offloaded.host_gb == pytest.approx(
+        params * 16 / GB
+    )
 
 
 @pytest.mark.parametrize("strategy,gpus", [("ddp", 1), ("fsdp2", 2), ("fsdp2", 8)])
@@ -32,7 +36,9 @@ def test_max_tokens_that_fit_is_the_boundary_of_fits(strategy, gpus):
 
 
 def test_checkpointing_keeps_fewer_activations():
-    assert activation_bytes_per_token(5120, 13824, 40, True) < activation_bytes_per_token(5120, 13824, 40, False)
+    assert activation_bytes_per_token(5120, 13824, 40, True) < activation_bytes_per_token(
+        5120, 13824, 40, False
+    )
 
 
 def test_bad_arguments_are_named():

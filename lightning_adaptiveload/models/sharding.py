@@ -108,11 +108,13 @@ def shard_model(
         ``model`` (now an ``FSDPModule``).
 
     Raises:
-        ShardingError: no mesh, a mesh of another rank, no blocks, or a model already sharded.
+        ShardingError: no mesh or a mesh of more than 2 dimensions, no blocks, or a model already sharded.
     """
     _check_mesh(mesh)
     if is_fsdp2_sharded(model):
-        raise ShardingError(f"shard_model: {type(model).__name__} is already sharded (fully_shard applied twice?)")
+        raise ShardingError(
+            f"shard_model: {type(model).__name__} is already sharded (fully_shard applied twice?)"
+        )
     if blocks is None:
         blocks = getattr(model, "blocks", None)
         if blocks is None:
@@ -135,7 +137,9 @@ def shard_model(
     return model
 
 
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor] | None, device: torch.device) -> None:
+def load_full_state_dict(
+    model: nn.Module, state: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> None:
     """Give a sharded model (on the meta device or not) the weights of a full state dict.
 
     Only rank 0 needs the tensors (``state``; None on the other ranks): they are broadcast and each rank

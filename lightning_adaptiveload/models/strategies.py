@@ -135,5 +135,7 @@ def shard_module_model(module: Any, strategy: Any) -> None:
             problem = f"{type(exc).__name__}: {exc}"
     problem = _dist.broadcast_object(problem)
     if problem is not None:
-        raise UnsupportedStrategyError(f"VideoDiTModule: init_from={path!r} could not be loaded on rank 0: {problem}")
+        raise UnsupportedStrategyError(
+            f"VideoDiTModule: init_from={path!r} could not be loaded on rank 0: {problem}"
+        )
     load_full_state_dict(module.model, state, device)

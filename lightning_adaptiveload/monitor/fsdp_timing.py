@@ -117,12 +117,18 @@ class FsdpStepTimer:
         # FSDP registered its pre-forward with prepend=True when it sharded the unit: ours, prepended now,
         # runs before it; the appended one after it. Likewise for the forward hooks below, whose gradient
         # hooks then sit before and after FSDP's pre-backward hook on the same output tensors.
-        self._handles.append(unit.register_forward_pre_hook(lambda m, a: self._open_wait(("f", key)), prepend=True))
+        self._handles.append(
+            unit.register_forward_pre_hook(lambda m, a: self._open_wait(("f", key)), prepend=True)
+        )
         self._handles.append(unit.register_forward_pre_hook(lambda m, a: self._close_wait(("f", key))))
         self._handles.append(
-            unit.register_forward_hook(lambda m, a, out: self._on_output(out, key, "before", is_root), prepend=True)
+            unit.register_forward_hook(
+                lambda m, a, out: self._on_output(out, key, "before", is_root), prepend=True
+            )
         )
-        self._handles.append(unit.register_forward_hook(lambda m, a, out: self._on_output(out, key, "after", False)))
+        self._handles.append(
+            unit.register_forward_hook(lambda m, a, out: self._on_output(out, key, "after", False))
+        )
 
     def _open_wait(self, key: Any) -> None:
         if self.active:
@@ -166,4 +172,3 @@ def install_fsdp2_timer(clock: Any, model: nn.Module) -> FsdpStepTimer | None:
     """Hook an :class:`FsdpStepTimer` onto the FSDP2 units of ``model``; None if nothing is sharded."""
     roots = fsdp2_roots(model)
     return FsdpStepTimer(clock, roots) if roots else None
-
