@@ -48,6 +48,8 @@ _EXPORTS = {
     "rank_noise_generator": "models.loss",
     "wan_flops_per_batch": "monitor.flops",
     "apply_sample_transform": "data.stream",
+    "shard_model": "models.sharding",
+    "estimate_memory": "tools.memory",
 }
 # `simulate()` lives in `lightning_adaptiveload.tools.simulate`; it is not re-exported here because the
 # submodule of the same name would shadow it once imported.

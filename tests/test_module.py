@@ -289,3 +289,16 @@ def test_validation_loss_is_token_weighted_across_ranks(one_thread):
     # What averaging the ranks' means (self.log with sync_dist=True) gave, clearly apart from it.
     old = sum(rank_means) / len(rank_means)
     assert abs(old - expected) > 100 * 1e-5 * expected, (old, expected)
+
+
+def test_checkpoint_keeps_the_noise_generator_state():
+    # A resumed run must draw the noise the uninterrupted run would have (issue 19: resume, same losses).
+    module = VideoDiTModule()
+    gen = module._noise_gen(torch.device("cpu"))
+    torch.randn(5, generator=gen)
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    expected = torch.randn(5, generator=gen)
+    resumed = VideoDiTModule()
+    resumed.on_load_checkpoint(checkpoint)
+    torch.testing.assert_close(torch.randn(5, generator=resumed._noise_gen(torch.device("cpu"))), expected)

@@ -183,14 +183,25 @@ class VideoDiTModule(L.LightningModule):
     # -- model -------------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
-        """Build the network once (Lightning may call this hook for every stage)."""
+        """Build the network once (Lightning may call this hook for every stage).
+
+        Under Lightning's ``ModelParallelStrategy`` the network is built on the meta device, fused (where
+        ``FusedNormModulateMixin`` is used), given its activation checkpointing, then sharded per block with
+        FSDP2 (:func:`~lightning_adaptiveload.models.sharding.shard_model`) and materialised by the strategy
+        (or loaded from ``init_from``). A strategy that would train without synchronising gradients is
+        refused (:func:`~lightning_adaptiveload.models.strategies.check_strategy`).
+        """
         super().configure_model()
         if self.model is not None:
             return
+        from lightning_adaptiveload.models.strategies import check_strategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        fsdp2 = check_strategy(strategy, self) == "fsdp2"
         with self._init_context():
             self.model = VideoDiT(self.model_config)
         hp = self.hparams
-        if hp.init_from is not None:
+        if hp.init_from is not None and not fsdp2:
             from lightning_adaptiveload.models.pretrained import load_pretrained
 
             load_pretrained(self.model, hp.init_from)
@@ -206,13 +217,17 @@ class VideoDiTModule(L.LightningModule):
             from lightning_adaptiveload.models.acceleration import compile_blocks
 
             compile_blocks(self.model, self.model.blocks, dynamic=True)
+        if fsdp2:
+            from lightning_adaptiveload.models.strategies import shard_module_model
+
+            shard_module_model(self, strategy)
 
     def _init_context(self):
         # FSDP materialises (and shards) a meta-device model unit by unit with each module's
         # reset_parameters(), which give Wan's init; building it eagerly would need the whole fp32 model in
         # host memory on every rank (57 GB for wan-14b).
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
+        if strategy is not None and type(strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy"):
             return torch.device("meta")
         return nullcontext()
 
@@ -254,9 +269,27 @@ class VideoDiTModule(L.LightningModule):
     def _noise_gen(self, device: torch.device) -> torch.Generator:
         if self._noise_generator is None or self._noise_generator.device != device:
             # Lightning seeds every rank identically; the generator is offset by rank.
-            rank = self.global_rank if self._trainer is not None else _dist.rank_and_world()[0]
+            rank, world = _dist.rank_and_world(self._trainer)
             self._noise_generator = rank_noise_generator(device, rank)
+            saved = getattr(self, "_saved_noise_states", None)
+            if saved is not None and len(saved) == world and saved[rank] is not None:
+                # Resumed on the same ranks: draw the noise the uninterrupted run would have drawn.
+                self._noise_generator.set_state(saved[rank])
+            self._saved_noise_states = None
         return self._noise_generator
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save every rank's noise/timestep generator state (one small gather: Lightning calls this on every
+        rank, and rank 0 writes the checkpoint), so that a resumed run continues with the same losses."""
+        gen = self._noise_generator
+        checkpoint["noise_generator_states"] = _dist.all_gather_object(
+            gen.get_state() if gen is not None else None
+        )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Applied when the generator is next made (on the batch's device); ignored for another world size.
+        self._saved_noise_states = checkpoint.get("noise_generator_states")
+        self._noise_generator = None
 
     def compute_loss(
         self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None

@@ -320,11 +320,34 @@ def load_pretrained(model: VideoDiT, path: str | os.PathLike) -> VideoDiT:
     """Copy a Wan 2.1 checkpoint folder's weights into ``model``, strictly; returns ``model``.
 
     The tensors are cast to each parameter's dtype and copied to its device. A model on the meta device
-    (built for FSDP) gets the checkpoint's tensors assigned instead.
+    (built for FSDP) gets the checkpoint's tensors assigned instead. A model sharded with FSDP2 takes them
+    through :func:`~lightning_adaptiveload.models.sharding.load_full_state_dict` instead (with the state of
+    :func:`pretrained_state_dict`).
 
     Raises:
         PretrainedError: listing the missing tensors, the unexpected ones and those whose shapes differ
             (with both shapes); nothing is copied then.
+    """
+    state = pretrained_state_dict(model, path)
+    own = model.state_dict()
+    meta = any(p.is_meta for p in model.parameters())
+    if meta:
+        cast = {k: state[k].to(own[k].dtype) for k in own}
+        model.load_state_dict(cast, strict=True, assign=True)
+    else:
+        with torch.no_grad():
+            model.load_state_dict(state, strict=True)
+    return model
+
+
+def pretrained_state_dict(model: VideoDiT, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict of a Wan 2.1 checkpoint folder in ``model``'s names, checked against ``model``.
+
+    ``model`` may be on the meta device or sharded (its state dict then holds DTensors, whose shapes are
+    the full ones): only names and shapes are compared.
+
+    Raises:
+        PretrainedError: as :func:`load_pretrained`.
     """
     path = os.fspath(path)
     config_file = os.path.join(path, CONFIG_NAME)
@@ -360,14 +383,7 @@ def load_pretrained(model: VideoDiT, path: str | os.PathLike) -> VideoDiT:
             + "; ".join(problems)
             + ". Build the model from the folder's config (VideoDiT.from_pretrained) or fix the overrides"
         )
-    meta = any(p.is_meta for p in model.parameters())
-    if meta:
-        cast = {k: state[k].to(own[k].dtype) for k in own}
-        model.load_state_dict(cast, strict=True, assign=True)
-    else:
-        with torch.no_grad():
-            model.load_state_dict(state, strict=True)
-    return model
+    return state
 
 
 def from_pretrained(

@@ -19,5 +19,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "step_table": "steps",
         "jsonable": "report",
         "write_json": "report",
+        "FsdpStepTimer": "fsdp_timing",
     },
 )

@@ -290,6 +290,8 @@ class LoadBalanceMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending:
             self._flush(trainer, pl_module, log=False)
+        if hasattr(self._bucket_timer, "remove"):  # FSDP2's timing hooks come off; DDP's hook cannot
+            self._bucket_timer.remove()
         if self._bucket_timer is not None:
             # DDP cannot unregister a hook: it stays on the module as a plain all-reduce.
             self._bucket_timer.active = False
@@ -344,6 +346,14 @@ class LoadBalanceMonitor(Callback):
 
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
+            from lightning_adaptiveload.models.strategies import check_sharded
+            from lightning_adaptiveload.monitor import fsdp_timing
+
+            check_sharded(trainer.strategy, model)
+            self._bucket_timer = fsdp_timing.install_fsdp2_timer(self._clock, model)
+            if self._bucket_timer is not None:
+                self._timing_method = "fsdp2_post_backward"
+                return
             if self._world > 1:
                 self._warn_once(
                     "hook",

@@ -113,7 +113,12 @@ class PendingStep:
     def resolve(self, clock: HostClock | CudaClock) -> list[float]:
         """The step's record, in the order of :data:`lightning_adaptiveload.monitor.steps.FIELDS`."""
         step_time = clock.seconds(self.start, self.end)
-        compute = clock.seconds(self.start, self.bucket) if self.bucket is not None else step_time
+        if hasattr(self.bucket, "compute_seconds"):  # FSDP2: the backward's end less the all-gather waits
+            compute = self.bucket.compute_seconds(clock, self.start)
+        elif self.bucket is not None:
+            compute = clock.seconds(self.start, self.bucket)
+        else:
+            compute = step_time
         if self.prev_end is not None:
             iter_time = clock.seconds(self.prev_end, self.end)
             data_time = clock.seconds(self.prev_end, self.start)

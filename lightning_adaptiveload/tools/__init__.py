@@ -15,5 +15,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "Replay": "replay",
         "balance_metrics": "replay",
         "plot_result": "simulate_plots",
+        "estimate_memory": "memory",
+        "MemoryEstimate": "memory",
     },
 )

@@ -1,0 +1,151 @@
+"""Memory planner: an ESTIMATE of what fits on a GPU under DDP and under FSDP2, before anything runs.
+
+Pure arithmetic (no torch, no Lightning). Given a model size, the GPU memory, the GPU count and a token
+budget, :func:`estimate_memory` adds up, per GPU:
+
+* model state, in bytes per parameter, with AdamW and ``bf16-mixed`` training:
+
+  ===================  ======================  ==============================================
+  what                 DDP (replicated)        FSDP2 (sharded over ``gpus``)
+  ===================  ======================  ==============================================
+  fp32 weights         4 (the master weights)  4 / gpus
+  fp32 gradients       4                       4 / gpus
+  AdamW m and v        8                       8 / gpus
+  DDP gradient buckets 4                       --
+  gathered units       --                      (2 + 2 + 4) x one block: bf16 parameters of the
+                                               current and the prefetched block, fp32 gradients
+                                               of the block being reduced
+  ===================  ======================  ==============================================
+
+  (``cpu_offload``: FSDP2's sharded weights, gradients and AdamW state live in host memory instead.)
+* activations: ``max_tokens`` x :func:`activation_bytes_per_token`, a per-token count of what the
+  backward keeps (documented there), or the figure ``calibrate`` measured on the real device.
+
+It ignores the CUDA context and allocator fragmentation (hence ``usable_fraction``), the text encoder
+(the data path feeds precomputed embeddings) and the attention kernel's workspace. Use it to choose the
+strategy and the GPU count; then run ``lightning-adaptiveload calibrate`` on the target GPU for the
+measured ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["MemoryEstimate", "activation_bytes_per_token", "estimate_memory"]
+
+GB = 1e9  # decimal gigabytes: GPU memory is sold in them (H100 80 GB, H200 141 GB)
+
+# Bytes per parameter of the model state (see the module docstring's table).
+_STATE_BYTES = {"weights": 4.0, "grads": 4.0, "adam": 8.0}
+_DDP_BUCKET_BYTES = 4.0
+_GATHERED_BYTES_PER_BLOCK_PARAM = 2.0 + 2.0 + 4.0
+
+
+def activation_bytes_per_token(dim: int, ffn_dim: int, num_layers: int, checkpointing: bool = True) -> float:
+    """Bytes of activations kept per token for the backward (an estimate, bf16 autocast).
+
+    One block's working set, per token, in bf16 (2 bytes): the two modulated norms and their fp32 copies
+    (counted as 4 D), q, k, v and the attention output (4 D), the two output projections (2 D), the
+    cross-attention query and output (2 D), the FFN's hidden layer before and after GELU (2 F) and its
+    output (D), plus the residual stream (fp32, 2 D in bf16 units): ``(15 D + 2 F) x 2`` bytes.
+
+    With full activation checkpointing each block keeps only its input (the fp32 residual stream, 4 D
+    bytes) and one block's working set exists at a time, during its recompute; without it, every block
+    keeps its working set.
+
+    Args:
+        dim: model width D. ffn_dim: FFN hidden width F. num_layers: blocks.
+        checkpointing: every block recomputes its forward in the backward (``activation_checkpointing``).
+    """
+    working_set = (15 * dim + 2 * ffn_dim) * 2.0
+    if checkpointing:
+        return num_layers * 4.0 * dim + working_set
+    return num_layers * working_set
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory, in GB (1e9 bytes), of one configuration; every figure is an estimate.
+
+    Attributes:
+        strategy: ``"ddp"`` or ``"fsdp2"``.
+        state_gb: weights + gradients + AdamW state (+ DDP buckets, or FSDP2's gathered units) on the GPU.
+        activations_gb: ``max_tokens`` x bytes per token.
+        total_gb: their sum. usable_gb: ``gpu_memory_gb x usable_fraction``.
+        fits: ``total_gb <= usable_gb``.
+        max_tokens_that_fit: the largest token budget that fits beside the state (0 if the state alone
+            does not).
+        host_gb: what ``cpu_offload`` keeps in host memory per GPU (0 without it).
+    """
+
+    strategy: str
+    state_gb: float
+    activations_gb: float
+    total_gb: float
+    usable_gb: float
+    fits: bool
+    max_tokens_that_fit: int
+    host_gb: float = 0.0
+
+
+def estimate_memory(
+    params: float,
+    gpu_memory_gb: float,
+    gpus: int,
+    max_tokens: int,
+    bytes_per_token: float,
+    strategy: str = "fsdp2",
+    block_params: float | None = None,
+    cpu_offload: bool = False,
+    usable_fraction: float = 0.9,
+) -> MemoryEstimate:
+    """Estimate one GPU's memory for training ``params`` parameters on ``gpus`` GPUs (see the module docstring).
+
+    Args:
+        params: parameters of the model.
+        gpu_memory_gb: memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200).
+        gpus: GPUs that share the model (FSDP2's shard group; for DDP only its data parallelism).
+        max_tokens: the token budget of one rank's batch.
+        bytes_per_token: activation bytes per token (:func:`activation_bytes_per_token`, or measured).
+        strategy: ``"ddp"`` or ``"fsdp2"``.
+        block_params: parameters of one block (FSDP2's unit); None: ``params / 40``.
+        cpu_offload: FSDP2 only: sharded state in host memory.
+        usable_fraction: share of the GPU memory the allocator can use (context, fragmentation).
+
+    Raises:
+        ValueError: an unknown strategy, ``cpu_offload`` with DDP, or a non-positive size.
+    """
+    if strategy not in ("ddp", "fsdp2"):
+        raise ValueError(f"estimate_memory: strategy must be 'ddp' or 'fsdp2', got {strategy!r}")
+    if cpu_offload and strategy != "fsdp2":
+        raise ValueError("estimate_memory: cpu_offload=True needs strategy='fsdp2' (DDP cannot offload)")
+    if params <= 0 or gpu_memory_gb <= 0 or gpus < 1 or max_tokens < 0 or bytes_per_token <= 0:
+        raise ValueError(
+            f"estimate_memory: need params > 0, gpu_memory_gb > 0, gpus >= 1, max_tokens >= 0 and "
+            f"bytes_per_token > 0, got {params}, {gpu_memory_gb}, {gpus}, {max_tokens}, {bytes_per_token}"
+        )
+    per_param = sum(_STATE_BYTES.values())
+    host = 0.0
+    if strategy == "ddp":
+        state = params * (per_param + _DDP_BUCKET_BYTES)
+    else:
+        unit = block_params if block_params is not None else params / 40
+        sharded = params * per_param / gpus
+        gathered = unit * _GATHERED_BYTES_PER_BLOCK_PARAM
+        state = gathered + (0.0 if cpu_offload else sharded)
+        host = sharded if cpu_offload else 0.0
+    usable = gpu_memory_gb * GB * usable_fraction
+    activations = max_tokens * bytes_per_token
+    total = state + activations
+    room = usable - state
+    return MemoryEstimate(
+        strategy=strategy,
+        state_gb=state / GB,
+        activations_gb=activations / GB,
+        total_gb=total / GB,
+        usable_gb=usable / GB,
+        fits=total <= usable,
+        max_tokens_that_fit=max(0, math.floor(room / bytes_per_token)) if room > 0 else 0,
+        host_gb=host / GB,
+    )
