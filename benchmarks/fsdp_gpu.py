@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import jsonable  # noqa: E402
 
-from lightning_adaptiveload.fusion.core import fuse_norm_modulate  # noqa: E402
+from lightning_adaptiveload.fusion import fuse_norm_modulate  # noqa: E402
 from lightning_adaptiveload.models.sharding import default_mp_policy, load_full_state_dict, shard_model  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.ops import fused_op_status  # noqa: E402

@@ -45,3 +45,21 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     out = torch.empty((world, local.numel()), dtype=torch.float64, device=local.device)
     dist.all_gather_into_tensor(out, local) if local.is_cuda else dist.all_gather(list(out.unbind(0)), local)
     return out.cpu().tolist()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Gather a picklable object from every rank (rare, small payloads such as checkpoint state)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` holds it, on every rank (rare, small payloads)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

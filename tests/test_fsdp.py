@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
-from lightning_adaptiveload.data.shards import write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data import write_synthetic_shards  # noqa: E402
 
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 
