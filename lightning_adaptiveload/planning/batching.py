@@ -318,7 +318,7 @@ class DualConstraintBatcher:
                 f"{min(lens) if lens else 'no'} tokens); raise max_tokens"
             )
         self.cost_model.check_positive(fitting)
-        self._max_compute = min((self.max_tokens // s) * self.cost_model.cost(s) for s in fitting)
+        self._max_compute = min(self.cost_model.batch_cost(self.max_tokens // s, s) for s in fitting)
         self._cache.clear()
         return self._max_compute
 
