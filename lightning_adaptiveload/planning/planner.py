@@ -61,7 +61,7 @@ __all__ = [
 
 Ref = tuple[int, int]
 Stream = tuple[int, int]
-SCHEDULES = ("independent", "lockstep")
+SCHEDULES = ("independent", "lockstep", "packed")
 # A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
 _BALANCE_TOLERANCE = 0.05
 # Splitting stops at this many pieces per stream (each piece is one extra pass over part of a shard).
@@ -596,7 +596,8 @@ def plan_epoch(
             excluded ones included, so that a resumed epoch keeps the cap). ``partial`` must be ``"emit"``.
         seed: shard-order seed (with ``epoch``).
         epoch: epoch number.
-        mode: ``"independent"`` or ``"lockstep"``.
+        mode: ``"independent"``, ``"lockstep"`` or ``"packed"`` (:mod:`~.packed`: one pack of samples of
+            any shapes per rank and step, tokens <= ``max_tokens``, equal pack costs across ranks).
         exclude: sample refs ``(shard_id, sample_id)`` to leave out (already consumed), or
             ``{shard_id: sample_ids}``.
         max_buffered_samples: independent mode: samples a stream may hold decoded (in one worker) while
@@ -643,6 +644,10 @@ def plan_epoch(
         )
     world, workers = int(world_size), max(1, int(num_workers))
     data = _as_input(index_or_shapes)
+    if mode == "packed":  # one pack per rank and step, of any shapes: see planning/packed.py
+        from lightning_adaptiveload.planning.packed import plan_packed
+
+        return plan_packed(data, world, num_workers, batcher, seed, epoch, _exclusions(exclude), underfull, t0)
     batcher.resolve_max_compute(s for shapes in data.shapes for s in shapes)
 
     # Buckets and per-sample bucket ids (-1: oversize, skipped).

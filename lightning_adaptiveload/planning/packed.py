@@ -1,0 +1,425 @@
+"""The ``packed`` schedule: at every step each rank takes one pack of samples of any shapes, and the packs
+of one step cost the same on every rank.
+
+A *pack* is a list of samples whose tokens sum to at most ``max_tokens``; the model runs it as one
+sequence with attention confined to each sample (``docs/data_path.md``, "Packed batches"). The plan is
+built from the index alone, so every rank computes the same one:
+
+1. **Cores.** Samples are sorted by tokens, largest first (ties in the seeded shard order, so that a
+   pack's samples tend to come from few shards). Samples above a *filler threshold* are *cores*; they are
+   packed next-fit in that order, so consecutive core packs hold samples of near-equal size.
+2. **Steps.** Core packs, in that order, are grouped R at a time into steps (plus empty packs, so that
+   the epoch has enough packs for its tokens): the packs of one step have near-equal per-sample
+   quadratic cost, which no filling could otherwise repair.
+3. **Fill.** Each step's target cost is what its cheapest-to-fill pack reaches when filled with small
+   samples; the *fillers* (samples at or below the threshold), largest first, go to the pack furthest
+   below its target that has token room, while they bring it closer. The smallest fillers come last and
+   fine-tune. The threshold is the smallest one whose fillers can cover every step's deficit.
+4. **Leftovers.** Fillers no pack needs form extra steps of R packs, balanced longest-processing-time
+   first (least-cost pack with room).
+5. **Order.** Steps are shuffled (seeded by seed and epoch), so the epoch's order stays mixed; the pack
+   of rank r at step k goes to worker ``k % W``. Each stream reads, pack by pack, the runs of a pack's
+   samples in each shard, so it holds at most one pack of decoded samples (bounded buffering).
+
+Resume works as for the other schedules: :func:`~.planner.consumed_refs` and ``exclude`` replan the rest
+of an epoch for another world size; :func:`~.planner.continue_plan` continues with another worker count.
+Pure Python and NumPy: no Lightning, no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from lightning_adaptiveload.monitor.stats import balance_summary
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher, tokens_per_sample
+from lightning_adaptiveload.planning.cost_model import CostModel
+
+__all__ = ["pack_steps", "plan_packed", "rank_correlation"]
+
+Ref = tuple[int, int]
+# Packs per step are filled to this share of max_tokens when the epoch's pack count is chosen.
+_TARGET_FILL = 0.985
+# Filler thresholds tried: these token-weighted quantiles of the sample sizes.
+_THRESHOLD_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+
+
+def pack_steps(
+    tokens: np.ndarray, costs: np.ndarray, c0: float, max_tokens: int, world: int, order: np.ndarray
+) -> list[list[list[int]]]:
+    """Balanced multi-way packing of samples into steps of ``world`` packs each.
+
+    Args:
+        tokens: int array (N,): tokens of each sample (each <= ``max_tokens``).
+        costs: float array (N,): per-sample cost (the cost model's ``cost(S)``, without ``c0``).
+        c0: cost per pack (added once to every non-empty pack).
+        max_tokens: token capacity of a pack.
+        world: packs per step (ranks).
+        order: int array (N,): tie-break rank of each sample (its position in the seeded read order).
+
+    Returns:
+        ``steps[k][r]``: the sample indices (into ``tokens``) of rank r's pack at step k, in the
+        unshuffled step order. Every sample appears exactly once; every step has ``world`` packs (some
+        possibly empty when there are fewer samples than packs).
+    """
+    n = len(tokens)
+    if n == 0:
+        return []
+    tokens = np.asarray(tokens, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    desc = np.lexsort((order, -tokens))  # largest first, ties in read order
+    best = None
+    for thr in _thresholds(tokens):
+        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, desc, thr)
+        spare = trial["filler_cost"] - trial["deficit"]
+        if best is None or (spare >= 0 and best["filler_cost"] < best["deficit"]) or (spare < 0 and spare > best["filler_cost"] - best["deficit"]):
+            best = trial
+        if spare >= 0:
+            best = trial
+            break
+    assert best is not None
+    packs, step_of, target = best["packs"], best["step_of"], best["target"]
+    fillers = best["fillers"]
+    pack_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.int64)
+    pack_cost = np.array([costs[p].sum() + c0 if p else 0.0 for p in packs], dtype=np.float64)
+    leftover = _fill(fillers, tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of])
+    steps = [[packs[i] for i in range(k * world, (k + 1) * world)] for k in range(len(packs) // world)]
+    steps += _leftover_steps(leftover, tokens, costs, max_tokens, world)
+    return steps
+
+
+def _thresholds(tokens: np.ndarray) -> list[int]:
+    """Filler thresholds to try, smallest first: token-weighted quantiles of the sample sizes."""
+    s = np.sort(tokens)
+    cum = np.cumsum(s) / s.sum()
+    picks = {int(s[min(len(s) - 1, int(np.searchsorted(cum, q)))]) for q in _THRESHOLD_QUANTILES}
+    return sorted(picks)
+
+
+def _cores_and_targets(
+    tokens: np.ndarray,
+    costs: np.ndarray,
+    c0: float,
+    max_tokens: int,
+    world: int,
+    desc: np.ndarray,
+    thr: int,
+) -> dict[str, Any]:
+    """Core packs for filler threshold ``thr``, grouped into steps, with each step's target cost."""
+    is_core = tokens[desc] > thr
+    cores, fillers = desc[is_core], desc[~is_core]
+    packs: list[list[int]] = []
+    room = 0
+    for i in cores.tolist():  # next-fit: consecutive packs hold near-equal sizes
+        t = int(tokens[i])
+        if not packs or t > room:
+            packs.append([])
+            room = max_tokens
+        packs[-1].append(i)
+        room -= t
+    need = math.ceil(int(tokens.sum()) / (max_tokens * _TARGET_FILL))
+    n_packs = max(len(packs), need, world)
+    n_packs = world * math.ceil(n_packs / world)
+    packs += [[] for _ in range(n_packs - len(packs))]
+    ft = tokens[fillers]
+    per_token = float(costs[fillers].sum() / ft.sum()) if len(fillers) else 0.0
+    grain = int(np.median(ft)) if len(fillers) else 0
+    core_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.float64)
+    core_cost = np.array([costs[p].sum() for p in packs], dtype=np.float64)
+    # What each pack reaches when its room is filled with typical fillers (less half a filler of slack).
+    reach = core_cost + np.maximum(0.0, max_tokens - core_tokens - grain / 2) * per_token
+    step_of = np.arange(n_packs) // world
+    target = reach.reshape(-1, world).min(axis=1)
+    deficit = float(np.maximum(0.0, target[step_of] - core_cost).sum())
+    return {
+        "packs": packs,
+        "fillers": fillers,
+        "step_of": step_of,
+        "target": target + c0,
+        "deficit": deficit,
+        "filler_cost": float(costs[fillers].sum()),
+    }
+
+
+def _fill(
+    fillers: np.ndarray,
+    tokens: np.ndarray,
+    costs: np.ndarray,
+    c0: float,
+    max_tokens: int,
+    packs: list[list[int]],
+    pack_tokens: np.ndarray,
+    pack_cost: np.ndarray,
+    target: np.ndarray,
+) -> list[int]:
+    """Give each filler (largest first) to the pack furthest below its target with room; return the rest.
+
+    A filler goes to a pack only while it brings the pack closer to its target (its cost is at most
+    twice the deficit), so each pack ends within half a filler's cost of its target.
+    """
+    # Costs of empty packs count c0 from their first sample; account for it up front.
+    cur = np.where(pack_tokens > 0, pack_cost, c0)
+    heap = [(-(float(target[k]) - float(cur[k])), k) for k in range(len(packs))]
+    heapq.heapify(heap)
+    leftover: list[int] = []
+    for i in fillers.tolist():
+        t, c = int(tokens[i]), float(costs[i])
+        aside = []
+        placed = False
+        while heap:
+            neg_def, k = heap[0]
+            if -neg_def < c / 2:
+                break  # the neediest pack is closer to its target than this filler would leave it
+            heapq.heappop(heap)
+            if pack_tokens[k] + t <= max_tokens:
+                packs[k].append(i)
+                pack_tokens[k] += t
+                heapq.heappush(heap, (neg_def + c, k))
+                placed = True
+                break
+            aside.append((neg_def, k))
+        for item in aside:
+            heapq.heappush(heap, item)
+        if not placed:
+            leftover.append(i)
+    return leftover
+
+
+def _leftover_steps(
+    leftover: list[int], tokens: np.ndarray, costs: np.ndarray, max_tokens: int, world: int
+) -> list[list[list[int]]]:
+    """Extra steps of ``world`` packs from the samples no core pack needed, balanced LPT (largest first)."""
+    if not leftover:
+        return []
+    items = sorted(leftover, key=lambda i: (-costs[i], i))
+    total = int(tokens[items].sum())
+    n_steps = max(1, math.ceil(total / (world * max_tokens * _TARGET_FILL)))
+    while True:
+        packs: list[list[int]] = [[] for _ in range(n_steps * world)]
+        load = [0.0] * len(packs)
+        used = [0] * len(packs)
+        heap = [(0.0, k) for k in range(len(packs))]
+        ok = True
+        for i in items:
+            aside = []
+            while heap and used[heap[0][1]] + int(tokens[i]) > max_tokens:
+                aside.append(heapq.heappop(heap))
+            if not heap:
+                ok = False
+                break
+            _, k = heapq.heappop(heap)
+            packs[k].append(i)
+            used[k] += int(tokens[i])
+            load[k] += float(costs[i])
+            heapq.heappush(heap, (load[k], k))
+            for item in aside:
+                heapq.heappush(heap, item)
+        if ok:
+            break
+        n_steps += 1
+    # Group packs of near-equal cost into steps.
+    by_cost = sorted(range(len(packs)), key=lambda k: (-load[k], k))
+    return [[packs[k] for k in by_cost[s * world : (s + 1) * world]] for s in range(n_steps)]
+
+
+def rank_correlation(x: Iterable[float], y: Iterable[float]) -> float:
+    """Spearman rank correlation of two equal-length sequences (ties get their mean rank; 0.0 when either
+    is constant)."""
+    a = np.asarray(list(x), dtype=np.float64)
+    b = np.asarray(list(y), dtype=np.float64)
+    if len(a) < 2:
+        return 0.0
+    ra, rb = _mean_ranks(a), _mean_ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _mean_ranks(a: np.ndarray) -> np.ndarray:
+    """Ranks 0..n-1 of ``a`` with tied values sharing their mean rank (ordinal ranks would correlate
+    ties with their position)."""
+    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
+    start = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    return (start + (counts - 1) / 2.0)[inverse]
+
+
+def plan_packed(
+    data: Any,
+    world: int,
+    num_workers: int,
+    batcher: DualConstraintBatcher,
+    seed: int,
+    epoch: int,
+    exclude: Mapping[int, Collection[int]],
+    underfull: str,
+    t0: float,
+) -> Any:
+    """The packed schedule's :class:`~.planner.EpochPlan` (called by :func:`~.planner.plan_epoch`).
+
+    Args:
+        data: the planner's input (``.paths``, ``.keys``, ``.shapes`` per shard).
+        world, num_workers, batcher, seed, epoch, underfull: as :func:`~.planner.plan_epoch`.
+        exclude: ``{shard_id: sample_ids}`` already consumed.
+        t0: ``time.perf_counter()`` at the start of planning (for ``report["plan_seconds"]``).
+    """
+    from lightning_adaptiveload.planning.planner import EpochPlan, PlanError, _underfull_message
+
+    workers = max(1, int(num_workers))
+    max_tokens = int(batcher.max_tokens)
+    cost_model: CostModel = batcher.cost_model
+    order = list(range(len(data.shapes)))
+    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
+    position = {shard: k for k, shard in enumerate(order)}
+
+    shape_ids: dict[tuple[int, ...], int] = {}
+    shapes: list[tuple[int, ...]] = []
+    refs: list[Ref] = []
+    sample_shape: list[int] = []
+    oversize = excluded = 0
+    for sid, row in enumerate(data.shapes):
+        gone = exclude.get(sid, ())
+        for i, raw in enumerate(row):
+            shape = tuple(int(x) for x in raw)
+            b = shape_ids.get(shape)
+            if b is None:
+                if len(shape) != 4:
+                    raise ValueError(f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)")
+                b = shape_ids[shape] = len(shapes)
+                shapes.append(shape)
+            s_tok = tokens_per_sample(shape, batcher.patch_size)
+            if s_tok > max_tokens:
+                if i not in gone:
+                    if batcher.oversize == "raise":
+                        raise ValueError(
+                            f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} has {s_tok} tokens, more "
+                            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
+                        )
+                    oversize += 1
+                continue
+            if i in gone:
+                excluded += 1
+                continue
+            refs.append((sid, i))
+            sample_shape.append(b)
+    seq_len = np.array([tokens_per_sample(s, batcher.patch_size) for s in shapes], dtype=np.int64)
+    shape_idx = np.array(sample_shape, dtype=np.int64)
+    tokens = seq_len[shape_idx] if len(refs) else np.zeros(0, dtype=np.int64)
+    costs = cost_model.costs(tokens)
+    if len(refs):
+        cost_model.check_positive(sorted(set(tokens.tolist())))
+    key = np.array([position[s] * (1 << 32) + i for s, i in refs], dtype=np.int64)
+    steps = pack_steps(tokens, costs, cost_model.c0, max_tokens, world, key)
+    rng = np.random.default_rng(abs(hash_seed(seed, epoch)))
+    perm = rng.permutation(len(steps))
+    steps = [steps[k] for k in perm]
+    n_steps = len(steps)
+    if underfull == "error" and refs:
+        per_rank = [sum(len(st[r]) for st in steps) for r in range(world)]
+        if min(per_rank) == 0:
+            raise PlanError(_underfull_message(world, workers, len(data.shapes), len(refs), per_rank))
+
+    streams: dict[tuple[int, int], list[list[Ref]]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    batch_buckets: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
+    batch_steps: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
+    reads: dict[tuple[int, int], list[tuple[int, list[int]]]] = {st: [] for st in streams}
+    smallest = int(np.argmin(seq_len)) if len(shapes) else 0
+    step_tokens = np.zeros((world, n_steps), dtype=np.int64)
+    step_cost = np.zeros((world, n_steps), dtype=np.float64)
+    step_mean_len = np.zeros(n_steps, dtype=np.float64)
+    for k, packs in enumerate(steps):
+        for r, pack in enumerate(packs):
+            st = (r, k % workers)
+            pack_refs = sorted(refs[i] for i in pack)
+            streams[st].append(pack_refs)
+            # The bucket of a pack: that of its largest sample (only types an empty pack's batch).
+            big = max(pack, key=lambda i: (tokens[i], -i)) if pack else -1
+            batch_buckets[st].append(int(shape_idx[big]) if pack else smallest)
+            batch_steps[st].append(k)
+            reads[st].extend(_runs(pack_refs))
+            step_tokens[r, k] = int(tokens[pack].sum()) if pack else 0
+            step_cost[r, k] = cost_model.pack_cost(tokens[pack]) if pack else 0.0
+        n_in_step = sum(len(p) for p in packs)
+        step_mean_len[k] = step_tokens[:, k].sum() / n_in_step if n_in_step else 0.0
+    step_order = [[(k % workers, k // workers) for k in range(n_steps)] for _ in range(world)]
+    global_tokens = step_tokens.sum(axis=0)
+    figures = balance_summary(step_cost.T) if n_steps else {"cv_mean": 0.0, "straggler_wait": 0.0}
+    fill = step_tokens / float(max_tokens)
+    opens = [sum(len(reads[(r, w)]) for w in range(workers)) for r in range(world)]
+    samples_per_rank = [sum(len(b) for w in range(workers) for b in streams[(r, w)]) for r in range(world)]
+    report = {
+        "epoch": int(epoch),
+        "mode": "packed",
+        "world_size": world,
+        "num_workers": int(num_workers),
+        "samples": len(refs),
+        "batches": world * n_steps,
+        "steps": n_steps,
+        "tokens": int(global_tokens.sum()),
+        "padding_tokens": 0,
+        "skipped": {"oversize": oversize} if oversize else {},
+        "excluded": excluded,
+        "empty_batches": int(sum(1 for st in steps for p in st if not p)),
+        "unequal_steps": 0,
+        "lockstep_tail_steps": 0,
+        "reads": int(sum(opens)),
+        "shard_opens_per_rank": float(np.mean(opens)) if opens else 0.0,
+        "max_buffered_samples": int(max((len(p) for st in steps for p in st), default=0)),
+        "max_compute": batcher.max_compute,
+        "est_compute_cv": figures["cv_mean"],
+        "est_straggler_wait": figures["straggler_wait"],
+        "est_wait_share": figures["straggler_wait"],
+        "fill_mean": float(fill.mean()) if n_steps else 0.0,
+        "fill_min": float(fill.min()) if n_steps else 0.0,
+        "order_rank_correlation": rank_correlation(range(n_steps), step_mean_len),
+        "samples_per_rank": samples_per_rank,
+        "plan_seconds": 0.0,
+    }
+    plan = EpochPlan(
+        world_size=world,
+        num_workers=int(num_workers),
+        seed=int(seed),
+        epoch=int(epoch),
+        mode="packed",
+        buckets=[
+            {
+                "shape": shp,
+                "seq_len": int(seq_len[b]),
+                "batch_size": max_tokens // int(seq_len[b]) if seq_len[b] <= max_tokens else 0,
+                "cost": cost_model.cost(int(seq_len[b])),
+                "lockstep_class": -1,
+            }
+            for b, shp in enumerate(shapes)
+        ],
+        streams=streams,
+        batch_buckets=batch_buckets,
+        batch_steps=batch_steps,
+        reads=reads,
+        step_order=step_order,
+        steps=n_steps,
+        global_tokens=[int(x) for x in global_tokens],
+        report=report,
+    )
+    report["plan_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def hash_seed(seed: int, epoch: int) -> int:
+    """A stable 63-bit seed from (seed, epoch) for the step shuffle (independent of PYTHONHASHSEED)."""
+    return random.Random(f"lightning-adaptiveload:packed:{seed}:{epoch}").getrandbits(63)
+
+
+def _runs(pack_refs: list[Ref]) -> list[tuple[int, list[int]]]:
+    """The pack's refs (sorted) as one read per shard: ``[(shard, ids ascending)]``."""
+    out: list[tuple[int, list[int]]] = []
+    for shard, i in pack_refs:
+        if out and out[-1][0] == shard:
+            out[-1][1].append(i)
+        else:
+            out.append((shard, [i]))
+    return out
