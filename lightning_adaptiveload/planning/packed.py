@@ -46,8 +46,11 @@ __all__ = ["pack_steps", "plan_packed", "rank_correlation"]
 Ref = tuple[int, int]
 # Packs per step are filled to this share of max_tokens when the epoch's pack count is chosen.
 _TARGET_FILL = 0.985
-# Filler thresholds tried: these token-weighted quantiles of the sample sizes.
-_THRESHOLD_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+# Filler reserves tried: the smallest samples holding this share of the epoch's tokens are fillers, and
+# core packs leave this share of max_tokens free for them.
+# A filler that fits none of this many neediest packs (token room) goes to the leftover steps.
+_MAX_ASIDE = 64
+_RESERVES = (0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45)
 
 
 def pack_steps(
@@ -74,32 +77,121 @@ def pack_steps(
     tokens = np.asarray(tokens, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
     desc = np.lexsort((order, -tokens))  # largest first, ties in read order
-    best = None
-    for thr in _thresholds(tokens):
-        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, desc, thr)
-        spare = trial["filler_cost"] - trial["deficit"]
-        if best is None or (spare >= 0 and best["filler_cost"] < best["deficit"]) or (spare < 0 and spare > best["filler_cost"] - best["deficit"]):
-            best = trial
-        if spare >= 0:
-            best = trial
-            break
+    asc = desc[::-1]
+    share = np.cumsum(tokens[asc]) / float(tokens.sum())
+    best: tuple[tuple[int, float], list[list[list[int]]]] | None = None
+    for reserve in _RESERVES:
+        n_fill = int(np.searchsorted(share, reserve, side="right"))
+        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, asc[n_fill:], asc[:n_fill][::-1], reserve)
+        steps = _filled_steps(trial, tokens, costs, c0, max_tokens, world)
+        score = (len(steps), _mean_cv(steps, costs, c0))  # fewest steps (fullest packs), then balance
+        if best is None or score < best[0]:
+            best = (score, steps)
     assert best is not None
-    packs, step_of, target = best["packs"], best["step_of"], best["target"]
-    fillers = best["fillers"]
+    return best[1]
+
+
+def _filled_steps(
+    trial: dict[str, Any], tokens: np.ndarray, costs: np.ndarray, c0: float, max_tokens: int, world: int
+) -> list[list[list[int]]]:
+    """Fill one reserve trial's core packs and add the steps of what is left over."""
+    packs, step_of, target = trial["packs"], trial["step_of"], trial["target"]
     pack_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.int64)
     pack_cost = np.array([costs[p].sum() + c0 if p else 0.0 for p in packs], dtype=np.float64)
-    leftover = _fill(fillers, tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of])
+    leftover = _fill(trial["fillers"], tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of])
     steps = [[packs[i] for i in range(k * world, (k + 1) * world)] for k in range(len(packs) // world)]
+    leftover = _layer_fill(leftover, tokens, costs, c0, max_tokens, steps)
     steps += _leftover_steps(leftover, tokens, costs, max_tokens, world)
     return steps
 
 
-def _thresholds(tokens: np.ndarray) -> list[int]:
-    """Filler thresholds to try, smallest first: token-weighted quantiles of the sample sizes."""
-    s = np.sort(tokens)
-    cum = np.cumsum(s) / s.sum()
-    picks = {int(s[min(len(s) - 1, int(np.searchsorted(cum, q)))]) for q in _THRESHOLD_QUANTILES}
-    return sorted(picks)
+def _mean_cv(steps: list[list[list[int]]], costs: np.ndarray, c0: float) -> float:
+    """Mean over steps of the coefficient of variation of the packs' costs (the plan's own estimate)."""
+    cost = np.array([[float(costs[p].sum()) + c0 if p else 0.0 for p in st] for st in steps])
+    mean = cost.mean(axis=1)
+    return float(np.mean(np.where(mean > 0, cost.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)))
+
+
+def _layer_fill(
+    leftover: list[int],
+    tokens: np.ndarray,
+    costs: np.ndarray,
+    c0: float,
+    max_tokens: int,
+    steps: list[list[list[int]]],
+) -> list[int]:
+    """Add the leftover fillers a layer at a time: ``world`` fillers of near-equal size to the ``world``
+    packs of one step with room for all of them (the largest to the cheapest pack), so that the step
+    stays balanced while its packs fill up. Returns the fillers that found no such step.
+    """
+    if not leftover or not steps:
+        return leftover
+    world = len(steps[0])
+    items = sorted(leftover, key=lambda i: (-int(tokens[i]), i))
+    used = np.array([[int(tokens[p].sum()) if p else 0 for p in st] for st in steps], dtype=np.int64)
+    cost = np.array([[float(costs[p].sum()) + (c0 if p else 0.0) for p in st] for st in steps])
+    heap = [(-int(max_tokens - used[k].max()), k) for k in range(len(steps))]
+    heapq.heapify(heap)
+    rest: list[int] = []
+    for start in range(0, len(items) - world + 1, world):
+        chunk = items[start : start + world]
+        need = int(tokens[chunk[0]])  # the largest of the chunk
+        if not heap or -heap[0][0] < need:
+            rest.extend(chunk)
+            continue
+        _, k = heapq.heappop(heap)
+        for i, r in zip(chunk, np.argsort(cost[k], kind="stable").tolist()):
+            steps[k][r].append(i)
+            used[k, r] += int(tokens[i])
+            cost[k, r] += float(costs[i]) + (c0 if used[k, r] == int(tokens[i]) else 0.0)
+        heapq.heappush(heap, (-int(max_tokens - used[k].max()), k))
+    rest.extend(items[len(items) - len(items) % world :] if len(items) % world else [])
+    return rest
+
+
+def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether reserve trial ``a`` fills packs better than ``b`` (estimated tokens / capacity).
+
+    Running out of fillers does not unbalance a step: fillers go to the pack furthest below its target,
+    so every pack ends the same distance below its step's target (water filling).
+    """
+    return a["est_fill"] > b["est_fill"] + 1e-9
+
+
+def _greedy_cores(tokens: np.ndarray, cores_asc: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pack cores (ascending by tokens) into packs of at most ``capacity`` tokens: each pack opens with the
+    largest core left and then takes, while any fits, the largest core that fits its room.
+
+    A union-find over the sorted positions ("largest alive position <= i") makes it O(n log n).
+    """
+    a = tokens[cores_asc]
+    n = len(a)
+    parent = list(range(n + 1))  # position i+1 -> itself while core i is alive; 0 is the sentinel
+
+    def alive_at_or_below(i: int) -> int:  # largest alive position <= i, or -1
+        j = i + 1
+        root = j
+        while parent[root] != root:
+            root = parent[root]
+        while parent[j] != root:
+            parent[j], j = root, parent[j]
+        return root - 1
+
+    packs: list[list[int]] = []
+    for _ in range(n):
+        top = alive_at_or_below(n - 1)
+        if top < 0:
+            break
+        pack = []
+        room = int(capacity)
+        j = top
+        while j >= 0:
+            pack.append(int(cores_asc[j]))
+            room -= int(a[j])
+            parent[j + 1] = j  # remove core j
+            j = alive_at_or_below(int(np.searchsorted(a, room, side="right")) - 1)
+        packs.append(pack)
+    return packs
 
 
 def _cores_and_targets(
@@ -108,21 +200,17 @@ def _cores_and_targets(
     c0: float,
     max_tokens: int,
     world: int,
-    desc: np.ndarray,
-    thr: int,
+    cores_asc: np.ndarray,
+    fillers: np.ndarray,
+    reserve: float,
 ) -> dict[str, Any]:
-    """Core packs for filler threshold ``thr``, grouped into steps, with each step's target cost."""
-    is_core = tokens[desc] > thr
-    cores, fillers = desc[is_core], desc[~is_core]
-    packs: list[list[int]] = []
-    room = 0
-    for i in cores.tolist():  # next-fit: consecutive packs hold near-equal sizes
-        t = int(tokens[i])
-        if not packs or t > room:
-            packs.append([])
-            room = max_tokens
-        packs[-1].append(i)
-        room -= t
+    """Core packs (leaving ``reserve`` of ``max_tokens`` free), grouped into steps, with step targets.
+
+    Packs are sorted by the cost they reach when filled, largest first, and grouped ``world`` at a time,
+    so that the packs of a step, filled, cost the same and are full.
+    """
+    capacity = max(int(tokens.max()), int(max_tokens * (1.0 - reserve)))
+    packs = _greedy_cores(tokens, cores_asc, capacity)
     need = math.ceil(int(tokens.sum()) / (max_tokens * _TARGET_FILL))
     n_packs = max(len(packs), need, world)
     n_packs = world * math.ceil(n_packs / world)
@@ -133,16 +221,26 @@ def _cores_and_targets(
     core_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.float64)
     core_cost = np.array([costs[p].sum() for p in packs], dtype=np.float64)
     # What each pack reaches when its room is filled with typical fillers (less half a filler of slack).
+    # Packs of near-equal reach share a step: filled, they cost the same AND are full.
     reach = core_cost + np.maximum(0.0, max_tokens - core_tokens - grain / 2) * per_token
+    by_reach = np.lexsort((np.arange(n_packs), -reach))
+    packs = [packs[k] for k in by_reach.tolist()]
+    core_cost, reach = core_cost[by_reach], reach[by_reach]
     step_of = np.arange(n_packs) // world
     target = reach.reshape(-1, world).min(axis=1)
-    deficit = float(np.maximum(0.0, target[step_of] - core_cost).sum())
+    gap = np.maximum(0.0, target[step_of] - core_cost)
+    deficit = float(gap.sum())
+    # Fillers beyond what the deficits take form extra steps of their own (filled to _TARGET_FILL).
+    spare_tokens = max(0.0, float(ft.sum()) - deficit / per_token) if per_token > 0 else 0.0
+    extra = world * math.ceil(spare_tokens / (world * max_tokens * _TARGET_FILL))
+    est_fill = float(tokens.sum()) / ((n_packs + extra) * max_tokens)
     return {
         "packs": packs,
         "fillers": fillers,
         "step_of": step_of,
         "target": target + c0,
         "deficit": deficit,
+        "est_fill": est_fill,
         "filler_cost": float(costs[fillers].sum()),
     }
 
@@ -172,7 +270,7 @@ def _fill(
         t, c = int(tokens[i]), float(costs[i])
         aside = []
         placed = False
-        while heap:
+        while heap and len(aside) < _MAX_ASIDE:
             neg_def, k = heap[0]
             if -neg_def < c / 2:
                 break  # the neediest pack is closer to its target than this filler would leave it
