@@ -29,6 +29,7 @@ from lightning_adaptiveload import _dist
 from lightning_adaptiveload.data.shards import MEMBER_REASONS
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate, tokens_per_sample
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.packed_collate import collate_packed
 from lightning_adaptiveload.planning.planner import (
     SCHEDULES,
     EpochPlan,
@@ -188,7 +189,7 @@ class PlannedShardDataset(IterableDataset):
     Args:
         index: the ``ShardIndex`` of the shards.
         batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
-        schedule: ``"independent"`` or ``"lockstep"``.
+        schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (batches of the packed contract).
         seed: shard-order seed.
         num_workers: DataLoader workers per rank the plan is made for.
         on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
@@ -379,7 +380,7 @@ class PlannedShardDataset(IterableDataset):
                 gone = len(refs) - len(members)
                 step = steps[j]
                 if members:
-                    batch = collate(
+                    batch = (collate_packed if plan.mode == "packed" else collate)(
                         members,
                         patch,
                         self.batcher.cost_model,

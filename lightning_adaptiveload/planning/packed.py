@@ -463,6 +463,22 @@ def plan_packed(
         "skipped": {"oversize": oversize} if oversize else {},
         "excluded": excluded,
         "empty_batches": int(sum(1 for st in steps for p in st if not p)),
+        # The bucketed schedules' counters, 0 here (a pack is never split, merged or moved), so that code
+        # reading any plan's report works unchanged.
+        **dict.fromkeys(
+            (
+                "partial_batches",
+                "bound_partial_batches",
+                "split_batches",
+                "merged_batches",
+                "reduced_steps",
+                "moved_samples",
+                "moved_batches",
+                "lockstep_classes",
+                "shard_splits",
+            ),
+            0,
+        ),
         "unequal_steps": 0,
         "lockstep_tail_steps": 0,
         "reads": int(sum(opens)),
