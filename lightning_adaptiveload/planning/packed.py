@@ -88,7 +88,25 @@ def pack_steps(
         if best is None or score < best[0]:
             best = (score, steps)
     assert best is not None
-    return best[1]
+    steps = best[1]
+    _no_idle_rank(steps, costs)
+    return steps
+
+
+def _no_idle_rank(steps: list[list[list[int]]], costs: np.ndarray) -> None:
+    """Give every empty pack a sample from the same step's pack with the most samples (its cheapest).
+
+    An empty pack leaves its rank idle for the step; moving one sample can only lower that pack's cost.
+    """
+    for packs in steps:
+        while True:
+            empty = [r for r, p in enumerate(packs) if not p]
+            donor = max(range(len(packs)), key=lambda r: (len(packs[r]), -r))
+            if not empty or len(packs[donor]) < 2:
+                break
+            i = min(packs[donor], key=lambda j: (costs[j], j))
+            packs[donor].remove(i)
+            packs[empty[0]].append(i)
 
 
 def _filled_steps(
@@ -415,7 +433,9 @@ def plan_packed(
     steps = pack_steps(tokens, costs, cost_model.c0, max_tokens, world, key)
     rng = np.random.default_rng(abs(hash_seed(seed, epoch)))
     perm = rng.permutation(len(steps))
-    steps = [steps[k] for k in perm]
+    # Rotate each step's packs over the ranks, so that a rank is not the one that gets every step's
+    # lightest (or empty) pack.
+    steps = [steps[k][k % world :] + steps[k][: k % world] for k in perm]
     n_steps = len(steps)
     if underfull == "error" and refs:
         per_rank = [sum(len(st[r]) for st in steps) for r in range(world)]
