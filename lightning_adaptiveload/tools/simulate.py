@@ -76,6 +76,7 @@ MODES: dict[str, tuple[str, str]] = {
     "dual": ("independent", "dual"),
     "lockstep": ("lockstep", "dual"),
     "lockstep_equal_tokens": ("lockstep", "equal_tokens"),
+    "packed": ("packed", "equal_tokens"),  # one pack per rank and step (planning/packed.py)
 }
 DEFAULT_MODES = ("equal_tokens", "dual", "lockstep")
 DEFAULT_WORLD_SIZES = (2, 8, 16, 64)
@@ -732,6 +733,27 @@ def _replay(plan: Any, coster: _Coster, plan_cost: CostModel) -> _Replay:
     return _Replay(seconds, tokens, memory, cost, samples, sizes)
 
 
+def _replay_packs(plan: Any, index: Any, coster: _Coster, plan_cost: CostModel) -> _Replay:
+    """:func:`_replay` for a packed plan: a pack's seconds are ``c0 + sum cost(S_i)`` of the pack cost model
+    (a measured table's packs are not measured: its fitted model stands in), plus the step overhead."""
+    times = coster.times if isinstance(coster.times, CostModel) else coster.times.fallback
+    n, world = plan.steps, plan.world_size
+    seconds, cost = np.zeros((n, world)), np.zeros((n, world))
+    tokens = np.zeros((n, world), dtype=np.int64)
+    samples = 0
+    for r in range(world):
+        for k, (w, j) in enumerate(plan.step_order[r]):
+            shapes = [index.shards[s].latent_shapes[i] for s, i in plan.streams[(r, w)][j]]
+            toks = [coster.tokens((int(x[1]), int(x[2]), int(x[3]))) for x in shapes]
+            if not toks:
+                continue
+            seconds[k, r] = times.pack_cost(toks) + coster.overhead_s
+            tokens[k, r] = sum(toks)
+            cost[k, r] = plan_cost.pack_cost(toks)
+            samples += len(toks)
+    return _Replay(seconds, tokens, None, cost, samples, {})
+
+
 def _make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: CostModel, patch) -> Any:
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
@@ -764,7 +786,7 @@ def _run_mode(
     plan = plan_epoch(
         index, world, num_workers, batcher, seed, epoch, mode=schedule, **dict(plan_options or {})
     )
-    rep = _replay(plan, coster, plan_cost)
+    rep = _replay_packs(plan, index, coster, plan_cost) if plan.mode == "packed" else _replay(plan, coster, plan_cost)
     if rep.seconds.shape[0] == 0:
         raise ValueError(
             f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
@@ -797,6 +819,9 @@ def _run_mode(
             "unequal_steps",
             "max_buffered_samples",
             "plan_seconds",
+            "fill_mean",
+            "shard_opens_per_rank",
+            "order_rank_correlation",
         )
     }
     cv, _, _ = stats.balance_rows(rep.seconds)
@@ -1358,7 +1383,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--schedules",
         default=None,
-        help="schedules, comma-separated, from independent,lockstep (default with --modes: independent); "
+        help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: independent); "
         "every schedule is simulated with every mode",
     )
     ap.add_argument(
@@ -1439,7 +1464,7 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
     return [by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
 
 
-_SCHEDULE_NAMES = ("independent", "lockstep")
+_SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 
 
 def _describe(names: Sequence[str], times: Any) -> list[str]:
