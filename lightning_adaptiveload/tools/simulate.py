@@ -820,6 +820,7 @@ def _run_mode(
             "max_buffered_samples",
             "plan_seconds",
             "fill_mean",
+            "reads",
             "shard_opens_per_rank",
             "order_rank_correlation",
         )
