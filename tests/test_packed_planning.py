@@ -93,3 +93,13 @@ def test_rank_correlation_handles_ties():
     # Tied values share their mean rank: ordinal ranks would correlate a constant run with its position.
     assert abs(rank_correlation(range(6), [1, 1, 1, 2, 1, 1])) < 0.5
     assert abs(rank_correlation(range(4), [1, 2, 3, 4]) - 1.0) < 1e-12
+
+
+def test_monitor_step_table_reports_fill():
+    from lightning_adaptiveload.monitor.callback import _FIELDS, _IDX, _step_table
+
+    steps = np.full((2, 2, len(_FIELDS)), 1.0)
+    steps[:, :, _IDX["num_tokens"]] = [[900, 700], [450, 450]]
+    table = _step_table(steps, np.ones(2), np.ones(2), max_tokens=1000.0)
+    np.testing.assert_allclose(table["fill"], [0.8, 0.45])
+    assert np.isnan(_step_table(steps, np.ones(2), np.ones(2))["fill"]).all()  # cap unknown: not made up

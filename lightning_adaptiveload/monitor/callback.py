@@ -96,6 +96,7 @@ _STEP_COLUMNS = (
     "vram_efficiency_min",
     "peak_allocated_gib",
     "peak_reserved_gib",
+    "fill",  # tokens / (ranks * max_tokens) of the data module's batcher (nan when unknown)
 )
 _SUMMARY_ALL_STEPS = (
     "compute_cv",
@@ -110,6 +111,7 @@ _SUMMARY_ALL_STEPS = (
     "vram_efficiency_min",
     "peak_allocated_gib",
     "peak_reserved_gib",
+    "fill",
 )
 _SUMMARY_TIMED_STEPS = (
     "step_time_cv",
@@ -392,6 +394,9 @@ class LoadBalanceMonitor(Callback):
             self._clock = _HostClock()
             self._device_name = self._device.type
         self._peak = self._resolve_peak(trainer)
+        # The memory cap per rank and step, for the per-step fill (packed steps fill it; buckets do not).
+        batcher = getattr(getattr(trainer, "datamodule", None), "batcher", None)
+        self._max_tokens = float(getattr(batcher, "max_tokens", math.nan) or math.nan)
         self._install_comm_hook(trainer)
         self._resolve_flops_source(pl_module)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
@@ -676,7 +681,7 @@ class LoadBalanceMonitor(Callback):
         peaks = steps[:, :, _IDX["peak_allocated_bytes"]]
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
-        table = _step_table(steps, self._peaks_flops, self._totals)
+        table = _step_table(steps, self._peaks_flops, self._totals, getattr(self, "_max_tokens", math.nan))
         if self._rank == 0:
             self._record(steps, table)
         if log:
@@ -720,6 +725,7 @@ class LoadBalanceMonitor(Callback):
             "token_cv",
             "vram_efficiency_mean",
             "vram_efficiency_min",
+            "fill",
         ):
             out[key] = _nanmean(table[key])
         for key in ("step_time_cv", "imbalance", "data_share"):
@@ -940,7 +946,9 @@ def _split_blocks(gathered: list[list[float]]) -> np.ndarray:
     return a
 
 
-def _step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) -> dict[str, np.ndarray]:
+def _step_table(
+    steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray, max_tokens: float = math.nan
+) -> dict[str, np.ndarray]:
     """Statistics across ranks of every step.
 
     Args:
@@ -986,6 +994,7 @@ def _step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) 
     t["vram_efficiency_min"] = eff.min(axis=1)
     t["peak_allocated_gib"] = col("peak_allocated_bytes").max(axis=1) / _GIB
     t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / _GIB
+    t["fill"] = col("num_tokens").mean(axis=1) / max_tokens
     return t
 
 
