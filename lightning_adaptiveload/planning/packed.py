@@ -47,7 +47,7 @@ Ref = tuple[int, int]
 # Packs per step are filled to this share of max_tokens when the epoch's pack count is chosen.
 _TARGET_FILL = 0.985
 # Filler reserves tried: the smallest samples holding this share of the epoch's tokens are fillers, and
-# core packs leave this share of max_tokens free for them.
+# core packs leave this share of max_tokens free for them (or none: both are tried).
 # A filler that fits none of this many neediest packs (token room) goes to the leftover steps.
 _MAX_ASIDE = 64
 _RESERVES = (0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45)
@@ -80,9 +80,11 @@ def pack_steps(
     asc = desc[::-1]
     share = np.cumsum(tokens[asc]) / float(tokens.sum())
     best: tuple[tuple[int, float], list[list[list[int]]]] | None = None
-    for reserve in _RESERVES:
+    # Cores either leave the fillers' share of every pack free, or fill packs to max_tokens (when sample
+    # sizes divide max_tokens, e.g. two 32,760-token clips in 65,520, a uniform reserve would halve them).
+    for reserve, room in [(r, r) for r in _RESERVES] + [(r, 0.0) for r in _RESERVES]:
         n_fill = int(np.searchsorted(share, reserve, side="right"))
-        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, asc[n_fill:], asc[:n_fill][::-1], reserve)
+        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, asc[n_fill:], asc[:n_fill][::-1], room)
         steps = _filled_steps(trial, tokens, costs, c0, max_tokens, world)
         score = (len(steps), _mean_cv(steps, costs, c0))  # fewest steps (fullest packs), then balance
         if best is None or score < best[0]:
