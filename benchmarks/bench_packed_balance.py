@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="8,64,1024")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--schedules", default="packed,lockstep,equal_tokens")
+    parser.add_argument("--configs", default=None, help="mix:max_tokens,... (default: CONFIGS)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = trace_pack_model()
@@ -50,7 +51,10 @@ def main() -> None:
         os.path.dirname(__file__), "results", f"packed_balance_{datetime.date.today().isoformat()}.json"
     )
     rows = []
-    for mix, max_tokens in CONFIGS:
+    configs = CONFIGS
+    if args.configs:
+        configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
+    for mix, max_tokens in configs:
         for world in worlds:
             t0 = time.perf_counter()
             res = simulate(

@@ -33,7 +33,10 @@ def main() -> None:
         "default": CostModel.default(),
         "pack": CostModel.fit_packs(packs, y),
     }
-    out = {"meta": {"trace": os.path.basename(TRACE), "device": meta.get("device"), "n": len(rows)}, "fits": {}}
+    out = {
+        "meta": {"trace": os.path.basename(TRACE), "device": meta.get("device"), "n": len(rows)},
+        "fits": {},
+    }
     for name, model in fits.items():
         pred = np.array([model.pack_cost(p) for p in packs])
         rel = np.abs(pred - y) / y
@@ -42,7 +45,8 @@ def main() -> None:
             "mean_rel_error": float(rel.mean()),
             "max_rel_error": float(rel.max()),
             "points": [
-                {"S": si, "B": bi, "seconds": float(yi), "predicted": float(pi)} for si, bi, yi, pi in zip(s, b, y, pred)
+                {"S": si, "B": bi, "seconds": float(yi), "predicted": float(pi)}
+                for si, bi, yi, pi in zip(s, b, y, pred)
             ],
         }
         print(f"{name:22s} {model.describe():60s} mean {rel.mean():.1%} max {rel.max():.1%}")

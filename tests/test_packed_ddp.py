@@ -42,7 +42,9 @@ class _RecordingModule(VideoDiTModule):
 
 def test_packed_fit_two_ranks(tmp_path):
     data = str(tmp_path / "shards")
-    write_synthetic_shards(data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False)
+    write_synthetic_shards(
+        data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
+    )
     base = str(tmp_path / "rec.rank{}.jsonl")
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
     trainer = pl.Trainer(

@@ -37,7 +37,11 @@ def _check(plan, index, max_tokens, expected: set) -> None:
         for b in batches:
             assert sum(tokens_per_sample(index[s][i]) for s, i in b) <= max_tokens
     for k in range(plan.steps):
-        total = sum(tokens_per_sample(index[s][i]) for r in range(plan.world_size) for s, i in plan.step_batch(r, k)[1])
+        total = sum(
+            tokens_per_sample(index[s][i])
+            for r in range(plan.world_size)
+            for s, i in plan.step_batch(r, k)[1]
+        )
         assert plan.global_tokens[k] == total
 
 

@@ -76,7 +76,7 @@ def test_packed_forward_and_backward_equal_per_sample(checkpointing):
         if r is None:
             assert g is None or torch.count_nonzero(g) == 0, name
             continue
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_samples_do_not_mix():

@@ -36,19 +36,25 @@ __all__ = [
 ]
 
 
-def cu_seqlens(seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+def cu_seqlens(
+    seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Token offsets of a pack: ``[0, S_0, S_0 + S_1, ...]`` as int32 (N + 1,), FlashAttention's layout."""
     lens = torch.as_tensor(seq_lens, dtype=torch.int64, device=device)
     return F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
 
 
-def segment_ids(seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+def segment_ids(
+    seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The sample index of every token of a pack: int64 (sum S_i,), e.g. ``[0, 0, 0, 1, 1]`` for (3, 2)."""
     lens = torch.as_tensor(seq_lens, dtype=torch.int64, device=device)
     return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
 
 
-def packed_rope(model: Any, grids: Sequence[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_rope(
+    model: Any, grids: Sequence[tuple[int, int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines of every sample's own 3-D RoPE, concatenated: each (sum S_i, d/2) float32.
 
     Args:
@@ -73,7 +79,14 @@ def varlen_attention_available() -> bool:
     return hasattr(varlen, "varlen_attn")
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, lens: Sequence[int], backends: Any = None) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    lens: Sequence[int],
+    backends: Any = None,
+) -> torch.Tensor:
     """Self-attention confined to each sample of a pack (block-diagonal), no mask materialised.
 
     Args:
@@ -100,12 +113,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
     start = 0
     for s in lens:
         end = start + int(s)
-        outs.append(_attention.sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], backends=backends))
+        outs.append(
+            _attention.sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], backends=backends)
+        )
         start = end
     return torch.cat(outs, dim=2)
 
 
-def _self_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor, lens: Sequence[int]) -> torch.Tensor:
+def _self_attention(
+    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor, lens: Sequence[int]
+) -> torch.Tensor:
     """The block's :class:`SelfAttention` on a packed sequence x (1, S, D), attention per sample."""
     from lightning_adaptiveload.models.video_dit import apply_rope
 
@@ -117,7 +134,9 @@ def _self_attention(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return attn.o(out.transpose(1, 2).flatten(2))
 
 
-def _cross_attention(attn: Any, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]) -> torch.Tensor:
+def _cross_attention(
+    attn: Any, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]
+) -> torch.Tensor:
     """Each sample's tokens of x (1, S, D) attend to their own text ``ctx[i]`` (N, L, D) only."""
     outs = []
     start = 0
@@ -129,7 +148,17 @@ def _cross_attention(attn: Any, x: torch.Tensor, ctx: torch.Tensor, mask: torch.
     return torch.cat(outs, dim=1)
 
 
-def _block_forward(block: Any, x: torch.Tensor, e0_tok: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: torch.Tensor | None, mask: torch.Tensor | None, cu: torch.Tensor, lens: Sequence[int]) -> torch.Tensor:
+def _block_forward(
+    block: Any,
+    x: torch.Tensor,
+    e0_tok: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ctx: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    cu: torch.Tensor,
+    lens: Sequence[int],
+) -> torch.Tensor:
     """One :class:`DiTBlock` on a pack: x (1, S, D); e0_tok (S, 6, D) fp32 per-token time projection."""
     mod = (block.modulation.float() + e0_tok).transpose(0, 1)[:, None]  # (6, 1, S, D): per-token layout
     shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = mod.unbind(0)
@@ -166,7 +195,9 @@ def packed_forward(
 
     n = len(latents)
     if n == 0 or timestep.shape != (n,):
-        raise ValueError(f"a pack needs N >= 1 latents and timestep of shape (N,) = ({n},), got {tuple(timestep.shape)}")
+        raise ValueError(
+            f"a pack needs N >= 1 latents and timestep of shape (N,) = ({n},), got {tuple(timestep.shape)}"
+        )
     grids = [model._check_input(x[None]) for x in latents]
     lens = [f * h * w for f, h, w in grids]
     device = latents[0].device
@@ -176,7 +207,9 @@ def packed_forward(
         stream_dtype = param_dtype
     else:
         stream_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-    h = torch.cat([model.patch_embedding(x[None].to(param_dtype)).flatten(2).transpose(1, 2) for x in latents], dim=1)
+    h = torch.cat(
+        [model.patch_embedding(x[None].to(param_dtype)).flatten(2).transpose(1, 2) for x in latents], dim=1
+    )
     h = h.to(stream_dtype).contiguous()  # (1, S_total, D)
     seg = segment_ids(lens, device)
     cu = cu_seqlens(lens, device)

@@ -770,7 +770,8 @@ class VideoDiT(nn.Module):
         context_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Predict the flow velocity of a pack: N latents of any shapes as one sequence, each sample
-        attending only to itself and its own text; see :func:`lightning_adaptiveload.models.packing.packed_forward`.
+        attending only to itself and its own text; see
+        :func:`lightning_adaptiveload.models.packing.packed_forward`.
 
         Args: latents: N tensors (C_in, T_i, H_i, W_i); timestep (N,); context (N, L, text_dim) or None;
         context_mask (N, L) bool or None. Returns N tensors (C_out, T_i, H_i, W_i).

@@ -129,7 +129,8 @@ class CostModel:
         if self.kind == "power":
             return f"CostModel(kind='power', p={self.p!r}, scale={self.scale!r}" + tail
         return (
-            f"CostModel(kind='quadratic', alpha={self.alpha!r}, beta={self.beta!r}, gamma={self.gamma!r}" + tail
+            f"CostModel(kind='quadratic', alpha={self.alpha!r}, beta={self.beta!r}, gamma={self.gamma!r}"
+            + tail
         )
 
     def check_positive(self, seq_lens: Sequence[int]) -> None:
@@ -181,7 +182,9 @@ class CostModel:
                 f"cost_model must be a mapping such as {{'kind': 'power', 'p': 1.5}}, got {data!r}"
             )
         kind = data.get("kind", "quadratic")
-        allowed = {"kind", "fit_info", "c0"} | ({"p", "scale"} if kind == "power" else {"alpha", "beta", "gamma"})
+        allowed = {"kind", "fit_info", "c0"} | (
+            {"p", "scale"} if kind == "power" else {"alpha", "beta", "gamma"}
+        )
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(
@@ -350,7 +353,9 @@ class CostModel:
         lens = [np.asarray(p, dtype=np.float64) for p in packs]
         for k, p in enumerate(lens):
             if p.size == 0 or not np.all(np.isfinite(p)) or np.any(p <= 0):
-                raise ValueError(f"packs[{k}] = {list(packs[k])!r} must hold at least one positive token count")
+                raise ValueError(
+                    f"packs[{k}] = {list(packs[k])!r} must hold at least one positive token count"
+                )
         cols = {
             "c0": np.ones_like(y),
             "alpha": np.array([p.sum() for p in lens]),

@@ -84,7 +84,9 @@ def pack_steps(
     # sizes divide max_tokens, e.g. two 32,760-token clips in 65,520, a uniform reserve would halve them).
     for reserve, room in [(r, r) for r in _RESERVES] + [(r, 0.0) for r in _RESERVES]:
         n_fill = int(np.searchsorted(share, reserve, side="right"))
-        trial = _cores_and_targets(tokens, costs, c0, max_tokens, world, asc[n_fill:], asc[:n_fill][::-1], room)
+        trial = _cores_and_targets(
+            tokens, costs, c0, max_tokens, world, asc[n_fill:], asc[:n_fill][::-1], room
+        )
         steps = _filled_steps(trial, tokens, costs, c0, max_tokens, world)
         score = (len(steps), _mean_cv(steps, costs, c0))  # fewest steps (fullest packs), then balance
         if best is None or score < best[0]:
@@ -118,7 +120,9 @@ def _filled_steps(
     packs, step_of, target = trial["packs"], trial["step_of"], trial["target"]
     pack_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.int64)
     pack_cost = np.array([costs[p].sum() + c0 if p else 0.0 for p in packs], dtype=np.float64)
-    leftover = _fill(trial["fillers"], tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of])
+    leftover = _fill(
+        trial["fillers"], tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of]
+    )
     steps = [[packs[i] for i in range(k * world, (k + 1) * world)] for k in range(len(packs) // world)]
     leftover = _layer_fill(leftover, tokens, costs, c0, max_tokens, steps)
     steps += _leftover_steps(leftover, tokens, costs, max_tokens, world)
@@ -407,7 +411,9 @@ def plan_packed(
             b = shape_ids.get(shape)
             if b is None:
                 if len(shape) != 4:
-                    raise ValueError(f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)")
+                    raise ValueError(
+                        f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)"
+                    )
                 b = shape_ids[shape] = len(shapes)
                 shapes.append(shape)
             s_tok = tokens_per_sample(shape, batcher.patch_size)
@@ -444,7 +450,9 @@ def plan_packed(
         if min(per_rank) == 0:
             raise PlanError(_underfull_message(world, workers, len(data.shapes), len(refs), per_rank))
 
-    streams: dict[tuple[int, int], list[list[Ref]]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    streams: dict[tuple[int, int], list[list[Ref]]] = {
+        (r, w): [] for r in range(world) for w in range(workers)
+    }
     batch_buckets: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
     batch_steps: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
     reads: dict[tuple[int, int], list[tuple[int, list[int]]]] = {st: [] for st in streams}

@@ -647,7 +647,8 @@ def plan_epoch(
     if mode == "packed":  # one pack per rank and step, of any shapes: see planning/packed.py
         from lightning_adaptiveload.planning.packed import plan_packed
 
-        return plan_packed(data, world, num_workers, batcher, seed, epoch, _exclusions(exclude), underfull, t0)
+        excl = _exclusions(exclude)
+        return plan_packed(data, world, num_workers, batcher, seed, epoch, excl, underfull, t0)
     batcher.resolve_max_compute(s for shapes in data.shapes for s in shapes)
 
     # Buckets and per-sample bucket ids (-1: oversize, skipped).

@@ -786,7 +786,10 @@ def _run_mode(
     plan = plan_epoch(
         index, world, num_workers, batcher, seed, epoch, mode=schedule, **dict(plan_options or {})
     )
-    rep = _replay_packs(plan, index, coster, plan_cost) if plan.mode == "packed" else _replay(plan, coster, plan_cost)
+    if plan.mode == "packed":
+        rep = _replay_packs(plan, index, coster, plan_cost)
+    else:
+        rep = _replay(plan, coster, plan_cost)
     if rep.seconds.shape[0] == 0:
         raise ValueError(
             f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
@@ -1384,7 +1387,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--schedules",
         default=None,
-        help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: independent); "
+        help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: "
+        "independent); "
         "every schedule is simulated with every mode",
     )
     ap.add_argument(
