@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "DualConstraintBatcher": "batching",
         "EpochPlan": "planner",
         "collate": "batching",
+        "collate_packed": "packed_collate",
         "plan_epoch": "planner",
         "tokens_per_sample": "batching",
     },
