@@ -593,7 +593,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ``{"kind": "power", "p": 1.5}``); None: :meth:`CostModel.default`.
         mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
         schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
-            take the same bucket class and batch size at every step).
+            take the same bucket class and batch size at every step) or ``"packed"`` (one pack of samples of
+            any shapes per rank and step, equal pack costs; batches of the packed contract, see
+            ``docs/data_path.md``).
         patch_size: the model's (pt, ph, pw).
         num_workers: DataLoader workers per rank.
         seed: seeds the shard order of every epoch (with the epoch number).
