@@ -107,3 +107,16 @@ def test_monitor_step_table_reports_fill():
     table = _step_table(steps, np.ones(2), np.ones(2), max_tokens=1000.0)
     np.testing.assert_allclose(table["fill"], [0.8, 0.45])
     assert np.isnan(_step_table(steps, np.ones(2), np.ones(2))["fill"]).all()  # cap unknown: not made up
+
+
+def test_packed_oversize_raises_or_skips():
+    import pytest
+
+    index = [[(16, 9, 10, 10), (16, 1, 8, 12)], [(16, 1, 10, 10)]]  # 225, 24 and 25 tokens
+    strict = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST)
+    with pytest.raises(ValueError, match="shard 0, sample #0.*225 tokens"):
+        plan_epoch(index, 1, 0, strict, seed=0, epoch=0, mode="packed")
+    lenient = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST, oversize="skip")
+    plan = plan_epoch(index, 1, 0, lenient, seed=0, epoch=0, mode="packed")
+    assert plan.report["skipped"] == {"oversize": 1}
+    assert sorted(ref for b in plan.rank_batches(0) for ref in b) == [(0, 1), (1, 0)]

@@ -371,6 +371,52 @@ def _mean_ranks(a: np.ndarray) -> np.ndarray:
     return (start + (counts - 1) / 2.0)[inverse]
 
 
+def _collect(
+    data: Any, batcher: DualConstraintBatcher, exclude: Mapping[int, Collection[int]]
+) -> tuple[list[tuple[int, ...]], list[Ref], list[int], int, int]:
+    """The samples to pack: ``(shapes, refs, shape id per ref, oversize count, excluded count)``.
+
+    Raises:
+        ValueError: a latent that is not (C, T, H, W), or an oversize one under ``oversize="raise"``.
+    """
+    max_tokens = int(batcher.max_tokens)
+    tokens_of: dict[tuple[int, ...], int] = {}
+    shape_ids: dict[tuple[int, ...], int] = {}
+    shapes: list[tuple[int, ...]] = []
+    refs: list[Ref] = []
+    sample_shape: list[int] = []
+    oversize = excluded = 0
+    for sid, row in enumerate(data.shapes):
+        gone = exclude.get(sid, ())
+        for i, raw in enumerate(row):
+            shape = tuple(int(x) for x in raw)
+            b = shape_ids.get(shape)
+            if b is None:
+                if len(shape) != 4:
+                    raise ValueError(
+                        f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)"
+                    )
+                b = shape_ids[shape] = len(shapes)
+                shapes.append(shape)
+                tokens_of[shape] = tokens_per_sample(shape, batcher.patch_size)
+            s_tok = tokens_of[shape]
+            if s_tok > max_tokens:
+                if i not in gone:
+                    if batcher.oversize == "raise":
+                        raise ValueError(
+                            f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} has {s_tok} tokens, more "
+                            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
+                        )
+                    oversize += 1
+                continue
+            if i in gone:
+                excluded += 1
+                continue
+            refs.append((sid, i))
+            sample_shape.append(b)
+    return shapes, refs, sample_shape, oversize, excluded
+
+
 def plan_packed(
     data: Any,
     world: int,
@@ -399,38 +445,7 @@ def plan_packed(
     random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
     position = {shard: k for k, shard in enumerate(order)}
 
-    shape_ids: dict[tuple[int, ...], int] = {}
-    shapes: list[tuple[int, ...]] = []
-    refs: list[Ref] = []
-    sample_shape: list[int] = []
-    oversize = excluded = 0
-    for sid, row in enumerate(data.shapes):
-        gone = exclude.get(sid, ())
-        for i, raw in enumerate(row):
-            shape = tuple(int(x) for x in raw)
-            b = shape_ids.get(shape)
-            if b is None:
-                if len(shape) != 4:
-                    raise ValueError(
-                        f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)"
-                    )
-                b = shape_ids[shape] = len(shapes)
-                shapes.append(shape)
-            s_tok = tokens_per_sample(shape, batcher.patch_size)
-            if s_tok > max_tokens:
-                if i not in gone:
-                    if batcher.oversize == "raise":
-                        raise ValueError(
-                            f"{data.paths[sid]}, sample #{i}: latent shape {list(shape)} has {s_tok} tokens, more "
-                            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
-                        )
-                    oversize += 1
-                continue
-            if i in gone:
-                excluded += 1
-                continue
-            refs.append((sid, i))
-            sample_shape.append(b)
+    shapes, refs, sample_shape, oversize, excluded = _collect(data, batcher, exclude)
     seq_len = np.array([tokens_per_sample(s, batcher.patch_size) for s in shapes], dtype=np.int64)
     shape_idx = np.array(sample_shape, dtype=np.int64)
     tokens = seq_len[shape_idx] if len(refs) else np.zeros(0, dtype=np.int64)
