@@ -18,6 +18,7 @@ from lightning_adaptiveload.planning.cost_model import CostModel
 HERE = os.path.dirname(__file__)
 TRACE = os.path.join(HERE, "results", "trace_wan13b_h100_2026-11-23.jsonl")
 OUT = os.path.join(HERE, "results", "pack_cost_fit_h100_2026-11-23.json")
+ANCHOR = "/work/shared/anchors/trace_wan13b_h100_2026-11-22.txt"
 
 
 def main() -> None:
@@ -57,6 +58,28 @@ def main() -> None:
     spread = [max(v) / min(v) - 1 for v in groups.values() if len(v) > 1]
     out["repeat_spread_max"] = max(spread) if spread else 0.0
     print(f"largest spread between repeats of one (S, B): {out['repeat_spread_max']:.1%}")
+    # The 2026-11-22 anchor trace (shared/anchors; equal-token packs only, so c0 is barely identifiable).
+    if os.path.exists(ANCHOR):
+        arows = [json.loads(line) for line in open(ANCHOR) if line.startswith("{")]
+        ay = np.array([r["ms"] / 1e3 for r in arows])
+        apacks = [[r["S"]] * r["B"] for r in arows]
+        out["anchor"] = {}
+        for name, model in {
+            "quadratic_per_sample": CostModel.fit(
+                [r["S"] for r in arows], ay, batch_sizes=[r["B"] for r in arows]
+            ),
+            "power_per_sample": CostModel.fit(
+                [r["S"] for r in arows], ay, kind="power", batch_sizes=[r["B"] for r in arows]
+            ),
+            "pack": CostModel.fit_packs(apacks, ay),
+        }.items():
+            rel = np.abs(np.array([model.pack_cost(p) for p in apacks]) - ay) / ay
+            out["anchor"][name] = {
+                "model": model.describe(),
+                "mean_rel_error": float(rel.mean()),
+                "max_rel_error": float(rel.max()),
+            }
+            print(f"anchor {name:15s} {model.describe():60s} mean {rel.mean():.1%} max {rel.max():.1%}")
     with open(OUT, "w") as f:
         json.dump(out, f, indent=1)
 
