@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
-from lightning_adaptiveload.data import write_synthetic_shards  # noqa: E402
 
+from lightning_adaptiveload.data import write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -56,7 +56,7 @@ def take(dm: AdaptiveLoadDataModule, n: int | None, monkeypatch, rank: int, worl
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["independent", "lockstep"])
+@pytest.mark.parametrize("schedule", ["independent", "lockstep", "packed"])
 @pytest.mark.parametrize(
     ("world", "new_world", "workers", "new_workers"), [(2, 2, 0, 2), (2, 3, 2, 0), (3, 1, 0, 0)]
 )

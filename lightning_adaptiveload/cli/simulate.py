@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--schedules",
         default=None,
-        help="schedules, comma-separated, from independent,lockstep (default with --modes: independent); "
+        help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: independent); "
         "every schedule is simulated with every mode",
     )
     ap.add_argument(
@@ -144,7 +144,7 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
     return [by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
 
 
-_SCHEDULE_NAMES = ("independent", "lockstep")
+_SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 
 
 def _describe(names: Sequence[str], times: Any) -> list[str]:

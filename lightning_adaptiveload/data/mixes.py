@@ -13,6 +13,9 @@ A mix is a JSON file with a list of buckets; each bucket is one latent shape (C,
   distribution): same channels, frame rule and shares, latents (16, T, H, W) with T in {1, 3, 5, 9}
   and H x W in {8x12, 12x8, 10x10}, 24 to 225 tokens per sample.
 
+- ``native_480p``: native resolution, no classes: 1,024 shapes of continuous aspect ratio, area and
+  duration (``benchmarks/make_native_mix.py``), 768 to 32,634 tokens per sample.
+
 ``mixes/README.md`` keeps the same provenance notes beside the files.
 
 File format::

@@ -17,6 +17,7 @@ from lightning_adaptiveload.data.format import MEMBER_REASONS
 from lightning_adaptiveload.data.reader import iter_shard
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.packed_collate import collate_packed
 from lightning_adaptiveload.planning.plan import EpochPlan
 
 __all__ = ["apply_sample_transform", "empty_batch", "stream_batches"]
@@ -147,7 +148,7 @@ def stream_batches(
                 members = [apply_sample_transform(sample_transform, m, patch) for m in members]
             step = steps[j]
             if members:
-                batch = collate(
+                batch = (collate_packed if plan.mode == "packed" else collate)(
                     members, patch, batcher.cost_model, plan.global_tokens[step], text_pad_to=text_pad_to
                 )
             else:

@@ -250,10 +250,12 @@ class VideoDiTModule(L.LightningModule):
 
         Used by :class:`~lightning_adaptiveload.LoadBalanceMonitor`; counts the padded text length.
         """
-        b, c, t, h, w = batch["latents"].shape
-        pt, ph, pw = self.model_config.patch_size
         text = batch.get("text")
         text_len = 0 if text is None else int(text.shape[1])
+        if batch.get("packed"):  # attention is per sample: the pack's FLOPs are the samples' sum
+            return 3.0 * sum(self.flops(1, int(s), text_len) for s in batch["seq_lens"])
+        b, c, t, h, w = batch["latents"].shape
+        pt, ph, pw = self.model_config.patch_size
         return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len)
 
     # -- loss --------------------------------------------------------------------------------------
@@ -307,6 +309,8 @@ class VideoDiTModule(L.LightningModule):
             per-token mean, see the module docstring); ``mse`` is this rank's per-token mean squared error,
             detached, for logging.
         """
+        if batch.get("packed"):  # the packed contract: a list of latents of any shapes
+            return self._compute_loss_packed(batch, noise, t)
         model = self._require_model()
         x0 = batch["latents"].float()
         b = x0.shape[0]
@@ -350,11 +354,45 @@ class VideoDiTModule(L.LightningModule):
         # max(.., 1): a batch whose samples were all skipped at read time has no tokens (and adds nothing).
         return loss, (token_sq_err_sum / max(local_tokens, 1)).detach()
 
+    def _compute_loss_packed(
+        self, batch: dict, noise: list[torch.Tensor] | None, t: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_loss` for a pack (``docs/data_path.md``, "Packed batches"): one timestep and one
+        noise draw per sample, the same token-weighted loss as the samples in separate batches."""
+        from lightning_adaptiveload.models.packing import flow_loss_packed
+
+        latents = batch["latents"]
+        device = latents[0].device
+        n = len(latents)
+        if t is None:
+            t = sample_timesteps(
+                n,
+                self.hparams.timestep_sampling,
+                self.hparams.shift,
+                self.hparams.sigmoid_scale,
+                generator=self._noise_gen(device),
+                device=device,
+            )
+        if noise is None:
+            noise = [torch.randn(x.shape, generator=self._noise_gen(device), device=device) for x in latents]
+        err, local_tokens = flow_loss_packed(
+            self._require_model(),
+            latents,
+            t.to(device=device, dtype=torch.float32),
+            noise,
+            self.hparams.num_train_timesteps,
+            batch.get("text"),
+            batch.get("text_mask"),
+        )
+        world = self._world_size()
+        global_tokens = self._global_tokens(batch, local_tokens, world)
+        return err * (world / max(global_tokens, 1)), (err / max(local_tokens, 1)).detach()
+
     # -- Lightning hooks ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, mse = self.compute_loss(batch)
-        b = max(1, int(batch["latents"].shape[0]))
+        b = max(1, len(batch["latents"]))  # a tensor (bucketed) or a list (packed)
         self.log("train/loss", mse, on_step=True, on_epoch=False, prog_bar=True, batch_size=b)
         self.log("train/lr", self._current_lr(), on_step=True, on_epoch=False, batch_size=b)
         return loss

@@ -762,6 +762,24 @@ class VideoDiT(nn.Module):
             out = out + 0.0 * sum(p.sum() for p in self._text_path_parameters()).to(out.dtype)
         return out
 
+    def forward_packed(
+        self,
+        latents: list[torch.Tensor],
+        timestep: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Predict the flow velocity of a pack: N latents of any shapes as one sequence, each sample
+        attending only to itself and its own text; see
+        :func:`lightning_adaptiveload.models.packing.packed_forward`.
+
+        Args: latents: N tensors (C_in, T_i, H_i, W_i); timestep (N,); context (N, L, text_dim) or None;
+        context_mask (N, L) bool or None. Returns N tensors (C_out, T_i, H_i, W_i).
+        """
+        from lightning_adaptiveload.models.packing import packed_forward
+
+        return packed_forward(self, latents, timestep, context, context_mask)
+
     def _text_path_parameters(self) -> list[nn.Parameter]:
         params = list(self.text_embedding.parameters())
         for block in self.blocks:

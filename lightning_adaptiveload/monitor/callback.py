@@ -164,6 +164,7 @@ class LoadBalanceMonitor(Callback):
         self._rank, self._world = 0, 1
         self._device = torch.device("cpu")
         self._clock: HostClock | CudaClock = HostClock()
+        self._max_tokens = math.nan  # the batcher's cap, read at train start (for the per-step fill)
         self._bucket_timer: BucketTimer | None = None
         self._timing_method = "step"
         self._flops: BatchFlops | None = None
@@ -209,6 +210,9 @@ class LoadBalanceMonitor(Callback):
             self._clock = HostClock()
             self._device_name = self._device.type
         self._peak = self._resolve_peak(trainer)
+        # The memory cap per rank and step, for the per-step fill (packed steps fill it; buckets do not).
+        batcher = getattr(getattr(trainer, "datamodule", None), "batcher", None)
+        self._max_tokens = float(getattr(batcher, "max_tokens", math.nan) or math.nan)
         self._install_comm_hook(trainer)
         self._flops = BatchFlops(pl_module, self.flops_fn, self.count_flops, self._warn_once)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
@@ -431,7 +435,7 @@ class LoadBalanceMonitor(Callback):
         peaks = steps[:, :, step_table.FIELD_INDEX["peak_allocated_bytes"]]
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
-        table = step_table.step_table(steps, self._peaks_flops, self._totals)
+        table = step_table.step_table(steps, self._peaks_flops, self._totals, self._max_tokens)
         if self._rank == 0:
             self._record(steps, table)
         if log:

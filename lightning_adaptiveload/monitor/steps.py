@@ -94,6 +94,7 @@ STEP_COLUMNS = (
     "vram_efficiency_min",
     "peak_allocated_gib",
     "peak_reserved_gib",
+    "fill",  # mean over ranks of tokens / max_tokens of the data module's batcher (nan when unknown)
 )
 # Summarised over every step: the work balance, then iteration time and the table's rates and memory.
 _SUMMARY_ALL_STEPS = (
@@ -152,13 +153,16 @@ def split_blocks(gathered: list[list[float]]) -> np.ndarray:
     return a
 
 
-def step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) -> dict[str, np.ndarray]:
+def step_table(
+    steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray, max_tokens: float = math.nan
+) -> dict[str, np.ndarray]:
     """Statistics across ranks of every step.
 
     Args:
         steps: float64 (steps, ranks, NUM_FIELDS), the gathered records.
         peaks_flops: float64 (ranks,), dense peak FLOP/s of each rank's device (nan if unknown).
         totals: float64 (ranks,), device memory in bytes (nan without CUDA).
+        max_tokens: the batcher's token cap per rank and step, for ``fill`` (nan: unknown).
 
     Returns:
         One float64 array of shape (steps,) per name of :data:`STEP_COLUMNS`; nan where a value is unknown.
@@ -198,6 +202,7 @@ def step_table(steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray) -
     t["vram_efficiency_min"] = eff.min(axis=1)
     t["peak_allocated_gib"] = col("peak_allocated_bytes").max(axis=1) / GIB
     t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / GIB
+    t["fill"] = col("num_tokens").mean(axis=1) / max_tokens
     return t
 
 
@@ -245,7 +250,14 @@ def window_metrics(
     """
     timed = table["counted"] == 0
     out: dict[str, float] = {}
-    for key in ("compute_cv", "compute_imbalance", "token_cv", "vram_efficiency_mean", "vram_efficiency_min"):
+    for key in (
+        "compute_cv",
+        "compute_imbalance",
+        "token_cv",
+        "vram_efficiency_mean",
+        "vram_efficiency_min",
+        "fill",
+    ):
         out[key] = _nanmean(table[key])
     for key in ("step_time_cv", "imbalance", "data_share"):
         out[key] = _nanmean(table[key][timed])

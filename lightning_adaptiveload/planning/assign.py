@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_adaptiveload.planning.plan import Read, Stream
 
-__all__ = ["Piece", "assign", "reads_of", "shard_pieces"]
+__all__ = ["Piece", "assign", "exclusions", "reads_of", "shard_pieces"]
 
 # A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
 _BALANCE_TOLERANCE = 0.05
@@ -35,7 +35,7 @@ class Piece:
     cost: float
 
 
-def _exclusions(exclude: Any) -> dict[int, set[int]]:
+def exclusions(exclude: Any) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
     if exclude is None:
         return out
@@ -66,7 +66,7 @@ def shard_pieces(
     order = list(range(len(bucket_of)))
     random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
     position = {shard: k for k, shard in enumerate(order)}
-    excl = _exclusions(exclude)
+    excl = exclusions(exclude)
     pieces: list[Piece] = []
     n_excluded = 0
     for sid, row in enumerate(bucket_of):

@@ -8,15 +8,22 @@ Two forms:
 - ``"power"``: ``cost(S) = scale * S**p``, the AdaptiveLoad paper's form (``scale = 1`` when p is set by
   hand; then the unit is "token^p").
 
-The cost of a batch of B samples of S tokens is ``B * cost(S)`` (:meth:`CostModel.batch_cost`).
-:meth:`CostModel.fit` fits either form by least squares to measured ``(S, seconds)`` pairs. Plain Python
-and NumPy: no Lightning, no torch.
+Both forms take a per-pack (per-step) constant ``c0``: the cost of one step that runs samples of token
+counts ``S_1..S_n`` (a batch of one shape, or a *pack* of mixed shapes) is
+``c0 + sum_i cost(S_i)`` (:meth:`CostModel.pack_cost`; :meth:`CostModel.batch_cost` for B equal samples).
+``c0`` is the fixed cost of a step (kernel launches, optimizer-independent per-step work, the text
+encoder's share...): one 1,560-token image takes 0.47 s on an H100 but 21 of them only 1.65 s, which no
+per-sample form can express. ``c0 = 0`` (the default) gives the per-sample models exactly as before.
+
+:meth:`CostModel.fit` fits either form by least squares to measured ``(S, seconds)`` pairs;
+:meth:`CostModel.fit_packs` fits ``c0``, alpha, beta (and optionally gamma) to measured packs and single
+samples together. Plain Python and NumPy: no Lightning, no torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
@@ -40,6 +47,7 @@ class CostModel:
             positive for the token counts it is used on, see :meth:`check_positive`).
         p: exponent, power form.
         scale: multiplier, power form (1 when p is hand-set).
+        c0: constant per pack (per step), any form, >= 0; 0 gives the per-sample model.
         fit_info: filled by :meth:`fit`: ``{"n", "rmse", "mean_rel_error", "max_rel_error", "r2"}``
             (rmse in the unit of the fitted seconds, relative errors as fractions).
 
@@ -57,11 +65,12 @@ class CostModel:
     p: float = 1.0
     scale: float = 1.0
     fit_info: dict[str, float] | None = field(default=None, compare=False)
+    c0: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"CostModel kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("alpha", "beta", "gamma", "p", "scale"):
+        for name in ("alpha", "beta", "gamma", "p", "scale", "c0"):
             value = float(getattr(self, name))
             if not math.isfinite(value):
                 raise ValueError(f"CostModel {name} must be finite, got {value!r}")
@@ -71,6 +80,8 @@ class CostModel:
                 f"a quadratic CostModel needs alpha >= 0, beta >= 0 and not both 0, got alpha={self.alpha}, "
                 f"beta={self.beta}"
             )
+        if self.c0 < 0:
+            raise ValueError(f"CostModel c0 (cost per pack) must be >= 0, got {self.c0}")
         if self.kind == "power" and (self.p <= 0 or self.scale <= 0):
             raise ValueError(
                 f"a power CostModel needs p > 0 and scale > 0, got p={self.p}, scale={self.scale}"
@@ -86,16 +97,41 @@ class CostModel:
         return self.alpha * s + self.beta * s * s + self.gamma
 
     def batch_cost(self, batch_size: int, seq_len: float) -> float:
-        """Cost of a batch of ``batch_size`` samples of ``seq_len`` tokens each: ``B * cost(S)``."""
-        return batch_size * self.cost(seq_len)
+        """Cost of a batch of ``batch_size`` samples of ``seq_len`` tokens each: ``c0 + B * cost(S)``.
+
+        An empty batch (``batch_size == 0``) costs 0: no step runs for it.
+        """
+        if batch_size == 0:
+            return 0.0
+        return self.c0 + batch_size * self.cost(seq_len)
+
+    def costs(self, seq_lens: Any) -> np.ndarray:
+        """Per-sample costs of an array of token counts (vectorised :meth:`cost`; float64, same shape)."""
+        s = np.asarray(seq_lens, dtype=np.float64)
+        if self.kind == "power":
+            return self.scale * s**self.p
+        return self.alpha * s + self.beta * s * s + self.gamma
+
+    def pack_cost(self, seq_lens: Sequence[float]) -> float:
+        """Cost of one step running samples of token counts ``seq_lens``: ``c0 + sum cost(S_i)``.
+
+        An empty pack costs 0 (a zero-weight step runs nothing).
+        """
+        if len(seq_lens) == 0:
+            return 0.0
+        return float(self.c0 + self.costs(seq_lens).sum())
 
     def __call__(self, seq_len: float) -> float:
         return self.cost(seq_len)
 
     def __repr__(self) -> str:
+        tail = f", c0={self.c0!r})" if self.c0 else ")"
         if self.kind == "power":
-            return f"CostModel(kind='power', p={self.p!r}, scale={self.scale!r})"
-        return f"CostModel(kind='quadratic', alpha={self.alpha!r}, beta={self.beta!r}, gamma={self.gamma!r})"
+            return f"CostModel(kind='power', p={self.p!r}, scale={self.scale!r}" + tail
+        return (
+            f"CostModel(kind='quadratic', alpha={self.alpha!r}, beta={self.beta!r}, gamma={self.gamma!r}"
+            + tail
+        )
 
     def check_positive(self, seq_lens: Sequence[int]) -> None:
         """Raise ``ValueError`` if the cost is not positive for one of ``seq_lens``.
@@ -112,10 +148,11 @@ class CostModel:
                 )
 
     def describe(self) -> str:
-        """A one-line human-readable formula."""
+        """A one-line human-readable formula (per sample; ``+ c0 per pack`` when c0 is set)."""
+        pack = f" (+ {self.c0:.6g} per pack)" if self.c0 else ""
         if self.kind == "power":
-            return f"{self.scale:.6g} * S^{self.p:.4g}"
-        return f"{self.alpha:.6g}*S + {self.beta:.6g}*S^2 + {self.gamma:.6g}"
+            return f"{self.scale:.6g} * S^{self.p:.4g}" + pack
+        return f"{self.alpha:.6g}*S + {self.beta:.6g}*S^2 + {self.gamma:.6g}" + pack
 
     # -- persistence -----------------------------------------------------------------------------------
 
@@ -125,6 +162,8 @@ class CostModel:
             out: dict[str, Any] = {"kind": "power", "p": self.p, "scale": self.scale}
         else:
             out = {"kind": "quadratic", "alpha": self.alpha, "beta": self.beta, "gamma": self.gamma}
+        if self.c0:
+            out["c0"] = self.c0
         if self.fit_info is not None:
             out["fit_info"] = dict(self.fit_info)
         return out
@@ -143,7 +182,9 @@ class CostModel:
                 f"cost_model must be a mapping such as {{'kind': 'power', 'p': 1.5}}, got {data!r}"
             )
         kind = data.get("kind", "quadratic")
-        allowed = {"kind", "fit_info"} | ({"p", "scale"} if kind == "power" else {"alpha", "beta", "gamma"})
+        allowed = {"kind", "fit_info", "c0"} | (
+            {"p", "scale"} if kind == "power" else {"alpha", "beta", "gamma"}
+        )
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(
@@ -275,3 +316,106 @@ class CostModel:
             beta=values.get("beta", 0.0),
             gamma=values.get("gamma", 0.0),
         )
+
+    @classmethod
+    def fit_packs(
+        cls,
+        packs: Sequence[Sequence[float]],
+        seconds: Sequence[float],
+        fit_gamma: bool = False,
+    ) -> CostModel:
+        """Least-squares fit of ``c0 + sum_i (alpha*S_i + beta*S_i^2 [+ gamma])`` to measured steps.
+
+        Every measurement is one step: a pack of samples of token counts ``packs[k]`` (one sample, a batch
+        of B equal samples, or a mix) that took ``seconds[k]``. All terms are fitted together, so the
+        per-step constant ``c0`` is told apart from the per-sample terms by steps that hold different
+        numbers of samples (measure single samples AND packs). alpha, beta, c0 are kept >= 0 (exact
+        non-negative least squares over the supports); the fit minimises the squared *relative* error,
+        so that short steps count as much as long ones.
+
+        Args:
+            packs: per measurement, the token counts of its samples (non-empty).
+            seconds: measured step time of each measurement (> 0).
+            fit_gamma: also fit a per-sample constant gamma (free sign); off by default because c0 and
+                gamma are only told apart by steps of different sample counts.
+
+        Returns:
+            A quadratic model with ``c0`` set; ``fit_info`` as in :meth:`fit`.
+
+        Raises:
+            ValueError: mismatched lengths, empty packs, non-positive values, too few measurements.
+        """
+        if len(packs) != len(seconds):
+            raise ValueError(f"packs ({len(packs)}) and seconds ({len(seconds)}) must have equal length")
+        y = np.asarray(seconds, dtype=np.float64)
+        if y.ndim != 1 or not np.all(np.isfinite(y)) or np.any(y <= 0):
+            raise ValueError("seconds must be a 1-d list of positive finite times")
+        lens = [np.asarray(p, dtype=np.float64) for p in packs]
+        for k, p in enumerate(lens):
+            if p.size == 0 or not np.all(np.isfinite(p)) or np.any(p <= 0):
+                raise ValueError(
+                    f"packs[{k}] = {list(packs[k])!r} must hold at least one positive token count"
+                )
+        cols = {
+            "c0": np.ones_like(y),
+            "alpha": np.array([p.sum() for p in lens]),
+            "beta": np.array([(p * p).sum() for p in lens]),
+            "gamma": np.array([float(p.size) for p in lens]),
+        }
+        names = ["c0", "alpha", "beta"] + (["gamma"] if fit_gamma else [])
+        if len(y) < len(names):
+            raise ValueError(f"fit_packs needs at least {len(names)} measurements for {names}, got {len(y)}")
+        values = _nonneg_lstsq({n: cols[n] / y for n in names}, np.ones_like(y), free={"gamma"})
+        if values.get("alpha", 0.0) + values.get("beta", 0.0) == 0:
+            raise ValueError(
+                "fit_packs found no solution with alpha + beta > 0; check the timings (they should grow with "
+                "the token counts)"
+            )
+        model = cls(
+            kind="quadratic",
+            alpha=values.get("alpha", 0.0),
+            beta=values.get("beta", 0.0),
+            gamma=values.get("gamma", 0.0),
+            c0=values.get("c0", 0.0),
+        )
+        pred = np.array([model.pack_cost(p) for p in lens])
+        model.fit_info = _fit_info(pred, y)
+        return model
+
+
+def _fit_info(pred: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """n, rmse, mean/max relative error and r2 of predictions ``pred`` against measurements ``y``."""
+    resid = pred - y
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return {
+        "n": int(len(y)),
+        "rmse": float(np.sqrt(np.mean(resid**2))),
+        "mean_rel_error": float(np.mean(np.abs(resid) / y)),
+        "max_rel_error": float(np.max(np.abs(resid) / y)),
+        "r2": float(1.0 - float(np.sum(resid**2)) / ss_tot) if ss_tot > 0 else 1.0,
+    }
+
+
+def _nonneg_lstsq(cols: Mapping[str, np.ndarray], y: np.ndarray, free: Collection[str]) -> dict[str, float]:
+    """Least squares of ``y`` on ``cols`` with every coefficient not in ``free`` kept >= 0.
+
+    Exact for the few columns used here: the best feasible solution over all supports of the
+    constrained columns (with free columns always in). Columns are scaled to unit max for conditioning.
+    """
+    constrained = [n for n in cols if n not in free]
+    always = [n for n in cols if n in free]
+    scale = {n: float(np.max(np.abs(v))) or 1.0 for n, v in cols.items()}
+    best: tuple[float, dict[str, float]] | None = None
+    for use in product((True, False), repeat=len(constrained)):
+        names = [n for n, u in zip(constrained, use) if u] + always
+        if not names:
+            continue
+        a = np.stack([cols[n] / scale[n] for n in names], axis=1)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        values = {n: float(c / scale[n]) for n, c in zip(names, coef)}
+        if any(values[n] < 0 for n in names if n not in free):
+            continue
+        rss = float(np.sum((a @ coef - y) ** 2))
+        if best is None or rss < best[0] - 1e-15 * max(1.0, rss):
+            best = (rss, values)
+    return best[1] if best is not None else {}

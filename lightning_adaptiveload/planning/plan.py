@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SCHEDULES", "Batch", "EpochPlan", "PlanError", "Read", "Ref", "Stream"]
+__all__ = ["SCHEDULES", "Batch", "EpochPlan", "PlanError", "Read", "Ref", "Stream", "underfull_message"]
 
 Ref = tuple[int, int]  # a sample: (shard id, sample id)
 Stream = tuple[int, int]  # (rank, worker)
 Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream reads of one shard
-SCHEDULES = ("independent", "lockstep")
+SCHEDULES = ("independent", "lockstep", "packed")
 
 
 class PlanError(ValueError):
@@ -102,3 +102,16 @@ class EpochPlan:
         """(bucket id, refs) of the batch rank ``rank`` takes at ``step``."""
         w, j = self.step_order[rank][step]
         return self.batch_buckets[(rank, w)][j], self.streams[(rank, w)][j]
+
+
+def underfull_message(
+    world: int, workers: int, n_shards: int, n_samples: int, samples_per_rank: list[int]
+) -> str:
+    """Why ranks got no sample, and what to do (``underfull="pad"``, more data, fewer ranks)."""
+    empty = [r for r, n in enumerate(samples_per_rank) if n == 0]
+    return (
+        f"world size {world}: {n_samples} samples in {n_shards} shards leave {len(empty)} rank(s) without "
+        f"any sample (rank {empty[0]} first), with {workers} stream(s) per rank; those ranks would take only "
+        "empty (zero-weight) steps. Pass underfull='pad' to allow that (the DataModule's val_underfull), or "
+        "use more data or fewer ranks"
+    )

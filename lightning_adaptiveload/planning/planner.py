@@ -35,12 +35,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
-from lightning_adaptiveload.planning.assign import assign, reads_of, shard_pieces
+from lightning_adaptiveload.planning.assign import assign, exclusions, reads_of, shard_pieces
 from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
 from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table
 from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_classes
-from lightning_adaptiveload.planning.plan import SCHEDULES, Batch, EpochPlan, PlanError, Read, Ref, Stream
+from lightning_adaptiveload.planning.plan import (
+    SCHEDULES,
+    Batch,
+    EpochPlan,
+    PlanError,
+    Read,
+    Ref,
+    Stream,
+    underfull_message,
+)
 
 if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -112,6 +121,10 @@ def plan_epoch(
     _check_settings(mode, underfull, world_size, num_workers, batcher)
     world, workers = int(world_size), max(1, int(num_workers))
     data = as_input(index_or_shapes)
+    if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
+        from lightning_adaptiveload.planning.packed import plan_packed
+
+        return plan_packed(data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0)
     batcher.resolve_max_compute(s for shapes in data.shapes for s in shapes)
     table = bucket_table(data, batcher.sizer, batcher.oversize)
     buckets = table.buckets
@@ -138,7 +151,7 @@ def plan_epoch(
     _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
     samples_per_rank = [sum(len(bt.refs) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)]
     if underfull == "error" and n_samples and min(samples_per_rank) == 0:
-        raise PlanError(_underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
+        raise PlanError(underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
     steps = _step_table(sim, world, workers, buckets, class_of)
     counts.update(
@@ -253,18 +266,6 @@ def _equal_steps(
             "this is a planner bug: report it with the seed, epoch and world size"
         )
     apply_moves(reads, moves, sim)
-
-
-def _underfull_message(
-    world: int, workers: int, n_shards: int, n_samples: int, samples_per_rank: list[int]
-) -> str:
-    empty = [r for r, n in enumerate(samples_per_rank) if n == 0]
-    return (
-        f"world size {world}: {n_samples} samples in {n_shards} shards leave {len(empty)} rank(s) without "
-        f"any sample (rank {empty[0]} first), with {workers} stream(s) per rank; those ranks would take only "
-        "empty (zero-weight) steps. Pass underfull='pad' to allow that (the DataModule's val_underfull), or "
-        "use more data or fewer ranks"
-    )
 
 
 def _round_robin(lengths: list[int]) -> list[tuple[int, int]]:

@@ -176,7 +176,7 @@ class BatchSizer:
                 f"{min(lens) if lens else 'no'} tokens); raise max_tokens"
             )
         self.cost_model.check_positive(fitting)
-        return min((self.max_tokens // s) * self.cost_model.cost(s) for s in fitting)
+        return min(self.cost_model.batch_cost(self.max_tokens // s, s) for s in fitting)
 
     def oversize_message(self, latent_shape: Sequence[Any], seq_len: int, where: str = "") -> str:
         """The error for a shape of ``seq_len`` tokens over ``max_tokens``; ``where`` names the sample."""

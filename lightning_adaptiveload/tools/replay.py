@@ -33,6 +33,7 @@ __all__ = [
     "mix_population",
     "replay_plan",
     "resolved_max_compute",
+    "replay_packs",
     "run_mode",
 ]
 
@@ -42,6 +43,7 @@ MODES: dict[str, tuple[str, str]] = {
     "dual": ("independent", "dual"),
     "lockstep": ("lockstep", "dual"),
     "lockstep_equal_tokens": ("lockstep", "equal_tokens"),
+    "packed": ("packed", "equal_tokens"),  # one pack per rank and step (planning/packed.py)
 }
 
 
@@ -249,7 +251,10 @@ def run_mode(
     plan = plan_epoch(
         index, world, num_workers, batcher, seed, epoch, mode=schedule, **dict(plan_options or {})
     )
-    rep = replay_plan(plan, coster, plan_cost)
+    if plan.mode == "packed":
+        rep = replay_packs(plan, index, coster, plan_cost)
+    else:
+        rep = replay_plan(plan, coster, plan_cost)
     if rep.seconds.shape[0] == 0:
         raise ValueError(
             f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
@@ -282,10 +287,35 @@ def run_mode(
             "unequal_steps",
             "max_buffered_samples",
             "plan_seconds",
+            "fill_mean",
+            "reads",
+            "shard_opens_per_rank",
+            "order_rank_correlation",
         )
     }
     cv, _, _ = stats.balance_rows(rep.seconds)
     return m, cv, rep, batcher
+
+
+def replay_packs(plan: Any, index: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
+    """:func:`replay_plan` for a packed plan: a pack's seconds are ``c0 + sum cost(S_i)`` of the pack cost
+    model (a measured table's packs are not measured: its fitted model stands in), plus the step overhead."""
+    times = coster.times if isinstance(coster.times, CostModel) else coster.times.fallback
+    n, world = plan.steps, plan.world_size
+    seconds, cost = np.zeros((n, world)), np.zeros((n, world))
+    tokens = np.zeros((n, world), dtype=np.int64)
+    samples = 0
+    for r in range(world):
+        for k, (w, j) in enumerate(plan.step_order[r]):
+            shapes = [index.shards[s].latent_shapes[i] for s, i in plan.streams[(r, w)][j]]
+            toks = [coster.tokens((int(x[1]), int(x[2]), int(x[3]))) for x in shapes]
+            if not toks:
+                continue
+            seconds[k, r] = times.pack_cost(toks) + coster.overhead_s
+            tokens[k, r] = sum(toks)
+            cost[k, r] = plan_cost.pack_cost(toks)
+            samples += len(toks)
+    return Replay(seconds, tokens, None, cost, samples, {})
 
 
 def resolved_max_compute(batcher: Any, index: Any) -> float | None:
