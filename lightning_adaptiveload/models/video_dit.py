@@ -450,8 +450,9 @@ class DiTBlock(nn.Module):
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32; cos, sin (S, d/2); context (B, L, D) or
-        None; context_mask (B, L) bool or None. Returns (B, S, D) in x.dtype."""
+        """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32, or (B, S, 6, D) with per-token timesteps
+        (Wan 2.2); cos, sin (S, d/2); context (B, L, D) or None; context_mask (B, L) bool or None.
+        Returns (B, S, D) in x.dtype."""
         policy = self.checkpoint_policy
         if policy is None or not (self.training and torch.is_grad_enabled()):
             return self._forward(x, e0, cos, sin, context, context_mask)
@@ -467,8 +468,10 @@ class DiTBlock(nn.Module):
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (self.modulation.float() + e0).chunk(
-            6, dim=1
+        mod = self.modulation.float() + e0  # (B, 6, D), or (B, S, 6, D) per token
+        # Per sample: six (B, 1, D) tables; per token: six (B, S, D) ones (the fused op's per-token layout).
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
+            mod.unbind(-2) if mod.dim() == 4 else mod.chunk(6, 1)
         )
         y = self.self_attn(self.norm1(x, shift_sa, scale_sa), cos, sin)
         x = (x + y * gate_sa).to(x.dtype)
@@ -492,8 +495,11 @@ class Head(nn.Module):
             self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, S, D); e (B, D) fp32. Returns (B, S, C_out * pt * ph * pw)."""
-        shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
+        """Args: x (B, S, D); e (B, D) fp32, or (B, S, D) per token. Returns (B, S, C_out * pt * ph * pw)."""
+        if e.dim() == 3:  # per token: (1, 1, 2, D) + (B, S, 1, D) -> two (B, S, D) tables
+            shift, scale = (self.modulation.float()[None] + e[:, :, None, :]).unbind(-2)
+        else:
+            shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
         return self.head(self.norm(x, shift, scale))
 
 
@@ -698,7 +704,8 @@ class VideoDiT(nn.Module):
 
         Args:
             x: (B, C_in, T, H, W) noisy latent, any float dtype; T, H, W divisible by ``patch_size``.
-            timestep: (B,) diffusion time, float, in the model's units (rectified-flow t in [0, 1] x 1000).
+            timestep: (B,) diffusion time, float, in the model's units (rectified-flow t in [0, 1] x 1000);
+                or (B, S), one time per token in patch order (T, H, W flattened), as Wan 2.2 TI2V uses.
             context: (B, L, text_dim) text states, or None for no text (cross-attention is skipped; its
                 parameters get zero gradients while training, so that DDP sees every parameter).
             context_mask: (B, L) bool, True at real text tokens; None means all are real.
@@ -709,8 +716,12 @@ class VideoDiT(nn.Module):
         """
         grid = self._check_input(x)
         b = x.shape[0]
-        if timestep.shape != (b,):
-            raise ValueError(f"timestep must have shape (B,) = ({b},), got {tuple(timestep.shape)}")
+        seq = grid[0] * grid[1] * grid[2]
+        if timestep.shape not in ((b,), (b, seq)):
+            raise ValueError(
+                f"timestep must have shape (B,) = ({b},) or, one per token, (B, S) = ({b}, {seq}); got "
+                f"{tuple(timestep.shape)}"
+            )
         param_dtype = self.patch_embedding.weight.dtype
         # The residual stream is fp32 (Wan keeps the gated adds in fp32), except when the parameters are
         # themselves low precision without autocast ("bf16-true"), where matmul inputs must match them.
@@ -731,8 +742,11 @@ class VideoDiT(nn.Module):
         )
         with no_autocast:
             w_dtype = self.time_embedding[0].weight.dtype
-            e = self.time_embedding(sinusoidal_embedding(timestep, self.config.freq_dim).to(w_dtype)).float()
-            e0 = self.time_projection(e.to(w_dtype)).float().unflatten(1, (6, self.config.dim))  # (B, 6, D)
+            t_emb = sinusoidal_embedding(timestep.flatten(), self.config.freq_dim).to(w_dtype)
+            e = self.time_embedding(t_emb).float()  # (B, D), or (B * S, D) per token
+            e0 = self.time_projection(e.to(w_dtype)).float().unflatten(1, (6, self.config.dim))  # (., 6, D)
+            if timestep.dim() == 2:  # per token: (B, S, D) and (B, S, 6, D)
+                e, e0 = e.unflatten(0, (b, seq)), e0.unflatten(0, (b, seq))
 
         ctx = None
         if context is not None:
