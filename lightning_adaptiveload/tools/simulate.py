@@ -578,20 +578,17 @@ def _meta(
 
 def _settings(setup: _Setup, step_overhead_s: float) -> dict[str, Any]:
     """The settings :func:`simulate` records in ``meta``, in the order they are written."""
-    return dict(
-        max_tokens=setup.max_tokens,
-        max_compute=setup.max_compute,
-        num_workers=setup.num_workers,
-        seed=setup.seed,
-        epoch=setup.epoch,
-        min_steps_per_rank=setup.min_steps_per_rank,
-        shards_per_stream=setup.shards_per_stream,
-        search_steps_per_rank=setup.search_steps_per_rank,
-        max_candidates=setup.max_candidates,
+    names = (
+        "max_tokens max_compute num_workers seed epoch min_steps_per_rank shards_per_stream "
+        "search_steps_per_rank max_candidates"
+    ).split()
+    settings = {name: getattr(setup, name) for name in names}
+    settings.update(
         plan_options=dict(setup.plan_options or {}),
         step_overhead_s=step_overhead_s,
         patch_size=list(setup.patch),
     )
+    return settings
 
 
 def _tok(shape: Sequence[int], patch: Sequence[int]) -> int:
