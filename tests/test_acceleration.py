@@ -7,6 +7,8 @@ code generation only.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
@@ -24,6 +26,9 @@ from lightning_adaptiveload.models.acceleration import (
 )
 from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, _spread
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _tiny_models import tiny_wan  # noqa: E402
 
 _CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
 
@@ -304,21 +309,7 @@ def test_module_switches_reach_the_model_and_optimizer():
 
 
 def _tiny_diffusers_wan():
-    diffusers = pytest.importorskip("diffusers")
-    return diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=8,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-    )
+    return tiny_wan(attention_head_dim=16, text_dim=8, qk_norm="rms_norm_across_heads", eps=1e-6)
 
 
 def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -16,22 +19,12 @@ from lightning_adaptiveload.monitor.flops import (
     wan_flops_per_batch,
 )
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _tiny_models import tiny_wan  # noqa: E402
+
 
 def _tiny_wan():
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    return diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-    )
+    return tiny_wan(seed=0)
 
 
 @pytest.mark.parametrize("text_len", [5, 12])

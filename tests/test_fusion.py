@@ -8,8 +8,10 @@ swap silently did nothing.
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,9 @@ from lightning_adaptiveload.fusion import (
     unregister_fusion_adapter,
 )
 from lightning_adaptiveload.fusion import registry as fusion_registry
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _tiny_models import tiny_wan  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "fusion.md"
 
@@ -123,22 +128,7 @@ _WAN_SEQ = 12
 
 
 def _tiny_wan(**overrides):
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        rope_max_seq_len=32,
-    )
-    return diffusers.WanTransformer3DModel(**{**config, **overrides})
+    return tiny_wan(seed=0, **{"rope_max_seq_len": 32, **overrides})
 
 
 def _wan_inputs(modulation: str = "per_sample", image: bool = False):

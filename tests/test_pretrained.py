@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -17,25 +18,14 @@ from lightning_adaptiveload.models.pretrained import (
     load_pretrained,
 )
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _tiny_models import tiny_wan_config  # noqa: E402
+
 diffusers = pytest.importorskip("diffusers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 # Tiny but complete: 2 blocks, 2 heads of width 12 (RoPE split 4/4/4), text, qk-norm, cross-attn norm.
-_TINY = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=12,
-    in_channels=4,
-    out_channels=4,
-    text_dim=16,
-    freq_dim=16,
-    ffn_dim=40,
-    num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=64,
-)
+_TINY = tiny_wan_config(ffn_dim=40, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64)
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
+
 __all__ = ["Bucket", "Mix", "available_mixes", "load_mix"]
 
 # Probabilities must sum to 1 within this tolerance (they are written with a few decimals).
@@ -66,14 +68,10 @@ class Bucket:
 
     def tokens_for(self, patch_size: tuple[int, int, int] = _FILE_PATCH) -> int:
         """Tokens per sample for ``patch_size`` (pt, ph, pw); the latent must be divisible by it."""
-        _, t, h, w = self.latent_shape
-        pt, ph, pw = patch_size
-        if t % pt or h % ph or w % pw:
-            raise ValueError(
-                f"latent shape {list(self.latent_shape)} is not divisible by patch size {list(patch_size)}; "
-                "use a mix whose T, H, W are multiples of the patch"
-            )
-        return (t // pt) * (h // ph) * (w // pw)
+        try:
+            return tokens_per_sample(self.latent_shape, patch_size)
+        except ValueError as err:
+            raise ValueError(f"{err}; or use a mix whose T, H, W are multiples of the patch") from err
 
 
 @dataclass(frozen=True)

@@ -94,10 +94,7 @@ def cv(values: Iterable[float]) -> float:
     Raises:
         ValueError: if ``values`` is empty or holds a negative number.
     """
-    a = _ranks(values, "cv")
-    if a is None:
-        return math.nan
-    return float(balance_rows(a[None, :])[0][0])
+    return _one_step(values, "cv", 0)
 
 
 def imbalance(values: Iterable[float]) -> float:
@@ -113,10 +110,15 @@ def imbalance(values: Iterable[float]) -> float:
     Raises:
         ValueError: if ``values`` is empty or holds a negative number.
     """
-    a = _ranks(values, "imbalance")
+    return _one_step(values, "imbalance", 1)
+
+
+def _one_step(values: Iterable[float], name: str, column: int) -> float:
+    """Statistic ``column`` of :func:`balance_rows` for one step's per-rank values (``nan`` if one is)."""
+    a = _ranks(values, name)
     if a is None:
         return math.nan
-    return float(balance_rows(a[None, :])[1][0])
+    return float(balance_rows(a[None, :])[column][0])
 
 
 def straggler_wait(values: Iterable[float] | np.ndarray) -> float:

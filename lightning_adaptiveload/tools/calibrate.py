@@ -32,19 +32,16 @@ What it does, in order:
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import json
 import math
-import os
 import platform
-import statistics
-import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from lightning_adaptiveload.tools.calibrate_bench import Bench, physical_memory
 
 __all__ = ["PRECISIONS", "CalibrationResult", "calibrate", "shape_for_seq_len"]
 
@@ -155,26 +152,6 @@ class CalibrationResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def _precision_context(precision: str, device: torch.device):
-    if precision == "bf16-mixed":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "16-mixed":
-        return torch.autocast(device.type, dtype=torch.float16)
-    return nullcontext()
-
-
-def _is_oom(err: BaseException) -> bool:
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def shape_for_seq_len(seq_len: int, channels: int, patch: Sequence[int]) -> tuple[int, int, int, int]:
     """A latent shape (C, T, H, W) with exactly ``seq_len`` tokens for ``patch`` (for ``--seq-lens``)."""
     # One frame, the most square grid with seq_len tokens: only S matters to the cost.
@@ -202,124 +179,8 @@ def _select_shapes(
     return [ordered[i] for i in picks]
 
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * _GIB
-
-
-class _Bench:
-    """The model, its optimizer and the measurement primitives on one device."""
-
-    def __init__(self, module, device: torch.device, precision: str, text_len: int, ddp: bool, seed: int):
-        self.module = module
-        self.device = device
-        self.precision = precision
-        self.text_len = text_len
-        self.gen = torch.Generator(device="cpu").manual_seed(seed)
-        model = module.model
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.num_params = sum(p.numel() for p in model.parameters())
-        # Gradients (param dtype) + AdamW's two moments (param dtype) on top of the parameters.
-        self.static_bytes = 4 * self.param_bytes
-        # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
-        self.ddp_bytes = 4 * self.num_params if ddp else 0
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
-
-    def batch(self, shape: Sequence[int], b: int) -> dict:
-        c, t, h, w = shape
-        cfg = self.module.model_config
-        pt, ph, pw = cfg.patch_size
-        latents = torch.randn(b, c, t, h, w, generator=self.gen).to(self.device)
-        text = mask = None
-        if self.text_len > 0:
-            text = torch.randn(b, self.text_len, cfg.text_dim, generator=self.gen).to(self.device)
-            mask = torch.ones(b, self.text_len, dtype=torch.bool, device=self.device)
-        s = (t // pt) * (h // ph) * (w // pw)
-        return {"latents": latents, "text": text, "text_mask": mask, "num_tokens": b * s, "global_tokens": -1}
-
-    def step(self, batch: dict) -> None:
-        self.module.model.zero_grad(set_to_none=True)
-        with _precision_context(self.precision, self.device):
-            loss, _ = self.module.compute_loss(batch)
-        loss.backward()
-
-    def allocate_optimizer_state(self, shape: Sequence[int]) -> None:
-        self.step(self.batch(shape, 1))
-        self.optimizer.step()
-        self.module.model.zero_grad(set_to_none=True)
-
-    def peak_bytes(self, shape: Sequence[int], b: int) -> int | None:
-        """Peak memory of one forward + backward at (shape, b), or None on out-of-memory."""
-        try:
-            batch = self.batch(shape, b)
-            if self.device.type == "cuda":
-                self.module.model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                self.step(batch)
-                torch.cuda.synchronize(self.device)
-                peak = torch.cuda.max_memory_allocated(self.device)
-            else:
-                peak = self.static_bytes + self._saved_bytes(batch)
-            return peak + self.ddp_bytes
-        except Exception as err:  # noqa: BLE001 - only out-of-memory is expected here
-            if not _is_oom(err):
-                raise
-            return None
-        finally:
-            self.module.model.zero_grad(set_to_none=True)
-            _release(self.device)
-
-    def _saved_bytes(self, batch: dict) -> int:
-        # CPU estimate of activation memory: the storages autograd keeps for the backward pass.
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-            return t
-
-        self.module.model.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with _precision_context(self.precision, self.device):
-                loss, _ = self.module.compute_loss(batch)
-        loss.backward()
-        return sum(storages.values())
-
-    def time(
-        self, shape: Sequence[int], b: int, warmup: int, repeats: int
-    ) -> tuple[float | None, list[float]]:
-        try:
-            batch = self.batch(shape, b)
-            for _ in range(warmup):
-                self.step(batch)
-            runs = []
-            for _ in range(repeats):
-                if self.device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    self.step(batch)
-                    end.record()
-                    end.synchronize()
-                    runs.append(start.elapsed_time(end) / 1000.0)
-                else:
-                    t0 = time.perf_counter()
-                    self.step(batch)
-                    runs.append(time.perf_counter() - t0)
-            return statistics.median(runs), runs
-        except Exception as err:  # noqa: BLE001
-            if not _is_oom(err):
-                raise
-            return None, []
-        finally:
-            self.module.model.zero_grad(set_to_none=True)
-            _release(self.device)
-
-
 def _largest_fitting_batch(
-    bench: _Bench, shape, seq_len: int, budget: int, max_batch: int, probes, bar, first: int = 1
+    bench: Bench, shape, seq_len: int, budget: int, max_batch: int, probes, bar, first: int = 1
 ) -> int:
     """Largest B <= max_batch with peak(shape, B) <= budget (0 if B = 1 does not fit). ``first`` is tried
     first: when it fits, the search goes up from there."""
@@ -415,13 +276,84 @@ def calibrate(
     Raises:
         ValueError: bad arguments, or even one sample of the longest shape does not fit the budget.
     """
-    from tqdm.auto import tqdm
-
     from lightning_adaptiveload.models.module import VideoDiTModule
-    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
-    from lightning_adaptiveload.planning.cost_model import CostModel
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
+    dev, precision, ddp = _check_arguments(
+        device, precision, vram_fraction, warmup, repeats, max_compute, ddp
+    )
+    module = VideoDiTModule(
+        preset=preset,
+        model_overrides=model_overrides,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+    )
+    cfg = module.model_config
+    patch = cfg.patch_size
+    all_shapes, mix_name = _shapes_to_measure(shapes, mix, cfg.in_channels, patch)
+    chosen = _select_shapes(all_shapes, patch, num_shapes)
+    seq = {s: tokens_per_sample(s, patch) for s in chosen}
+    longest, shortest = chosen[-1], chosen[0]
+    if text_len is None:
+        text_len = 512 if cfg.text_dim == 4096 else 16
+
+    torch.manual_seed(seed)
+    module.configure_model()
+    if precision == "bf16-true":
+        module.model.to(torch.bfloat16)
+    module.model.to(dev)
+    module.model.train()
+    bench = Bench(module, dev, precision, text_len, ddp, seed)
+    bench.allocate_optimizer_state(shortest)
+
+    total, device_name = _device_memory(dev)
+    budget = int(memory_budget_gb * _GIB) if memory_budget_gb is not None else int(vram_fraction * total)
+    probes: list[MemoryProbe] = []
+    if max_tokens is None:
+        max_tokens = _search_token_budget(bench, longest, shortest, seq, budget, max_batch, probes, progress)
+    elif max_tokens < seq[longest]:
+        raise ValueError(
+            f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
+        )
+
+    timings = _time_points(bench, chosen, seq, batch_sizes, max_batch, max_tokens, warmup, repeats, progress)
+    cost, cap = _fit_cost_model(timings, kind, max_compute, max_tokens, patch, all_shapes)
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{device_name}, {total / _GIB:.1f} GiB",
+        "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
+        "model": f"{preset} {json.dumps(model_overrides or {})} ({bench.num_params / 1e6:.1f}M parameters)",
+        "precision": precision,
+        "activation_checkpointing": activation_checkpointing,
+        "compile": compile,
+        "text_len": text_len,
+        "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
+        + (f" from mix {mix_name}" if mix_name else ""),
+        "memory": _memory_note(budget, total, vram_fraction, memory_budget_gb, dev, ddp),
+        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step",
+        "max_tokens": f"{max_tokens} (= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)",
+        "max_compute": "auto rule on the measured shapes"
+        if cap != "auto"
+        else "auto (resolved by the data module)",
+    }
+    return CalibrationResult(max_tokens, cap, cost, timings, probes, info)
+
+
+# --------------------------------------------------------------------------------------------------
+# The steps of the calibration
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_arguments(
+    device: str | None,
+    precision: str | None,
+    vram_fraction: float,
+    warmup: int,
+    repeats: int,
+    max_compute: str,
+    ddp: bool | None,
+) -> tuple[torch.device, str, bool]:
+    """Validate the arguments; return the device, the precision and ``ddp`` with their defaults filled in."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -438,15 +370,14 @@ def calibrate(
         raise ValueError(f"calibrate: max_compute must be 'resolve' or 'auto', got {max_compute!r}")
     if ddp is None:
         ddp = dev.type == "cuda"
+    return dev, precision, ddp
 
-    module = VideoDiTModule(
-        preset=preset,
-        model_overrides=model_overrides,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-    )
-    cfg = module.model_config
-    patch = cfg.patch_size
+
+def _shapes_to_measure(
+    shapes: Sequence[Sequence[int]] | None, mix: str | None, channels: int, patch: Sequence[int]
+) -> tuple[list[tuple[int, ...]], str | None]:
+    """The latent shapes given, or those of the mix's buckets, checked against the model; and the mix name."""
+    from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     if shapes is None and mix is None:
         raise ValueError(
@@ -461,61 +392,64 @@ def calibrate(
         shapes = [b.latent_shape for b in loaded.buckets]
     shapes = [tuple(int(d) for d in s) for s in shapes]
     for s in shapes:
-        if s[0] != cfg.in_channels:
+        if s[0] != channels:
             raise ValueError(
-                f"calibrate: latent shape {list(s)} has {s[0]} channels but the model expects {cfg.in_channels}"
+                f"calibrate: latent shape {list(s)} has {s[0]} channels but the model expects {channels}"
             )
         tokens_per_sample(s, patch)  # raises on shapes the patch does not divide
-    all_shapes = shapes
-    chosen = _select_shapes(shapes, patch, num_shapes)
-    seq = {s: tokens_per_sample(s, patch) for s in chosen}
-    longest, shortest = chosen[-1], chosen[0]
-    if text_len is None:
-        text_len = 512 if cfg.text_dim == 4096 else 16
+    return shapes, mix_name
 
-    torch.manual_seed(seed)
-    module.configure_model()
-    if precision == "bf16-true":
-        module.model.to(torch.bfloat16)
-    module.model.to(dev)
-    module.model.train()
-    bench = _Bench(module, dev, precision, text_len, ddp, seed)
-    bench.allocate_optimizer_state(shortest)
 
+def _device_memory(dev: torch.device) -> tuple[int, str]:
+    """Total memory of the device in bytes (physical memory on CPU) and a name for the record."""
     if dev.type == "cuda":
-        total = torch.cuda.get_device_properties(dev).total_memory
-        device_name = torch.cuda.get_device_name(dev)
-    else:
-        total = _physical_memory()
-        device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    budget = int(memory_budget_gb * _GIB) if memory_budget_gb is not None else int(vram_fraction * total)
+        return torch.cuda.get_device_properties(dev).total_memory, torch.cuda.get_device_name(dev)
+    name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return physical_memory(), name
 
-    probes: list[MemoryProbe] = []
-    if max_tokens is None:
-        bar = tqdm(desc="memory budget", unit="probe", disable=not progress, leave=False)
-        try:
-            b_long = _largest_fitting_batch(bench, longest, seq[longest], budget, max_batch, probes, bar)
-            if b_long == 0:
-                raise ValueError(
-                    f"calibrate: one sample of the longest shape {list(longest)} ({seq[longest]} tokens) needs more "
-                    f"than the budget of {budget / _GIB:.2f} GiB; enable activation checkpointing, raise "
-                    "--vram-fraction / --memory-budget-gb, or leave the longest buckets out of the data"
-                )
-            max_tokens = b_long * seq[longest]
-            # The same budget must also fit at the shortest shape (per-token memory can differ).
-            b_short = max_tokens // seq[shortest]
-            if shortest != longest and b_short >= 1:
-                b_fit = _largest_fitting_batch(
-                    bench, shortest, seq[shortest], budget, b_short, probes, bar, first=b_short
-                )
-                if b_fit < b_short:
-                    max_tokens = max(seq[longest], b_fit * seq[shortest])
-        finally:
-            bar.close()
-    elif max_tokens < seq[longest]:
-        raise ValueError(
-            f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
-        )
+
+def _search_token_budget(
+    bench: Bench, longest, shortest, seq: dict, budget: int, max_batch: int, probes: list, progress: bool
+) -> int:
+    """``max_tokens`` from the largest batch that fits at the longest shape, lowered if the shortest needs it."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc="memory budget", unit="probe", disable=not progress, leave=False)
+    try:
+        b_long = _largest_fitting_batch(bench, longest, seq[longest], budget, max_batch, probes, bar)
+        if b_long == 0:
+            raise ValueError(
+                f"calibrate: one sample of the longest shape {list(longest)} ({seq[longest]} tokens) needs more "
+                f"than the budget of {budget / _GIB:.2f} GiB; enable activation checkpointing, raise "
+                "--vram-fraction / --memory-budget-gb, or leave the longest buckets out of the data"
+            )
+        max_tokens = b_long * seq[longest]
+        # The same budget must also fit at the shortest shape (per-token memory can differ).
+        b_short = max_tokens // seq[shortest]
+        if shortest != longest and b_short >= 1:
+            b_fit = _largest_fitting_batch(
+                bench, shortest, seq[shortest], budget, b_short, probes, bar, first=b_short
+            )
+            if b_fit < b_short:
+                max_tokens = max(seq[longest], b_fit * seq[shortest])
+    finally:
+        bar.close()
+    return max_tokens
+
+
+def _time_points(
+    bench: Bench,
+    chosen: list,
+    seq: dict,
+    batch_sizes: Sequence[int] | None,
+    max_batch: int,
+    max_tokens: int,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+) -> list[Timing]:
+    """Time every (shape, batch size) point: the given sizes, or 1 and the budget's batch at that shape."""
+    from tqdm.auto import tqdm
 
     points = []
     for s in chosen:
@@ -527,13 +461,21 @@ def calibrate(
     for s, b in tqdm(points, desc="timing", unit="point", disable=not progress, leave=False):
         median, runs = bench.time(s, b, warmup, repeats)
         timings.append(Timing(s, seq[s], b, median, runs))
+    return timings
+
+
+def _fit_cost_model(timings: list[Timing], kind: str, max_compute: str, max_tokens: int, patch, all_shapes):
+    """Fit the cost model to the points that ran; ``max_compute`` by the batcher's ``"auto"`` rule, or
+    ``"auto"`` left for the data module."""
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.cost_model import CostModel
+
     ok = [t for t in timings if t.seconds is not None]
     if not ok:
         raise ValueError("calibrate: every timed point ran out of memory; lower --batch-sizes")
     cost = CostModel.fit(
         [t.seq_len for t in ok], [t.seconds for t in ok], kind=kind, batch_sizes=[t.batch_size for t in ok]
     )
-
     if max_compute == "auto":
         cap: float | str = "auto"
     else:
@@ -541,32 +483,25 @@ def calibrate(
             max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
         )
         cap = float(batcher.resolve_max_compute(all_shapes))
+    return cost, cap
 
-    info = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": f"{device_name}, {total / _GIB:.1f} GiB",
-        "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
-        "model": f"{preset} {json.dumps(model_overrides or {})} ({bench.num_params / 1e6:.1f}M parameters)",
-        "precision": precision,
-        "activation_checkpointing": activation_checkpointing,
-        "compile": compile,
-        "text_len": text_len,
-        "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
-        + (f" from mix {mix_name}" if mix_name else ""),
-        "memory": (
-            f"budget {budget / _GIB:.2f} GiB"
-            + (f" ({vram_fraction:.2f} of {total / _GIB:.1f} GiB)" if memory_budget_gb is None else "")
-            + (
-                " measured with the CUDA allocator"
-                if dev.type == "cuda"
-                else " CPU estimate: params+grads+AdamW+saved activations"
-            )
-            + (", DDP gradient buckets counted" if ddp else "")
-        ),
-        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step",
-        "max_tokens": f"{max_tokens} (= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)",
-        "max_compute": "auto rule on the measured shapes"
-        if cap != "auto"
-        else "auto (resolved by the data module)",
-    }
-    return CalibrationResult(max_tokens, cap, cost, timings, probes, info)
+
+def _memory_note(
+    budget: int,
+    total: int,
+    vram_fraction: float,
+    memory_budget_gb: float | None,
+    dev: torch.device,
+    ddp: bool,
+) -> str:
+    """The record's line on the memory budget and how the peak was measured."""
+    return (
+        f"budget {budget / _GIB:.2f} GiB"
+        + (f" ({vram_fraction:.2f} of {total / _GIB:.1f} GiB)" if memory_budget_gb is None else "")
+        + (
+            " measured with the CUDA allocator"
+            if dev.type == "cuda"
+            else " CPU estimate: params+grads+AdamW+saved activations"
+        )
+        + (", DDP gradient buckets counted" if ddp else "")
+    )

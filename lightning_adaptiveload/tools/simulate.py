@@ -291,18 +291,7 @@ def simulate(
         sizes,
         mode_list,
         elapsed,
-        max_tokens=int(max_tokens),
-        max_compute=max_compute,
-        num_workers=num_workers,
-        seed=seed,
-        epoch=epoch,
-        min_steps_per_rank=min_steps_per_rank,
-        shards_per_stream=shards_per_stream,
-        search_steps_per_rank=search_steps_per_rank,
-        max_candidates=max_candidates,
-        plan_options=dict(plan_options or {}),
-        step_overhead_s=step_overhead_s,
-        patch_size=list(patch),
+        **_settings(setup, step_overhead_s),
     )
     result = SimulationResult(
         rows=runs.rows,
@@ -585,6 +574,21 @@ def _meta(
         "plan_cost_model": plan_cost.to_dict(),
         **settings,
     }
+
+
+def _settings(setup: _Setup, step_overhead_s: float) -> dict[str, Any]:
+    """The settings :func:`simulate` records in ``meta``, in the order they are written."""
+    names = (
+        "max_tokens max_compute num_workers seed epoch min_steps_per_rank shards_per_stream "
+        "search_steps_per_rank max_candidates"
+    ).split()
+    settings = {name: getattr(setup, name) for name in names}
+    settings.update(
+        plan_options=dict(setup.plan_options or {}),
+        step_overhead_s=step_overhead_s,
+        patch_size=list(setup.patch),
+    )
+    return settings
 
 
 def _tok(shape: Sequence[int], patch: Sequence[int]) -> int:

@@ -1,0 +1,158 @@
+"""The measurement bench of ``calibrate``: the training model and its optimizer on one device.
+
+Owns how one forward + backward is run at the training precision, how its peak memory is measured (the CUDA
+allocator's peak, or on CPU an estimate from the tensors autograd saves) and how it is timed, with
+out-of-memory reported as "does not fit" rather than raised. :mod:`lightning_adaptiveload.tools.calibrate`
+drives it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+
+__all__ = ["Bench", "physical_memory"]
+
+_GIB = 1024**3
+
+
+def _precision_context(precision: str, device: torch.device):
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return nullcontext()
+
+
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * _GIB
+
+
+class Bench:
+    """The model, its optimizer and the measurement primitives on one device."""
+
+    def __init__(self, module, device: torch.device, precision: str, text_len: int, ddp: bool, seed: int):
+        self.module = module
+        self.device = device
+        self.precision = precision
+        self.text_len = text_len
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        model = module.model
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.num_params = sum(p.numel() for p in model.parameters())
+        # Gradients (param dtype) + AdamW's two moments (param dtype) on top of the parameters.
+        self.static_bytes = 4 * self.param_bytes
+        # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
+        self.ddp_bytes = 4 * self.num_params if ddp else 0
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
+
+    def batch(self, shape: Sequence[int], b: int) -> dict:
+        c, t, h, w = shape
+        cfg = self.module.model_config
+        pt, ph, pw = cfg.patch_size
+        latents = torch.randn(b, c, t, h, w, generator=self.gen).to(self.device)
+        text = mask = None
+        if self.text_len > 0:
+            text = torch.randn(b, self.text_len, cfg.text_dim, generator=self.gen).to(self.device)
+            mask = torch.ones(b, self.text_len, dtype=torch.bool, device=self.device)
+        s = (t // pt) * (h // ph) * (w // pw)
+        return {"latents": latents, "text": text, "text_mask": mask, "num_tokens": b * s, "global_tokens": -1}
+
+    def step(self, batch: dict) -> None:
+        self.module.model.zero_grad(set_to_none=True)
+        with _precision_context(self.precision, self.device):
+            loss, _ = self.module.compute_loss(batch)
+        loss.backward()
+
+    def allocate_optimizer_state(self, shape: Sequence[int]) -> None:
+        self.step(self.batch(shape, 1))
+        self.optimizer.step()
+        self.module.model.zero_grad(set_to_none=True)
+
+    def peak_bytes(self, shape: Sequence[int], b: int) -> int | None:
+        """Peak memory of one forward + backward at (shape, b), or None on out-of-memory."""
+        try:
+            batch = self.batch(shape, b)
+            if self.device.type == "cuda":
+                self.module.model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self.step(batch)
+                torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device)
+            else:
+                peak = self.static_bytes + self._saved_bytes(batch)
+            return peak + self.ddp_bytes
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is expected here
+            if not _is_oom(err):
+                raise
+            return None
+        finally:
+            self.module.model.zero_grad(set_to_none=True)
+            _release(self.device)
+
+    def _saved_bytes(self, batch: dict) -> int:
+        # CPU estimate of activation memory: the storages autograd keeps for the backward pass.
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        self.module.model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _precision_context(self.precision, self.device):
+                loss, _ = self.module.compute_loss(batch)
+        loss.backward()
+        return sum(storages.values())
+
+    def time(
+        self, shape: Sequence[int], b: int, warmup: int, repeats: int
+    ) -> tuple[float | None, list[float]]:
+        try:
+            batch = self.batch(shape, b)
+            for _ in range(warmup):
+                self.step(batch)
+            runs = []
+            for _ in range(repeats):
+                if self.device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    self.step(batch)
+                    end.record()
+                    end.synchronize()
+                    runs.append(start.elapsed_time(end) / 1000.0)
+                else:
+                    t0 = time.perf_counter()
+                    self.step(batch)
+                    runs.append(time.perf_counter() - t0)
+            return statistics.median(runs), runs
+        except Exception as err:  # noqa: BLE001
+            if not _is_oom(err):
+                raise
+            return None, []
+        finally:
+            self.module.model.zero_grad(set_to_none=True)
+            _release(self.device)
