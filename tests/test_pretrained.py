@@ -86,19 +86,23 @@ def test_diffusers_checkpoint_gives_diffusers_output_per_sample_timesteps(diffus
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_per_token_timesteps_of_equal_value_match_diffusers(diffusers_folder):
-    # Wan 2.2 (TI2V) passes timesteps of shape (B, S). VideoDiT takes (B,) only; here diffusers gets the
-    # per-sample time broadcast to every token, which must give the per-sample result.
+def test_per_token_timesteps_match_diffusers(diffusers_folder):
+    # Wan 2.2 (TI2V) passes one time per token, shape (B, S): ours must give diffusers' output for times that
+    # differ between tokens, and the per-sample result when every token of a sample has its sample's time.
     folder, ref = diffusers_folder
     ours = VideoDiT.from_pretrained(folder).eval()
     x, timestep, ctx = _inputs()
     seq = x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2)
+    per_token = torch.rand(x.shape[0], seq, generator=torch.Generator().manual_seed(3)) * 1000.0
     with torch.no_grad():
-        expected = ref(x, timestep[:, None].expand(-1, seq).contiguous(), ctx, return_dict=False)[0]
-        got = ours(x, timestep, ctx)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        expected = ref(x, per_token, ctx, return_dict=False)[0]
+        got = ours(x, per_token, ctx)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        equal = ours(x, timestep[:, None].expand(-1, seq).contiguous(), ctx)
+        torch.testing.assert_close(equal, ours(x, timestep, ctx), rtol=1e-5, atol=1e-6)
+    assert (got - ours(x, timestep, ctx)).abs().max() > 1e-3  # the per-token times matter
     with pytest.raises(ValueError, match="timestep must have shape"):
-        ours(x, timestep[:, None].expand(-1, seq), ctx)
+        ours(x, per_token[:, :-1], ctx)
 
 
 def test_wan_layout_sharded_with_index(diffusers_folder, tmp_path):
