@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_adaptiveload.models import NormModulate, VideoDiT, VideoDiTConfig
-from lightning_adaptiveload.models.video_dit import apply_rope, rope_3d
+from lightning_adaptiveload.models.layers import apply_rope, rope_3d
 
 
 def _tiny(seed: int = 0, **overrides) -> VideoDiT:

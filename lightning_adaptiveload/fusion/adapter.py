@@ -208,7 +208,7 @@ class FlagAdapter(FusionAdapter):
         value = getattr(module, self.attr, None)
         if not isinstance(value, bool):
             return (
-                f"expected a bool attribute {self.attr!r} (the models/video_dit.py NormModulate contract), "
+                f"expected a bool attribute {self.attr!r} (the models/layers.py NormModulate contract), "
                 f"found {value!r}; the reference model changed, update the adapter in fusion/video_dit.py"
             )
         return None

@@ -13,7 +13,7 @@ from lightning_adaptiveload.fusion.adapter import FlagAdapter, FusionAdapter
 
 __all__ = ["builtin_entries"]
 
-_VIDEO_DIT_MODULE = "lightning_adaptiveload.models.video_dit"
+_VIDEO_DIT_MODULE = "lightning_adaptiveload.models.layers"
 
 
 def builtin_entries() -> list[tuple[Any, FusionAdapter]]:

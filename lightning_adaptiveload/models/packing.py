@@ -124,7 +124,7 @@ def _self_attention(
     attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor, lens: Sequence[int]
 ) -> torch.Tensor:
     """The block's :class:`SelfAttention` on a packed sequence x (1, S, D), attention per sample."""
-    from lightning_adaptiveload.models.video_dit import apply_rope
+    from lightning_adaptiveload.models.layers import apply_rope
 
     h = attn.num_heads
     q = apply_rope(attn.norm_q(attn.q(x)).unflatten(-1, (h, -1)), cos, sin).transpose(1, 2)
@@ -191,7 +191,8 @@ def packed_forward(
     """
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_adaptiveload.models.video_dit import _save_attention_contexts, sinusoidal_embedding
+    from lightning_adaptiveload.models.layers import sinusoidal_embedding
+    from lightning_adaptiveload.models.video_dit import save_attention_contexts
 
     n = len(latents)
     if n == 0 or timestep.shape != (n,):
@@ -235,7 +236,7 @@ def packed_forward(
         if policy is None or not (model.training and torch.is_grad_enabled()):
             h = _block_forward(*args)
         else:
-            extra = {"context_fn": _save_attention_contexts} if policy == "save_attention" else {}
+            extra = {"context_fn": save_attention_contexts} if policy == "save_attention" else {}
             h = checkpoint(_block_forward, *args, use_reentrant=False, **extra)
     head = model.head
     shift, scale = (head.modulation.float() + e_tok[:, None, :]).transpose(0, 1)[:, None].unbind(0)

@@ -27,8 +27,7 @@ switch does not change parameters or state_dict keys. Module and parameter names
 reference implementation (``patch_embedding``, ``blocks.N.self_attn.q``, ``blocks.N.modulation``,
 ``head.head``, ...), so a Wan 2.1 checkpoint's state_dict has the same keys and shapes.
 
-The 3D RoPE splits each head's dimension d over the three axes like Wan: T gets d - 4*(d//6), H and W get
-2*(d//6) each, with frequencies 1 / 10000^(2i/d_axis) per axis and adjacent channel pairs rotated.
+The leaf layers (norms, embeddings, Wan's 3-D RoPE) are in :mod:`~lightning_adaptiveload.models.layers`.
 """
 
 from __future__ import annotations
@@ -39,12 +38,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload import ops as _ops
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.models.layers import (
+    FP32LayerNorm,
+    Linear,
+    NormModulate,
+    PatchEmbed,
+    RMSNorm,
+    apply_rope,
+    rope_3d,
+    sinusoidal_embedding,
+)
 
 __all__ = ["CHECKPOINT_POLICIES", "NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
 
@@ -157,160 +164,6 @@ class VideoDiTConfig:
         return sorted(_PRESETS)
 
 
-# --------------------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------------------
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` whose ``reset_parameters`` applies Wan 2.1's initialisation for its role.
-
-    Every module with parameters of its own has a ``reset_parameters`` that gives Wan's init, so that a model
-    built on the meta device (FSDP) is materialised exactly as an eagerly built one. ``init`` is
-    ``"xavier"`` (Xavier-uniform weight, zero bias), ``"normal"`` (N(0, 0.02) weight, zero bias: the text
-    and time embeddings) or ``"zeros"`` (the output projection).
-    """
-
-    def __init__(self, in_features: int, out_features: int, init: str = "xavier") -> None:
-        self.init = init
-        super().__init__(in_features, out_features)
-
-    def reset_parameters(self) -> None:
-        if self.init == "xavier":
-            nn.init.xavier_uniform_(self.weight)
-        elif self.init == "normal":
-            nn.init.normal_(self.weight, std=0.02)
-        else:
-            nn.init.zeros_(self.weight)
-        nn.init.zeros_(self.bias)
-
-
-class _PatchEmbed(nn.Conv3d):
-    """Conv3d patch embedding with Wan's init: Xavier-uniform on the flattened kernel, zero bias."""
-
-    def reset_parameters(self) -> None:
-        nn.init.xavier_uniform_(self.weight.view(self.weight.shape[0], -1))
-        nn.init.zeros_(self.bias)
-
-
-class NormModulate(nn.Module):
-    """``LayerNorm(x) * (1 + scale) + shift``: every adaLN site of the model.
-
-    With ``fused = False`` the eager form runs (LayerNorm and modulation in fp32, output cast back to
-    ``x.dtype``); with ``fused = True`` it calls :func:`lightning_adaptiveload.ops.layer_norm_modulate`.
-    Flipping ``fused`` (see ``lightning_adaptiveload.fusion.fuse_norm_modulate``) changes no parameter.
-
-    Args:
-        dim: normalised width D.
-        eps: LayerNorm epsilon.
-        elementwise_affine: learn a LayerNorm weight and bias (D,), applied before the modulation.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = False) -> None:
-        super().__init__()
-        self.dim = dim
-        self.eps = eps
-        self.fused = False
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(dim))
-            self.bias = nn.Parameter(torch.zeros(dim))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
-
-    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, S, D); shift, scale (B, 1, D) or (B, S, D). Returns (B, S, D) in x.dtype."""
-        if self.fused:
-            # Looked up at call time so that a later swap of the op's dispatch is picked up.
-            return _ops.layer_norm_modulate(x, shift, scale, self.weight, self.bias, self.eps)
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        y = F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps)
-        return (y * (1.0 + scale.float()) + shift.float()).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}, fused={self.fused}"
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last axis in fp32 with a learned (D,) weight; output in the input's dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
-
-
-class FP32LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 (Wan's ``norm3`` before cross-attention); output in the input's dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
-
-
-def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Wan's sinusoidal features: ``[cos(t * f_i), sin(t * f_i)]`` with ``f_i = 10000^(-i / (dim/2))``.
-
-    Args:
-        t: (B,) diffusion time in the model's units ([0, 1000] for rectified flow x 1000).
-        dim: even feature width.
-
-    Returns:
-        (B, dim) float32.
-    """
-    half = dim // 2
-    freqs = torch.pow(10000.0, -torch.arange(half, device=t.device, dtype=torch.float64) / half)
-    angles = t.to(torch.float64)[:, None] * freqs[None, :]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1).float()
-
-
-def rope_3d(
-    grid: tuple[int, int, int], head_dim: int, theta: float = 10000.0, device: torch.device | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines and sines of the 3D rotary embedding for a (F, H, W) token grid.
-
-    The head dimension d is split as Wan does: d - 4*(d//6) channels rotate with the frame index,
-    2*(d//6) with the row and 2*(d//6) with the column. Tokens are in (F, H, W) raster order, the order of
-    ``Conv3d(...).flatten(2)``.
-
-    Returns:
-        (cos, sin), each (F*H*W, d/2) float32.
-    """
-    split = (head_dim - 4 * (head_dim // 6), 2 * (head_dim // 6), 2 * (head_dim // 6))
-    angles = []
-    for axis, (n, d_axis) in enumerate(zip(grid, split)):
-        inv_freq = 1.0 / theta ** (torch.arange(0, d_axis, 2, device=device, dtype=torch.float64) / d_axis)
-        a = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (n, d_axis/2)
-        view = [1, 1, 1, d_axis // 2]
-        view[axis] = n
-        angles.append(a.view(view).expand(*grid, d_axis // 2))
-    full = torch.cat(angles, dim=-1).reshape(-1, head_dim // 2)
-    return torch.cos(full).float(), torch.sin(full).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of ``x`` (B, S, H, d) by the angles of ``cos``/``sin`` (S, d/2)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
-
-
 _logged_kernels: set[tuple] = set()
 
 
@@ -345,7 +198,7 @@ def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _save_attention_contexts():
+def save_attention_contexts():
     return create_selective_checkpoint_contexts(_save_attention_policy)
 
 
@@ -355,10 +208,10 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.q = _Linear(dim, dim)
-        self.k = _Linear(dim, dim)
-        self.v = _Linear(dim, dim)
-        self.o = _Linear(dim, dim)
+        self.q = Linear(dim, dim)
+        self.k = Linear(dim, dim)
+        self.v = Linear(dim, dim)
+        self.o = Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         # SDPA kernels in priority order (None: PyTorch's choice); set by VideoDiT.set_attention_backend.
@@ -384,10 +237,10 @@ class CrossAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.q = _Linear(dim, dim)
-        self.k = _Linear(dim, dim)
-        self.v = _Linear(dim, dim)
-        self.o = _Linear(dim, dim)
+        self.q = Linear(dim, dim)
+        self.k = Linear(dim, dim)
+        self.v = Linear(dim, dim)
+        self.o = Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.backends = None
@@ -429,7 +282,7 @@ class DiTBlock(nn.Module):
         self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
         self.norm2 = NormModulate(dim, cfg.eps)
         self.ffn = nn.Sequential(
-            _Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), _Linear(cfg.ffn_dim, dim)
+            Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), Linear(cfg.ffn_dim, dim)
         )
         # Per-block table added to the shared timestep projection (Wan's scale_shift_table).
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
@@ -456,7 +309,7 @@ class DiTBlock(nn.Module):
         policy = self.checkpoint_policy
         if policy is None or not (self.training and torch.is_grad_enabled()):
             return self._forward(x, e0, cos, sin, context, context_mask)
-        extra = {"context_fn": _save_attention_contexts} if policy == "save_attention" else {}
+        extra = {"context_fn": save_attention_contexts} if policy == "save_attention" else {}
         return checkpoint(self._forward, x, e0, cos, sin, context, context_mask, use_reentrant=False, **extra)
 
     def _forward(
@@ -487,7 +340,7 @@ class Head(nn.Module):
     def __init__(self, cfg: VideoDiTConfig) -> None:
         super().__init__()
         self.norm = NormModulate(cfg.dim, cfg.eps)
-        self.head = _Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
+        self.head = Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
     def reset_parameters(self) -> None:
@@ -565,18 +418,18 @@ class VideoDiT(nn.Module):
     def __init__(self, config: VideoDiTConfig) -> None:
         super().__init__()
         self.config = cfg = config
-        self.patch_embedding = _PatchEmbed(
+        self.patch_embedding = PatchEmbed(
             cfg.in_channels, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
         )
         self.text_embedding = nn.Sequential(
-            _Linear(cfg.text_dim, cfg.dim, "normal"),
+            Linear(cfg.text_dim, cfg.dim, "normal"),
             nn.GELU(approximate="tanh"),
-            _Linear(cfg.dim, cfg.dim, "normal"),
+            Linear(cfg.dim, cfg.dim, "normal"),
         )
         self.time_embedding = nn.Sequential(
-            _Linear(cfg.freq_dim, cfg.dim, "normal"), nn.SiLU(), _Linear(cfg.dim, cfg.dim, "normal")
+            Linear(cfg.freq_dim, cfg.dim, "normal"), nn.SiLU(), Linear(cfg.dim, cfg.dim, "normal")
         )
-        self.time_projection = nn.Sequential(nn.SiLU(), _Linear(cfg.dim, 6 * cfg.dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), Linear(cfg.dim, 6 * cfg.dim))
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
