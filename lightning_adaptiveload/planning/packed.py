@@ -33,12 +33,12 @@ import math
 import random
 import time
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
-from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
@@ -442,42 +442,103 @@ def plan_packed(
     from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, underfull_message
 
     workers = max(1, int(num_workers))
-    max_tokens = int(batcher.max_tokens)
-    cost_model: CostModel = batcher.cost_model
-    order = list(range(len(data.shapes)))
-    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
-    position = {shard: k for k, shard in enumerate(order)}
-
-    shapes, refs, sample_shape, oversize, excluded = _collect(data, batcher, exclude)
-    seq_len = np.array([tokens_per_sample(s, batcher.patch_size) for s in shapes], dtype=np.int64)
-    shape_idx = np.array(sample_shape, dtype=np.int64)
-    tokens = seq_len[shape_idx] if len(refs) else np.zeros(0, dtype=np.int64)
-    costs = cost_model.costs(tokens)
-    if len(refs):
-        cost_model.check_positive(sorted(set(tokens.tolist())))
-    key = np.array([position[s] * (1 << 32) + i for s, i in refs], dtype=np.int64)
-    steps = pack_steps(tokens, costs, cost_model.c0, max_tokens, world, key)
-    rng = np.random.default_rng(abs(hash_seed(seed, epoch)))
-    perm = rng.permutation(len(steps))
-    # Rotate each step's packs over the ranks, so that a rank is not the one that gets every step's
-    # lightest (or empty) pack.
-    steps = [steps[k][k % world :] + steps[k][: k % world] for k in perm]
-    n_steps = len(steps)
-    if underfull == "error" and refs:
+    samples = _Samples.of(data, batcher, exclude, seed, epoch)
+    steps = _ordered_steps(samples, batcher, world, seed, epoch)
+    if underfull == "error" and samples.refs:
         per_rank = [sum(len(st[r]) for st in steps) for r in range(world)]
         if min(per_rank) == 0:
-            raise PlanError(underfull_message(world, workers, len(data.shapes), len(refs), per_rank))
+            raise PlanError(underfull_message(world, workers, len(data.shapes), len(samples.refs), per_rank))
+    layout = _layout(samples, steps, world, workers, batcher.cost_model)
+    report = _report(samples, steps, layout, batcher, world, num_workers, epoch)
+    plan = EpochPlan(
+        world_size=world,
+        num_workers=int(num_workers),
+        seed=int(seed),
+        epoch=int(epoch),
+        mode="packed",
+        buckets=_bucket_table(samples, batcher),
+        streams=layout.streams,
+        batch_buckets=layout.batch_buckets,
+        batch_steps=layout.batch_steps,
+        reads=layout.reads,
+        step_order=[[(k % workers, k // workers) for k in range(len(steps))] for _ in range(world)],
+        steps=len(steps),
+        global_tokens=[int(x) for x in layout.step_tokens.sum(axis=0)],
+        report=report,
+    )
+    report["plan_seconds"] = time.perf_counter() - t0
+    return plan
 
+
+@dataclass
+class _Samples:
+    """The epoch's samples as arrays: shapes, refs, tokens and cost per sample, and the shard order."""
+
+    shapes: list[tuple[int, ...]]  # distinct latent shapes
+    refs: list[Ref]
+    shape_idx: np.ndarray  # (N,) index into shapes
+    seq_len: np.ndarray  # (len(shapes),) tokens of each shape
+    tokens: np.ndarray  # (N,)
+    costs: np.ndarray  # (N,)
+    key: np.ndarray  # (N,) shard position in the seeded order, then sample id: the reading order
+    oversize: int
+    excluded: int
+
+    @classmethod
+    def of(cls, data: Any, batcher: Any, exclude: Mapping[int, Collection[int]], seed: int, epoch: int):
+        order = list(range(len(data.shapes)))
+        random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
+        position = {shard: k for k, shard in enumerate(order)}
+        shapes, refs, sample_shape, oversize, excluded = _collect(data, batcher, exclude)
+        seq_len = np.array([tokens_per_sample(s, batcher.patch_size) for s in shapes], dtype=np.int64)
+        shape_idx = np.array(sample_shape, dtype=np.int64)
+        tokens = seq_len[shape_idx] if len(refs) else np.zeros(0, dtype=np.int64)
+        if len(refs):
+            batcher.cost_model.check_positive(sorted(set(tokens.tolist())))
+        key = np.array([position[s] * (1 << 32) + i for s, i in refs], dtype=np.int64)
+        costs = batcher.cost_model.costs(tokens)
+        return cls(shapes, refs, shape_idx, seq_len, tokens, costs, key, oversize, excluded)
+
+
+def _ordered_steps(
+    samples: _Samples, batcher: Any, world: int, seed: int, epoch: int
+) -> list[list[list[int]]]:
+    """The packed steps in a seeded random order, each step's packs rotated over the ranks, so that no rank
+    is the one that gets every step's lightest (or empty) pack."""
+    cm = batcher.cost_model
+    steps = pack_steps(samples.tokens, samples.costs, cm.c0, int(batcher.max_tokens), world, samples.key)
+    perm = np.random.default_rng(abs(hash_seed(seed, epoch))).permutation(len(steps))
+    return [steps[k][k % world :] + steps[k][: k % world] for k in perm]
+
+
+@dataclass
+class _Layout:
+    """What every stream reads and yields, and the per-(rank, step) tokens and planned cost."""
+
+    streams: dict[tuple[int, int], list[list[Ref]]]
+    batch_buckets: dict[tuple[int, int], list[int]]
+    batch_steps: dict[tuple[int, int], list[int]]
+    reads: dict[tuple[int, int], list[tuple[int, list[int]]]]
+    step_tokens: np.ndarray  # (world, steps)
+    step_cost: np.ndarray  # (world, steps)
+    step_mean_len: np.ndarray  # (steps,) mean sample length of the step
+
+
+def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers: int, cost_model) -> _Layout:
     streams: dict[tuple[int, int], list[list[Ref]]] = {
         (r, w): [] for r in range(world) for w in range(workers)
     }
-    batch_buckets: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
-    batch_steps: dict[tuple[int, int], list[int]] = {st: [] for st in streams}
-    reads: dict[tuple[int, int], list[tuple[int, list[int]]]] = {st: [] for st in streams}
-    smallest = int(np.argmin(seq_len)) if len(shapes) else 0
-    step_tokens = np.zeros((world, n_steps), dtype=np.int64)
-    step_cost = np.zeros((world, n_steps), dtype=np.float64)
-    step_mean_len = np.zeros(n_steps, dtype=np.float64)
+    out = _Layout(
+        streams=streams,
+        batch_buckets={st: [] for st in streams},
+        batch_steps={st: [] for st in streams},
+        reads={st: [] for st in streams},
+        step_tokens=np.zeros((world, len(steps)), dtype=np.int64),
+        step_cost=np.zeros((world, len(steps)), dtype=np.float64),
+        step_mean_len=np.zeros(len(steps), dtype=np.float64),
+    )
+    tokens, refs = samples.tokens, samples.refs
+    smallest = int(np.argmin(samples.seq_len)) if len(samples.shapes) else 0
     for k, packs in enumerate(steps):
         for r, pack in enumerate(packs):
             st = (r, k % workers)
@@ -485,50 +546,55 @@ def plan_packed(
             streams[st].append(pack_refs)
             # The bucket of a pack: that of its largest sample (only types an empty pack's batch).
             big = max(pack, key=lambda i: (tokens[i], -i)) if pack else -1
-            batch_buckets[st].append(int(shape_idx[big]) if pack else smallest)
-            batch_steps[st].append(k)
-            reads[st].extend(_runs(pack_refs))
-            step_tokens[r, k] = int(tokens[pack].sum()) if pack else 0
-            step_cost[r, k] = cost_model.pack_cost(tokens[pack]) if pack else 0.0
+            out.batch_buckets[st].append(int(samples.shape_idx[big]) if pack else smallest)
+            out.batch_steps[st].append(k)
+            out.reads[st].extend(_runs(pack_refs))
+            out.step_tokens[r, k] = int(tokens[pack].sum()) if pack else 0
+            out.step_cost[r, k] = cost_model.pack_cost(tokens[pack]) if pack else 0.0
         n_in_step = sum(len(p) for p in packs)
-        step_mean_len[k] = step_tokens[:, k].sum() / n_in_step if n_in_step else 0.0
-    step_order = [[(k % workers, k // workers) for k in range(n_steps)] for _ in range(world)]
-    global_tokens = step_tokens.sum(axis=0)
-    figures = balance_summary(step_cost.T) if n_steps else {"cv_mean": 0.0, "straggler_wait": 0.0}
-    fill = step_tokens / float(max_tokens)
-    opens = [sum(len(reads[(r, w)]) for w in range(workers)) for r in range(world)]
-    samples_per_rank = [sum(len(b) for w in range(workers) for b in streams[(r, w)]) for r in range(world)]
-    report = {
+        out.step_mean_len[k] = out.step_tokens[:, k].sum() / n_in_step if n_in_step else 0.0
+    return out
+
+
+# The bucketed schedules' counters: 0 here (a pack is never split, merged or moved), so that code reading
+# any plan's report works unchanged.
+_ZERO_COUNTERS = (
+    "partial_batches",
+    "bound_partial_batches",
+    "split_batches",
+    "merged_batches",
+    "reduced_steps",
+    "moved_samples",
+    "moved_batches",
+    "lockstep_classes",
+    "shard_splits",
+    "unequal_steps",
+    "lockstep_tail_steps",
+)
+
+
+def _report(
+    samples: _Samples, steps, layout: _Layout, batcher, world: int, num_workers: int, epoch: int
+) -> dict:
+    workers, n_steps = max(1, int(num_workers)), len(steps)
+    figures = balance_summary(layout.step_cost.T) if n_steps else {"cv_mean": 0.0, "straggler_wait": 0.0}
+    fill = layout.step_tokens / float(batcher.max_tokens)
+    opens = [sum(len(layout.reads[(r, w)]) for w in range(workers)) for r in range(world)]
+    per_rank = [sum(len(b) for w in range(workers) for b in layout.streams[(r, w)]) for r in range(world)]
+    return {
         "epoch": int(epoch),
         "mode": "packed",
         "world_size": world,
         "num_workers": int(num_workers),
-        "samples": len(refs),
+        "samples": len(samples.refs),
         "batches": world * n_steps,
         "steps": n_steps,
-        "tokens": int(global_tokens.sum()),
+        "tokens": int(layout.step_tokens.sum()),
         "padding_tokens": 0,
-        "skipped": {"oversize": oversize} if oversize else {},
-        "excluded": excluded,
+        "skipped": {"oversize": samples.oversize} if samples.oversize else {},
+        "excluded": samples.excluded,
         "empty_batches": int(sum(1 for st in steps for p in st if not p)),
-        # The bucketed schedules' counters, 0 here (a pack is never split, merged or moved), so that code
-        # reading any plan's report works unchanged.
-        **dict.fromkeys(
-            (
-                "partial_batches",
-                "bound_partial_batches",
-                "split_batches",
-                "merged_batches",
-                "reduced_steps",
-                "moved_samples",
-                "moved_batches",
-                "lockstep_classes",
-                "shard_splits",
-            ),
-            0,
-        ),
-        "unequal_steps": 0,
-        "lockstep_tail_steps": 0,
+        **dict.fromkeys(_ZERO_COUNTERS, 0),
         "reads": int(sum(opens)),
         "shard_opens_per_rank": float(np.mean(opens)) if opens else 0.0,
         "max_buffered_samples": int(max((len(p) for st in steps for p in st), default=0)),
@@ -538,37 +604,24 @@ def plan_packed(
         "est_wait_share": figures["straggler_wait"],
         "fill_mean": float(fill.mean()) if n_steps else 0.0,
         "fill_min": float(fill.min()) if n_steps else 0.0,
-        "order_rank_correlation": rank_correlation(range(n_steps), step_mean_len),
-        "samples_per_rank": samples_per_rank,
+        "order_rank_correlation": rank_correlation(range(n_steps), layout.step_mean_len),
+        "samples_per_rank": per_rank,
         "plan_seconds": 0.0,
     }
-    plan = EpochPlan(
-        world_size=world,
-        num_workers=int(num_workers),
-        seed=int(seed),
-        epoch=int(epoch),
-        mode="packed",
-        buckets=[
-            {
-                "shape": shp,
-                "seq_len": int(seq_len[b]),
-                "batch_size": max_tokens // int(seq_len[b]) if seq_len[b] <= max_tokens else 0,
-                "cost": cost_model.cost(int(seq_len[b])),
-                "lockstep_class": -1,
-            }
-            for b, shp in enumerate(shapes)
-        ],
-        streams=streams,
-        batch_buckets=batch_buckets,
-        batch_steps=batch_steps,
-        reads=reads,
-        step_order=step_order,
-        steps=n_steps,
-        global_tokens=[int(x) for x in global_tokens],
-        report=report,
-    )
-    report["plan_seconds"] = time.perf_counter() - t0
-    return plan
+
+
+def _bucket_table(samples: _Samples, batcher: Any) -> list[dict[str, Any]]:
+    max_tokens, cost_model = int(batcher.max_tokens), batcher.cost_model
+    return [
+        {
+            "shape": shp,
+            "seq_len": int(samples.seq_len[b]),
+            "batch_size": max_tokens // int(samples.seq_len[b]) if samples.seq_len[b] <= max_tokens else 0,
+            "cost": cost_model.cost(int(samples.seq_len[b])),
+            "lockstep_class": -1,
+        }
+        for b, shp in enumerate(samples.shapes)
+    ]
 
 
 def hash_seed(seed: int, epoch: int) -> int:
