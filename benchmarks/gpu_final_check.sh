@@ -10,9 +10,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH="$HOME/site:$PWD" || exit 1
 echo "== build $(el)"; timeout 150 python3 -m lightning_adaptiveload build-ops > "$OUT/build.log" 2>&1; echo "build rc=$? $(el)"
 tail -2 "$OUT/build.log"
-echo "== CUDA tests $(el)"
-timeout 170 python3 -m pytest -m cuda -q -p no:cacheprovider tests/ > "$OUT/pytest_cuda.log" 2>&1; echo "pytest rc=$? $(el)"
-tail -4 "$OUT/pytest_cuda.log"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  echo "== CUDA tests $(el)"
+  timeout 170 python3 -m pytest -m cuda -q -p no:cacheprovider tests/ > "$OUT/pytest_cuda.log" 2>&1; echo "pytest rc=$? $(el)"
+  tail -4 "$OUT/pytest_cuda.log"
+fi
 echo "== packed on CUDA $(el)"
 timeout 90 python3 benchmarks/packed_cuda_check.py --out "$OUT" > "$OUT/packed.log" 2>&1; echo "packed rc=$? $(el)"
 tail -40 "$OUT/packed.log"

@@ -54,6 +54,14 @@ _warned: set[str] = set()
 _paths: dict[str, str] = {}
 
 
+def _record_path(path: str, detail: str) -> None:
+    # A global write inside a traced region is a side effect torch.compile refuses under activation
+    # checkpointing (its higher-order op): record the path from eager calls only; compiled code runs the same
+    # path, and the first (eager or warm-up) call records it.
+    if not torch.compiler.is_compiling():
+        _paths.setdefault(path, detail)
+
+
 def _warn_once(key: str, message: str) -> None:
     # warnings.warn would break a torch.compile graph; the eager call warns instead. stacklevel: the caller
     # of layer_norm_modulate (through _fallback).
@@ -343,7 +351,7 @@ def _fallback(key: str, reason: str, x, shift, scale, weight, bias, eps) -> torc
             f"layer_norm_modulate: {reason}, and {_REQUIRE_ENV}=1 makes the plain-PyTorch fallback (about 9x "
             f"slower) an error. Fix the cause (see docs/fused_op.md), or unset {_REQUIRE_ENV} to allow it"
         )
-    _paths.setdefault("reference", reason)
+    _record_path("reference", reason)
     _warn_once(key, f"{reason}; using the plain-PyTorch reference")
     return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
 
@@ -411,7 +419,7 @@ def layer_norm_modulate(
     if x.device.type == "cuda":
         if not _KERNELS_LOADED:
             return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
-        _paths.setdefault("fused", f"CUDA kernels ({_KERNELS_INFO})")
+        _record_path("fused", f"CUDA kernels ({_KERNELS_INFO})")
     if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
         table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
     y, _, _ = _fwd_op(
