@@ -349,3 +349,25 @@ def test_simulate_flags_separate_schedules_from_modes(capsys):
     lines = simulate._describe(["lockstep"], None)
     assert "schedule lockstep, mode dual" in lines[0] and "built-in cost model" in lines[1]
     assert "measured trace" in simulate._describe(["dual"], "trace.jsonl")[1]
+
+
+def test_end_of_fit_balance_line_reuses_the_runs_plan_and_skips_the_baseline_at_scale():
+    # The run's figures come from the plan its loader made; a data set over BASELINE_MAX_SAMPLES gets no
+    # second (baseline) plan at the end of fit. The stub index cannot be planned: any planning would raise.
+    from types import SimpleNamespace
+
+    from lightning_adaptiveload.cli import fit
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+
+    plan = SimpleNamespace(epoch=3, report={"est_compute_cv": 0.0123, "steps": 77})
+    datamodule = SimpleNamespace(
+        train_index=SimpleNamespace(num_samples=fit.BASELINE_MAX_SAMPLES + 1),
+        batcher=DualConstraintBatcher(max_tokens=1024),
+        train_dataset=SimpleNamespace(plan=plan),
+        schedule="lockstep",
+        num_workers=0,
+        seed=0,
+    )
+    line = fit._baseline_line(SimpleNamespace(world_size=8), datamodule)
+    assert "epoch 3, 8 ranks): compute CV 0.012 over 77 steps with schedule lockstep" in line
+    assert "baseline not planned" in line and "simulate" in line

@@ -189,8 +189,17 @@ def _report_outputs(trainer: Any, datamodule: Any) -> None:
     print("\n".join(lines), flush=True)
 
 
+# Above this many training samples the end of fit does not plan the baseline epoch (a second full plan,
+# seconds to minutes at internet scale); `lightning-adaptiveload simulate` compares schedules instead.
+BASELINE_MAX_SAMPLES = 200_000
+
+
 def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
-    """One line: this run's planned compute CV and steps beside the baseline's, on the same data and ranks."""
+    """One line: this run's planned compute CV and steps beside the baseline's, on the same data and ranks.
+
+    The run's own figures come from the plan its loader already made (the last epoch's); only the
+    baseline (``equal_tokens``, independent) is planned here, and not at all for large data sets.
+    """
     index = getattr(datamodule, "train_index", None)
     batcher = getattr(datamodule, "batcher", None)
     if index is None or batcher is None:
@@ -201,17 +210,24 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     world = int(getattr(trainer, "world_size", 1))
     workers = int(getattr(datamodule, "num_workers", 0))
     seed = int(getattr(datamodule, "seed", 0))
+    current = getattr(getattr(datamodule, "train_dataset", None), "plan", None)
+    epoch = int(current.epoch) if current is not None else 0
 
     def plan(mode: str, schedule: str) -> Any:
         b = DualConstraintBatcher.from_config({**batcher.config(), "mode": mode})
-        return plan_epoch(index, world, workers, b, seed, 0, mode=schedule).report
+        return plan_epoch(index, world, workers, b, seed, epoch, mode=schedule).report
 
-    this = plan(batcher.mode, datamodule.schedule)
+    this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
+    line = (
+        f"  balance (planned, epoch {epoch}, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
+        f"{this['steps']} steps with schedule {datamodule.schedule}, mode {batcher.mode}"
+    )
+    if index.num_samples > BASELINE_MAX_SAMPLES:
+        return f"{line}; baseline not planned for {index.num_samples} samples (compare with `simulate`)"
     base = plan("equal_tokens", "independent")
     return (
-        f"  balance (planned, epoch 0, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
-        f"{this['steps']} steps with schedule {datamodule.schedule}, mode {batcher.mode}; baseline "
-        f"(schedule independent, mode equal_tokens) {base['est_compute_cv']:.3f} over {base['steps']} steps"
+        f"{line}; baseline (schedule independent, mode equal_tokens) {base['est_compute_cv']:.3f} over "
+        f"{base['steps']} steps"
     )
 
 
