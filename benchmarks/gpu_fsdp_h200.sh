@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU (nvidia-h200 or nvidia-h100-x1), issue 19: FSDP2 on a real device. NOT RUN YET (written without a
-# device). 1) the fused norm + modulate op under fully_shard matches the unfused model (loss and gradients,
+# One GPU (nvidia-h200 or nvidia-h100-x1), issue 19: FSDP2 on a real device (run on an H200,
+# 2026-11-23: docs/multi_node.md). 1) the fused norm + modulate op under fully_shard matches the unfused model (loss and gradients,
 # wan-1.3b width, 4 blocks, bf16 policy, activation checkpointing); 2) a few training steps of wan-14b at
 # 720p (75,600 tokens) with FSDP2 CPU offload if the memory planner says it fits (GPU and host), else the
 # wan-14b-wide model with the most blocks that fits; tokens/s and peak memory to benchmarks/results/.
