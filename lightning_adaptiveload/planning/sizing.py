@@ -139,8 +139,10 @@ class BatchSizer:
                 c = self.cost_model.cost(s)
                 if not c > 0:
                     self.cost_model.check_positive([s])
-                ratio = self.max_compute / c
-                b = max(1, min(b, math.floor(ratio * (1 + _COMPUTE_RTOL))))
+                # A step of B samples costs c0 + B * cost(S) (the pack cost model): the per-step constant
+                # comes off the cap once, as in satisfies(); a single sample is always allowed.
+                room = self.max_compute * (1 + _COMPUTE_RTOL) - self.cost_model.c0
+                b = max(1, min(b, math.floor(room / c)))
             out = BucketSize(s, b)
         self._cache[shape] = out
         return out
