@@ -53,7 +53,9 @@ def calibrated_model(path: str) -> CostModel:
     try:
         return CostModel.from_dict(data["data"]["init_args"]["cost_model"])
     except (KeyError, TypeError):
-        raise SystemExit(f"{path}: no data.init_args.cost_model; pass a fragment written by calibrate") from None
+        raise SystemExit(
+            f"{path}: no data.init_args.cost_model; pass a fragment written by calibrate"
+        ) from None
 
 
 def markdown(rows: list[dict]) -> str:
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=16)
     parser.add_argument("--steps", type=int, default=128, help="steps per rank of equal_tokens")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--cost-model", help="a calibrate fragment (YAML) whose cost model replaces the trace fit")
+    parser.add_argument(
+        "--cost-model", help="a calibrate fragment (YAML) whose cost model replaces the trace fit"
+    )
     parser.add_argument(
         "--times",
         choices=("pack", "trace"),
@@ -115,9 +119,24 @@ def main(argv: list[str] | None = None) -> None:
             progress=False,
         )
         for row in res.rows:
-            keep = ("mode", "schedule", "batching", "world_size", "steps", "max_compute", "imbalance_mean",
-                    "cv_mean", "cv_p95", "straggler_wait", "tokens_per_s", "tokens_per_s_ratio", "token_fill",
-                    "compute_fill", "vram_utilisation", "peak_tokens")
+            keep = (
+                "mode",
+                "schedule",
+                "batching",
+                "world_size",
+                "steps",
+                "max_compute",
+                "imbalance_mean",
+                "cv_mean",
+                "cv_p95",
+                "straggler_wait",
+                "tokens_per_s",
+                "tokens_per_s_ratio",
+                "token_fill",
+                "compute_fill",
+                "vram_utilisation",
+                "peak_tokens",
+            )
             rows.append({"mix": args.mix, "max_tokens": max_tokens, **{k: row.get(k) for k in keep}})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         print(f"# {max_tokens}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -133,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         "max_compute": "auto (the batcher's rule) for dual and lockstep",
         "times": args.times,
         "plan": args.plan,
-        "command": "python benchmarks/schedule_table.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/schedule_table.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

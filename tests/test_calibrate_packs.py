@@ -75,7 +75,9 @@ def test_fit_recovers_the_terms_from_noisy_designed_measurements():
     timer = SyntheticTimer(C0, ALPHA, BETA, noise=0.02)
     design = design_packs(WAN_SHAPES, _lens(WAN_SHAPES), 131040)
     singles = [(f"single {s}", [s]) for s in WAN_SHAPES]
-    points = time_packs(singles + design, lambda s: tokens_per_sample(s, (1, 2, 2)), timer, repeats=3, warmup=1)
+    points = time_packs(
+        singles + design, lambda s: tokens_per_sample(s, (1, 2, 2)), timer, repeats=3, warmup=1
+    )
     assert len(timer.calls) == 4 * len(points)  # one warm-up and three timed calls per point
     model = fit_pack_terms(points)
     assert model.c0 == pytest.approx(C0, rel=0.1)
@@ -138,5 +140,7 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
         batcher.resolve_max_compute([b.latent_shape for b in load_mix("tiny").buckets])
     )
     results = result.to_results()
-    assert results["fit"]["max_rel_error"] == pytest.approx(max(abs(p["rel_error"]) for p in results["points"]))
+    assert results["fit"]["max_rel_error"] == pytest.approx(
+        max(abs(p["rel_error"]) for p in results["points"])
+    )
     yaml.safe_dump(results)  # plain types only

@@ -111,15 +111,25 @@ class CalibrationResult:
             "fit": dict(self.cost_model.fit_info or {}),
             "points": [p.to_dict() for p in self.points],
             "timings": [
-                {"shape": "x".join(map(str, t.latent_shape)), "seq_len": t.seq_len, "batch_size": t.batch_size,
-                 "seconds": t.seconds, "runs": list(t.runs)}
+                {
+                    "shape": "x".join(map(str, t.latent_shape)),
+                    "seq_len": t.seq_len,
+                    "batch_size": t.batch_size,
+                    "seconds": t.seconds,
+                    "runs": list(t.runs),
+                }
                 for t in self.timings
-            ],  # fmt: skip
+            ],
             "probes": [
-                {"shape": "x".join(map(str, p.latent_shape)), "batch_size": p.batch_size, "tokens": p.tokens,
-                 "peak_bytes": p.peak, "fits": p.fits}
+                {
+                    "shape": "x".join(map(str, p.latent_shape)),
+                    "batch_size": p.batch_size,
+                    "tokens": p.tokens,
+                    "peak_bytes": p.peak,
+                    "fits": p.fits,
+                }
                 for p in self.probes
-            ],  # fmt: skip
+            ],
         }
 
     def fragment(self) -> dict[str, Any]:
@@ -165,7 +175,9 @@ class CalibrationResult:
         fit = self.cost_model.fit_info or {}
         if self.points:
             lines.append("#")
-            lines.append("# fitted steps (packed: the packed forward; bucketed: one shape), measured vs model:")
+            lines.append(
+                "# fitted steps (packed: the packed forward; bucketed: one shape), measured vs model:"
+            )
             lines.append(
                 f"#   {'step':<22} {'path':<9} {'N':>4} {'tokens':>8} {'seconds':>10} {'model':>10} {'error':>8}"
             )
@@ -535,7 +547,7 @@ def _time_points(
         else:
             from lightning_adaptiveload.tools.calibrate_packs import time_packs
 
-            one = time_packs([("batch", [s] * b)], lambda x: seq[s], timer, repeats, warmup)[0]
+            one = time_packs([("batch", [s] * b)], lambda x, n=seq[s]: n, timer, repeats, warmup)[0]
             median, runs = one.seconds, one.runs
         timings.append(Timing(s, seq[s], b, median, runs))
     return timings
@@ -546,7 +558,12 @@ def _fit_with_packs(bench, timings, all_shapes, patch, max_tokens, warmup, repea
     from tqdm.auto import tqdm
 
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
-    from lightning_adaptiveload.tools.calibrate_packs import PackTiming, design_packs, fit_pack_terms, time_packs
+    from lightning_adaptiveload.tools.calibrate_packs import (
+        PackTiming,
+        design_packs,
+        fit_pack_terms,
+        time_packs,
+    )
 
     distinct = sorted(set(tuple(s) for s in all_shapes))
     lens = [tokens_per_sample(s, patch) for s in distinct]

@@ -201,7 +201,9 @@ def fit_pack_terms(points: Sequence[PackTiming], fit_gamma: bool = False):
     try:
         model = CostModel.fit_packs([p.seq_lens for p in ok], [p.seconds for p in ok], fit_gamma=fit_gamma)
     except ValueError as err:
-        table = "; ".join(f"{p.name} ({len(p.seq_lens)} samples, {sum(p.seq_lens)} tokens): {p.seconds:.4g} s" for p in ok)
+        table = "; ".join(
+            f"{p.name} ({len(p.seq_lens)} samples, {sum(p.seq_lens)} tokens): {p.seconds:.4g} s" for p in ok
+        )
         raise ValueError(f"calibrate: {err}. Measured steps: {table}") from None
     for p in ok:
         p.predicted = model.pack_cost(p.seq_lens)
