@@ -43,3 +43,16 @@ def test_auto_cap_with_c0_keeps_the_cheapest_bucket_full():
     sized = BatchSizer(100, max_compute=cap, cost_model=model)
     assert sized.size((4, 1, 8, 12)) == BucketSize(24, 4)
     assert sized.size((4, 2, 10, 10)) == BucketSize(50, 1)
+
+
+def test_budget_candidates_are_the_break_points_of_the_pack_cost():
+    from lightning_adaptiveload.tools.replay import budget_candidates
+
+    model = CostModel(kind="quadratic", alpha=1.0, beta=0.0, c0=10.0)
+    shares = {(4, 1, 8, 12): 0.5, (4, 2, 10, 10): 0.5}  # (C, T, H, W): S = 24 and 50
+    points = budget_candidates(shares, 100, model, (1, 2, 2), limit=100)
+    # c0 + b * S for b up to max_tokens // S: 34, 58, 82, 106 and 60, 110.
+    assert points == [34.0, 58.0, 60.0, 82.0, 106.0, 110.0]
+    for cap in points:  # at each candidate some bucket's batch is exactly full
+        sizer = BatchSizer(100, max_compute=cap, cost_model=model)
+        assert any(model.batch_cost(sizer.size(x).batch_size, sizer.size(x).seq_len) == cap for x in shares)

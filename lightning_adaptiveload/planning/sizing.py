@@ -4,7 +4,8 @@ A batch holds B samples of one latent shape (C, T, H, W). With S tokens per samp
 (:func:`tokens_per_sample`), a :class:`BatchSizer` gives
 
 - ``mode="equal_tokens"``: ``B = floor(max_tokens / S)``;
-- ``mode="dual"``: ``B = max(1, min(floor(max_tokens / S), floor(max_compute / cost(S))))``;
+- ``mode="dual"``: ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
+  (``c0``: the cost model's per-step constant, 0 unless fitted to packs);
 
 and ``B = 0`` for an *oversize* shape (``S > max_tokens``). The ``"auto"`` compute cap is
 :meth:`BatchSizer.auto_max_compute`. This module is the one place of the rule: the batcher's pipeline
