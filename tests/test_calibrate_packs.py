@@ -144,3 +144,29 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
         max(abs(p["rel_error"]) for p in results["points"])
     )
     yaml.safe_dump(results)  # plain types only
+
+
+def test_bench_times_a_pack_through_the_packed_forward_and_reports_out_of_memory(one_thread, monkeypatch):
+    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.tools.calibrate_bench import Bench
+
+    module = VideoDiTModule(preset="tiny")
+    module.configure_model()
+    bench = Bench(module, torch.device("cpu"), "32-true", text_len=4, ddp=False, seed=0)
+    seen = []
+    step = bench.step
+    monkeypatch.setattr(bench, "step", lambda batch: seen.append(batch) or step(batch))
+    shapes = [(16, 1, 8, 12), (16, 3, 10, 10)]
+    first, second = bench.time_pack(shapes), bench.time_pack(shapes)
+    assert first > 0 and second > 0
+    batch = seen[0]
+    assert batch["packed"] and [tuple(x.shape) for x in batch["latents"]] == shapes
+    assert tuple(batch["text"].shape) == (2, 4, module.model_config.text_dim)
+    assert seen[1] is batch  # the same inputs for every repeat of one pack
+    assert all(p.grad is not None for p in module.model.blocks[0].parameters())  # backward ran
+
+    def oom(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "step", oom)
+    assert bench.time_pack([(16, 9, 10, 10)]) is None
