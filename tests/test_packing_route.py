@@ -81,3 +81,25 @@ def test_both_routes_equal_per_sample_forward_and_backward(shapes, route, monkey
             assert g is None or torch.count_nonzero(g) == 0, name
             continue
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shapes, route", [(EQUAL, "dense"), (MIXED, "segments")])
+def test_routes_on_cuda_under_bf16_autocast(shapes, route, monkeypatch):
+    # Equal lengths take batched SDPA, mixed lengths the segment path (varlen_attn where torch has it);
+    # both stay within bf16 rounding of the per-sample computation.
+    model = _model().cuda()
+    latents, t, text, mask = _inputs(model, shapes)
+    latents, t, text, mask = [x.cuda() for x in latents], t.cuda(), text.cuda(), mask.cuda()
+    calls = []
+    original = packing.segment_attention
+    monkeypatch.setattr(packing, "segment_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        preds = model.forward_packed(latents, t, text, mask)
+        refs = [
+            model(x[None], t[i : i + 1], text[i : i + 1], mask[i : i + 1])[0] for i, x in enumerate(latents)
+        ]
+    assert (len(calls) == 0) == (route == "dense")
+    for p, r in zip(preds, refs):
+        rel = (p.float() - r.float()).norm() / r.float().norm()
+        assert rel < 2e-2
