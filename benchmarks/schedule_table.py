@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 
+from lightning_adaptiveload.monitor.report import jsonable
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.simulate import simulate
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump(jsonable({"meta": meta, "rows": rows}), f, indent=1)  # NaN written as null
     print(markdown(rows))
 
 
