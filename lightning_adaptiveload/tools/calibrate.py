@@ -412,7 +412,12 @@ def calibrate(
         "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step"
         + (", injected timer" if timer is not None else "")
         + (f"; {len(points) - len(timings)} designed packs through the packed forward" if use_packs else ""),
-        "max_tokens": f"{max_tokens} (= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)",
+        "max_tokens": f"{max_tokens} "
+        + (
+            f"(= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)"
+            if probes
+            else "(given; no memory search)"
+        ),
         "max_compute": "auto rule on the measured shapes"
         if cap != "auto"
         else "auto (resolved by the data module)",
