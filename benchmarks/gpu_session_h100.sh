@@ -38,9 +38,10 @@ timeout 200 python3 benchmarks/gpu_trace_wan13b.py --out "$OUT/trace_wan13b_h100
 fi
 
 if want calibrate; then
+# Per-sample fit as before, to stay in this call's time; the pack measurements: gpu_calibrate_packs.sh.
 echo "== calibrate wan-1.3b on the wan21_480p mix"
 timeout 240 python3 -m lightning_adaptiveload calibrate --recipe recipes/wan13b_480p_dual.yaml --mix wan21_480p \
-  --num-shapes 3 --warmup 1 --repeats 1 --max-batch 8 --no-progress --out "$OUT/calib_wan13b_h100.yaml" 2>&1 | grep -v "^\s*$" | tail -12
+  --num-shapes 3 --warmup 1 --repeats 1 --max-batch 8 --no-packs --no-progress --out "$OUT/calib_wan13b_h100.yaml" 2>&1 | grep -v "^\s*$" | tail -12
 fi
 
 if want train; then

@@ -126,6 +126,17 @@ def _parser() -> argparse.ArgumentParser:
         default="resolve",
         help="write the resolved 'auto' cap for the measured shapes, or 'auto'",
     )
+    p.add_argument(
+        "--packs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time single samples and a designed set of packs at max_tokens through the packed forward, and "
+        "fit c0 + alpha*S + beta*S^2 to all of them (default: on; --no-packs: per-sample fit of batch times)",
+    )
+    p.add_argument(
+        "--results",
+        help="also write every measured point, its model prediction and relative error to this YAML file",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the model and inputs (0)")
     p.add_argument("--out", default="-", help="output YAML path ('-' = stdout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -168,21 +179,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_compute=args.max_compute,
             seed=args.seed,
             progress=not args.no_progress,
+            packs=args.packs,
             **settings,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     text = result.to_yaml()
+    if args.results:
+        import yaml
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "w", encoding="utf-8") as f:
+            yaml.safe_dump(result.to_results(), f, sort_keys=False)
     if args.out == "-":
         sys.stdout.write(text)
     else:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
+        fit = result.cost_model.fit_info or {}
         print(
             f"wrote {args.out}: max_tokens={result.max_tokens}, max_compute={result.max_compute}, "
-            f"cost model {result.cost_model.describe()}",
+            f"cost model {result.cost_model.describe()}; relative error mean "
+            f"{100 * fit.get('mean_rel_error', float('nan')):.1f}%, max {100 * fit.get('max_rel_error', float('nan')):.1f}%",
             file=sys.stderr,
         )
     return 0

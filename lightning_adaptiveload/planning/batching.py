@@ -4,10 +4,11 @@ A batch holds B samples of one latent shape (C, T, H, W), so it is never padded.
 sample, the batch size of a bucket is (the rule itself: :class:`~.sizing.BatchSizer`)
 
 - ``mode="equal_tokens"`` (the baseline every trainer uses): ``B = floor(max_tokens / S)``;
-- ``mode="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor(max_compute / cost(S))))``.
+- ``mode="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
+  (``c0``: the cost model's per-step constant, 0 unless fitted to packs).
 
 A batch *satisfies the constraints* (:meth:`DualConstraintBatcher.satisfies`) when ``B * S <= max_tokens``
-and, in ``dual`` mode, ``B * cost(S) <= max_compute``; the one exception is a single sample (B = 1) whose
+and, in ``dual`` mode, ``c0 + B * cost(S) <= max_compute``; the one exception is a single sample (B = 1) whose
 compute alone exceeds ``max_compute``: it is allowed (B is at least 1) as long as ``S <= max_tokens``.
 A sample with ``S > max_tokens`` is *oversize*: ``oversize="raise"`` raises, ``"skip"`` leaves it out and
 counts it.

@@ -4,7 +4,8 @@ A batch holds B samples of one latent shape (C, T, H, W). With S tokens per samp
 (:func:`tokens_per_sample`), a :class:`BatchSizer` gives
 
 - ``mode="equal_tokens"``: ``B = floor(max_tokens / S)``;
-- ``mode="dual"``: ``B = max(1, min(floor(max_tokens / S), floor(max_compute / cost(S))))``;
+- ``mode="dual"``: ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
+  (``c0``: the cost model's per-step constant, 0 unless fitted to packs);
 
 and ``B = 0`` for an *oversize* shape (``S > max_tokens``). The ``"auto"`` compute cap is
 :meth:`BatchSizer.auto_max_compute`. This module is the one place of the rule: the batcher's pipeline
@@ -139,8 +140,10 @@ class BatchSizer:
                 c = self.cost_model.cost(s)
                 if not c > 0:
                     self.cost_model.check_positive([s])
-                ratio = self.max_compute / c
-                b = max(1, min(b, math.floor(ratio * (1 + _COMPUTE_RTOL))))
+                # A step of B samples costs c0 + B * cost(S) (the pack cost model): the per-step constant
+                # comes off the cap once, as in satisfies(); a single sample is always allowed.
+                room = self.max_compute * (1 + _COMPUTE_RTOL) - self.cost_model.c0
+                b = max(1, min(b, math.floor(room / c)))
             out = BucketSize(s, b)
         self._cache[shape] = out
         return out

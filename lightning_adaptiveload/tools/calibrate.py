@@ -14,9 +14,14 @@ What it does, in order:
 3. **Timing**: forward + backward of the actual training step (:meth:`VideoDiTModule.compute_loss` and
    ``backward``; no optimizer step, whose cost does not depend on the batch) at every selected shape and
    batch size: ``--warmup`` untimed runs, then the median of ``--repeats`` timed runs (CUDA events on GPU).
-4. Fits :class:`~lightning_adaptiveload.planning.cost_model.CostModel` to the batch times (``batch_sizes`` given, so
-   the model is seconds per sample) and resolves ``max_compute`` with the batcher's ``"auto"`` rule on the
-   measured shapes.
+   With ``packs`` (the default) the selected shapes are timed as single samples and a designed set of
+   packs at ``max_tokens`` runs through the packed forward
+   (:mod:`~lightning_adaptiveload.tools.calibrate_packs`: images, clips, clip + images, mixed shapes).
+4. Fits :class:`~lightning_adaptiveload.planning.cost_model.CostModel`: with packs, ``c0 + sum alpha*S_i +
+   beta*S_i^2`` to every step (:meth:`CostModel.fit_packs`; each point's relative error is reported, and
+   whether the mean is within 5% and every point within 15%); without, per sample to the batch times.
+   ``max_compute`` is resolved with the batcher's ``"auto"`` rule on the measured shapes, with the fitted
+   model (``c0`` included), so that the ``dual`` batcher plans with what was measured.
 5. Writes a YAML fragment for a second ``--config``::
 
        data:
@@ -35,7 +40,7 @@ import datetime as _dt
 import json
 import math
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +100,37 @@ class CalibrationResult:
     timings: list[Timing]
     probes: list[MemoryProbe]
     info: dict[str, Any]
+    points: list[Any] = field(default_factory=list)  # PackTiming: every fitted step, with its error
+
+    def to_results(self) -> dict[str, Any]:
+        """Everything measured, as a plain dict for a results file (``--results``): the fragment, the
+        settings, every fitted point with its prediction and relative error, the memory probes."""
+        return {
+            "info": dict(self.info),
+            "fragment": self.fragment(),
+            "fit": dict(self.cost_model.fit_info or {}),
+            "points": [p.to_dict() for p in self.points],
+            "timings": [
+                {
+                    "shape": "x".join(map(str, t.latent_shape)),
+                    "seq_len": t.seq_len,
+                    "batch_size": t.batch_size,
+                    "seconds": t.seconds,
+                    "runs": list(t.runs),
+                }
+                for t in self.timings
+            ],
+            "probes": [
+                {
+                    "shape": "x".join(map(str, p.latent_shape)),
+                    "batch_size": p.batch_size,
+                    "tokens": p.tokens,
+                    "peak_bytes": p.peak,
+                    "fits": p.fits,
+                }
+                for p in self.probes
+            ],
+        }
 
     def fragment(self) -> dict[str, Any]:
         """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``)."""
@@ -137,11 +173,33 @@ class CalibrationResult:
                 f"#   {shape:<22} B={p.batch_size:<4} tokens={p.tokens:<8} {peak:>12}  {'fits' if p.fits else 'over'}"
             )
         fit = self.cost_model.fit_info or {}
+        if self.points:
+            lines.append("#")
+            lines.append(
+                "# fitted steps (packed: the packed forward; bucketed: one shape), measured vs model:"
+            )
+            lines.append(
+                f"#   {'step':<22} {'path':<9} {'N':>4} {'tokens':>8} {'seconds':>10} {'model':>10} {'error':>8}"
+            )
+            for p in self.points:
+                measured = "OOM" if p.seconds is None else f"{p.seconds:.5f}"
+                model = "-" if p.predicted is None else f"{p.predicted:.5f}"
+                err = "-" if p.rel_error is None else f"{100 * p.rel_error:+.1f}%"
+                lines.append(
+                    f"#   {p.name:<22} {p.path:<9} {len(p.seq_lens):>4} {sum(p.seq_lens):>8} {measured:>10} "
+                    f"{model:>10} {err:>8}"
+                )
+        unit = "seconds per step (c0) and per sample" if self.cost_model.c0 else "seconds per sample"
         lines.append("#")
         lines.append(
-            f"# cost model: {self.cost_model.describe()} seconds per sample; fit rmse {fit.get('rmse', float('nan')):.3g} s, "
+            f"# cost model: {self.cost_model.describe()} {unit}; fit rmse {fit.get('rmse', float('nan')):.3g} s, "
             f"mean rel. error {100 * fit.get('mean_rel_error', float('nan')):.1f}%, "
             f"max {100 * fit.get('max_rel_error', float('nan')):.1f}%"
+            + (
+                ""
+                if "meets_targets" not in fit
+                else f" (targets mean <= 5%, max <= 15%: {'met' if fit['meets_targets'] else 'NOT met'})"
+            )
         )
         body = yaml.safe_dump(self.fragment(), sort_keys=False, default_flow_style=False)
         return "\n".join(lines) + "\n" + body
@@ -243,6 +301,8 @@ def calibrate(
     max_compute: str = "resolve",
     seed: int = 0,
     progress: bool = True,
+    packs: bool = True,
+    timer: Callable[[list[tuple[int, int, int, int]]], float | None] | None = None,
 ) -> CalibrationResult:
     """Measure the model, fit the cost model and find the token budget; see the module docstring.
 
@@ -269,6 +329,12 @@ def calibrate(
             shapes; ``"auto"`` writes ``auto`` (resolved from the training data's shapes instead).
         seed: seeds the random inputs.
         progress: show progress bars (stderr).
+        packs: time single samples and the designed packs (:func:`~.calibrate_packs.design_packs`) at
+            ``max_tokens`` and fit ``c0``, alpha, beta to all of them (quadratic ``kind`` only); with
+            ``batch_sizes`` None only B = 1 is timed through the bucketed forward (the packs cover the rest).
+        timer: seconds of one step of the given latent shapes (None: out of memory), used instead of running
+            the model for every timing; for tests and for timings taken elsewhere. The memory search
+            still runs the model (skip it with ``max_tokens``).
 
     Returns:
         A :class:`CalibrationResult`; ``.to_yaml()`` is the fragment.
@@ -316,8 +382,21 @@ def calibrate(
             f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
         )
 
-    timings = _time_points(bench, chosen, seq, batch_sizes, max_batch, max_tokens, warmup, repeats, progress)
-    cost, cap = _fit_cost_model(timings, kind, max_compute, max_tokens, patch, all_shapes)
+    use_packs = packs and kind == "quadratic"
+    if use_packs and not batch_sizes:
+        batch_sizes = [1]
+    step_timer = timer
+    timings = _time_points(
+        bench, chosen, seq, batch_sizes, max_batch, max_tokens, warmup, repeats, progress, step_timer
+    )
+    points: list[Any] = []
+    if use_packs:
+        cost, points = _fit_with_packs(
+            bench, timings, all_shapes, patch, max_tokens, warmup, repeats, progress, step_timer
+        )
+        cap = _resolve_cap(cost, max_compute, max_tokens, patch, all_shapes)
+    else:
+        cost, cap = _fit_cost_model(timings, kind, max_compute, max_tokens, patch, all_shapes)
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{device_name}, {total / _GIB:.1f} GiB",
@@ -330,13 +409,20 @@ def calibrate(
         "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
         + (f" from mix {mix_name}" if mix_name else ""),
         "memory": _memory_note(budget, total, vram_fraction, memory_budget_gb, dev, ddp),
-        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step",
-        "max_tokens": f"{max_tokens} (= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)",
+        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step"
+        + (", injected timer" if timer is not None else "")
+        + (f"; {len(points) - len(timings)} designed packs through the packed forward" if use_packs else ""),
+        "max_tokens": f"{max_tokens} "
+        + (
+            f"(= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)"
+            if probes
+            else "(given; no memory search)"
+        ),
         "max_compute": "auto rule on the measured shapes"
         if cap != "auto"
         else "auto (resolved by the data module)",
     }
-    return CalibrationResult(max_tokens, cap, cost, timings, probes, info)
+    return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,8 +533,10 @@ def _time_points(
     warmup: int,
     repeats: int,
     progress: bool,
+    timer: Callable | None = None,
 ) -> list[Timing]:
-    """Time every (shape, batch size) point: the given sizes, or 1 and the budget's batch at that shape."""
+    """Time every (shape, batch size) point: the given sizes, or 1 and the budget's batch at that shape;
+    through ``timer`` (one step of a list of shapes) when one is given."""
     from tqdm.auto import tqdm
 
     points = []
@@ -459,15 +547,75 @@ def _time_points(
         points.extend((s, b) for b in sizes)
     timings: list[Timing] = []
     for s, b in tqdm(points, desc="timing", unit="point", disable=not progress, leave=False):
-        median, runs = bench.time(s, b, warmup, repeats)
+        if timer is None:
+            median, runs = bench.time(s, b, warmup, repeats)
+        else:
+            from lightning_adaptiveload.tools.calibrate_packs import time_packs
+
+            one = time_packs([("batch", [s] * b)], lambda x, n=seq[s]: n, timer, repeats, warmup)[0]
+            median, runs = one.seconds, one.runs
         timings.append(Timing(s, seq[s], b, median, runs))
     return timings
+
+
+def _fit_with_packs(bench, timings, all_shapes, patch, max_tokens, warmup, repeats, progress, timer):
+    """Time the designed packs, then fit c0, alpha, beta to them and the bucketed points together."""
+    from tqdm.auto import tqdm
+
+    from lightning_adaptiveload.planning.sizing import tokens_per_sample
+    from lightning_adaptiveload.tools.calibrate_packs import (
+        PackTiming,
+        design_packs,
+        fit_pack_terms,
+        time_packs,
+    )
+
+    distinct = sorted(set(tuple(s) for s in all_shapes))
+    lens = [tokens_per_sample(s, patch) for s in distinct]
+    design = design_packs(distinct, lens, max_tokens)
+    bar = tqdm(total=len(design), desc="packs", unit="pack", disable=not progress, leave=False)
+    try:
+        packed = time_packs(
+            design,
+            lambda s: tokens_per_sample(s, patch),
+            timer if timer is not None else bench.time_pack,
+            repeats,
+            warmup,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    single = "single sample"
+    bucketed = [
+        PackTiming(
+            single if t.batch_size == 1 else f"batch of {t.batch_size}",
+            [tuple(t.latent_shape)] * t.batch_size,
+            [t.seq_len] * t.batch_size,
+            "bucketed",
+            t.seconds,
+            list(t.runs),
+        )
+        for t in timings
+    ]
+    points = bucketed + packed
+    return fit_pack_terms(points), points
+
+
+def _resolve_cap(cost, max_compute: str, max_tokens: int, patch, all_shapes) -> float | str:
+    """``max_compute`` by the batcher's ``"auto"`` rule with the fitted model, or ``"auto"`` left open."""
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+
+    if max_compute == "auto":
+        return "auto"
+    batcher = DualConstraintBatcher(
+        max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
+    )
+    return float(batcher.resolve_max_compute(all_shapes))
 
 
 def _fit_cost_model(timings: list[Timing], kind: str, max_compute: str, max_tokens: int, patch, all_shapes):
     """Fit the cost model to the points that ran; ``max_compute`` by the batcher's ``"auto"`` rule, or
     ``"auto"`` left for the data module."""
-    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.cost_model import CostModel
 
     ok = [t for t in timings if t.seconds is not None]
@@ -476,14 +624,7 @@ def _fit_cost_model(timings: list[Timing], kind: str, max_compute: str, max_toke
     cost = CostModel.fit(
         [t.seq_len for t in ok], [t.seconds for t in ok], kind=kind, batch_sizes=[t.batch_size for t in ok]
     )
-    if max_compute == "auto":
-        cap: float | str = "auto"
-    else:
-        batcher = DualConstraintBatcher(
-            max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
-        )
-        cap = float(batcher.resolve_max_compute(all_shapes))
-    return cost, cap
+    return cost, _resolve_cap(cost, max_compute, max_tokens, patch, all_shapes)
 
 
 def _memory_note(

@@ -66,6 +66,7 @@ class Bench:
         # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
         self.ddp_bytes = 4 * self.num_params if ddp else 0
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
+        self._pack: tuple[tuple, dict] | None = None  # the last pack's inputs, reused across its repeats
 
     def batch(self, shape: Sequence[int], b: int) -> dict:
         c, t, h, w = shape
@@ -78,6 +79,47 @@ class Bench:
             mask = torch.ones(b, self.text_len, dtype=torch.bool, device=self.device)
         s = (t // pt) * (h // ph) * (w // pw)
         return {"latents": latents, "text": text, "text_mask": mask, "num_tokens": b * s, "global_tokens": -1}
+
+    def pack_batch(self, shapes: Sequence[Sequence[int]]) -> dict:
+        """A packed batch (``docs/data_path.md``, "Packed batches") of one sample per latent shape."""
+        cfg = self.module.model_config
+        latents = [torch.randn(tuple(s), generator=self.gen).to(self.device) for s in shapes]
+        text = mask = None
+        if self.text_len > 0:
+            text = torch.randn(len(shapes), self.text_len, cfg.text_dim, generator=self.gen).to(self.device)
+            mask = torch.ones(len(shapes), self.text_len, dtype=torch.bool, device=self.device)
+        return {"packed": True, "latents": latents, "text": text, "text_mask": mask, "global_tokens": -1}
+
+    def time_pack(self, shapes: Sequence[Sequence[int]]) -> float | None:
+        """Seconds of one forward + backward of a pack through the packed forward; None on out-of-memory.
+
+        The inputs are drawn once per pack and reused while the same shapes are timed again (the
+        ``timer`` of :func:`~lightning_adaptiveload.tools.calibrate_packs.time_packs`).
+        """
+        key = tuple(tuple(int(d) for d in s) for s in shapes)
+        try:
+            if self._pack is None or self._pack[0] != key:
+                self._pack = None
+                _release(self.device)
+                self._pack = (key, self.pack_batch(key))
+            batch = self._pack[1]
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.step(batch)
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1000.0
+            t0 = time.perf_counter()
+            self.step(batch)
+            return time.perf_counter() - t0
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is expected here
+            if not _is_oom(err):
+                raise
+            self._pack = None
+            self.module.model.zero_grad(set_to_none=True)
+            _release(self.device)
+            return None
 
     def step(self, batch: dict) -> None:
         self.module.model.zero_grad(set_to_none=True)

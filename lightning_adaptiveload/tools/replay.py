@@ -341,18 +341,17 @@ def budget_candidates(
     """max_compute values at which some bucket's batch size changes, thinned to ``limit``.
 
     Any max_compute between two consecutive break points gives the same batch sizes, so the break points
-    (``b * cost(S)`` for every bucket S and every b up to ``max_tokens // S``) are the only values worth
-    trying. The largest is the unconstrained (equal-token) plan.
+    (``c0 + b * cost(S)``, the batch cost, for every bucket S and every b up to ``max_tokens // S``) are the
+    only values worth trying. The largest is the unconstrained (equal-token) plan.
     """
     points: set[float] = set()
     for shape in shares:
         s = tokens_per_sample(shape[1:], patch)
         b_max = max_tokens // s
-        c = plan_cost.cost(s)
         for b in range(1, b_max + 1):
-            points.add(round(b * c, 12))
+            points.add(round(plan_cost.batch_cost(b, s), 12))
     # Below the cheapest single sample every bucket has B = 1, the same plan as at that point.
-    floor = min(plan_cost.cost(tokens_per_sample(sh[1:], patch)) for sh in shares)
+    floor = min(plan_cost.batch_cost(1, tokens_per_sample(sh[1:], patch)) for sh in shares)
     pts = sorted(v for v in points if v >= floor * (1 - 1e-12))
     if len(pts) > limit:
         # Geometric thinning keeps resolution where batches are small, where each step of B matters most.
