@@ -121,13 +121,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
         schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
             take the same bucket class and batch size at every step).
-        lockstep_tail: lockstep, where the classes stop lining up across ranks (the end of an epoch on a
-            mix of many length classes): ``"packed"`` (default) runs those samples as balanced packs at the
-            end of the epoch (``docs/data_path.md``, "Lockstep's packed tail"); ``"bucketed"`` keeps
-            unequal bucketed batches. Packs need a LightningModule that runs them and says so with
-            ``runs_packed_batches = True`` (``VideoDiTModule`` does); with any other module a packed tail
-            falls back to ``"bucketed"`` with a warning, so that a module of bucketed batches never
-            receives a pack.
+        lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
+            (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
+            says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
+            ``"bucketed"`` with a warning, so that it never receives a pack.
         patch_size: the model's (pt, ph, pw).
         num_workers: DataLoader workers per rank.
         seed: seeds the shard order of every epoch (with the epoch number).
@@ -202,10 +199,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if lockstep_tail not in LOCKSTEP_TAILS:
-            raise ValueError(
-                f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}: 'packed' needs a model "
-                "that runs packs (VideoDiTModule), 'bucketed' works with any model"
-            )
+            raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         if val_underfull not in ("pad", "error"):
             raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
         if schedule not in SCHEDULES:
