@@ -9,6 +9,7 @@ pack cost model fitted to our H100 trace (as ``bench_packed_balance.py``). Write
 Usage::
 
     python benchmarks/bench_lockstep_tail.py [--worlds 8,16,64,1024] [--steps 128]
+    python benchmarks/bench_lockstep_tail.py --table benchmarks/results/lockstep_tail_<date>.json
 """
 
 from __future__ import annotations
@@ -52,6 +53,31 @@ def many_lengths_mix() -> Mix:
     return Mix("many_lengths_480p", tuple(buckets), note=many_lengths_mix.__doc__ or "")
 
 
+def table(path: str) -> None:
+    """Print the JSON results as the markdown table of docs/load_balance_report.md (bucketed -> packed)."""
+    rows = json.load(open(path))["rows"]
+    by = {(r["mix"], r["max_tokens"], r["world_size"], r["lockstep_tail"]): r for r in rows}
+    print(
+        "| mix | max_tokens | ranks | steps | CV mean | CV p95 | wait | fill | unequal steps | packed tail steps "
+        "(share) | tail fill |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def pair(a: dict, b: dict, key: str) -> str:
+        return f"{100 * a[key]:.2f}% -> {100 * b[key]:.2f}%"
+
+    for (mix, mt, world, tail), b in by.items():
+        a = by.get((mix, mt, world, "bucketed"))
+        if tail != "packed" or a is None:
+            continue
+        print(
+            f"| {mix} | {mt:,} | {world} | {a['steps']} -> {b['steps']} | {pair(a, b, 'cv_mean')} | "
+            f"{pair(a, b, 'cv_p95')} | {pair(a, b, 'straggler_wait')} | {pair(a, b, 'fill')} | "
+            f"{a['unequal_bucketed_steps']} -> {b['unequal_bucketed_steps']} | {b['packed_tail_steps']} "
+            f"({100 * b['packed_tail_share']:.1f}%) | {100 * b['tail_fill_mean']:.1f}% |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="8,16,64,1024")
@@ -59,7 +85,11 @@ def main() -> None:
     parser.add_argument("--tails", default="bucketed,packed")
     parser.add_argument("--configs", default=None, help="mix:max_tokens,... (default: CONFIGS)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--table", default=None, help="print a results JSON as a markdown table and exit")
     args = parser.parse_args()
+    if args.table:
+        table(args.table)
+        return
     model = trace_pack_model()
     worlds = [int(x) for x in args.worlds.split(",")]
     out = args.out or os.path.join(
