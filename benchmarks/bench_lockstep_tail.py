@@ -10,6 +10,10 @@ Usage::
 
     python benchmarks/bench_lockstep_tail.py [--worlds 8,16,64,1024] [--steps 128]
     python benchmarks/bench_lockstep_tail.py --table benchmarks/results/lockstep_tail_<date>.json
+    python benchmarks/bench_lockstep_tail.py --trace TRACE.jsonl --worlds 1024 --configs wan21_480p:32760
+
+With ``--trace`` the bucketed batches are timed by a measured per-bucket trace and planned with the
+simulator's default model (as ``bench_balance_trace.py``), the packs by the trace's fitted model.
 """
 
 from __future__ import annotations
@@ -85,12 +89,14 @@ def main() -> None:
     parser.add_argument("--tails", default="bucketed,packed")
     parser.add_argument("--configs", default=None, help="mix:max_tokens,... (default: CONFIGS)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", default=None, help="time with this per-bucket trace (JSONL or anchor .txt)")
     parser.add_argument("--table", default=None, help="print a results JSON as a markdown table and exit")
     args = parser.parse_args()
     if args.table:
         table(args.table)
         return
     model = trace_pack_model()
+    times, plan_cost = (args.trace, None) if args.trace else (model, model)
     worlds = [int(x) for x in args.worlds.split(",")]
     out = args.out or os.path.join(
         os.path.dirname(__file__), "results", f"lockstep_tail_{datetime.date.today().isoformat()}.json"
@@ -109,8 +115,8 @@ def main() -> None:
                     world_sizes=[world],
                     modes=["lockstep"],
                     max_tokens=max_tokens,
-                    times=model,
-                    plan_cost_model=model,
+                    times=times,
+                    plan_cost_model=plan_cost,
                     recommend=False,
                     min_steps_per_rank=args.steps,
                     plan_options={"lockstep_tail": tail},
@@ -134,6 +140,7 @@ def main() -> None:
                             "cv_p95": row["cv_p95"],
                             "straggler_wait": row["straggler_wait"],
                             "fill": row.get("token_fill"),
+                            "tokens_per_s_ratio": row.get("tokens_per_s_ratio"),
                             "unequal_bucketed_steps": rep.get("lockstep_tail_steps"),
                             "packed_tail_steps": rep.get("packed_tail_steps"),
                             "packed_tail_share": (rep.get("packed_tail_steps") or 0) / steps if steps else 0.0,
@@ -149,8 +156,8 @@ def main() -> None:
                     "date": datetime.date.today().isoformat(),
                     "machine": platform.processor() or platform.machine(),
                     "device": "none (CPU simulation)",
-                    "cost_model": model.to_dict(),
-                    "trace": os.path.basename(TRACE),
+                    "cost_model": model.to_dict() if not args.trace else "simulator default (p fitted to the trace)",
+                    "trace": os.path.basename(args.trace or TRACE),
                     "steps_per_rank": args.steps,
                     "num_workers": 1,
                 }
