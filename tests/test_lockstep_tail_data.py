@@ -124,3 +124,48 @@ def test_lockstep_fit_with_packed_tail_two_ranks(data, tmp_path):
     assert all(r["packed"] for r in rows[0][-len(packed) :]), "the packs end the epoch"
     taken = [k for rank in rows for r in rank for k in r["keys"]]
     assert sorted(taken) == sorted(_keys(data))  # every sample exactly once
+
+
+def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(data):
+    from lightning_adaptiveload.data.resume import resume_plan
+
+    index = ShardIndex.load(os.path.join(data, "index.json"))
+
+    def dataset(world: int, workers: int) -> PlannedShardDataset:
+        ds = PlannedShardDataset(index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep", num_workers=workers)
+        ds.rank, ds.world_size = 0, world
+        return ds
+
+    first = dataset(2, 0)
+    plan = first.make_plan(0)
+    assert plan.report["packed_tail_steps"] >= 1
+    keys = {(s, i): k for s, shard in enumerate(index.shards) for i, k in enumerate(shard.keys)}
+    first_pack = next(k for k in range(plan.steps) if plan.is_pack((0, 0), plan.step_order[0][k][1]))
+    for done in (first_pack - 1, first_pack):  # stopped just before the packed tail, and at its start
+        state = {
+            "version": 1,
+            "fingerprint": first.fingerprint,
+            "epoch": 0,
+            "segments": [{"kind": "fresh", **first.plan_settings(), "consumed": [done, done]}],
+        }
+        gone = {ref for r in range(2) for w, j in plan.step_order[r][:done] for ref in plan.streams[(r, w)][j]}
+        for world, workers, kind in ((2, 3, "continue"), (3, 1, "replan")):
+            resumed = resume_plan(dataset(world, workers), state)
+            assert resumed.kind == kind
+            rest = resumed.plan
+            assert all(len(o) == rest.steps for o in rest.step_order)
+            left = [ref for v in rest.streams.values() for bt in v for ref in bt]
+            assert sorted(keys[x] for x in list(gone) + left) == sorted(_keys(data))  # exactly once
+            if kind == "continue":  # the tail is still packs, at the same steps
+                for k in range(rest.steps):
+                    w, j = rest.step_order[0][k]
+                    assert rest.is_pack((0, w), j) == (done + k >= first_pack)
+
+
+def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(data):
+    index = ShardIndex.load(os.path.join(data, "index.json"))
+    ds = PlannedShardDataset(index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep")
+    ds.rank, ds.world_size = 0, 2
+    old = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
+    assert ds.make_plan(0, old).report["packed_tail_steps"] == 0
+    assert ds.make_plan(0).report["packed_tail_steps"] >= 1
