@@ -89,7 +89,9 @@ def main() -> None:
     parser.add_argument("--tails", default="bucketed,packed")
     parser.add_argument("--configs", default=None, help="mix:max_tokens,... (default: CONFIGS)")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--trace", default=None, help="time with this per-bucket trace (JSONL or anchor .txt)")
+    parser.add_argument(
+        "--trace", default=None, help="time with this per-bucket trace (JSONL or anchor .txt)"
+    )
     parser.add_argument("--table", default=None, help="print a results JSON as a markdown table and exit")
     args = parser.parse_args()
     if args.table:
@@ -143,7 +145,9 @@ def main() -> None:
                             "tokens_per_s_ratio": row.get("tokens_per_s_ratio"),
                             "unequal_bucketed_steps": rep.get("lockstep_tail_steps"),
                             "packed_tail_steps": rep.get("packed_tail_steps"),
-                            "packed_tail_share": (rep.get("packed_tail_steps") or 0) / steps if steps else 0.0,
+                            "packed_tail_share": (rep.get("packed_tail_steps") or 0) / steps
+                            if steps
+                            else 0.0,
                             "packed_tail_samples": rep.get("packed_tail_samples"),
                             "tail_fill_mean": rep.get("tail_fill_mean"),
                             "shard_opens_per_rank": (rep.get("reads") or 0) / world,
@@ -156,7 +160,9 @@ def main() -> None:
                     "date": datetime.date.today().isoformat(),
                     "machine": platform.processor() or platform.machine(),
                     "device": "none (CPU simulation)",
-                    "cost_model": model.to_dict() if not args.trace else "simulator default (p fitted to the trace)",
+                    "cost_model": model.to_dict()
+                    if not args.trace
+                    else "simulator default (p fitted to the trace)",
                     "trace": os.path.basename(args.trace or TRACE),
                     "steps_per_rank": args.steps,
                     "num_workers": 1,

@@ -59,7 +59,11 @@ class KeyRecorder(pl.LightningModule):
         }
         with open(self.path.replace("{}", str(self.global_rank)), "a") as f:
             f.write(json.dumps(row) + "\n")
-        x = torch.stack([t.float().mean() for t in batch["latents"]]).mean() if packed else batch["latents"].float().mean()
+        x = (
+            torch.stack([t.float().mean() for t in batch["latents"]]).mean()
+            if packed
+            else batch["latents"].float().mean()
+        )
         return (self.w * x - 1.0).pow(2).sum()
 
     def configure_optimizers(self):

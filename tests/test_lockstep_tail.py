@@ -33,7 +33,9 @@ def batcher() -> DualConstraintBatcher:
 @pytest.mark.parametrize("world,workers", [(4, 0), (4, 2), (7, 3)])
 def test_many_class_mix_ends_in_packed_steps_exactly_once_equal_steps(world, workers):
     index, b = many_class_index(0, n_shards=24, size=80), batcher()
-    bucketed = plan_epoch(index, world, workers, b, seed=1, epoch=0, mode="lockstep", lockstep_tail="bucketed")
+    bucketed = plan_epoch(
+        index, world, workers, b, seed=1, epoch=0, mode="lockstep", lockstep_tail="bucketed"
+    )
     packed = plan_epoch(index, world, workers, b, seed=1, epoch=0, mode="lockstep")
     check_plan(bucketed, index, b)
     check_plan(packed, index, b)  # exactly once, equal steps, every step all packs or none
@@ -100,6 +102,10 @@ def test_resume_a_mixed_plan_across_worker_counts_and_world_sizes():
         # the rest of the epoch on another number of ranks: every sample exactly once over both parts
         gone = consumed_refs(plan, done)
         for world in (3, 6):
-            other = plan_epoch(index, world, 1, b, seed=2, epoch=1, mode="lockstep", exclude=gone, underfull="pad")
+            other = plan_epoch(
+                index, world, 1, b, seed=2, epoch=1, mode="lockstep", exclude=gone, underfull="pad"
+            )
             check_plan(other, index, b, gone)
-            assert sorted(gone | {ref for v in other.streams.values() for bt in v for ref in bt}) == all_refs(index)
+            assert sorted(gone | {ref for v in other.streams.values() for bt in v for ref in bt}) == all_refs(
+                index
+            )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +18,10 @@ from lightning_adaptiveload.data.loader import PlannedShardDataset
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _ddp_data_runner import launch, read_records  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
+
 SIZES = [9, 3, 7, 5, 8]
 MAX_TOKENS = 768
 
@@ -25,7 +30,9 @@ MAX_TOKENS = 768
 def data(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("tail-shards"))
     # seed 0: the lockstep epoch at 2 ranks has a packed tail step (asserted below, not assumed)
-    write_synthetic_shards(d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=0, progress=False)
+    write_synthetic_shards(
+        d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=0, progress=False
+    )
     return d
 
 
@@ -72,7 +79,9 @@ def test_datamodule_falls_back_to_a_bucketed_tail_for_a_module_without_packs(dat
         assert dm._train_lockstep_tail() == "bucketed"
     dm.trainer = _FakeTrainer(VideoDiTModule(preset="tiny"))
     assert dm._train_lockstep_tail() == "packed"
-    quiet = AdaptiveLoadDataModule(train_shards=data, schedule="lockstep", lockstep_tail="bucketed", num_workers=0)
+    quiet = AdaptiveLoadDataModule(
+        train_shards=data, schedule="lockstep", lockstep_tail="bucketed", num_workers=0
+    )
     quiet.trainer = _FakeTrainer(_NoPacks())
     assert quiet._train_lockstep_tail() == "bucketed"
     with pytest.raises(ValueError, match="lockstep_tail"):
@@ -132,7 +141,9 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
     index = ShardIndex.load(os.path.join(data, "index.json"))
 
     def dataset(world: int, workers: int) -> PlannedShardDataset:
-        ds = PlannedShardDataset(index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep", num_workers=workers)
+        ds = PlannedShardDataset(
+            index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep", num_workers=workers
+        )
         ds.rank, ds.world_size = 0, world
         return ds
 
@@ -148,7 +159,9 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
             "epoch": 0,
             "segments": [{"kind": "fresh", **first.plan_settings(), "consumed": [done, done]}],
         }
-        gone = {ref for r in range(2) for w, j in plan.step_order[r][:done] for ref in plan.streams[(r, w)][j]}
+        gone = {
+            ref for r in range(2) for w, j in plan.step_order[r][:done] for ref in plan.streams[(r, w)][j]
+        }
         for world, workers, kind in ((2, 3, "continue"), (3, 1, "replan")):
             resumed = resume_plan(dataset(world, workers), state)
             assert resumed.kind == kind
@@ -169,3 +182,23 @@ def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(dat
     old = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
     assert ds.make_plan(0, old).report["packed_tail_steps"] == 0
     assert ds.make_plan(0).report["packed_tail_steps"] >= 1
+
+
+@pytest.mark.timeout(240)
+def test_ddp_runner_two_ranks_two_workers_packed_tail_stays_aligned(tmp_path_factory, tmp_path):
+    """DataLoader workers interleave the lockstep batches and the tail packs (round robin): the ranks stay
+    at the same plan step, take packs at the same steps, and every sample comes once, for two epochs."""
+    shards = uneven_shards(tmp_path_factory, "tail-ddp", [29, 3, 17, 11, 5, 23, 8, 14, 20, 6], seed=3)
+    run = {"name": "tail", "schedule": "lockstep", "num_workers": 2, "max_epochs": 2, "max_tokens": 512}
+    run["runs_packs"] = True  # KeyRecorder declares runs_packed_batches: the DataModule plans a packed tail
+    out = str(tmp_path)
+    launch({"data": shards, "out": out, "world": 2, "runs": [run]}, out, timeout=220)
+    rows = read_records(out, "tail", 2)
+    for epoch in range(2):
+        per_rank = epoch_rows(rows, epoch)
+        assert len(per_rank[0]) == len(per_rank[1]) > 0
+        assert_each_key_once(per_rank, index_keys(shards), f"epoch {epoch}")
+        for a, b in zip(*per_rank):
+            assert a["step"] == b["step"] and a["packed"] == b["packed"]
+            assert a["global_tokens"] == b["global_tokens"] == a["num_tokens"] + b["num_tokens"]
+        assert any(r["packed"] for r in per_rank[0]), f"epoch {epoch} has no packed tail"

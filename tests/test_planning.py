@@ -52,7 +52,10 @@ def check_plan(plan, index, batcher, exclude=()):
     for k in range(plan.steps):
         sig = set()
         total = 0
-        packs = {plan.is_pack((r, plan.step_order[r][k][0]), plan.step_order[r][k][1]) for r in range(plan.world_size)}
+        packs = {
+            plan.is_pack((r, plan.step_order[r][k][0]), plan.step_order[r][k][1])
+            for r in range(plan.world_size)
+        }
         assert len(packs) == 1, "at every step either every rank takes a pack or none does"
         for r in range(plan.world_size):
             b, batch = plan.step_batch(r, k)

@@ -42,7 +42,6 @@ from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
 from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table
 from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_classes
-from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS, packed_tail, tail_reads
 from lightning_adaptiveload.planning.plan import (
     SCHEDULES,
     Batch,
@@ -53,6 +52,7 @@ from lightning_adaptiveload.planning.plan import (
     Stream,
     underfull_message,
 )
+from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS, packed_tail, tail_reads
 
 if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
