@@ -81,7 +81,7 @@ def packed_tail(
     buckets = np.array([bucket_of[s][i] for s, i in refs], dtype=np.int64)
     tokens = np.asarray(seq_len, dtype=np.int64)[buckets]
     cm = batcher.cost_model
-    # Ties in the shard order: a pack's samples then tend to come from few shards (fewer opens).
+    # Ties broken by (shard, sample id): a pack's samples then tend to come from few shards (fewer opens).
     order = np.arange(len(refs), dtype=np.int64)
     steps = pack_steps(tokens, cm.costs(tokens), cm.c0, int(batcher.max_tokens), world, order)
     # A seeded order of the tail steps (as the packed schedule), each step's packs rotated over the ranks
