@@ -7,7 +7,7 @@ that one launch can run several fits in the same process group. Usage::
 
 CONFIG: {"data": shard dir, "out": dir, "world": N, "runs": [{"name", "schedule", "num_workers",
 "max_epochs", "max_tokens", "seed", "ckpt_every": k | null, "kill_at": global step | null,
-"resume": checkpoint path | null}]}. Every training step appends
+"resume": checkpoint path | null, "lockstep_tail", "runs_packs": whether the module takes packs}]}. Every training step appends
 one JSON line to ``<out>/<name>.rank<r>.jsonl``: epoch, global step, plan step, keys, bucket shape, batch
 size, global_tokens. A run ending in the simulated crash writes ``<out>/<name>.crashed``.
 """
@@ -44,12 +44,14 @@ class KeyRecorder(pl.LightningModule):
         self.path = path
 
     def training_step(self, batch, batch_idx):
+        packed = bool(batch.get("packed"))  # a pack of lockstep's packed tail: a list of latents
         row = {
             "epoch": int(self.current_epoch),
             "global_step": int(self.global_step),
             "step": int(batch["step"]),
             "keys": list(batch["keys"]),
-            "shape": list(batch["latents"].shape[1:]),
+            "packed": packed,
+            "shape": None if packed else list(batch["latents"].shape[1:]),
             "batch_size": int(batch["batch_size"]),
             "seq_len": int(batch["seq_len"]),
             "num_tokens": int(batch["num_tokens"]),
@@ -57,7 +59,11 @@ class KeyRecorder(pl.LightningModule):
         }
         with open(self.path.replace("{}", str(self.global_rank)), "a") as f:
             f.write(json.dumps(row) + "\n")
-        x = batch["latents"].float().mean()
+        x = (
+            torch.stack([t.float().mean() for t in batch["latents"]]).mean()
+            if packed
+            else batch["latents"].float().mean()
+        )
         return (self.w * x - 1.0).pow(2).sum()
 
     def configure_optimizers(self):
@@ -86,6 +92,7 @@ def main() -> None:
             num_workers=run["num_workers"],
             seed=run.get("seed", 0),
             mode=run.get("mode", "dual"),
+            lockstep_tail=run.get("lockstep_tail", "packed"),
         )
         callbacks: list[Callback] = []
         if run.get("ckpt_every"):
@@ -113,7 +120,9 @@ def main() -> None:
             callbacks=callbacks,
         )
         try:
-            trainer.fit(KeyRecorder(path), datamodule=dm, ckpt_path=run.get("resume"))
+            module = KeyRecorder(path)
+            module.runs_packed_batches = bool(run.get("runs_packs", False))  # records packs as they come
+            trainer.fit(module, datamodule=dm, ckpt_path=run.get("resume"))
         except SimulatedCrash:
             if rank == 0:
                 open(os.path.join(cfg["out"], run["name"] + ".crashed"), "w").close()

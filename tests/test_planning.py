@@ -12,6 +12,7 @@ from lightning_adaptiveload.planning.inputs import index_fingerprint
 from lightning_adaptiveload.planning.plan import PlanError
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
 
@@ -38,20 +39,38 @@ def check_plan(plan, index, batcher, exclude=()):
             if not batch:  # a zero-weight step (counted)
                 empty += 1
                 continue
+            if plan.is_pack(st_, j):  # lockstep's packed tail: samples of any shapes within max_tokens
+                toks = [tokens_per_sample(index[s][i], batcher.patch_size) for s, i in batch]
+                assert sum(toks) <= batcher.max_tokens, "a pack holds at most max_tokens"
+                assert plan.buckets[plan.batch_buckets[st_][j]]["seq_len"] == max(toks)
+                continue
             shapes = {index[s][i] for s, i in batch}
             assert len(shapes) == 1, "one latent shape per batch"
             assert plan.buckets[plan.batch_buckets[st_][j]]["shape"] == shapes.pop()
             assert batcher.satisfies(len(batch), plan.buckets[plan.batch_buckets[st_][j]]["seq_len"])
-    unequal = 0
+    unequal = pack_steps = 0
     for k in range(plan.steps):
         sig = set()
         total = 0
+        packs = {
+            plan.is_pack((r, plan.step_order[r][k][0]), plan.step_order[r][k][1])
+            for r in range(plan.world_size)
+        }
+        assert len(packs) == 1, "at every step either every rank takes a pack or none does"
         for r in range(plan.world_size):
             b, batch = plan.step_batch(r, k)
+            if packs == {True}:
+                total += sum(tokens_per_sample(index[s][i], batcher.patch_size) for s, i in batch)
+                continue
             sig.add((plan.buckets[b]["lockstep_class"], len(batch)))
             total += len(batch) * plan.buckets[b]["seq_len"]
         assert plan.global_tokens[k] == total
         unequal += len(sig) > 1
+        pack_steps += packs == {True}
+    if plan.mode == "lockstep":
+        assert pack_steps == plan.report["packed_tail_steps"]
+        if plan.report["lockstep_tail"] == "packed":
+            assert unequal == 0, "the packed tail leaves no unequal step"
     assert unequal == plan.report["unequal_steps"]
     if plan.mode == "lockstep":
         assert plan.report["lockstep_tail_steps"] == unequal
@@ -70,9 +89,10 @@ def check_plan(plan, index, batcher, exclude=()):
     mode=st.sampled_from(["independent", "lockstep"]),
     batch_mode=st.sampled_from(["dual", "equal_tokens"]),
     resumed=st.booleans(),
+    tail=st.sampled_from(["packed", "bucketed"]),
 )
 def test_property_exactly_once_equal_steps_constraints(
-    seed, n_shards, world, workers, mode, batch_mode, resumed
+    seed, n_shards, world, workers, mode, batch_mode, resumed, tail
 ):
     """Every epoch in which every rank can get a sample is planned (issue 13: no PlanError), any schedule,
     any worker count, fresh or after a resume (``exclude``)."""
@@ -89,8 +109,9 @@ def test_property_exactly_once_equal_steps_constraints(
         exclude = set(list(exclude)[: len(refs) - world])
     if len(refs) < world:
         return
+    epoch = rng.randint(0, 3)
     plan = plan_epoch(
-        index, world, workers, batcher, seed=seed, epoch=rng.randint(0, 3), mode=mode, exclude=exclude
+        index, world, workers, batcher, seed=seed, epoch=epoch, mode=mode, exclude=exclude, lockstep_tail=tail
     )
     check_plan(plan, index, batcher, exclude)
     # resume with another worker count: the rest of the epoch, batch for batch, equal steps
@@ -99,6 +120,14 @@ def test_property_exactly_once_equal_steps_constraints(
     left = sorted(ref for batches in rest.streams.values() for batch in batches for ref in batch)
     assert left == sorted(set(all_refs(index)) - exclude - consumed_refs(plan, done))
     assert all(len(order) == rest.steps == plan.steps - done for order in rest.step_order)
+    for r in range(world):  # the same batches at the same steps, packs still packs
+        for k in range(rest.steps):
+            (w, j), (w0, j0) = rest.step_order[r][k], plan.step_order[r][done + k]
+            assert rest.step_batch(r, k) == plan.step_batch(r, done + k)
+            assert rest.is_pack((r, w), j) == plan.is_pack((r, w0), j0)
+    for st_, batches in rest.streams.items():
+        read = sorted((s, i) for s, ids in rest.reads[st_] for i in ids)
+        assert read == sorted(ref for b in batches for ref in b), "a resumed stream reads exactly its samples"
     if mode == "independent":  # empty batches only where no common count of non-empty batches exists
         left = [index[s][i] for s, i in refs if (s, i) not in exclude]
         fewest = sum(-(-left.count(sh) // batcher.sizer.size(sh).batch_size) for sh in set(left))

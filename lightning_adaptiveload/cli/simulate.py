@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="planner's lockstep cost tolerance (default: its own)",
     )
+    ap.add_argument(
+        "--lockstep-tail",
+        choices=("packed", "bucketed"),
+        default=None,
+        help="lockstep's end of epoch where the classes stop lining up: balanced packs (default) or bucketed",
+    )
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed ms added to every step")
     ap.add_argument(
         "--patch-size",
@@ -195,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for k, v in (
                     ("max_buffered_samples", args.max_buffered_samples),
                     ("lockstep_tolerance", args.lockstep_tolerance),
+                    ("lockstep_tail", args.lockstep_tail),
                 )
                 if v is not None
             },

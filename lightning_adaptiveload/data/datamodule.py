@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.data.index_agreement import check_indexes_agree
@@ -31,6 +31,7 @@ from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
+from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
@@ -120,6 +121,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
         schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
             take the same bucket class and batch size at every step).
+        lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
+            (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
+            says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
+            ``"bucketed"`` with a warning, so that it never receives a pack.
         patch_size: the model's (pt, ph, pw).
         num_workers: DataLoader workers per rank.
         seed: seeds the shard order of every epoch (with the epoch number).
@@ -190,8 +195,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         predict_shards: str | list[str] | None = None,
         sample_transform: Callable[[dict], dict] | None = None,
         text_pad_to: int | None = None,
+        lockstep_tail: str = "packed",
     ) -> None:
         super().__init__()
+        if lockstep_tail not in LOCKSTEP_TAILS:
+            raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         if val_underfull not in ("pad", "error"):
             raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
         if schedule not in SCHEDULES:
@@ -220,6 +228,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.synthetic = _check_synthetic(synthetic) if synthetic else None
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
+        self.lockstep_tail = lockstep_tail
         self.pin_memory = bool(pin_memory)
         self.max_member_bytes = max_member_bytes
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
@@ -316,6 +325,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = self._load_index(self.train_shards, rank)
             self.train_dataset = self._dataset(self.train_index, self.schedule)
+            self.train_dataset.lockstep_tail = self._train_lockstep_tail()
             loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = self._load_index(self.val_shards, rank)
@@ -347,6 +357,21 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     f"{trainer.reload_dataloaders_every_n_epochs}): every epoch has its own planned length"
                 )
             trainer.reload_dataloaders_every_n_epochs = 1
+
+    def _train_lockstep_tail(self) -> str:
+        """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
+        if self.lockstep_tail != "packed" or self.schedule != "lockstep":
+            return self.lockstep_tail
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if module is None or getattr(module, "runs_packed_batches", False):
+            return "packed"  # no module to ask (plain PyTorch use): the caller chose packs
+        rank_zero_warn(
+            f"[adaptiveload] lockstep_tail='packed' needs a LightningModule that runs packed batches, but "
+            f"{type(module).__name__} does not set runs_packed_batches = True: the lockstep epochs end with "
+            "bucketed (unequal) batches instead. Set lockstep_tail='bucketed' to silence this, or run packs "
+            "(docs/data_path.md, 'Packed batches') and set runs_packed_batches = True on the module"
+        )
+        return "bucketed"
 
     def _load_index(self, shards: Any, rank: int) -> Any:
         from lightning_adaptiveload.data.index import ShardIndex
@@ -515,7 +540,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
                 f"partial {rep['partial_batches']}, split {rep['split_batches']}, schedule {rep['mode']}, "
                 f"mode {self.batcher.mode}"
-                + (f", lockstep tail steps {rep['lockstep_tail_steps']}" if rep["mode"] == "lockstep" else "")
+                + (
+                    f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
+                    f"{rep.get('packed_tail_steps', 0)}"
+                    if rep["mode"] == "lockstep"
+                    else ""
+                )
                 + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"
             )
 

@@ -17,6 +17,7 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import index_fingerprint
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["PlannedDataLoader", "PlannedShardDataset"]
 
@@ -41,6 +42,8 @@ class PlannedShardDataset(IterableDataset):
         on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
         max_buffered_samples: see :func:`plan_epoch`.
         lockstep_tolerance: see :func:`plan_epoch`.
+        lockstep_tail: ``"packed"`` or ``"bucketed"``, see :func:`plan_epoch` (the packed tail needs a
+            model that runs packs).
         fixed_epoch: plan this epoch number every time (validation), or None.
         max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
         underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
@@ -64,10 +67,13 @@ class PlannedShardDataset(IterableDataset):
         underfull: str = "error",
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
+        lockstep_tail: str = "packed",
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if lockstep_tail not in LOCKSTEP_TAILS:
+            raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         self.max_member_bytes = max_member_bytes
         self.index = index
         self.batcher = batcher
@@ -77,6 +83,7 @@ class PlannedShardDataset(IterableDataset):
         self.on_error = on_error
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
+        self.lockstep_tail = lockstep_tail
         self.fixed_epoch = fixed_epoch
         self.underfull = underfull
         self.sample_transform = sample_transform
@@ -100,6 +107,7 @@ class PlannedShardDataset(IterableDataset):
             "batcher": self.batcher.config(),
             "max_buffered_samples": self.max_buffered_samples,
             "lockstep_tolerance": self.lockstep_tolerance,
+            "lockstep_tail": self.lockstep_tail,
         }
 
     def make_plan(
@@ -119,6 +127,8 @@ class PlannedShardDataset(IterableDataset):
             exclude=exclude,
             max_buffered_samples=s["max_buffered_samples"],
             lockstep_tolerance=s["lockstep_tolerance"],
+            # Saved before the packed tail existed: those epochs were planned with bucketed tails.
+            lockstep_tail=s.get("lockstep_tail", "bucketed"),
             # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
             underfull="pad" if exclude else self.underfull,
         )

@@ -148,7 +148,7 @@ def stream_batches(
                 members = [apply_sample_transform(sample_transform, m, patch) for m in members]
             step = steps[j]
             if members:
-                batch = (collate_packed if plan.mode == "packed" else collate)(
+                batch = (collate_packed if plan.is_pack(stream, j) else collate)(
                     members, patch, batcher.cost_model, plan.global_tokens[step], text_pad_to=text_pad_to
                 )
             else:

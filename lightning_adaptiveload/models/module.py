@@ -118,6 +118,10 @@ class VideoDiTModule(L.LightningModule):
             folder's architecture is saved as ``model_overrides``).
     """
 
+    #: Runs packed batches (``compute_loss`` takes a pack): the DataModule may give lockstep epochs a
+    #: packed tail (``AdaptiveLoadDataModule(lockstep_tail="packed")``).
+    runs_packed_batches = True
+
     def __init__(
         self,
         preset: str = "tiny",

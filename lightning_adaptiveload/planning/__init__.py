@@ -13,6 +13,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "CostModel": "cost_model",
         "DualConstraintBatcher": "batching",
         "EpochPlan": "plan",
+        "LOCKSTEP_TAILS": "tail",
         "PlanError": "plan",
         "SCHEDULES": "plan",
         "collate": "batching",

@@ -30,12 +30,15 @@ class Batch:
         refs: the batch's samples, in file order; empty for an empty (zero-weight) batch.
         equal: a lockstep step shared by every rank (same class and size): it must keep its step.
         bound: emitted early at the independent mode's buffer bound: never packed with a later batch.
+        pack: a pack of samples of any shapes (lockstep's packed tail, :mod:`.tail`), collated as a pack;
+            ``bucket`` is then its largest sample's bucket.
     """
 
     bucket: int
     refs: list[Ref]
     equal: bool = False
     bound: bool = False
+    pack: bool = False
 
 
 @dataclass
@@ -72,6 +75,12 @@ class EpochPlan:
             (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the steps: share of the summed
             step time spent waiting for the slowest rank, by the cost model; ``est_wait_share`` is its old
             name), samples_per_rank, plan_seconds. :func:`~.resume.continue_plan` adds resumed_at_step.
+            Lockstep mode adds lockstep_tail (the setting), packed_tail_steps (steps of packs at the end,
+            see :mod:`.tail`), packed_tail_samples, tail_fill_mean (mean tokens / max_tokens of the tail
+            packs; 0 without a tail).
+        pack_batches: ``pack_batches[(rank, worker)][j]``: whether batch j is a pack (samples of any shapes,
+            collated by :func:`~.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
+            batch is a pack, unless ``mode == "packed"`` (every batch is). Use :meth:`is_pack`.
     """
 
     world_size: int
@@ -88,6 +97,14 @@ class EpochPlan:
     steps: int
     global_tokens: list[int]
     report: dict[str, Any] = field(default_factory=dict)
+    pack_batches: dict[Stream, list[bool]] = field(default_factory=dict)
+
+    def is_pack(self, stream: Stream, j: int) -> bool:
+        """Whether batch ``j`` of ``stream`` is a pack (collated as one, see ``docs/data_path.md``)."""
+        if self.mode == "packed":
+            return True
+        flags = self.pack_batches.get(stream)
+        return bool(flags) and bool(flags[j])
 
     @property
     def workers_per_rank(self) -> int:

@@ -16,6 +16,8 @@ runs the steps in order; each lives in its own module:
    class and size on every rank.
 4. **Equal steps** (:mod:`.equalise`, :mod:`.reshape`): every rank gets the same step count, by moving
    samples between ranks, splitting and packing batches, and (where nothing else works) empty batches.
+   Lockstep with ``lockstep_tail="packed"`` (:mod:`.tail`) instead packs the samples of its unequal
+   batches into tail steps of one pack per rank: equal counts by construction, balanced to the end.
 5. **Step order** (here): a rank's step sequence is the DataLoader's round robin over its workers,
    skipping exhausted ones (what torch does for an IterableDataset), so that the plan knows which batch
    every rank takes at every step and hence the step's ``global_tokens``.
@@ -28,7 +30,7 @@ torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,7 @@ from lightning_adaptiveload.planning.plan import (
     Stream,
     underfull_message,
 )
+from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS, packed_tail, tail_reads
 
 if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -82,6 +85,7 @@ def plan_epoch(
     max_buffered_samples: int | None = None,
     lockstep_tolerance: float = 0.05,
     underfull: str = "error",
+    lockstep_tail: str = "packed",
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -108,6 +112,11 @@ def plan_epoch(
             ignore). Where every rank can get a sample, the epoch is always planned; a few empty batches
             are still added where no common count of non-empty batches exists (say 5 one-sample batches on
             2 ranks), counted in ``report["empty_batches"]``.
+        lockstep_tail: lockstep mode, where the classes stop lining up across ranks (the end of an epoch
+            on a mix of many length classes): ``"packed"`` re-plans the samples of every unequal batch,
+            from all ranks, into tail steps of one balanced pack per rank (:mod:`.tail`; the batches are
+            marked in ``plan.pack_batches``, and the model must run packs: ``docs/data_path.md``);
+            ``"bucketed"`` keeps them as unequal bucketed batches. Ignored by the other schedules.
 
     Returns:
         The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
@@ -119,6 +128,8 @@ def plan_epoch(
     """
     t0 = time.perf_counter()
     _check_settings(mode, underfull, world_size, num_workers, batcher)
+    if lockstep_tail not in LOCKSTEP_TAILS:
+        raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
     world, workers = int(world_size), max(1, int(num_workers))
     data = as_input(index_or_shapes)
     if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
@@ -148,12 +159,23 @@ def plan_epoch(
         sim = independent_batches(reads, table.bucket_of, sizes, bound, counts)
     else:
         sim = lockstep_batches(reads, table.bucket_of, world, workers, class_of, class_size, sizes, counts)
-    _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
+    tail = {"steps": 0, "samples": 0, "empty": 0}
+    if mode == "lockstep" and lockstep_tail == "packed" and world > 1:
+        seq_lens = [bk.seq_len for bk in buckets]
+        tail = packed_tail(sim, world, workers, table.bucket_of, seq_lens, batcher, seed, epoch)
+    if tail["steps"]:
+        # The lockstep steps line up per worker index and the tail adds one pack per rank and step: the
+        # counts are equal already (the equal-steps pass would merge the packs of an underfull tail).
+        counts["empty_batches"] += tail["empty"]
+        for st in sim:
+            reads[st] = tail_reads(reads[st], sim[st])
+    else:
+        _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
     samples_per_rank = [sum(len(bt.refs) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)]
     if underfull == "error" and n_samples and min(samples_per_rank) == 0:
         raise PlanError(underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
-    steps = _step_table(sim, world, workers, buckets, class_of)
+    steps = _step_table(sim, world, workers, buckets, class_of, _pack_load(table.bucket_of, buckets, batcher))
     counts.update(
         samples=n_samples,
         excluded=n_excluded,
@@ -165,6 +187,13 @@ def plan_epoch(
         epoch, mode, world, num_workers, counts, sim, reads, steps, len(class_size), batcher.max_compute
     )
     report.update(samples_per_rank=samples_per_rank, plan_seconds=0.0)
+    if mode == "lockstep":
+        report.update(
+            lockstep_tail=lockstep_tail,
+            packed_tail_steps=steps.pack_steps,
+            packed_tail_samples=tail["samples"],
+            tail_fill_mean=steps.pack_fill / float(batcher.max_tokens),
+        )
     plan = EpochPlan(
         world_size=world,
         num_workers=int(num_workers),
@@ -180,6 +209,7 @@ def plan_epoch(
         steps=steps.steps,
         global_tokens=[int(x) for x in steps.global_tokens],
         report=report,
+        pack_batches={st: [bt.pack for bt in sim[st]] for st in sim} if tail["steps"] else {},
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan
@@ -287,13 +317,33 @@ class _Steps:
     steps: int
     batch_steps: dict[Stream, list[int]]
     global_tokens: list[int]
-    unequal: int  # steps whose batches differ in lockstep class or size across ranks
+    unequal: int  # steps whose batches differ in lockstep class or size across ranks (packs aside)
     est_cv: float
     est_wait: float
+    pack_steps: int = 0  # steps at which every rank takes a pack (lockstep's packed tail)
+    pack_fill: float = 0.0  # mean tokens of those packs
+
+
+def _pack_load(
+    bucket_of: list[list[int]], buckets: list[Bucket], batcher: Any
+) -> Callable[[Batch], tuple[int, float]]:
+    """A pack's tokens and estimated cost (``c0 + sum cost(S_i)``, the cost model's pack cost)."""
+    seq_len = [bk.seq_len for bk in buckets]
+
+    def load(bt: Batch) -> tuple[int, float]:
+        toks = [seq_len[bucket_of[s][i]] for s, i in bt.refs]
+        return sum(toks), (batcher.cost_model.pack_cost(toks) if toks else 0.0)
+
+    return load
 
 
 def _step_table(
-    sim: dict[Stream, list[Batch]], world: int, workers: int, buckets: list[Bucket], class_of: list[int]
+    sim: dict[Stream, list[Batch]],
+    world: int,
+    workers: int,
+    buckets: list[Bucket],
+    class_of: list[int],
+    pack_load: Callable[[Batch], tuple[int, float]] | None = None,
 ) -> _Steps:
     """Each rank's round robin over its workers, the step of every batch, and per step the tokens over all
     ranks and the balance of the estimated batch costs."""
@@ -305,6 +355,9 @@ def _step_table(
     cls = np.array(class_of + [-1], dtype=np.int64)
     step_bucket = np.full((world, steps), -1, dtype=np.int64)
     step_n = np.zeros((world, steps), dtype=np.int64)
+    is_pack = np.zeros((world, steps), dtype=bool)
+    pack_tokens = np.zeros((world, steps), dtype=np.int64)
+    pack_cost = np.zeros((world, steps), dtype=np.float64)
     for r in range(world):
         for w in range(workers):
             batch_steps[(r, w)] = [0] * len(sim[(r, w)])
@@ -316,17 +369,24 @@ def _step_table(
                 idx = np.array(batch_steps[(r, w)], dtype=np.int64)
                 step_bucket[r, idx] = [bt.bucket for bt in batches]
                 step_n[r, idx] = [len(bt.refs) for bt in batches]
-    tokens = step_n * seq_len[step_bucket]
+                for k, bt in zip(idx.tolist(), batches):
+                    if bt.pack and pack_load is not None:
+                        is_pack[r, k] = True
+                        pack_tokens[r, k], pack_cost[r, k] = pack_load(bt)
+    tokens = np.where(is_pack, pack_tokens, step_n * seq_len[step_bucket])
     global_tokens = tokens.sum(axis=0).tolist() if steps else []
-    costs = step_n * bucket_cost[step_bucket]
+    costs = np.where(is_pack, pack_cost, step_n * bucket_cost[step_bucket])
+    packed_steps = is_pack.all(axis=0) if steps else np.zeros(0, dtype=bool)
+    n_pack = int(packed_steps.sum())
+    pack_fill = float(tokens[:, packed_steps].mean()) if n_pack else 0.0
     if steps:
         sig_same = (cls[step_bucket] == cls[step_bucket[0]]).all(axis=0) & (step_n == step_n[0]).all(axis=0)
-        unequal = int((~sig_same).sum())
+        unequal = int((~(sig_same | packed_steps)).sum())
         figures = balance_summary(costs.T)  # the cost model's estimate of the step times
         est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
     else:
         unequal, est_cv, est_wait = 0, 0.0, 0.0
-    return _Steps(step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait)
+    return _Steps(step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait, n_pack, pack_fill)
 
 
 def _bucket_dicts(buckets: list[Bucket], class_of: list[int]) -> list[dict[str, Any]]:

@@ -58,6 +58,7 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
     streams: dict[Stream, list[list[Ref]]] = {(r, w): [] for r in range(world) for w in range(workers)}
     buckets_of: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
     batch_steps: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
+    packs: dict[Stream, list[bool]] = {(r, w): [] for r in range(world) for w in range(workers)}
     for r in range(world):
         for k in range(steps):
             w_old, j = plan.step_order[r][steps_done + k]
@@ -65,6 +66,7 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
             streams[st].append(plan.streams[(r, w_old)][j])
             buckets_of[st].append(plan.batch_buckets[(r, w_old)][j])
             batch_steps[st].append(k)
+            packs[st].append(plan.is_pack((r, w_old), j))
     reads = {st: _reads_per_shard(batches) for st, batches in streams.items()}
     return EpochPlan(
         world_size=world,
@@ -81,6 +83,8 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
         steps=steps,
         global_tokens=list(plan.global_tokens[steps_done:]),
         report=_rest_report(plan, steps_done, int(num_workers), streams, reads),
+        # A lockstep plan's packed tail stays packs (the packed schedule marks every batch by its mode).
+        pack_batches=packs if plan.pack_batches else {},
     )
 
 

@@ -172,11 +172,13 @@ class Replay:
     batch_sizes: dict[tuple[int, int, int, int], set[int]]
 
 
-def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
+def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel, index: Any = None) -> Replay:
     """Turn an EpochPlan into per-(step, rank) seconds, tokens, memory and planned cost.
 
     Uses the plan's own step order (``plan.step_order``: the DataLoader's round robin over a rank's
-    workers) and bucket table, so that what is replayed is exactly what the DataModule would yield.
+    workers) and bucket table, so that what is replayed is exactly what the DataModule would yield. The
+    packs of a lockstep plan's packed tail (``plan.is_pack``) are replayed as :func:`replay_packs` does
+    (their sample shapes come from ``index``, needed then); memory is then not replayed (None).
     """
     world, n = plan.world_size, plan.steps
     counts = {len(order) for order in plan.step_order}
@@ -196,6 +198,15 @@ def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
         for k, (w, j) in enumerate(plan.step_order[r]):
             b = len(plan.streams[(r, w)][j])
             if b == 0:
+                continue
+            if plan.is_pack((r, w), j):
+                if index is None:
+                    raise ValueError("replay_plan: the plan holds packs; pass the index it was planned from")
+                seconds[k, r], tokens[k, r], cost[k, r] = _replay_pack(
+                    plan.streams[(r, w)][j], index, coster, plan_cost
+                )
+                memory = None
+                samples += b
                 continue
             shape = shapes[plan.batch_buckets[(r, w)][j]]
             thw = (shape[1], shape[2], shape[3])
@@ -254,7 +265,7 @@ def run_mode(
     if plan.mode == "packed":
         rep = replay_packs(plan, index, coster, plan_cost)
     else:
-        rep = replay_plan(plan, coster, plan_cost)
+        rep = replay_plan(plan, coster, plan_cost, index)
     if rep.seconds.shape[0] == 0:
         raise ValueError(
             f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
@@ -291,30 +302,41 @@ def run_mode(
             "reads",
             "shard_opens_per_rank",
             "order_rank_correlation",
+            "lockstep_tail",
+            "lockstep_tail_steps",
+            "packed_tail_steps",
+            "packed_tail_samples",
+            "tail_fill_mean",
         )
     }
     cv, _, _ = stats.balance_rows(rep.seconds)
     return m, cv, rep, batcher
 
 
+def _replay_pack(
+    refs: list[tuple[int, int]], index: Any, coster: BatchCoster, plan_cost: CostModel
+) -> tuple[float, int, float]:
+    """One pack's replayed seconds (the pack cost model plus the step overhead), tokens and planned cost."""
+    times = coster.times if isinstance(coster.times, CostModel) else coster.times.fallback
+    shapes = [index.shards[s].latent_shapes[i] for s, i in refs]
+    toks = [coster.tokens((int(x[1]), int(x[2]), int(x[3]))) for x in shapes]
+    return times.pack_cost(toks) + coster.overhead_s, sum(toks), plan_cost.pack_cost(toks)
+
+
 def replay_packs(plan: Any, index: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
     """:func:`replay_plan` for a packed plan: a pack's seconds are ``c0 + sum cost(S_i)`` of the pack cost
     model (a measured table's packs are not measured: its fitted model stands in), plus the step overhead."""
-    times = coster.times if isinstance(coster.times, CostModel) else coster.times.fallback
     n, world = plan.steps, plan.world_size
     seconds, cost = np.zeros((n, world)), np.zeros((n, world))
     tokens = np.zeros((n, world), dtype=np.int64)
     samples = 0
     for r in range(world):
         for k, (w, j) in enumerate(plan.step_order[r]):
-            shapes = [index.shards[s].latent_shapes[i] for s, i in plan.streams[(r, w)][j]]
-            toks = [coster.tokens((int(x[1]), int(x[2]), int(x[3]))) for x in shapes]
-            if not toks:
+            refs = plan.streams[(r, w)][j]
+            if not refs:
                 continue
-            seconds[k, r] = times.pack_cost(toks) + coster.overhead_s
-            tokens[k, r] = sum(toks)
-            cost[k, r] = plan_cost.pack_cost(toks)
-            samples += len(toks)
+            seconds[k, r], tokens[k, r], cost[k, r] = _replay_pack(refs, index, coster, plan_cost)
+            samples += len(refs)
     return Replay(seconds, tokens, None, cost, samples, {})
 
 
