@@ -247,6 +247,7 @@ class _Mover:
         self.bounds = bounds
         self.target = target
         self.slot_of = {st: i for i, slot in enumerate(slots) for st in slot}
+        self._spots: dict[Stream, dict[int, list[int]]] = {}
 
     def run(self) -> None:
         bounds, n_slots = self.bounds, len(self.slots)
@@ -313,6 +314,18 @@ class _Mover:
         self._give(g, q, st, b, min(self.target - bounds[q].most, spare, self.sizes[b], n), False)
         return True
 
+    def _partials(self, st: Stream, stream: list[Batch]) -> dict[int, list[int]]:
+        """Per bucket, the stream's partial batches after :func:`~.reshape.pack_start` (ascending). Cached
+        until a move changes the stream (``_give``, ``_pack``): ``_room`` asks every stream at every move."""
+        if st not in self._spots:
+            spots: dict[int, list[int]] = {}
+            for j in range(pack_start(stream, self.sizes), len(stream)):
+                bt = stream[j]
+                if len(bt.refs) < self.sizes[bt.bucket]:
+                    spots.setdefault(bt.bucket, []).append(j)
+            self._spots[st] = spots
+        return self._spots[st]
+
     def _refresh(self, *slots: int) -> None:
         for i in slots:
             self.bounds[i] = _bounds(self.sim, self.slots[i], self.sizes)
@@ -323,6 +336,8 @@ class _Mover:
         refs = take(self.sim[st_g], bucket, k, partial_only, self.sizes)
         st_q = min(self.slots[q], key=lambda st: (len(self.sim[st]), st))
         self.sim[st_q].append(Batch(bucket, refs))
+        self._spots.pop(st_g, None)
+        self._spots.pop(st_q, None)
         self.moves.append((st_g, st_q, refs))
         self.counts["moved_batches"] += 1
         self._refresh(g, q)
@@ -334,12 +349,7 @@ class _Mover:
         for st, stream in self.sim.items():
             if st == st_g or st not in self.slot_of:
                 continue
-            first = pack_start(stream, self.sizes)
-            spots = [
-                j
-                for j in range(first, len(stream))
-                if stream[j].bucket == bucket and len(stream[j].refs) < size
-            ]
+            spots = self._partials(st, stream).get(bucket)
             if not spots:
                 continue
             u = sum(len(stream[j].refs) for j in spots)
@@ -364,6 +374,8 @@ class _Mover:
                 refs = take(sim[st], b, k, True, sizes)
                 st_q, j = hit
                 sim[st_q][j] = Batch(b, sim[st_q][j].refs + refs)
+                self._spots.pop(st, None)
+                self._spots.pop(st_q, None)
                 self.moves.append((st, st_q, refs))
                 self.counts["moved_batches"] += 1
                 self._refresh(g, self.slot_of[st_q])

@@ -26,7 +26,10 @@ __all__ = [
 
 def fixed_prefix(stream: list[Batch]) -> int:
     """Length of the stream's prefix that must stay in place: up to its last equal (lockstep) batch."""
-    return max((j + 1 for j, bt in enumerate(stream) if bt.equal), default=0)
+    for j in range(len(stream) - 1, -1, -1):  # from the end: the scan stops at the last equal batch
+        if stream[j].equal:
+            return j + 1
+    return 0
 
 
 def pack_start(stream: list[Batch], sizes: list[int]) -> int:
@@ -34,8 +37,11 @@ def pack_start(stream: list[Batch], sizes: list[int]) -> int:
     emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
     its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
     holds nothing extra.)"""
-    bound = max((j + 1 for j, bt in enumerate(stream) if bt.bound), default=0)
-    return max(fixed_prefix(stream), bound)
+    for j in range(len(stream) - 1, -1, -1):  # after the last batch that is equal or bound, in one scan
+        bt = stream[j]
+        if bt.equal or bt.bound:
+            return j + 1
+    return 0
 
 
 def capacity(stream: list[Batch]) -> int:
