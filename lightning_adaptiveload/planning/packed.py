@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
+from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_sums
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
@@ -121,8 +122,8 @@ def _filled_steps(
 ) -> list[list[list[int]]]:
     """Fill one reserve trial's core packs and add the steps of what is left over."""
     packs, step_of, target = trial["packs"], trial["step_of"], trial["target"]
-    pack_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.int64)
-    pack_cost = np.array([costs[p].sum() + c0 if p else 0.0 for p in packs], dtype=np.float64)
+    pack_tokens = pack_sums(packs, tokens)
+    pack_cost = np.where(pack_tokens > 0, pack_sums(packs, costs) + c0, 0.0)
     leftover = _fill(
         trial["fillers"], tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of]
     )
@@ -134,7 +135,9 @@ def _filled_steps(
 
 def _mean_cv(steps: list[list[list[int]]], costs: np.ndarray, c0: float) -> float:
     """Mean over steps of the coefficient of variation of the packs' costs (the plan's own estimate)."""
-    cost = np.array([[float(costs[p].sum()) + c0 if p else 0.0 for p in st] for st in steps])
+    flat = [p for st in steps for p in st]
+    nonempty = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)) > 0
+    cost = np.where(nonempty, pack_sums(flat, costs) + c0, 0.0).reshape(len(steps), -1)
     mean = cost.mean(axis=1)
     return float(np.mean(np.where(mean > 0, cost.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)))
 
@@ -155,8 +158,10 @@ def _layer_fill(
         return leftover
     world = len(steps[0])
     items = sorted(leftover, key=lambda i: (-int(tokens[i]), i))
-    used = np.array([[int(tokens[p].sum()) if p else 0 for p in st] for st in steps], dtype=np.int64)
-    cost = np.array([[float(costs[p].sum()) + (c0 if p else 0.0) for p in st] for st in steps])
+    flat = [p for st in steps for p in st]
+    nonempty = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)) > 0
+    used = pack_sums(flat, tokens).reshape(len(steps), world)
+    cost = (pack_sums(flat, costs) + np.where(nonempty, c0, 0.0)).reshape(len(steps), world)
     heap = [(-int(max_tokens - used[k].max()), k) for k in range(len(steps))]
     heapq.heapify(heap)
     rest: list[int] = []
@@ -185,42 +190,6 @@ def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["est_fill"] > b["est_fill"] + 1e-9
 
 
-def _greedy_cores(tokens: np.ndarray, cores_asc: np.ndarray, capacity: int) -> list[list[int]]:
-    """Pack cores (ascending by tokens) into packs of at most ``capacity`` tokens: each pack opens with the
-    largest core left and then takes, while any fits, the largest core that fits its room.
-
-    A union-find over the sorted positions ("largest alive position <= i") makes it O(n log n).
-    """
-    a = tokens[cores_asc]
-    n = len(a)
-    parent = list(range(n + 1))  # position i+1 -> itself while core i is alive; 0 is the sentinel
-
-    def alive_at_or_below(i: int) -> int:  # largest alive position <= i, or -1
-        j = i + 1
-        root = j
-        while parent[root] != root:
-            root = parent[root]
-        while parent[j] != root:
-            parent[j], j = root, parent[j]
-        return root - 1
-
-    packs: list[list[int]] = []
-    for _ in range(n):
-        top = alive_at_or_below(n - 1)
-        if top < 0:
-            break
-        pack = []
-        room = int(capacity)
-        j = top
-        while j >= 0:
-            pack.append(int(cores_asc[j]))
-            room -= int(a[j])
-            parent[j + 1] = j  # remove core j
-            j = alive_at_or_below(int(np.searchsorted(a, room, side="right")) - 1)
-        packs.append(pack)
-    return packs
-
-
 def _cores_and_targets(
     tokens: np.ndarray,
     costs: np.ndarray,
@@ -237,7 +206,7 @@ def _cores_and_targets(
     so that the packs of a step, filled, cost the same and are full.
     """
     capacity = max(int(tokens.max()), int(max_tokens * (1.0 - reserve)))
-    packs = _greedy_cores(tokens, cores_asc, capacity)
+    packs = greedy_cores(tokens, cores_asc, capacity)
     need = math.ceil(int(tokens.sum()) / (max_tokens * _TARGET_FILL))
     n_packs = max(len(packs), need, world)
     n_packs = world * math.ceil(n_packs / world)
@@ -245,8 +214,8 @@ def _cores_and_targets(
     ft = tokens[fillers]
     per_token = float(costs[fillers].sum() / ft.sum()) if len(fillers) else 0.0
     grain = int(np.median(ft)) if len(fillers) else 0
-    core_tokens = np.array([tokens[p].sum() if p else 0 for p in packs], dtype=np.float64)
-    core_cost = np.array([costs[p].sum() for p in packs], dtype=np.float64)
+    core_tokens = pack_sums(packs, tokens).astype(np.float64)
+    core_cost = pack_sums(packs, costs)
     # What each pack reaches when its room is filled with typical fillers (less half a filler of slack).
     # Packs of near-equal reach share a step: filled, they cost the same AND are full.
     reach = core_cost + np.maximum(0.0, max_tokens - core_tokens - grain / 2) * per_token

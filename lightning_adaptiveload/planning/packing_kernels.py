@@ -1,0 +1,86 @@
+"""Array kernels of the ``packed`` schedule (:mod:`.packed`): per-pack sums and the greedy core packing
+on counts of equal-token samples instead of one sample at a time.
+
+Both return exactly what the per-sample loops they replace returned (``tests/test_plan_identity.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["greedy_cores", "pack_sums"]
+
+
+def pack_sums(packs: list[list[int]], values: np.ndarray) -> np.ndarray:
+    """``values[p].sum()`` for every pack p (0 for an empty pack), as one array.
+
+    The packs are grouped by length and each group summed row by row: NumPy sums each contiguous row as it
+    sums a 1-D array of that length (pairwise summation), so float results are bit-identical to
+    ``values[p].sum()``.
+    """
+    out = np.zeros(len(packs), dtype=values.dtype)
+    if not packs:
+        return out
+    lens = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    for n in np.unique(lens).tolist():
+        if n == 0:
+            continue
+        rows = np.flatnonzero(lens == n)
+        members = np.array([packs[k] for k in rows.tolist()], dtype=np.int64).reshape(len(rows), n)
+        out[rows] = values[members].sum(axis=1)
+    return out
+
+
+def greedy_cores(tokens: np.ndarray, cores_asc: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pack cores (ascending by tokens) into packs of at most ``capacity`` tokens: each pack opens with the
+    largest core left and then takes, while any fits, the largest core that fits its room; among cores of
+    equal tokens, the last in ``cores_asc`` first.
+
+    Cores of equal tokens are interchangeable for the choices, so the packing runs on their counts: a
+    pack's *pattern* (which token values it takes, in order) is worked out once and repeated while every
+    value it takes has enough cores left (the choices depend only on which values are left, and on the
+    room, which the pattern fixes); each repetition takes, per value, the next cores from the end.
+    """
+    a = tokens[cores_asc]
+    n = len(a)
+    if n == 0:
+        return []
+    values, start, count = np.unique(a, return_index=True, return_counts=True)
+    vals = values.tolist()
+    left = count.tolist()  # cores left per value; value g's alive cores: positions start[g] .. start[g]+left[g]-1
+    top = (start + count - 1).tolist()  # position of value g's last alive core
+    n_left = n
+    packs: list[list[int]] = []
+    while n_left:
+        # The pattern: values taken in order (largest alive value first, then the largest alive that fits).
+        pattern: list[int] = []
+        used = {}
+        room = int(capacity)
+        g = len(vals) - 1
+        while g >= 0 and left[g] == 0:
+            g -= 1
+        while g >= 0:
+            pattern.append(g)
+            used[g] = used.get(g, 0) + 1
+            room -= vals[g]
+            # the largest value <= room with cores left (counting those this pack took)
+            g = int(np.searchsorted(values, room, side="right")) - 1
+            while g >= 0 and left[g] - used.get(g, 0) == 0:
+                g -= 1
+        reps = min(left[v] // u for v, u in used.items())
+        # Position of pick s in repetition j: top[g_s] - j * used[g_s] - (earlier picks of g_s in the pattern).
+        seen: dict[int, int] = {}
+        base, step = [], []
+        for v in pattern:
+            base.append(top[v] - seen.get(v, 0))
+            step.append(used[v])
+            seen[v] = seen.get(v, 0) + 1
+        pos = np.asarray(base, dtype=np.int64)[None, :] - np.arange(reps, dtype=np.int64)[:, None] * np.asarray(
+            step, dtype=np.int64
+        )
+        packs.extend(cores_asc[pos].tolist())
+        for v, u in used.items():
+            left[v] -= reps * u
+            top[v] -= reps * u
+        n_left -= reps * len(pattern)
+    return packs
