@@ -122,8 +122,8 @@ def _filled_steps(
 ) -> list[list[list[int]]]:
     """Fill one reserve trial's core packs and add the steps of what is left over."""
     packs, step_of, target = trial["packs"], trial["step_of"], trial["target"]
-    pack_tokens = pack_sums(packs, tokens)
-    pack_cost = np.where(pack_tokens > 0, pack_sums(packs, costs) + c0, 0.0)
+    pack_tokens, pack_cost = pack_sums(packs, tokens, costs)
+    pack_cost = np.where(pack_tokens > 0, pack_cost + c0, 0.0)
     leftover = _fill(
         trial["fillers"], tokens, costs, c0, max_tokens, packs, pack_tokens, pack_cost, target[step_of]
     )
@@ -137,7 +137,7 @@ def _mean_cv(steps: list[list[list[int]]], costs: np.ndarray, c0: float) -> floa
     """Mean over steps of the coefficient of variation of the packs' costs (the plan's own estimate)."""
     flat = [p for st in steps for p in st]
     nonempty = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)) > 0
-    cost = np.where(nonempty, pack_sums(flat, costs) + c0, 0.0).reshape(len(steps), -1)
+    cost = np.where(nonempty, pack_sums(flat, costs)[0] + c0, 0.0).reshape(len(steps), -1)
     mean = cost.mean(axis=1)
     return float(np.mean(np.where(mean > 0, cost.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)))
 
@@ -160,8 +160,9 @@ def _layer_fill(
     items = sorted(leftover, key=lambda i: (-int(tokens[i]), i))
     flat = [p for st in steps for p in st]
     nonempty = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat)) > 0
-    used = pack_sums(flat, tokens).reshape(len(steps), world)
-    cost = (pack_sums(flat, costs) + np.where(nonempty, c0, 0.0)).reshape(len(steps), world)
+    used, cost = pack_sums(flat, tokens, costs)
+    used = used.reshape(len(steps), world)
+    cost = (cost + np.where(nonempty, c0, 0.0)).reshape(len(steps), world)
     heap = [(-int(max_tokens - used[k].max()), k) for k in range(len(steps))]
     heapq.heapify(heap)
     rest: list[int] = []
@@ -214,8 +215,8 @@ def _cores_and_targets(
     ft = tokens[fillers]
     per_token = float(costs[fillers].sum() / ft.sum()) if len(fillers) else 0.0
     grain = int(np.median(ft)) if len(fillers) else 0
-    core_tokens = pack_sums(packs, tokens).astype(np.float64)
-    core_cost = pack_sums(packs, costs)
+    core_tokens, core_cost = pack_sums(packs, tokens, costs)
+    core_tokens = core_tokens.astype(np.float64)
     # What each pack reaches when its room is filled with typical fillers (less half a filler of slack).
     # Packs of near-equal reach share a step: filled, they cost the same AND are full.
     reach = core_cost + np.maximum(0.0, max_tokens - core_tokens - grain / 2) * per_token
@@ -259,11 +260,11 @@ def _fill(
     """
     # Costs of empty packs count c0 from their first sample; account for it up front.
     cur = np.where(pack_tokens > 0, pack_cost, c0)
-    heap = [(-(float(target[k]) - float(cur[k])), k) for k in range(len(packs))]
+    heap = list(zip((-(target - cur)).tolist(), range(len(packs))))
     heapq.heapify(heap)
     leftover: list[int] = []
-    for i in fillers.tolist():
-        t, c = int(tokens[i]), float(costs[i])
+    used = pack_tokens.tolist()  # Python ints: the loop reads and writes one pack at a time
+    for i, t, c in zip(fillers.tolist(), tokens[fillers].tolist(), costs[fillers].tolist()):
         aside = []
         placed = False
         while heap and len(aside) < _MAX_ASIDE:
@@ -271,9 +272,9 @@ def _fill(
             if -neg_def < c / 2:
                 break  # the neediest pack is closer to its target than this filler would leave it
             heapq.heappop(heap)
-            if pack_tokens[k] + t <= max_tokens:
+            if used[k] + t <= max_tokens:
                 packs[k].append(i)
-                pack_tokens[k] += t
+                used[k] += t
                 heapq.heappush(heap, (neg_def + c, k))
                 placed = True
                 break
@@ -282,6 +283,7 @@ def _fill(
             heapq.heappush(heap, item)
         if not placed:
             leftover.append(i)
+    pack_tokens[:] = used
     return leftover
 
 

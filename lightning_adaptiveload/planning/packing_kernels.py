@@ -6,28 +6,33 @@ Both return exactly what the per-sample loops they replace returned (``tests/tes
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 __all__ = ["greedy_cores", "pack_sums"]
 
 
-def pack_sums(packs: list[list[int]], values: np.ndarray) -> np.ndarray:
-    """``values[p].sum()`` for every pack p (0 for an empty pack), as one array.
+def pack_sums(packs: list[list[int]], *values: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per array v of ``values``: ``v[p].sum()`` for every pack p (0 for an empty pack), as one array.
 
     The packs are grouped by length and each group summed row by row: NumPy sums each contiguous row as it
     sums a 1-D array of that length (pairwise summation), so float results are bit-identical to
-    ``values[p].sum()``.
+    ``v[p].sum()``.
     """
-    out = np.zeros(len(packs), dtype=values.dtype)
+    out = tuple(np.zeros(len(packs), dtype=v.dtype) for v in values)
     if not packs:
         return out
     lens = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    flat = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=int(lens.sum()))
+    first = np.cumsum(lens) - lens  # where each pack starts in flat
     for n in np.unique(lens).tolist():
         if n == 0:
             continue
         rows = np.flatnonzero(lens == n)
-        members = np.array([packs[k] for k in rows.tolist()], dtype=np.int64).reshape(len(rows), n)
-        out[rows] = values[members].sum(axis=1)
+        members = flat[first[rows][:, None] + np.arange(n, dtype=np.int64)]  # (packs of length n, n)
+        for o, v in zip(out, values):
+            o[rows] = v[members].sum(axis=1)
     return out
 
 
