@@ -1,13 +1,14 @@
-"""Plans a matrix of cases and digests every EpochPlan field by field, to prove a planner change leaves
-every plan unchanged.
+"""A matrix of planning cases and a field-by-field digest of their EpochPlans, to prove that a planner
+change leaves every plan unchanged (schedules x world sizes x workers x mixes x seeds/epochs x resume x
+lockstep tails).
 
-Usage (digest the current code, then compare another checkout's digests)::
+``tests/test_plan_identity.py`` plans the quick matrix and compares it with ``tests/data/plan_digests.json``
+(digests of the plans of the planner before it was vectorised). The whole matrix (640 plans), against
+another checkout of the package (say ``git archive main`` unpacked in /tmp/old)::
 
-    python benchmarks/plan_identity.py digest OUT.json [--quick]
-    python benchmarks/plan_identity.py compare OLD.json NEW.json
-
-``tests/test_plan_identity.py`` plans the ``--quick`` matrix and compares it with the digests in
-``tests/data/plan_digests.json`` (computed from the planner before it was vectorised).
+    PYTHONPATH=/tmp/old python tests/_plan_cases.py digest old.json
+    PYTHONPATH=$PWD python tests/_plan_cases.py digest new.json
+    python tests/_plan_cases.py compare old.json new.json
 """
 
 from __future__ import annotations
