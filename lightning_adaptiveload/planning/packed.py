@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
-from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_sums
+from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_costs, pack_sums
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
@@ -264,6 +264,7 @@ def _fill(
     heapq.heapify(heap)
     leftover: list[int] = []
     used = pack_tokens.tolist()  # Python ints: the loop reads and writes one pack at a time
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i, t, c in zip(fillers.tolist(), tokens[fillers].tolist(), costs[fillers].tolist()):
         aside = []
         placed = False
@@ -271,16 +272,15 @@ def _fill(
             neg_def, k = heap[0]
             if -neg_def < c / 2:
                 break  # the neediest pack is closer to its target than this filler would leave it
-            heapq.heappop(heap)
             if used[k] + t <= max_tokens:
                 packs[k].append(i)
                 used[k] += t
-                heapq.heappush(heap, (neg_def + c, k))
+                replace(heap, (neg_def + c, k))  # (keys are unique: only the set in the heap matters)
                 placed = True
                 break
-            aside.append((neg_def, k))
+            aside.append(pop(heap))
         for item in aside:
-            heapq.heappush(heap, item)
+            push(heap, item)
         if not placed:
             leftover.append(i)
     pack_tokens[:] = used
@@ -363,8 +363,11 @@ def _collect(
     for sid, row in enumerate(data.shapes):
         gone = exclude.get(sid, ())
         for i, raw in enumerate(row):
-            shape = tuple(int(x) for x in raw)
-            b = shape_ids.get(shape)
+            # A shape seen before is found without converting it (a tuple of NumPy ints hashes as of ints).
+            b = shape_ids.get(raw) if type(raw) is tuple else None
+            shape = raw if b is not None else tuple(int(x) for x in raw)
+            if b is None:
+                b = shape_ids.get(shape)
             if b is None:
                 if len(shape) != 4:
                     raise ValueError(
@@ -510,18 +513,21 @@ def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers
     )
     tokens, refs = samples.tokens, samples.refs
     smallest = int(np.argmin(samples.seq_len)) if len(samples.shapes) else 0
+    flat = [pack for packs in steps for pack in packs]  # world packs per step
+    if flat:
+        out.step_tokens[:] = pack_sums(flat, tokens)[0].reshape(len(steps), world).T
+        out.step_cost[:] = pack_costs(flat, tokens, cost_model).reshape(len(steps), world).T
+    tok, shape_of = tokens.tolist(), samples.shape_idx.tolist()
     for k, packs in enumerate(steps):
         for r, pack in enumerate(packs):
             st = (r, k % workers)
-            pack_refs = sorted(refs[i] for i in pack)
+            pack_refs = sorted(map(refs.__getitem__, pack))
             streams[st].append(pack_refs)
             # The bucket of a pack: that of its largest sample (only types an empty pack's batch).
-            big = max(pack, key=lambda i: (tokens[i], -i)) if pack else -1
-            out.batch_buckets[st].append(int(samples.shape_idx[big]) if pack else smallest)
+            big = max(pack, key=lambda i: (tok[i], -i)) if pack else -1
+            out.batch_buckets[st].append(shape_of[big] if pack else smallest)
             out.batch_steps[st].append(k)
             out.reads[st].extend(_runs(pack_refs))
-            out.step_tokens[r, k] = int(tokens[pack].sum()) if pack else 0
-            out.step_cost[r, k] = cost_model.pack_cost(tokens[pack]) if pack else 0.0
         n_in_step = sum(len(p) for p in packs)
         out.step_mean_len[k] = out.step_tokens[:, k].sum() / n_in_step if n_in_step else 0.0
     return out

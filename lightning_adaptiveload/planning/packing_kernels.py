@@ -7,10 +7,25 @@ Both return exactly what the per-sample loops they replace returned (``tests/tes
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-__all__ = ["greedy_cores", "pack_sums"]
+__all__ = ["greedy_cores", "pack_costs", "pack_sums"]
+
+
+def _by_length(packs: list[list[int]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The non-empty packs grouped by length n: (their positions in ``packs``, their members (count, n))."""
+    if not packs:
+        return
+    lens = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    flat = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=int(lens.sum()))
+    first = np.cumsum(lens) - lens  # where each pack starts in flat
+    for n in np.unique(lens).tolist():
+        if n:
+            rows = np.flatnonzero(lens == n)
+            yield rows, flat[first[rows][:, None] + np.arange(n, dtype=np.int64)]
 
 
 def pack_sums(packs: list[list[int]], *values: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -21,18 +36,18 @@ def pack_sums(packs: list[list[int]], *values: np.ndarray) -> tuple[np.ndarray, 
     ``v[p].sum()``.
     """
     out = tuple(np.zeros(len(packs), dtype=v.dtype) for v in values)
-    if not packs:
-        return out
-    lens = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
-    flat = np.fromiter(itertools.chain.from_iterable(packs), dtype=np.int64, count=int(lens.sum()))
-    first = np.cumsum(lens) - lens  # where each pack starts in flat
-    for n in np.unique(lens).tolist():
-        if n == 0:
-            continue
-        rows = np.flatnonzero(lens == n)
-        members = flat[first[rows][:, None] + np.arange(n, dtype=np.int64)]  # (packs of length n, n)
+    for rows, members in _by_length(packs):
         for o, v in zip(out, values):
             o[rows] = v[members].sum(axis=1)
+    return out
+
+
+def pack_costs(packs: list[list[int]], tokens: np.ndarray, cost_model: Any) -> np.ndarray:
+    """``cost_model.pack_cost(tokens[p])`` for every pack p (0.0 for an empty pack), as one array: the
+    per-sample costs are evaluated on each length group's (count, n) token array and summed by rows."""
+    out = np.zeros(len(packs), dtype=np.float64)
+    for rows, members in _by_length(packs):
+        out[rows] = cost_model.c0 + cost_model.costs(tokens[members]).sum(axis=1)
     return out
 
 
