@@ -3,10 +3,12 @@ in file order, as the stream will read them.
 
 A batch is emitted when its bucket holds B samples; at most ``max_buffered_samples`` are held (at the
 bound the fullest pending bucket is emitted early); leftovers come at the end as partial batches, oldest
-bucket first. Pure Python.
+bucket first. Streams whose buffer never reaches the bound are simulated in NumPy arrays.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from lightning_adaptiveload.planning.inputs import Bucket
 from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
@@ -85,4 +87,52 @@ def independent_batches(
     counts: dict[str, int],
 ) -> dict[Stream, list[Batch]]:
     """Every stream's batches, simulated from its reads (``counts``: partial and bound_partial_batches)."""
-    return {st: _simulate(_items(rd, bucket_of), sizes, bound, counts) for st, rd in reads.items()}
+    out: dict[Stream, list[Batch]] = {}
+    for st, rd in reads.items():
+        fast = _unbounded(rd, bucket_of, sizes, bound, counts)
+        out[st] = fast if fast is not None else _simulate(_items(rd, bucket_of), sizes, bound, counts)
+    return out
+
+
+def _unbounded(
+    reads: list[Read], bucket_of: list[list[int]], sizes: list[int], bound: int, counts: dict[str, int]
+) -> list[Batch] | None:
+    """:func:`_simulate` in arrays, for a stream whose buffer never reaches ``bound``; None if it would
+    (then the loop runs, with its early emissions).
+
+    Without the bound, bucket b's batches are its samples in file order cut into runs of B_b: a full run
+    is emitted at its last sample, and the partial runs at the end, in the order of their first samples
+    (the order in which their pending buckets were opened).
+    """
+    if not reads:
+        return []
+    ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
+    shard_col = np.concatenate([np.full(len(i), s, dtype=np.int64) for (s, _), i in zip(reads, ids)])
+    id_col = np.concatenate(ids)
+    bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
+    n = len(bk)
+    size = np.asarray(sizes, dtype=np.int64)
+    order = np.argsort(bk, kind="stable")  # by bucket, file order within
+    cnt = np.bincount(bk, minlength=len(sizes))
+    start = np.cumsum(cnt) - cnt
+    occ = np.empty(n, dtype=np.int64)  # position of each sample among its bucket's samples
+    occ[order] = np.arange(n, dtype=np.int64) - start[bk[order]]
+    b_size = size[bk]
+    completes = (occ + 1) % b_size == 0
+    buffered = np.arange(1, n + 1, dtype=np.int64) - np.cumsum(np.where(completes, b_size, 0))
+    if bool((~completes & (buffered >= bound)).any()):
+        return None
+    refs = list(zip(shard_col[order].tolist(), id_col[order].tolist()))
+    out: list[Batch] = []
+    done = np.flatnonzero(completes)
+    first = (start[bk[done]] + occ[done] + 1 - b_size[done]).tolist()
+    for b, f, k in zip(bk[done].tolist(), first, b_size[done].tolist()):
+        out.append(Batch(b, refs[f : f + k]))
+    rem = cnt % size
+    part = np.flatnonzero(rem)
+    lo = start[part] + cnt[part] - rem[part]  # first sample of each partial run, in ``order``
+    for j in np.argsort(order[lo], kind="stable").tolist():
+        b, a = int(part[j]), int(lo[j])
+        out.append(Batch(b, refs[a : a + int(rem[b])]))
+    counts["partial_batches"] += len(part)
+    return out
