@@ -4,10 +4,14 @@ Buckets of near-equal per-sample cost form a *lockstep class*. Within each worke
 (one per rank) first exchange samples so that they hold equal counts of every class
 (:func:`_balance_classes`), then take, step by step, a batch of one class and one size on every rank
 (:func:`~.lockstep_schedule.schedule`). A lockstep stream reads each bucket's samples as a separate sequence of shard reads,
-so it needs to hold no samples beyond the batch it is assembling. Pure Python.
+so it needs to hold no samples beyond the batch it is assembling. Python and NumPy.
 """
 
 from __future__ import annotations
+
+import itertools
+
+import numpy as np
 
 from lightning_adaptiveload.planning.inputs import Bucket
 from lightning_adaptiveload.planning.lockstep_schedule import class_members, schedule
@@ -68,26 +72,34 @@ def lockstep_batches(
 
 def _bucket_chains(reads: list[Read], bucket_of: list[list[int]], n_buckets: int) -> list[list[Ref]]:
     """A stream's samples split by bucket, each list in read order."""
-    chains: list[list[Ref]] = [[] for _ in range(n_buckets)]
-    for shard, ids in reads:
-        bk = bucket_of[shard]
-        for i in ids:
-            chains[bk[i]].append((shard, i))
-    return chains
+    if not reads:
+        return [[] for _ in range(n_buckets)]
+    ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
+    shard = np.concatenate([np.full(len(i), s, dtype=np.int64) for (s, _), i in zip(reads, ids)])
+    bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
+    order = np.argsort(bk, kind="stable")  # by bucket, read order within
+    refs = list(zip(shard[order].tolist(), np.concatenate(ids)[order].tolist()))
+    ends = np.cumsum(np.bincount(bk, minlength=n_buckets)).tolist()
+    return [refs[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
 def _reads_of_chains(chains: list[list[Ref]]) -> list[Read]:
-    """Per-bucket chains -> reads: runs of consecutive refs from one shard, chain by chain."""
-    reads: list[Read] = []
-    for chain in chains:
-        last = None
-        for shard, i in chain:
-            if shard != last:
-                reads.append((shard, [i]))
-                last = shard
-            else:
-                reads[-1][1].append(i)
-    return [(s, sorted(ids)) for s, ids in reads]
+    """Per-bucket chains -> reads: runs of consecutive refs from one shard, chain by chain (ids ascending
+    within a read)."""
+    n = sum(map(len, chains))
+    if not n:
+        return []
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(chains)), np.int64, 2 * n)
+    shard, ids = flat[0::2], flat[1::2]
+    new = np.ones(n, dtype=bool)  # a read starts at a chain's first ref or where the shard changes
+    new[1:] = shard[1:] != shard[:-1]
+    lens = np.fromiter(map(len, chains), dtype=np.int64, count=len(chains))
+    new[(np.cumsum(lens) - lens)[lens > 0]] = True
+    run = np.cumsum(new) - 1
+    ids = ids[np.lexsort((ids, run))].tolist()
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], n).tolist()
+    return [(s, ids[a:b]) for s, a, b in zip(shard[starts].tolist(), starts.tolist(), ends)]
 
 
 def _balance_classes(

@@ -340,13 +340,21 @@ def _equal_steps(
 
 def _round_robin(lengths: list[int]) -> list[tuple[int, int]]:
     """The DataLoader's order over workers: batch j of every worker in turn, skipping exhausted ones."""
+    return _round_robin_steps(lengths)[0]
+
+
+def _round_robin_steps(lengths: list[int]) -> tuple[list[tuple[int, int]], list[np.ndarray]]:
+    """:func:`_round_robin` and, per worker, the step of each of its batches."""
     if not lengths or max(lengths) == 0:
-        return []
+        return [], [np.zeros(n, dtype=np.int64) for n in lengths]
     n_w = len(lengths)
     w = np.concatenate([np.full(n, i, dtype=np.int64) for i, n in enumerate(lengths)])
     j = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
     order = np.argsort(j * n_w + w, kind="stable")
-    return list(zip(w[order].tolist(), j[order].tolist()))
+    step = np.empty(len(order), dtype=np.int64)
+    step[order] = np.arange(len(order), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return list(zip(w[order].tolist(), j[order].tolist())), np.split(step, ends[:-1])
 
 
 @dataclass
@@ -387,7 +395,8 @@ def _step_table(
 ) -> _Steps:
     """Each rank's round robin over its workers, the step of every batch, and per step the tokens over all
     ranks and the balance of the estimated batch costs."""
-    step_order = [_round_robin([len(sim[(r, w)]) for w in range(workers)]) for r in range(world)]
+    orders = [_round_robin_steps([len(sim[(r, w)]) for w in range(workers)]) for r in range(world)]
+    step_order = [o[0] for o in orders]
     steps = len(step_order[0]) if step_order else 0
     batch_steps: dict[Stream, list[int]] = {}
     seq_len = np.array([bk.seq_len for bk in buckets] + [0], dtype=np.int64)
@@ -400,19 +409,16 @@ def _step_table(
     pack_cost = np.zeros((world, steps), dtype=np.float64)
     for r in range(world):
         for w in range(workers):
-            batch_steps[(r, w)] = [0] * len(sim[(r, w)])
-        for k, (w, j) in enumerate(step_order[r]):
-            batch_steps[(r, w)][j] = k
-        for w in range(workers):
-            batches = sim[(r, w)]
+            batches, idx = sim[(r, w)], orders[r][1][w]
+            batch_steps[(r, w)] = idx.tolist()
             if batches:
-                idx = np.array(batch_steps[(r, w)], dtype=np.int64)
                 step_bucket[r, idx] = [bt.bucket for bt in batches]
                 step_n[r, idx] = [len(bt.refs) for bt in batches]
-                for k, bt in zip(idx.tolist(), batches):
-                    if bt.pack and pack_load is not None:
-                        is_pack[r, k] = True
-                        pack_tokens[r, k], pack_cost[r, k] = pack_load(bt)
+                if pack_load is not None:
+                    for k, bt in zip(idx.tolist(), batches):
+                        if bt.pack:
+                            is_pack[r, k] = True
+                            pack_tokens[r, k], pack_cost[r, k] = pack_load(bt)
     tokens = np.where(is_pack, pack_tokens, step_n * seq_len[step_bucket])
     global_tokens = tokens.sum(axis=0).tolist() if steps else []
     costs = np.where(is_pack, pack_cost, step_n * bucket_cost[step_bucket])

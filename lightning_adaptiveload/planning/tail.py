@@ -19,6 +19,7 @@ Python and NumPy: no Lightning, no torch.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,7 @@ def tail_reads(reads: list[Read], batches: list[Batch]) -> list[Read]:
     """A stream's reads after :func:`packed_tail`: its lockstep reads, kept to the samples its lockstep
     batches still hold, then per pack the runs of the pack's samples in each shard (one read per shard
     and pack, opened when the pack needs it: the stream holds at most one pack decoded ahead)."""
-    have = {ref for bt in batches if not bt.pack for ref in bt.refs}
+    have = set(itertools.chain.from_iterable(bt.refs for bt in batches if not bt.pack))
     out: list[Read] = []
     for shard, ids in reads:
         kept = [i for i in ids if (shard, i) in have]
