@@ -11,6 +11,7 @@ that the steps before stay aligned. Pure Python and NumPy.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,20 +94,27 @@ class _Bounds:
 
 def _bounds(sim: dict[Stream, list[Batch]], slot: list[Stream], sizes: list[int]) -> _Bounds:
     count = most = least = 0
+    size = np.asarray(sizes, dtype=np.int64)
     for st in slot:
         stream = sim[st]
         count += len(stream)
-        most += sum(len(bt.refs) for bt in stream)
+        lens = list(map(len, map(_REFS, stream)))
+        most += sum(lens)
         k = pack_start(stream, sizes)
         least += k
-        partial: dict[int, int] = {}
-        for bt in stream[k:]:
-            if len(bt.refs) >= sizes[bt.bucket]:
-                least += 1
-            else:
-                partial[bt.bucket] = partial.get(bt.bucket, 0) + len(bt.refs)
-        least += sum(-(-n // sizes[b]) for b, n in partial.items())
+        if k < len(stream):
+            n = np.array(lens[k:], dtype=np.int64)
+            bk = np.fromiter(map(_BUCKET, stream[k:]), dtype=np.int64, count=len(stream) - k)
+            full = n >= size[bk]
+            least += int(full.sum())  # full batches stay; per bucket, the partial ones packed
+            partial = np.bincount(bk[~full], weights=n[~full], minlength=len(sizes)).astype(np.int64)
+            least += int((-(-partial // size)).sum())
     return _Bounds(count, most, least)
+
+
+# Batch fields read with C-level maps (the bounds are recomputed after every move).
+_REFS = operator.attrgetter("refs")
+_BUCKET = operator.attrgetter("bucket")
 
 
 def _packed_least(sim: dict[Stream, list[Batch]], slots: list[list[Stream]], sizes: list[int]) -> int:

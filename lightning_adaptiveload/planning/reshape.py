@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
@@ -26,10 +27,7 @@ __all__ = [
 
 def fixed_prefix(stream: list[Batch]) -> int:
     """Length of the stream's prefix that must stay in place: up to its last equal (lockstep) batch."""
-    for j in range(len(stream) - 1, -1, -1):  # from the end: the scan stops at the last equal batch
-        if stream[j].equal:
-            return j + 1
-    return 0
+    return _after_last(list(map(_EQUAL, stream)))
 
 
 def pack_start(stream: list[Batch], sizes: list[int]) -> int:
@@ -37,11 +35,20 @@ def pack_start(stream: list[Batch], sizes: list[int]) -> int:
     emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
     its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
     holds nothing extra.)"""
-    for j in range(len(stream) - 1, -1, -1):  # after the last batch that is equal or bound, in one scan
-        bt = stream[j]
-        if bt.equal or bt.bound:
-            return j + 1
-    return 0
+    return max(_after_last(list(map(_EQUAL, stream))), _after_last(list(map(_BOUND, stream))))
+
+
+# The flags are read with C-level maps: these scans run over whole streams many times per plan.
+_EQUAL = operator.attrgetter("equal")
+_BOUND = operator.attrgetter("bound")
+
+
+def _after_last(flags: list[bool]) -> int:
+    """One past the position of the last true flag; 0 if none."""
+    try:
+        return len(flags) - flags[::-1].index(True)
+    except ValueError:
+        return 0
 
 
 def capacity(stream: list[Batch]) -> int:
