@@ -3,7 +3,7 @@ worker) streams by a greedy longest-processing-time partition.
 
 The shard order is a permutation seeded by ``(seed, epoch)``, the same on every rank; excluded samples
 (already consumed, on resume) are left out of the pieces. A piece is split in halves when the loads
-would differ by more than 5% or there are fewer pieces than bins. Pure Python.
+would differ by more than 5% or there are fewer pieces than bins. Python and NumPy.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from lightning_adaptiveload.planning.plan import Read, Stream
 
@@ -70,12 +72,18 @@ def shard_pieces(
     pieces: list[Piece] = []
     n_excluded = 0
     for sid, row in enumerate(bucket_of):
-        gone = excl.get(sid, ())
-        ids = [i for i, b in enumerate(row) if b >= 0 and i not in gone]
-        n_excluded += sum(1 for i in gone if 0 <= i < len(row) and row[i] >= 0)
-        if ids:
-            bks = [row[i] for i in ids]
-            pieces.append(Piece(sid, position[sid], ids, bks, sum(weight_of[b] for b in bks)))
+        bk = np.asarray(row, dtype=np.int64)
+        keep = bk >= 0
+        gone = excl.get(sid)
+        if gone:
+            out = np.fromiter((i for i in gone if 0 <= i < len(bk)), dtype=np.int64)
+            n_excluded += int(keep[out].sum())
+            keep[out] = False
+        ids = np.flatnonzero(keep)
+        if len(ids):
+            bks = bk[ids].tolist()
+            # Python's sum, as before (its float rounding is part of the plan).
+            pieces.append(Piece(sid, position[sid], ids.tolist(), bks, sum(map(weight_of.__getitem__, bks))))
     return pieces, n_excluded
 
 
