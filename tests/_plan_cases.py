@@ -72,7 +72,12 @@ def make_batcher(mix: str, mode: str, variant: int) -> DualConstraintBatcher:
 
 def cases(quick: bool = False) -> list[dict[str, Any]]:
     """The matrix: schedule x world x workers x mix x seed/epoch x resume (x tail for lockstep)."""
-    schedules = [("independent", "packed"), ("lockstep", "packed"), ("lockstep", "bucketed"), ("packed", "packed")]
+    schedules = [
+        ("independent", "packed"),
+        ("lockstep", "packed"),
+        ("lockstep", "bucketed"),
+        ("packed", "packed"),
+    ]
     worlds = [1, 2, 3, 8, 64]
     workers = [0, 1, 2, 3]
     mixes = ["wan21_480p", "native_480p", "tiny", "many"]
@@ -150,7 +155,9 @@ def plan_case(c: dict[str, Any]) -> Any:
 
 
 def case_key(c: dict[str, Any]) -> str:
-    return "{mode}/{tail}/R{world}/W{workers}/{mix}/n{n}/s{seed}e{epoch}/resume{resume}/b{bound}/v{variant}".format(**c)
+    return "{mode}/{tail}/R{world}/W{workers}/{mix}/n{n}/s{seed}e{epoch}/resume{resume}/b{bound}/v{variant}".format(
+        **c
+    )
 
 
 def digest_all(quick: bool = False) -> dict[str, dict[str, str]]:

@@ -17,6 +17,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _plan_cases import FIELDS, case_key, cases, digest_plan, plan_case  # noqa: E402
 
 _DIGESTS = os.path.join(os.path.dirname(__file__), "data", "plan_digests.json")
+# Report counters that show which branches of the planner a plan went through.
+_BRANCHES = (
+    "reduced_steps",
+    "moved_samples",
+    "split_batches",
+    "moved_batches",
+    "packed_tail_steps",
+    "lockstep_tail_steps",
+    "bound_partial_batches",
+)
 
 
 def _expected() -> dict[str, dict[str, str]]:
@@ -41,9 +51,7 @@ def test_plans_are_unchanged(mode):
         bad = [f for f in FIELDS if got[f] != want[f]]
         if bad:
             diffs.append(f"{case_key(c)}: {bad}")
-        seen.update(k for k in ("reduced_steps", "moved_samples", "split_batches", "moved_batches",
-                                "packed_tail_steps", "lockstep_tail_steps", "bound_partial_batches")
-                    if plan.report.get(k))
+        seen.update(k for k in _BRANCHES if plan.report.get(k))
     assert not diffs, "plans changed:\n" + "\n".join(diffs)
     # The matrix must reach the planner's branches, or the comparison proves little.
     must = {

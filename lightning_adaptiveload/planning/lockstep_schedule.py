@@ -131,15 +131,27 @@ def _materialise(
     n_r = len(chains)
     if not take_b:
         return [[] for _ in range(n_r)]
-    b_rows = np.stack(take_b, axis=1).tolist()  # (R, steps)
-    k_rows = np.stack([np.broadcast_to(k, (n_r,)) for k in take_k], axis=1).tolist()
+    b = np.stack(take_b, axis=1)  # (R, steps)
+    k = np.stack([np.broadcast_to(x, (n_r,)) for x in take_k], axis=1)
+    # Where each batch starts in its bucket's chain: the samples the stream took from the bucket before.
+    n_b = max(len(ch) for ch in chains)
+    key = (np.arange(n_r)[:, None] * n_b + b).ravel()
+    order = np.argsort(key, kind="stable")  # by (stream, bucket), steps in order
+    taken = k.ravel()[order]
+    ends = np.cumsum(taken)
+    group_first = np.r_[True, key[order][1:] != key[order][:-1]]
+    base = np.maximum.accumulate(np.where(group_first, ends - taken, 0))
+    start = np.empty_like(ends)
+    start[order] = ends - taken - base
+    start = start.reshape(n_r, -1)
     out: list[list[Batch]] = []
     for r in range(n_r):
-        chain, pos, mine = chains[r], [0] * len(chains[r]), []
-        for b, k, eq in zip(b_rows[r], k_rows[r], take_eq):
-            if k:
-                p = pos[b]
-                mine.append(Batch(b, chain[b][p : p + k], eq))
-                pos[b] = p + k
-        out.append(mine)
+        ch = chains[r]
+        out.append(
+            [
+                Batch(bb, ch[bb][p : p + kk], eq)
+                for bb, p, kk, eq in zip(b[r].tolist(), start[r].tolist(), k[r].tolist(), take_eq)
+                if kk
+            ]
+        )
     return out

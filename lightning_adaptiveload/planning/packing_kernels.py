@@ -67,8 +67,9 @@ def greedy_cores(tokens: np.ndarray, cores_asc: np.ndarray, capacity: int) -> li
         return []
     values, start, count = np.unique(a, return_index=True, return_counts=True)
     vals = values.tolist()
-    left = count.tolist()  # cores left per value; value g's alive cores: positions start[g] .. start[g]+left[g]-1
-    top = (start + count - 1).tolist()  # position of value g's last alive core
+    # Per value g: its cores left (alive: positions start[g] .. start[g] + left[g] - 1), and the last of them.
+    left = count.tolist()
+    top = (start + count - 1).tolist()
     n_left = n
     packs: list[list[int]] = []
     while n_left:
@@ -95,9 +96,8 @@ def greedy_cores(tokens: np.ndarray, cores_asc: np.ndarray, capacity: int) -> li
             base.append(top[v] - seen.get(v, 0))
             step.append(used[v])
             seen[v] = seen.get(v, 0) + 1
-        pos = np.asarray(base, dtype=np.int64)[None, :] - np.arange(reps, dtype=np.int64)[:, None] * np.asarray(
-            step, dtype=np.int64
-        )
+        rep = np.arange(reps, dtype=np.int64)[:, None]
+        pos = np.asarray(base, dtype=np.int64)[None, :] - rep * np.asarray(step, dtype=np.int64)
         packs.extend(cores_asc[pos].tolist())
         for v, u in used.items():
             left[v] -= reps * u

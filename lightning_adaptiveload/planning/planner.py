@@ -30,6 +30,7 @@ torch.
 from __future__ import annotations
 
 import gc
+import operator
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only it
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
 __all__ = ["plan_epoch"]
+
+_REFS = operator.attrgetter("refs")
 
 # Counters the planning steps update (report keys of the same names, see plan_epoch).
 _COUNTERS = (
@@ -211,7 +214,9 @@ def _plan_epoch(
             reads[st] = tail_reads(reads[st], sim[st])
     else:
         _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
-    samples_per_rank = [sum(len(bt.refs) for w in range(workers) for bt in sim[(r, w)]) for r in range(world)]
+    samples_per_rank = [
+        sum(sum(map(len, map(_REFS, sim[(r, w)]))) for w in range(workers)) for r in range(world)
+    ]
     if underfull == "error" and n_samples and min(samples_per_rank) == 0:
         raise PlanError(underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
