@@ -74,6 +74,26 @@ def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
     }
 
 
+def _table(before_path: str, after_path: str) -> str:
+    with open(before_path) as f:
+        before = {(r["mode"], r["samples"], r["world"]): r for r in json.load(f)}
+    with open(after_path) as f:
+        after = json.load(f)
+    lines = [
+        "| schedule | samples | ranks | before s | after s | speed-up | peak RSS before / after MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a in after:
+        b = before.get((a["mode"], a["samples"], a["world"]))
+        if b is None:
+            continue
+        lines.append(
+            f"| {a['mode']} | {a['samples']:,} | {a['world']:,} | {b['plan_seconds']:.2f} | {a['plan_seconds']:.2f} "
+            f"| {b['plan_seconds'] / a['plan_seconds']:.1f}x | {b['peak_rss_mib']:.0f} / {a['peak_rss_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="")
@@ -82,7 +102,11 @@ def main() -> None:
     ap.add_argument("--one", nargs=3, metavar=("MODE", "N", "R"), help="run one case in this process")
     ap.add_argument("--profile", type=int, default=0, help="with --one: print the top N profile entries")
     ap.add_argument("--cases", default="", help="comma-separated case numbers (default all)")
+    ap.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"), help="markdown table of two runs")
     args = ap.parse_args()
+    if args.table:
+        print(_table(*args.table))
+        return
     if args.one:
         mode, n, r = args.one
         print(json.dumps(_one(mode, int(n), int(r), args.workers, args.profile)))

@@ -9,6 +9,8 @@ another checkout of the package (say ``git archive main`` unpacked in /tmp/old):
     PYTHONPATH=/tmp/old python tests/_plan_cases.py digest old.json
     PYTHONPATH=$PWD python tests/_plan_cases.py digest new.json
     python tests/_plan_cases.py compare old.json new.json
+
+``--large`` instead digests 64 plans of 20,000 samples each.
 """
 
 from __future__ import annotations
@@ -105,6 +107,36 @@ def cases(quick: bool = False) -> list[dict[str, Any]]:
     return out
 
 
+def large_cases() -> list[dict[str, Any]]:
+    """Fewer, larger cases (20,000 samples): every schedule at 8 and 64 ranks, 1 and 2 workers."""
+    schedules = [
+        ("independent", "packed"),
+        ("lockstep", "packed"),
+        ("lockstep", "bucketed"),
+        ("packed", "packed"),
+    ]
+    out = []
+    for k, ((mode, tail), world, nw, mix, resume) in enumerate(
+        itertools.product(schedules, [8, 64], [1, 2], ["wan21_480p", "native_480p"], [False, True])
+    ):
+        out.append(
+            dict(
+                mode=mode,
+                tail=tail,
+                world=world,
+                workers=nw,
+                mix=mix,
+                n=20000,
+                seed=k % 3,
+                epoch=k % 2,
+                resume=resume,
+                bound=None,
+                variant=1000 + k,
+            )
+        )
+    return out
+
+
 def _canon(x: Any) -> Any:
     if isinstance(x, dict):
         return sorted(((repr(k), _canon(v)) for k, v in x.items()), key=lambda kv: kv[0])
@@ -160,13 +192,13 @@ def case_key(c: dict[str, Any]) -> str:
     )
 
 
-def digest_all(quick: bool = False) -> dict[str, dict[str, str]]:
-    return {case_key(c): digest_plan(plan_case(c)) for c in cases(quick)}
+def digest_all(quick: bool = False, large: bool = False) -> dict[str, dict[str, str]]:
+    return {case_key(c): digest_plan(plan_case(c)) for c in (large_cases() if large else cases(quick))}
 
 
 def main(argv: list[str]) -> int:
     if argv[0] == "digest":
-        out = digest_all(quick="--quick" in argv)
+        out = digest_all(quick="--quick" in argv, large="--large" in argv)
         with open(argv[1], "w") as f:
             json.dump(out, f, indent=0, sort_keys=True)
         print(f"{len(out)} plans digested -> {argv[1]}")
