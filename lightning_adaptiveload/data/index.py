@@ -155,12 +155,24 @@ class ShardIndex:
             "shards": shards,
         }
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write ``index.json`` atomically (temp file + rename); shard paths beside it become relative.
+    def save(self, path: str | os.PathLike, format: str | None = None) -> str:
+        """Write the index atomically (temp file + rename); shard paths beside it become relative.
+
+        Args:
+            path: the file to write.
+            format: ``"json"`` (``index.json``), ``"binary"`` (the columnar ``index.npidx``), or None:
+                binary when ``path`` ends in ``.npidx``, else JSON.
 
         Returns:
             The absolute path written.
         """
+        if format not in (None, "json", "binary"):
+            raise ValueError(f"format must be 'json', 'binary' or None, got {format!r}")
+        if format == "binary" or (format is None and os.fspath(path).endswith(".npidx")):
+            from lightning_adaptiveload.data.compact import CompactIndex
+
+            self.source = CompactIndex.from_shard_index(self).save(path)
+            return self.source
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         data = self.to_dict(relative_to=folder)
@@ -246,7 +258,11 @@ class ShardIndex:
         allow_schemes: Collection[str] = (),
         allow_outside: bool = False,
     ) -> ShardIndex:
-        """Load an ``index.json`` (local path, ``file://`` or URL); relative shard paths resolve beside it.
+        """Load an index (local path, ``file://`` or URL); relative shard paths resolve beside it.
+
+        Either format: ``index.json`` or the binary ``index.npidx`` (:mod:`~lightning_adaptiveload.data.columnar`),
+        told by the file's first bytes; a binary index is converted to lists here (use
+        :class:`~lightning_adaptiveload.data.compact.CompactIndex` to keep it as arrays).
 
         An index is data, never a command: its shard paths may name files in its own folder (for a
         remote index, URLs under its folder), nothing else unless you opt in. ``pipe:`` paths are
@@ -264,10 +280,20 @@ class ShardIndex:
                 wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
                 message names the file and the entry.
         """
+        from lightning_adaptiveload.data.columnar import MAGIC, is_binary_index, read_columns
+        from lightning_adaptiveload.data.compact import CompactIndex, resolve_paths
+
         text = os.fspath(path)
         if not is_url(text):
             text = norm_path(text)
+            if is_binary_index(text):  # told by the magic bytes, not the name
+                trust = {"allow_schemes": allow_schemes, "allow_outside": allow_outside}
+                return CompactIndex.load(text, **trust).to_shard_index()
         raw = read_index_bytes(text, untrusted.MAX_INDEX_BYTES)
+        if raw.startswith(MAGIC):
+            cols = read_columns(text, raw)
+            cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
+            return CompactIndex(cols, source=text).to_shard_index()
         try:
             data = load_json(raw, finite=False)  # a 1e999 is then named by the field check
         except Refused as err:
@@ -379,7 +405,7 @@ class ShardIndex:
         check_on_error(on_error)
         patch = check_patch(patch_size)
         given = os.fspath(paths_or_pattern) if isinstance(paths_or_pattern, str | os.PathLike) else None
-        if index_path is None and given is not None and given.endswith(".json") and "{" not in given:
+        if index_path is None and given is not None and "{" not in given and _names_index_file(given):
             index_path = given
             shard_paths = cls.load(given, allow_schemes=allow_schemes, allow_outside=allow_outside).paths
         else:
@@ -439,6 +465,13 @@ def _covered_or_built(
         for i, info in zip(todo, built):
             infos[i] = info
     return [i for i in infos if i is not None]
+
+
+def _names_index_file(given: str) -> bool:
+    """Whether ``given`` names an index file (``*.json``, ``*.npidx``, or any file with the binary magic)."""
+    from lightning_adaptiveload.data.columnar import is_binary_index
+
+    return given.endswith((".json", ".npidx")) or (not is_url(given) and is_binary_index(given))
 
 
 def _raise_recorded_skip(index: ShardIndex) -> None:
