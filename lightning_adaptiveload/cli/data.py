@@ -1,4 +1,4 @@
-"""``lightning-adaptiveload synth`` and ``index``: the argument parsers and printing of the shard tools.
+"""``lightning-adaptiveload synth``, ``index`` and ``convert-index``: the parsers and printing of the shard tools.
 
 The work is done by the data layer's plain functions (:func:`~lightning_adaptiveload.data.synthetic.write_synthetic_shards`,
 :meth:`~lightning_adaptiveload.data.index.ShardIndex.build` / ``for_paths`` / ``save``); this module only
@@ -20,12 +20,13 @@ from lightning_adaptiveload.data.format import (
     ShardError,
     patch_tokens,
 )
+from lightning_adaptiveload.data.columnar import BINARY_INDEX_NAME, is_binary_index
 from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.paths import is_url
 from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
-__all__ = ["index_main", "synth_main"]
+__all__ = ["convert_index_main", "index_main", "synth_main"]
 
 
 def _human_bytes(n: int) -> str:
@@ -159,6 +160,13 @@ def index_parser() -> argparse.ArgumentParser:
         "--rebuild", action="store_true", help="ignore any existing index and read every shard"
     )
     parser.add_argument("--output", help="where to write the index (default: index.json beside the shards)")
+    parser.add_argument(
+        "--format",
+        choices=("json", "binary"),
+        default=None,
+        help="index format: json (index.json) or binary (index.npidx, columnar: for millions of samples); "
+        "default: binary when --output ends in .npidx, else json",
+    )
     parser.add_argument("--no-save", action="store_true", help="verify only; write nothing")
     parser.add_argument("--workers", type=int, default=1, help="shards indexed in parallel")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -186,24 +194,24 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         else:
             index = ShardIndex.for_paths(paths, num_workers=args.workers, **kwargs)
         if not args.no_save:
-            _save_index(index, args.output)
+            _save_index(index, args.output, args.format)
     except (ShardError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _print_index_summary(index, args.patch_size)
 
 
-def _save_index(index: ShardIndex, output: str | None) -> None:
+def _save_index(index: ShardIndex, output: str | None, fmt: str | None = None) -> None:
     """Save to ``output``, else beside the shards when they are local and in one folder."""
     if output:
         _keep_metadata(index, output)
-        index.save(output)
+        index.save(output, format=fmt)
         return
     folders = {os.path.dirname(p) for p in index.paths if not is_url(p)}
     if len(folders) == 1 and not any(is_url(p) for p in index.paths):
-        target = os.path.join(folders.pop(), INDEX_NAME)
+        target = os.path.join(folders.pop(), BINARY_INDEX_NAME if fmt == "binary" else INDEX_NAME)
         _keep_metadata(index, target)
-        index.save(target)
+        index.save(target, format=fmt)
     else:
         print(
             "note: shards are remote or in several directories; pass --output to save the index",
@@ -227,3 +235,51 @@ def _print_index_summary(index: ShardIndex, patch_size: Sequence[int]) -> int:
     print("warnings: " + (", ".join(f"{r}={n}" for r, n in notes.items()) or "none"))
     _print_bucket_table(index, patch_size, None, sys.stdout)
     return 1 if problems else 0
+
+
+def convert_index_parser() -> argparse.ArgumentParser:
+    """The arguments of ``lightning-adaptiveload convert-index``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-adaptiveload convert-index",
+        description="Convert an index between index.json and the binary columnar index.npidx (lossless).",
+    )
+    parser.add_argument("input", help="the index to read (its format is told by its first bytes)")
+    parser.add_argument("output", help="the index to write")
+    parser.add_argument(
+        "--to",
+        choices=("json", "binary"),
+        default=None,
+        help="output format (default: the other one of the input's)",
+    )
+    parser.add_argument("--allow-outside", action="store_true", help="the index may name shards outside its folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def convert_index_main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-adaptiveload convert-index IN OUT``: JSON <-> binary index, with a progress bar.
+
+    Returns:
+        0 on success, 2 on an error (a damaged input, a missing file).
+    """
+    from tqdm.auto import tqdm
+
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    args = convert_index_parser().parse_args(argv)
+    try:
+        binary_in = is_binary_index(args.input)
+        to = args.to or ("json" if binary_in else "binary")
+        compact = CompactIndex.load(args.input, allow_outside=args.allow_outside)
+        if to == "binary":
+            total = int(compact.key_blob.nbytes + compact.key_offsets.nbytes + compact.shape_ids.nbytes * 5)
+            with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=args.no_progress) as bar:
+                compact.save(args.output, progress=lambda done: bar.update(max(0, done - bar.n)))
+        else:
+            compact.to_shard_index().save(args.output, format="json")
+    except (ShardError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    kind = "binary" if to == "binary" else "JSON"
+    print(f"{compact.num_shards} shards, {compact.num_samples} samples -> {kind} index {os.path.abspath(args.output)}")
+    return 0

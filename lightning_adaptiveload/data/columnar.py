@@ -500,7 +500,7 @@ def _extras(blob: np.ndarray, m: int) -> tuple[dict[int, list[dict[str, Any]]], 
         if not isinstance(table, dict):
             raise IndexProblem(f"extras.{name}", f"must be an object, got {describe(table)}")
         for k, v in table.items():
-            if not (k.isdigit() and int(k) < m):
+            if not (k.isascii() and k.isdigit() and int(k) < m):
                 raise IndexProblem(f"extras.{name}", f"names shard {k!r}, not one of the {m} shards")
             where = f"shards[{k}].{name}"
             if name == "skipped":

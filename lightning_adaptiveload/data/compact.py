@@ -8,6 +8,7 @@ planner reads the arrays (:attr:`shape_table`, :attr:`shape_ids`, :attr:`shard_o
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.parse
 from collections import Counter
@@ -27,7 +28,15 @@ from lightning_adaptiveload.data.columnar import (
     read_columns,
     write_columns,
 )
-from lightning_adaptiveload.data.format import DEFAULT_PATCH, PatchSize, ShardError, ShardInfo
+from lightning_adaptiveload.data.format import (
+    DEFAULT_PATCH,
+    PatchSize,
+    ShardError,
+    ShardInfo,
+    check_on_error,
+    check_patch,
+    divisibility_problem,
+)
 from lightning_adaptiveload.data.index_file import read_index_bytes
 from lightning_adaptiveload.data.paths import is_url, norm_path
 from lightning_adaptiveload.data.untrusted import Refused, check_index_path
@@ -35,7 +44,9 @@ from lightning_adaptiveload.data.untrusted import Refused, check_index_path
 if TYPE_CHECKING:
     from lightning_adaptiveload.data.index import ShardIndex
 
-__all__ = ["CompactIndex", "load_index"]
+__all__ = ["CompactIndex", "load_checked_compact", "load_index"]
+
+log = logging.getLogger(__name__)
 
 
 class _Shards(Sequence):
@@ -148,6 +159,17 @@ class CompactIndex:
         """All sample references ``(shard_id, sample_id)`` in index order (a list: small indexes only)."""
         off = self.columns.shard_offsets.tolist()
         return [(s, j) for s in range(self.num_shards) for j in range(off[s + 1] - off[s])]
+
+    def first_use(self, row: int) -> tuple[int, int]:
+        """The ref ``(shard_id, sample_id)`` of the first sample of shape ``shape_table[row]``."""
+        ids = self.columns.shape_id
+        for i in range(0, len(ids), 1 << 22):  # shapes appear early: the first chunk nearly always has it
+            hit = np.flatnonzero(ids[i : i + (1 << 22)] == row)
+            if hit.size:
+                pos = i + int(hit[0])
+                shard = int(np.searchsorted(self.columns.shard_offsets, pos, side="right")) - 1
+                return shard, pos - int(self.columns.shard_offsets[shard])
+        raise ValueError(f"shape row {row} is used by no sample")
 
     def shape_counts(self) -> np.ndarray:
         """(u,) int64: samples per row of :attr:`shape_table`."""
@@ -338,3 +360,55 @@ def load_index(
     if not is_url(text) and is_binary_index(norm_path(text)):
         return CompactIndex.load(text, allow_schemes=allow_schemes, allow_outside=allow_outside)
     return ShardIndex.load(text, allow_schemes=allow_schemes, allow_outside=allow_outside)
+
+
+def load_checked_compact(
+    path: str,
+    *,
+    patch_size: Sequence[int] | None = DEFAULT_PATCH,
+    on_error: str = "raise",
+    allow_schemes: Collection[str] = (),
+    allow_outside: bool = False,
+) -> CompactIndex:
+    """A binary index for training: loaded as arrays, then checked against the shards and the model.
+
+    What ``ShardIndex.for_paths`` does for a JSON index, without per-sample lists: every local shard's
+    size must match the recorded one (else ``stale_index``: a compact index is not patched shard by
+    shard; rebuild it), every distinct shape must be divisible by ``patch_size`` (else
+    ``not_divisible``), and under ``on_error="raise"`` a skip recorded in the index raises. Duplicate
+    keys across shards were checked when the index was built.
+
+    Raises:
+        ShardError: as above, naming the shard (and key).
+    """
+    check_on_error(on_error)
+    patch = check_patch(patch_size)
+    index = CompactIndex.load(path, allow_schemes=allow_schemes, allow_outside=allow_outside)
+    c = index.columns
+    for s, p in enumerate(c.paths):
+        if is_url(p):
+            continue
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            if on_error == "raise":
+                raise ShardError(p, None, "the shard file does not exist", reason="missing_shard") from None
+            continue  # the reader counts its samples as missing
+        if c.shard_bytes[s] >= 0 and size != c.shard_bytes[s]:
+            raise ShardError(
+                p, None, f"the index {path} records {int(c.shard_bytes[s])} bytes, the file has {size}",
+                reason="stale_index",
+            )
+    if patch is not None:
+        for row, shape in enumerate(index.shape_table.tolist()):
+            problem = divisibility_problem(shape, patch)
+            if problem is not None:
+                ref = index.first_use(row)
+                raise ShardError(c.paths[ref[0]], index.key(ref), problem, reason="not_divisible")
+    if on_error == "raise":
+        for s in sorted(c.skipped):
+            e = c.skipped[s][0]
+            raise ShardError(c.paths[s], e.get("key"), f"{e.get('detail')} (recorded in the index)", reason=e.get("reason"))
+    if not index.values_checked:
+        log.warning("index %s: sample values were not checked finite when it was built", path)
+    return index
