@@ -169,6 +169,11 @@ def index_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-save", action="store_true", help="verify only; write nothing")
     parser.add_argument("--workers", type=int, default=1, help="shards indexed in parallel")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="scan in --workers processes instead of threads (many local shards; threads suit remote ones)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -189,8 +194,14 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     try:
+        if args.rebuild and args.format == "binary" and not args.no_save:
+            # Straight to columns: no per-sample Python lists, for millions of samples.
+            from lightning_adaptiveload.data.compact_build import build_compact
+
+            compact = build_compact(paths, num_workers=args.workers, processes=args.processes, **kwargs)
+            return _save_compact(compact, args.output, args.patch_size)
         if args.rebuild:
-            index = ShardIndex.build(paths, num_workers=args.workers, **kwargs)
+            index = ShardIndex.build(paths, num_workers=args.workers, processes=args.processes, **kwargs)
         else:
             index = ShardIndex.for_paths(paths, num_workers=args.workers, **kwargs)
         if not args.no_save:
@@ -199,6 +210,25 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _print_index_summary(index, args.patch_size)
+
+
+def _save_compact(compact, output: str | None, patch_size: Sequence[int]) -> int:
+    """Save a compact index (to ``output``, else ``index.npidx`` beside the shards); print its summary."""
+    folders = {os.path.dirname(p) for p in compact.paths if not is_url(p)}
+    if output is None and (len(folders) != 1 or any(is_url(p) for p in compact.paths)):
+        raise ValueError("shards are remote or in several directories; pass --output to save the index")
+    target = output or os.path.join(folders.pop(), BINARY_INDEX_NAME)
+    compact.save(target)
+    nbytes = int(compact.columns.shard_bytes.clip(min=0).sum())
+    print(
+        f"{compact.num_shards} shards, {compact.num_samples} samples, {_human_bytes(nbytes)}, "
+        f"{compact.total_tokens(patch_size)} tokens (patch {tuple(patch_size)})"
+    )
+    print(f"index: {compact.source}")
+    counts = compact.counts()
+    problems = {r: n for r, n in sorted(counts.items()) if r not in IGNORED_REASONS and r != "empty_shard"}
+    print("skipped by reason: " + (", ".join(f"{r}={n}" for r, n in problems.items()) or "none"))
+    return 1 if problems else 0
 
 
 def _save_index(index: ShardIndex, output: str | None, fmt: str | None = None) -> None:

@@ -321,6 +321,7 @@ class ShardIndex:
         check_values: bool = True,
         num_workers: int = 1,
         max_member_bytes: int | None = None,
+        processes: bool = False,
     ) -> ShardIndex:
         """Index shards in one streaming pass, checking every sample.
 
@@ -337,6 +338,7 @@ class ShardIndex:
             num_workers: shards indexed in parallel (threads; helps with remote shards).
             max_member_bytes: the largest member read (``member_too_large`` beyond it); None:
                 :data:`MAX_MEMBER_BYTES`.
+            processes: scan in ``num_workers`` processes instead of threads (many local shards).
 
         Returns:
             The index; shard order is the order of ``paths``.
@@ -348,7 +350,7 @@ class ShardIndex:
         patch = check_patch(patch_size)
         shard_paths = expand_paths(paths)
         infos = index_shards(
-            shard_paths, patch, on_error, check_values, progress, num_workers, max_member_bytes
+            shard_paths, patch, on_error, check_values, progress, num_workers, max_member_bytes, processes
         )
         index = cls(shards=infos, patch_size=patch, values_checked=check_values)
         check_cross_duplicates(index.shards, on_error)
