@@ -7,7 +7,6 @@ Used by :meth:`ShardIndex.build <lightning_adaptiveload.data.index.ShardIndex.bu
 
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing
 from collections.abc import Iterable, Iterator
@@ -108,6 +107,16 @@ def _index_one(
     return info
 
 
+class _IndexOne:
+    """``_index_one`` of a path with the other arguments fixed; picklable for worker processes."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __call__(self, path: str) -> ShardInfo:
+        return _index_one(path, *self.args)
+
+
 def index_shards(
     paths: list[str],
     patch: PatchSize | None,
@@ -140,9 +149,7 @@ def iter_index_shards(
     """
     bar = tqdm(total=len(paths), unit="shard", desc="indexing shards", disable=not progress)
     samples = 0
-    one = functools.partial(
-        _index_one, patch=patch, on_error=on_error, check_values=check_values, max_member_bytes=max_member_bytes
-    )
+    one = _IndexOne(patch, on_error, check_values, max_member_bytes)
     pool: Executor | None = None
     try:
         if num_workers <= 1:
