@@ -256,3 +256,20 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     assert dm.epoch_report["runtime_skipped"] == {}
     assert dm.epoch_report["runtime_ignored_members"] == {"pickle_member": 1}
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "skipped" in r.getMessage()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["independent", "lockstep"])
+def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, schedule):
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    binary = ShardIndex.load(os.path.join(data, "index.json")).save(tmp_path / "index.npidx")
+    epochs = []
+    for shards in (data, binary):
+        dm = AdaptiveLoadDataModule(
+            train_shards=shards, max_tokens=600, num_workers=0, schedule=schedule, index_allow_outside=True
+        )
+        dm.setup("fit")
+        epochs.append([(b["keys"], b["step"], b["latents"].shape) for b in dm.train_dataloader()])
+    assert isinstance(dm.train_index, CompactIndex)  # kept as arrays, not converted to lists
+    assert epochs[0] == epochs[1] and sum(len(k) for k, _, _ in epochs[1]) == 90

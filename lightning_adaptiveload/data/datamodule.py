@@ -370,9 +370,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             # The binary index stays arrays (no Python object per sample); see data/compact.py.
             from lightning_adaptiveload.data.compact import load_checked_compact
 
-            return load_checked_compact(
-                os.fspath(shards), patch_size=self.patch_size, on_error=self.on_error, **self._index_trust
-            )
+            trust = {k: v for k, v in self._index_trust.items() if k != "max_member_bytes"}
+            return load_checked_compact(os.fspath(shards), patch_size=self.patch_size, on_error=self.on_error, **trust)
         return ShardIndex.for_paths(
             shards,
             patch_size=self.patch_size,
