@@ -229,6 +229,10 @@ class CompactIndex:
         """(k,) uint8: the sample keys, UTF-8, concatenated."""
         return self.columns.key_blob
 
+    def release_pages(self) -> None:
+        """Drop the mapped file's pages from this process's resident set (they stay in the page cache)."""
+        self.columns.release_pages()
+
     def shard_keys(self, shard: int) -> list[str]:
         """One shard's keys (decoded and checked)."""
         return self._keys(shard)
@@ -280,7 +284,7 @@ class CompactIndex:
                 if not rel.startswith(os.pardir):
                     p = rel.replace(os.sep, "/")
             paths.append(p)
-        cols = IndexColumns(**{**vars(self.columns), "paths": paths})
+        cols = IndexColumns(**{**vars(self.columns), "paths": paths, "mapping": None})
         write_columns(path, cols, progress)
         self.source = path
         return path

@@ -161,7 +161,10 @@ def index_fingerprint(index_or_shapes: Any) -> str:
     data = as_input(index_or_shapes)
     if data.arrays is not None:
         a = data.arrays
-        return _hash_arrays(a.shard_offsets, a.shape_table, a.shape_ids, a.key_offsets, a.key_blob)
+        fp = _hash_arrays(a.shard_offsets, a.shape_table, a.shape_ids, a.key_offsets, a.key_blob)
+        if hasattr(a, "release_pages"):  # the pass over the keys faulted them in; the planner needs none
+            a.release_pages()
+        return fp
     canon = _canonical(data)
     if canon is not None:
         return _hash_arrays(*canon)
