@@ -129,9 +129,17 @@ print(json.dumps({
 
 
 def load_in_fresh_process(path: str, kind: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run(
-        [sys.executable, "-c", _LOAD, path, kind], capture_output=True, text=True, env=env, check=True, timeout=3600
+        [sys.executable, "-c", _LOAD, path, kind],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=3600,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -165,11 +173,16 @@ def run_size(n: int, folder: str, with_json: bool) -> dict:
         jpath = os.path.join(folder, f"index_{n}.json")
         t = time.perf_counter()
         CompactIndex.load(path).to_shard_index().save(jpath)
-        row["json"] = {"write_s (from binary, incl. conversion)": time.perf_counter() - t, "file_bytes": os.path.getsize(jpath)}
+        row["json"] = {
+            "write_s (from binary, incl. conversion)": time.perf_counter() - t,
+            "file_bytes": os.path.getsize(jpath),
+        }
         drop_cache(jpath)
         row["json"].update(load_in_fresh_process(jpath, "json"))
         row["json"]["bytes_per_sample_rss"] = row["json"]["rss_mib"] * 2**20 / n
-        assert row["json"]["fingerprint"] == row["binary"]["fingerprint"], "JSON and binary fingerprints differ"
+        assert row["json"]["fingerprint"] == row["binary"]["fingerprint"], (
+            "JSON and binary fingerprints differ"
+        )
         os.unlink(jpath)
     os.unlink(path)
     return row
@@ -222,10 +235,18 @@ def plan_breakdown(n: int, folder: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 2e7], help="binary index sizes (samples)")
-    parser.add_argument("--json-sizes", nargs="+", type=float, default=[1e6], help="sizes also measured as JSON")
-    parser.add_argument("--plan", type=float, default=0, help="time plan_epoch at this many samples (0: skip)")
-    parser.add_argument("--out", default=None, help="result file (default: benchmarks/results/index_scale_<cpu>_<date>.json)")
+    parser.add_argument(
+        "--sizes", nargs="+", type=float, default=[1e6, 1e7, 2e7], help="binary index sizes (samples)"
+    )
+    parser.add_argument(
+        "--json-sizes", nargs="+", type=float, default=[1e6], help="sizes also measured as JSON"
+    )
+    parser.add_argument(
+        "--plan", type=float, default=0, help="time plan_epoch at this many samples (0: skip)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="result file (default: benchmarks/results/index_scale_<cpu>_<date>.json)"
+    )
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="index_scale_")
     rows = []
@@ -245,15 +266,27 @@ def main() -> None:
         "fit_binary (least squares, y = per_sample * n + intercept)": {
             f: fit(rows, "binary", f)
             for f in (
-                "load_s", "warm_load_s", "fingerprint_s", "bucket_table_s", "rss_mib", "hwm_mib",
-                "rss_after_bucket_table_mib", "anon_after_bucket_table_mib", "file_bytes",
+                "load_s",
+                "warm_load_s",
+                "fingerprint_s",
+                "bucket_table_s",
+                "rss_mib",
+                "hwm_mib",
+                "rss_after_bucket_table_mib",
+                "anon_after_bucket_table_mib",
+                "file_bytes",
             )
         },
     }
     if args.plan:
-        result["plan_epoch_from_binary"] = {"samples": int(args.plan), **plan_breakdown(int(args.plan), folder)}
+        result["plan_epoch_from_binary"] = {
+            "samples": int(args.plan),
+            **plan_breakdown(int(args.plan), folder),
+        }
     date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(HERE, "results", f"index_scale_{re.sub(r'[^a-z0-9]+', '-', cpu_name().lower())[:40]}_{date}.json")
+    out = args.out or os.path.join(
+        HERE, "results", f"index_scale_{re.sub(r'[^a-z0-9]+', '-', cpu_name().lower())[:40]}_{date}.json"
+    )
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

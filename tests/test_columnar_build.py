@@ -43,7 +43,12 @@ def test_parallel_build_equals_the_serial_build(many_shards):
 def test_duplicate_keys_across_shards_raise_or_are_dropped_as_in_the_json_build(tmp_path):
     a = _shards(tmp_path / "a", 6, per_shard=3)
     b = _shards(tmp_path / "b", 4, per_shard=2, prefix="other")  # keys k000000..k000003 again
-    paths = [f"{a}/shard-000000.tar", f"{a}/shard-000001.tar", f"{b}/other-000000.tar", f"{b}/other-000001.tar"]
+    paths = [
+        f"{a}/shard-000000.tar",
+        f"{a}/shard-000001.tar",
+        f"{b}/other-000000.tar",
+        f"{b}/other-000001.tar",
+    ]
     with pytest.raises(ShardError) as err:
         build_compact(paths, progress=False, patch_size=None)
     assert err.value.reason == "duplicate_key" and err.value.key == "k000000"
@@ -59,7 +64,17 @@ def test_index_command_writes_the_binary_index(many_shards, tmp_path, capsys):
     from lightning_adaptiveload.cli.data import index_main
 
     out = tmp_path / "idx.npidx"
-    argv = [many_shards, "--rebuild", "--format", "binary", "--output", str(out), "--no-progress", "--workers", "2"]
+    argv = [
+        many_shards,
+        "--rebuild",
+        "--format",
+        "binary",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--workers",
+        "2",
+    ]
     assert index_main(argv) == 0
     assert "300 shards, 300 samples" in capsys.readouterr().out
     built = CompactIndex.load(out, allow_outside=True).to_shard_index()

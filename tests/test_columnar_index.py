@@ -34,7 +34,9 @@ def _index(folder, n_shards=5, per_shard=7, seed=0) -> ShardIndex:
     shards[1].keys[0] = "clíp_ünïcode"  # non-ASCII keys take the byte path
     shards[3].skipped.append({"key": "bad_one", "reason": "non_finite", "detail": "NaN in latent"})
     shards[4].ignored["unknown_extension"] = 2
-    return ShardIndex(shards, patch_size=(1, 2, 2), values_checked=True, metadata={"mix": "tiny", "n": [1, 2]})
+    return ShardIndex(
+        shards, patch_size=(1, 2, 2), values_checked=True, metadata={"mix": "tiny", "n": [1, 2]}
+    )
 
 
 def test_json_binary_json_round_trip_is_lossless(tmp_path):
@@ -46,7 +48,9 @@ def test_json_binary_json_round_trip_is_lossless(tmp_path):
     assert back.to_dict() == index.to_dict()
     assert back.counts() == index.counts() and back.skipped() == index.skipped()
     back.save(tmp_path / "again.json")
-    assert json.loads((tmp_path / "again.json").read_text()) == json.loads((tmp_path / "index.json").read_text())
+    assert json.loads((tmp_path / "again.json").read_text()) == json.loads(
+        (tmp_path / "index.json").read_text()
+    )
 
 
 def test_compact_index_answers_what_shard_index_does(tmp_path):
@@ -262,5 +266,25 @@ def test_convert_index_command_both_ways(tmp_path, capsys):
 def test_read_columns_of_bytes_equals_mapped_file(tmp_path):
     path = _index(tmp_path).save(tmp_path / "index.npidx")
     a, b = read_columns(path), read_columns(path, open(path, "rb").read())
-    assert a.paths == b.paths and np.array_equal(a.key_blob, b.key_blob) and np.array_equal(a.shape_id, b.shape_id)
+    assert (
+        a.paths == b.paths
+        and np.array_equal(a.key_blob, b.key_blob)
+        and np.array_equal(a.shape_id, b.shape_id)
+    )
     assert all(_array_at(tmp_path / "index.npidx", name)[2] % 64 == 0 for name in ("shape_id", "key_offsets"))
+
+
+def test_for_paths_uses_a_binary_index_beside_the_shards(tmp_path, monkeypatch):
+    from lightning_adaptiveload.data import indexing as indexing_mod
+    from lightning_adaptiveload.data.writer import ShardWriter
+
+    with ShardWriter(tmp_path, max_samples_per_shard=2) as w:
+        for i in range(5):
+            w.write(f"k{i}", np.ones((4, 1, 2, 2), np.float16))
+    ShardIndex.load(tmp_path / "index.json").save(tmp_path / "index.npidx")
+    (tmp_path / "index.json").unlink()
+    calls = []
+    real = indexing_mod._index_one
+    monkeypatch.setattr(indexing_mod, "_index_one", lambda p, *a: calls.append(p) or real(p, *a))
+    index = ShardIndex.for_paths(tmp_path, progress=False, check_values=False)
+    assert index.num_samples == 5 and calls == []  # nothing re-read: the binary index covered the shards

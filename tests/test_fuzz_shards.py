@@ -639,7 +639,8 @@ def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
                         assert index.latent_shape((sid, j)) == info.latent_shapes[j]
         except Exception as err:
             raise AssertionError(f"binary index case {case}: {type(err).__name__}: {err}") from err
-    assert 0 < loaded < BINARY_INDEX_CASES  # both outcomes occur: the mutations are not all fatal or all benign
+    # both outcomes occur: the mutations are neither all fatal nor all benign
+    assert 0 < loaded < BINARY_INDEX_CASES
 
 
 def test_the_watch_sees_a_file_outside_the_folder(tmp_path):

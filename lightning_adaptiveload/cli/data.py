@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+from lightning_adaptiveload.data.columnar import BINARY_INDEX_NAME, is_binary_index
 from lightning_adaptiveload.data.format import (
     DEFAULT_PATCH,
     IGNORED_REASONS,
@@ -20,7 +21,6 @@ from lightning_adaptiveload.data.format import (
     ShardError,
     patch_tokens,
 )
-from lightning_adaptiveload.data.columnar import BINARY_INDEX_NAME, is_binary_index
 from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.paths import is_url
@@ -281,7 +281,9 @@ def convert_index_parser() -> argparse.ArgumentParser:
         default=None,
         help="output format (default: the other one of the input's)",
     )
-    parser.add_argument("--allow-outside", action="store_true", help="the index may name shards outside its folder")
+    parser.add_argument(
+        "--allow-outside", action="store_true", help="the index may name shards outside its folder"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -303,7 +305,9 @@ def convert_index_main(argv: Sequence[str] | None = None) -> int:
         compact = CompactIndex.load(args.input, allow_outside=args.allow_outside)
         if to == "binary":
             total = int(compact.key_blob.nbytes + compact.key_offsets.nbytes + compact.shape_ids.nbytes * 5)
-            with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=args.no_progress) as bar:
+            with tqdm(
+                total=total, unit="B", unit_scale=True, desc="writing", disable=args.no_progress
+            ) as bar:
                 compact.save(args.output, progress=lambda done: bar.update(max(0, done - bar.n)))
         else:
             compact.to_shard_index().save(args.output, format="json")
@@ -311,5 +315,7 @@ def convert_index_main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     kind = "binary" if to == "binary" else "JSON"
-    print(f"{compact.num_shards} shards, {compact.num_samples} samples -> {kind} index {os.path.abspath(args.output)}")
+    print(
+        f"{compact.num_shards} shards, {compact.num_samples} samples -> {kind} index {os.path.abspath(args.output)}"
+    )
     return 0

@@ -2,7 +2,7 @@
 
 An index of 100 million samples as JSON takes minutes and tens of GiB to parse into Python lists on
 every rank. This format stores each field as one little-endian array at an aligned offset, so a rank
-maps the file (``np.memmap``) and reads its columns without a Python object per sample.
+maps the file (``mmap``, read-only) and reads its columns without a Python object per sample.
 
 Layout (see ``docs/data_format.md``)::
 
@@ -259,7 +259,9 @@ def write_columns(
     }
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     if len(head) > MAX_HEADER_BYTES:
-        raise ValueError(f"the index header is {len(head)} bytes (metadata too large); at most {MAX_HEADER_BYTES}")
+        raise ValueError(
+            f"the index header is {len(head)} bytes (metadata too large); at most {MAX_HEADER_BYTES}"
+        )
     data_start = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
     for row in table:  # offsets in the header are absolute
         row[2] += data_start
@@ -279,7 +281,7 @@ def write_columns(
         with open(tmp, "wb") as f:
             f.write(_PREFIX.pack(MAGIC, BINARY_VERSION, len(head)))
             f.write(head)
-            for (name, arr), row in zip(arrays, table):
+            for (_name, arr), row in zip(arrays, table):
                 f.write(b"\0" * (row[2] - f.tell()))
                 step = max(1, (64 << 20) // max(arr.itemsize, 1))  # 64 MiB writes: no full-size copy
                 for i in range(0, arr.size, step):
@@ -378,7 +380,9 @@ def _table(head: dict[str, Any], buf: np.ndarray, data_start: int) -> dict[str, 
         if not isinstance(name, str) or name not in _DTYPES or name in out:
             raise IndexProblem(where, f"names {describe(name)}: unknown or repeated array")
         if dtype not in _DTYPES[name]:
-            raise IndexProblem(f"{name}.dtype", f"is {describe(dtype)}; expected one of {list(_DTYPES[name])}")
+            raise IndexProblem(
+                f"{name}.dtype", f"is {describe(dtype)}; expected one of {list(_DTYPES[name])}"
+            )
         dt = np.dtype(dtype)
         if offset % ALIGN or offset < data_start or count < 0 or offset + count * dt.itemsize > len(buf):
             raise IndexProblem(
@@ -443,9 +447,13 @@ def _check(buf: np.ndarray) -> IndexColumns:
     arr = _table(head, buf, data_start)
     patch = head.get("patch_size")
     if patch is not None and not (
-        isinstance(patch, list) and len(patch) == 3 and all(type(p) is int and 1 <= p <= MAX_DIM for p in patch)
+        isinstance(patch, list)
+        and len(patch) == 3
+        and all(type(p) is int and 1 <= p <= MAX_DIM for p in patch)
     ):
-        raise IndexProblem("patch_size", f"must be 3 integers in [1, {MAX_DIM}] or null, got {describe(patch)}")
+        raise IndexProblem(
+            "patch_size", f"must be 3 integers in [1, {MAX_DIM}] or null, got {describe(patch)}"
+        )
     if not isinstance(head.get("values_checked", False), bool):
         raise IndexProblem("values_checked", f"must be true or false, got {describe(head['values_checked'])}")
     metadata = head.get("metadata") or {}
@@ -467,7 +475,9 @@ def _check(buf: np.ndarray) -> IndexColumns:
     if len(arr["shape_id"]) != n or len(arr["text_len"]) != n:
         raise IndexProblem("shape_id", f"shape_id and text_len must hold {n} entries")
     if arr["shape_id"].dtype != shape_id_dtype(u):
-        raise IndexProblem("shape_id.dtype", f"is {arr['shape_id'].dtype.str}; {u} shapes use {shape_id_dtype(u).str}")
+        raise IndexProblem(
+            "shape_id.dtype", f"is {arr['shape_id'].dtype.str}; {u} shapes use {shape_id_dtype(u).str}"
+        )
     _check_shape_ids(arr["shape_id"], u)
     for i in range(0, n, _CHUNK):
         part = arr["text_len"][i : i + _CHUNK]
@@ -523,7 +533,9 @@ def _extras(blob: np.ndarray, m: int) -> tuple[dict[int, list[dict[str, Any]]], 
             where = f"shards[{k}].{name}"
             if name == "skipped":
                 if not isinstance(v, list) or not all(_skip_record(e) for e in v):
-                    raise IndexProblem(where, f"must be a list of {{'key', 'reason', 'detail'}}, got {describe(v)}")
+                    raise IndexProblem(
+                        where, f"must be a list of {{'key', 'reason', 'detail'}}, got {describe(v)}"
+                    )
                 out[int(k)] = [dict(e) for e in v]
             else:
                 if not isinstance(v, dict) or not all(type(c) is int and c >= 0 for c in v.values()):
@@ -577,13 +589,18 @@ def columns_from_lists(
     shard_offsets = np.zeros(len(counts) + 1, dtype="<i8")
     np.cumsum(counts, out=shard_offsets[1:])
     key_offsets = np.zeros(int(shard_offsets[-1]) + 1, dtype="<i8")
-    np.cumsum(np.fromiter((x for r in key_lens for x in r), dtype=np.int64, count=len(key_offsets) - 1), out=key_offsets[1:])
+    np.cumsum(
+        np.fromiter((x for r in key_lens for x in r), dtype=np.int64, count=len(key_offsets) - 1),
+        out=key_offsets[1:],
+    )
     return IndexColumns(
         paths=list(paths),
         shard_bytes=np.full(len(counts), -1, dtype="<i8"),
         shard_offsets=shard_offsets,
         shapes=table,
-        shape_id=np.fromiter((x for r in ids for x in r), dtype=shape_id_dtype(len(table)), count=len(key_offsets) - 1),
+        shape_id=np.fromiter(
+            (x for r in ids for x in r), dtype=shape_id_dtype(len(table)), count=len(key_offsets) - 1
+        ),
         text_len=np.fromiter((x for r in texts for x in r), dtype="<i4", count=len(key_offsets) - 1),
         key_offsets=key_offsets,
         key_blob=np.frombuffer(b"".join(blobs), dtype="|u1"),

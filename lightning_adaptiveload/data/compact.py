@@ -128,7 +128,10 @@ class CompactIndex:
             problem = check_keys(c.key_blob, off)
             if problem is not None:
                 raise ShardError(
-                    self.source or "<columns>", None, f"shard {shard}: {problem}", reason="bad_index",
+                    self.source or "<columns>",
+                    None,
+                    f"shard {shard}: {problem}",
+                    reason="bad_index",
                     member=f"shards[{shard}].keys",
                 )
             self._keys_checked[shard] = True
@@ -144,7 +147,13 @@ class CompactIndex:
         off = c.key_offsets[a + i : a + i + 2]
         problem = check_keys(c.key_blob, off)
         if problem is not None:
-            raise ShardError(self.source or "<columns>", None, problem, reason="bad_index", member=f"shards[{shard}].keys[{i}]")
+            raise ShardError(
+                self.source or "<columns>",
+                None,
+                problem,
+                reason="bad_index",
+                member=f"shards[{shard}].keys[{i}]",
+            )
         return decode_keys(c.key_blob, off)[0]
 
     def latent_shape(self, ref: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -400,7 +409,9 @@ def load_checked_compact(
             continue  # the reader counts its samples as missing
         if c.shard_bytes[s] >= 0 and size != c.shard_bytes[s]:
             raise ShardError(
-                p, None, f"the index {path} records {int(c.shard_bytes[s])} bytes, the file has {size}",
+                p,
+                None,
+                f"the index {path} records {int(c.shard_bytes[s])} bytes, the file has {size}",
                 reason="stale_index",
             )
     if patch is not None:
@@ -412,7 +423,9 @@ def load_checked_compact(
     if on_error == "raise":
         for s in sorted(c.skipped):
             e = c.skipped[s][0]
-            raise ShardError(c.paths[s], e.get("key"), f"{e.get('detail')} (recorded in the index)", reason=e.get("reason"))
+            raise ShardError(
+                c.paths[s], e.get("key"), f"{e.get('detail')} (recorded in the index)", reason=e.get("reason")
+            )
     if not index.values_checked:
         log.warning("index %s: sample values were not checked finite when it was built", path)
     return index

@@ -371,7 +371,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             from lightning_adaptiveload.data.compact import load_checked_compact
 
             trust = {k: v for k, v in self._index_trust.items() if k != "max_member_bytes"}
-            return load_checked_compact(os.fspath(shards), patch_size=self.patch_size, on_error=self.on_error, **trust)
+            return load_checked_compact(
+                os.fspath(shards), patch_size=self.patch_size, on_error=self.on_error, **trust
+            )
         return ShardIndex.for_paths(
             shards,
             patch_size=self.patch_size,

@@ -518,6 +518,9 @@ def _load_indexes(
                 candidates.append(cand)
     known: dict[str, tuple[ShardInfo, ShardIndex]] = {}
     for cand in candidates:
+        binary = os.path.join(os.path.dirname(cand), "index.npidx")  # columnar.BINARY_INDEX_NAME
+        if index_path is None and not is_url(cand) and not os.path.exists(cand) and os.path.exists(binary):
+            cand = binary  # only the binary index beside the shards
         if not is_url(cand) and not os.path.exists(cand):
             if index_path is not None:
                 raise FileNotFoundError(f"index file {cand} does not exist")

@@ -128,7 +128,9 @@ def index_shards(
     processes: bool = False,
 ) -> list[ShardInfo]:
     return list(
-        iter_index_shards(paths, patch, on_error, check_values, progress, num_workers, max_member_bytes, processes)
+        iter_index_shards(
+            paths, patch, on_error, check_values, progress, num_workers, max_member_bytes, processes
+        )
     )
 
 

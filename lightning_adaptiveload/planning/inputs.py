@@ -65,7 +65,9 @@ def as_input(index_or_shapes: Any) -> PlanInput:
     """
     if hasattr(index_or_shapes, "shape_table"):  # a CompactIndex: keep its arrays
         index = index_or_shapes
-        return PlanInput(paths=index.paths, keys=_Rows(index, "keys"), shapes=_Rows(index, "shapes"), arrays=index)
+        return PlanInput(
+            paths=index.paths, keys=_Rows(index, "keys"), shapes=_Rows(index, "shapes"), arrays=index
+        )
     shards = getattr(index_or_shapes, "shards", None)
     if shards is not None:
         return PlanInput(
@@ -144,7 +146,11 @@ def _canonical(data: PlanInput) -> tuple[np.ndarray, ...] | None:
         keys = [str(k) for ks in data.keys for k in ks]  # type: ignore[union-attr]
         joined = "".join(keys)
         raw = joined.encode("utf-8", "surrogatepass")
-        lens = map(len, keys) if len(raw) == len(joined) else (len(k.encode("utf-8", "surrogatepass")) for k in keys)
+        lens = (
+            map(len, keys)
+            if len(raw) == len(joined)
+            else (len(k.encode("utf-8", "surrogatepass")) for k in keys)
+        )
         key_off = np.zeros(len(keys) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(lens, dtype=np.int64, count=len(keys)), out=key_off[1:])
         key_blob = np.frombuffer(raw, dtype=np.uint8)
