@@ -4,6 +4,7 @@ detection by magic bytes, checks of hostile files, the planner's array path, the
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -288,3 +289,20 @@ def test_for_paths_uses_a_binary_index_beside_the_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(indexing_mod, "_index_one", lambda p, *a: calls.append(p) or real(p, *a))
     index = ShardIndex.for_paths(tmp_path, progress=False, check_values=False)
     assert index.num_samples == 5 and calls == []  # nothing re-read: the binary index covered the shards
+
+
+def test_a_pickled_compact_index_maps_its_file_again(tmp_path):
+    import pickle
+
+    index = _index(tmp_path)
+    compact = CompactIndex.load(index.save(tmp_path / "index.npidx"))
+    data = pickle.dumps(compact)
+    assert len(data) < 2000  # the file's name, not its arrays
+    back = pickle.loads(data)
+    assert back.to_shard_index().to_dict() == index.to_dict() and back.paths == compact.paths
+    in_memory = CompactIndex.from_shard_index(index)  # not mapped: the arrays travel
+    assert pickle.loads(pickle.dumps(in_memory)).to_shard_index().to_dict() == index.to_dict()
+    _index(tmp_path, seed=1).save(tmp_path / "index.npidx")  # rewritten while in use
+    os.utime(tmp_path / "index.npidx", ns=(1, 1))
+    with pytest.raises(ShardError, match="changed after it was loaded"):
+        pickle.loads(data)

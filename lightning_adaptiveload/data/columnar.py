@@ -133,6 +133,9 @@ class IndexColumns:
     metadata: dict[str, Any] = field(default_factory=dict)
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)  # the file, when mapped
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "mapping": None}  # an mmap does not pickle; the arrays are copied
+
     def release_pages(self) -> None:
         """Drop the mapped file's pages from this process's resident set (``MADV_DONTNEED``).
 

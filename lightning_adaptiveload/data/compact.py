@@ -83,6 +83,14 @@ class CompactIndex:
         self.source = source
         self._shape_tuples = [tuple(r) for r in columns.shapes.tolist()]
         self._keys_checked = np.zeros(columns.num_shards, dtype=bool)
+        self._file_id: tuple[int, int] | None = None  # (size, mtime_ns) of the mapped file
+
+    def __reduce__(self):
+        # A DataLoader worker started by spawn gets the index pickled: map the same file there rather
+        # than copy every array through the pipe (the file must be unchanged).
+        if self._file_id is not None and self.source is not None:
+            return (_remap, (self.source, self.columns.paths, self._file_id))
+        return (CompactIndex, (self.columns, self.source))
 
     # -- what ShardIndex offers ---------------------------------------------------------------------------
 
@@ -323,8 +331,10 @@ class CompactIndex:
                 return cls.from_shard_index(
                     ShardIndex.load(text, allow_schemes=allow_schemes, allow_outside=allow_outside)
                 )
+            file_id = _file_id(text)
             cols = read_columns(text)
         else:
+            file_id = None
             raw = read_index_bytes(text, untrusted.MAX_INDEX_BYTES)
             if not raw.startswith(MAGIC):
                 return cls.from_shard_index(
@@ -332,7 +342,31 @@ class CompactIndex:
                 )
             cols = read_columns(text, raw)
         cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
-        return cls(cols, source=text)
+        index = cls(cols, source=text)
+        index._file_id = file_id
+        return index
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _remap(source: str, paths: list[str], file_id: tuple[int, int]) -> CompactIndex:
+    """Unpickle a mapped :class:`CompactIndex`: map its file again (checked), keeping the resolved paths."""
+    if _file_id(source) != file_id:
+        raise ShardError(
+            source,
+            None,
+            "the index file changed after it was loaded (size or modification time differ)",
+            reason="bad_index",
+            hint="do not rewrite an index while a run uses it; restart the run to load the new one",
+        )
+    cols = read_columns(source)
+    cols.paths = list(paths)
+    index = CompactIndex(cols, source=source)
+    index._file_id = file_id
+    return index
 
 
 def index_root(source: str) -> str:
