@@ -76,7 +76,8 @@ def test_index_command_writes_the_binary_index(many_shards, tmp_path, capsys):
         "2",
     ]
     assert index_main(argv) == 0
-    assert "300 shards, 300 samples" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "300 shards, 300 samples" in printed and "2x1x2x2" in printed  # the summary and the bucket table
     built = CompactIndex.load(out, allow_outside=True).to_shard_index()
     assert built.patch_size == (1, 2, 2) and built.values_checked
     assert built.to_dict()["shards"] == ShardIndex.load(f"{many_shards}/index.json").to_dict()["shards"]

@@ -289,6 +289,8 @@ def test_for_paths_uses_a_binary_index_beside_the_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(indexing_mod, "_index_one", lambda p, *a: calls.append(p) or real(p, *a))
     index = ShardIndex.for_paths(tmp_path, progress=False, check_values=False)
     assert index.num_samples == 5 and calls == []  # nothing re-read: the binary index covered the shards
+    named = ShardIndex.for_paths(tmp_path / "index.npidx", progress=False, check_values=False)
+    assert named.to_dict()["shards"] == index.to_dict()["shards"] and calls == []
 
 
 def test_a_pickled_compact_index_maps_its_file_again(tmp_path):

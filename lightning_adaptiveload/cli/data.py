@@ -38,7 +38,11 @@ def _human_bytes(n: int) -> str:
 
 
 def _print_bucket_table(index: ShardIndex, patch: Sequence[int], mix: Mix | None, out) -> None:
-    counts = Counter(shape for s in index.shards for shape in s.latent_shapes)
+    if hasattr(index, "shape_table"):  # a CompactIndex: count by shape id, no per-sample objects
+        rows = [tuple(r) for r in index.shape_table.tolist()]
+        counts = Counter(dict(zip(rows, index.shape_counts().tolist())))
+    else:
+        counts = Counter(shape for s in index.shards for shape in s.latent_shapes)
     share = {tuple(b.latent_shape): b.p for b in mix.buckets} if mix is not None else {}
     total = sum(counts.values()) or 1
     print(
@@ -228,6 +232,7 @@ def _save_compact(compact, output: str | None, patch_size: Sequence[int]) -> int
     counts = compact.counts()
     problems = {r: n for r, n in sorted(counts.items()) if r not in IGNORED_REASONS and r != "empty_shard"}
     print("skipped by reason: " + (", ".join(f"{r}={n}" for r, n in problems.items()) or "none"))
+    _print_bucket_table(compact, patch_size, None, sys.stdout)
     return 1 if problems else 0
 
 
