@@ -267,7 +267,11 @@ def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, sch
     epochs = []
     for shards in (data, binary):
         dm = AdaptiveLoadDataModule(
-            train_shards=shards, max_tokens=600, num_workers=workers, schedule=schedule, index_allow_outside=True
+            train_shards=shards,
+            max_tokens=600,
+            num_workers=workers,
+            schedule=schedule,
+            index_allow_outside=True,
         )
         dm.setup("fit")
         epochs.append([(b["keys"], b["step"], b["latents"].shape) for b in dm.train_dataloader()])
