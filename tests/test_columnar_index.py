@@ -329,3 +329,13 @@ def test_simulate_takes_a_binary_index_path_or_a_compact_index(tmp_path):
 
     rows = [comparable(simulate(src, **kw).rows) for src in (index, path, CompactIndex.load(path))]
     assert rows[0] == rows[1] == rows[2] and rows[0][0]["samples"] == index.num_samples
+
+
+def test_bucket_table_of_a_compact_index_also_gives_the_ids_as_arrays(tmp_path):
+    compact = CompactIndex.from_shard_index(_index(tmp_path))
+    batcher = DualConstraintBatcher(400)
+    batcher.resolve_max_compute(SHAPES)
+    table = bucket_table(as_input(compact), batcher.sizer, "skip")
+    flat = [b for row in table.bucket_of for b in row]
+    assert table.bucket_ids.tolist() == flat and table.bucket_ids.dtype == np.int16
+    assert table.shard_offsets.tolist() == np.cumsum([0] + [len(r) for r in table.bucket_of]).tolist()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -196,11 +196,17 @@ class Bucket:
 @dataclass
 class BucketTable:
     """The buckets, in order of first appearance, and per shard, per sample, its bucket id (-1: an
-    oversize sample, skipped); ``oversize`` counts those."""
+    oversize sample, skipped); ``oversize`` counts those.
+
+    From a compact index also the same ids as arrays, for vectorised schedules: ``bucket_ids`` (n,)
+    int16 (int32 beyond 32,767 shapes) in index order and ``shard_offsets`` (m + 1,) int64 (shard s: ``bucket_ids[off[s]:off[s+1]]``).
+    """
 
     buckets: list[Bucket]
     bucket_of: list[list[int]]
     oversize: int
+    bucket_ids: np.ndarray | None = field(default=None, compare=False)
+    shard_offsets: np.ndarray | None = field(default=None, compare=False)
 
 
 def _key(data: PlanInput, shard: int, i: int) -> str:
@@ -301,11 +307,12 @@ def _bucket_table_arrays(data: PlanInput, sizer: BatchSizer, oversize: str) -> B
     shard_of = (np.searchsorted(off, first, side="right") - 1).tolist()
     buckets: list[Bucket] = []
     by_key: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}
-    lut = np.empty(len(table), dtype=np.int32)
+    lut = np.empty(len(table), dtype=np.int16 if len(table) < 1 << 15 else np.int32)  # 2 bytes a sample
     for k, shape in enumerate(table):
         sid = shard_of[k]
         lut[k] = _new_bucket(data, sid, first[k] - int(off[sid]), shape, sizer, oversize, buckets, by_key)
     n_oversize = int(np.bincount(ids, minlength=len(table))[lut < 0].sum()) if len(table) else 0
+    bucket_ids = lut[ids]
     bounds = off.tolist()
-    bucket_of = [lut[ids[bounds[s] : bounds[s + 1]]].tolist() for s in range(len(bounds) - 1)]
-    return BucketTable(buckets, bucket_of, n_oversize)
+    bucket_of = [bucket_ids[bounds[s] : bounds[s + 1]].tolist() for s in range(len(bounds) - 1)]
+    return BucketTable(buckets, bucket_of, n_oversize, bucket_ids=bucket_ids, shard_offsets=off)
