@@ -339,3 +339,14 @@ def test_bucket_table_of_a_compact_index_also_gives_the_ids_as_arrays(tmp_path):
     flat = [b for row in table.bucket_of for b in row]
     assert table.bucket_ids.tolist() == flat and table.bucket_ids.dtype == np.int16
     assert table.shard_offsets.tolist() == np.cumsum([0] + [len(r) for r in table.bucket_of]).tolist()
+
+
+@pytest.mark.parametrize("pad", range(0, 130, 13))
+def test_header_lengths_across_alignment_boundaries_and_an_empty_index(tmp_path, pad):
+    index = _index(tmp_path)
+    index.metadata = {"pad": "x" * pad}  # moves the header's end across 64-byte boundaries
+    path = index.save(tmp_path / "index.npidx")
+    assert ShardIndex.load(path).to_dict() == index.to_dict()
+    empty = ShardIndex([], metadata={"pad": "y" * pad})
+    assert ShardIndex.load(empty.save(tmp_path / "empty.npidx")).to_dict() == empty.to_dict()
+    assert index_fingerprint(CompactIndex.load(tmp_path / "empty.npidx")) == index_fingerprint(empty)

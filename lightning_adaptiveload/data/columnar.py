@@ -260,24 +260,23 @@ def write_columns(
         "metadata": cols.metadata,
         "arrays": table,
     }
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    if len(head) > MAX_HEADER_BYTES:
-        raise ValueError(
-            f"the index header is {len(head)} bytes (metadata too large); at most {MAX_HEADER_BYTES}"
-        )
-    data_start = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
-    for row in table:  # offsets in the header are absolute
-        row[2] += data_start
-    head = json.dumps({**header, "arrays": table}, separators=(",", ":")).encode("utf-8")
-    data_start2 = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
-    if data_start2 != data_start:  # the offsets' digits pushed the header over an ALIGN boundary
-        shift = data_start2 - data_start
-        for row in table:
-            row[2] += shift
-        head = json.dumps({**header, "arrays": table}, separators=(",", ":")).encode("utf-8")
-        data_start = data_start2
-    if -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN != data_start:
-        raise AssertionError("header length did not settle")  # pragma: no cover - digits grow once at most
+    # Offsets in the header are absolute, so the header's length depends on them: grow the data start
+    # until the header fits before it (a few rounds at most: only digits change), then pad it with
+    # spaces (valid JSON) to end exactly there.
+    data_start = 0
+    while True:
+        rows = [[name, dtype, off + data_start, count] for name, dtype, off, count in table]
+        head = json.dumps({**header, "arrays": rows}, separators=(",", ":")).encode("utf-8")
+        need = -(-(_PREFIX.size + len(head)) // ALIGN) * ALIGN
+        if need - _PREFIX.size > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"the index header is {len(head)} bytes (metadata too large); at most {MAX_HEADER_BYTES}"
+            )
+        if need <= data_start:
+            break
+        data_start = need
+    head += b" " * (data_start - _PREFIX.size - len(head))
+    table = rows
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
