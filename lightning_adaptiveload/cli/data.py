@@ -309,7 +309,8 @@ def convert_index_main(argv: Sequence[str] | None = None) -> int:
         to = args.to or ("json" if binary_in else "binary")
         compact = CompactIndex.load(args.input, allow_outside=args.allow_outside)
         if to == "binary":
-            total = int(compact.key_blob.nbytes + compact.key_offsets.nbytes + compact.shape_ids.nbytes * 5)
+            c = compact.columns  # the large arrays: about the file's size
+            total = int(sum(a.nbytes for a in (c.key_blob, c.key_offsets, c.shape_id, c.text_len)))
             with tqdm(
                 total=total, unit="B", unit_scale=True, desc="writing", disable=args.no_progress
             ) as bar:
