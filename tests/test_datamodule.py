@@ -277,3 +277,21 @@ def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, sch
         epochs.append([(b["keys"], b["step"], b["latents"].shape) for b in dm.train_dataloader()])
     assert isinstance(dm.train_index, CompactIndex)  # kept as arrays, not converted to lists
     assert epochs[0] == epochs[1] and sum(len(k) for k, _, _ in epochs[1]) == 90
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    folder = tmp_path / "d"
+    write_synthetic_shards(folder, mix="tiny", num_samples=12, samples_per_shard=6, seed=1, progress=False)
+    ShardIndex.load(folder / "index.json").save(folder / "index.npidx")
+    os.unlink(folder / "index.json")
+    dm = AdaptiveLoadDataModule(train_shards=str(folder), max_tokens=600, num_workers=0)
+    dm.prepare_data()
+    assert not (folder / "index.json").exists()  # the binary index counts as the index beside the shards
+    dm.setup("fit")
+    assert isinstance(dm.train_index, CompactIndex)
+    assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == sorted(
+        k for s in dm.train_index.shards for k in s.keys
+    )

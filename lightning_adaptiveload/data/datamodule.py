@@ -94,6 +94,16 @@ def _is_binary_index(path: str) -> bool:
     return os.path.isfile(path) and is_binary_index(path)
 
 
+def _binary_index_of(shards: Any) -> str | None:
+    """The binary index ``shards`` names: the file itself, or ``index.npidx`` alone in the named folder."""
+    if not isinstance(shards, str | os.PathLike):
+        return None
+    path = os.fspath(shards)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json")):
+        path = os.path.join(path, "index.npidx")  # columnar.BINARY_INDEX_NAME
+    return path if _is_binary_index(path) else None
+
+
 def _index_folder(shards: str | list[str]) -> str | None:
     """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
     from lightning_adaptiveload.data.paths import expand_paths
@@ -314,7 +324,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         wanted = [v for k, v in extra.items() if stage is not None and getattr(stage, "value", stage) == k]
         for shards in (self.train_shards, self.val_shards, *wanted):
             folder = _index_folder(shards) if shards is not None else None
-            if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
+            if folder is not None and not any(
+                os.path.exists(os.path.join(folder, name)) for name in (INDEX_NAME, "index.npidx")
+            ):
                 # One index pass here, so that the ranks load it in setup instead of each rebuilding it.
                 ShardIndex.for_paths(
                     shards,
@@ -366,14 +378,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     def _load_index(self, shards: Any, rank: int) -> Any:
         from lightning_adaptiveload.data.index import ShardIndex
 
-        if isinstance(shards, str | os.PathLike) and _is_binary_index(os.fspath(shards)):
+        binary = _binary_index_of(shards)
+        if binary is not None:
             # The binary index stays arrays (no Python object per sample); see data/compact.py.
             from lightning_adaptiveload.data.compact import load_checked_compact
 
             trust = {k: v for k, v in self._index_trust.items() if k != "max_member_bytes"}
-            return load_checked_compact(
-                os.fspath(shards), patch_size=self.patch_size, on_error=self.on_error, **trust
-            )
+            return load_checked_compact(binary, patch_size=self.patch_size, on_error=self.on_error, **trust)
         return ShardIndex.for_paths(
             shards,
             patch_size=self.patch_size,
