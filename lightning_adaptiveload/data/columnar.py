@@ -143,8 +143,7 @@ class IndexColumns:
         process; they stay in the page cache (shared by all ranks of the node) and come back on the
         next access as cheap minor faults. A no-op when the index is not a mapped file.
         """
-        if self.mapping is not None and hasattr(self.mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            self.mapping.madvise(mmap.MADV_DONTNEED)
+        _release(self.mapping)
 
     @property
     def num_samples(self) -> int:
@@ -335,7 +334,7 @@ def read_columns(source: str, data: bytes | np.ndarray | None = None) -> IndexCo
         else:
             mapping = None
             buf = np.frombuffer(data, dtype="|u1") if isinstance(data, bytes | bytearray) else data
-        cols = _check(buf)
+        cols = _check(buf, lambda: _release(mapping))
         cols.mapping = mapping
         cols.release_pages()
         return cols
@@ -441,7 +440,14 @@ def _check_shape_ids(sid: np.ndarray, n_shapes: int) -> None:
         raise IndexProblem("shapes", f"lists {n_shapes} shapes but samples use {top + 1}")
 
 
-def _check(buf: np.ndarray) -> IndexColumns:
+def _release(mapping: mmap.mmap | None) -> None:
+    if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> IndexColumns:
+    """Every field of the file in ``buf``; ``release`` after each pass over a large array keeps the
+    pages it faulted in from piling up (peak resident: the largest array, not all of them)."""
     head, data_start = _header(buf)
     m = _count(head, "num_shards", 1 << 40)
     n = _count(head, "num_samples", 1 << 40)
@@ -464,6 +470,7 @@ def _check(buf: np.ndarray) -> IndexColumns:
     _check_offsets("path_offsets", arr["path_offsets"], m + 1, len(arr["path_blob"]))
     _check_offsets("shard_offsets", arr["shard_offsets"], m + 1, n)
     _check_offsets("key_offsets", arr["key_offsets"], n + 1, len(arr["key_blob"]), strict=True)
+    release()
     if len(arr["shard_bytes"]) != m or (m and arr["shard_bytes"].min() < -1):
         raise IndexProblem("shard_bytes", f"must hold {m} sizes >= -1")
     if len(arr["shapes"]) != 4 * u:
@@ -481,6 +488,7 @@ def _check(buf: np.ndarray) -> IndexColumns:
             "shape_id.dtype", f"is {arr['shape_id'].dtype.str}; {u} shapes use {shape_id_dtype(u).str}"
         )
     _check_shape_ids(arr["shape_id"], u)
+    release()
     for i in range(0, n, _CHUNK):
         part = arr["text_len"][i : i + _CHUNK]
         if part.min() < 0:
