@@ -24,11 +24,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
-
 from lightning_adaptiveload.fusion import fuse_norm_modulate  # noqa: E402
 from lightning_adaptiveload.models.sharding import default_mp_policy, load_full_state_dict, shard_model  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
+from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 from lightning_adaptiveload.ops import fused_op_status  # noqa: E402
 from lightning_adaptiveload.tools.memory import activation_bytes_per_token, estimate_memory  # noqa: E402
 

@@ -256,3 +256,42 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     assert dm.epoch_report["runtime_skipped"] == {}
     assert dm.epoch_report["runtime_ignored_members"] == {"pickle_member": 1}
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "skipped" in r.getMessage()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule, workers", [("independent", 0), ("lockstep", 2)])
+def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, schedule, workers):
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    binary = ShardIndex.load(os.path.join(data, "index.json")).save(tmp_path / "index.npidx")
+    epochs = []
+    for shards in (data, binary):
+        dm = AdaptiveLoadDataModule(
+            train_shards=shards,
+            max_tokens=600,
+            num_workers=workers,
+            schedule=schedule,
+            index_allow_outside=True,
+        )
+        dm.setup("fit")
+        epochs.append([(b["keys"], b["step"], b["latents"].shape) for b in dm.train_dataloader()])
+    assert isinstance(dm.train_index, CompactIndex)  # kept as arrays, not converted to lists
+    assert epochs[0] == epochs[1] and sum(len(k) for k, _, _ in epochs[1]) == 90
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    folder = tmp_path / "d"
+    write_synthetic_shards(folder, mix="tiny", num_samples=12, samples_per_shard=6, seed=1, progress=False)
+    ShardIndex.load(folder / "index.json").save(folder / "index.npidx")
+    os.unlink(folder / "index.json")
+    dm = AdaptiveLoadDataModule(train_shards=str(folder), max_tokens=600, num_workers=0)
+    dm.prepare_data()
+    assert not (folder / "index.json").exists()  # the binary index counts as the index beside the shards
+    dm.setup("fit")
+    assert isinstance(dm.train_index, CompactIndex)
+    assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == sorted(
+        k for s in dm.train_index.shards for k in s.keys
+    )

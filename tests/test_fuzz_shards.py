@@ -558,6 +558,91 @@ def _check_index(index_path, folder, case: int) -> None:
         assert index.num_shards == 2
 
 
+BINARY_INDEX_CASES = 420  # every 4th is traced: the watch wants more than 100 of those
+
+
+def mutate_binary_index(rng: random.Random, base: bytes) -> bytes:
+    """One hostile variant of a valid ``index.npidx``: flipped bits, huge or negative words written over
+    the arrays and the header's numbers, a cut, garbage appended, or a rewritten header."""
+    raw = bytearray(base)
+    r = rng.random()
+    if r < 0.25:
+        for _ in range(rng.choice([1, 2, 8])):
+            raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    elif r < 0.5:
+        pos = rng.randrange(16, len(raw) - 8) & ~7  # an aligned word: offsets, counts, ids
+        value = rng.choice([-1, -(1 << 62), 1 << 31, (1 << 63) - 1, 255, 256, 0, 1, len(raw)])
+        raw[pos : pos + 8] = value.to_bytes(8, "little", signed=True)
+    elif r < 0.6:
+        del raw[rng.randrange(len(raw)) :]
+    elif r < 0.65:
+        raw += bytes(rng.randrange(256) for _ in range(rng.choice([1, 64, 4096])))
+    else:
+        n = int.from_bytes(raw[12:16], "little")
+        head = json.loads(raw[16 : 16 + n])
+        target = rng.choice(["count", "arrays", "top"])
+        if target == "count":
+            row = rng.choice(head["arrays"])
+            row[rng.choice([2, 3])] = rng.choice([-64, 0, 64, 1 << 40, 10**30, "1", None, 1.5])
+        elif target == "arrays":
+            row = rng.choice(head["arrays"])
+            row[rng.choice([0, 1])] = rng.choice(["shapes", "<f8", "|u1", "<i8", "", ["x"], {}])
+        else:
+            key = rng.choice(["num_shards", "num_samples", "num_shapes", "patch_size", "metadata", "arrays"])
+            head[key] = rng.choice([-1, 0, 10**12, [1, 0, 2], "x", None, [[]], {"a": 1}])
+        text = json.dumps(head).encode()
+        raw = bytearray(raw[:12] + len(text).to_bytes(4, "little") + text) if rng.random() < 0.5 else raw
+        if len(text) <= n:
+            raw[16 : 16 + n] = text + b" " * (n - len(text))
+    return bytes(raw)
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
+    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
+
+    folder = tmp_path / "data"
+    with ShardWriter(folder, max_samples_per_shard=3) as w:
+        for i in range(7):
+            w.write(f"k{i}", np.ones((4, 1 + 2 * (i % 3), 2, 2), np.float16), meta={"i": i})
+    path = folder / "index.npidx"
+    ShardIndex.load(folder / "index.json").save(path)
+    base = path.read_bytes()
+    batcher = DualConstraintBatcher(64)
+    batcher.resolve_max_compute([(4, 1, 2, 2)])
+    loaded = 0
+    for case in range(BINARY_INDEX_CASES):
+        rng = random.Random(2 * 10**6 + case)
+        path.write_bytes(mutate_binary_index(rng, base))
+        try:
+            with watch["memory"].measure(case):
+                try:
+                    index = CompactIndex.load(path)
+                except ShardError as err:
+                    assert err.reason in ("bad_index", "unsafe_index_path"), str(err)
+                    continue
+                loaded += 1
+                index_fingerprint(index)
+                try:  # names the first sample of each shape: reads that shard's keys
+                    bucket_table(as_input(index), batcher.sizer, "skip")
+                except ShardError as err:
+                    assert err.reason == "bad_index", str(err)
+                for sid in range(index.num_shards):
+                    try:
+                        info = index.shards[sid]
+                    except ShardError as err:  # a key that breaks the key rules
+                        assert err.reason == "bad_index", str(err)
+                        continue
+                    for j in range(info.num_samples):
+                        assert index.latent_shape((sid, j)) == info.latent_shapes[j]
+        except Exception as err:
+            raise AssertionError(f"binary index case {case}: {type(err).__name__}: {err}") from err
+    # both outcomes occur: the mutations are neither all fatal nor all benign
+    assert 0 < loaded < BINARY_INDEX_CASES
+
+
 def test_the_watch_sees_a_file_outside_the_folder(tmp_path):
     """Guard against a vacuous watch: opening a file outside the test folder is recorded."""
     outside = os.path.join(REPO, "..", "_fuzz_watch_probe")

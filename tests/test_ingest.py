@@ -380,8 +380,17 @@ def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     assert ShardIndex.load(out / "index.json").num_samples == len(inputs)
     # A rerun on one rank (another world size) finds everything done.
-    again = ing.ingest(src, out, vae_dir, fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0,
-                       progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+    again = ing.ingest(
+        src,
+        out,
+        vae_dir,
+        fps=8.0,
+        max_frames=5,
+        buckets="32x48,32x32",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
     assert again["written"] == 0 and again["already_done"] == len(inputs)
 
 

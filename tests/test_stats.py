@@ -189,9 +189,7 @@ def test_stats_does_not_import_lightning():
     import subprocess
     import sys
 
-    code = (
-        "import sys, lightning_adaptiveload.monitor.stats; print('lightning' in sys.modules, 'torch' in sys.modules)"
-    )
+    code = "import sys, lightning_adaptiveload.monitor.stats; print('lightning' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[0] == "False"
 

@@ -1,4 +1,4 @@
-"""``lightning-adaptiveload synth`` and ``index``: the argument parsers and printing of the shard tools.
+"""``lightning-adaptiveload synth``, ``index`` and ``convert-index``: the parsers and printing of the shard tools.
 
 The work is done by the data layer's plain functions (:func:`~lightning_adaptiveload.data.synthetic.write_synthetic_shards`,
 :meth:`~lightning_adaptiveload.data.index.ShardIndex.build` / ``for_paths`` / ``save``); this module only
@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+from lightning_adaptiveload.data.columnar import BINARY_INDEX_NAME, is_binary_index
 from lightning_adaptiveload.data.format import (
     DEFAULT_PATCH,
     IGNORED_REASONS,
@@ -25,7 +26,7 @@ from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.paths import is_url
 from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
-__all__ = ["index_main", "synth_main"]
+__all__ = ["convert_index_main", "index_main", "synth_main"]
 
 
 def _human_bytes(n: int) -> str:
@@ -37,7 +38,11 @@ def _human_bytes(n: int) -> str:
 
 
 def _print_bucket_table(index: ShardIndex, patch: Sequence[int], mix: Mix | None, out) -> None:
-    counts = Counter(shape for s in index.shards for shape in s.latent_shapes)
+    if hasattr(index, "shape_table"):  # a CompactIndex: count by shape id, no per-sample objects
+        rows = [tuple(r) for r in index.shape_table.tolist()]
+        counts = Counter(dict(zip(rows, index.shape_counts().tolist())))
+    else:
+        counts = Counter(shape for s in index.shards for shape in s.latent_shapes)
     share = {tuple(b.latent_shape): b.p for b in mix.buckets} if mix is not None else {}
     total = sum(counts.values()) or 1
     print(
@@ -159,8 +164,20 @@ def index_parser() -> argparse.ArgumentParser:
         "--rebuild", action="store_true", help="ignore any existing index and read every shard"
     )
     parser.add_argument("--output", help="where to write the index (default: index.json beside the shards)")
+    parser.add_argument(
+        "--format",
+        choices=("json", "binary"),
+        default=None,
+        help="index format: json (index.json) or binary (index.npidx, columnar: for millions of samples); "
+        "default: binary when --output ends in .npidx, else json",
+    )
     parser.add_argument("--no-save", action="store_true", help="verify only; write nothing")
     parser.add_argument("--workers", type=int, default=1, help="shards indexed in parallel")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="scan in --workers processes instead of threads (many local shards; threads suit remote ones)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -181,29 +198,55 @@ def index_main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     try:
+        if args.rebuild and args.format == "binary" and not args.no_save:
+            # Straight to columns: no per-sample Python lists, for millions of samples.
+            from lightning_adaptiveload.data.compact_build import build_compact
+
+            compact = build_compact(paths, num_workers=args.workers, processes=args.processes, **kwargs)
+            return _save_compact(compact, args.output, args.patch_size)
         if args.rebuild:
-            index = ShardIndex.build(paths, num_workers=args.workers, **kwargs)
+            index = ShardIndex.build(paths, num_workers=args.workers, processes=args.processes, **kwargs)
         else:
             index = ShardIndex.for_paths(paths, num_workers=args.workers, **kwargs)
         if not args.no_save:
-            _save_index(index, args.output)
+            _save_index(index, args.output, args.format)
     except (ShardError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _print_index_summary(index, args.patch_size)
 
 
-def _save_index(index: ShardIndex, output: str | None) -> None:
+def _save_compact(compact, output: str | None, patch_size: Sequence[int]) -> int:
+    """Save a compact index (to ``output``, else ``index.npidx`` beside the shards); print its summary."""
+    folders = {os.path.dirname(p) for p in compact.paths if not is_url(p)}
+    if output is None and (len(folders) != 1 or any(is_url(p) for p in compact.paths)):
+        raise ValueError("shards are remote or in several directories; pass --output to save the index")
+    target = output or os.path.join(folders.pop(), BINARY_INDEX_NAME)
+    compact.save(target)
+    nbytes = int(compact.columns.shard_bytes.clip(min=0).sum())
+    print(
+        f"{compact.num_shards} shards, {compact.num_samples} samples, {_human_bytes(nbytes)}, "
+        f"{compact.total_tokens(patch_size)} tokens (patch {tuple(patch_size)})"
+    )
+    print(f"index: {compact.source}")
+    counts = compact.counts()
+    problems = {r: n for r, n in sorted(counts.items()) if r not in IGNORED_REASONS and r != "empty_shard"}
+    print("skipped by reason: " + (", ".join(f"{r}={n}" for r, n in problems.items()) or "none"))
+    _print_bucket_table(compact, patch_size, None, sys.stdout)
+    return 1 if problems else 0
+
+
+def _save_index(index: ShardIndex, output: str | None, fmt: str | None = None) -> None:
     """Save to ``output``, else beside the shards when they are local and in one folder."""
     if output:
         _keep_metadata(index, output)
-        index.save(output)
+        index.save(output, format=fmt)
         return
     folders = {os.path.dirname(p) for p in index.paths if not is_url(p)}
     if len(folders) == 1 and not any(is_url(p) for p in index.paths):
-        target = os.path.join(folders.pop(), INDEX_NAME)
+        target = os.path.join(folders.pop(), BINARY_INDEX_NAME if fmt == "binary" else INDEX_NAME)
         _keep_metadata(index, target)
-        index.save(target)
+        index.save(target, format=fmt)
     else:
         print(
             "note: shards are remote or in several directories; pass --output to save the index",
@@ -227,3 +270,58 @@ def _print_index_summary(index: ShardIndex, patch_size: Sequence[int]) -> int:
     print("warnings: " + (", ".join(f"{r}={n}" for r, n in notes.items()) or "none"))
     _print_bucket_table(index, patch_size, None, sys.stdout)
     return 1 if problems else 0
+
+
+def convert_index_parser() -> argparse.ArgumentParser:
+    """The arguments of ``lightning-adaptiveload convert-index``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-adaptiveload convert-index",
+        description="Convert an index between index.json and the binary columnar index.npidx (lossless).",
+    )
+    parser.add_argument("input", help="the index to read (its format is told by its first bytes)")
+    parser.add_argument("output", help="the index to write")
+    parser.add_argument(
+        "--to",
+        choices=("json", "binary"),
+        default=None,
+        help="output format (default: the other one of the input's)",
+    )
+    parser.add_argument(
+        "--allow-outside", action="store_true", help="the index may name shards outside its folder"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def convert_index_main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-adaptiveload convert-index IN OUT``: JSON <-> binary index, with a progress bar.
+
+    Returns:
+        0 on success, 2 on an error (a damaged input, a missing file).
+    """
+    from tqdm.auto import tqdm
+
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    args = convert_index_parser().parse_args(argv)
+    try:
+        binary_in = is_binary_index(args.input)
+        to = args.to or ("json" if binary_in else "binary")
+        compact = CompactIndex.load(args.input, allow_outside=args.allow_outside)
+        if to == "binary":
+            c = compact.columns  # the large arrays: about the file's size
+            total = int(sum(a.nbytes for a in (c.key_blob, c.key_offsets, c.shape_id, c.text_len)))
+            with tqdm(
+                total=total, unit="B", unit_scale=True, desc="writing", disable=args.no_progress
+            ) as bar:
+                compact.save(args.output, progress=lambda done: bar.update(max(0, done - bar.n)))
+        else:
+            compact.to_shard_index().save(args.output, format="json")
+    except (ShardError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    kind = "binary" if to == "binary" else "JSON"
+    print(
+        f"{compact.num_shards} shards, {compact.num_samples} samples -> {kind} index {os.path.abspath(args.output)}"
+    )
+    return 0

@@ -52,6 +52,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "index_main",
         "build or verify index.json for latent shards",
     ),
+    "convert-index": (
+        "lightning_adaptiveload.cli.data",
+        "convert_index_main",
+        "convert an index between index.json and the binary index.npidx",
+    ),
     "calibrate": (
         "lightning_adaptiveload.cli.calibrate",
         "main",

@@ -3,7 +3,7 @@ DataModule that adapts it to Lightning.
 
 Pure (no Lightning): ``format`` (names, limits, REASONS, ShardError, ShardInfo), ``paths``, ``npy``,
 ``scan`` (the checking tar scan), ``reader`` (iter_shard), ``index_file`` / ``index`` / ``indexing``
-(ShardIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``stream`` (a plan's
+(ShardIndex), ``columnar`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``stream`` (a plan's
 stream into batches), ``loader`` (PlannedShardDataset, PlannedDataLoader), ``resume``,
 ``index_agreement``. Lightning adapters: ``datamodule``, ``ingest``.
 """
@@ -16,6 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "AdaptiveLoadDataModule": "datamodule",
+        "CompactIndex": "compact",
         "INDEX_NAME": "format",
         "MAX_MEMBER_BYTES": "format",
         "Mix": "mixes",
@@ -30,6 +31,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "available_mixes": "mixes",
         "expand_paths": "paths",
         "iter_shard": "reader",
+        "load_index": "compact",
         "load_mix": "mixes",
         "stream_batches": "stream",
         "write_synthetic_shards": "synthetic",

@@ -29,6 +29,7 @@ from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDa
 from lightning_adaptiveload.data.resume import STATE_VERSION, check_state_version, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
@@ -66,6 +67,14 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
     """Raise the batcher's oversize error for the first sample over ``max_tokens`` (``oversize="raise"``)."""
     if batcher.oversize != "raise":
         return
+    if hasattr(index, "shape_table"):  # a CompactIndex: each distinct shape once, named by its first use
+        for row, shape in enumerate(index.shape_table.tolist()):
+            s = tokens_per_sample(shape, batcher.patch_size)
+            if s > batcher.max_tokens:
+                ref = index.first_use(row)
+                where = f"shard {index.paths[ref[0]]}, key {index.key(ref)!r}: "
+                raise ValueError(batcher.sizer.oversize_message(shape, s, where=where))
+        return
     fits: set[tuple[int, ...]] = set()
     for shard in index.shards:
         for key, shape in zip(shard.keys, shard.latent_shapes):
@@ -80,11 +89,27 @@ def _check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
                 )
 
 
+def _is_binary_index(path: str) -> bool:
+    from lightning_adaptiveload.data.columnar import is_binary_index
+
+    return os.path.isfile(path) and is_binary_index(path)
+
+
+def _binary_index_of(shards: Any) -> str | None:
+    """The binary index ``shards`` names: the file itself, or ``index.npidx`` alone in the named folder."""
+    if not isinstance(shards, str | os.PathLike):
+        return None
+    path = os.fspath(shards)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json")):
+        path = os.path.join(path, "index.npidx")  # columnar.BINARY_INDEX_NAME
+    return path if _is_binary_index(path) else None
+
+
 def _index_folder(shards: str | list[str]) -> str | None:
     """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
     from lightning_adaptiveload.data.paths import expand_paths
 
-    if isinstance(shards, str) and shards.endswith(".json"):
+    if isinstance(shards, str) and (shards.endswith((".json", ".npidx")) or _is_binary_index(shards)):
         return None
     try:
         paths = expand_paths(shards)
@@ -308,7 +333,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         wanted = [v for k, v in extra.items() if stage is not None and getattr(stage, "value", stage) == k]
         for shards in (self.train_shards, self.val_shards, *wanted):
             folder = _index_folder(shards) if shards is not None else None
-            if folder is not None and not os.path.exists(os.path.join(folder, INDEX_NAME)):
+            if folder is not None and not any(
+                os.path.exists(os.path.join(folder, name)) for name in (INDEX_NAME, "index.npidx")
+            ):
                 # One index pass here, so that the ranks load it in setup instead of each rebuilding it.
                 ShardIndex.for_paths(
                     shards,
@@ -376,6 +403,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     def _load_index(self, shards: Any, rank: int) -> Any:
         from lightning_adaptiveload.data.index import ShardIndex
 
+        binary = _binary_index_of(shards)
+        if binary is not None:
+            # The binary index stays arrays (no Python object per sample); see data/compact.py.
+            from lightning_adaptiveload.data.compact import load_checked_compact
+
+            trust = {k: v for k, v in self._index_trust.items() if k != "max_member_bytes"}
+            return load_checked_compact(binary, patch_size=self.patch_size, on_error=self.on_error, **trust)
         return ShardIndex.for_paths(
             shards,
             patch_size=self.patch_size,
@@ -401,7 +435,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 index = self._load_index(shards, rank=-1)
                 batcher = DualConstraintBatcher.from_config(self.batcher.config())
                 _check_oversize(index, batcher)
-                batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
+                batcher.resolve_max_compute(distinct_shapes(index))
 
     def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's

@@ -155,12 +155,24 @@ class ShardIndex:
             "shards": shards,
         }
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write ``index.json`` atomically (temp file + rename); shard paths beside it become relative.
+    def save(self, path: str | os.PathLike, format: str | None = None) -> str:
+        """Write the index atomically (temp file + rename); shard paths beside it become relative.
+
+        Args:
+            path: the file to write.
+            format: ``"json"`` (``index.json``), ``"binary"`` (the columnar ``index.npidx``), or None:
+                binary when ``path`` ends in ``.npidx``, else JSON.
 
         Returns:
             The absolute path written.
         """
+        if format not in (None, "json", "binary"):
+            raise ValueError(f"format must be 'json', 'binary' or None, got {format!r}")
+        if format == "binary" or (format is None and os.fspath(path).endswith(".npidx")):
+            from lightning_adaptiveload.data.compact import CompactIndex
+
+            self.source = CompactIndex.from_shard_index(self).save(path)
+            return self.source
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         data = self.to_dict(relative_to=folder)
@@ -246,7 +258,11 @@ class ShardIndex:
         allow_schemes: Collection[str] = (),
         allow_outside: bool = False,
     ) -> ShardIndex:
-        """Load an ``index.json`` (local path, ``file://`` or URL); relative shard paths resolve beside it.
+        """Load an index (local path, ``file://`` or URL); relative shard paths resolve beside it.
+
+        Either format: ``index.json`` or the binary ``index.npidx`` (:mod:`~lightning_adaptiveload.data.columnar`),
+        told by the file's first bytes; a binary index is converted to lists here (use
+        :class:`~lightning_adaptiveload.data.compact.CompactIndex` to keep it as arrays).
 
         An index is data, never a command: its shard paths may name files in its own folder (for a
         remote index, URLs under its folder), nothing else unless you opt in. ``pipe:`` paths are
@@ -264,10 +280,20 @@ class ShardIndex:
                 wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
                 message names the file and the entry.
         """
+        from lightning_adaptiveload.data.columnar import MAGIC, is_binary_index, read_columns
+        from lightning_adaptiveload.data.compact import CompactIndex, resolve_paths
+
         text = os.fspath(path)
         if not is_url(text):
             text = norm_path(text)
+            if is_binary_index(text):  # told by the magic bytes, not the name
+                trust = {"allow_schemes": allow_schemes, "allow_outside": allow_outside}
+                return CompactIndex.load(text, **trust).to_shard_index()
         raw = read_index_bytes(text, untrusted.MAX_INDEX_BYTES)
+        if raw.startswith(MAGIC):
+            cols = read_columns(text, raw)
+            cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
+            return CompactIndex(cols, source=text).to_shard_index()
         try:
             data = load_json(raw, finite=False)  # a 1e999 is then named by the field check
         except Refused as err:
@@ -295,6 +321,7 @@ class ShardIndex:
         check_values: bool = True,
         num_workers: int = 1,
         max_member_bytes: int | None = None,
+        processes: bool = False,
     ) -> ShardIndex:
         """Index shards in one streaming pass, checking every sample.
 
@@ -311,6 +338,7 @@ class ShardIndex:
             num_workers: shards indexed in parallel (threads; helps with remote shards).
             max_member_bytes: the largest member read (``member_too_large`` beyond it); None:
                 :data:`MAX_MEMBER_BYTES`.
+            processes: scan in ``num_workers`` processes instead of threads (many local shards).
 
         Returns:
             The index; shard order is the order of ``paths``.
@@ -322,7 +350,7 @@ class ShardIndex:
         patch = check_patch(patch_size)
         shard_paths = expand_paths(paths)
         infos = index_shards(
-            shard_paths, patch, on_error, check_values, progress, num_workers, max_member_bytes
+            shard_paths, patch, on_error, check_values, progress, num_workers, max_member_bytes, processes
         )
         index = cls(shards=infos, patch_size=patch, values_checked=check_values)
         check_cross_duplicates(index.shards, on_error)
@@ -379,7 +407,7 @@ class ShardIndex:
         check_on_error(on_error)
         patch = check_patch(patch_size)
         given = os.fspath(paths_or_pattern) if isinstance(paths_or_pattern, str | os.PathLike) else None
-        if index_path is None and given is not None and given.endswith(".json") and "{" not in given:
+        if index_path is None and given is not None and "{" not in given and _names_index_file(given):
             index_path = given
             shard_paths = cls.load(given, allow_schemes=allow_schemes, allow_outside=allow_outside).paths
         else:
@@ -441,6 +469,13 @@ def _covered_or_built(
     return [i for i in infos if i is not None]
 
 
+def _names_index_file(given: str) -> bool:
+    """Whether ``given`` names an index file (``*.json``, ``*.npidx``, or any file with the binary magic)."""
+    from lightning_adaptiveload.data.columnar import is_binary_index
+
+    return given.endswith((".json", ".npidx")) or (not is_url(given) and is_binary_index(given))
+
+
 def _raise_recorded_skip(index: ShardIndex) -> None:
     """Under on_error="raise", a skip recorded in a loaded index is an error too."""
     for s in index.shards:
@@ -483,6 +518,9 @@ def _load_indexes(
                 candidates.append(cand)
     known: dict[str, tuple[ShardInfo, ShardIndex]] = {}
     for cand in candidates:
+        binary = os.path.join(os.path.dirname(cand), "index.npidx")  # columnar.BINARY_INDEX_NAME
+        if index_path is None and not is_url(cand) and not os.path.exists(cand) and os.path.exists(binary):
+            cand = binary  # only the binary index beside the shards
         if not is_url(cand) and not os.path.exists(cand):
             if index_path is not None:
                 raise FileNotFoundError(f"index file {cand} does not exist")

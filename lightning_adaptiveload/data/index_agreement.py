@@ -20,8 +20,8 @@ _INDEX_FIELDS = ("shards", "samples", "fingerprint")
 def _index_summary(index: Any) -> list[float]:
     """Shard count, sample count and the two 32-bit halves of the index fingerprint, exact as floats."""
     fp = index_fingerprint(index)
-    samples = sum(len(s.keys) for s in index.shards)
-    return [float(len(index.shards)), float(samples), float(int(fp[:8], 16)), float(int(fp[8:], 16))]
+    samples = index.num_samples
+    return [float(index.num_shards), float(samples), float(int(fp[:8], 16)), float(int(fp[8:], 16))]
 
 
 def index_disagreement(names: Sequence[str], gathered: Sequence[Sequence[float]]) -> str | None:

@@ -8,8 +8,9 @@ Used by :meth:`ShardIndex.build <lightning_adaptiveload.data.index.ShardIndex.bu
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -37,7 +38,7 @@ from lightning_adaptiveload.data.scan import (
 if TYPE_CHECKING:  # the index calls this module; only its type is needed here
     from lightning_adaptiveload.data.index import ShardIndex
 
-__all__ = ["apply_patch_check", "check_cross_duplicates", "index_shards", "report_skips"]
+__all__ = ["apply_patch_check", "check_cross_duplicates", "index_shards", "iter_index_shards", "report_skips"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,16 @@ def _index_one(
     return info
 
 
+class _IndexOne:
+    """``_index_one`` of a path with the other arguments fixed; picklable for worker processes."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __call__(self, path: str) -> ShardInfo:
+        return _index_one(path, *self.args)
+
+
 def index_shards(
     paths: list[str],
     patch: PatchSize | None,
@@ -114,33 +125,56 @@ def index_shards(
     progress: bool,
     num_workers: int,
     max_member_bytes: int | None = None,
+    processes: bool = False,
 ) -> list[ShardInfo]:
+    return list(
+        iter_index_shards(
+            paths, patch, on_error, check_values, progress, num_workers, max_member_bytes, processes
+        )
+    )
+
+
+def iter_index_shards(
+    paths: list[str],
+    patch: PatchSize | None,
+    on_error: str,
+    check_values: bool,
+    progress: bool,
+    num_workers: int,
+    max_member_bytes: int | None = None,
+    processes: bool = False,
+) -> Iterator[ShardInfo]:
+    """Each shard's :class:`ShardInfo`, in the order of ``paths``, with a tqdm bar.
+
+    ``num_workers > 1`` scans that many shards at once: in threads (remote shards: the wait is I/O), or
+    with ``processes`` in worker processes (local shards: the header parsing is Python, bound by the GIL).
+    """
     bar = tqdm(total=len(paths), unit="shard", desc="indexing shards", disable=not progress)
-    out: list[ShardInfo] = []
     samples = 0
+    one = _IndexOne(patch, on_error, check_values, max_member_bytes)
+    pool: Executor | None = None
     try:
         if num_workers <= 1:
-            results: Iterable[ShardInfo] = (
-                _index_one(p, patch, on_error, check_values, max_member_bytes) for p in paths
-            )
-            pool = None
+            results: Iterable[ShardInfo] = (one(p) for p in paths)
+        elif processes:
+            # fork where there is one: a spawned worker re-imports the package (torch: seconds each). The
+            # child only scans files (no torch, no locks of the parent's threads; logging re-inits its own).
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            pool = ProcessPoolExecutor(num_workers, mp_context=context)
+            results = pool.map(one, paths, chunksize=max(1, min(64, len(paths) // (8 * num_workers))))
         else:
             pool = ThreadPoolExecutor(max_workers=num_workers)
-            results = pool.map(
-                lambda p: _index_one(p, patch, on_error, check_values, max_member_bytes), paths
-            )
-        try:
-            for info in results:
-                out.append(info)
-                samples += info.num_samples
-                bar.update(1)
-                bar.set_postfix(samples=samples, refresh=False)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+            results = pool.map(one, paths)
+        for info in results:
+            samples += info.num_samples
+            bar.update(1)
+            bar.set_postfix(samples=samples, refresh=False)
+            yield info
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-    return out
 
 
 def apply_patch_check(shards: list[ShardInfo], patch: PatchSize, on_error: str) -> None:

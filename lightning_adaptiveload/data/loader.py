@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_adaptiveload.data.stream import stream_batches
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
-from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.planning.inputs import distinct_shapes, index_fingerprint
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
@@ -93,7 +93,7 @@ class PlannedShardDataset(IterableDataset):
         self.epoch: int | None = None
         self.report: dict[str, Any] = {}
         self.fingerprint = index_fingerprint(index)
-        batcher.resolve_max_compute(s for shard in index.shards for s in shard.latent_shapes)
+        batcher.resolve_max_compute(distinct_shapes(index))
 
     # -- planning (main process) -----------------------------------------------------------------------
 

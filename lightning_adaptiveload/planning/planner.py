@@ -42,7 +42,7 @@ from lightning_adaptiveload.monitor.stats import balance_summary
 from lightning_adaptiveload.planning.assign import assign, exclusions, reads_of, shard_pieces
 from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
-from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table
+from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table, distinct_shapes
 from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_classes
 from lightning_adaptiveload.planning.plan import (
     SCHEDULES,
@@ -179,7 +179,7 @@ def _plan_epoch(
         from lightning_adaptiveload.planning.packed import plan_packed
 
         return plan_packed(data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0)
-    batcher.resolve_max_compute(s for shapes in data.shapes for s in shapes)
+    batcher.resolve_max_compute(distinct_shapes(data))
     table = bucket_table(data, batcher.sizer, batcher.oversize)
     buckets = table.buckets
     sizes = [bk.batch_size for bk in buckets]

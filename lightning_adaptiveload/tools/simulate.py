@@ -355,13 +355,18 @@ def _checked_args(
 
 def _load_source(source: Any) -> tuple[Mix | None, Any]:
     """``(mix, None)`` for a mix (name, path or object), ``(None, index)`` for a ShardIndex or its path."""
+    from lightning_adaptiveload.data.columnar import is_binary_index
     from lightning_adaptiveload.data.index import ShardIndex
 
     if isinstance(source, Mix):
         return source, None
     if isinstance(source, ShardIndex):
         return None, source
+    if hasattr(source, "shape_table"):  # a CompactIndex: the simulator walks per-sample lists
+        return None, source.to_shard_index()
     path = os.fspath(source)
+    if path.endswith(".npidx") or (os.path.isfile(path) and is_binary_index(path)):
+        return None, ShardIndex.load(path)  # the binary index, as lists
     if path.endswith("index.json") or (
         os.path.isdir(path) and os.path.isfile(os.path.join(path, "index.json"))
     ):
