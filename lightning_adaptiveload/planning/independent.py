@@ -123,11 +123,9 @@ def _unbounded(
     if bool((~completes & (buffered >= bound)).any()):
         return None
     refs = list(zip(shard_col[order].tolist(), id_col[order].tolist()))
-    out: list[Batch] = []
     done = np.flatnonzero(completes)
     first = (start[bk[done]] + occ[done] + 1 - b_size[done]).tolist()
-    for b, f, k in zip(bk[done].tolist(), first, b_size[done].tolist()):
-        out.append(Batch(b, refs[f : f + k]))
+    out = [Batch(b, refs[f : f + k]) for b, f, k in zip(bk[done].tolist(), first, b_size[done].tolist())]
     rem = cnt % size
     part = np.flatnonzero(rem)
     lo = start[part] + cnt[part] - rem[part]  # first sample of each partial run, in ``order``

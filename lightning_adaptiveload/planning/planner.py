@@ -211,7 +211,7 @@ def _plan_epoch(
         # counts are equal already (the equal-steps pass would merge the packs of an underfull tail).
         counts["empty_batches"] += tail["empty"]
         for st in sim:
-            reads[st] = tail_reads(reads[st], sim[st])
+            reads[st] = tail_reads(reads[st], sim[st], tail["removed"][st])
     else:
         _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
     samples_per_rank = [

@@ -19,7 +19,6 @@ Python and NumPy: no Lightning, no torch.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -58,16 +57,19 @@ def packed_tail(
         seed, epoch: seed the order of the tail steps.
 
     Returns:
-        ``{"steps": tail steps, "samples": samples packed, "empty": empty packs}``.
+        ``{"steps": tail steps, "samples": samples packed, "empty": empty packs, "removed": per stream, the
+        refs taken out of its lockstep batches}``.
 
     Raises:
         RuntimeError: the streams of one worker index hold different numbers of equal lockstep batches
             (a planner bug: the lockstep steps would not line up).
     """
     refs: list[Ref] = []
+    removed: dict[Stream, list[Ref]] = {}
     for st in sorted(sim):
         kept = [bt for bt in sim[st] if bt.equal]
-        refs.extend(ref for bt in sim[st] if not bt.equal for ref in bt.refs)
+        removed[st] = [ref for bt in sim[st] if not bt.equal for ref in bt.refs]
+        refs.extend(removed[st])
         sim[st] = kept
     for w in range(workers):
         n = {len(sim[(r, w)]) for r in range(world)}
@@ -77,7 +79,7 @@ def packed_tail(
                 "it with the seed, epoch and world size"
             )
     if not refs:
-        return {"steps": 0, "samples": 0, "empty": 0}
+        return {"steps": 0, "samples": 0, "empty": 0, "removed": removed}
     refs.sort()
     buckets = np.array([bucket_of[s][i] for s, i in refs], dtype=np.int64)
     tokens = np.asarray(seq_len, dtype=np.int64)[buckets]
@@ -103,17 +105,22 @@ def packed_tail(
             else:  # fewer samples than packs: a zero-weight step for this rank
                 sim[(r, w)].append(Batch(smallest, [], True, pack=True))
                 empty += 1
-    return {"steps": len(steps), "samples": len(refs), "empty": empty}
+    return {"steps": len(steps), "samples": len(refs), "empty": empty, "removed": removed}
 
 
-def tail_reads(reads: list[Read], batches: list[Batch]) -> list[Read]:
+def tail_reads(reads: list[Read], batches: list[Batch], removed: list[Ref]) -> list[Read]:
     """A stream's reads after :func:`packed_tail`: its lockstep reads, kept to the samples its lockstep
-    batches still hold, then per pack the runs of the pack's samples in each shard (one read per shard
-    and pack, opened when the pack needs it: the stream holds at most one pack decoded ahead)."""
-    have = set(itertools.chain.from_iterable(bt.refs for bt in batches if not bt.pack))
+    batches still hold (all it read but ``removed``, the refs :func:`packed_tail` took out of its batches:
+    a lockstep stream reads exactly its batches' samples), then per pack the runs of the pack's samples in
+    each shard (one read per shard and pack, opened when the pack needs it: the stream holds at most one
+    pack decoded ahead)."""
+    gone: dict[int, set[int]] = {}
+    for shard, i in removed:
+        gone.setdefault(shard, set()).add(i)
     out: list[Read] = []
     for shard, ids in reads:
-        kept = [i for i in ids if (shard, i) in have]
+        drop = gone.get(shard)
+        kept = [i for i in ids if i not in drop] if drop else list(ids)
         if kept:
             out.append((shard, kept))
     for bt in batches:
