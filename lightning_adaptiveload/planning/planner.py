@@ -61,7 +61,9 @@ if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only it
 
 __all__ = ["plan_epoch"]
 
+# Batch fields read with C-level maps (once per batch of every stream).
 _REFS = operator.attrgetter("refs")
+_BUCKET = operator.attrgetter("bucket")
 
 # Counters the planning steps update (report keys of the same names, see plan_epoch).
 _COUNTERS = (
@@ -246,8 +248,8 @@ def _plan_epoch(
         epoch=int(epoch),
         mode=mode,
         buckets=_bucket_dicts(buckets, class_of),
-        streams={st: [bt.refs for bt in sim[st]] for st in sim},
-        batch_buckets={st: [bt.bucket for bt in sim[st]] for st in sim},
+        streams={st: list(map(_REFS, sim[st])) for st in sim},
+        batch_buckets={st: list(map(_BUCKET, sim[st])) for st in sim},
         batch_steps=steps.batch_steps,
         reads=reads,
         step_order=steps.step_order,
@@ -417,8 +419,8 @@ def _step_table(
             batches, idx = sim[(r, w)], orders[r][1][w]
             batch_steps[(r, w)] = idx.tolist()
             if batches:
-                step_bucket[r, idx] = [bt.bucket for bt in batches]
-                step_n[r, idx] = [len(bt.refs) for bt in batches]
+                step_bucket[r, idx] = list(map(_BUCKET, batches))
+                step_n[r, idx] = list(map(len, map(_REFS, batches)))
                 if pack_load is not None:
                     for k, bt in zip(idx.tolist(), batches):
                         if bt.pack:
