@@ -293,29 +293,32 @@ def _leftover_steps(
     """Extra steps of ``world`` packs from the samples no core pack needed, balanced LPT (largest first)."""
     if not leftover:
         return []
-    items = sorted(leftover, key=lambda i: (-costs[i], i))
-    total = int(tokens[items].sum())
+    left = np.asarray(leftover, dtype=np.int64)
+    items = left[np.lexsort((left, -costs[left]))].tolist()  # costliest first, ties by index
+    item_tokens, item_costs = tokens[items].tolist(), costs[items].tolist()
+    total = sum(item_tokens)
     n_steps = max(1, math.ceil(total / (world * max_tokens * _TARGET_FILL)))
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     while True:
         packs: list[list[int]] = [[] for _ in range(n_steps * world)]
         load = [0.0] * len(packs)
         used = [0] * len(packs)
         heap = [(0.0, k) for k in range(len(packs))]
         ok = True
-        for i in items:
+        for i, t, c in zip(items, item_tokens, item_costs):
             aside = []
-            while heap and used[heap[0][1]] + int(tokens[i]) > max_tokens:
-                aside.append(heapq.heappop(heap))
+            while heap and used[heap[0][1]] + t > max_tokens:
+                aside.append(pop(heap))
             if not heap:
                 ok = False
                 break
-            _, k = heapq.heappop(heap)
+            k = heap[0][1]
             packs[k].append(i)
-            used[k] += int(tokens[i])
-            load[k] += float(costs[i])
-            heapq.heappush(heap, (load[k], k))
+            used[k] += t
+            load[k] += c
+            replace(heap, (load[k], k))  # (keys are unique: only the set in the heap matters)
             for item in aside:
-                heapq.heappush(heap, item)
+                push(heap, item)
         if ok:
             break
         n_steps += 1
