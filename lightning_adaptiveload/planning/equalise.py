@@ -121,18 +121,20 @@ def _packed_least(sim: dict[Stream, list[Batch]], slots: list[list[Stream]], siz
     """The fewest batches all slots together can reach: as :class:`_Bounds` ``least``, but each bucket's
     partial batches packed across all streams (samples can move between them)."""
     least = 0
-    partial: dict[int, int] = {}
+    size = np.asarray(sizes, dtype=np.int64)
+    partial = np.zeros(len(sizes), dtype=np.int64)
     for slot in slots:
         for st in slot:
             stream = sim[st]
             k = pack_start(stream, sizes)
             least += k
-            for bt in stream[k:]:
-                if len(bt.refs) >= sizes[bt.bucket]:
-                    least += 1
-                else:
-                    partial[bt.bucket] = partial.get(bt.bucket, 0) + len(bt.refs)
-    return least + sum(-(-n // sizes[b]) for b, n in partial.items())
+            if k < len(stream):
+                n = np.fromiter(map(len, map(_REFS, stream[k:])), dtype=np.int64, count=len(stream) - k)
+                bk = np.fromiter(map(_BUCKET, stream[k:]), dtype=np.int64, count=len(stream) - k)
+                full = n >= size[bk]
+                least += int(full.sum())
+                partial += np.bincount(bk[~full], weights=n[~full], minlength=len(sizes)).astype(np.int64)
+    return least + int((-(-partial // size)).sum())
 
 
 def _common_count(bounds: list[_Bounds], least: int, pad: bool) -> int | None:

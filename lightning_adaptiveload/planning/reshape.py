@@ -41,6 +41,7 @@ def pack_start(stream: list[Batch], sizes: list[int]) -> int:
 # The flags are read with C-level maps: these scans run over whole streams many times per plan.
 _EQUAL = operator.attrgetter("equal")
 _BOUND = operator.attrgetter("bound")
+_REFS = operator.attrgetter("refs")
 
 
 def _after_last(flags: list[bool]) -> int:
@@ -53,7 +54,7 @@ def _after_last(flags: list[bool]) -> int:
 
 def capacity(stream: list[Batch]) -> int:
     """How many batches splitting could add: every batch down to one sample each."""
-    return sum(len(bt.refs) - 1 for bt in stream)
+    return sum(map(len, map(_REFS, stream))) - len(stream)
 
 
 def split_batches(stream: list[Batch], need: int) -> int:
