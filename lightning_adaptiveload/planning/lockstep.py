@@ -3,8 +3,9 @@
 Buckets of near-equal per-sample cost form a *lockstep class*. Within each worker index w, the R streams
 (one per rank) first exchange samples so that they hold equal counts of every class
 (:func:`_balance_classes`), then take, step by step, a batch of one class and one size on every rank
-(:func:`~.lockstep_schedule.schedule`). A lockstep stream reads each bucket's samples as a separate sequence of shard reads,
-so it needs to hold no samples beyond the batch it is assembling. Python and NumPy.
+(:func:`~.lockstep_schedule.schedule`). A lockstep stream reads each bucket's samples as a separate
+sequence of shard reads, so it needs to hold no samples beyond the batch it is assembling. Python and
+NumPy.
 """
 
 from __future__ import annotations
