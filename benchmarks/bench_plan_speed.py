@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -31,6 +32,17 @@ CASES = [
     ("packed", 200_000, 1024),
     ("packed", 1_000_000, 1024),
 ]
+
+
+def _device() -> str:
+    """The CPU's model name (the planner runs on the CPU), and the core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
@@ -71,6 +83,7 @@ def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
         "steps": plan.steps,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "rss_before_plan_mib": round(rss0 / 1024, 1),
+        "device": _device(),
     }
 
 
