@@ -219,6 +219,9 @@ def summarise(runs: list[dict]) -> dict:
             "val_loss_per_epoch": per_epoch,
         }
     base = {r["seed"]: r["epochs"][-1]["val_loss"] for r in runs if r["schedule"] == "independent"}
+    base_curves = {
+        r["seed"]: [ep["val_loss"] for ep in r["epochs"]] for r in runs if r["schedule"] == "independent"
+    }
     for schedule in ("lockstep", "packed"):
         diffs = [
             r["epochs"][-1]["val_loss"] - base[r["seed"]]
@@ -231,6 +234,15 @@ def summarise(runs: list[dict]) -> dict:
                 "mean": statistics.fmean(diffs),
                 "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
             }
+            per_epoch = []
+            for e in range(len(out[schedule]["val_loss_per_epoch"]) - 1):
+                d = [
+                    r["epochs"][e]["val_loss"] - base_curves[r["seed"]][e]
+                    for r in runs
+                    if r["schedule"] == schedule and r["seed"] in base_curves
+                ]
+                per_epoch.append({"epoch": e + 1, "mean": statistics.fmean(d), "min": min(d), "max": max(d)})
+            out[schedule]["paired_minus_independent_per_epoch"] = per_epoch
     return out
 
 
@@ -243,9 +255,9 @@ def plot(result: dict, path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     colors = {"independent": "tab:gray", "lockstep": "tab:blue", "packed": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.4))
     for schedule, s in result["summary"].items():
-        rows = s["val_loss_per_epoch"]
+        rows = s["val_loss_per_epoch"][1:]  # epoch 0 (before training, ~1.9) would flatten the curves
         x = [r["epoch"] for r in rows]
         ax.plot(
             x,
@@ -259,8 +271,8 @@ def plot(result: dict, path: str) -> None:
             x, [r["min"] for r in rows], [r["max"] for r in rows], color=colors[schedule], alpha=0.18, lw=0
         )
     st = result["settings"]
-    ax.set_xlabel("epochs trained (every sample once per epoch; 0 = before training)")
-    ax.set_yscale("log")
+    first = next(iter(result["summary"].values()))["val_loss_per_epoch"][0]["mean"]
+    ax.set_xlabel(f"epochs trained (every sample once per epoch; before training: {first:.2f})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("val/loss (token-weighted flow-matching MSE)")
     ax.set_title(
@@ -270,6 +282,29 @@ def plot(result: dict, path: str) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    dx.axhline(0.0, color=colors["independent"], lw=1)
+    for schedule, s in result["summary"].items():
+        rows = s.get("paired_minus_independent_per_epoch")
+        if not rows:
+            continue
+        x = [r["epoch"] for r in rows]
+        dx.plot(
+            x,
+            [r["mean"] for r in rows],
+            "-o",
+            ms=3,
+            color=colors[schedule],
+            label=f"{schedule} - independent",
+        )
+        dx.fill_between(
+            x, [r["min"] for r in rows], [r["max"] for r in rows], color=colors[schedule], alpha=0.18, lw=0
+        )
+    dx.set_xlabel("epochs trained")
+    dx.set_ylabel("val/loss difference, same seed")
+    dx.set_title("paired by seed (same initial weights and validation batches): mean, min-max", fontsize=9)
+    dx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    dx.grid(alpha=0.3)
+    dx.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -294,7 +329,16 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where the shards go (default: a temp folder)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "convergence_cpu.png"))
+    parser.add_argument(
+        "--from-json", default=None, help="re-summarise and re-plot a result file; no training"
+    )
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        result["summary"] = summarise(result["runs"])
+        write_and_report(result, args.out or args.from_json, args.plot)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for ddp_spawn's worker processes
@@ -336,6 +380,8 @@ def main() -> None:
             "val_timesteps": list(VideoDiTModule().hparams.val_timesteps),
             "devices": args.devices,
             "precision": "32-true",
+            "threads_per_process": args.threads,
+            "mixed_steps": "steps whose global batch (all ranks) holds more than one frame count",
         },
         "machine": {
             "cpu": cpu_name(),
@@ -350,7 +396,12 @@ def main() -> None:
         "summary": summarise(runs),
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    write_and_report(result, out, args.plot)
+
+
+def write_and_report(result: dict, out: str, plot_path: str | None) -> None:
+    """Write the result JSON, print the summary, draw the plot."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
@@ -361,10 +412,10 @@ def main() -> None:
             f"(steps/epoch {s['steps_per_epoch']}, mixed-class steps {100 * s['mixed_class_steps_share']:.0f}%)"
             + (f", paired vs independent {paired['mean']:+.4f} +- {paired['std']:.4f}" if paired else "")
         )
-    if args.plot:
+    if plot_path:
         try:
-            plot(result, args.plot)
-            print(f"wrote {args.plot}")
+            plot(result, plot_path)
+            print(f"wrote {plot_path}")
         except ImportError:
             print("matplotlib is not installed: no plot")
 
