@@ -8,8 +8,8 @@ timesteps, fixed noise per validation batch).
 
 Fairness: the same training and validation shards for every run; the same optimizer, learning rate,
 warm-up and epochs; ``mode="equal_tokens"`` with one ``max_tokens`` for all schedules, so that a step
-holds at most the same number of tokens whichever the schedule (packs fill to ~98% of it, bucketed
-batches to ``floor(max_tokens / S)`` samples); validation is planned the same way for every schedule
+holds at most the same number of tokens whichever the schedule (packs fill to ~97% of it, bucketed
+batches hold ``floor(max_tokens / S)`` samples); validation is planned the same way for every schedule
 (its plan does not depend on the training schedule). Every sample is seen exactly once per epoch, so
 samples per epoch are equal; steps per epoch differ and are recorded. A seed sets the model's
 initialisation, the noise and timesteps, and the shard order of the plans (training and validation), so
@@ -23,12 +23,16 @@ i.i.d. noise latents would leave a model almost nothing to learn.
 
 With one process (the default) ``independent`` and ``lockstep`` both form single-shape batches (a bucketed
 batch is one tensor); only across ranks does an ``independent`` step mix classes. ``--devices 2`` runs
-DDP with 2 gloo processes per run (about twice the time on 2 cores).
+DDP with 2 gloo processes per run (``ddp_spawn``, one thread each).
 
 Usage::
 
-    python benchmarks/convergence.py                       # 3 schedules x seeds 0,1,2, ~15 min on 2 cores
-    python benchmarks/convergence.py --epochs 2 --seeds 0  # a quick look
+    python benchmarks/convergence.py                       # 3 schedules x seeds 0,1,2: ~12 min on 2 shared cores
+    python benchmarks/convergence.py --epochs 2 --seeds 0  # a quick look (~30 s)
+    python benchmarks/convergence.py --from-json RESULT.json  # re-summarise and re-plot, no training
+
+Writes ``benchmarks/results/convergence_cpu_<date>.json`` (settings, machine, every run's per-epoch curve,
+summary per schedule) and ``docs/img/convergence_cpu.png``. Results: ``docs/convergence.md``.
 """
 
 from __future__ import annotations
