@@ -1,5 +1,10 @@
 """Synthetic shards: random latents whose shapes follow a length mix, deterministic for a seed.
 
+Two kinds of content: ``"noise"`` (the default) draws every latent element independently from N(0, 1),
+which exercises the data path but leaves a model nothing to learn beyond the noise statistics;
+``"structured"`` draws latents from a low-dimensional, smooth distribution (:func:`structured_latent`),
+so that a loss curve says something about learning (``benchmarks/convergence.py``).
+
 The settings are recorded in the index's metadata (``metadata["synthetic"]``), so that a second call
 with the same settings reuses the shards instead of writing them again.
 """
@@ -23,7 +28,9 @@ from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.writer import ShardWriter
 
-__all__ = ["write_synthetic_shards"]
+__all__ = ["write_synthetic_shards", "structured_latent", "CONTENTS"]
+
+CONTENTS = ("noise", "structured")
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ def write_synthetic_shards(
     prefix: str = "shard",
     key_prefix: str = "sample",
     overwrite: bool = False,
+    content: str = "noise",
 ) -> ShardIndex:
     """Write shards of random latents whose shapes follow a length mix; deterministic for a seed.
 
@@ -100,6 +108,8 @@ def write_synthetic_shards(
         prefix: shard file prefix; key_prefix: sample keys are ``<key_prefix>NNNNNNNN``.
         progress: tqdm bar over samples.
         overwrite: replace existing shards written with other settings (else FileExistsError).
+        content: ``"noise"`` (i.i.d. N(0, 1) latents) or ``"structured"`` (learnable latents, see
+            :func:`structured_latent`; recorded in the settings).
 
     Returns:
         The index of the shards (as saved in ``directory/index.json``).
@@ -109,6 +119,8 @@ def write_synthetic_shards(
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     text_range = _check_text(text_len_range, text_dim)
+    if content not in CONTENTS:
+        raise ValueError(f"content must be one of {CONTENTS}, got {content!r}")
     sizes = _shard_sizes(num_samples, samples_per_shard, uneven, seed)
     settings = {
         "mix": mix_obj.name,
@@ -122,6 +134,8 @@ def write_synthetic_shards(
         "prefix": prefix,
         "key_prefix": key_prefix,
     }
+    if content != "noise":  # recorded only when set: shards written before the option still reuse
+        settings["content"] = content
     directory = os.path.abspath(os.fspath(directory))
     index_path = os.path.join(directory, INDEX_NAME)
     if os.path.exists(index_path) and not overwrite:
@@ -138,7 +152,7 @@ def write_synthetic_shards(
         metadata={"synthetic": settings},
     ) as writer:
         _write_samples(
-            writer, rng, mix_obj, buckets, sizes, seed, text_range, text_dim, dt, key_prefix, progress
+            writer, rng, mix_obj, buckets, sizes, seed, text_range, text_dim, dt, key_prefix, progress, content
         )
     return writer.index
 
@@ -155,6 +169,7 @@ def _write_samples(
     dt: np.dtype,
     key_prefix: str,
     progress: bool,
+    content: str = "noise",
 ) -> None:
     """Draw and write every sample, one shard of ``sizes`` after the other."""
     bar = tqdm(total=sum(sizes), unit="sample", desc="writing synthetic shards", disable=not progress)
@@ -163,7 +178,9 @@ def _write_samples(
         for size in sizes:
             for _ in range(size):
                 bucket = int(buckets[i])
-                latent, text = _random_arrays(rng, mix.buckets[bucket].latent_shape, text_range, text_dim, dt)
+                latent, text = _random_arrays(
+                    rng, mix.buckets[bucket].latent_shape, text_range, text_dim, dt, content
+                )
                 writer.write(f"{key_prefix}{i:08d}", latent, text=text, meta=_sample_meta(mix, bucket, seed))
                 i += 1
                 bar.update(1)
@@ -208,9 +225,13 @@ def _random_arrays(
     text_range: tuple[int, int] | None,
     text_dim: int,
     dt: np.dtype,
+    content: str = "noise",
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One sample's latent and text states; the draw order is fixed (it defines the data of a seed)."""
-    latent = rng.standard_normal(latent_shape, dtype=np.float32).astype(dt)
+    if content == "structured":
+        latent = structured_latent(rng, latent_shape).astype(dt)
+    else:
+        latent = rng.standard_normal(latent_shape, dtype=np.float32).astype(dt)
     text = None
     if text_range is not None:
         length = int(rng.integers(text_range[0], text_range[1] + 1))
@@ -228,3 +249,62 @@ def _sample_meta(mix: Mix, bucket: int, seed: int) -> dict[str, Any]:
         "width": b.width,
         "source": f"synthetic:{mix.name}:seed={seed}",
     }
+
+
+# The structure of "structured" latents is a property of the data family, not of a seed: train and
+# validation shards (written with different seeds) must share it, or there would be nothing to generalise.
+_STRUCTURE_SEED = 20_261_123
+_SHARED_DIRECTIONS = 2  # channel directions every shape uses
+_OWN_DIRECTIONS = 2  # channel directions of one frame count only (an image's differ from a clip's)
+_MODES = 4  # smooth waves per direction and sample
+_RESIDUAL_STD = 0.1  # unlearnable i.i.d. part
+
+
+def _channel_basis(channels: int, frames: int) -> np.ndarray:
+    """(C, K) channel directions for latents of ``frames`` frames: shared ones, then the frame count's own."""
+    shared = np.random.default_rng([_STRUCTURE_SEED, channels]).standard_normal((channels, _SHARED_DIRECTIONS))
+    own = np.random.default_rng([_STRUCTURE_SEED, channels, frames]).standard_normal((channels, _OWN_DIRECTIONS))
+    # Entries N(0, 1) over K directions of unit-variance fields: divide by sqrt(K) for unit channel variance.
+    return np.concatenate([shared, own], axis=1) / np.sqrt(_SHARED_DIRECTIONS + _OWN_DIRECTIONS)
+
+
+def structured_latent(rng: np.random.Generator, latent_shape: Sequence[int]) -> np.ndarray:
+    """One learnable synthetic latent: a few smooth fields mixed into the channels, plus a little noise.
+
+    ``latent[c] = sum_k U[c, k] * z_k + 0.1 * eps``, scaled to unit variance per element, where
+
+    - ``U`` (C, 4) is fixed for the data family (not the seed): 2 channel directions shared by every shape
+      and 2 that belong to the frame count T alone, so that images and each clip length have structure of
+      their own besides the common one;
+    - each field ``z_k`` (T, H, W) is a sum of 4 plane waves ``a cos(2 pi (f_t t + f_h h / H + f_w w / W) +
+      phi)`` with a ~ N(0, 1), phase phi ~ U(0, 2 pi), up to 1.5 cycles across the frame and 0.15 cycles
+      per latent frame in time (slow motion), scaled to unit variance;
+    - ``eps`` is i.i.d. N(0, 1): the part no model can predict.
+
+    A denoiser can learn the channel subspace of each frame count and the spatial and temporal
+    smoothness, so its flow-matching loss can fall well below that of i.i.d. noise latents (where the best
+    prediction is a per-element linear function of the noisy input).
+
+    Args:
+        rng: draws the sample's waves and residual (in a fixed order).
+        latent_shape: (C, T, H, W).
+
+    Returns:
+        float32 array of ``latent_shape``.
+    """
+    c, t, h, w = (int(v) for v in latent_shape)
+    k = _SHARED_DIRECTIONS + _OWN_DIRECTIONS
+    amp = rng.standard_normal((k, _MODES, 1, 1, 1))
+    phase = rng.uniform(0.0, 2.0 * np.pi, (k, _MODES, 1, 1, 1))
+    f_t = rng.uniform(0.0, 0.15, (k, _MODES, 1, 1, 1))
+    f_h = rng.uniform(-1.5, 1.5, (k, _MODES, 1, 1, 1))
+    f_w = rng.uniform(-1.5, 1.5, (k, _MODES, 1, 1, 1))
+    tt = np.arange(t).reshape(1, 1, t, 1, 1)
+    hh = np.arange(h).reshape(1, 1, 1, h, 1) / h
+    ww = np.arange(w).reshape(1, 1, 1, 1, w) / w
+    # Each wave has variance a^2 / 2 = 1/2 on average: sqrt(2 / modes) makes each field unit-variance.
+    fields = (amp * np.cos(2.0 * np.pi * (f_t * tt + f_h * hh + f_w * ww) + phase)).sum(axis=1)
+    fields *= np.sqrt(2.0 / _MODES)
+    latent = np.einsum("ck,kthw->cthw", _channel_basis(c, t), fields)
+    latent += _RESIDUAL_STD * rng.standard_normal((c, t, h, w))
+    return (latent / np.sqrt(1.0 + _RESIDUAL_STD**2)).astype(np.float32)

@@ -449,8 +449,9 @@ class VideoDiT(nn.Module):
     # -- helpers -----------------------------------------------------------------------------------
 
     def _rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        # One entry per distinct latent shape; a length mix has a few dozen at most.
-        key = (grid, str(device))
+        # One entry per distinct latent shape; a length mix has a few dozen at most. Tables made under
+        # inference_mode (trainer.validate before fit) cannot be saved for backward: kept apart.
+        key = (grid, str(device), torch.is_inference_mode_enabled())
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_3d(grid, self.config.head_dim, self.config.rope_theta, device)
         return self._rope_cache[key]
