@@ -1,0 +1,140 @@
+"""Index load + epoch planning at scale on CPU (issue 16): what one rank spends before its first step.
+
+For each size a synthetic binary index (``index.npidx``: wan21_480p shapes, 1,000 samples a shard; the
+generator of ``bench_index_scale.py``) is written once; then, per schedule, a fresh process loads it
+(``CompactIndex.load``) and plans one epoch for 64 ranks x 2 workers (``plan_epoch``, ``max_tokens``
+65,520, ``max_compute="auto"`` for the bucketed schedules). Each process reports its load and plan wall
+times and its peak resident memory (VmHWM, imports included; the imports alone are reported apart).
+A straight line and a power law are fitted per schedule to extrapolate to 100M samples; both are written,
+with the points, to ``benchmarks/results/plan_scale_<cpu>_<date>.json``. Never asserts a time. Run::
+
+    python benchmarks/bench_plan_scale.py                         # 1M, 2M, 5M, 10M (packed: 1M, 2M)
+    python benchmarks/bench_plan_scale.py --sizes 1e5 --packed-sizes 1e5   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import cpu_name  # noqa: E402
+from bench_index_scale import synthetic_columns  # noqa: E402
+
+from lightning_adaptiveload.data.columnar import write_columns  # noqa: E402
+
+_ONE = r"""
+import json, sys, time
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                yield line.split(":")[0], int(line.split()[1]) / 1024
+from lightning_adaptiveload.data.compact import CompactIndex
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.planner import plan_epoch
+before = dict(hwm())
+path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+t = time.perf_counter()
+index = CompactIndex.load(path)
+load_s = time.perf_counter() - t
+batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
+t = time.perf_counter()
+plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode)
+plan_s = time.perf_counter() - t
+after = dict(hwm())
+print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps,
+                  "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"]}))
+"""
+
+
+def _fits(xs: np.ndarray, ys: np.ndarray, at: float = 1e8) -> dict:
+    if len(xs) < 2:
+        return {}
+    slope, intercept = np.polyfit(xs, ys, 1)
+    k, log_c = np.polyfit(np.log(xs), np.log(ys), 1)
+    return {
+        "linear": {"per_million": slope * 1e6, "intercept": intercept, "at_100M": slope * at + intercept},
+        "power": {"exponent": k, "at_100M": float(np.exp(log_c) * at**k)},
+        "points": len(xs),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1e6,2e6,5e6,1e7", help="samples, for independent and lockstep")
+    ap.add_argument("--packed-sizes", default="1e6,2e6", help="samples, for packed")
+    ap.add_argument("--world", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
+    packed_sizes = {int(float(x)) for x in args.packed_sizes.split(",") if x}
+    bucketed_sizes = {int(float(x)) for x in args.sizes.split(",") if x}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            path = os.path.join(tmp, f"index_{n}.npidx")
+            write_columns(path, synthetic_columns(n, seed=1))
+            for mode in ("independent", "lockstep", "packed"):
+                if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
+                    continue
+                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                row = {"samples": n, "mode": mode, **json.loads(out.stdout.strip().splitlines()[-1])}
+                rows.append(row)
+                print(
+                    f"{mode:12s} {n:>10,d}  load {row['load_s']:6.2f} s  plan {row['plan_s']:7.2f} s  "
+                    f"peak {row['peak_mib']:7.0f} MiB (imports {row['imports_mib']:.0f})",
+                    flush=True,
+                )
+            os.unlink(path)
+    fits = {}
+    for mode in ("independent", "lockstep", "packed"):
+        sel = [r for r in rows if r["mode"] == mode]
+        xs = np.array([r["samples"] for r in sel], dtype=np.float64)
+        fits[mode] = {
+            "load_plus_plan_s": _fits(xs, np.array([r["load_s"] + r["plan_s"] for r in sel])),
+            "peak_mib": _fits(xs, np.array([r["peak_mib"] for r in sel])),
+        }
+    result = {
+        "benchmark": "plan_scale",
+        "cpu": cpu_name(),
+        "date": datetime.date.today().isoformat(),
+        "settings": {
+            "mix": "wan21_480p",
+            "samples_per_shard": 1000,
+            "world_size": args.world,
+            "num_workers": args.workers,
+            "max_tokens": 65520,
+            "index": "binary (index.npidx), CompactIndex.load in a fresh process",
+        },
+        "targets_at_100M": {"load_plus_plan_s": 30, "peak_gb": 2},
+        "rows": rows,
+        "fits": fits,
+    }
+    out = args.out or os.path.join(
+        HERE, "results", f"plan_scale_{cpu_name().split()[0].lower()}_{result['date']}.json"
+    )
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for mode, fit in fits.items():
+        t, m = fit["load_plus_plan_s"], fit["peak_mib"]
+        if t:
+            print(
+                f"{mode:12s} at 100M: {t['linear']['at_100M']:7.0f} s linear, {t['power']['at_100M']:7.0f} s "
+                f"power (exponent {t['power']['exponent']:.2f}); peak {m['linear']['at_100M'] / 1024:6.1f} GiB"
+            )
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
