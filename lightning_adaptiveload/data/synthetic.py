@@ -152,7 +152,18 @@ def write_synthetic_shards(
         metadata={"synthetic": settings},
     ) as writer:
         _write_samples(
-            writer, rng, mix_obj, buckets, sizes, seed, text_range, text_dim, dt, key_prefix, progress, content
+            writer,
+            rng,
+            mix_obj,
+            buckets,
+            sizes,
+            seed,
+            text_range,
+            text_dim,
+            dt,
+            key_prefix,
+            progress,
+            content,
         )
     return writer.index
 
@@ -262,8 +273,12 @@ _RESIDUAL_STD = 0.1  # unlearnable i.i.d. part
 
 def _channel_basis(channels: int, frames: int) -> np.ndarray:
     """(C, K) channel directions for latents of ``frames`` frames: shared ones, then the frame count's own."""
-    shared = np.random.default_rng([_STRUCTURE_SEED, channels]).standard_normal((channels, _SHARED_DIRECTIONS))
-    own = np.random.default_rng([_STRUCTURE_SEED, channels, frames]).standard_normal((channels, _OWN_DIRECTIONS))
+    shared = np.random.default_rng([_STRUCTURE_SEED, channels]).standard_normal(
+        (channels, _SHARED_DIRECTIONS)
+    )
+    own = np.random.default_rng([_STRUCTURE_SEED, channels, frames]).standard_normal(
+        (channels, _OWN_DIRECTIONS)
+    )
     # Entries N(0, 1) over K directions of unit-variance fields: divide by sqrt(K) for unit channel variance.
     return np.concatenate([shared, own], axis=1) / np.sqrt(_SHARED_DIRECTIONS + _OWN_DIRECTIONS)
 
