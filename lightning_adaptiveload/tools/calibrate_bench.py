@@ -102,17 +102,7 @@ class Bench:
                 self._pack = None
                 _release(self.device)
                 self._pack = (key, self.pack_batch(key))
-            batch = self._pack[1]
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.step(batch)
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1000.0
-            t0 = time.perf_counter()
-            self.step(batch)
-            return time.perf_counter() - t0
+            return self.timed_step(self._pack[1])
         except Exception as err:  # noqa: BLE001 - only out-of-memory is expected here
             if not _is_oom(err):
                 raise
@@ -120,6 +110,19 @@ class Bench:
             self.module.model.zero_grad(set_to_none=True)
             _release(self.device)
             return None
+
+    def timed_step(self, batch: dict) -> float:
+        """Seconds of one :meth:`step`: CUDA events on a GPU, the wall clock elsewhere."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.step(batch)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        t0 = time.perf_counter()
+        self.step(batch)
+        return time.perf_counter() - t0
 
     def step(self, batch: dict) -> None:
         self.module.model.zero_grad(set_to_none=True)
@@ -177,19 +180,7 @@ class Bench:
             batch = self.batch(shape, b)
             for _ in range(warmup):
                 self.step(batch)
-            runs = []
-            for _ in range(repeats):
-                if self.device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    self.step(batch)
-                    end.record()
-                    end.synchronize()
-                    runs.append(start.elapsed_time(end) / 1000.0)
-                else:
-                    t0 = time.perf_counter()
-                    self.step(batch)
-                    runs.append(time.perf_counter() - t0)
+            runs = [self.timed_step(batch) for _ in range(repeats)]
             return statistics.median(runs), runs
         except Exception as err:  # noqa: BLE001
             if not _is_oom(err):
