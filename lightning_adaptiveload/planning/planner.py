@@ -29,6 +29,7 @@ torch.
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
 import time
@@ -79,6 +80,25 @@ _COUNTERS = (
 )
 
 
+def _gc_paused(fn):
+    """Run ``fn`` with the cyclic garbage collector off: the planner allocates a few objects per sample
+    (refs, lists) and frees none of them until it returns, so the collector's passes over them would take
+    about half the planning time, for nothing."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def plan_epoch(
     index_or_shapes: Any,
     world_size: int,
@@ -132,45 +152,6 @@ def plan_epoch(
         PlanError: ``underfull="error"`` and some rank can get no sample (fewer samples than ranks).
         ValueError: bad settings, an oversize sample under ``oversize="raise"``, mixed C in a bucket.
     """
-    # The planner allocates a few objects per sample (refs, lists) and frees none of them until it returns:
-    # the cyclic garbage collector's passes over them would take about half the planning time, for nothing.
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        return _plan_epoch(
-            index_or_shapes,
-            world_size,
-            num_workers,
-            batcher,
-            seed,
-            epoch,
-            mode,
-            exclude,
-            max_buffered_samples,
-            lockstep_tolerance,
-            underfull,
-            lockstep_tail,
-        )
-    finally:
-        if gc_was_on:
-            gc.enable()
-
-
-def _plan_epoch(
-    index_or_shapes: Any,
-    world_size: int,
-    num_workers: int,
-    batcher: DualConstraintBatcher,
-    seed: int,
-    epoch: int,
-    mode: str,
-    exclude: Iterable[Ref] | Mapping[int, Collection[int]] | None,
-    max_buffered_samples: int | None,
-    lockstep_tolerance: float,
-    underfull: str,
-    lockstep_tail: str,
-) -> EpochPlan:
-    """:func:`plan_epoch`'s body (with the garbage collector off)."""
     t0 = time.perf_counter()
     _check_settings(mode, underfull, world_size, num_workers, batcher)
     if lockstep_tail not in LOCKSTEP_TAILS:
