@@ -4,13 +4,11 @@ fit of the tiny VideoDiT runs an epoch that ends in packs (CPU)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
@@ -21,6 +19,7 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
 from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
+from _recording import fit_two_ranks  # noqa: E402
 
 SIZES = [9, 3, 7, 5, 8]
 MAX_TOKENS = 768
@@ -88,43 +87,11 @@ def test_datamodule_falls_back_to_a_bucketed_tail_for_a_module_without_packs(dat
         AdaptiveLoadDataModule(train_shards=data, schedule="lockstep", lockstep_tail="packs")
 
 
-class _RecordingModule(VideoDiTModule):
-    """Writes what every rank took at every step before training on it."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(preset="tiny")
-        self.path = path
-
-    def training_step(self, batch, batch_idx):
-        row = {
-            "step": int(batch["step"]),
-            "keys": list(batch["keys"]),
-            "packed": bool(batch.get("packed")),
-            "shapes": [list(x.shape) for x in batch["latents"]],
-        }
-        with open(self.path.format(self.global_rank), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        loss = super().training_step(batch, batch_idx)
-        assert torch.isfinite(loss)
-        return loss
-
-
 @pytest.mark.timeout(240)
 def test_lockstep_fit_with_packed_tail_two_ranks(data, tmp_path):
     base = str(tmp_path / "rec.rank{}.jsonl")
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="lockstep", num_workers=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(_RecordingModule(base), datamodule=dm)
-    rows = [[json.loads(line) for line in open(base.format(r))] for r in range(2)]
+    rows = fit_two_ranks(dm, base)
     assert len(rows[0]) == len(rows[1]) > 0  # equal steps
     for a, b in zip(*rows):  # aligned: both ranks at one plan step, both packs or both bucketed
         assert a["step"] == b["step"] and a["packed"] == b["packed"]

@@ -2,42 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-
-import lightning.pytorch as pl
-import torch
+import sys
 
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.models.module import VideoDiTModule
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _recording import fit_two_ranks  # noqa: E402
 
 SIZES = [9, 3, 7, 5]
 MAX_TOKENS = 768
-
-
-class _RecordingModule(VideoDiTModule):
-    """Writes what every rank took at every step (keys, tokens, the pack's shapes) before training on it."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(preset="tiny")
-        self.path = path
-
-    def training_step(self, batch, batch_idx):
-        row = {
-            "epoch": int(self.current_epoch),
-            "step": int(batch["step"]),
-            "keys": list(batch["keys"]),
-            "packed": bool(batch.get("packed")),
-            "num_tokens": int(batch["num_tokens"]),
-            "shapes": [list(x.shape) for x in batch["latents"]],
-            "cu_seqlens": batch["cu_seqlens"].tolist() if batch.get("packed") else None,
-        }
-        with open(self.path.format(self.global_rank), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        loss = super().training_step(batch, batch_idx)
-        assert torch.isfinite(loss)
-        return loss
 
 
 def test_packed_fit_two_ranks(tmp_path):
@@ -47,18 +22,7 @@ def test_packed_fit_two_ranks(tmp_path):
     )
     base = str(tmp_path / "rec.rank{}.jsonl")
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(_RecordingModule(base), datamodule=dm)
-    rows = [[json.loads(line) for line in open(base.format(r))] for r in range(2)]
+    rows = fit_two_ranks(dm, base)
     assert len(rows[0]) == len(rows[1]) > 0  # equal steps
     assert all(r["packed"] for rank in rows for r in rank)
     taken = [k for rank in rows for r in rank for k in r["keys"]]
