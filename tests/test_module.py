@@ -302,3 +302,25 @@ def test_checkpoint_keeps_the_noise_generator_state():
     resumed = VideoDiTModule()
     resumed.on_load_checkpoint(checkpoint)
     torch.testing.assert_close(torch.randn(5, generator=resumed._noise_gen(torch.device("cpu"))), expected)
+
+
+@pytest.mark.timeout(180)
+def test_validate_then_fit_on_the_same_module(one_thread):
+    # trainer.validate runs under inference mode and leaves the val_loss metric's states as inference
+    # tensors; the fit that follows validates without inference mode and used to fail in the metric's
+    # in-place update ("Inplace update to inference tensor outside InferenceMode").
+    data = _batches(2, seed=0)
+    module = VideoDiTModule(preset="tiny")
+    common = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    first = L.Trainer(**common).validate(module, DataLoader(data, batch_size=None), verbose=False)[0]
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=2, **common)
+    trainer.fit(module, DataLoader(data, batch_size=None), DataLoader(data, batch_size=None))
+    after = float(trainer.callback_metrics["val/loss"])
+    assert math.isfinite(first["val/loss"]) and math.isfinite(after)

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
@@ -283,6 +283,18 @@ class VideoDiTModule(L.LightningModule):
                 self._noise_generator.set_state(saved[rank])
             self._saved_noise_states = None
         return self._noise_generator
+
+    def on_validation_epoch_start(self) -> None:
+        """Make the metric states ordinary tensors again where an earlier ``trainer.validate`` (run under
+        inference mode) left inference tensors: a later ``fit`` validates without inference mode, where the
+        metric's in-place update of such a tensor raises."""
+        with torch.inference_mode(False):
+            for metric in self.modules():
+                if isinstance(metric, Metric):
+                    for name in metric._defaults:
+                        value = getattr(metric, name)
+                        if isinstance(value, torch.Tensor) and value.is_inference():
+                            setattr(metric, name, value.clone())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save every rank's noise/timestep generator state (one small gather: Lightning calls this on every
