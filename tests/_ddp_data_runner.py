@@ -93,6 +93,7 @@ def main() -> None:
             seed=run.get("seed", 0),
             mode=run.get("mode", "dual"),
             lockstep_tail=run.get("lockstep_tail", "packed"),
+            plan_chunk_samples=run.get("plan_chunk_samples", 1_000_000),
         )
         callbacks: list[Callback] = []
         if run.get("ckpt_every"):

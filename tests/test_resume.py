@@ -33,11 +33,16 @@ def shards(tmp_path_factory) -> str:
 
 
 def make_dm(
-    data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch
+    data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch, chunk: int | None = None
 ) -> AdaptiveLoadDataModule:
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
     dm = AdaptiveLoadDataModule(
-        train_shards=data, max_tokens=512, num_workers=workers, schedule=schedule, seed=7
+        train_shards=data,
+        max_tokens=512,
+        num_workers=workers,
+        schedule=schedule,
+        seed=7,
+        plan_chunk_samples=chunk if chunk is not None else 1_000_000,
     )
     dm.setup("fit")
     return dm
@@ -61,16 +66,32 @@ def take(dm: AdaptiveLoadDataModule, n: int | None, monkeypatch, rank: int, worl
     ("world", "new_world", "workers", "new_workers"), [(2, 2, 0, 2), (2, 3, 2, 0), (3, 1, 0, 0)]
 )
 def test_resume_without_trainer(shards, monkeypatch, schedule, world, new_world, workers, new_workers):
+    _kill_and_resume(shards, monkeypatch, schedule, world, new_world, workers, new_workers, None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["independent", "lockstep", "packed"])
+@pytest.mark.parametrize(("world", "new_world", "workers", "new_workers"), [(2, 2, 0, 2), (2, 3, 0, 0)])
+def test_resume_of_a_chunked_epoch(shards, monkeypatch, schedule, world, new_world, workers, new_workers):
+    # 116 samples in segments of about 40 (issue 16): each rank plans only its own streams, the resume
+    # replays every rank's plan to find what was consumed.
+    _kill_and_resume(shards, monkeypatch, schedule, world, new_world, workers, new_workers, 40)
+
+
+def _kill_and_resume(shards, monkeypatch, schedule, world, new_world, workers, new_workers, chunk):
     keys = index_keys(shards)
-    dms = [make_dm(shards, r, world, workers, schedule, monkeypatch) for r in range(world)]
+    dms = [make_dm(shards, r, world, workers, schedule, monkeypatch, chunk) for r in range(world)]
     firsts = [take(dm, 3, monkeypatch, r, world) for r, dm in enumerate(dms)]
     steps = dms[0].epoch_report["steps"]
     assert all(len(f) == 3 for f in firsts) and steps > 3
+    if chunk is not None:
+        assert dms[0].epoch_report["segments"] > 1
+        assert dms[0].train_dataset.plan.rank == 0 and dms[-1].train_dataset.plan.rank == world - 1
     state = dms[0].state_dict()
     assert state["epoch"] == 0 and state["segments"][-1]["consumed"] == [3] * world
     resumed = []
     for r in range(new_world):
-        dm = make_dm(shards, r, new_world, new_workers, schedule, monkeypatch)
+        dm = make_dm(shards, r, new_world, new_workers, schedule, monkeypatch, chunk)
         dm.load_state_dict(state)
         resumed.append(take(dm, None, monkeypatch, r, new_world))
         assert dm.epoch_report["steps"] == len(resumed[-1])

@@ -29,6 +29,7 @@ from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDa
 from lightning_adaptiveload.data.resume import STATE_VERSION, check_state_version, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
@@ -150,6 +151,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
             says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
             ``"bucketed"`` with a warning, so that it never receives a pack.
+        plan_chunk_samples: a training epoch of more samples is planned in segments of about this many,
+            one after the other (``docs/data_path.md``, "Internet-scale epochs"): each rank then holds one
+            segment's working set and its own streams, not every stream of the epoch. None: plan at once.
         patch_size: the model's (pt, ph, pw).
         num_workers: DataLoader workers per rank.
         seed: seeds the shard order of every epoch (with the epoch number).
@@ -221,6 +225,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         sample_transform: Callable[[dict], dict] | None = None,
         text_pad_to: int | None = None,
         lockstep_tail: str = "packed",
+        plan_chunk_samples: int | None = 1_000_000,
     ) -> None:
         super().__init__()
         if lockstep_tail not in LOCKSTEP_TAILS:
@@ -239,6 +244,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(num_workers) < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if plan_chunk_samples is not None and int(plan_chunk_samples) < 1:
+            raise ValueError(
+                f"plan_chunk_samples must be a positive number of samples or None, got {plan_chunk_samples!r}"
+            )
         self.save_hyperparameters(ignore=["sample_transform"])
         self.train_shards = train_shards
         self.val_shards = val_shards
@@ -254,6 +263,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.lockstep_tail = lockstep_tail
+        self.plan_chunk_samples = None if plan_chunk_samples is None else int(plan_chunk_samples)
         self.pin_memory = bool(pin_memory)
         self.max_member_bytes = max_member_bytes
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
@@ -455,6 +465,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             max_member_bytes=self.max_member_bytes,
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
+            chunk_samples=self.plan_chunk_samples if training else None,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
@@ -549,6 +560,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         assert ds is not None
         rank, world = _dist.rank_and_world(self.trainer)
         ds.rank, ds.world_size = rank, world
+        ds.plan_progress = _PlanBar() if rank == 0 else None
         epoch = self._current_epoch()
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) == epoch:
@@ -562,7 +574,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     resume["epoch"],
                     epoch,
                 )
-            plan = ds.make_plan(epoch)
+            plan = ds.make_plan(epoch, local=True)
             self._segments = [{"kind": "fresh", **ds.plan_settings(), "consumed": None}]
             self._segment_base = 0
         ds.begin_epoch(epoch, plan)
@@ -674,11 +686,28 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._resume = dict(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
-        resumed = resume_plan(ds, state)
+        resumed = resume_plan(ds, state)  # replays every rank's plans: it needs what all consumed
         self._segments = resumed.segments
         self._segment_base = resumed.segment_base
         rank_zero_info(
             f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples "
             f"({resumed.kind}: world size {ds.world_size}, {ds.num_workers} workers, {resumed.plan.steps} steps left)"
         )
-        return resumed.plan
+        return local_plan(resumed.plan, ds.rank) if resumed.plan.rank is None else resumed.plan
+
+
+class _PlanBar:
+    """A progress bar (rank 0) over the segments of a chunked epoch plan, opened at the first segment."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="[adaptiveload] planning the epoch", unit="segment")
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
+            self._bar = None

@@ -50,6 +50,8 @@ class PlannedShardDataset(IterableDataset):
         sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
             collation (see :func:`apply_sample_transform`); None: none.
         text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
+        chunk_samples: plan an epoch of more samples in segments of about this many (see
+            :func:`plan_epoch`); None: at once. Part of the saved plan settings, so a resume re-plans alike.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class PlannedShardDataset(IterableDataset):
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
         lockstep_tail: str = "packed",
+        chunk_samples: int | None = None,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -88,6 +91,10 @@ class PlannedShardDataset(IterableDataset):
         self.underfull = underfull
         self.sample_transform = sample_transform
         self.text_pad_to = text_pad_to
+        self.chunk_samples = None if chunk_samples is None else int(chunk_samples)
+        # Called with (segments planned, segments) while a chunked epoch is planned (the DataModule shows a
+        # bar on rank 0); None: quiet.
+        self.plan_progress: Callable[[int, int], None] | None = None
         self.rank, self.world_size = 0, 1
         self.plan: EpochPlan | None = None
         self.epoch: int | None = None
@@ -108,12 +115,14 @@ class PlannedShardDataset(IterableDataset):
             "max_buffered_samples": self.max_buffered_samples,
             "lockstep_tolerance": self.lockstep_tolerance,
             "lockstep_tail": self.lockstep_tail,
+            "chunk_samples": self.chunk_samples,
         }
 
     def make_plan(
-        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None
+        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None, local: bool = False
     ) -> EpochPlan:
-        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``."""
+        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``; ``local``:
+        only this rank's streams (what training needs; a resume's replay needs every rank's)."""
         s = dict(self.plan_settings() if settings is None else settings)
         batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
         return plan_epoch(
@@ -131,6 +140,10 @@ class PlannedShardDataset(IterableDataset):
             lockstep_tail=s.get("lockstep_tail", "bucketed"),
             # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
             underfull="pad" if exclude else self.underfull,
+            # Saved before chunked planning existed: those epochs were planned at once.
+            chunk_samples=s.get("chunk_samples"),
+            rank=self.rank if local else None,
+            progress=self.plan_progress,
         )
 
     def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
@@ -139,7 +152,11 @@ class PlannedShardDataset(IterableDataset):
         if plan is None:
             if self.plan is not None and self.epoch == epoch and self.fixed_epoch is not None:
                 return self.plan
-            plan = self.make_plan(epoch)
+            plan = self.make_plan(epoch, local=True)
+        if plan.rank is not None and plan.rank != self.rank:
+            raise ValueError(
+                f"a plan of rank {plan.rank}'s streams was given to the loader of rank {self.rank}"
+            )
         if plan.world_size != self.world_size or max(1, plan.num_workers) != max(1, self.num_workers):
             raise ValueError(
                 f"plan for world size {plan.world_size} and {plan.num_workers} workers, but this loader runs "

@@ -63,6 +63,8 @@ def as_input(index_or_shapes: Any) -> PlanInput:
     Raises:
         TypeError: neither.
     """
+    if isinstance(index_or_shapes, PlanInput):
+        return index_or_shapes
     if hasattr(index_or_shapes, "shape_table"):  # a CompactIndex: keep its arrays
         index = index_or_shapes
         return PlanInput(

@@ -442,6 +442,7 @@ def plan_packed(
         steps=len(steps),
         global_tokens=[int(x) for x in layout.step_tokens.sum(axis=0)],
         report=report,
+        step_costs=layout.step_cost,
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan

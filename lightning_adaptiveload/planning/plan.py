@@ -98,6 +98,8 @@ class EpochPlan:
     global_tokens: list[int]
     report: dict[str, Any] = field(default_factory=dict)
     pack_batches: dict[Stream, list[bool]] = field(default_factory=dict)
+    rank: int | None = None
+    step_costs: Any = field(default=None, repr=False, compare=False)
 
     def is_pack(self, stream: Stream, j: int) -> bool:
         """Whether batch ``j`` of ``stream`` is a pack (collated as one, see ``docs/data_path.md``)."""

@@ -41,6 +41,7 @@ import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
 from lightning_adaptiveload.planning.assign import assign, exclusions, reads_of, shard_pieces
+from lightning_adaptiveload.planning.chunked import local_plan, plan_segments, segment_count
 from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
 from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table, distinct_shapes
@@ -112,6 +113,10 @@ def plan_epoch(
     lockstep_tolerance: float = 0.05,
     underfull: str = "error",
     lockstep_tail: str = "packed",
+    rank: int | None = None,
+    chunk_samples: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    keep_step_costs: bool = False,
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -143,6 +148,16 @@ def plan_epoch(
             from all ranks, into tail steps of one balanced pack per rank (:mod:`.tail`; the batches are
             marked in ``plan.pack_batches``, and the model must run packs: ``docs/data_path.md``);
             ``"bucketed"`` keeps them as unequal bucketed batches. Ignored by the other schedules.
+        rank: None (default): the plan holds every stream. A rank: a *rank-local* plan holding only that
+            rank's streams, reads and step order (``plan.rank``); its steps, global tokens and report are
+            those of the plan of every stream. What a training rank needs; :func:`~.resume.consumed_refs`
+            needs a plan of every rank.
+        chunk_samples: None (default): plan the epoch at once. A number: an epoch of more samples is planned
+            in segments of about that many samples, one after the other (:mod:`.chunked`: the memory of
+            one segment at a time, exactly once and equal steps by construction, each segment with its own
+            tail); at most that many samples plan exactly as with None.
+        progress: called with (segments planned, segments) after each segment of a chunked plan.
+        keep_step_costs: keep ``plan.step_costs`` (every rank's estimated batch cost at every step).
 
     Returns:
         The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
@@ -158,6 +173,47 @@ def plan_epoch(
         raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
     world, workers = int(world_size), max(1, int(num_workers))
     data = as_input(index_or_shapes)
+    if rank is not None and not 0 <= int(rank) < world:
+        raise ValueError(f"rank must be in 0..{world - 1} for world size {world}, got {rank!r}")
+    groups = segment_count(_num_samples(data), chunk_samples, world, workers)
+    if groups > 1:
+        return plan_segments(
+            data, world, num_workers, batcher, seed, epoch, mode, exclude, underfull, rank, groups, plan_epoch,
+            progress, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
+            lockstep_tail=lockstep_tail, keep_step_costs=True,
+        )  # fmt: skip
+    plan = _plan_whole(
+        data, world, num_workers, batcher, seed, epoch, mode, exclude, max_buffered_samples, lockstep_tolerance,
+        underfull, lockstep_tail, t0,
+    )  # fmt: skip
+    if not keep_step_costs:
+        plan.step_costs = None
+    return plan if rank is None else local_plan(plan, int(rank))
+
+
+def _num_samples(data: Any) -> int:
+    if data.arrays is not None:
+        return int(data.arrays.shard_offsets[-1])
+    return sum(map(len, data.shapes))
+
+
+def _plan_whole(
+    data: Any,
+    world: int,
+    num_workers: int,
+    batcher: DualConstraintBatcher,
+    seed: int,
+    epoch: int,
+    mode: str,
+    exclude: Any,
+    max_buffered_samples: int | None,
+    lockstep_tolerance: float,
+    underfull: str,
+    lockstep_tail: str,
+    t0: float,
+) -> EpochPlan:
+    """One plan of the whole epoch for every stream (the body of :func:`plan_epoch`)."""
+    workers = max(1, int(num_workers))
     if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
         from lightning_adaptiveload.planning.packed import plan_packed
 
@@ -238,6 +294,7 @@ def plan_epoch(
         global_tokens=[int(x) for x in steps.global_tokens],
         report=report,
         pack_batches={st: [bt.pack for bt in sim[st]] for st in sim} if tail["steps"] else {},
+        step_costs=steps.costs,
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan
@@ -358,6 +415,7 @@ class _Steps:
     est_wait: float
     pack_steps: int = 0  # steps at which every rank takes a pack (lockstep's packed tail)
     pack_fill: float = 0.0  # mean tokens of those packs
+    costs: np.ndarray | None = None  # (world, steps): every rank's estimated batch cost at every step
 
 
 def _pack_load(
@@ -420,7 +478,9 @@ def _step_table(
         est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
     else:
         unequal, est_cv, est_wait = 0, 0.0, 0.0
-    return _Steps(step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait, n_pack, pack_fill)
+    return _Steps(
+        step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait, n_pack, pack_fill, costs
+    )
 
 
 def _bucket_dicts(buckets: list[Bucket], class_of: list[int]) -> list[dict[str, Any]]:

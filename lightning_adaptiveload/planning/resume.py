@@ -18,6 +18,11 @@ __all__ = ["consumed_refs", "continue_plan"]
 
 def consumed_refs(plan: EpochPlan, steps_per_rank: Sequence[int] | int) -> set[Ref]:
     """The sample refs in the first ``steps_per_rank[r]`` steps of every rank r (an int: the same for all)."""
+    if plan.rank is not None:
+        raise ValueError(
+            f"consumed_refs needs the plan of every rank, but this plan holds only rank {plan.rank}'s streams "
+            "(plan_epoch(rank=...)); plan the epoch with rank=None to find what every rank consumed"
+        )
     if isinstance(steps_per_rank, int):
         steps_per_rank = [steps_per_rank] * plan.world_size
     if len(steps_per_rank) != plan.world_size:
@@ -55,11 +60,13 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
     workers = max(1, int(num_workers))
     world = plan.world_size
     steps = plan.steps - steps_done
-    streams: dict[Stream, list[list[Ref]]] = {(r, w): [] for r in range(world) for w in range(workers)}
-    buckets_of: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
-    batch_steps: dict[Stream, list[int]] = {(r, w): [] for r in range(world) for w in range(workers)}
-    packs: dict[Stream, list[bool]] = {(r, w): [] for r in range(world) for w in range(workers)}
-    for r in range(world):
+    ranks = range(world) if plan.rank is None else [plan.rank]  # a rank-local plan continues its rank
+    keys = [(r, w) for r in ranks for w in range(workers)]
+    streams: dict[Stream, list[list[Ref]]] = {st: [] for st in keys}
+    buckets_of: dict[Stream, list[int]] = {st: [] for st in keys}
+    batch_steps: dict[Stream, list[int]] = {st: [] for st in keys}
+    packs: dict[Stream, list[bool]] = {st: [] for st in keys}
+    for r in ranks:
         for k in range(steps):
             w_old, j = plan.step_order[r][steps_done + k]
             st = (r, k % workers)
@@ -67,7 +74,7 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
             buckets_of[st].append(plan.batch_buckets[(r, w_old)][j])
             batch_steps[st].append(k)
             packs[st].append(plan.is_pack((r, w_old), j))
-    reads = {st: _reads_per_shard(batches) for st, batches in streams.items()}
+    reads = {st: reads_per_shard(batches) for st, batches in streams.items()}
     return EpochPlan(
         world_size=world,
         num_workers=int(num_workers),
@@ -79,16 +86,19 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
         batch_buckets=buckets_of,
         batch_steps=batch_steps,
         reads=reads,
-        step_order=[[(k % workers, k // workers) for k in range(steps)] for _ in range(world)],
+        step_order=[
+            [(k % workers, k // workers) for k in range(steps)] if r in ranks else [] for r in range(world)
+        ],
         steps=steps,
         global_tokens=list(plan.global_tokens[steps_done:]),
         report=_rest_report(plan, steps_done, int(num_workers), streams, reads),
         # A lockstep plan's packed tail stays packs (the packed schedule marks every batch by its mode).
         pack_batches=packs if plan.pack_batches else {},
+        rank=plan.rank,
     )
 
 
-def _reads_per_shard(batches: list[list[Ref]]) -> list[Read]:
+def reads_per_shard(batches: list[list[Ref]]) -> list[Read]:
     """One read per shard, in order of first need, of the samples ``batches`` take from it."""
     per_shard: dict[int, list[int]] = {}
     for batch in batches:
@@ -117,6 +127,11 @@ def _rest_report(
         excluded=report.get("excluded", 0) + report.get("samples", 0) - samples,
         resumed_at_step=steps_done,
         reads=sum(len(v) for v in reads.values()),
-        samples_per_rank=[sum(len(b) for w in range(workers) for b in streams[(r, w)]) for r in range(world)],
+        samples_per_rank=[
+            sum(len(b) for w in range(workers) for b in streams[(r, w)]) if (r, 0) in streams else -1
+            for r in range(world)
+        ],
     )
+    if plan.rank is not None:  # samples, batches, excluded and reads then count this rank's streams only
+        report["counts_of_rank"] = plan.rank
     return report

@@ -1,0 +1,371 @@
+"""Epochs too large to plan at once: the shards split into *segments*, each planned by the exact planner,
+the epoch their plans one after the other; and *rank-local* plans that keep only one rank's streams.
+
+A plan of every stream costs a few Python objects per sample on every rank: at 10M samples about 5 GB
+and 23 s. Planned in segments of ``chunk_samples`` samples, a rank holds one segment's working set at a
+time plus what it keeps: its own streams (``rank``) and, for the whole epoch, per step only the global
+token count and the balance figures of the step's costs.
+
+Guarantees, by construction:
+
+* **exactly once**: the segments partition the shards (split in an order seeded by ``(seed, epoch)``);
+  every segment plan holds each of its samples once;
+* **equal steps, aligned**: every segment gives every rank the same step count. A segment's step k is the
+  epoch's step ``offset + k`` on every rank, so lockstep steps and the packs of one step stay together:
+  the segment's batches are dealt to the DataLoader workers so that the round robin over the workers takes
+  them in exactly that order (a segment whose own order is the plain round robin keeps each worker's batches
+  and reads together, under rotated worker ids);
+* **deterministic, identical on every rank**: the split, and each segment's seed, derive from
+  ``(seed, epoch)``; the global figures (``steps``, ``global_tokens``, the report) do not depend on
+  ``rank``.
+
+Cost: every segment ends with its own end-of-epoch tail (the lockstep tail, the equal-steps repair), so a
+chunked epoch has a few more unequal or reshaped steps than one plan of everything would.
+
+Pure Python and NumPy (no Lightning, no torch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_adaptiveload.monitor.stats import balance_rows, summarize_steps
+from lightning_adaptiveload.planning.assign import exclusions
+from lightning_adaptiveload.planning.inputs import Bucket, PlanInput
+from lightning_adaptiveload.planning.lockstep import lockstep_classes
+from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, Ref, Stream, underfull_message
+
+__all__ = ["local_plan", "plan_segments", "segment_count", "split_shards"]
+
+# A segment holds at least this many samples per stream, so that no rank of a segment goes empty where the
+# whole epoch would feed it.
+_MIN_PER_STREAM = 16
+
+# Report keys merged other than by summing (ints) or step-weighted averaging (floats).
+_SAME = ("epoch", "mode", "world_size", "num_workers", "lockstep_tail", "max_compute")
+_MAX = ("max_buffered_samples",)
+_MIN = ("fill_min",)
+_RECOMPUTED = ("est_compute_cv", "est_straggler_wait", "est_wait_share", "lockstep_classes", "plan_seconds")
+
+
+def segment_count(n_samples: int, chunk_samples: int | None, world: int, workers: int) -> int:
+    """How many segments an epoch of ``n_samples`` is planned in: ``ceil(n / chunk_samples)``, fewer where a
+    segment would hold under 16 samples per stream; 1 (one plan of everything) for ``chunk_samples=None``."""
+    if chunk_samples is None or n_samples <= 0:
+        return 1
+    if int(chunk_samples) < 1:
+        raise ValueError(f"chunk_samples must be a positive number of samples or None, got {chunk_samples!r}")
+    want = -(-int(n_samples) // int(chunk_samples))
+    most = max(1, int(n_samples) // (_MIN_PER_STREAM * world * max(1, workers)))
+    return max(1, min(want, most))
+
+
+def split_shards(counts: np.ndarray, groups: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """The shards of each segment (ascending ids): consecutive runs of a seeded shard order, each holding
+    about ``sum(counts) / groups`` samples."""
+    m = len(counts)
+    order = np.random.default_rng([int(seed), int(epoch), 0x5E6]).permutation(m)
+    c = np.asarray(counts, dtype=np.int64)[order]
+    total = int(c.sum())
+    start = np.cumsum(c) - c  # the first sample of each shard in that order
+    group = (start * groups) // max(total, 1)
+    return [np.sort(order[group == g]) for g in range(groups)]
+
+
+def _segment_seed(seed: int, epoch: int, g: int) -> int:
+    return int(np.random.SeedSequence([int(seed), int(epoch), int(g)]).generate_state(1)[0])
+
+
+class _SubIndex:
+    """The arrays of a compact index restricted to some shards (renumbered 0..n-1), as the planner reads
+    them: ``shape_table``, ``shape_ids``, ``shard_offsets``, ``paths``, ``shard_keys``."""
+
+    def __init__(self, index: Any, shards: np.ndarray) -> None:
+        off = np.asarray(index.shard_offsets)
+        lo, hi = off[shards], off[shards + 1]
+        self.shape_table = index.shape_table
+        self.shape_ids = np.concatenate([index.shape_ids[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
+        self.shard_offsets = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        paths = index.paths
+        self.paths = [paths[s] for s in shards.tolist()]
+        self._index, self._shards = index, shards
+
+    def shard_keys(self, shard: int) -> list[str]:
+        return self._index.shard_keys(int(self._shards[shard]))
+
+
+def _sub_input(data: PlanInput, shards: np.ndarray) -> Any:
+    if data.arrays is not None:
+        return _SubIndex(data.arrays, shards)
+    ids = shards.tolist()
+    return PlanInput(
+        paths=[data.paths[s] for s in ids],
+        keys=[data.keys[s] for s in ids],
+        shapes=[data.shapes[s] for s in ids],
+    )
+
+
+def _shard_counts(data: PlanInput) -> np.ndarray:
+    if data.arrays is not None:
+        return np.diff(np.asarray(data.arrays.shard_offsets)).astype(np.int64)
+    return np.fromiter((len(s) for s in data.shapes), dtype=np.int64, count=len(data.shapes))
+
+
+@dataclass
+class _Kept:
+    """What the epoch keeps of its segments for the streams it returns."""
+
+    streams: dict[Stream, list[list[Ref]]]
+    buckets: dict[Stream, list[int]]
+    steps: dict[Stream, list[int]]
+    reads: dict[Stream, list[tuple[int, list[int]]]]
+    packs: dict[Stream, list[bool]]
+
+
+def plan_segments(
+    data: PlanInput,
+    world: int,
+    num_workers: int,
+    batcher: Any,
+    seed: int,
+    epoch: int,
+    mode: str,
+    exclude: Any,
+    underfull: str,
+    rank: int | None,
+    groups: int,
+    plan_one: Callable[..., EpochPlan],
+    progress: Callable[[int, int], None] | None,
+    **settings: Any,
+) -> EpochPlan:
+    """Plan the epoch in ``groups`` segments with ``plan_one`` (the exact planner) and join them.
+
+    Args:
+        data: the planner's input (all shards).
+        world, num_workers, batcher, seed, epoch, mode, underfull: as :func:`~.planner.plan_epoch`.
+        exclude: refs or ``{shard_id: sample_ids}`` to leave out.
+        rank: keep only this rank's streams (None: every stream).
+        groups: segments (>= 2).
+        plan_one: ``plan_epoch``, called once per segment on the segment's shards.
+        progress: called with (segments planned, groups) after each segment.
+        settings: the other keyword arguments of ``plan_epoch`` (passed to every segment).
+    """
+    t0 = time.perf_counter()
+    workers = max(1, int(num_workers))
+    ranks = range(world) if rank is None else [int(rank)]
+    seg_batcher = _fixed_cap_batcher(batcher, data)
+    excl = exclusions(exclude)
+    kept = _Kept({}, {}, {}, {}, {})
+    for st in ((r, w) for r in ranks for w in range(workers)):
+        kept.streams[st], kept.buckets[st], kept.steps[st], kept.reads[st], kept.packs[st] = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+    global_id: dict[tuple[int, ...], int] = {}
+    bucket_dicts: list[dict[str, Any]] = []
+    tokens: list[int] = []
+    balance: list[np.ndarray] = []  # per segment (4, steps): cv, imbalance, wait, slowest cost
+    reports: list[dict[str, Any]] = []
+    offset = 0
+    for g, shards in enumerate(split_shards(_shard_counts(data), groups, seed, epoch)):
+        local_excl = {k: excl[int(s)] for k, s in enumerate(shards.tolist()) if int(s) in excl}
+        seg = plan_one(
+            _sub_input(data, shards),
+            world,
+            num_workers,
+            seg_batcher,
+            _segment_seed(seed, epoch, g),
+            epoch,
+            mode=mode,
+            exclude=local_excl or None,
+            underfull="pad",
+            **settings,
+        )
+        to_global = [_global_bucket(b, global_id, bucket_dicts) for b in seg.buckets]
+        _keep(seg, kept, ranks, workers, offset, shards.tolist(), to_global)
+        tokens.extend(seg.global_tokens)
+        if seg.steps:
+            costs = np.asarray(seg.step_costs, dtype=np.float64).T  # (steps, world)
+            balance.append(np.stack([*balance_rows(costs), costs.max(axis=1)]))
+        reports.append(seg.report)
+        offset += seg.steps
+        del seg
+        if progress is not None:
+            progress(g + 1, groups)
+    if mode != "packed":
+        _global_classes(bucket_dicts, float(settings.get("lockstep_tolerance", 0.05)))
+    report = _merge_reports(reports, balance, len({d["lockstep_class"] for d in bucket_dicts}))
+    report.update(segments=groups, segment_steps=[int(r["steps"]) for r in reports])
+    per_rank = report.get("samples_per_rank", [])
+    if underfull == "error" and report["samples"] and per_rank and min(per_rank) == 0:
+        raise PlanError(underfull_message(world, workers, len(data.shapes), report["samples"], per_rank))
+    plan = EpochPlan(
+        world_size=world,
+        num_workers=int(num_workers),
+        seed=int(seed),
+        epoch=int(epoch),
+        mode=mode,
+        buckets=bucket_dicts,
+        streams=kept.streams,
+        batch_buckets=kept.buckets,
+        batch_steps=kept.steps,
+        reads=kept.reads,
+        step_order=[
+            [(k % workers, k // workers) for k in range(offset)] if r in ranks else [] for r in range(world)
+        ],
+        steps=offset,
+        global_tokens=tokens,
+        report=report,
+        pack_batches=kept.packs if mode != "packed" and any(any(v) for v in kept.packs.values()) else {},
+        rank=rank,
+    )
+    report["plan_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def local_plan(plan: EpochPlan, rank: int) -> EpochPlan:
+    """``plan`` with only rank ``rank``'s streams (its global parts unchanged)."""
+    keep = [(rank, w) for w in range(plan.workers_per_rank)]
+    plan.streams = {st: plan.streams[st] for st in keep}
+    plan.batch_buckets = {st: plan.batch_buckets[st] for st in keep}
+    plan.batch_steps = {st: plan.batch_steps[st] for st in keep}
+    plan.reads = {st: plan.reads[st] for st in keep}
+    if plan.pack_batches:
+        plan.pack_batches = {st: plan.pack_batches[st] for st in keep}
+    plan.step_order = [order if r == rank else [] for r, order in enumerate(plan.step_order)]
+    plan.rank = int(rank)
+    return plan
+
+
+def _fixed_cap_batcher(batcher: Any, data: PlanInput) -> Any:
+    """A batcher whose ``"auto"`` compute cap is fixed from every shape of the epoch, so that every segment
+    sizes its batches with the cap a plan of everything would use (a segment holds only some shapes)."""
+    from lightning_adaptiveload.planning.inputs import distinct_shapes
+
+    cap = batcher.resolve_max_compute(distinct_shapes(data))
+    if cap is None or batcher.mode != "dual":
+        return batcher
+    return type(batcher).from_config({**batcher.config(), "max_compute": float(cap)})
+
+
+def _global_bucket(d: dict[str, Any], global_id: dict[tuple[int, ...], int], table: list[dict]) -> int:
+    shape = tuple(int(x) for x in d["shape"])
+    b = global_id.get(shape)
+    if b is None:
+        b = global_id[shape] = len(table)
+        table.append({**d, "shape": d["shape"]})
+    return b
+
+
+def _global_classes(table: list[dict[str, Any]], tolerance: float) -> None:
+    """The lockstep classes of the epoch's buckets (each segment numbered the classes of its own buckets)."""
+    buckets = [Bucket(tuple(d["shape"]), d["seq_len"], d["batch_size"], d["cost"]) for d in table]
+    class_of, _ = lockstep_classes(buckets, tolerance)
+    for d, c in zip(table, class_of):
+        d["lockstep_class"] = c
+
+
+def _keep(
+    seg: EpochPlan,
+    kept: _Kept,
+    ranks: Any,
+    workers: int,
+    offset: int,
+    shard_ids: list[int],
+    to_global: list[int],
+) -> None:
+    """Append the segment's batches of the kept ranks so that the epoch's step ``offset + k`` is the
+    segment's step k, and map its shard and bucket ids to the epoch's."""
+    for r in ranks:
+        order = seg.step_order[r]
+        lengths = [len(seg.streams[(r, w)]) for w in range(workers)]
+        round_robin = lengths == [len(range(w, seg.steps, workers)) for w in range(workers)]
+        if round_robin:
+            # The segment's worker w takes steps w, w + W, ...: under the rotated id (w + offset) % W the
+            # epoch's round robin takes them at offset + k, with its reads unchanged.
+            for w in range(workers):
+                st, to = (r, w), (r, (w + offset) % workers)
+                kept.streams[to].extend(_refs(b, shard_ids) for b in seg.streams[st])
+                kept.buckets[to].extend(to_global[b] for b in seg.batch_buckets[st])
+                kept.steps[to].extend(offset + k for k in seg.batch_steps[st])
+                kept.reads[to].extend((shard_ids[s], ids) for s, ids in seg.reads[st])
+                kept.packs[to].extend(seg.is_pack(st, j) for j in range(len(seg.streams[st])))
+            continue
+        # Another order (workers of unequal lengths): deal the segment's steps to the workers afresh, each
+        # stream reading, per shard, what its batches need (as a resumed plan does).
+        from lightning_adaptiveload.planning.resume import reads_per_shard
+
+        dealt: dict[int, list[list[Ref]]] = {w: [] for w in range(workers)}
+        for k, (w_old, j) in enumerate(order):
+            st, w = (r, w_old), (offset + k) % workers
+            batch = _refs(seg.streams[st][j], shard_ids)
+            dealt[w].append(batch)
+            kept.streams[(r, w)].append(batch)
+            kept.buckets[(r, w)].append(to_global[seg.batch_buckets[st][j]])
+            kept.steps[(r, w)].append(offset + k)
+            kept.packs[(r, w)].append(seg.is_pack(st, j))
+        for w, batches in dealt.items():
+            kept.reads[(r, w)].extend(reads_per_shard(batches))
+
+
+def _refs(batch: list[Ref], shard_ids: list[int]) -> list[Ref]:
+    return [(shard_ids[s], i) for s, i in batch]
+
+
+def _merge_reports(
+    reports: list[dict[str, Any]], balance: list[np.ndarray], n_classes: int
+) -> dict[str, Any]:
+    """One report for the epoch: counters summed, per-rank lists added, the balance figures computed over
+    every step of the epoch (not averaged over segments), other figures weighted by the segments' steps."""
+    first = reports[0]
+    steps = np.array([max(int(r["steps"]), 0) for r in reports], dtype=np.float64)
+    out: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [r.get(key) for r in reports]
+        if key in _SAME or key in _RECOMPUTED:
+            out[key] = value
+        elif key in _MAX:
+            out[key] = max(values)
+        elif key in _MIN:
+            out[key] = min(values)
+        elif isinstance(value, bool) or value is None or isinstance(value, str):
+            out[key] = value
+        elif isinstance(value, int):
+            out[key] = int(sum(values))
+        elif isinstance(value, float):
+            weight = (
+                steps
+                if key != "tail_fill_mean"
+                else np.array([r.get("packed_tail_steps", 0) for r in reports])
+            )
+            out[key] = (
+                float(np.average(values, weights=weight)) if weight.sum() > 0 else float(np.mean(values))
+            )
+        elif isinstance(value, list):
+            out[key] = [int(sum(x)) for x in zip(*values)]
+        elif isinstance(value, Mapping):
+            merged: dict[str, int] = {}
+            for v in values:
+                for k2, n in v.items():
+                    merged[k2] = merged.get(k2, 0) + int(n)
+            out[key] = merged
+        else:
+            out[key] = value
+    if balance:
+        c, i, w, t = np.concatenate(balance, axis=1)
+        figures = summarize_steps(c, i, w, t)
+        est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
+    else:
+        est_cv, est_wait = 0.0, 0.0
+    out.update(est_compute_cv=est_cv, est_straggler_wait=est_wait, est_wait_share=est_wait)
+    if "lockstep_classes" in out and first.get("mode") != "packed":
+        out["lockstep_classes"] = n_classes
+    return out

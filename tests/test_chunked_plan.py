@@ -1,0 +1,139 @@
+"""Chunked and rank-local planning (issue 16): an epoch planned in segments keeps every guarantee of a plan
+made at once, and a rank-local plan is its rank's part of the plan of every stream."""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_planning import all_refs, check_plan, random_index
+
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.chunked import segment_count, split_shards
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+
+GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
+
+
+def _batcher(rng: random.Random, mode: str) -> DualConstraintBatcher:
+    cost = CostModel(kind="power", p=rng.choice([1.0, 1.5, 2.0]))
+    if mode == "packed":
+        return DualConstraintBatcher(rng.choice([200, 400]), cost_model=cost, partial="emit")
+    return DualConstraintBatcher(
+        rng.choice([96, 200, 400]), mode=rng.choice(["dual", "equal_tokens"]), cost_model=cost
+    )
+
+
+def _report(plan) -> dict:
+    return {k: v for k, v in plan.report.items() if k != "plan_seconds"}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    world=st.integers(1, 6),
+    workers=st.integers(0, 3),
+    mode=st.sampled_from(["independent", "lockstep", "packed"]),
+    tail=st.sampled_from(["packed", "bucketed"]),
+    resumed=st.booleans(),
+)
+def test_chunked_plan_keeps_every_guarantee(seed, world, workers, mode, tail, resumed):
+    rng = random.Random(seed)
+    index = random_index(rng, rng.randint(12, 30), 60)
+    batcher = _batcher(rng, mode)
+    refs = all_refs(index)
+    exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
+    chunk = rng.randint(60, 250)
+    kw = dict(mode=mode, exclude=exclude, lockstep_tail=tail, chunk_samples=chunk)
+    plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, **kw)
+    groups = segment_count(len(refs), chunk, world, max(1, workers))
+    assert plan.report.get("segments", 1) == groups
+    # Exactly once, equal steps, one shape per bucketed batch, packs within max_tokens, global tokens
+    # per step recomputed from the batches, unequal/pack/empty counts as reported.
+    check_plan(plan, index, batcher, exclude)
+    if groups > 1:
+        assert sum(plan.report["segment_steps"]) == plan.steps
+    assert (
+        plan.global_tokens
+        == plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, **kw).global_tokens
+    )
+    # Rank-local plans: each rank's own streams of the full plan, and the same global parts.
+    for r in range(world):
+        local = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, rank=r, **kw)
+        assert local.rank == r
+        assert set(local.streams) == {(r, w) for w in range(max(1, workers))}
+        for st_ in local.streams:
+            assert local.streams[st_] == plan.streams[st_]
+            assert local.batch_steps[st_] == plan.batch_steps[st_]
+            assert local.reads[st_] == plan.reads[st_]
+            assert [local.is_pack(st_, j) for j in range(len(local.streams[st_]))] == [
+                plan.is_pack(st_, j) for j in range(len(plan.streams[st_]))
+            ]
+        assert local.step_order[r] == plan.step_order[r]
+        assert all(getattr(local, f) == getattr(plan, f) for f in GLOBAL)
+        assert _report(local) == _report(plan)
+        # Resume with another worker count, on the rank-local plan: the same batches as the full plan's.
+        done = rng.randint(0, plan.steps)
+        new_workers = rng.randint(0, 3)
+        rest, rest_full = continue_plan(local, done, new_workers), continue_plan(plan, done, new_workers)
+        assert all(rest.step_batch(r, k) == rest_full.step_batch(r, k) for k in range(rest.steps))
+
+
+def test_at_most_chunk_samples_plans_exactly_as_at_once():
+    rng = random.Random(3)
+    index = random_index(rng, 20, 60)
+    n = len(all_refs(index))
+    for mode in ("independent", "lockstep", "packed"):
+        batcher = _batcher(random.Random(1), mode)
+        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode)
+        same = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode, chunk_samples=n)
+        assert same.streams == whole.streams and same.global_tokens == whole.global_tokens
+        assert "segments" not in same.report
+
+
+def test_segments_partition_the_shards_and_depend_on_seed_and_epoch():
+    counts = np.random.default_rng(0).integers(1, 50, size=200)
+    parts = split_shards(counts, 7, seed=1, epoch=2)
+    joined = np.sort(np.concatenate(parts))
+    assert joined.tolist() == list(range(200))
+    sizes = [int(counts[p].sum()) for p in parts]
+    assert max(sizes) - min(sizes) <= 2 * int(counts.max())  # about equal sample counts
+    again = split_shards(counts, 7, seed=1, epoch=2)
+    assert all((a == b).all() for a, b in zip(parts, again))
+    other = split_shards(counts, 7, seed=1, epoch=3)
+    assert any(len(a) != len(b) or (a != b).any() for a, b in zip(parts, other))
+
+
+def test_segment_count_keeps_every_stream_fed():
+    assert segment_count(10_000, None, 8, 2) == 1
+    assert segment_count(10_000, 1_000, 8, 2) == 10
+    # 16 samples per stream at least: 10,000 samples on 64 x 4 streams give 2 segments, not 10
+    assert segment_count(10_000, 1_000, 64, 4) == 2
+    with pytest.raises(ValueError, match="chunk_samples"):
+        segment_count(10_000, 0, 8, 2)
+
+
+def test_rank_local_plan_refuses_consumed_refs_and_bad_rank():
+    rng = random.Random(0)
+    index = random_index(rng, 10, 40)
+    batcher = _batcher(rng, "lockstep")
+    local = plan_epoch(index, 3, 1, batcher, seed=0, epoch=0, mode="lockstep", rank=1)
+    with pytest.raises(ValueError, match="every rank"):
+        consumed_refs(local, 1)
+    with pytest.raises(ValueError, match="rank must be in 0..2"):
+        plan_epoch(index, 3, 1, batcher, seed=0, epoch=0, rank=3)
+
+
+def test_progress_is_called_once_per_segment():
+    rng = random.Random(2)
+    index = random_index(rng, 30, 60)
+    seen = []
+    plan = plan_epoch(
+        index, 2, 1, _batcher(rng, "independent"), seed=0, epoch=0, chunk_samples=200,
+        progress=lambda done, total: seen.append((done, total)),
+    )  # fmt: skip
+    groups = plan.report["segments"]
+    assert groups > 1 and seen == [(k + 1, groups) for k in range(groups)]
