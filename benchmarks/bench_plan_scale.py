@@ -43,15 +43,20 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 before = dict(hwm())
 path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+chunk, rank = int(sys.argv[5]) or None, (None if int(sys.argv[6]) < 0 else int(sys.argv[6]))
 t = time.perf_counter()
 index = CompactIndex.load(path)
 load_s = time.perf_counter() - t
 batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
 t = time.perf_counter()
-plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode)
+plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode, chunk_samples=chunk, rank=rank)
 plan_s = time.perf_counter() - t
 after = dict(hwm())
-print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps,
+rep = plan.report
+print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps, "segments": rep.get("segments", 1),
+                  "unequal_steps": rep["unequal_steps"], "packed_tail_steps": rep.get("packed_tail_steps", 0),
+                  "empty_batches": rep["empty_batches"], "est_compute_cv": rep["est_compute_cv"],
+                  "est_straggler_wait": rep["est_straggler_wait"],
                   "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"]}))
 """
 
@@ -75,6 +80,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="")
+    ap.add_argument("--chunk", type=int, default=0, help="plan_epoch(chunk_samples=...); 0: at once")
+    ap.add_argument("--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream")
     args = ap.parse_args()
     sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
     packed_sizes = {int(float(x)) for x in args.packed_sizes.split(",") if x}
@@ -87,7 +94,7 @@ def main() -> None:
             for mode in ("independent", "lockstep", "packed"):
                 if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
                     continue
-                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers)]
+                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers), str(args.chunk), str(args.rank)]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = {"samples": n, "mode": mode, **json.loads(out.stdout.strip().splitlines()[-1])}
                 rows.append(row)
@@ -116,6 +123,8 @@ def main() -> None:
             "num_workers": args.workers,
             "max_tokens": 65520,
             "index": "binary (index.npidx), CompactIndex.load in a fresh process",
+            "chunk_samples": args.chunk or None,
+            "rank": None if args.rank < 0 else args.rank,
         },
         "targets_at_100M": {"load_plus_plan_s": 30, "peak_gb": 2},
         "rows": rows,

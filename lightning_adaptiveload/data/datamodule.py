@@ -225,7 +225,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         sample_transform: Callable[[dict], dict] | None = None,
         text_pad_to: int | None = None,
         lockstep_tail: str = "packed",
-        plan_chunk_samples: int | None = 1_000_000,
+        plan_chunk_samples: int | None = 500_000,
     ) -> None:
         super().__init__()
         if lockstep_tail not in LOCKSTEP_TAILS:

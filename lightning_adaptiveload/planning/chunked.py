@@ -88,8 +88,15 @@ class _SubIndex:
     def __init__(self, index: Any, shards: np.ndarray) -> None:
         off = np.asarray(index.shard_offsets)
         lo, hi = off[shards], off[shards + 1]
-        self.shape_table = index.shape_table
-        self.shape_ids = np.concatenate([index.shape_ids[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
+        ids = np.concatenate([index.shape_ids[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
+        # Only the shapes these shards use, numbered in order of first use as in any compact index (the
+        # planner sizes every shape of the table it is given and relies on that numbering).
+        used, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        by_first = np.argsort(first, kind="stable")
+        renumber = np.empty(len(used), dtype=np.int64)
+        renumber[by_first] = np.arange(len(used))
+        self.shape_table = np.asarray(index.shape_table)[used[by_first]]
+        self.shape_ids = renumber[inverse].astype(ids.dtype)
         self.shard_offsets = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
         paths = index.paths
         self.paths = [paths[s] for s in shards.tolist()]
