@@ -90,10 +90,10 @@ def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path, mo
     # Odd epochs plan 10 samples fewer, so the epochs differ in length as they can in a real run.
     real = PlannedShardDataset.make_plan
 
-    def make_plan(self, epoch, settings=None, exclude=None):
+    def make_plan(self, epoch, settings=None, exclude=None, local=False):
         if self.fixed_epoch is None and epoch % 2 and exclude is None:
             exclude = {(0, i) for i in range(10)}
-        return real(self, epoch, settings, exclude)
+        return real(self, epoch, settings, exclude, local)
 
     monkeypatch.setattr(PlannedShardDataset, "make_plan", make_plan)
     dm = AdaptiveLoadDataModule(
