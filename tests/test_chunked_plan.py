@@ -137,3 +137,40 @@ def test_progress_is_called_once_per_segment():
     )  # fmt: skip
     groups = plan.report["segments"]
     assert groups > 1 and seen == [(k + 1, groups) for k in range(groups)]
+
+
+def _read_ahead(reads, batches) -> int:
+    """The most samples a stream's reader holds read ahead (reads opened in order, each read in file order,
+    as ``data/stream.py`` reads them)."""
+    read_of = {(s, i): k for k, (s, ids) in enumerate(reads) for i in ids}
+    pos, got, top = [0] * len(reads), set(), 0
+    for batch in batches:
+        for ref in batch:
+            if ref in got:
+                got.discard(ref)
+                continue
+            k = read_of[ref]
+            while (reads[k][0], reads[k][1][pos[k]]) != ref:
+                got.add((reads[k][0], reads[k][1][pos[k]]))
+                pos[k] += 1
+            pos[k] += 1
+            top = max(top, len(got))
+    return top
+
+
+@pytest.mark.parametrize("mode", ["independent", "lockstep"])
+def test_chunked_streams_read_about_one_batch_ahead(mode):
+    # Segments dealt afresh to the workers read per batch: a stream reads ahead at most within one batch,
+    # never holding a sample from the first batch that opens its shard until the last (what one read per
+    # shard and stream would do: the test fails with resume.reads_per_shard in their place).
+    for seed in range(12):
+        rng = random.Random(seed)
+        index = random_index(rng, 25, 60)
+        batcher = _batcher(rng, mode)
+        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode)
+        plan = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode, chunk_samples=150)
+        assert plan.report["segments"] > 1
+        largest = max(len(b) for v in plan.streams.values() for b in v)
+        before = max(_read_ahead(whole.reads[st], whole.streams[st]) for st in whole.streams)
+        after = max(_read_ahead(plan.reads[st], plan.streams[st]) for st in plan.streams)
+        assert after <= max(before, largest), (seed, before, after, largest)

@@ -307,9 +307,7 @@ def _keep(
                 kept.packs[to].extend(seg.is_pack(st, j) for j in range(len(seg.streams[st])))
             continue
         # Another order (workers of unequal lengths): deal the segment's steps to the workers afresh, each
-        # stream reading, per shard, what its batches need (as a resumed plan does).
-        from lightning_adaptiveload.planning.resume import reads_per_shard
-
+        # stream reading what each batch needs when the batch comes (see _batch_reads).
         dealt: dict[int, list[list[Ref]]] = {w: [] for w in range(workers)}
         for k, (w_old, j) in enumerate(order):
             st, w = (r, w_old), (offset + k) % workers
@@ -320,7 +318,28 @@ def _keep(
             kept.steps[(r, w)].append(offset + k)
             kept.packs[(r, w)].append(seg.is_pack(st, j))
         for w, batches in dealt.items():
-            kept.reads[(r, w)].extend(reads_per_shard(batches))
+            kept.reads[(r, w)].extend(_batch_reads(batches))
+
+
+def _batch_reads(batches: list[list[Ref]]) -> list[tuple[int, list[int]]]:
+    """Reads that follow the batches: per batch one read per shard it takes samples from (ids ascending),
+    continuing the previous read where that is of the same shard and ends before these ids. A stream then
+    reads ahead at most within one batch; one read per shard for the whole stream (as a resumed plan has)
+    could hold a sample from the first batch that needs its shard to the last."""
+    out: list[tuple[int, list[int]]] = []
+    for batch in batches:
+        runs: list[tuple[int, list[int]]] = []
+        for shard, i in sorted(batch):
+            if runs and runs[-1][0] == shard:
+                runs[-1][1].append(i)
+            else:
+                runs.append((shard, [i]))
+        for shard, ids in runs:
+            if out and out[-1][0] == shard and out[-1][1][-1] < ids[0]:
+                out[-1][1].extend(ids)
+            else:
+                out.append((shard, ids))
+    return out
 
 
 def _refs(batch: list[Ref], shard_ids: list[int]) -> list[Ref]:
