@@ -44,12 +44,14 @@ from lightning_adaptiveload.planning.planner import plan_epoch
 before = dict(hwm())
 path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 chunk, rank = int(sys.argv[5]) or None, (None if int(sys.argv[6]) < 0 else int(sys.argv[6]))
+procs = int(sys.argv[7])
 t = time.perf_counter()
 index = CompactIndex.load(path)
 load_s = time.perf_counter() - t
 batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
 t = time.perf_counter()
-plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode, chunk_samples=chunk, rank=rank)
+plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode, chunk_samples=chunk, rank=rank,
+                  plan_processes=procs)
 plan_s = time.perf_counter() - t
 after = dict(hwm())
 rep = plan.report
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="")
     ap.add_argument("--chunk", type=int, default=0, help="plan_epoch(chunk_samples=...); 0: at once")
+    ap.add_argument("--processes", type=int, default=1, help="plan_epoch(plan_processes=...)")
     ap.add_argument("--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream")
     args = ap.parse_args()
     sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
@@ -94,7 +97,7 @@ def main() -> None:
             for mode in ("independent", "lockstep", "packed"):
                 if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
                     continue
-                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers), str(args.chunk), str(args.rank)]
+                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers), str(args.chunk), str(args.rank), str(args.processes)]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = {"samples": n, "mode": mode, **json.loads(out.stdout.strip().splitlines()[-1])}
                 rows.append(row)
@@ -125,6 +128,7 @@ def main() -> None:
             "index": "binary (index.npidx), CompactIndex.load in a fresh process",
             "chunk_samples": args.chunk or None,
             "rank": None if args.rank < 0 else args.rank,
+            "plan_processes": args.processes,
         },
         "targets_at_100M": {"load_plus_plan_s": 30, "peak_gb": 2},
         "rows": rows,

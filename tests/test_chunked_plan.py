@@ -174,3 +174,17 @@ def test_chunked_streams_read_about_one_batch_ahead(mode):
         before = max(_read_ahead(whole.reads[st], whole.streams[st]) for st in whole.streams)
         after = max(_read_ahead(plan.reads[st], plan.streams[st]) for st in plan.streams)
         assert after <= max(before, largest), (seed, before, after, largest)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["lockstep", "packed"])
+def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
+    rng = random.Random(11)
+    index = random_index(rng, 30, 60)
+    batcher = _batcher(rng, mode)
+    kw = dict(mode=mode, chunk_samples=250)
+    one = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, **kw)
+    pool = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, plan_processes=2, **kw)
+    assert one.report["segments"] > 2
+    assert pool.streams == one.streams and pool.reads == one.reads and pool.global_tokens == one.global_tokens
+    assert _report(pool) == _report(one)

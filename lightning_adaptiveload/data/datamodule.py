@@ -154,6 +154,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         plan_chunk_samples: a training epoch of more samples is planned in segments of about this many,
             one after the other (``docs/data_path.md``, "Internet-scale epochs"): each rank then holds one
             segment's working set and its own streams, not every stream of the epoch. None: plan at once.
+        plan_processes: plan that many segments at a time, in spawned processes (each holds one segment's
+            working set and its imports, about 0.5 GB): for hosts with cores to spare per rank.
         patch_size: the model's (pt, ph, pw).
         num_workers: DataLoader workers per rank.
         seed: seeds the shard order of every epoch (with the epoch number).
@@ -226,6 +228,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         text_pad_to: int | None = None,
         lockstep_tail: str = "packed",
         plan_chunk_samples: int | None = 500_000,
+        plan_processes: int = 1,
     ) -> None:
         super().__init__()
         if lockstep_tail not in LOCKSTEP_TAILS:
@@ -264,6 +267,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.lockstep_tail = lockstep_tail
         self.plan_chunk_samples = None if plan_chunk_samples is None else int(plan_chunk_samples)
+        if int(plan_processes) < 1:
+            raise ValueError(f"plan_processes must be >= 1, got {plan_processes!r}")
+        self.plan_processes = int(plan_processes)
         self.pin_memory = bool(pin_memory)
         self.max_member_bytes = max_member_bytes
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
@@ -466,6 +472,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
             chunk_samples=self.plan_chunk_samples if training else None,
+            plan_processes=self.plan_processes,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------

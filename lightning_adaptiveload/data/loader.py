@@ -52,6 +52,7 @@ class PlannedShardDataset(IterableDataset):
         text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
         chunk_samples: plan an epoch of more samples in segments of about this many (see
             :func:`plan_epoch`); None: at once. Part of the saved plan settings, so a resume re-plans alike.
+        plan_processes: plan that many segments at a time in spawned processes (see :func:`plan_epoch`).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class PlannedShardDataset(IterableDataset):
         text_pad_to: int | None = None,
         lockstep_tail: str = "packed",
         chunk_samples: int | None = None,
+        plan_processes: int = 1,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -92,6 +94,7 @@ class PlannedShardDataset(IterableDataset):
         self.sample_transform = sample_transform
         self.text_pad_to = text_pad_to
         self.chunk_samples = None if chunk_samples is None else int(chunk_samples)
+        self.plan_processes = int(plan_processes)
         # Called with (segments planned, segments) while a chunked epoch is planned (the DataModule shows a
         # bar on rank 0); None: quiet.
         self.plan_progress: Callable[[int, int], None] | None = None
@@ -144,6 +147,7 @@ class PlannedShardDataset(IterableDataset):
             chunk_samples=s.get("chunk_samples"),
             rank=self.rank if local else None,
             progress=self.plan_progress,
+            plan_processes=self.plan_processes,
         )
 
     def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:

@@ -28,7 +28,7 @@ Pure Python and NumPy (no Lightning, no torch).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,7 @@ def plan_segments(
     groups: int,
     plan_one: Callable[..., EpochPlan],
     progress: Callable[[int, int], None] | None,
+    processes: int = 1,
     **settings: Any,
 ) -> EpochPlan:
     """Plan the epoch in ``groups`` segments with ``plan_one`` (the exact planner) and join them.
@@ -160,6 +161,8 @@ def plan_segments(
         groups: segments (>= 2).
         plan_one: ``plan_epoch``, called once per segment on the segment's shards.
         progress: called with (segments planned, groups) after each segment.
+        processes: plan this many segments at a time in spawned processes (1: here, one after the other).
+            The plan is the same; each process holds one segment's working set and its own imports.
         settings: the other keyword arguments of ``plan_epoch`` (passed to every segment).
     """
     t0 = time.perf_counter()
@@ -169,39 +172,31 @@ def plan_segments(
     excl = exclusions(exclude)
     kept = _Kept({}, {}, {}, {}, {})
     for st in ((r, w) for r in ranks for w in range(workers)):
-        kept.streams[st], kept.buckets[st], kept.steps[st], kept.reads[st], kept.packs[st] = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        for part in (kept.streams, kept.buckets, kept.steps, kept.reads, kept.packs):
+            part[st] = []
     global_id: dict[tuple[int, ...], int] = {}
     bucket_dicts: list[dict[str, Any]] = []
     tokens: list[int] = []
     balance: list[np.ndarray] = []  # per segment (4, steps): cv, imbalance, wait, slowest cost
     reports: list[dict[str, Any]] = []
     offset = 0
-    for g, shards in enumerate(split_shards(_shard_counts(data), groups, seed, epoch)):
-        local_excl = {k: excl[int(s)] for k, s in enumerate(shards.tolist()) if int(s) in excl}
-        seg = plan_one(
-            _sub_input(data, shards),
-            world,
-            num_workers,
-            seg_batcher,
+    parts = split_shards(_shard_counts(data), groups, seed, epoch)
+    tasks = [
+        (
             _segment_seed(seed, epoch, g),
-            epoch,
-            mode=mode,
-            exclude=local_excl or None,
-            underfull="pad",
-            **settings,
+            shards,
+            {k: excl[s] for k, s in enumerate(shards.tolist()) if s in excl},
         )
+        for g, shards in enumerate(parts)
+    ]
+    job = _Job(world, int(num_workers), seg_batcher, int(epoch), mode, rank, plan_one, settings)
+    for g, (seg, rows) in enumerate(_planned(data, tasks, job, processes)):
+        shards = parts[g]
         to_global = [_global_bucket(b, global_id, bucket_dicts) for b in seg.buckets]
         _keep(seg, kept, ranks, workers, offset, shards.tolist(), to_global)
         tokens.extend(seg.global_tokens)
-        if seg.steps:
-            costs = np.asarray(seg.step_costs, dtype=np.float64).T  # (steps, world)
-            balance.append(np.stack([*balance_rows(costs), costs.max(axis=1)]))
+        if rows is not None:
+            balance.append(rows)
         reports.append(seg.report)
         offset += seg.steps
         del seg
@@ -236,6 +231,77 @@ def plan_segments(
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan
+
+
+@dataclass
+class _Job:
+    """What every segment is planned with (sent once to each process of a pool)."""
+
+    world: int
+    num_workers: int
+    batcher: Any
+    epoch: int
+    mode: str
+    rank: int | None
+    plan_one: Callable[..., EpochPlan]
+    settings: dict[str, Any]
+
+
+def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -> tuple[EpochPlan, Any]:
+    """One segment's plan (only ``job.rank``'s streams kept, if set) and its steps' balance rows (4, steps):
+    CV, imbalance and wait of the ranks' costs, and the slowest rank's cost."""
+    seed, shards, excl = task
+    seg = job.plan_one(
+        _sub_input(data, shards),
+        job.world,
+        job.num_workers,
+        job.batcher,
+        seed,
+        job.epoch,
+        mode=job.mode,
+        exclude=excl or None,
+        underfull="pad",  # the whole epoch is checked against ``underfull``
+        **job.settings,
+    )
+    rows = None
+    if seg.steps:
+        costs = np.asarray(seg.step_costs, dtype=np.float64).T  # (steps, world)
+        rows = np.stack([*balance_rows(costs), costs.max(axis=1)])
+    seg.step_costs = None
+    return (seg if job.rank is None else local_plan(seg, job.rank)), rows
+
+
+_POOL: dict[str, Any] = {}
+
+
+def _pool_init(data: Any, job: _Job) -> None:
+    from lightning_adaptiveload.planning.inputs import as_input
+
+    _POOL.update(data=as_input(data), job=job)
+
+
+def _pool_task(task: tuple[int, np.ndarray, dict]) -> tuple[EpochPlan, Any]:
+    return _plan_task(_POOL["data"], task, _POOL["job"])
+
+
+def _planned(data: PlanInput, tasks: list, job: _Job, processes: int) -> Iterator[tuple[EpochPlan, Any]]:
+    """The segments' plans in order: here, or from a pool of spawned processes (spawn: safe beside CUDA
+    and threads; each process gets the index once: a loaded binary index maps its file again)."""
+    if int(processes) <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield _plan_task(data, task, job)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    payload = data.arrays if data.arrays is not None else data
+    with ProcessPoolExecutor(
+        max_workers=min(int(processes), len(tasks)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_pool_init,
+        initargs=(payload, job),
+    ) as pool:
+        yield from pool.map(_pool_task, tasks)
 
 
 def local_plan(plan: EpochPlan, rank: int) -> EpochPlan:

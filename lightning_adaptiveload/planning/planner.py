@@ -117,6 +117,7 @@ def plan_epoch(
     chunk_samples: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     keep_step_costs: bool = False,
+    plan_processes: int = 1,
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -158,6 +159,8 @@ def plan_epoch(
             tail); at most that many samples plan exactly as with None.
         progress: called with (segments planned, segments) after each segment of a chunked plan.
         keep_step_costs: keep ``plan.step_costs`` (every rank's estimated batch cost at every step).
+        plan_processes: a chunked plan's segments are planned this many at a time in spawned processes
+            (the same plan; each process holds one segment's working set). 1: one after the other, here.
 
     Returns:
         The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
@@ -179,7 +182,7 @@ def plan_epoch(
     if groups > 1:
         return plan_segments(
             data, world, num_workers, batcher, seed, epoch, mode, exclude, underfull, rank, groups, plan_epoch,
-            progress, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
+            progress, plan_processes, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
             lockstep_tail=lockstep_tail, keep_step_costs=True,
         )  # fmt: skip
     plan = _plan_whole(
