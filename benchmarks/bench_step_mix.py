@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     base = result["variants"].get(args.variants.split(",")[0], {}).get("epoch", {})
-    for vname, entry in result["variants"].items():
+    for entry in result["variants"].values():
         ep = entry.get("epoch", {})
         if "tokens_per_s" in ep and "tokens_per_s" in base:
             ep["speedup_vs_first"] = ep["tokens_per_s"] / base["tokens_per_s"]
