@@ -52,6 +52,9 @@ VARIANTS = {
     "compile+sac20": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", 20)
     ),
+    "compile+sac15": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", 15)
+    ),
     "compile+sac10": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", 10)
     ),
