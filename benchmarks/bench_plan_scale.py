@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--chunk", type=int, default=0, help="plan_epoch(chunk_samples=...); 0: at once")
     ap.add_argument("--processes", type=int, default=1, help="plan_epoch(plan_processes=...)")
-    ap.add_argument("--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream")
+    ap.add_argument(
+        "--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream"
+    )
     args = ap.parse_args()
     sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
     packed_sizes = {int(float(x)) for x in args.packed_sizes.split(",") if x}
@@ -97,7 +99,18 @@ def main() -> None:
             for mode in ("independent", "lockstep", "packed"):
                 if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
                     continue
-                cmd = [sys.executable, "-c", _ONE, path, mode, str(args.world), str(args.workers), str(args.chunk), str(args.rank), str(args.processes)]
+                cmd = [
+                    sys.executable,
+                    "-c",
+                    _ONE,
+                    path,
+                    mode,
+                    str(args.world),
+                    str(args.workers),
+                    str(args.chunk),
+                    str(args.rank),
+                    str(args.processes),
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = {"samples": n, "mode": mode, **json.loads(out.stdout.strip().splitlines()[-1])}
                 rows.append(row)
