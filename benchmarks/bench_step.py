@@ -301,10 +301,36 @@ def _attention_micro(dev, reps=10):
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_args(ap: argparse.ArgumentParser, reps: int) -> None:
+    """The options this script and ``bench_step_mix.py`` share."""
     ap.add_argument("--preset", default="wan-1.3b")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--time-budget-s", type=float, default=480.0)
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    )
+
+
+def device_setup(args: argparse.Namespace):
+    """(device, model config, device name, dense bf16 peak FLOP/s or None, file-name tag); makes ``--out``."""
+    from lightning_adaptiveload.models.video_dit import VideoDiTConfig
+    from lightning_adaptiveload.monitor.stats import PEAK_FLOPS
+
+    logging_setup()
+    dev = torch.device(args.device)
+    cfg = VideoDiTConfig.preset(args.preset)
+    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
+    peak = PEAK_FLOPS["h100-sxm"]["bf16"] if "H100" in name or "H200" in name else None
+    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    os.makedirs(args.out, exist_ok=True)
+    return dev, cfg, name, peak, tag
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, reps=3)
     ap.add_argument(
         "--variants",
         default="baseline,bf16w,bf16w+compile,bf16w+compile+sac,bf16w+compile+noac,"
@@ -312,26 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shapes", default="clip,images,image,tok65k,tok131k")
     ap.add_argument("--skip", default="", help="variant:shape,... pairs not to run (e.g. known OOM)")
-    ap.add_argument("--text-len", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--time-budget-s", type=float, default=480.0)
     ap.add_argument("--no-micro", action="store_true")
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    logging_setup()
-    dev = torch.device(args.device)
-    from lightning_adaptiveload.models.video_dit import VideoDiTConfig, forward_flops
-    from lightning_adaptiveload.monitor.stats import PEAK_FLOPS
+    from lightning_adaptiveload.models.video_dit import forward_flops
 
-    cfg = VideoDiTConfig.preset(args.preset)
+    dev, cfg, name, peak, tag = device_setup(args)
     text_dim = cfg.text_dim
-    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    peak = PEAK_FLOPS["h100-sxm"]["bf16"] if "H100" in name or "H200" in name else None
-    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_step_{tag}_{_dt.date.today().isoformat()}.json")
     result = {
         "benchmark": "benchmarks/bench_step.py",

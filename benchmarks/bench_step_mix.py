@@ -32,7 +32,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import VARIANTS, _build, _measure, logging_setup  # noqa: E402
+from bench_step import VARIANTS, _build, _measure, add_common_args, device_setup  # noqa: E402
 
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
@@ -61,27 +61,17 @@ def epoch_steps(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="wan-1.3b")
-    ap.add_argument("--device", default="cuda")
+    add_common_args(ap, reps=2)
     ap.add_argument("--mix", default="wan21_480p")
     ap.add_argument("--max-tokens", type=int, default=32760)
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--variants", default="baseline,compile+sac10")
-    ap.add_argument("--text-len", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--time-budget-s", type=float, default=480.0)
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    logging_setup()
-    dev = torch.device(args.device)
-    from lightning_adaptiveload.models.video_dit import VideoDiTConfig, forward_flops
-    from lightning_adaptiveload.monitor.stats import PEAK_FLOPS
+    from lightning_adaptiveload.models.video_dit import forward_flops
 
-    cfg = VideoDiTConfig.preset(args.preset)
+    dev, cfg, name, peak, tag = device_setup(args)
     ph, pw = cfg.patch_size[1], cfg.patch_size[2]
     steps = epoch_steps(args.mix, args.max_tokens, args.world, args.samples)
     # One timed shape per (frames, batch size): the most common (H, W) of that pair in the epoch.
@@ -89,10 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     for (shape, n), count in steps.items():
         by_key[(shape[1], n)][shape] += count
     timed = {key: c.most_common(1)[0][0] for key, c in by_key.items()}
-    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    peak = PEAK_FLOPS["h100-sxm"]["bf16"] if "H100" in name or "H200" in name else None
-    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(
         args.out, f"bench_step_mix_{tag}_{args.max_tokens}_{_dt.date.today().isoformat()}.json"
     )
