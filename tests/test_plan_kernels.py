@@ -69,3 +69,43 @@ def test_unbounded_simulation_matches_the_loop_or_defers_to_it(seed):
         assert got is None and counts == {"partial_batches": 0, "bound_partial_batches": 0}
     else:
         assert got == want and counts == want_counts
+
+
+def _lockstep_loop_reference(avail, class_of, class_size, sizes):
+    """The lockstep step loop with no shortcut: every step chosen from the streams' counts."""
+    from lightning_adaptiveload.planning import lockstep_schedule as ls
+
+    counts = {"reduced_steps": 0, "tail_batches": 0}
+    shortcut = ls._full_steps
+    try:
+        ls._full_steps = lambda a, m, c: (np.zeros((a.shape[0], 0), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        got = ls.schedule_takes(avail, class_of, class_size, sizes, counts)
+    finally:
+        ls._full_steps = shortcut
+    return got, counts
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lockstep_full_steps_match_the_step_loop(seed):
+    """The closed form of the full-class steps gives the loop's steps, step for step."""
+    from lightning_adaptiveload.planning.lockstep_schedule import schedule_takes
+
+    rng = np.random.default_rng(seed)
+    n_r = int(rng.integers(1, 9))
+    n_b = int(rng.integers(1, 9))
+    n_c = int(rng.integers(1, n_b + 1))
+    class_of = rng.permutation(np.r_[np.arange(n_c), rng.integers(0, n_c, n_b - n_c)]).tolist()
+    class_size = rng.integers(1, 6, n_c).tolist()
+    sizes = [class_size[c] + int(rng.integers(0, 3)) for c in class_of]
+    # Streams with near-equal class counts (as after the class balance), sometimes with ties.
+    base = rng.integers(0, 40, n_b)
+    avail = np.maximum(base[None, :] + rng.integers(-3, 4, (n_r, n_b)), 0).astype(np.int64)
+    if seed % 3 == 0:
+        avail[:] = avail[0]
+    want, want_counts = _lockstep_loop_reference(avail.copy(), class_of, class_size, sizes)
+    counts = {"reduced_steps": 0, "tail_batches": 0}
+    got = schedule_takes(avail.copy(), class_of, class_size, sizes, counts)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert counts == want_counts
+    assert got[1].sum() == avail.sum()  # every sample taken once

@@ -9,11 +9,13 @@ step: the plans are identical (``tests/test_plan_identity.py``).
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
-__all__ = ["class_members", "schedule"]
+__all__ = ["chain_starts", "class_members", "schedule", "schedule_takes"]
 
 
 def class_members(class_of: list[int], n_classes: int) -> list[list[int]]:
@@ -59,6 +61,86 @@ class _State:
         return pick
 
 
+def _full_steps(avail: np.ndarray, members: list[list[int]], class_size: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The steps at which some class can be filled on every stream, at once (``avail`` consumed in place).
+
+    The step loop of :func:`schedule_takes` takes, while some class c is *full* (each stream holds B_c
+    samples in one of c's buckets), the full class with the largest share of its samples unused, and on
+    every stream B_c samples of that stream's fullest bucket of c (the first on ties). Two facts make this
+    phase computable without the loop:
+
+    * Stream r can take ``q_r(c) = sum over c's buckets of floor(count / B_c)`` batches of c, in any
+      order, and each take lowers that by exactly one; so c stays full for exactly ``min_r q_r(c)`` takes,
+      whatever the other classes do. The class sequence depends only on these numbers and on the
+      classes' unused shares: a loop over scalars.
+    * Taking B_c from the fullest bucket each time, stream r's t-th batch of c comes from the bucket of
+      the t-th largest of the values ``count_b - i * B_c`` (0 <= i < floor(count_b / B_c)), ties to the
+      lower bucket: a sort.
+
+    Returns ``(bucket, count)``: (R, steps) and (steps,) of these steps, in order.
+    """
+    n_r, n_c = avail.shape[0], len(class_size)
+    takes = [0] * n_c
+    remaining = [0] * n_c
+    heap: list[tuple[float, int]] = []
+    for c in range(n_c):
+        if not members[c] or class_size[c] <= 0:
+            continue
+        sub = avail[:, members[c]]
+        takes[c] = int((sub // class_size[c]).sum(axis=1).min()) if n_r else 0
+        remaining[c] = int(sub.sum())
+        if takes[c] > 0:
+            heap.append((-(remaining[c] / max(1, remaining[c])), c))
+    initial = [max(1, x) for x in remaining]
+    heapq.heapify(heap)
+    seq: list[int] = []
+    left = list(takes)
+    # The loop's choice: the largest unused share, the first class on ties (heap order: (-share, c)).
+    while heap:
+        _, c = heapq.heappop(heap)
+        seq.append(c)
+        remaining[c] -= class_size[c] * n_r
+        left[c] -= 1
+        if left[c] > 0:
+            heapq.heappush(heap, (-(remaining[c] / initial[c]), c))
+    steps = np.asarray(seq, dtype=np.int64)
+    bucket = np.zeros((n_r, len(seq)), dtype=np.int64)
+    for c in range(n_c):
+        if takes[c] == 0:
+            continue
+        at = np.flatnonzero(steps == c)
+        m = np.asarray(members[c], dtype=np.int64)
+        picks = _greedy_picks(avail[:, m], class_size[c], takes[c])  # (R, takes) positions in m
+        bucket[:, at] = m[picks]
+        cell = (np.arange(n_r, dtype=np.int64)[:, None] * len(m) + picks).ravel()
+        taken = np.bincount(cell, minlength=n_r * len(m)).reshape(n_r, len(m))
+        avail[:, m] -= taken * class_size[c]
+    return bucket, np.asarray(class_size, dtype=np.int64)[steps] if len(seq) else np.zeros(0, dtype=np.int64)
+
+
+def _greedy_picks(counts: np.ndarray, size: int, n: int) -> np.ndarray:
+    """Per stream (row of ``counts``: its samples in each bucket of one class), the buckets (columns) of
+    its first ``n`` batches of ``size`` samples, each from its fullest bucket (the first on ties): the
+    columns of the ``n`` largest values ``counts[r, j] - i * size`` (0 <= i < counts // size), ties to
+    the lower column. (R, n)."""
+    n_r, n_m = counts.shape
+    if n_m == 1 or n == 0:
+        return np.zeros((n_r, n), dtype=np.int64)
+    # Value count - i * size = size * (level) + remainder, level = count // size - i: the batches come level
+    # by level, highest first, and within a level in one order per stream (remainder descending, then
+    # column): a boolean (stream, level, column) table read in C order lists them.
+    q = counts // size
+    cols = np.arange(n_m, dtype=np.int64)
+    perm = np.argsort((size - counts % size) * n_m + cols[None, :], axis=1)
+    q_sorted = np.take_along_axis(q, perm, axis=1)
+    levels = np.arange(int(q.max()), 0, -1, dtype=np.int64)
+    mask = q_sorted[:, None, :] >= levels[None, :, None]
+    row, _, at = np.nonzero(mask)
+    per_row = q.sum(axis=1)
+    pos = (np.cumsum(per_row) - per_row)[:, None] + np.arange(n, dtype=np.int64)[None, :]
+    return perm[row[pos], at[pos]]
+
+
 def schedule(
     chains: list[list[list[Ref]]],
     class_of: list[int],
@@ -78,9 +160,25 @@ def schedule(
     unequal step taken: each stream with samples takes its own fullest bucket, capped at its batch size
     (``tail_batches``).
     """
-    n_r, n_b, n_c = len(chains), len(class_of), len(class_size)
+    n_r, n_b = len(chains), len(class_of)
     avail = np.array([[len(ch) for ch in chains[r]] for r in range(n_r)], dtype=np.int64).reshape(n_r, n_b)
-    st = _State(avail, class_members(class_of, n_c), class_size)
+    return _materialise(chains, *schedule_takes(avail, class_of, class_size, sizes, counts))
+
+
+def schedule_takes(
+    avail: np.ndarray, class_of: list[int], class_size: list[int], sizes: list[int], counts: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`schedule` on the streams' sample counts per bucket (``avail[r, b]``, consumed in place).
+
+    Returns ``(bucket, count, equal)``: arrays (R, steps), (R, steps) and (steps,): at step j stream r takes
+    ``count[r, j]`` samples (0: no batch) of bucket ``bucket[r, j]``; ``equal[j]``: a step shared by every
+    stream (same class and size). The equal steps come first; a stream takes each bucket's samples in
+    chain order (see :func:`chain_starts`).
+    """
+    n_r, n_c = avail.shape[0], len(class_size)
+    members = class_members(class_of, n_c)
+    full_b, full_k = _full_steps(avail, members, class_size)
+    st = _State(avail, members, class_size)
     cls = np.asarray(class_of, dtype=np.int64)
     cap = np.asarray(sizes, dtype=np.int64)
     rows = st.rows
@@ -121,20 +219,18 @@ def schedule(
         take_b.append(bs)
         take_k.append(ks)
         take_eq.append(False)
-    return _materialise(chains, take_b, take_k, take_eq)
+    b = np.zeros((n_r, len(take_b)), dtype=np.int64)
+    k = np.zeros((n_r, len(take_b)), dtype=np.int64)
+    for j, (bb, kk) in enumerate(zip(take_b, take_k)):
+        b[:, j], k[:, j] = bb, kk
+    eq = np.r_[np.ones(len(full_k), dtype=bool), np.asarray(take_eq, dtype=bool)]
+    return np.hstack([full_b, b]), np.hstack([np.broadcast_to(full_k, (n_r, len(full_k))), k]), eq
 
 
-def _materialise(
-    chains: list[list[list[Ref]]], take_b: list[np.ndarray], take_k: list, take_eq: list[bool]
-) -> list[list[Batch]]:
-    """The recorded steps -> each stream's batches (a bucket's batches are consecutive slices of its chain)."""
-    n_r = len(chains)
-    if not take_b:
-        return [[] for _ in range(n_r)]
-    b = np.stack(take_b, axis=1)  # (R, steps)
-    k = np.stack([np.broadcast_to(x, (n_r,)) for x in take_k], axis=1)
-    # Where each batch starts in its bucket's chain: the samples the stream took from the bucket before.
-    n_b = max(len(ch) for ch in chains)
+def chain_starts(b: np.ndarray, k: np.ndarray, n_b: int) -> np.ndarray:
+    """Where each batch of :func:`schedule_takes` starts in its bucket's chain (R, steps): the samples the
+    stream took from that bucket before."""
+    n_r = b.shape[0]
     key = (np.arange(n_r)[:, None] * n_b + b).ravel()
     order = np.argsort(key, kind="stable")  # by (stream, bucket), steps in order
     taken = k.ravel()[order]
@@ -143,14 +239,25 @@ def _materialise(
     base = np.maximum.accumulate(np.where(group_first, ends - taken, 0))
     start = np.empty_like(ends)
     start[order] = ends - taken - base
-    start = start.reshape(n_r, -1)
+    return start.reshape(n_r, -1)
+
+
+def _materialise(
+    chains: list[list[list[Ref]]], b: np.ndarray, k: np.ndarray, take_eq: np.ndarray
+) -> list[list[Batch]]:
+    """The recorded steps -> each stream's batches (a bucket's batches are consecutive slices of its chain)."""
+    n_r = len(chains)
+    if not b.shape[1]:
+        return [[] for _ in range(n_r)]
+    start = chain_starts(b, k, max(len(ch) for ch in chains))
+    eqs = take_eq.tolist()
     out: list[list[Batch]] = []
     for r in range(n_r):
         ch = chains[r]
         out.append(
             [
                 Batch(bb, ch[bb][p : p + kk], eq)
-                for bb, p, kk, eq in zip(b[r].tolist(), start[r].tolist(), k[r].tolist(), take_eq)
+                for bb, p, kk, eq in zip(b[r].tolist(), start[r].tolist(), k[r].tolist(), eqs)
                 if kk
             ]
         )
