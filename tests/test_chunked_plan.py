@@ -188,3 +188,37 @@ def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
     assert one.report["segments"] > 2
     assert pool.streams == one.streams and pool.reads == one.reads and pool.global_tokens == one.global_tokens
     assert _report(pool) == _report(one)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    world=st.integers(2, 7),
+    workers=st.integers(0, 3),
+    resumed=st.booleans(),
+    tolerance=st.sampled_from([0.0, 0.05, 0.5]),
+)
+def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(seed, world, workers, resumed, tolerance):
+    """The lockstep schedule planned rank-locally on arrays (planning/lockstep_local.py) gives each rank
+    exactly its part of the plan of every stream, and the same global parts, step costs included."""
+    rng = random.Random(seed)
+    index = random_index(rng, rng.randint(4, 24), 80)
+    batcher = _batcher(rng, "lockstep")
+    refs = all_refs(index)
+    exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
+    kw = dict(mode="lockstep", exclude=exclude, lockstep_tail="packed", lockstep_tolerance=tolerance,
+              keep_step_costs=True)  # fmt: skip
+    plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, **kw)
+    for r in range(world):
+        local = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, rank=r, **kw)
+        assert local.rank == r
+        for st_ in [(r, w) for w in range(max(1, workers))]:
+            assert local.streams[st_] == plan.streams[st_]
+            assert local.batch_buckets[st_] == plan.batch_buckets[st_]
+            assert local.batch_steps[st_] == plan.batch_steps[st_]
+            assert local.reads[st_] == plan.reads[st_]
+            assert local.pack_batches.get(st_) == plan.pack_batches.get(st_)
+        assert local.step_order[r] == plan.step_order[r]
+        assert all(getattr(local, f) == getattr(plan, f) for f in GLOBAL)
+        np.testing.assert_array_equal(local.step_costs, plan.step_costs)
+        assert _report(local) == _report(plan)

@@ -261,6 +261,7 @@ def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -
         mode=job.mode,
         exclude=excl or None,
         underfull="pad",  # the whole epoch is checked against ``underfull``
+        rank=job.rank,
         **job.settings,
     )
     rows = None
@@ -268,7 +269,7 @@ def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -
         costs = np.asarray(seg.step_costs, dtype=np.float64).T  # (steps, world)
         rows = np.stack([*balance_rows(costs), costs.max(axis=1)])
     seg.step_costs = None
-    return (seg if job.rank is None else local_plan(seg, job.rank)), rows
+    return seg, rows
 
 
 _POOL: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import operator
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -46,6 +47,7 @@ from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
 from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_table, distinct_shapes
 from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_classes
+from lightning_adaptiveload.planning.lockstep_local import LocalLockstep, lockstep_local
 from lightning_adaptiveload.planning.plan import (
     SCHEDULES,
     Batch,
@@ -187,11 +189,11 @@ def plan_epoch(
         )  # fmt: skip
     plan = _plan_whole(
         data, world, num_workers, batcher, seed, epoch, mode, exclude, max_buffered_samples, lockstep_tolerance,
-        underfull, lockstep_tail, t0,
+        underfull, lockstep_tail, t0, None if rank is None else int(rank),
     )  # fmt: skip
     if not keep_step_costs:
         plan.step_costs = None
-    return plan if rank is None else local_plan(plan, int(rank))
+    return plan if rank is None or plan.rank is not None else local_plan(plan, int(rank))
 
 
 def _num_samples(data: Any) -> int:
@@ -214,8 +216,11 @@ def _plan_whole(
     underfull: str,
     lockstep_tail: str,
     t0: float,
+    keep: int | None = None,
 ) -> EpochPlan:
-    """One plan of the whole epoch for every stream (the body of :func:`plan_epoch`)."""
+    """One plan of the whole epoch (the body of :func:`plan_epoch`): every stream, or with ``keep`` set,
+    possibly only that rank's streams (the lockstep schedule with its packed tail plans rank-locally on
+    arrays; :mod:`.lockstep_local`). The global parts are the same either way."""
     workers = max(1, int(num_workers))
     if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
         from lightning_adaptiveload.planning.packed import plan_packed
@@ -240,29 +245,63 @@ def _plan_whole(
     counts = dict.fromkeys(_COUNTERS, 0)
     assignment, n_splits = assign(pieces, world, workers, weight_of, mode == "lockstep")
     reads = {st: reads_of(ps) for st, ps in assignment.items()}
+    local: LocalLockstep | None = None
     if mode == "independent":
         sim = independent_batches(reads, table.bucket_of, sizes, bound, counts)
+    elif keep is not None and lockstep_tail == "packed" and world > 1:
+        local = lockstep_local(
+            reads, *_bucket_arrays(table), world, workers, class_of, class_size, sizes, counts, keep
+        )  # only rank ``keep``'s batches and reads become objects
+        sim = local.sim
+        reads = {**reads, **local.reads}
     else:
         sim = lockstep_batches(reads, table.bucket_of, world, workers, class_of, class_size, sizes, counts)
     tail = {"steps": 0, "samples": 0, "empty": 0}
     if mode == "lockstep" and lockstep_tail == "packed" and world > 1:
         seq_lens = [bk.seq_len for bk in buckets]
         tail = packed_tail(sim, world, workers, table.bucket_of, seq_lens, batcher, seed, epoch)
+    n_reads = None
     if tail["steps"]:
         # The lockstep steps line up per worker index and the tail adds one pack per rank and step: the
         # counts are equal already (the equal-steps pass would merge the packs of an underfull tail).
         counts["empty_batches"] += tail["empty"]
-        for st in sim:
+        for st in sim if local is None else [(keep, w) for w in range(workers)]:
             reads[st] = tail_reads(reads[st], sim[st], tail["removed"][st])
+        if local is not None:
+            n_reads = sum(local.lockstep_reads.values()) + sum(
+                len({s for s, _ in bt.refs}) for st, v in sim.items() for bt in v[len(local.equal[st][0]) :]
+            )  # the packs follow the equal batches
+    elif local is not None:
+        # Every worker index's streams hold the same number of equal batches and there is no tail: the
+        # step counts are equal, which the equal-steps pass would leave as they are.
+        n_reads = sum(local.lockstep_reads.values())
     else:
         _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
-    samples_per_rank = [
-        sum(sum(map(len, map(_REFS, sim[(r, w)]))) for w in range(workers)) for r in range(world)
-    ]
+    if local is None:
+        samples_per_rank = [
+            sum(sum(map(len, map(_REFS, sim[(r, w)]))) for w in range(workers)) for r in range(world)
+        ]
+    else:
+        samples_per_rank = [
+            sum(int(local.equal[(r, w)][1].sum()) + sum(len(bt.refs) for bt in sim[(r, w)][len(local.equal[(r, w)][0]) :])
+                for w in range(workers))
+            for r in range(world)
+        ]  # fmt: skip
     if underfull == "error" and n_samples and min(samples_per_rank) == 0:
         raise PlanError(underfull_message(world, workers, len(data.shapes), n_samples, samples_per_rank))
 
-    steps = _step_table(sim, world, workers, buckets, class_of, _pack_load(table.bucket_of, buckets, batcher))
+    pack_load = _pack_load(table.bucket_of, buckets, batcher)
+    if local is None:
+        steps = _step_table(
+            lambda st: _batch_loads(sim[st], pack_load), {st: len(v) for st, v in sim.items()}, world, workers,
+            buckets, class_of,
+        )  # fmt: skip
+    else:
+        steps = _step_table(
+            lambda st: _local_loads(local, sim[st], st, pack_load), {st: len(v) for st, v in sim.items()}, world,
+            workers, buckets, class_of,
+        )  # fmt: skip
+    kept = list(sim) if local is None else [(keep, w) for w in range(workers)]
     counts.update(
         samples=n_samples,
         excluded=n_excluded,
@@ -273,6 +312,8 @@ def _plan_whole(
     report = _report(
         epoch, mode, world, num_workers, counts, sim, reads, steps, len(class_size), batcher.max_compute
     )
+    if n_reads is not None:
+        report["reads"] = n_reads
     report.update(samples_per_rank=samples_per_rank, plan_seconds=0.0)
     if mode == "lockstep":
         report.update(
@@ -288,16 +329,17 @@ def _plan_whole(
         epoch=int(epoch),
         mode=mode,
         buckets=_bucket_dicts(buckets, class_of),
-        streams={st: list(map(_REFS, sim[st])) for st in sim},
-        batch_buckets={st: list(map(_BUCKET, sim[st])) for st in sim},
-        batch_steps=steps.batch_steps,
-        reads=reads,
-        step_order=steps.step_order,
+        streams={st: list(map(_REFS, sim[st])) for st in kept},
+        batch_buckets={st: list(map(_BUCKET, sim[st])) for st in kept},
+        batch_steps={st: steps.batch_steps[st].tolist() for st in kept},
+        reads={st: reads[st] for st in kept},
+        step_order=steps.step_order if local is None else [o if r == keep else [] for r, o in enumerate(steps.step_order)],
         steps=steps.steps,
         global_tokens=[int(x) for x in steps.global_tokens],
         report=report,
-        pack_batches={st: [bt.pack for bt in sim[st]] for st in sim} if tail["steps"] else {},
+        pack_batches={st: [bt.pack for bt in sim[st]] for st in kept} if tail["steps"] else {},
         step_costs=steps.costs,
+        rank=keep if local is not None else None,
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan
@@ -434,17 +476,34 @@ def _pack_load(
     return load
 
 
+def _batch_loads(
+    batches: list[Batch], pack_load: Callable[[Batch], tuple[int, float]] | None
+) -> tuple[Any, Any, list[tuple[int, int, float]]]:
+    """A stream's batches as (bucket ids, sample counts, [(position, tokens, cost) of each pack])."""
+    packs = []
+    if pack_load is not None:
+        packs = [(j, *pack_load(bt)) for j, bt in enumerate(batches) if bt.pack]
+    return list(map(_BUCKET, batches)), list(map(len, map(_REFS, batches))), packs
+
+
 def _step_table(
-    sim: dict[Stream, list[Batch]],
+    loads: Callable[[Stream], tuple[Any, Any, list[tuple[int, int, float]]]],
+    lengths: Mapping[Stream, int],
     world: int,
     workers: int,
     buckets: list[Bucket],
     class_of: list[int],
-    pack_load: Callable[[Batch], tuple[int, float]] | None = None,
 ) -> _Steps:
     """Each rank's round robin over its workers, the step of every batch, and per step the tokens over all
-    ranks and the balance of the estimated batch costs."""
-    orders = [_round_robin_steps([len(sim[(r, w)]) for w in range(workers)]) for r in range(world)]
+    ranks and the balance of the estimated batch costs. ``loads(stream)``: its batches as
+    :func:`_batch_loads` gives them; ``lengths``: every stream's batch count."""
+    seen: dict[tuple[int, ...], tuple[list[tuple[int, int]], list[np.ndarray]]] = {}
+    orders = []
+    for r in range(world):  # ranks with the same batch counts per worker share one order (lockstep: all)
+        key = tuple(lengths[(r, w)] for w in range(workers))
+        if key not in seen:
+            seen[key] = _round_robin_steps(list(key))
+        orders.append(seen[key])
     step_order = [o[0] for o in orders]
     steps = len(step_order[0]) if step_order else 0
     batch_steps: dict[Stream, list[int]] = {}
@@ -458,16 +517,16 @@ def _step_table(
     pack_cost = np.zeros((world, steps), dtype=np.float64)
     for r in range(world):
         for w in range(workers):
-            batches, idx = sim[(r, w)], orders[r][1][w]
-            batch_steps[(r, w)] = idx.tolist()
-            if batches:
-                step_bucket[r, idx] = list(map(_BUCKET, batches))
-                step_n[r, idx] = list(map(len, map(_REFS, batches)))
-                if pack_load is not None:
-                    for k, bt in zip(idx.tolist(), batches):
-                        if bt.pack:
-                            is_pack[r, k] = True
-                            pack_tokens[r, k], pack_cost[r, k] = pack_load(bt)
+            idx = orders[r][1][w]
+            batch_steps[(r, w)] = idx
+            if lengths[(r, w)]:
+                bks, ns, packs = loads((r, w))
+                step_bucket[r, idx] = bks
+                step_n[r, idx] = ns
+                for j, tok, cost in packs:
+                    k = idx[j]
+                    is_pack[r, k] = True
+                    pack_tokens[r, k], pack_cost[r, k] = tok, cost
     tokens = np.where(is_pack, pack_tokens, step_n * seq_len[step_bucket])
     global_tokens = tokens.sum(axis=0).tolist() if steps else []
     costs = np.where(is_pack, pack_cost, step_n * bucket_cost[step_bucket])
@@ -484,6 +543,28 @@ def _step_table(
     return _Steps(
         step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait, n_pack, pack_fill, costs
     )
+
+
+def _bucket_arrays(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's bucket id as one array and each shard's first position in it."""
+    if table.bucket_ids is not None:
+        return table.bucket_ids, table.shard_offsets
+    lens = np.fromiter(map(len, table.bucket_of), dtype=np.int64, count=len(table.bucket_of))
+    ids = np.fromiter(itertools.chain.from_iterable(table.bucket_of), dtype=np.int64, count=int(lens.sum()))
+    return ids, np.r_[0, np.cumsum(lens)].astype(np.int64)
+
+
+def _local_loads(
+    local: LocalLockstep, batches: list[Batch], st: Stream, pack_load: Callable[[Batch], tuple[int, float]]
+) -> tuple[Any, Any, list[tuple[int, int, float]]]:
+    """:func:`_batch_loads` of a stream of a rank-local lockstep plan: its equal batches from the arrays
+    (another rank's are placeholders), then its tail packs."""
+    eq_b, eq_k = local.equal[st]
+    n_eq = len(eq_b)
+    tail = batches[n_eq:]
+    bks = np.concatenate([eq_b, np.fromiter(map(_BUCKET, tail), dtype=np.int64, count=len(tail))])
+    ns = np.concatenate([eq_k, np.fromiter(map(len, map(_REFS, tail)), dtype=np.int64, count=len(tail))])
+    return bks, ns, [(n_eq + j, *pack_load(bt)) for j, bt in enumerate(tail)]
 
 
 def _bucket_dicts(buckets: list[Bucket], class_of: list[int]) -> list[dict[str, Any]]:

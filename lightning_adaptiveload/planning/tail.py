@@ -67,10 +67,13 @@ def packed_tail(
     refs: list[Ref] = []
     removed: dict[Stream, list[Ref]] = {}
     for st in sorted(sim):
-        kept = [bt for bt in sim[st] if bt.equal]
-        removed[st] = [ref for bt in sim[st] if not bt.equal for ref in bt.refs]
+        batches = sim[st]
+        n_eq = len(batches)  # the unequal batches end a lockstep stream (no class lines up after them)
+        while n_eq and not batches[n_eq - 1].equal:
+            n_eq -= 1
+        removed[st] = [ref for bt in batches[n_eq:] for ref in bt.refs]
         refs.extend(removed[st])
-        sim[st] = kept
+        sim[st] = batches[:n_eq]
     for w in range(workers):
         n = {len(sim[(r, w)]) for r in range(world)}
         if len(n) > 1:
