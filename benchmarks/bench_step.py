@@ -62,6 +62,12 @@ VARIANTS = {
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"
     ),
+    # The whole forward as one compiled graph with CUDA graphs (fixed shape): one replay per forward and one
+    # per backward instead of a launch per kernel or per block.
+    "whole+cg": dict(
+        model="ours", weights="fp32", attention="default", compile="model", ckpt=None, mode="reduce-overhead"
+    ),
+    "whole": dict(model="ours", weights="fp32", attention="default", compile="model", ckpt=None),
     "bf16w": dict(model="ours", weights="bf16", attention="auto", compile=False, ckpt=("full", None)),
     "bf16w+compile": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=("full", None)),
     "bf16w+compile+sac": dict(
@@ -128,6 +134,13 @@ def _build(spec, cfg, dev, text_dim):
             opt = MasterWeightAdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+        if spec["compile"] == "model":
+
+            def whole(x, t, ctx):
+                return model(x, t, ctx, None)
+
+            info["compiled"] = f"whole model, mode={spec.get('mode')}"
+            return model, opt, torch.compile(whole, mode=spec.get("mode"), dynamic=False), info
         if spec["compile"]:
             from lightning_adaptiveload.models.acceleration import compile_blocks
 

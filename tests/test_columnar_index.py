@@ -350,3 +350,22 @@ def test_header_lengths_across_alignment_boundaries_and_an_empty_index(tmp_path,
     empty = ShardIndex([], metadata={"pad": "y" * pad})
     assert ShardIndex.load(empty.save(tmp_path / "empty.npidx")).to_dict() == empty.to_dict()
     assert index_fingerprint(CompactIndex.load(tmp_path / "empty.npidx")) == index_fingerprint(empty)
+
+
+@pytest.mark.parametrize("mode", ["independent", "lockstep"])
+def test_rank_local_plan_with_exclusions_from_binary_index_equals_plan_from_json(tmp_path, mode):
+    """The array paths (bucket ids read from the binary columns, rank-local lockstep on arrays) with
+    excluded samples and oversize ones plan as the per-shard lists of a JSON index."""
+    index = _index(tmp_path, n_shards=9, per_shard=11)
+    index.save(tmp_path / "index.json")
+    index.save(tmp_path / "index.npidx")
+    exclude = {(s, i) for s in range(0, 9, 2) for i in range(0, 11, 3)}
+    plans = []
+    for loaded in (ShardIndex.load(tmp_path / "index.json"), CompactIndex.load(tmp_path / "index.npidx")):
+        batcher = DualConstraintBatcher(150, oversize="skip")  # (16, 9, 12, 8): 216 tokens, skipped
+        plan = plan_epoch(loaded, 3, 2, batcher, seed=5, epoch=2, mode=mode, exclude=exclude, rank=1)
+        fields = vars(plan).copy()
+        fields["report"] = {k: v for k, v in plan.report.items() if k != "plan_seconds"}
+        plans.append(fields)
+    assert plans[0]["report"]["excluded"] > 0 and plans[0]["report"]["skipped"]
+    assert plans[0] == plans[1]

@@ -51,7 +51,12 @@ def exclusions(exclude: Any) -> dict[int, set[int]]:
 
 
 def shard_pieces(
-    bucket_of: list[list[int]], seed: int, epoch: int, exclude: Any, weight_of: list[float]
+    bucket_of: list[list[int]],
+    seed: int,
+    epoch: int,
+    exclude: Any,
+    weight_of: list[float],
+    arrays: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[Piece], int]:
     """One piece per shard with samples left: its samples that are not oversize (bucket -1) or excluded.
 
@@ -60,6 +65,7 @@ def shard_pieces(
         seed, epoch: seed the shard order.
         exclude: refs ``(shard_id, sample_id)`` or ``{shard_id: sample_ids}`` to leave out, or None.
         weight_of: per bucket, the load of one sample for the assignment.
+        arrays: the same bucket ids as (ids, shard offsets) arrays (a compact index's), read instead.
 
     Returns:
         The pieces and how many (non-oversize) samples were excluded.
@@ -71,19 +77,27 @@ def shard_pieces(
     excl = exclusions(exclude)
     pieces: list[Piece] = []
     n_excluded = 0
-    for sid, row in enumerate(bucket_of):
-        bk = np.asarray(row, dtype=np.int64)
+    weight = np.asarray(weight_of, dtype=np.float64)
+    for sid, row in enumerate(bucket_of if arrays is None else range(len(arrays[1]) - 1)):
+        if arrays is None:
+            bk = np.asarray(row, dtype=np.int64)
+        else:
+            bk = arrays[0][int(arrays[1][sid]) : int(arrays[1][sid + 1])].astype(np.int64)
         keep = bk >= 0
         gone = excl.get(sid)
         if gone:
             out = np.fromiter((i for i in gone if 0 <= i < len(bk)), dtype=np.int64)
             n_excluded += int(keep[out].sum())
             keep[out] = False
-        ids = np.flatnonzero(keep)
+        if keep.all():
+            ids, kept_bk = np.arange(len(bk)), bk
+        else:
+            ids = np.flatnonzero(keep)
+            kept_bk = bk[ids]
         if len(ids):
-            bks = bk[ids].tolist()
-            # Python's sum, as before (its float rounding is part of the plan).
-            pieces.append(Piece(sid, position[sid], ids.tolist(), bks, sum(map(weight_of.__getitem__, bks))))
+            # Python's sum over the weights in sample order, as before (its float rounding is part of the plan).
+            cost = sum(weight[kept_bk].tolist())
+            pieces.append(Piece(sid, position[sid], ids.tolist(), kept_bk.tolist(), cost))
     return pieces, n_excluded
 
 

@@ -375,16 +375,22 @@ def _keep(
             continue
         # Another order (workers of unequal lengths): deal the segment's steps to the workers afresh, each
         # stream reading what each batch needs when the batch comes (see _batch_reads).
-        dealt: dict[int, list[list[Ref]]] = {w: [] for w in range(workers)}
+        streams = [seg.streams[(r, w)] for w in range(workers)]
+        buckets = [seg.batch_buckets[(r, w)] for w in range(workers)]
+        packs = [[seg.is_pack((r, w), j) for j in range(len(streams[w]))] for w in range(workers)]
+        dealt: list[list[list[Ref]]] = [[] for _ in range(workers)]
+        to = [((r, w), kept.streams[(r, w)], kept.buckets[(r, w)], kept.steps[(r, w)], kept.packs[(r, w)])
+              for w in range(workers)]  # fmt: skip
         for k, (w_old, j) in enumerate(order):
-            st, w = (r, w_old), (offset + k) % workers
-            batch = _refs(seg.streams[st][j], shard_ids)
+            w = (offset + k) % workers
+            batch = [(shard_ids[s], i) for s, i in streams[w_old][j]]
             dealt[w].append(batch)
-            kept.streams[(r, w)].append(batch)
-            kept.buckets[(r, w)].append(to_global[seg.batch_buckets[st][j]])
-            kept.steps[(r, w)].append(offset + k)
-            kept.packs[(r, w)].append(seg.is_pack(st, j))
-        for w, batches in dealt.items():
+            _, out_refs, out_buckets, out_steps, out_packs = to[w]
+            out_refs.append(batch)
+            out_buckets.append(to_global[buckets[w_old][j]])
+            out_steps.append(offset + k)
+            out_packs.append(packs[w_old][j])
+        for w, batches in enumerate(dealt):
             kept.reads[(r, w)].extend(_batch_reads(batches))
 
 

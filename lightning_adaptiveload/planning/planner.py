@@ -239,7 +239,8 @@ def _plan_whole(
     # near-equal step counts and few batches must be split. Lockstep: its cost (class counts are then
     # equalised by moving samples, which also equalises the steps).
     weight_of = cost_of if mode == "lockstep" else [1.0 / s for s in sizes]
-    pieces, n_excluded = shard_pieces(table.bucket_of, seed, epoch, exclude, weight_of)
+    arrays = (table.bucket_ids, table.shard_offsets) if table.bucket_ids is not None else None
+    pieces, n_excluded = shard_pieces(table.bucket_of, seed, epoch, exclude, weight_of, arrays)
     n_samples = sum(len(p.ids) for p in pieces)
 
     counts = dict.fromkeys(_COUNTERS, 0)
