@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_adaptiveload.planning.lockstep import _reads_of_chains
-from lightning_adaptiveload.planning.lockstep_schedule import chain_starts, class_members, schedule_takes, stable_order
+from lightning_adaptiveload.planning.lockstep_schedule import (
+    chain_starts,
+    class_members,
+    schedule_takes,
+    stable_order,
+)
 from lightning_adaptiveload.planning.plan import Batch, Read, Stream
 
 __all__ = ["EQUAL_ELSEWHERE", "LocalLockstep", "lockstep_local"]
@@ -156,7 +161,7 @@ def _balance(
     first = np.cumsum(have_b.ravel()) - have_b.ravel()
     new_stream = stream.copy()
     moved_all: list[np.ndarray] = []
-    for c, members in enumerate(class_members(class_of, n_classes)):
+    for members in class_members(class_of, n_classes):
         if not members:
             continue
         have = have_b[:, members].sum(axis=1)
