@@ -82,16 +82,14 @@ def _full_steps(avail: np.ndarray, members: list[list[int]], class_size: list[in
     n_r, n_c = avail.shape[0], len(class_size)
     takes = [0] * n_c
     remaining = [0] * n_c
-    heap: list[tuple[float, int]] = []
     for c in range(n_c):
         if not members[c] or class_size[c] <= 0:
             continue
         sub = avail[:, members[c]]
         takes[c] = int((sub // class_size[c]).sum(axis=1).min()) if n_r else 0
         remaining[c] = int(sub.sum())
-        if takes[c] > 0:
-            heap.append((-(remaining[c] / max(1, remaining[c])), c))
     initial = [max(1, x) for x in remaining]
+    heap = [(-(remaining[c] / initial[c]), c) for c in range(n_c) if takes[c] > 0]
     heapq.heapify(heap)
     seq: list[int] = []
     left = list(takes)
