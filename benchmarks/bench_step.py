@@ -58,6 +58,15 @@ VARIANTS = {
     "compile+sac10": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", 10)
     ),
+    # Per batch, the fewest checkpointed blocks that fit a memory budget (a fitted ActivationMemory; the
+    # caller probes it: bench_step_mix.py).
+    "compile+sac_auto": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", "auto")
+    ),
+    # The same with "save_matmuls" blocks: recompute only the elementwise work, at more memory per block.
+    "compile+smm_auto": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_matmuls", "auto")
+    ),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"
@@ -68,6 +77,10 @@ VARIANTS = {
         model="ours", weights="fp32", attention="default", compile="model", ckpt=None, mode="reduce-overhead"
     ),
     "whole": dict(model="ours", weights="fp32", attention="default", compile="model", ckpt=None),
+    # The same with each block a nested compile region (acceleration.compile_whole): traced once, not 30 times.
+    "whole+nested+cg": dict(
+        model="ours", weights="fp32", attention="default", compile="nested", ckpt=None, mode="reduce-overhead"
+    ),
     "bf16w": dict(model="ours", weights="bf16", attention="auto", compile=False, ckpt=("full", None)),
     "bf16w+compile": dict(model="ours", weights="bf16", attention="auto", compile=True, ckpt=("full", None)),
     "bf16w+compile+sac": dict(
@@ -111,6 +124,16 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
+def _init_optimizer_state(model, opt):
+    """One optimizer step on zero gradients, so that AdamW's state (8 bytes per parameter) exists before any
+    measured peak: otherwise the first shape of a variant is measured without it (runs 1-5 did so)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _build(spec, cfg, dev, text_dim):
     """(model, optimizer, forward(x, t, ctx) -> out, info)."""
     info = {}
@@ -124,6 +147,8 @@ def _build(spec, cfg, dev, text_dim):
         torch.nn.init.normal_(model.head.head.weight, std=0.02)
         if spec["ckpt"] is None:
             model.set_activation_checkpointing(False)
+        elif spec["ckpt"][1] == "auto":  # every block until the caller has probed the memory model
+            model.set_activation_checkpointing(True, spec["ckpt"][0])
         else:
             model.set_activation_checkpointing(True, spec["ckpt"][0], spec["ckpt"][1])
         model.set_attention_backend(spec["attention"])
@@ -134,11 +159,19 @@ def _build(spec, cfg, dev, text_dim):
             opt = MasterWeightAdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+        if spec["compile"] == "nested":
+            from lightning_adaptiveload.models.acceleration import compile_whole
+
+            _init_optimizer_state(model, opt)
+            compiled = compile_whole(model, mode=spec.get("mode"))
+            info["compiled"] = f"whole model, blocks as nested regions, mode={spec.get('mode')}"
+            return model, opt, lambda x, t, ctx: compiled(x, t, ctx, None), info
         if spec["compile"] == "model":
 
             def whole(x, t, ctx):
                 return model(x, t, ctx, None)
 
+            _init_optimizer_state(model, opt)
             info["compiled"] = f"whole model, mode={spec.get('mode')}"
             return model, opt, torch.compile(whole, mode=spec.get("mode"), dynamic=False), info
         if spec["compile"]:
@@ -150,6 +183,7 @@ def _build(spec, cfg, dev, text_dim):
         def fwd(x, t, ctx):
             return model(x, t, ctx, None)
 
+        _init_optimizer_state(model, opt)
         return model, opt, fwd, info
     from diffusers import WanTransformer3DModel
 
@@ -188,6 +222,7 @@ def _build(spec, cfg, dev, text_dim):
 
             info["compile"] = f"compile_blocks: {compile_blocks(model)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    _init_optimizer_state(model, opt)
 
     def fwd(x, t, ctx):
         return model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]

@@ -32,9 +32,10 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import VARIANTS, _build, _measure, add_common_args, device_setup  # noqa: E402
+from bench_step import VARIANTS, _build, _fwd_bwd, _measure, add_common_args, device_setup  # noqa: E402
 
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
+from lightning_adaptiveload.tools.memory import ActivationMemory  # noqa: E402
 
 
 def epoch_steps(
@@ -59,6 +60,47 @@ def epoch_steps(
     return steps
 
 
+def probe_memory(model, opt, fwd, cfg, timed, args, dev) -> dict:
+    """Fit the model's ActivationMemory (``acceleration.probe_activation_memory``) on three of the epoch's
+    batches: the longest B = 1 batch (a clip), the largest batch (images) and the shortest B = 1 batch, each
+    at every block and at half of them checkpointed; then set ``num_blocks="auto"`` with a budget of
+    ``--ckpt-budget`` x the GPU's memory. Returns what was measured and fitted (for the results JSON)."""
+    from lightning_adaptiveload.models.acceleration import probe_activation_memory
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    seq = {k: k[0] * (v[2] // cfg.patch_size[1]) * (v[3] // cfg.patch_size[2]) for k, v in timed.items()}
+    ones = [k for k in timed if k[1] == 1]
+    picks = [max(ones, key=seq.get), max(timed, key=lambda k: (k[1], seq[k])), min(ones, key=seq.get)]
+    batches = [((k[1], cfg.in_channels, *timed[k][1:]), args.text_len) for k in dict.fromkeys(picks)]
+
+    def step(shape, text_len):
+        x = torch.randn(*shape, device=dev, dtype=dtype)
+        ts = torch.rand(shape[0], device=dev) * 1000
+        ctx = torch.randn(shape[0], text_len, cfg.text_dim, device=dev, dtype=dtype)
+        _fwd_bwd(fwd, x, ts, ctx, dev)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measure = None if dev.type == "cuda" else (lambda run: (run(), 0.0)[1])
+    n = len(model.blocks)
+    memory, points = probe_activation_memory(
+        model, step, batches, model.blocks[0].checkpoint_policy, counts=(n, n // 2), measure=measure
+    )
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 64 * 2**30
+    budget = args.ckpt_budget * total
+    model.set_activation_checkpointing(
+        True, model.blocks[0].checkpoint_policy, "auto", memory=memory, budget_bytes=budget
+    )
+    return {
+        "budget_bytes": budget,
+        "fitted": memory.to_dict(),
+        "points": [dict(p.__dict__) for p in points],
+        "fit_error_gib": [
+            (memory.peak_bytes(p.batch, p.seq, p.text, p.checkpointed) - p.peak_bytes) / 2**30 for p in points
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap, reps=2)
@@ -67,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--variants", default="baseline,compile+sac10")
+    ap.add_argument(
+        "--ckpt-budget",
+        type=float,
+        default=0.9,
+        help="auto checkpointing: share of the GPU memory a step may use",
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
     from lightning_adaptiveload.models.video_dit import forward_flops
@@ -132,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             torch._dynamo.utils.counters.clear()
             model, opt, fwd, info = _build(spec, cfg, dev, cfg.text_dim)
             entry["info"] = info
+            if spec.get("ckpt") and spec["ckpt"][1] == "auto":
+                entry["memory"] = probe_memory(model, opt, fwd, cfg, timed, args, dev)
+                print(f"{vname}: fitted {json.dumps(entry['memory']['fitted'])}", flush=True)
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"
             traceback.print_exc()
@@ -156,12 +207,20 @@ def main(argv: list[str] | None = None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             entry["rows"][f"T{key[0]}xB{key[1]}"] = row
+            if getattr(model, "last_checkpointed_blocks", None) is not None:
+                row["checkpointed_blocks"] = model.last_checkpointed_blocks
+                if "memory" in entry:
+                    mem = ActivationMemory.from_dict(entry["memory"]["fitted"])
+                    seq = key[0] * (shape[2] // ph) * (shape[3] // pw)
+                    row["predicted_peak_gib"] = (
+                        mem.peak_bytes(key[1], seq, args.text_len, row["checkpointed_blocks"]) / 2**30
+                    )
             if "fwd_bwd_ms" in row:
                 ms_of[key] = row["fwd_bwd_ms"] + row["opt_ms"]
                 f = flops(shape, key[1])
                 row["mfu"] = f / (ms_of[key] / 1e3) / peak if peak else None
             print(
-                f"{vname:18s} T={key[0]:2d} B={key[1]:2d} {json.dumps({k: row.get(k) for k in ('fwd_bwd_ms', 'opt_ms', 'peak_gib', 'first_step_s', 'mfu', 'error')})}",
+                f"{vname:18s} T={key[0]:2d} B={key[1]:2d} {json.dumps({k: row.get(k) for k in ('fwd_bwd_ms', 'opt_ms', 'peak_gib', 'predicted_peak_gib', 'checkpointed_blocks', 'first_step_s', 'mfu', 'error')})}",
                 flush=True,
             )
             save()

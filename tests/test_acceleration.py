@@ -130,7 +130,9 @@ def test_checkpoint_settings_per_block():
         model.set_activation_checkpointing(True, "full", num_blocks=5)
 
 
-@pytest.mark.parametrize("policy,num_blocks", [("full", None), ("save_attention", None), ("full", 1)])
+@pytest.mark.parametrize(
+    "policy,num_blocks", [("full", None), ("save_attention", None), ("save_matmuls", None), ("full", 1)]
+)
 def test_checkpoint_policies_give_the_same_gradients(policy, num_blocks):
     model = _model()
     x, t, ctx = _inputs(2, 2)

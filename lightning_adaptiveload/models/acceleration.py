@@ -19,17 +19,21 @@ feeds every block a contiguous tensor), so 30 blocks do not mean 30 compiles.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.tools.memory import ActivationMemory, MemoryPoint, blocks_to_checkpoint
 
 __all__ = [
     "MAX_GRAPHS_PER_MODE",
     "checkpoint_blocks_for_budget",
     "compile_blocks",
+    "compile_whole",
+    "probe_activation_memory",
     "repeated_blocks",
     "set_attention_backend",
 ]
@@ -101,6 +105,57 @@ def compile_blocks(
     return len(chosen)
 
 
+_REGIONS: dict[type, Callable] = {}
+
+
+def _region_forward(cls: type) -> Callable:
+    """``cls.forward`` marked as a nested compile region (one marked function per block class)."""
+    if cls not in _REGIONS:
+
+        def forward(self, *args, **kwargs):
+            return cls.forward(self, *args, **kwargs)
+
+        _REGIONS[cls] = torch.compiler.nested_compile_region(forward)
+    return _REGIONS[cls]
+
+
+def compile_whole(
+    model: nn.Module,
+    blocks: Iterable[nn.Module] | None = None,
+    *,
+    mode: str | None = None,
+    dynamic: bool | None = False,
+    backend: str = "inductor",
+) -> Callable:
+    """``torch.compile`` the whole forward, each repeated block traced once (a nested compile region).
+
+    With ``mode="reduce-overhead"`` the forward (embeddings, every block, the head) is one CUDA graph and its
+    backward another, so a small step (one image) launches two graphs instead of a kernel at a time or a
+    graph per block. Marking the blocks as ``torch.compiler.nested_compile_region`` keeps compile time
+    near one block's: without it the 30 blocks are inlined and compiled as one long graph.
+
+    Args:
+        model: any ``nn.Module`` with repeated blocks (see :func:`repeated_blocks`).
+        blocks: the blocks to mark instead of the detected ones.
+        mode, dynamic, backend: passed to ``torch.compile`` (``dynamic=False``: one graph per shape, as CUDA
+            graphs need fixed shapes anyway).
+
+    Returns:
+        The compiled callable (call it like the model); the model's own ``forward`` stays eager.
+
+    Raises:
+        ValueError: no repeated blocks found.
+    """
+    chosen = list(blocks) if blocks is not None else repeated_blocks(model)
+    if not chosen:
+        raise ValueError(f"compile_whole: found no repeated blocks in {type(model).__name__}")
+    for block in chosen:
+        # The block goes in as an argument of the region (its parameters become the region's inputs); a
+        # method bound to it would make dynamo reuse the first block's weights for every block.
+        block.forward = functools.partial(_region_forward(type(block)), block)
+    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)
+
+
 def set_attention_backend(
     model: nn.Module, name: str = "auto", device: torch.device | str | None = None
 ) -> str:
@@ -164,13 +219,80 @@ def checkpoint_blocks_for_budget(
     Raises:
         ValueError: even checkpointing every block does not fit.
     """
-    if peak_all_bytes > budget_bytes:
+    per_block = max(peak_none_bytes - peak_all_bytes, 0.0) / num_blocks
+    try:
+        return blocks_to_checkpoint(num_blocks, budget_bytes - peak_all_bytes, per_block)
+    except ValueError:
         raise ValueError(
             f"a batch of {tokens} tokens needs {peak_all_bytes / 2**30:.1f} GiB with every block checkpointed, "
             f"over the budget of {budget_bytes / 2**30:.1f} GiB; lower max_tokens"
-        )
-    per_block = max(peak_none_bytes - peak_all_bytes, 0.0) / num_blocks
-    if per_block == 0.0:
-        return 0
-    free_blocks = int((budget_bytes - peak_all_bytes) // per_block)
-    return max(0, num_blocks - free_blocks)
+        ) from None
+
+
+def probe_activation_memory(
+    model: nn.Module,
+    step: Callable[[tuple[int, ...], int], None],
+    batches: Sequence[tuple[tuple[int, ...], int]],
+    policy: str = "save_attention",
+    counts: Sequence[int] | None = None,
+    measure: Callable[[Callable[[], None]], float] | None = None,
+) -> tuple[ActivationMemory, list[MemoryPoint]]:
+    """Measure training steps and fit the :class:`~lightning_adaptiveload.tools.memory.ActivationMemory`
+    that ``VideoDiT.set_activation_checkpointing(num_blocks="auto")`` chooses with.
+
+    Args:
+        model: a ``VideoDiT`` (``set_activation_checkpointing``, ``blocks``, ``config.patch_size``).
+        step: ``step(latent_shape, text_len)`` runs one training step (forward, backward, optimizer, zero
+            grad) on a batch of that (B, C, T, H, W) latent shape with ``text_len`` text tokens per sample.
+            Run one step before probing, so that the optimizer state exists (it is part of the peak).
+        batches: the (latent shape, text length) pairs to measure; at least one long clip (B = 1), one
+            batch of many short samples (images) and one smaller batch, so that the fit separates the terms.
+        policy: the checkpoint policy the model will train with.
+        counts: checkpointed-block counts to measure each batch at (default: all blocks and half of them).
+            A count that runs out of memory is retried halfway between it and all blocks.
+        measure: ``measure(run) -> peak bytes`` of calling ``run()``; default: CUDA's peak allocated bytes.
+
+    Returns:
+        (the fitted model, the measured points); the model's checkpointing is restored afterwards.
+    """
+    blocks = list(model.blocks)
+    n = len(blocks)
+    saved = [b.checkpoint_policy for b in blocks]
+    saved_auto = getattr(model, "_auto_checkpointing", None)
+    counts = list(counts) if counts is not None else [n, n // 2]
+    pt, ph, pw = model.config.patch_size
+
+    def cuda_peak(run: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated())
+
+    measure = measure or cuda_peak
+    points = []
+    try:
+        for shape, text in batches:
+            b, _, t, h, w = shape
+            seq = (t // pt) * (h // ph) * (w // pw)
+            for k in counts:
+                while True:
+                    model.set_activation_checkpointing(True, policy, k)
+                    try:
+                        peak = measure(lambda: step(shape, text))  # noqa: B023
+                    except torch.OutOfMemoryError:
+                        # Too few checkpointed blocks for this batch: retry halfway to all of them.
+                        model.zero_grad(set_to_none=True)
+                        torch.cuda.empty_cache()
+                        if k >= n:
+                            raise
+                        k = (k + n + 1) // 2
+                        continue
+                    points.append(MemoryPoint(b, seq, text, k, peak))
+                    break
+    finally:
+        for block, p in zip(blocks, saved, strict=True):
+            block.checkpoint_policy = p
+        if saved_auto is not None:
+            model._auto_checkpointing = saved_auto
+    return ActivationMemory.fit(n, points), points

@@ -101,9 +101,16 @@ class VideoDiTModule(L.LightningModule):
         compile: ``torch.compile`` every block (lazily: the first forward traces, so later
             ``configure_model`` steps such as fusion still apply), with symbolic sizes so that a length mix
             compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.models.acceleration`).
-        checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only) or ``"save_attention"``
-            (also the attention kernels' outputs, so the recompute skips attention).
-        checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth.
+        checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only), ``"save_attention"``
+            (also the attention kernels' outputs, so the recompute skips attention) or ``"save_matmuls"``
+            (every matmul's output: the recompute runs only elementwise work).
+        checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth; ``"auto"``:
+            per batch, the fewest whose modelled peak fits ``memory_budget_gib`` (needs
+            ``activation_memory``; see ``VideoDiT.set_activation_checkpointing``).
+        activation_memory: for ``checkpoint_blocks="auto"``: the fitted memory model's numbers
+            (``ActivationMemory.to_dict()``, from :func:`~lightning_adaptiveload.models.acceleration.
+            probe_activation_memory` on the target GPU with this policy; ``docs/performance.md`` shows how).
+        memory_budget_gib: for ``"auto"``: the peak one step may allocate (default: 88% of the GPU's memory).
         attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (cuDNN first on
             Hopper), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
             :mod:`lightning_adaptiveload.models.attention`.
@@ -138,8 +145,10 @@ class VideoDiTModule(L.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool = False,
         val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
-        checkpoint_policy: Literal["full", "save_attention"] = "full",
-        checkpoint_blocks: int | None = None,
+        checkpoint_policy: Literal["full", "save_attention", "save_matmuls"] = "full",
+        checkpoint_blocks: int | Literal["auto"] | None = None,
+        activation_memory: dict[str, float] | None = None,
+        memory_budget_gib: float | None = None,
         attention_backend: str = "default",
         weight_dtype: Literal["fp32", "bf16"] = "fp32",
         init_from: str | None = None,
@@ -159,6 +168,16 @@ class VideoDiTModule(L.LightningModule):
         bad = [t for t in val_timesteps if not 0.0 <= t <= 1.0]
         if bad:
             raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
+        if checkpoint_blocks == "auto" and activation_memory is None:
+            raise ValueError(
+                'VideoDiTModule: checkpoint_blocks="auto" needs activation_memory (the numbers of an '
+                "ActivationMemory fitted by acceleration.probe_activation_memory on the target GPU); or give "
+                "checkpoint_blocks as a count"
+            )
+        if activation_memory is not None:
+            from lightning_adaptiveload.tools.memory import ActivationMemory
+
+            ActivationMemory.from_dict(activation_memory)  # names a missing or unknown key now, not at fit
         if weight_dtype not in ("fp32", "bf16"):
             raise ValueError(f"VideoDiTModule: weight_dtype must be 'fp32' or 'bf16', got {weight_dtype!r}")
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
@@ -210,7 +229,11 @@ class VideoDiTModule(L.LightningModule):
 
             load_pretrained(self.model, hp.init_from)
         self.model.set_activation_checkpointing(
-            hp.activation_checkpointing, hp.get("checkpoint_policy", "full"), hp.get("checkpoint_blocks")
+            hp.activation_checkpointing,
+            hp.get("checkpoint_policy", "full"),
+            hp.get("checkpoint_blocks"),
+            memory=hp.get("activation_memory"),
+            budget_bytes=self._memory_budget_bytes(),
         )
         self.model.set_attention_backend(hp.get("attention_backend", "default"))
         if hp.get("weight_dtype", "fp32") == "bf16":
@@ -225,6 +248,17 @@ class VideoDiTModule(L.LightningModule):
             from lightning_adaptiveload.models.strategies import shard_module_model
 
             shard_module_model(self, strategy)
+
+    def _memory_budget_bytes(self) -> float | None:
+        """``memory_budget_gib``, or 88% of the current CUDA device's memory; None without either."""
+        gib = self.hparams.get("memory_budget_gib")
+        if gib is not None:
+            return float(gib) * 2**30
+        if self.hparams.get("checkpoint_blocks") == "auto":
+            if not torch.cuda.is_available():
+                raise ValueError('VideoDiTModule: checkpoint_blocks="auto" off CUDA needs memory_budget_gib')
+            return 0.88 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return None
 
     def _init_context(self):
         # FSDP materialises (and shards) a meta-device model unit by unit with each module's

@@ -276,8 +276,8 @@ def packed_forward(
     """
     from torch.utils.checkpoint import checkpoint
 
+    from lightning_adaptiveload.models.checkpointing import CONTEXT_FNS
     from lightning_adaptiveload.models.layers import sinusoidal_embedding
-    from lightning_adaptiveload.models.video_dit import save_attention_contexts
 
     n = len(latents)
     if n == 0 or timestep.shape != (n,):
@@ -322,7 +322,7 @@ def packed_forward(
         if policy is None or not (model.training and torch.is_grad_enabled()):
             h = _block_forward(*args)
         else:
-            extra = {"context_fn": save_attention_contexts} if policy == "save_attention" else {}
+            extra = {"context_fn": CONTEXT_FNS[policy]} if policy in CONTEXT_FNS else {}
             h = checkpoint(_block_forward, *args, use_reentrant=False, **extra)
     head = model.head
     shift, scale = (head.modulation.float() + e_tok[:, None, :]).transpose(0, 1)[:, None].unbind(0)

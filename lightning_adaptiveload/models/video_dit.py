@@ -39,9 +39,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exported; _spread is the old private name)
+    CHECKPOINT_POLICIES,
+    CONTEXT_FNS,
+    apply_checkpointing,
+    save_attention_contexts,
+)
+from lightning_adaptiveload.models.checkpointing import spread as _spread  # noqa: F401
 from lightning_adaptiveload.models.layers import (
     FP32LayerNorm,
     Linear,
@@ -54,9 +61,6 @@ from lightning_adaptiveload.models.layers import (
 )
 
 __all__ = ["CHECKPOINT_POLICIES", "NormModulate", "VideoDiT", "VideoDiTConfig", "forward_flops"]
-
-# What an activation-checkpointed block keeps for its backward pass (see VideoDiT.set_activation_checkpointing).
-CHECKPOINT_POLICIES = ("full", "save_attention")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,28 +184,6 @@ def _log_kernel_once(where: str, q, k, v, mask, backends) -> None:
     _attention.log_attention_kernel(where, name)
 
 
-# Outputs of these ops are kept by the "save_attention" checkpoint policy: the attention kernels hold about
-# 70% of a long clip's FLOPs, everything else in a block is cheap to run again.
-_ATTENTION_OPS = {
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(torch.ops.aten, name)
-}
-
-
-def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def save_attention_contexts():
-    return create_selective_checkpoint_contexts(_save_attention_policy)
-
-
 class SelfAttention(nn.Module):
     """Full (bidirectional) self-attention over the video tokens with q/k RMSNorm and 3D RoPE."""
 
@@ -309,7 +291,7 @@ class DiTBlock(nn.Module):
         policy = self.checkpoint_policy
         if policy is None or not (self.training and torch.is_grad_enabled()):
             return self._forward(x, e0, cos, sin, context, context_mask)
-        extra = {"context_fn": save_attention_contexts} if policy == "save_attention" else {}
+        extra = {"context_fn": CONTEXT_FNS[policy]} if policy in CONTEXT_FNS else {}
         return checkpoint(self._forward, x, e0, cos, sin, context, context_mask, use_reentrant=False, **extra)
 
     def _forward(
@@ -392,11 +374,6 @@ def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> in
     return total
 
 
-def _spread(count: int, n: int) -> list[int]:
-    """``count`` indices out of ``range(n)``, evenly spaced (e.g. 2 of 6 -> [0, 3])."""
-    return sorted({(i * n) // count for i in range(count)}) if count else []
-
-
 # --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------
@@ -435,6 +412,9 @@ class VideoDiT(nn.Module):
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attention_backend = "default"
         self._backends_for: tuple[str, str] | None = None  # (device, name) the attention modules were set for
+        # (policy, ActivationMemory, budget bytes) when the checkpointed-block count is chosen per batch.
+        self._auto_checkpointing: tuple[str, Any, float] | None = None
+        self.last_checkpointed_blocks: int | None = None  # the count the last forward ran with
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -451,6 +431,10 @@ class VideoDiT(nn.Module):
     def _rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # One entry per distinct latent shape; a length mix has a few dozen at most. Tables made under
         # inference_mode (trainer.validate before fit) cannot be saved for backward: kept apart.
+        if torch.compiler.is_compiling():
+            # Inside a compiled forward (the whole model compiled) the table is part of the graph; a cached
+            # tensor made there would be a graph output, which CUDA graphs overwrite at the next replay.
+            return rope_3d(grid, self.config.head_dim, self.config.rope_theta, device)
         key = (grid, str(device), torch.is_inference_mode_enabled())
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_3d(grid, self.config.head_dim, self.config.rope_theta, device)
@@ -496,7 +480,12 @@ class VideoDiT(nn.Module):
         self.set_activation_checkpointing(bool(enabled))
 
     def set_activation_checkpointing(
-        self, enabled: bool = True, policy: str = "full", num_blocks: int | None = None
+        self,
+        enabled: bool = True,
+        policy: str = "full",
+        num_blocks: int | str | None = None,
+        memory: Any = None,
+        budget_bytes: float | None = None,
     ) -> None:
         """Choose which blocks recompute their forward in the backward pass, and what they keep.
 
@@ -504,24 +493,57 @@ class VideoDiT(nn.Module):
             enabled: False turns checkpointing off everywhere.
             policy: ``"full"`` keeps only each block's inputs (the least memory, one more forward of the
                 block); ``"save_attention"`` also keeps the attention kernels' outputs (per block about
-                2 bytes x B x S x D more at bf16), so the recompute skips attention, the costliest part.
+                2 bytes x B x S x D more at bf16), so the recompute skips attention, the costliest part;
+                ``"save_matmuls"`` keeps every matmul's and attention's output and recomputes only the
+                elementwise work (norms, RoPE, GELU, gates): more memory, almost no recompute.
             num_blocks: how many blocks to checkpoint (None: all), spread evenly over the depth; the rest
-                keep all their activations. ``calibrate`` picks it from the memory budget.
+                keep all their activations. ``"auto"``: per batch, the fewest that keep the step's modelled
+                peak within ``budget_bytes`` (``memory.checkpointed_blocks``), so that a long clip
+                recomputes fewer blocks than a batch of many images of the same tokens. A compiled block
+                then has a graph with and one without its checkpoint.
+            memory: for ``"auto"``: a :class:`lightning_adaptiveload.tools.memory.ActivationMemory` (or
+                its ``to_dict()`` mapping), e.g. from
+                :func:`lightning_adaptiveload.models.acceleration.probe_activation_memory`.
+            budget_bytes: for ``"auto"``: the memory one step may use.
 
         Raises:
-            ValueError: unknown policy or num_blocks out of range.
+            ValueError: unknown policy, num_blocks out of range, or ``"auto"`` without memory and budget.
         """
         if policy not in CHECKPOINT_POLICIES:
             raise ValueError(f"checkpoint policy must be one of {list(CHECKPOINT_POLICIES)}, got {policy!r}")
         n = len(self.blocks)
+        self._auto_checkpointing = None
+        self.last_checkpointed_blocks = None
+        if num_blocks == "auto" and enabled:
+            from lightning_adaptiveload.tools.memory import ActivationMemory
+
+            if memory is None or budget_bytes is None:
+                raise ValueError(
+                    'num_blocks="auto" needs memory= (an ActivationMemory, see '
+                    "acceleration.probe_activation_memory) and budget_bytes="
+                )
+            if isinstance(memory, dict):
+                memory = ActivationMemory.from_dict(memory)
+            if memory.num_blocks != n:
+                raise ValueError(f"the memory model is for {memory.num_blocks} blocks, the model has {n}")
+            self._auto_checkpointing = (policy, memory, float(budget_bytes))
+            num_blocks = None  # every block until the first forward chooses
         count = n if num_blocks is None else int(num_blocks)
         if not 0 <= count <= n:
             raise ValueError(
                 f"num_blocks must lie in [0, {n}] (the model has {n} blocks), got {num_blocks!r}"
             )
-        chosen = set(_spread(count, n)) if enabled else set()
-        for i, block in enumerate(self.blocks):
-            block.checkpoint_policy = policy if i in chosen else None
+        apply_checkpointing(self.blocks, policy, count if enabled else 0)
+
+    def _choose_checkpointing(self, batch: int, seq: int, text: int) -> None:
+        """``num_blocks="auto"``: set the checkpointed blocks for this batch (a no-op when it is unchanged)."""
+        if self._auto_checkpointing is None or not (self.training and torch.is_grad_enabled()):
+            return
+        policy, memory, budget = self._auto_checkpointing
+        count = memory.checkpointed_blocks(batch, seq, text, budget)
+        if count != self.last_checkpointed_blocks:
+            apply_checkpointing(self.blocks, policy, count)
+            self.last_checkpointed_blocks = count
 
     def set_attention_backend(self, name: str) -> None:
         """Pick the attention kernels (see :mod:`lightning_adaptiveload.models.attention`): ``"default"`` (PyTorch's
@@ -619,6 +641,7 @@ class VideoDiT(nn.Module):
 
         cos, sin = self._rope(grid, x.device)
         self._apply_attention_backend(x.device)
+        self._choose_checkpointing(b, seq, 0 if context is None else context.shape[1])
         for block in self.blocks:
             # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
             h = block(h, e0, cos, sin, ctx, context_mask)

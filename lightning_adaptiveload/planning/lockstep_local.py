@@ -77,9 +77,13 @@ def lockstep_local(
     n_b = len(class_of)
     out = LocalLockstep({}, {}, {}, {})
     for w in range(workers):
-        shard, sid, stream, bucket = _worker_arrays([reads[(r, w)] for r in range(world)], bucket_ids, shard_offsets)
+        shard, sid, stream, bucket = _worker_arrays(
+            [reads[(r, w)] for r in range(world)], bucket_ids, shard_offsets
+        )
         if world > 1:
-            shard, sid, stream, bucket = _balance(shard, sid, stream, bucket, world, class_of, len(class_size), counts)
+            shard, sid, stream, bucket = _balance(
+                shard, sid, stream, bucket, world, class_of, len(class_size), counts
+            )
         avail = np.bincount(stream * n_b + bucket, minlength=world * n_b).reshape(world, n_b)
         first = np.cumsum(avail.ravel()) - avail.ravel()  # where chain (r, b) starts in the arrays
         b, k, eq = schedule_takes(avail.copy(), class_of, class_size, sizes, counts)
@@ -88,7 +92,7 @@ def lockstep_local(
         eq_taken = np.zeros(world * n_b, dtype=np.int64)
         np.add.at(eq_taken, (np.arange(world)[:, None] * n_b + b[:, :n_eq]).ravel(), k[:, :n_eq].ravel())
         runs = _run_starts(shard, stream * n_b + bucket)
-        kept_run = (np.arange(len(shard)) - first[stream * n_b + bucket] < eq_taken[stream * n_b + bucket])
+        kept_run = np.arange(len(shard)) - first[stream * n_b + bucket] < eq_taken[stream * n_b + bucket]
         per_stream_reads = np.bincount(stream[runs & kept_run], minlength=world)
         for r in range(world):
             st = (r, w)
@@ -97,11 +101,15 @@ def lockstep_local(
             if r != keep:  # its equal batches are placeholders, its unequal ones (a few) are kept whole
                 tail = [j for j in range(n_eq, b.shape[1]) if k[r, j]]
                 out.sim[st] = [EQUAL_ELSEWHERE] * n_eq + [
-                    Batch(int(b[r, j]), _refs(shard, sid, int(start[r, j]), int(k[r, j])), False) for j in tail
+                    Batch(int(b[r, j]), _refs(shard, sid, int(start[r, j]), int(k[r, j])), False)
+                    for j in tail
                 ]
                 continue
             lo = int(first[r * n_b])
-            shard_l, sid_l = shard[lo : lo + int(avail[r].sum())].tolist(), sid[lo : lo + int(avail[r].sum())].tolist()
+            shard_l, sid_l = (
+                shard[lo : lo + int(avail[r].sum())].tolist(),
+                sid[lo : lo + int(avail[r].sum())].tolist(),
+            )
             out.sim[st] = [
                 Batch(bb, list(zip(shard_l[p - lo : p - lo + kk], sid_l[p - lo : p - lo + kk])), j < n_eq)
                 for j, (bb, p, kk) in enumerate(zip(b[r].tolist(), start[r].tolist(), k[r].tolist()))

@@ -61,7 +61,9 @@ class _State:
         return pick
 
 
-def _full_steps(avail: np.ndarray, members: list[list[int]], class_size: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _full_steps(
+    avail: np.ndarray, members: list[list[int]], class_size: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """The steps at which some class can be filled on every stream, at once (``avail`` consumed in place).
 
     The step loop of :func:`schedule_takes` takes, while some class c is *full* (each stream holds B_c

@@ -334,7 +334,9 @@ def _plan_whole(
         batch_buckets={st: list(map(_BUCKET, sim[st])) for st in kept},
         batch_steps={st: steps.batch_steps[st].tolist() for st in kept},
         reads={st: reads[st] for st in kept},
-        step_order=steps.step_order if local is None else [o if r == keep else [] for r, o in enumerate(steps.step_order)],
+        step_order=steps.step_order
+        if local is None
+        else [o if r == keep else [] for r, o in enumerate(steps.step_order)],
         steps=steps.steps,
         global_tokens=[int(x) for x in steps.global_tokens],
         report=report,

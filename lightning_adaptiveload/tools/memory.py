@@ -30,9 +30,19 @@ measured ``max_tokens``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
-__all__ = ["MemoryEstimate", "activation_bytes_per_token", "estimate_memory"]
+import numpy as np
+
+__all__ = [
+    "ActivationMemory",
+    "MemoryPoint",
+    "MemoryEstimate",
+    "activation_bytes_per_token",
+    "blocks_to_checkpoint",
+    "estimate_memory",
+]
 
 GB = 1e9  # decimal gigabytes: GPU memory is sold in them (H100 80 GB, H200 141 GB)
 
@@ -149,3 +159,134 @@ def estimate_memory(
         max_tokens_that_fit=max(0, math.floor(room / bytes_per_token)) if room > 0 else 0,
         host_gb=host / GB,
     )
+
+
+# -- which blocks to checkpoint, per batch ----------------------------------------------------------------
+
+
+def blocks_to_checkpoint(num_blocks: int, headroom_bytes: float, per_block_bytes: float) -> int:
+    """The fewest of ``num_blocks`` blocks to checkpoint when ``headroom_bytes`` are free beyond the peak
+    with every block checkpointed and each block left un-checkpointed adds ``per_block_bytes``.
+
+    Raises:
+        ValueError: ``headroom_bytes < 0`` (even checkpointing every block does not fit).
+    """
+    if headroom_bytes < 0:
+        raise ValueError(
+            f"over the memory budget by {-headroom_bytes / 2**30:.2f} GiB with every block checkpointed"
+        )
+    if per_block_bytes <= 0:
+        return 0
+    return max(0, num_blocks - int(headroom_bytes // per_block_bytes))
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One measured training step: a batch of ``batch`` samples of ``seq`` tokens with ``text`` text tokens
+    each, ``checkpointed`` of the model's blocks checkpointed, and its peak allocated bytes."""
+
+    batch: int
+    seq: int
+    text: int
+    checkpointed: int
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Peak memory of a training step as a function of the batch and of how many blocks are checkpointed.
+
+    ``peak = base + B*S*token_all + B*L*text_all + (N - k) * (B*S*token_block + B*L*text_block)`` for a
+    batch of B samples of S tokens with L text tokens each, k of the N blocks checkpointed: ``base`` is the
+    model state (weights, gradients, optimizer), the ``*_all`` terms what the step keeps with every block
+    checkpointed (block inputs, what the policy saves, one block's recompute), the ``*_block`` terms what one
+    more un-checkpointed block keeps. Text is a term of its own: a batch of 20 images holds 20 text
+    sequences for the cross-attention, a clip of the same tokens one.
+
+    Fitted by :meth:`fit` from measured steps (:func:`lightning_adaptiveload.models.acceleration.
+    probe_activation_memory`); :meth:`checkpointed_blocks` then picks, per batch, the fewest blocks to
+    checkpoint within a budget (``VideoDiT.set_activation_checkpointing(num_blocks="auto")``).
+    """
+
+    num_blocks: int
+    base_bytes: float
+    token_all: float
+    text_all: float
+    token_block: float
+    text_block: float
+
+    def peak_bytes(self, batch: int, seq: int, text: int, checkpointed: int) -> float:
+        """The modelled peak of one step (the formula in the class docstring)."""
+        free = self.num_blocks - checkpointed
+        return (
+            self.base_bytes
+            + batch * seq * (self.token_all + free * self.token_block)
+            + batch * text * (self.text_all + free * self.text_block)
+        )
+
+    def checkpointed_blocks(self, batch: int, seq: int, text: int, budget_bytes: float) -> int:
+        """The fewest blocks to checkpoint so that the step's modelled peak stays within ``budget_bytes``.
+
+        Raises:
+            ValueError: the batch does not fit even with every block checkpointed (names the batch).
+        """
+        every = self.peak_bytes(batch, seq, text, self.num_blocks)
+        per_block = batch * (seq * self.token_block + text * self.text_block)
+        try:
+            return blocks_to_checkpoint(self.num_blocks, budget_bytes - every, per_block)
+        except ValueError:
+            raise ValueError(
+                f"a batch of {batch} x {seq} tokens (text {text}) needs {every / 2**30:.1f} GiB with every "
+                f"block checkpointed, over the budget of {budget_bytes / 2**30:.1f} GiB; lower max_tokens"
+            ) from None
+
+    @classmethod
+    def fit(cls, num_blocks: int, points: Sequence[MemoryPoint]) -> ActivationMemory:
+        """Least-squares fit of the five coefficients to measured steps (negative ones clipped to 0).
+
+        The points must separate the terms: at least two checkpoint counts, and batches whose text share
+        (L / S) differs, e.g. one long clip and a batch of images, each at all N and at N/2 blocks, plus one
+        smaller batch for the base.
+
+        Raises:
+            ValueError: fewer than five points, or points that do not determine every coefficient.
+        """
+        if len(points) < 5:
+            raise ValueError(f"ActivationMemory.fit needs at least 5 measured steps, got {len(points)}")
+        rows = []
+        for p in points:
+            free = num_blocks - p.checkpointed
+            bs, bl = p.batch * p.seq, p.batch * p.text
+            rows.append([1.0, bs, bl, free * bs, free * bl])
+        a = np.asarray(rows, dtype=np.float64)
+        y = np.asarray([p.peak_bytes for p in points], dtype=np.float64)
+        scale = np.abs(a).max(axis=0)
+        scale[scale == 0] = 1.0
+        if np.linalg.matrix_rank(a / scale) < 5:
+            raise ValueError(
+                "ActivationMemory.fit: the measured steps do not separate the terms; measure at two "
+                "checkpoint counts, and batches with different text-to-token ratios (a clip and images)"
+            )
+        coef = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
+        base, tok_all, txt_all, tok_block, txt_block = (max(0.0, float(c)) for c in coef)
+        return cls(num_blocks, base, tok_all, txt_all, tok_block, txt_block)
+
+    def to_dict(self) -> dict:
+        """Plain numbers (for a recipe's ``activation_memory:`` and results JSON); :meth:`from_dict` inverts."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ActivationMemory:
+        """From :meth:`to_dict`'s mapping (a recipe's ``activation_memory:``).
+
+        Raises:
+            ValueError: a missing or unknown key (named).
+        """
+        names = set(cls.__dataclass_fields__)
+        missing, unknown = names - set(values), set(values) - names
+        if missing or unknown:
+            raise ValueError(
+                f"activation_memory: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; expected "
+                f"{sorted(names)}"
+            )
+        return cls(int(values["num_blocks"]), *(float(values[k]) for k in list(cls.__dataclass_fields__)[1:]))

@@ -1,0 +1,85 @@
+"""Activation checkpointing of the repeated blocks: the policies (what a checkpointed block keeps) and which
+blocks are checkpointed.
+
+``VideoDiT.set_activation_checkpointing`` chooses a policy and a count of blocks, spread evenly over the depth
+(:func:`spread`); with ``num_blocks="auto"`` the count is chosen per batch from a fitted
+:class:`lightning_adaptiveload.tools.memory.ActivationMemory` and a memory budget. Each block applies its own
+policy inside its forward, so a compiled block includes its checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "CHECKPOINT_POLICIES",
+    "CONTEXT_FNS",
+    "apply_checkpointing",
+    "save_attention_contexts",
+    "save_matmuls_contexts",
+    "spread",
+]
+
+# What an activation-checkpointed block keeps for its backward pass (see VideoDiT.set_activation_checkpointing),
+# from the least memory (and the most recompute) to the most.
+CHECKPOINT_POLICIES = ("full", "save_attention", "save_matmuls")
+
+# Outputs of these ops are kept by the "save_attention" checkpoint policy: the attention kernels hold about
+# 70% of a long clip's FLOPs, everything else in a block is cheap to run again.
+_ATTENTION_OPS = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+# ... and by "save_matmuls" with these: the recompute then runs only elementwise work (norms, RoPE, GELU, gates),
+# which a compiled block fuses into few kernels.
+_MATMUL_OPS = _ATTENTION_OPS | {
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm")
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_attention_contexts():
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for the ``"save_attention"`` policy."""
+    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
+def save_matmuls_contexts():
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for the ``"save_matmuls"`` policy."""
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+# policy -> context_fn for torch.utils.checkpoint.checkpoint (absent: "full", the default context).
+CONTEXT_FNS = {"save_attention": save_attention_contexts, "save_matmuls": save_matmuls_contexts}
+
+
+def spread(count: int, n: int) -> list[int]:
+    """``count`` indices out of ``range(n)``, evenly spaced (e.g. 2 of 6 -> [0, 3])."""
+    return sorted({(i * n) // count for i in range(count)}) if count else []
+
+
+def apply_checkpointing(blocks: Sequence[nn.Module], policy: str | None, count: int) -> None:
+    """Set ``checkpoint_policy`` on ``count`` of ``blocks`` (spread over the depth) and None on the rest."""
+    chosen = set(spread(count, len(blocks))) if policy is not None else set()
+    for i, block in enumerate(blocks):
+        block.checkpoint_policy = policy if i in chosen else None
