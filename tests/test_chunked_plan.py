@@ -198,7 +198,9 @@ def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
     resumed=st.booleans(),
     tolerance=st.sampled_from([0.0, 0.05, 0.5]),
 )
-def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(seed, world, workers, resumed, tolerance):
+def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(
+    seed, world, workers, resumed, tolerance
+):
     """The lockstep schedule planned rank-locally on arrays (planning/lockstep_local.py) gives each rank
     exactly its part of the plan of every stream, and the same global parts, step costs included."""
     rng = random.Random(seed)

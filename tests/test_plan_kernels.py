@@ -78,7 +78,10 @@ def _lockstep_loop_reference(avail, class_of, class_size, sizes):
     counts = {"reduced_steps": 0, "tail_batches": 0}
     shortcut = ls._full_steps
     try:
-        ls._full_steps = lambda a, m, c: (np.zeros((a.shape[0], 0), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        ls._full_steps = lambda a, m, c: (
+            np.zeros((a.shape[0], 0), dtype=np.int64),
+            np.zeros(0, dtype=np.int64),
+        )
         got = ls.schedule_takes(avail, class_of, class_size, sizes, counts)
     finally:
         ls._full_steps = shortcut
