@@ -1,0 +1,96 @@
+"""Checks and lookups behind ``AdaptiveLoadDataModule``'s arguments: the ``synthetic`` settings, oversize
+samples, and where an index lies (a binary index file or folder, the one local folder of the shards).
+Pure (no Lightning): :mod:`lightning_adaptiveload.data.datamodule` adapts them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
+
+__all__ = ["binary_index_of", "check_oversize", "check_synthetic", "index_folder", "is_binary_index_file"]
+
+_SYNTHETIC_EXTRA = ("val_num_samples",)
+# write_synthetic_shards arguments the DataModule sets itself.
+_SYNTHETIC_FIXED = ("directory", "progress")
+
+
+def check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``synthetic`` settings, with unknown keys refused now (not when ``prepare_data`` runs)."""
+    import difflib
+    import inspect
+
+    from lightning_adaptiveload.data.synthetic import write_synthetic_shards
+
+    params = inspect.signature(write_synthetic_shards).parameters
+    valid = [n for n in params if n not in _SYNTHETIC_FIXED] + list(_SYNTHETIC_EXTRA)
+    for key in synthetic:
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"data.synthetic has no setting {key!r}: {hint}valid keys are {', '.join(valid)}"
+            )
+    return dict(synthetic)
+
+
+def check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
+    """Raise the batcher's oversize error for the first sample over ``max_tokens`` (``oversize="raise"``)."""
+    if batcher.oversize != "raise":
+        return
+    if hasattr(index, "shape_table"):  # a CompactIndex: each distinct shape once, named by its first use
+        for row, shape in enumerate(index.shape_table.tolist()):
+            s = tokens_per_sample(shape, batcher.patch_size)
+            if s > batcher.max_tokens:
+                ref = index.first_use(row)
+                where = f"shard {index.paths[ref[0]]}, key {index.key(ref)!r}: "
+                raise ValueError(batcher.sizer.oversize_message(shape, s, where=where))
+        return
+    fits: set[tuple[int, ...]] = set()
+    for shard in index.shards:
+        for key, shape in zip(shard.keys, shard.latent_shapes):
+            if tuple(shape) in fits:
+                continue
+            s = tokens_per_sample(shape, batcher.patch_size)
+            if s <= batcher.max_tokens:
+                fits.add(tuple(shape))
+            else:
+                raise ValueError(
+                    batcher.sizer.oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
+                )
+
+
+def is_binary_index_file(path: str) -> bool:
+    from lightning_adaptiveload.data.columnar import is_binary_index
+
+    return os.path.isfile(path) and is_binary_index(path)
+
+
+def binary_index_of(shards: Any) -> str | None:
+    """The binary index ``shards`` names: the file itself, or ``index.npidx`` alone in the named folder."""
+    if not isinstance(shards, str | os.PathLike):
+        return None
+    path = os.fspath(shards)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "index.json")):
+        path = os.path.join(path, "index.npidx")  # columnar.BINARY_INDEX_NAME
+    return path if is_binary_index_file(path) else None
+
+
+def index_folder(shards: str | list[str]) -> str | None:
+    """The one local folder holding these shards, or None (URLs, several folders, index.json given)."""
+    from lightning_adaptiveload.data.paths import expand_paths
+
+    if isinstance(shards, str) and (shards.endswith((".json", ".npidx")) or is_binary_index_file(shards)):
+        return None
+    try:
+        paths = expand_paths(shards)
+    except FileNotFoundError:
+        return None
+    folders = {os.path.dirname(p) for p in paths}
+    if len(folders) != 1 or any("://" in p or p.startswith("pipe:") for p in paths):
+        return None
+    return folders.pop()
