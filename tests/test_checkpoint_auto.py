@@ -330,3 +330,23 @@ def test_compile_whole_matches_eager_and_traces_each_block_as_a_region():
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="no repeated blocks"):
         compile_whole(torch.nn.Linear(2, 2))
+
+
+def test_calibrate_fits_auto_checkpointing_into_the_fragment():
+    import yaml
+
+    from lightning_adaptiveload.tools.calibrate import calibrate
+
+    result = calibrate(
+        preset="tiny", mix="tiny", num_shapes=3, device="cpu", max_tokens=900, warmup=1, repeats=1,
+        progress=False, timer=lambda shapes: 1e-3 * len(shapes), packs=False, memory_budget_gb=8.0,
+        activation_checkpointing=True, checkpoint_policy="save_matmuls", checkpoint_blocks="auto",
+    )  # fmt: skip
+    args = yaml.safe_load(result.to_yaml())["model"]["init_args"]
+    assert args["checkpoint_blocks"] == "auto" and args["checkpoint_policy"] == "save_matmuls"
+    assert args["memory_budget_gib"] == 8.0
+    memory = ActivationMemory.from_dict(args["activation_memory"])
+    assert memory.num_blocks == 2 and memory.base_bytes > 0
+    assert "count per batch (auto)" in result.to_yaml()
+    with pytest.raises(ValueError, match="needs activation_checkpointing"):
+        calibrate(preset="tiny", mix="tiny", device="cpu", max_tokens=900, checkpoint_blocks="auto")

@@ -52,7 +52,7 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
     model = recipe.get("model") or {}
     args = model.get("init_args", model) if isinstance(model, dict) else {}
     out: dict[str, Any] = {}
-    for key in ("preset", "model_overrides", "activation_checkpointing", "compile"):
+    for key in ("preset", "model_overrides", "activation_checkpointing", "compile", "checkpoint_policy"):
         if key in args:
             out[key] = args[key]
     data = recipe.get("data") or {}
@@ -103,6 +103,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model"
     )
+    p.add_argument(
+        "--checkpoint-policy",
+        choices=("full", "save_attention", "save_matmuls"),
+        help="what a checkpointed block keeps (default: the recipe's, else full)",
+    )
+    p.add_argument(
+        "--checkpoint-blocks",
+        choices=("auto",),
+        help="auto: fit the activation-memory model and write checkpoint_blocks: auto with it",
+    )
     p.add_argument("--text-len", type=int, help="padded text length (default 512 for Wan, 16 for tiny)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--vram-fraction", type=float, default=0.9, help="share of device memory to fill (0.9)")
@@ -148,7 +158,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = _recipe_defaults(args.recipe) if args.recipe else {}
-        for key in ("preset", "model_overrides", "activation_checkpointing", "compile", "precision"):
+        for key in (
+            "preset",
+            "model_overrides",
+            "activation_checkpointing",
+            "compile",
+            "precision",
+            "checkpoint_policy",
+            "checkpoint_blocks",
+        ):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value

@@ -101,6 +101,7 @@ class CalibrationResult:
     probes: list[MemoryProbe]
     info: dict[str, Any]
     points: list[Any] = field(default_factory=list)  # PackTiming: every fitted step, with its error
+    model_args: dict[str, Any] = field(default_factory=dict)  # model.init_args to set (auto checkpointing)
 
     def to_results(self) -> dict[str, Any]:
         """Everything measured, as a plain dict for a results file (``--results``): the fragment, the
@@ -133,15 +134,18 @@ class CalibrationResult:
         }
 
     def fragment(self) -> dict[str, Any]:
-        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``)."""
+        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``, and ``model`` with auto
+        checkpointing)."""
+        model = {"model": {"init_args": dict(self.model_args)}} if self.model_args else {}
         return {
+            **model,
             "data": {
                 "init_args": {
                     "max_tokens": int(self.max_tokens),
                     "max_compute": self.max_compute,
                     "cost_model": self.cost_model.to_dict(),
                 }
-            }
+            },
         }
 
     def to_yaml(self) -> str:
@@ -288,6 +292,8 @@ def calibrate(
     precision: str | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    checkpoint_policy: str = "full",
+    checkpoint_blocks: str | None = None,
     text_len: int | None = None,
     device: str | None = None,
     vram_fraction: float = 0.9,
@@ -313,7 +319,12 @@ def calibrate(
         batch_sizes: batch sizes to time at every shape; None: 1 and the budget's batch size at that shape.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``; None: bf16-mixed on
             CUDA, 32-true on CPU.
-        activation_checkpointing, compile: as in :class:`VideoDiTModule`.
+        activation_checkpointing, compile, checkpoint_policy: as in :class:`VideoDiTModule`.
+        checkpoint_blocks: ``"auto"``: after the memory search (every block checkpointed), fit the
+            :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` on three batches at
+            ``max_tokens`` (:meth:`Bench.activation_memory`), time with the count chosen per batch, and
+            write ``checkpoint_blocks: auto``, ``activation_memory`` and ``memory_budget_gib`` into the
+            fragment's ``model.init_args``. Needs ``activation_checkpointing``.
         text_len: padded text length of the timed batches; None: 512 for a 4096-wide text encoder (Wan's
             umT5 length), else 16.
         device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``; None: CUDA when available.
@@ -348,11 +359,16 @@ def calibrate(
     dev, precision, ddp = _check_arguments(
         device, precision, vram_fraction, warmup, repeats, max_compute, ddp
     )
+    if checkpoint_blocks not in (None, "auto"):
+        raise ValueError(f"calibrate: checkpoint_blocks must be None or 'auto', got {checkpoint_blocks!r}")
+    if checkpoint_blocks == "auto" and not activation_checkpointing:
+        raise ValueError("calibrate: checkpoint_blocks='auto' needs activation_checkpointing=True")
     module = VideoDiTModule(
         preset=preset,
         model_overrides=model_overrides,
         activation_checkpointing=activation_checkpointing,
         compile=compile,
+        checkpoint_policy=checkpoint_policy,
     )
     cfg = module.model_config
     patch = cfg.patch_size
@@ -382,6 +398,11 @@ def calibrate(
             f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
         )
 
+    model_args = (
+        _auto_checkpointing(bench, checkpoint_policy, longest, shortest, seq, max_tokens, budget)
+        if checkpoint_blocks == "auto"
+        else {}
+    )
     use_packs = packs and kind == "quadratic"
     if use_packs and not batch_sizes:
         batch_sizes = [1]
@@ -405,6 +426,8 @@ def calibrate(
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
         "compile": compile,
+        "checkpointing": f"{checkpoint_policy}, "
+        + ("count per batch (auto)" if model_args else "every block" if activation_checkpointing else "off"),
         "text_len": text_len,
         "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
         + (f" from mix {mix_name}" if mix_name else ""),
@@ -422,7 +445,27 @@ def calibrate(
         if cap != "auto"
         else "auto (resolved by the data module)",
     }
-    return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points)
+    return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points, model_args)
+
+
+def _auto_checkpointing(
+    bench: Bench, policy: str, longest, shortest, seq: dict, max_tokens: int, budget: int
+):
+    """Fit the memory model on the longest shape and the shortest (each at ``max_tokens``) and one sample of
+    the shortest, switch the model to ``checkpoint_blocks="auto"``, and return the recipe's model args."""
+    batches = [
+        (longest, max(1, max_tokens // seq[longest])),
+        (shortest, max(2, max_tokens // seq[shortest])),
+        (shortest, 1),
+    ]
+    memory, _ = bench.activation_memory(policy, batches)
+    bench.module.model.set_activation_checkpointing(True, policy, "auto", memory=memory, budget_bytes=budget)
+    return {
+        "checkpoint_policy": policy,
+        "checkpoint_blocks": "auto",
+        "activation_memory": memory.to_dict(),
+        "memory_budget_gib": round(budget / _GIB, 3),
+    }
 
 
 # --------------------------------------------------------------------------------------------------

@@ -157,6 +157,33 @@ class Bench:
             self.module.model.zero_grad(set_to_none=True)
             _release(self.device)
 
+    def activation_memory(self, policy: str, batches: Sequence[tuple[Sequence[int], int]]):
+        """Fit the model's :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` (for
+        ``checkpoint_blocks="auto"``) from :meth:`peak_bytes` at each (latent shape (C, T, H, W), batch
+        size), with every block and with half of them checkpointed under ``policy``. Returns (memory,
+        points)."""
+        from lightning_adaptiveload.models.acceleration import probe_activation_memory
+
+        last: list[float] = []
+
+        def step(shape: Sequence[int], text_len: int) -> None:
+            peak = self.peak_bytes(shape[1:], shape[0])
+            if peak is None:
+                raise torch.OutOfMemoryError(f"calibrate: {shape} does not fit")
+            last.append(float(peak))
+
+        def measure(run) -> float:
+            run()
+            return last[-1]
+
+        return probe_activation_memory(
+            self.module.model,
+            step,
+            [((b, *shape), self.text_len) for shape, b in batches],
+            policy,
+            measure=measure,
+        )
+
     def _saved_bytes(self, batch: dict) -> int:
         # CPU estimate of activation memory: the storages autograd keeps for the backward pass.
         storages: dict[int, int] = {}
