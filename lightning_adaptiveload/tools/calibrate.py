@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lightning_adaptiveload.tools.calibrate_bench import Bench, physical_memory
+from lightning_adaptiveload.tools.calibrate_bench import Bench, auto_checkpointing, physical_memory
 
 __all__ = ["PRECISIONS", "CalibrationResult", "calibrate", "shape_for_seq_len"]
 
@@ -398,10 +398,10 @@ def calibrate(
             f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
         )
 
-    model_args = (
-        _auto_checkpointing(bench, checkpoint_policy, longest, shortest, seq, max_tokens, budget)
+    model_args, memory_note = (
+        auto_checkpointing(bench, checkpoint_policy, longest, shortest, seq, max_tokens, budget)
         if checkpoint_blocks == "auto"
-        else {}
+        else ({}, None)
     )
     use_packs = packs and kind == "quadratic"
     if use_packs and not batch_sizes:
@@ -441,31 +441,12 @@ def calibrate(
             if probes
             else "(given; no memory search)"
         ),
+        **({"activation_memory": memory_note} if memory_note else {}),
         "max_compute": "auto rule on the measured shapes"
         if cap != "auto"
         else "auto (resolved by the data module)",
     }
     return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points, model_args)
-
-
-def _auto_checkpointing(
-    bench: Bench, policy: str, longest, shortest, seq: dict, max_tokens: int, budget: int
-):
-    """Fit the memory model on the longest shape and the shortest (each at ``max_tokens``) and one sample of
-    the shortest, switch the model to ``checkpoint_blocks="auto"``, and return the recipe's model args."""
-    batches = [
-        (longest, max(1, max_tokens // seq[longest])),
-        (shortest, max(2, max_tokens // seq[shortest])),
-        (shortest, 1),
-    ]
-    memory, _ = bench.activation_memory(policy, batches)
-    bench.module.model.set_activation_checkpointing(True, policy, "auto", memory=memory, budget_bytes=budget)
-    return {
-        "checkpoint_policy": policy,
-        "checkpoint_blocks": "auto",
-        "activation_memory": memory.to_dict(),
-        "memory_budget_gib": round(budget / _GIB, 3),
-    }
 
 
 # --------------------------------------------------------------------------------------------------

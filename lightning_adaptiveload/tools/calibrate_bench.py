@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-__all__ = ["Bench", "physical_memory"]
+__all__ = ["Bench", "auto_checkpointing", "physical_memory"]
 
 _GIB = 1024**3
 
@@ -216,3 +216,32 @@ class Bench:
         finally:
             self.module.model.zero_grad(set_to_none=True)
             _release(self.device)
+
+
+def auto_checkpointing(
+    bench: Bench, policy: str, longest, shortest, seq: dict, max_tokens: int, budget: int
+) -> tuple[dict, str]:
+    """``calibrate --checkpoint-blocks auto``: fit the memory model on the longest and the shortest shape
+    (each at ``max_tokens``) and one sample of the shortest, switch the model to ``checkpoint_blocks="auto"``,
+    and return the recipe's model args and a line on what was measured."""
+    batches = [
+        (longest, max(1, max_tokens // seq[longest])),
+        (shortest, max(2, max_tokens // seq[shortest])),
+        (shortest, 1),
+    ]
+    memory, points = bench.activation_memory(policy, batches)
+    bench.module.model.set_activation_checkpointing(True, policy, "auto", memory=memory, budget_bytes=budget)
+    args = {
+        "checkpoint_policy": policy,
+        "checkpoint_blocks": "auto",
+        "activation_memory": memory.to_dict(),
+        "memory_budget_gib": round(budget / _GIB, 3),
+    }
+    note = "fitted on " + ", ".join(
+        f"B{p.batch}xS{p.seq} k={p.checkpointed}: {_size(p.peak_bytes)}" for p in points
+    )
+    return args, note
+
+
+def _size(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
