@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ class Piece:
     ids: list[int]  # sample ids, ascending
     buckets: list[int]  # bucket id per sample
     cost: float
+    # The same ids as an int64 array, where the pieces came from arrays (planning on arrays reads these).
+    id_array: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def exclusions(exclude: Any) -> dict[int, set[int]]:
@@ -97,7 +99,9 @@ def shard_pieces(
         if len(ids):
             # Python's sum over the weights in sample order, as before (its float rounding is part of the plan).
             cost = sum(weight[kept_bk].tolist())
-            pieces.append(Piece(sid, position[sid], ids.tolist(), kept_bk.tolist(), cost))
+            pieces.append(
+                Piece(sid, position[sid], ids.tolist(), kept_bk.tolist(), cost, ids.astype(np.int64))
+            )
     return pieces, n_excluded
 
 
@@ -116,9 +120,13 @@ def _lpt(pieces: list[Piece], bins: int) -> tuple[list[list[Piece]], list[float]
 
 def _split_piece(piece: Piece, cost_of: list[float]) -> tuple[Piece, Piece]:
     half = (len(piece.ids) + 1) // 2
+    arr = piece.id_array
     parts = []
-    for ids, bk in ((piece.ids[:half], piece.buckets[:half]), (piece.ids[half:], piece.buckets[half:])):
-        parts.append(Piece(piece.shard, piece.order, ids, bk, sum(cost_of[b] for b in bk)))
+    for ids, bk, a in (
+        (piece.ids[:half], piece.buckets[:half], None if arr is None else arr[:half]),
+        (piece.ids[half:], piece.buckets[half:], None if arr is None else arr[half:]),
+    ):
+        parts.append(Piece(piece.shard, piece.order, ids, bk, sum(cost_of[b] for b in bk), a))
     return parts[0], parts[1]
 
 

@@ -15,11 +15,11 @@ equals the kept part of the plan of every stream (``tests/test_chunked_plan.py``
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_adaptiveload.planning.assign import Piece
 from lightning_adaptiveload.planning.lockstep import _reads_of_chains
 from lightning_adaptiveload.planning.lockstep_schedule import (
     chain_starts,
@@ -55,7 +55,7 @@ class LocalLockstep:
 
 
 def lockstep_local(
-    reads: dict[Stream, list[Read]],
+    pieces: dict[Stream, list[Piece]],
     bucket_ids: np.ndarray,
     shard_offsets: np.ndarray,
     world: int,
@@ -69,7 +69,7 @@ def lockstep_local(
     """:func:`~.lockstep.lockstep_batches` materialising only rank ``keep``'s streams.
 
     Args:
-        reads: every stream's reads (from the assignment).
+        pieces: every stream's pieces (the assignment); their reads are :func:`~.assign.reads_of`'s.
         bucket_ids, shard_offsets: bucket id of sample i of shard s at ``bucket_ids[shard_offsets[s] + i]``.
         world, workers, class_of, class_size, sizes, counts: as :func:`~.lockstep.lockstep_batches`.
         keep: the rank whose streams are kept.
@@ -78,7 +78,7 @@ def lockstep_local(
     out = LocalLockstep({}, {}, {}, {})
     for w in range(workers):
         shard, sid, stream, bucket = _worker_arrays(
-            [reads[(r, w)] for r in range(world)], bucket_ids, shard_offsets
+            [pieces[(r, w)] for r in range(world)], bucket_ids, shard_offsets
         )
         if world > 1:
             shard, sid, stream, bucket = _balance(
@@ -129,23 +129,36 @@ def _refs(shard: np.ndarray, sid: np.ndarray, start: int, n: int) -> list[tuple[
 
 
 def _worker_arrays(
-    reads: list[list[Read]], bucket_ids: np.ndarray, shard_offsets: np.ndarray
+    pieces: list[list[Piece]], bucket_ids: np.ndarray, shard_offsets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The samples of one worker index's streams: (shard, sample id, stream, bucket), sorted by (stream,
-    bucket), read order within (every stream's per-bucket chain of :func:`~.lockstep._bucket_chains`)."""
-    flat = [rd for rd in reads for rd in rd]
-    lens = np.fromiter((len(i) for _, i in flat), dtype=np.int64, count=len(flat))
-    n = int(lens.sum())
+    bucket), read order within (every stream's per-bucket chain of :func:`~.lockstep._bucket_chains`).
+
+    The read order is :func:`~.assign.reads_of`'s: a stream's pieces in order, consecutive pieces of one
+    shard read as one (their ids sorted)."""
+    shards: list[int] = []
+    ids: list[np.ndarray] = []
+    per_stream = np.zeros(len(pieces), dtype=np.int64)
+    for r, stream_pieces in enumerate(pieces):
+        last = len(ids)
+        for p in stream_pieces:
+            a = p.id_array if p.id_array is not None else np.asarray(p.ids, dtype=np.int64)
+            if len(ids) > last and shards[-1] == p.shard:
+                ids[-1] = np.sort(np.concatenate([ids[-1], a]))
+            else:
+                shards.append(p.shard)
+                ids.append(a)
+            per_stream[r] += len(a)
+    n = int(per_stream.sum())
     if not n:
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, z
-    sid = np.fromiter(itertools.chain.from_iterable(i for _, i in flat), dtype=np.int64, count=n)
-    shard = np.repeat(np.fromiter((s for s, _ in flat), dtype=np.int64, count=len(flat)), lens)
-    per_stream = np.array([sum(len(i) for _, i in rd) for rd in reads], dtype=np.int64)
-    stream = np.repeat(np.arange(len(reads), dtype=np.int64), per_stream)
+    sid = np.concatenate(ids).astype(np.int64, copy=False)
+    shard = np.repeat(np.asarray(shards, dtype=np.int64), [len(a) for a in ids])
+    stream = np.repeat(np.arange(len(pieces), dtype=np.int64), per_stream)
     bucket = np.asarray(bucket_ids, dtype=np.int64)[np.asarray(shard_offsets, dtype=np.int64)[shard] + sid]
     n_b = int(bucket.max()) + 1
-    order = stable_order(stream * n_b + bucket, len(reads) * n_b)
+    order = stable_order(stream * n_b + bucket, len(pieces) * n_b)
     return shard[order], sid[order], stream[order], bucket[order]
 
 

@@ -251,7 +251,7 @@ def _plan_whole(
         sim = independent_batches(reads, table.bucket_of, sizes, bound, counts)
     elif keep is not None and lockstep_tail == "packed" and world > 1:
         local = lockstep_local(
-            reads, *_bucket_arrays(table), world, workers, class_of, class_size, sizes, counts, keep
+            assignment, *_bucket_arrays(table), world, workers, class_of, class_size, sizes, counts, keep
         )  # only rank ``keep``'s batches and reads become objects
         sim = local.sim
         reads = {**reads, **local.reads}
