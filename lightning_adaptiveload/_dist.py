@@ -6,6 +6,7 @@ environment variables: Lightning does not set ``RANK`` for the processes it spaw
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -14,6 +15,33 @@ import torch.distributed as dist
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+_EXIT_HOOK_REGISTERED = False
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy the default process group when this process exits, if it is a gloo group (CPU DDP).
+
+    A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active
+    exception") during interpreter finalization: gloo's worker threads still hold work objects whose
+    tensors need the GIL, which is being torn down (PyTorch's own fix, pytorch/pytorch#179291, was
+    abandoned). Lightning's ``ddp_spawn`` workers exit without destroying the group; an ``atexit`` handler
+    runs while the interpreter is still whole. Registered once per process; NCCL groups are left alone.
+    """
+    global _EXIT_HOOK_REGISTERED
+    if _EXIT_HOOK_REGISTERED or not is_distributed() or dist.get_backend() != "gloo":
+        return
+    atexit.register(_destroy_gloo_group)
+    _EXIT_HOOK_REGISTERED = True
+
+
+def _destroy_gloo_group() -> None:
+    try:
+        if is_distributed() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - at exit, a failed clean-up must not mask the exit status
+        pass
 
 
 def rank_and_world(trainer: Any | None = None) -> tuple[int, int]:

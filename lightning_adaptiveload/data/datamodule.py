@@ -284,6 +284,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load the indexes and build the datasets; rank and world size come from the trainer."""
+        _dist.destroy_gloo_group_at_exit()  # each DDP process on CPU: see _dist.destroy_gloo_group_at_exit
         rank, world = _dist.rank_and_world(self.trainer)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):

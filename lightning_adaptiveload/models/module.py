@@ -215,6 +215,7 @@ class VideoDiTModule(L.LightningModule):
         refused (:func:`~lightning_adaptiveload.models.strategies.check_strategy`).
         """
         super().configure_model()
+        _dist.destroy_gloo_group_at_exit()  # each DDP process on CPU: see _dist.destroy_gloo_group_at_exit
         if self.model is not None:
             return
         from lightning_adaptiveload.models.strategies import check_strategy
