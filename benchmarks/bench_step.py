@@ -63,6 +63,18 @@ VARIANTS = {
     "compile+sac_auto": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_attention", "auto")
     ),
+    # The clip's choice under compile+smm_auto (26 of 30), fixed; and with inductor's matmul autotuning.
+    "compile+smm26": dict(
+        model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_matmuls", 26)
+    ),
+    "compile+smm26+autotune": dict(
+        model="ours",
+        weights="fp32",
+        attention="default",
+        compile=True,
+        ckpt=("save_matmuls", 26),
+        mode="max-autotune-no-cudagraphs",
+    ),
     # The same with "save_matmuls" blocks: recompute only the elementwise work, at more memory per block.
     "compile+smm_auto": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_matmuls", "auto")

@@ -15,6 +15,13 @@ if [[ "${MODE:-mix}" == *busy* ]]; then
   echo "busy rc=$? $(el)"; tail -12 "$OUT/busy.log"
   left=$(seconds_left)
 fi
+if [[ "${MODE:-mix}" == *autotune* ]]; then  # one clip: inductor's matmul autotuning on the compiled blocks
+  timeout $(( left - 10 )) python3 benchmarks/bench_step.py --out "$OUT" --shapes clip --no-micro --reps 3 \
+    --variants compile+smm26,compile+smm26+autotune --time-budget-s $(( left - 60 )) 2>&1 \
+    | grep -v "^USDT\|^W1\|^W0" > "$OUT/autotune.log"
+  echo "autotune rc=$? $(el)"; tail -8 "$OUT/autotune.log"
+  left=$(seconds_left)
+fi
 [[ "${MODE:-mix}" == *mix* ]] || exit 0
 timeout $(( left - 5 )) python3 benchmarks/bench_step_mix.py --out "$OUT" --max-tokens "${MAX_TOKENS:-32760}" \
   --ckpt-budget "${CKPT_BUDGET:-0.88}" --variants "${VARIANTS:-compile+smm_auto,baseline}" \
