@@ -9,7 +9,9 @@ policy inside its forward, so a compiled block includes its checkpoint.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ __all__ = [
     "CHECKPOINT_POLICIES",
     "CONTEXT_FNS",
     "apply_checkpointing",
+    "auto_count",
     "save_attention_contexts",
     "save_matmuls_contexts",
     "spread",
@@ -83,3 +86,17 @@ def apply_checkpointing(blocks: Sequence[nn.Module], policy: str | None, count: 
     chosen = set(spread(count, len(blocks))) if policy is not None else set()
     for i, block in enumerate(blocks):
         block.checkpoint_policy = policy if i in chosen else None
+
+
+def auto_count(memory: Any, batch: tuple[int, int, int], budget: float, warned: set) -> int:
+    """``num_blocks="auto"``: the blocks to checkpoint for a batch of (B, S, L) (``memory`` an
+    ``ActivationMemory``). A batch predicted over ``budget`` even with every block checkpointed gets every
+    block, and one warning per batch shape (``warned`` remembers them): the prediction may be pessimistic,
+    and a real out-of-memory error names the batch anyway."""
+    try:
+        return memory.checkpointed_blocks(*batch, budget)
+    except ValueError as err:
+        if batch not in warned:
+            warned.add(batch)
+            warnings.warn(f"checkpoint_blocks='auto': {err}; checkpointing every block", stacklevel=4)
+        return memory.num_blocks

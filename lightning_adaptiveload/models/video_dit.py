@@ -46,6 +46,7 @@ from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exp
     CHECKPOINT_POLICIES,
     CONTEXT_FNS,
     apply_checkpointing,
+    auto_count,
     save_attention_contexts,
 )
 from lightning_adaptiveload.models.checkpointing import spread as _spread  # noqa: F401
@@ -415,6 +416,7 @@ class VideoDiT(nn.Module):
         # (policy, ActivationMemory, budget bytes) when the checkpointed-block count is chosen per batch.
         self._auto_checkpointing: tuple[str, Any, float] | None = None
         self.last_checkpointed_blocks: int | None = None  # the count the last forward ran with
+        self._over_budget: set[tuple[int, int, int]] = set()  # batches warned about (over budget)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -500,7 +502,8 @@ class VideoDiT(nn.Module):
                 keep all their activations. ``"auto"``: per batch, the fewest that keep the step's modelled
                 peak within ``budget_bytes`` (``memory.checkpointed_blocks``), so that a long clip
                 recomputes fewer blocks than a batch of many images of the same tokens. A compiled block
-                then has a graph with and one without its checkpoint.
+                then has a graph with and one without its checkpoint. A batch predicted over the budget
+                even with every block checkpointed runs with every block checkpointed, with one warning.
             memory: for ``"auto"``: a :class:`lightning_adaptiveload.tools.memory.ActivationMemory` (or
                 its ``to_dict()`` mapping), e.g. from
                 :func:`lightning_adaptiveload.models.acceleration.probe_activation_memory`.
@@ -540,7 +543,7 @@ class VideoDiT(nn.Module):
         if self._auto_checkpointing is None or not (self.training and torch.is_grad_enabled()):
             return
         policy, memory, budget = self._auto_checkpointing
-        count = memory.checkpointed_blocks(batch, seq, text, budget)
+        count = auto_count(memory, (batch, seq, text), budget, self._over_budget)
         if count != self.last_checkpointed_blocks:
             apply_checkpointing(self.blocks, policy, count)
             self.last_checkpointed_blocks = count
