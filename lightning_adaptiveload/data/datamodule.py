@@ -24,10 +24,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data.datamodule_inputs import binary_index_of as _binary_index_of
-from lightning_adaptiveload.data.datamodule_inputs import check_oversize as _check_oversize
-from lightning_adaptiveload.data.datamodule_inputs import check_synthetic as _check_synthetic
-from lightning_adaptiveload.data.datamodule_inputs import index_folder as _index_folder
+from lightning_adaptiveload.data.datamodule_inputs import (
+    binary_index_of,
+    check_oversize,
+    check_synthetic,
+    index_folder,
+)
 from lightning_adaptiveload.data.index_agreement import check_indexes_agree
 from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset
 from lightning_adaptiveload.data.resume import STATE_VERSION, check_state_version, resume_plan
@@ -183,7 +185,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.schedule = schedule
         self.on_error = on_error
-        self.synthetic = _check_synthetic(synthetic) if synthetic else None
+        self.synthetic = check_synthetic(synthetic) if synthetic else None
         self.max_buffered_samples = max_buffered_samples
         self.lockstep_tolerance = float(lockstep_tolerance)
         self.lockstep_tail = lockstep_tail
@@ -269,7 +271,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # Unknown stage (no trainer yet, or the CLI's check before fit): training data only.
         wanted = [v for k, v in extra.items() if stage is not None and getattr(stage, "value", stage) == k]
         for shards in (self.train_shards, self.val_shards, *wanted):
-            folder = _index_folder(shards) if shards is not None else None
+            folder = index_folder(shards) if shards is not None else None
             if folder is not None and not any(
                 os.path.exists(os.path.join(folder, name)) for name in (INDEX_NAME, "index.npidx")
             ):
@@ -341,7 +343,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     def _load_index(self, shards: Any, rank: int) -> Any:
         from lightning_adaptiveload.data.index import ShardIndex
 
-        binary = _binary_index_of(shards)
+        binary = binary_index_of(shards)
         if binary is not None:
             # The binary index stays arrays (no Python object per sample); see data/compact.py.
             from lightning_adaptiveload.data.compact import load_checked_compact
@@ -372,13 +374,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             if shards is not None:
                 index = self._load_index(shards, rank=-1)
                 batcher = DualConstraintBatcher.from_config(self.batcher.config())
-                _check_oversize(index, batcher)
+                check_oversize(index, batcher)
                 batcher.resolve_max_compute(distinct_shapes(index))
 
     def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
-        _check_oversize(index, self.batcher)
+        check_oversize(index, self.batcher)
         training = fixed_epoch is None
         return PlannedShardDataset(
             index,

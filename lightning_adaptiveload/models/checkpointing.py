@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = [
     "CHECKPOINT_POLICIES",
     "CONTEXT_FNS",
     "apply_checkpointing",
     "auto_count",
+    "run_block",
     "save_attention_contexts",
     "save_matmuls_contexts",
     "spread",
@@ -74,6 +75,14 @@ def save_matmuls_contexts():
 
 # policy -> context_fn for torch.utils.checkpoint.checkpoint (absent: "full", the default context).
 CONTEXT_FNS = {"save_attention": save_attention_contexts, "save_matmuls": save_matmuls_contexts}
+
+
+def run_block(policy: str | None, training: bool, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, under ``policy``'s activation checkpoint when training with gradients (None: plain)."""
+    if policy is None or not (training and torch.is_grad_enabled()):
+        return fn(*args)
+    extra = {"context_fn": CONTEXT_FNS[policy]} if policy in CONTEXT_FNS else {}
+    return checkpoint(fn, *args, use_reentrant=False, **extra)
 
 
 def spread(count: int, n: int) -> list[int]:

@@ -274,9 +274,7 @@ def packed_forward(
     Returns:
         N predictions, each (C_out, T_i, H_i, W_i): the same as running each sample alone.
     """
-    from torch.utils.checkpoint import checkpoint
-
-    from lightning_adaptiveload.models.checkpointing import CONTEXT_FNS
+    from lightning_adaptiveload.models.checkpointing import run_block
     from lightning_adaptiveload.models.layers import sinusoidal_embedding
 
     n = len(latents)
@@ -317,13 +315,8 @@ def packed_forward(
     route = attention_route(lens)
     model._apply_attention_backend(device)
     for block in model.blocks:
-        policy = block.checkpoint_policy
         args = (block, h, e0, seg, cos, sin, ctx, context_mask, cu, lens, route)
-        if policy is None or not (model.training and torch.is_grad_enabled()):
-            h = _block_forward(*args)
-        else:
-            extra = {"context_fn": CONTEXT_FNS[policy]} if policy in CONTEXT_FNS else {}
-            h = checkpoint(_block_forward, *args, use_reentrant=False, **extra)
+        h = run_block(block.checkpoint_policy, model.training, _block_forward, *args)
     head = model.head
     shift, scale = (head.modulation.float() + e_tok[:, None, :]).transpose(0, 1)[:, None].unbind(0)
     tokens = head.head(head.norm(h, shift, scale))[0]  # (S_total, C_out * patch volume)

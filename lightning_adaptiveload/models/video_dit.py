@@ -39,14 +39,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_adaptiveload.models import attention as _attention
 from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exported; _spread is the old private name)
     CHECKPOINT_POLICIES,
-    CONTEXT_FNS,
     apply_checkpointing,
     auto_count,
+    run_block,
     save_attention_contexts,
 )
 from lightning_adaptiveload.models.checkpointing import spread as _spread  # noqa: F401
@@ -289,11 +288,9 @@ class DiTBlock(nn.Module):
         """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32, or (B, S, 6, D) with per-token timesteps
         (Wan 2.2); cos, sin (S, d/2); context (B, L, D) or None; context_mask (B, L) bool or None.
         Returns (B, S, D) in x.dtype."""
-        policy = self.checkpoint_policy
-        if policy is None or not (self.training and torch.is_grad_enabled()):
-            return self._forward(x, e0, cos, sin, context, context_mask)
-        extra = {"context_fn": CONTEXT_FNS[policy]} if policy in CONTEXT_FNS else {}
-        return checkpoint(self._forward, x, e0, cos, sin, context, context_mask, use_reentrant=False, **extra)
+        return run_block(
+            self.checkpoint_policy, self.training, self._forward, x, e0, cos, sin, context, context_mask
+        )
 
     def _forward(
         self,
