@@ -250,12 +250,19 @@ def _fwd_bwd(fwd, x, t, ctx, dev):
     F.mse_loss(out.float(), x.float()).backward()
 
 
-def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile, bf16_inputs):
+def step_inputs(shape, cfg, text_len, text_dim, dev, bf16_inputs=False):
+    """Random (latents, timesteps, text) for a (B, T, H, W) latent batch."""
     b, t_, h, w = shape
     dtype = torch.bfloat16 if dev.type == "cuda" or bf16_inputs else torch.float32
     x = torch.randn(b, cfg.in_channels, t_, h, w, device=dev, dtype=dtype)
     ts = torch.rand(b, device=dev) * 1000
     ctx = torch.randn(b, text_len, text_dim, device=dev, dtype=dtype)
+    return x, ts, ctx
+
+
+def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile, bf16_inputs):
+    b, t_, h, w = shape
+    x, ts, ctx = step_inputs(shape, cfg, text_len, text_dim, dev, bf16_inputs)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     walls = []

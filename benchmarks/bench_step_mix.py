@@ -32,10 +32,18 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import VARIANTS, _build, _fwd_bwd, _measure, add_common_args, device_setup  # noqa: E402
+from bench_step import (  # noqa: E402
+    VARIANTS,
+    _build,
+    _fwd_bwd,
+    _measure,
+    add_common_args,
+    device_setup,
+    step_inputs,
+)
 
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
-from lightning_adaptiveload.tools.memory import ActivationMemory  # noqa: E402
+from lightning_adaptiveload.tools.memory import AUTO_BUDGET_FRACTION, ActivationMemory  # noqa: E402
 
 
 def epoch_steps(
@@ -65,32 +73,29 @@ def probe_memory(model, opt, fwd, cfg, timed, args, dev) -> dict:
     batches: the longest B = 1 batch (a clip), the largest batch (images) and the shortest B = 1 batch, each
     at every block and at half of them checkpointed; then set ``num_blocks="auto"`` with a budget of
     ``--ckpt-budget`` x the GPU's memory. Returns what was measured and fitted (for the results JSON)."""
-    from lightning_adaptiveload.models.acceleration import probe_activation_memory
+    from lightning_adaptiveload.models.acceleration import cuda_step_peak, probe_activation_memory
 
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     seq = {k: k[0] * (v[2] // cfg.patch_size[1]) * (v[3] // cfg.patch_size[2]) for k, v in timed.items()}
     ones = [k for k in timed if k[1] == 1]
     picks = [max(ones, key=seq.get), max(timed, key=lambda k: (k[1], seq[k])), min(ones, key=seq.get)]
     batches = [((k[1], cfg.in_channels, *timed[k][1:]), args.text_len) for k in dict.fromkeys(picks)]
 
     def step(shape, text_len):
-        x = torch.randn(*shape, device=dev, dtype=dtype)
-        ts = torch.rand(shape[0], device=dev) * 1000
-        ctx = torch.randn(shape[0], text_len, cfg.text_dim, device=dev, dtype=dtype)
+        x, ts, ctx = step_inputs((shape[0], *shape[2:]), cfg, text_len, cfg.text_dim, dev)
         _fwd_bwd(fwd, x, ts, ctx, dev)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    measure = None if dev.type == "cuda" else (lambda run: (run(), 0.0)[1])
-    n = len(model.blocks)
-    memory, points = probe_activation_memory(
-        model, step, batches, model.blocks[0].checkpoint_policy, counts=(n, n // 2), measure=measure
+    # On CPU (a smoke run) there is no allocator peak to read: the fit sees zeros.
+    peak_of = (
+        cuda_step_peak(step) if dev.type == "cuda" else (lambda shape, text: (step(shape, text), 0.0)[1])
     )
+    n = len(model.blocks)
+    policy = model.blocks[0].checkpoint_policy
+    memory, points = probe_activation_memory(model, peak_of, batches, policy, counts=(n, n // 2))
     total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 64 * 2**30
     budget = args.ckpt_budget * total
-    model.set_activation_checkpointing(
-        True, model.blocks[0].checkpoint_policy, "auto", memory=memory, budget_bytes=budget
-    )
+    model.set_activation_checkpointing(True, policy, "auto", memory=memory, budget_bytes=budget)
     return {
         "budget_bytes": budget,
         "fitted": memory.to_dict(),
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ckpt-budget",
         type=float,
-        default=0.9,
+        default=AUTO_BUDGET_FRACTION,
         help="auto checkpointing: share of the GPU memory a step may use",
     )
     args = ap.parse_args(argv)

@@ -24,6 +24,6 @@ if [[ "${MODE:-mix}" == *autotune* ]]; then  # one clip: inductor's matmul autot
 fi
 [[ "${MODE:-mix}" == *mix* ]] || exit 0
 timeout $(( left - 5 )) python3 benchmarks/bench_step_mix.py --out "$OUT" --max-tokens "${MAX_TOKENS:-32760}" \
-  --ckpt-budget "${CKPT_BUDGET:-0.88}" --variants "${VARIANTS:-compile+smm_auto,baseline}" \
+  ${CKPT_BUDGET:+--ckpt-budget "$CKPT_BUDGET"} --variants "${VARIANTS:-compile+smm_auto,baseline}" \
   --time-budget-s $(( left - 90 )) 2>&1 | grep -v "^USDT\|^W1\|^W0" > "$OUT/mix.log"
 echo "mix rc=$? $(el)"; tail -6 "$OUT/mix.log"

@@ -154,17 +154,12 @@ def test_probe_fits_measured_memory_and_restores_the_setting():
     model = _model(num_layers=4)
     model.set_activation_checkpointing(True, "save_attention", num_blocks=1)
     before = [blk.checkpoint_policy for blk in model.blocks]
-    last = {}
 
-    def step(shape, text):
-        last["bytes"] = _saved_bytes(model, shape, text)
-
-    def measure(run):
-        run()
-        return last["bytes"]
+    def peak_of(shape, text):
+        return _saved_bytes(model, shape, text)
 
     batches = [((1, 16, 6, 8, 8), 5), ((6, 16, 1, 8, 8), 5), ((1, 16, 2, 4, 4), 5)]
-    fitted, points = probe_activation_memory(model, step, batches, counts=(4, 2, 0), measure=measure)
+    fitted, points = probe_activation_memory(model, peak_of, batches, counts=(4, 2, 0))
     assert [blk.checkpoint_policy for blk in model.blocks] == before
     assert len(points) == 9 and {p.checkpointed for p in points} == {0, 2, 4}
     assert fitted.token_block > 0 and fitted.num_blocks == 4
@@ -233,15 +228,13 @@ def test_probe_retries_a_count_that_runs_out_of_memory():
     model = _model(num_layers=4)
     batches = [((1, 16, 4, 4, 4), 5), ((4, 16, 1, 4, 4), 5), ((1, 16, 1, 4, 4), 5)]
 
-    def measure(run):
+    def peak_of(shape, text):
         k = sum(blk.checkpoint_policy is not None for blk in model.blocks)
         if k < 3 and model.blocks[0].checkpoint_policy is not None:
             raise torch.OutOfMemoryError("fake")
         return _TINY.peak_bytes(1, 16, 5, k) + k  # any numbers; the counts are what is checked
 
-    fitted, points = probe_activation_memory(
-        model, lambda shape, text: None, batches, "full", (4, 1), measure
-    )
+    fitted, points = probe_activation_memory(model, peak_of, batches, "full", (4, 1))
     assert [p.checkpointed for p in points] == [4, 3] * 3
     assert fitted.num_blocks == 4
 

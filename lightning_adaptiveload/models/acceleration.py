@@ -33,6 +33,7 @@ __all__ = [
     "checkpoint_blocks_for_budget",
     "compile_blocks",
     "compile_whole",
+    "cuda_step_peak",
     "probe_activation_memory",
     "repeated_blocks",
     "set_attention_backend",
@@ -229,28 +230,41 @@ def checkpoint_blocks_for_budget(
         ) from None
 
 
+def cuda_step_peak(step: Callable[[tuple[int, ...], int], None]) -> Callable[[tuple[int, ...], int], float]:
+    """``peak_of`` for :func:`probe_activation_memory` from a training step on CUDA: the allocator's peak
+    bytes while ``step(latent_shape, text_len)`` runs (forward, backward, optimizer, zero grad)."""
+
+    def peak_of(shape: tuple[int, ...], text_len: int) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(shape, text_len)
+        torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated())
+
+    return peak_of
+
+
 def probe_activation_memory(
     model: nn.Module,
-    step: Callable[[tuple[int, ...], int], None],
+    peak_of: Callable[[tuple[int, ...], int], float],
     batches: Sequence[tuple[tuple[int, ...], int]],
     policy: str = "save_attention",
     counts: Sequence[int] | None = None,
-    measure: Callable[[Callable[[], None]], float] | None = None,
 ) -> tuple[ActivationMemory, list[MemoryPoint]]:
     """Measure training steps and fit the :class:`~lightning_adaptiveload.tools.memory.ActivationMemory`
     that ``VideoDiT.set_activation_checkpointing(num_blocks="auto")`` chooses with.
 
     Args:
         model: a ``VideoDiT`` (``set_activation_checkpointing``, ``blocks``, ``config.patch_size``).
-        step: ``step(latent_shape, text_len)`` runs one training step (forward, backward, optimizer, zero
-            grad) on a batch of that (B, C, T, H, W) latent shape with ``text_len`` text tokens per sample.
+        peak_of: ``peak_of(latent_shape, text_len)``: the peak bytes of one training step on a batch of that
+            (B, C, T, H, W) latent shape with ``text_len`` text tokens per sample, raising
+            ``torch.OutOfMemoryError`` when it does not fit; :func:`cuda_step_peak` makes one from a step.
             Run one step before probing, so that the optimizer state exists (it is part of the peak).
         batches: the (latent shape, text length) pairs to measure; at least one long clip (B = 1), one
             batch of many short samples (images) and one smaller batch, so that the fit separates the terms.
         policy: the checkpoint policy the model will train with.
         counts: checkpointed-block counts to measure each batch at (default: all blocks and half of them).
             A count that runs out of memory is retried halfway between it and all blocks.
-        measure: ``measure(run) -> peak bytes`` of calling ``run()``; default: CUDA's peak allocated bytes.
 
     Returns:
         (the fitted model, the measured points); the model's checkpointing is restored afterwards.
@@ -261,15 +275,6 @@ def probe_activation_memory(
     saved_auto = getattr(model, "_auto_checkpointing", None)
     counts = list(counts) if counts is not None else [n, n // 2]
     pt, ph, pw = model.config.patch_size
-
-    def cuda_peak(run: Callable[[], None]) -> float:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return float(torch.cuda.max_memory_allocated())
-
-    measure = measure or cuda_peak
     points = []
     try:
         for shape, text in batches:
@@ -279,11 +284,12 @@ def probe_activation_memory(
                 while True:
                     model.set_activation_checkpointing(True, policy, k)
                     try:
-                        peak = measure(lambda: step(shape, text))  # noqa: B023
+                        peak = peak_of(shape, text)
                     except torch.OutOfMemoryError:
                         # Too few checkpointed blocks for this batch: retry halfway to all of them.
                         model.zero_grad(set_to_none=True)
-                        torch.cuda.empty_cache()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
                         if k >= n:
                             raise
                         k = (k + n + 1) // 2

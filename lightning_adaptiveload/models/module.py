@@ -251,14 +251,19 @@ class VideoDiTModule(L.LightningModule):
             shard_module_model(self, strategy)
 
     def _memory_budget_bytes(self) -> float | None:
-        """``memory_budget_gib``, or 88% of the current CUDA device's memory; None without either."""
+        """``memory_budget_gib``, or ``AUTO_BUDGET_FRACTION`` (88%) of the CUDA device's memory; None without."""
         gib = self.hparams.get("memory_budget_gib")
         if gib is not None:
             return float(gib) * 2**30
         if self.hparams.get("checkpoint_blocks") == "auto":
             if not torch.cuda.is_available():
                 raise ValueError('VideoDiTModule: checkpoint_blocks="auto" off CUDA needs memory_budget_gib')
-            return 0.88 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            from lightning_adaptiveload.tools.memory import AUTO_BUDGET_FRACTION
+
+            return (
+                AUTO_BUDGET_FRACTION
+                * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            )
         return None
 
     def _init_context(self):

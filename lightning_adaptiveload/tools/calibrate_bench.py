@@ -164,24 +164,14 @@ class Bench:
         points)."""
         from lightning_adaptiveload.models.acceleration import probe_activation_memory
 
-        last: list[float] = []
-
-        def step(shape: Sequence[int], text_len: int) -> None:
+        def peak_of(shape: Sequence[int], text_len: int) -> float:
             peak = self.peak_bytes(shape[1:], shape[0])
             if peak is None:
-                raise torch.OutOfMemoryError(f"calibrate: {shape} does not fit")
-            last.append(float(peak))
-
-        def measure(run) -> float:
-            run()
-            return last[-1]
+                raise torch.OutOfMemoryError(f"calibrate: {tuple(shape)} does not fit")
+            return float(peak)
 
         return probe_activation_memory(
-            self.module.model,
-            step,
-            [((b, *shape), self.text_len) for shape, b in batches],
-            policy,
-            measure=measure,
+            self.module.model, peak_of, [((b, *shape), self.text_len) for shape, b in batches], policy
         )
 
     def _saved_bytes(self, batch: dict) -> int:
