@@ -75,6 +75,25 @@ VARIANTS = {
         ckpt=("save_matmuls", 26),
         mode="max-autotune-no-cudagraphs",
     ),
+    # The same without our fused op inside the compiled blocks (inductor's own LayerNorm + modulate, which it
+    # can fuse with the gated residual before it), and with inductor's coordinate-descent tuning of its
+    # generated kernels (issue 17: the elementwise part of the clip step).
+    "compile+smm26+nofuse": dict(
+        model="ours",
+        weights="fp32",
+        attention="default",
+        compile=True,
+        ckpt=("save_matmuls", 26),
+        fused=False,
+    ),
+    "compile+smm26+cdt": dict(
+        model="ours",
+        weights="fp32",
+        attention="default",
+        compile=True,
+        ckpt=("save_matmuls", 26),
+        coordinate_descent_tuning=True,
+    ),
     # The same with "save_matmuls" blocks: recompute only the elementwise work, at more memory per block.
     "compile+smm_auto": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_matmuls", "auto")
@@ -162,7 +181,8 @@ def _build(spec, cfg, dev, text_dim):
         elif spec["ckpt"][1] == "auto":  # every block until the caller has probed the memory model
             model.set_activation_checkpointing(True, spec["ckpt"][0])
         else:
-            model.set_activation_checkpointing(True, spec["ckpt"][0], spec["ckpt"][1])
+            # (At most the model's block count: the tiny preset of a CPU smoke run has 2.)
+            model.set_activation_checkpointing(True, spec["ckpt"][0], min(spec["ckpt"][1], len(model.blocks)))
         model.set_attention_backend(spec["attention"])
         fuse = dev.type == "cuda" and spec.get("fused", True)
         info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites if fuse else 0
@@ -187,7 +207,12 @@ def _build(spec, cfg, dev, text_dim):
             info["compiled"] = f"whole model, mode={spec.get('mode')}"
             return model, opt, torch.compile(whole, mode=spec.get("mode"), dynamic=False), info
         if spec["compile"]:
+            import torch._inductor.config as inductor_config
+
             from lightning_adaptiveload.models.acceleration import compile_blocks
+
+            # Set per variant (compilation happens at the first call, after this).
+            inductor_config.coordinate_descent_tuning = bool(spec.get("coordinate_descent_tuning", False))
 
             # Symbolic sizes from the first call: one graph for B = 1 and one for B > 1 (see acceleration.py).
             info["compiled_blocks"] = compile_blocks(model, dynamic=True, mode=spec.get("mode"))
@@ -322,10 +347,36 @@ def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile
         row["gpu_busy"] = row["kernel_ms"] / row["fwd_bwd_ms"] if kernels else None
         row["top_kernels"] = [
             {"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "count": e.count}
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
         ]
+        cats: dict[str, list[float]] = {}
+        for e in kernels:
+            ms_count = cats.setdefault(kernel_category(e.key), [0.0, 0])
+            ms_count[0] += e.self_device_time_total / 1e3
+            ms_count[1] += e.count
+        row["kernel_categories"] = {k: {"ms": v[0], "count": v[1]} for k, v in sorted(cats.items())}
     del x, ctx
     return row
+
+
+# Kernel-name fragments per category, first match wins (cuDNN/flash attention, cuBLAS/CUTLASS matmuls,
+# inductor's generated kernels, eager ATen elementwise and reductions, copies and casts).
+_KERNEL_CATEGORIES = (
+    ("attention", ("fmha", "flash", "attn", "cudnn", "sdpa")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "sm90_", "sm80_")),
+    ("inductor", ("triton",)),
+    ("copy/cast", ("copy", "cast", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "norm", "multi_tensor")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The category of a CUDA kernel by its name (``"other"`` when no fragment matches)."""
+    low = name.lower()
+    for cat, frags in _KERNEL_CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other"
 
 
 def _attention_micro(dev, reps=10):
@@ -406,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="clip,images,image,tok65k,tok131k")
     ap.add_argument("--skip", default="", help="variant:shape,... pairs not to run (e.g. known OOM)")
     ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument(
+        "--profile",
+        default=",".join(sorted(PROFILED)),
+        help="shapes whose step is also profiled (kernel time by category, top kernels)",
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
     from lightning_adaptiveload.models.video_dit import forward_flops
@@ -470,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                     text_dim,
                     dev,
                     args.reps,
-                    sname in PROFILED,
+                    sname in args.profile.split(","),
                     spec["model"] == "diffusers",
                 )
             except torch.OutOfMemoryError:
@@ -496,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
             graphs = int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
             entry["graphs_compiled"] = graphs
             print(f"{vname:26s} {sname:8s} " + _fmt(row), flush=True)
+            if "kernel_categories" in row:
+                print("    by category (ms, kernels):", json.dumps(row["kernel_categories"]), flush=True)
+                for k in row["top_kernels"]:
+                    print(f"    {k['ms']:8.1f} ms {k['count']:5d}x {k['kernel']}", flush=True)
             save()
         del model, opt, fwd
         gc.collect()

@@ -4,7 +4,8 @@
 # the GPU's memory; default variants compile+smm_auto and the eager baseline, in one process; VARIANTS= picks
 # others, e.g. compile+sac_auto, compile+sac15). MODE=busy instead times one image's step: the whole forward
 # compiled with each block a nested compile region and CUDA graphs, beside CUDA graphs per block
-# (MODE=busy+mix: both). JSON + logs in $OUT. docs/performance.md, run 7.
+# (MODE=busy+mix: both). MODE=profile profiles one clip's step per variant (PVARIANTS).
+# JSON + logs in $OUT. docs/performance.md, runs 7 and 8.
 GPU_JOB=step_auto; TOTAL=${TOTAL:-560}
 source "$(dirname "$0")/_gpu_preamble.sh"
 left=$(seconds_left)
@@ -13,6 +14,13 @@ if [[ "${MODE:-mix}" == *busy* ]]; then
     --variants whole+nested+cg,compile+noac+cg --time-budget-s $(( ${BUSY_S:-220} - 40 )) 2>&1 \
     | grep -v "^USDT\|^W1\|^W0" > "$OUT/busy.log"
   echo "busy rc=$? $(el)"; tail -12 "$OUT/busy.log"
+  left=$(seconds_left)
+fi
+if [[ "${MODE:-mix}" == *profile* ]]; then  # one clip, profiled: kernel time by category, per variant
+  timeout $(( left - 10 )) python3 benchmarks/bench_step.py --out "$OUT" --shapes clip --profile clip --no-micro \
+    --reps 3 --variants "${PVARIANTS:-compile+smm26,compile+smm26+nofuse,compile+smm26+cdt}" \
+    --time-budget-s $(( left - 60 )) 2>&1 | grep -v "^USDT\|^W1\|^W0" > "$OUT/profile.log"
+  echo "profile rc=$? $(el)"; grep -v "^\s*$" "$OUT/profile.log" | tail -60
   left=$(seconds_left)
 fi
 if [[ "${MODE:-mix}" == *autotune* ]]; then  # one clip: inductor's matmul autotuning on the compiled blocks
