@@ -218,6 +218,16 @@ def test_compiled_model_matches_eager_with_bounded_recompiles():
     assert 1 <= graphs <= MAX_GRAPHS_PER_MODE, graphs
 
 
+def test_compile_blocks_says_when_fused_sites_are_compiled(caplog):
+    fused, plain = _model(), _model()
+    fuse_norm_modulate(fused, verify=False)
+    with caplog.at_level("INFO", logger="lightning_adaptiveload.models.acceleration"):
+        compile_blocks(plain, backend="aot_eager")
+        assert "fused op" not in caplog.text
+        compile_blocks(fused, backend="aot_eager")
+    assert "4 norm-modulate sites use the fused op" in caplog.text  # two per block, two blocks
+
+
 # -- bf16 weights with fp32 master ---------------------------------------------------------------------------
 
 
