@@ -4,7 +4,8 @@ For each size a synthetic binary index (``index.npidx``: wan21_480p shapes, 1,00
 generator of ``bench_index_scale.py``) is written once; then, per schedule, a fresh process loads it
 (``CompactIndex.load``) and plans one epoch for 64 ranks x 2 workers (``plan_epoch``, ``max_tokens``
 65,520, ``max_compute="auto"`` for the bucketed schedules). Each process reports its load and plan wall
-times and its peak resident memory (VmHWM, imports included; the imports alone are reported apart).
+times and its peak resident memory (VmHWM, imports included; the imports alone are reported apart; with
+``--processes`` > 1 also the largest planning process's peak, which VmHWM does not count).
 A straight line and a power law are fitted per schedule to extrapolate to 100M samples; both are written,
 with the points, to ``benchmarks/results/plan_scale_<cpu>_<date>.json``. Never asserts a time. Run::
 
@@ -32,7 +33,7 @@ from bench_index_scale import synthetic_columns  # noqa: E402
 from lightning_adaptiveload.data.columnar import write_columns  # noqa: E402
 
 _ONE = r"""
-import json, sys, time
+import json, resource, sys, time
 def hwm():
     with open("/proc/self/status") as f:
         for line in f:
@@ -59,7 +60,8 @@ print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps, "segm
                   "unequal_steps": rep["unequal_steps"], "packed_tail_steps": rep.get("packed_tail_steps", 0),
                   "empty_batches": rep["empty_batches"], "est_compute_cv": rep["est_compute_cv"],
                   "est_straggler_wait": rep["est_straggler_wait"],
-                  "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"]}))
+                  "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"],
+                  "largest_child_peak_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
 
