@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_adaptiveload.planning.plan import Read, Stream
 
-__all__ = ["Piece", "assign", "exclusions", "reads_of", "shard_pieces"]
+__all__ = ["Piece", "assign", "exclusions", "read_id_arrays", "reads_of", "shard_pieces"]
 
 # A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
 _BALANCE_TOLERANCE = 0.05
@@ -178,3 +178,17 @@ def reads_of(pieces: list[Piece]) -> list[Read]:
         else:
             reads.append((p.shard, list(p.ids)))
     return reads
+
+
+def read_id_arrays(pieces: list[Piece]) -> list[np.ndarray]:
+    """The sample ids of each of :func:`reads_of`'s reads, as int64 arrays (from the pieces' arrays)."""
+    out: list[np.ndarray] = []
+    last = None
+    for p in pieces:
+        ids = p.id_array if p.id_array is not None else np.asarray(p.ids, dtype=np.int64)
+        if out and last == p.shard:
+            out[-1] = np.sort(np.concatenate([out[-1], ids]))
+        else:
+            out.append(ids)
+        last = p.shard
+    return out

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays
 from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
 from lightning_adaptiveload.planning.reshape import (
+    batch_len,
     capacity,
-    fixed_prefix,
+    last_nonempty,
     merge_batches,
     pack_start,
     split_batches,
@@ -67,6 +69,9 @@ def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[St
     """
     touched = {st for giver, receiver, _ in moves for st in (giver, receiver)}
     for st in touched:
+        if isinstance(sim[st], BatchArrays):
+            reads[st] = _reads_holding(reads[st], sim[st].ref_keys())
+            continue
         have = {ref for bt in sim[st] for ref in bt.refs}
         kept = [(shard, [i for i in ids if (shard, i) in have]) for shard, ids in reads[st]]
         kept = [(shard, ids) for shard, ids in kept if ids]
@@ -75,6 +80,26 @@ def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[St
         for shard, i in sorted(have - known):
             extra.setdefault(shard, []).append(i)
         reads[st] = kept + sorted(extra.items())
+
+
+def _reads_holding(reads: list[Read], have: np.ndarray) -> list[Read]:
+    """:func:`apply_moves` for one stream on arrays: ``have`` holds its refs as ``shard << 32 | id``."""
+    lengths = [len(ids) for _, ids in reads]
+    keys = np.concatenate(
+        [(np.int64(shard) << 32) | np.asarray(ids, dtype=np.int64) for shard, ids in reads]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+    held = np.isin(keys, have)
+    kept: list[Read] = []
+    for (shard, _), part, mask in zip(reads, np.split(keys, np.cumsum(lengths)[:-1]),
+                                      np.split(held, np.cumsum(lengths)[:-1])):  # fmt: skip
+        if mask.any():
+            kept.append((shard, (part[mask] & 0xFFFFFFFF).tolist()))
+    extra = np.setdiff1d(have, keys[held])  # sorted: by shard, then id
+    shards = extra >> 32
+    for shard in np.unique(shards).tolist():
+        kept.append((shard, (extra[shards == shard] & 0xFFFFFFFF).tolist()))
+    return kept
 
 
 @dataclass
@@ -92,23 +117,39 @@ class _Bounds:
     least: int
 
 
+def _columns(stream: list[Batch] | BatchArrays) -> tuple[np.ndarray, np.ndarray]:
+    """The stream's (sample counts, bucket ids) as int64 arrays."""
+    if isinstance(stream, BatchArrays):
+        return stream.n, stream.bucket
+    m = len(stream)
+    return (
+        np.fromiter(map(len, map(_REFS, stream)), dtype=np.int64, count=m),
+        np.fromiter(map(_BUCKET, stream), dtype=np.int64, count=m),
+    )
+
+
+def _least_parts(stream: list[Batch] | BatchArrays, size: np.ndarray) -> tuple[int, int, int, np.ndarray]:
+    """(batches, samples, the batches a merge keeps apart: those before :func:`~.reshape.pack_start` and
+    the full ones after it, and per bucket the samples of the partial batches after it)."""
+    n, bk = _columns(stream)
+    k = pack_start(stream, size)
+    fixed, partial = k, np.zeros(len(size), dtype=np.int64)
+    if k < len(n):
+        tail_n, tail_bk = n[k:], bk[k:]
+        full = tail_n >= size[tail_bk]
+        fixed += int(full.sum())  # full batches stay; per bucket, the partial ones packed
+        partial = np.bincount(tail_bk[~full], weights=tail_n[~full], minlength=len(size)).astype(np.int64)
+    return len(n), int(n.sum()), fixed, partial
+
+
 def _bounds(sim: dict[Stream, list[Batch]], slot: list[Stream], sizes: list[int]) -> _Bounds:
     count = most = least = 0
     size = np.asarray(sizes, dtype=np.int64)
     for st in slot:
-        stream = sim[st]
-        count += len(stream)
-        lens = list(map(len, map(_REFS, stream)))
-        most += sum(lens)
-        k = pack_start(stream, sizes)
-        least += k
-        if k < len(stream):
-            n = np.array(lens[k:], dtype=np.int64)
-            bk = np.fromiter(map(_BUCKET, stream[k:]), dtype=np.int64, count=len(stream) - k)
-            full = n >= size[bk]
-            least += int(full.sum())  # full batches stay; per bucket, the partial ones packed
-            partial = np.bincount(bk[~full], weights=n[~full], minlength=len(sizes)).astype(np.int64)
-            least += int((-(-partial // size)).sum())
+        m, samples, fixed, partial = _least_parts(sim[st], size)
+        count += m
+        most += samples
+        least += fixed + int((-(-partial // size)).sum())
     return _Bounds(count, most, least)
 
 
@@ -125,15 +166,9 @@ def _packed_least(sim: dict[Stream, list[Batch]], slots: list[list[Stream]], siz
     partial = np.zeros(len(sizes), dtype=np.int64)
     for slot in slots:
         for st in slot:
-            stream = sim[st]
-            k = pack_start(stream, sizes)
-            least += k
-            if k < len(stream):
-                n = np.fromiter(map(len, map(_REFS, stream[k:])), dtype=np.int64, count=len(stream) - k)
-                bk = np.fromiter(map(_BUCKET, stream[k:]), dtype=np.int64, count=len(stream) - k)
-                full = n >= size[bk]
-                least += int(full.sum())
-                partial += np.bincount(bk[~full], weights=n[~full], minlength=len(sizes)).astype(np.int64)
+            _, _, fixed, part = _least_parts(sim[st], size)
+            least += fixed
+            partial += part
     return least + int((-(-partial // size)).sum())
 
 
@@ -303,9 +338,9 @@ class _Mover:
             for b, n in self._tail(st, True).items():
                 return st, b, n - sizes[b] * (-(-n // sizes[b]) - 1), True
         for st in self.slots[g]:
-            bt = next((bt for bt in reversed(sim[st][fixed_prefix(sim[st]) :]) if bt.refs), None)
-            if bt is not None:
-                return st, bt.bucket, len(bt.refs), False
+            last = last_nonempty(sim[st])
+            if last is not None:
+                return st, last[0], last[1], False
         return None
 
     def _fill(self, q: int) -> bool:
@@ -330,6 +365,8 @@ class _Mover:
     def _partials(self, st: Stream, stream: list[Batch]) -> dict[int, list[int]]:
         """Per bucket, the stream's partial batches after :func:`~.reshape.pack_start` (ascending). Cached
         until a move changes the stream (``_give``, ``_pack``): ``_room`` asks every stream at every move."""
+        if st not in self._spots and isinstance(stream, BatchArrays):
+            self._spots[st] = stream.partial_spots(self.sizes)
         if st not in self._spots:
             spots: dict[int, list[int]] = {}
             for j in range(pack_start(stream, self.sizes), len(stream)):
@@ -378,9 +415,9 @@ class _Mover:
             spots = self._partials(st, stream).get(bucket)
             if not spots:
                 continue
-            u = sum(len(stream[j].refs) for j in spots)
-            j = next((j for j in spots if len(stream[j].refs) + k <= size), None)
-            if j is None or not stream[j].refs:
+            u = sum(batch_len(stream, j) for j in spots)
+            j = next((j for j in spots if batch_len(stream, j) + k <= size), None)
+            if j is None or not batch_len(stream, j):
                 continue
             grow = -(-(u + k) // size) - (-(-u // size))
             q = self.slot_of[st]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays
 from lightning_adaptiveload.planning.inputs import Bucket
 from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
 
@@ -85,18 +86,31 @@ def independent_batches(
     sizes: list[int],
     bound: int,
     counts: dict[str, int],
-) -> dict[Stream, list[Batch]]:
-    """Every stream's batches, simulated from its reads (``counts``: partial and bound_partial_batches)."""
-    out: dict[Stream, list[Batch]] = {}
+    columns: tuple[dict[Stream, list[np.ndarray]], np.ndarray, np.ndarray] | None = None,
+) -> dict[Stream, BatchArrays]:
+    """Every stream's batches, simulated from its reads (``counts``: partial and bound_partial_batches), as
+    :class:`~.batch_arrays.BatchArrays`. ``columns``: the same reads' sample ids as arrays
+    (:func:`~.assign.read_id_arrays`) and every sample's bucket id with each shard's first position in it,
+    read instead of the lists."""
+    out: dict[Stream, BatchArrays] = {}
     for st, rd in reads.items():
-        fast = _unbounded(rd, bucket_of, sizes, bound, counts)
-        out[st] = fast if fast is not None else _simulate(_items(rd, bucket_of), sizes, bound, counts)
+        fast = _unbounded(
+            rd, bucket_of, sizes, bound, counts, None if columns is None else (columns[0][st], *columns[1:])
+        )
+        if fast is None:
+            fast = BatchArrays.from_batches(_simulate(_items(rd, bucket_of), sizes, bound, counts))
+        out[st] = fast
     return out
 
 
 def _unbounded(
-    reads: list[Read], bucket_of: list[list[int]], sizes: list[int], bound: int, counts: dict[str, int]
-) -> list[Batch] | None:
+    reads: list[Read],
+    bucket_of: list[list[int]],
+    sizes: list[int],
+    bound: int,
+    counts: dict[str, int],
+    columns: tuple[list[np.ndarray], np.ndarray, np.ndarray] | None = None,
+) -> BatchArrays | None:
     """:func:`_simulate` in arrays, for a stream whose buffer never reaches ``bound``; None if it would
     (then the loop runs, with its early emissions).
 
@@ -105,11 +119,15 @@ def _unbounded(
     (the order in which their pending buckets were opened).
     """
     if not reads:
-        return []
-    ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
-    shard_col = np.concatenate([np.full(len(i), s, dtype=np.int64) for (s, _), i in zip(reads, ids)])
+        return BatchArrays.from_batches([])
+    if columns is None:
+        ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
+        bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
+    else:
+        ids, bucket_ids, offsets = columns
+        bk = bucket_ids[np.concatenate([offsets[s] + i for (s, _), i in zip(reads, ids)])].astype(np.int64)
+    shard_col = np.repeat(np.asarray([s for s, _ in reads], dtype=np.int64), [len(i) for i in ids])
     id_col = np.concatenate(ids)
-    bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
     n = len(bk)
     size = np.asarray(sizes, dtype=np.int64)
     order = np.argsort(bk, kind="stable")  # by bucket, file order within
@@ -122,15 +140,19 @@ def _unbounded(
     buffered = np.arange(1, n + 1, dtype=np.int64) - np.cumsum(np.where(completes, b_size, 0))
     if bool((~completes & (buffered >= bound)).any()):
         return None
-    refs = list(zip(shard_col[order].tolist(), id_col[order].tolist()))
     done = np.flatnonzero(completes)
-    first = (start[bk[done]] + occ[done] + 1 - b_size[done]).tolist()
-    out = [Batch(b, refs[f : f + k]) for b, f, k in zip(bk[done].tolist(), first, b_size[done].tolist())]
+    first = start[bk[done]] + occ[done] + 1 - b_size[done]
     rem = cnt % size
     part = np.flatnonzero(rem)
     lo = start[part] + cnt[part] - rem[part]  # first sample of each partial run, in ``order``
-    for j in np.argsort(order[lo], kind="stable").tolist():
-        b, a = int(part[j]), int(lo[j])
-        out.append(Batch(b, refs[a : a + int(rem[b])]))
+    late = np.argsort(order[lo], kind="stable")  # the partial runs, oldest bucket first
     counts["partial_batches"] += len(part)
-    return out
+    rows_bucket = np.concatenate([bk[done], part[late]])
+    return BatchArrays(
+        rows_bucket,
+        np.concatenate([b_size[done], rem[part][late]]),
+        np.zeros(len(rows_bucket), dtype=bool),
+        np.concatenate([first, lo[late]]),
+        shard_col[order],
+        id_col[order],
+    )

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_adaptiveload.monitor.stats import balance_summary
-from lightning_adaptiveload.planning.assign import assign, exclusions, reads_of, shard_pieces
+from lightning_adaptiveload.planning.assign import assign, exclusions, read_id_arrays, reads_of, shard_pieces
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays
 from lightning_adaptiveload.planning.chunked import local_plan, plan_segments, segment_count
 from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
@@ -248,7 +249,8 @@ def _plan_whole(
     reads = {st: reads_of(ps) for st, ps in assignment.items()}
     local: LocalLockstep | None = None
     if mode == "independent":
-        sim = independent_batches(reads, table.bucket_of, sizes, bound, counts)
+        columns = ({st: read_id_arrays(ps) for st, ps in assignment.items()}, *_bucket_arrays(table))
+        sim = independent_batches(reads, table.bucket_of, sizes, bound, counts, columns)
     elif keep is not None and lockstep_tail == "packed" and world > 1:
         local = lockstep_local(
             assignment, *_bucket_arrays(table), world, workers, class_of, class_size, sizes, counts, keep
@@ -279,9 +281,7 @@ def _plan_whole(
     else:
         _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
     if local is None:
-        samples_per_rank = [
-            sum(sum(map(len, map(_REFS, sim[(r, w)]))) for w in range(workers)) for r in range(world)
-        ]
+        samples_per_rank = [sum(_samples(sim[(r, w)]) for w in range(workers)) for r in range(world)]
     else:
         samples_per_rank = [
             sum(int(local.equal[(r, w)][1].sum()) + sum(len(bt.refs) for bt in sim[(r, w)][len(local.equal[(r, w)][0]) :])
@@ -302,7 +302,10 @@ def _plan_whole(
             lambda st: _local_loads(local, sim[st], st, pack_load), {st: len(v) for st, v in sim.items()}, world,
             workers, buckets, class_of,
         )  # fmt: skip
-    kept = list(sim) if local is None else [(keep, w) for w in range(workers)]
+    # Rank-local where asked and the schedule allows (independent: every stream's batches are arrays, and
+    # only the kept rank's become objects; lockstep: see lockstep_local).
+    rank_local = keep is not None and (local is not None or mode == "independent")
+    kept = [(keep, w) for w in range(workers)] if rank_local else list(sim)
     counts.update(
         samples=n_samples,
         excluded=n_excluded,
@@ -330,19 +333,19 @@ def _plan_whole(
         epoch=int(epoch),
         mode=mode,
         buckets=_bucket_dicts(buckets, class_of),
-        streams={st: list(map(_REFS, sim[st])) for st in kept},
-        batch_buckets={st: list(map(_BUCKET, sim[st])) for st in kept},
+        streams={st: _refs_lists(sim[st]) for st in kept},
+        batch_buckets={st: _bucket_list(sim[st]) for st in kept},
         batch_steps={st: steps.batch_steps[st].tolist() for st in kept},
         reads={st: reads[st] for st in kept},
-        step_order=steps.step_order
-        if local is None
-        else [o if r == keep else [] for r, o in enumerate(steps.step_order)],
+        step_order=[o if r == keep else [] for r, o in enumerate(steps.step_order)]
+        if rank_local
+        else steps.step_order,
         steps=steps.steps,
         global_tokens=[int(x) for x in steps.global_tokens],
         report=report,
         pack_batches={st: [bt.pack for bt in sim[st]] for st in kept} if tail["steps"] else {},
         step_costs=steps.costs,
-        rank=keep if local is not None else None,
+        rank=keep if rank_local else None,
     )
     report["plan_seconds"] = time.perf_counter() - t0
     return plan
@@ -479,10 +482,26 @@ def _pack_load(
     return load
 
 
+def _samples(stream: list[Batch] | BatchArrays) -> int:
+    if isinstance(stream, BatchArrays):
+        return int(stream.n.sum())
+    return sum(map(len, map(_REFS, stream)))
+
+
+def _refs_lists(stream: list[Batch] | BatchArrays) -> list[list[Ref]]:
+    return stream.refs_lists() if isinstance(stream, BatchArrays) else list(map(_REFS, stream))
+
+
+def _bucket_list(stream: list[Batch] | BatchArrays) -> list[int]:
+    return stream.bucket.tolist() if isinstance(stream, BatchArrays) else list(map(_BUCKET, stream))
+
+
 def _batch_loads(
-    batches: list[Batch], pack_load: Callable[[Batch], tuple[int, float]] | None
+    batches: list[Batch] | BatchArrays, pack_load: Callable[[Batch], tuple[int, float]] | None
 ) -> tuple[Any, Any, list[tuple[int, int, float]]]:
     """A stream's batches as (bucket ids, sample counts, [(position, tokens, cost) of each pack])."""
+    if isinstance(batches, BatchArrays):
+        return batches.bucket, batches.n, []  # independent batches are never packs
     packs = []
     if pack_load is not None:
         packs = [(j, *pack_load(bt)) for j, bt in enumerate(batches) if bt.pack]

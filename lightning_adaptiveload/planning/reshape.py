@@ -3,7 +3,10 @@ partial batches of a bucket into fewer, take samples out; and where a stream's b
 
 A stream's batches up to its last lockstep (``equal``) batch keep their steps, so edits act after it
 (:func:`fixed_prefix`); packing also stays after the last batch emitted early at the buffer bound
-(:func:`pack_start`). Used by :mod:`.equalise` to give every rank the same number of steps. Pure Python.
+(:func:`pack_start`). Used by :mod:`.equalise` to give every rank the same number of steps. Python and NumPy.
+
+A stream is a list of :class:`~.plan.Batch` or a :class:`~.batch_arrays.BatchArrays` (the independent
+schedule's), whose methods make the same edits on arrays.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ import heapq
 import math
 import operator
 
+import numpy as np
+
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays, chunk_sizes
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
 __all__ = [
+    "batch_len",
     "capacity",
     "fixed_prefix",
+    "last_nonempty",
     "merge_batches",
     "pack_start",
     "split_batches",
@@ -27,6 +35,8 @@ __all__ = [
 
 def fixed_prefix(stream: list[Batch]) -> int:
     """Length of the stream's prefix that must stay in place: up to its last equal (lockstep) batch."""
+    if isinstance(stream, BatchArrays):
+        return 0  # independent batches are never equal
     return _after_last(list(map(_EQUAL, stream)))
 
 
@@ -35,6 +45,8 @@ def pack_start(stream: list[Batch], sizes: list[int]) -> int:
     emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
     its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
     holds nothing extra.)"""
+    if isinstance(stream, BatchArrays):
+        return stream.pack_start()
     return max(_after_last(list(map(_EQUAL, stream))), _after_last(list(map(_BOUND, stream))))
 
 
@@ -54,6 +66,8 @@ def _after_last(flags: list[bool]) -> int:
 
 def capacity(stream: list[Batch]) -> int:
     """How many batches splitting could add: every batch down to one sample each."""
+    if isinstance(stream, BatchArrays):
+        return int(stream.n.sum()) - len(stream)
     return sum(map(len, map(_REFS, stream))) - len(stream)
 
 
@@ -65,6 +79,8 @@ def split_batches(stream: list[Batch], need: int) -> int:
     steps must not move. Then equal batches, latest first. In independent mode no batch is "equal", so
     the largest batches anywhere are split.
     """
+    if isinstance(stream, BatchArrays):
+        return stream.split(need)
     if need <= 0:
         return 0
     pieces = [1] * len(stream)
@@ -99,10 +115,8 @@ def split_batches(stream: list[Batch], need: int) -> int:
 
 def _chunks(refs: list[Ref], k: int) -> list[list[Ref]]:
     """``refs`` in ``k`` consecutive runs whose sizes differ by at most one (the larger first)."""
-    n = len(refs)
     out, start = [], 0
-    for i in range(k):
-        size = n // k + (1 if i < n % k else 0)
+    for size in chunk_sizes(len(refs), k):
         out.append(refs[start : start + size])
         start += size
     return out
@@ -111,6 +125,8 @@ def _chunks(refs: list[Ref], k: int) -> list[list[Ref]]:
 def take(stream: list[Batch], bucket: int, k: int, partial_only: bool, sizes: list[int]) -> list[Ref]:
     """Remove ``k`` samples of ``bucket`` from the stream's movable batches (after its last lockstep
     batch), last batch first; a batch left empty is dropped. Returns the refs, in file order."""
+    if isinstance(stream, BatchArrays):
+        return stream.take(bucket, k, partial_only, sizes)
     out: list[Ref] = []
     first = pack_start(stream, sizes) if partial_only else fixed_prefix(stream)
     for j in range(len(stream) - 1, first - 1, -1):
@@ -130,6 +146,8 @@ def take(stream: list[Batch], bucket: int, k: int, partial_only: bool, sizes: li
 def tail_samples(stream: list[Batch], partial_only: bool, sizes: list[int]) -> dict[int, int]:
     """Samples per bucket in the stream's movable batches (only its packable partial ones, see
     :func:`pack_start`, if ``partial_only``)."""
+    if isinstance(stream, BatchArrays):
+        return stream.tail_samples(partial_only, sizes)
     out: dict[int, int] = {}
     for bt in stream[pack_start(stream, sizes) if partial_only else fixed_prefix(stream) :]:
         if bt.refs and not (partial_only and len(bt.refs) >= sizes[bt.bucket]):
@@ -144,6 +162,8 @@ def merge_batches(stream: list[Batch], need: int, sizes: list[int]) -> int:
     The packed batches take the places of the last ones of the bucket (file order kept), each at most
     the bucket's batch size B, so every constraint of a batch still holds.
     """
+    if isinstance(stream, BatchArrays):
+        return stream.merge(need, sizes)
     removed = 0
     while removed < need:
         first = pack_start(stream, sizes)
@@ -169,3 +189,17 @@ def merge_batches(stream: list[Batch], need: int, sizes: list[int]) -> int:
             del stream[j]
         removed += len(pos) - keep
     return removed
+
+
+def batch_len(stream: list[Batch] | BatchArrays, j: int) -> int:
+    """Samples in batch j."""
+    return int(stream.n[j]) if isinstance(stream, BatchArrays) else len(stream[j].refs)
+
+
+def last_nonempty(stream: list[Batch] | BatchArrays) -> tuple[int, int] | None:
+    """(bucket, samples) of the stream's last non-empty movable batch (after its last lockstep batch)."""
+    if isinstance(stream, BatchArrays):
+        rows = np.flatnonzero(stream.n)
+        return None if not len(rows) else (int(stream.bucket[rows[-1]]), int(stream.n[rows[-1]]))
+    bt = next((bt for bt in reversed(stream[fixed_prefix(stream) :]) if bt.refs), None)
+    return None if bt is None else (bt.bucket, len(bt.refs))
