@@ -79,14 +79,19 @@ def test_the_equal_steps_pass_matches_the_list_version(seed):
     sim = {(r, w): _stream(rng, sizes, shard=r * 10 + w) for r in range(world) for w in range(workers)}
     arrays = {st: BatchArrays.from_batches(v) for st, v in sim.items()}
     slots = [[(r, w) for w in range(workers)] for r in range(world)]
+    # Every stream reads its own shard: the ids of its batches.
+    reads0 = {(r, w): [(r * 10 + w, [i for bt in v for _, i in bt.refs])] for (r, w), v in sim.items()}
     results = []
     for streams in (sim, arrays):
         counts = dict.fromkeys(("split_batches", "merged_batches", "empty_batches", "moved_batches"), 0)
         moves: list = []
         short = _equal_counts(streams, slots, sizes, counts, moves, pad_bucket=0)
-        results.append((short, counts, moves, streams))
-    (short_l, counts_l, moves_l, lists), (short_a, counts_a, moves_a, arrs) = results
+        reads = copy.deepcopy(reads0)
+        apply_moves(reads, moves, streams)
+        results.append((short, counts, moves, streams, reads))
+    (short_l, counts_l, moves_l, lists, reads_l), (short_a, counts_a, moves_a, arrs, reads_a) = results
     assert short_a == short_l and counts_a == counts_l and moves_a == moves_l
+    assert reads_a == reads_l
     for st in lists:
         _same(arrs[st], lists[st])
     if short_l is None:  # the pass reached a common count: every rank takes the same number of steps

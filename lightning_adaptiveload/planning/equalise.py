@@ -68,9 +68,13 @@ def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[St
     is read once, by the stream that holds it.
     """
     touched = {st for giver, receiver, _ in moves for st in (giver, receiver)}
+    moved: dict[Stream, set[Ref]] = {}
+    for giver, receiver, refs in moves:
+        moved.setdefault(giver, set()).update(refs)
+        moved.setdefault(receiver, set()).update(refs)
     for st in touched:
         if isinstance(sim[st], BatchArrays):
-            reads[st] = _reads_holding(reads[st], sim[st].ref_keys())
+            reads[st] = _reads_holding(reads[st], sim[st].ref_keys(), moved[st])
             continue
         have = {ref for bt in sim[st] for ref in bt.refs}
         kept = [(shard, [i for i in ids if (shard, i) in have]) for shard, ids in reads[st]]
@@ -82,24 +86,35 @@ def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[St
         reads[st] = kept + sorted(extra.items())
 
 
-def _reads_holding(reads: list[Read], have: np.ndarray) -> list[Read]:
-    """:func:`apply_moves` for one stream on arrays: ``have`` holds its refs as ``shard << 32 | id``."""
-    lengths = [len(ids) for _, ids in reads]
-    keys = np.concatenate(
-        [(np.int64(shard) << 32) | np.asarray(ids, dtype=np.int64) for shard, ids in reads]
-        or [np.zeros(0, dtype=np.int64)]
-    )
-    held = np.isin(keys, have)
+def _reads_holding(reads: list[Read], have: np.ndarray, moved: set[Ref]) -> list[Read]:
+    """:func:`apply_moves` for one stream on arrays (``have``: its refs as ``shard << 32 | id``), the same
+    reads. Only refs that moved can differ between the stream's reads and its batches (splitting and
+    packing keep a stream's samples), so only they are looked up."""
+    have = np.sort(have)
+    keys = np.array(sorted((s << 32) | i for s, i in moved), dtype=np.int64)
+    pos = np.minimum(np.searchsorted(have, keys), max(len(have) - 1, 0))
+    held = (have[pos] == keys) if len(have) else np.zeros(len(keys), dtype=bool)
+    gone: dict[int, set[int]] = {}
+    for key in keys[~held].tolist():
+        gone.setdefault(key >> 32, set()).add(key & 0xFFFFFFFF)
+    touched_shards = {s for s, _ in moved}
     kept: list[Read] = []
-    for (shard, _), part, mask in zip(reads, np.split(keys, np.cumsum(lengths)[:-1]),
-                                      np.split(held, np.cumsum(lengths)[:-1])):  # fmt: skip
-        if mask.any():
-            kept.append((shard, (part[mask] & 0xFFFFFFFF).tolist()))
-    extra = np.setdiff1d(have, keys[held])  # sorted: by shard, then id
-    shards = extra >> 32
-    for shard in np.unique(shards).tolist():
-        kept.append((shard, (extra[shards == shard] & 0xFFFFFFFF).tolist()))
-    return kept
+    in_reads: set[Ref] = set()
+    for shard, ids in reads:
+        if shard in touched_shards:
+            in_reads.update((shard, i) for i in ids if (shard, i) in moved)
+            drop = gone.get(shard)
+            ids = [i for i in ids if i not in drop] if drop else list(ids)
+        else:
+            ids = list(ids)
+        if ids:
+            kept.append((shard, ids))
+    extra: dict[int, list[int]] = {}
+    for key in keys[held].tolist():  # ascending: by shard, then id
+        ref = (key >> 32, key & 0xFFFFFFFF)
+        if ref not in in_reads:
+            extra.setdefault(ref[0], []).append(ref[1])
+    return kept + sorted(extra.items())
 
 
 @dataclass
