@@ -80,7 +80,16 @@ def shard_pieces(
     pieces: list[Piece] = []
     n_excluded = 0
     weight = np.asarray(weight_of, dtype=np.float64)
+    fast = _whole_shards(arrays, weight, excl) if arrays is not None else None
     for sid, row in enumerate(bucket_of if arrays is None else range(len(arrays[1]) - 1)):
+        if fast is not None and sid not in fast.slow:
+            # Every sample of the shard is kept: its lists are slices of the index-wide ones.
+            a, b = fast.offsets[sid], fast.offsets[sid + 1]
+            if b > a:
+                ids = np.arange(b - a, dtype=np.int64)
+                cost = sum(fast.weights[a:b])  # the same Python sum, in the same order, as below
+                pieces.append(Piece(sid, position[sid], list(range(b - a)), fast.buckets[a:b], cost, ids))
+            continue
         if arrays is None:
             bk = np.asarray(row, dtype=np.int64)
         else:
@@ -103,6 +112,30 @@ def shard_pieces(
                 Piece(sid, position[sid], ids.tolist(), kept_bk.tolist(), cost, ids.astype(np.int64))
             )
     return pieces, n_excluded
+
+
+@dataclass
+class _WholeShards:
+    """Index-wide lists for :func:`shard_pieces` on arrays: per sample its bucket and weight, each shard's
+    first position, and the shards that need the per-shard path (an oversize sample or an exclusion)."""
+
+    offsets: list[int]
+    buckets: list[int]
+    weights: list[float]
+    slow: set[int]
+
+
+def _whole_shards(arrays: tuple[np.ndarray, np.ndarray], weight: np.ndarray, excl: dict) -> _WholeShards:
+    bk = np.asarray(arrays[0], dtype=np.int64)
+    offsets = np.asarray(arrays[1], dtype=np.int64)
+    oversize = np.flatnonzero(bk < 0)
+    slow = set((np.searchsorted(offsets, oversize, side="right") - 1).tolist()) | set(excl)
+    return _WholeShards(
+        offsets.tolist(),
+        bk.tolist(),
+        weight[np.maximum(bk, 0)].tolist() if len(weight) else [0.0] * len(bk),
+        slow,
+    )
 
 
 def _lpt(pieces: list[Piece], bins: int) -> tuple[list[list[Piece]], list[float]]:
