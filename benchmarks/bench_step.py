@@ -35,6 +35,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
+
+def _compiled(ckpt, **extra):
+    """A variant of ours with fp32 weights, the default attention and per-block compile."""
+    return dict(model="ours", weights="fp32", attention="default", compile=True, ckpt=ckpt, **extra)
+
+
 # name -> settings. "ours": VideoDiT; weights fp32 (autocast casts them) or bf16 (+ fp32 master in AdamW);
 # attention: our backend names; compile: regional per block; ckpt: (policy, num_blocks or None) or None.
 VARIANTS = {
@@ -78,36 +84,15 @@ VARIANTS = {
     # The same without our fused op inside the compiled blocks (inductor's own LayerNorm + modulate, which it
     # can fuse with the gated residual before it), and with inductor's coordinate-descent tuning of its
     # generated kernels (issue 17: the elementwise part of the clip step).
-    "compile+smm26+nofuse": dict(
-        model="ours",
-        weights="fp32",
-        attention="default",
-        compile=True,
-        ckpt=("save_matmuls", 26),
-        fused=False,
-    ),
-    "compile+smm26+cdt": dict(
-        model="ours",
-        weights="fp32",
-        attention="default",
-        compile=True,
-        ckpt=("save_matmuls", 26),
-        coordinate_descent_tuning=True,
-    ),
+    "compile+smm26+nofuse": _compiled(("save_matmuls", 26), fused=False),
+    "compile+smm26+cdt": _compiled(("save_matmuls", 26), coordinate_descent_tuning=True),
     # The same with "save_matmuls" blocks: recompute only the elementwise work, at more memory per block.
     "compile+smm_auto": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=("save_matmuls", "auto")
     ),
     # ... and without our fused op in the compiled blocks (inductor fuses LayerNorm + modulate with the gated
     # residual; run 8: 22 ms faster on the clip).
-    "compile+smm_auto+nofuse": dict(
-        model="ours",
-        weights="fp32",
-        attention="default",
-        compile=True,
-        ckpt=("save_matmuls", "auto"),
-        fused=False,
-    ),
+    "compile+smm_auto+nofuse": _compiled(("save_matmuls", "auto"), fused=False),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"

@@ -22,7 +22,7 @@ import numpy as np
 
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
-__all__ = ["BatchArrays", "chunk_sizes"]
+__all__ = ["BatchArrays", "chunk_sizes", "most_packable"]
 
 _REFS = operator.attrgetter("refs")
 _I64 = np.int64
@@ -31,6 +31,18 @@ _I64 = np.int64
 def chunk_sizes(n: int, k: int) -> list[int]:
     """Sizes of ``k`` consecutive runs of ``n`` items that differ by at most one, the larger first."""
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def most_packable(groups: dict[int, tuple[int, int]], sizes: list[int]) -> tuple[int, int]:
+    """Of the partial batches per bucket (``bucket -> (batches, samples)``, in the stream's order), the
+    bucket whose packing into full batches removes the most batches (the first on ties) and how many;
+    ``(-1, 0)`` if no packing removes one."""
+    best, spare = -1, 0
+    for b, (count, total) in groups.items():
+        s = count - (-(-total // sizes[b]))
+        if s > spare:
+            best, spare = b, s
+    return best, spare
 
 
 class BatchArrays:
@@ -228,12 +240,9 @@ class BatchArrays:
         while removed < need:
             rows = self.movable(self.pack_start(), True, size)
             where = _rows_per_bucket(rows, self.bucket[rows])
-            best, spare = -1, 0
-            for b, pos in where.items():
-                total = int(self.n[pos].sum())
-                s = len(pos) - (-(-total // sizes[b]))
-                if s > spare:
-                    best, spare = b, s
+            best, spare = most_packable(
+                {b: (len(pos), int(self.n[pos].sum())) for b, pos in where.items()}, sizes
+            )
             if best < 0:
                 break
             pos = where[best]

@@ -17,7 +17,7 @@ import operator
 
 import numpy as np
 
-from lightning_adaptiveload.planning.batch_arrays import BatchArrays, chunk_sizes
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays, chunk_sizes, most_packable
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
 __all__ = [
@@ -172,12 +172,9 @@ def merge_batches(stream: list[Batch], need: int, sizes: list[int]) -> int:
             bt = stream[j]
             if bt.refs and len(bt.refs) < sizes[bt.bucket]:
                 where.setdefault(bt.bucket, []).append(j)
-        best, spare = -1, 0
-        for b, pos in where.items():
-            n = sum(len(stream[j].refs) for j in pos)
-            s = len(pos) - (-(-n // sizes[b]))
-            if s > spare:
-                best, spare = b, s
+        best, spare = most_packable(
+            {b: (len(pos), sum(len(stream[j].refs) for j in pos)) for b, pos in where.items()}, sizes
+        )
         if best < 0:
             break
         pos = where[best]
