@@ -11,6 +11,7 @@ A straight line and a power law are fitted per schedule to extrapolate to 100M s
 with the points, to ``benchmarks/results/plan_scale_<cpu>_<date>.json``. Never asserts a time. Run::
 
     python benchmarks/bench_plan_scale.py                         # 1M, 2M, 5M, 10M (packed: 1M, 2M)
+    python benchmarks/bench_plan_scale.py --sizes "" --packed-sizes 1e6,1e7,2e7,5e7,1e8 --rank 0 --repeats 3
     python benchmarks/bench_plan_scale.py --sizes 1e5 --packed-sizes 1e5   # smoke test
 """
 
@@ -60,7 +61,8 @@ rep = plan.report
 print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps, "segments": rep.get("segments", 1),
                   "unequal_steps": rep["unequal_steps"], "packed_tail_steps": rep.get("packed_tail_steps", 0),
                   "empty_batches": rep["empty_batches"], "est_compute_cv": rep["est_compute_cv"],
-                  "est_straggler_wait": rep["est_straggler_wait"],
+                  "est_straggler_wait": rep["est_straggler_wait"], "fill_mean": rep.get("fill_mean"),
+                  "planned_on_counts": rep.get("planned_on_counts"),
                   "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"], "rss_after_mib": after["VmRSS"],
                   "largest_child_peak_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """

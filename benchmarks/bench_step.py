@@ -177,7 +177,10 @@ def _build(spec, cfg, dev, text_dim):
             model.set_activation_checkpointing(True, spec["ckpt"][0])
         else:
             # (At most the model's block count: the tiny preset of a CPU smoke run has 2.)
-            model.set_activation_checkpointing(True, spec["ckpt"][0], min(spec["ckpt"][1], len(model.blocks)))
+            n = spec["ckpt"][1]  # None: every block
+            model.set_activation_checkpointing(
+                True, spec["ckpt"][0], None if n is None else min(n, len(model.blocks))
+            )
         model.set_attention_backend(spec["attention"])
         fuse = dev.type == "cuda" and spec.get("fused", True)
         info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites if fuse else 0

@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor.stats import balance_summary
+from lightning_adaptiveload.monitor.stats import balance_rows, summarize_steps
+from lightning_adaptiveload.planning.packed_counts import (
+    TEMPLATE_SAMPLES,
+    plan_counts,
+    resolve_slots,
+)
 from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_costs, pack_sums
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -407,17 +412,29 @@ def plan_packed(
     exclude: Mapping[int, Collection[int]],
     underfull: str,
     t0: float,
+    rank: int | None = None,
+    step_costs: bool = True,
 ) -> Any:
     """The packed schedule's :class:`~.planner.EpochPlan` (called by :func:`~.planner.plan_epoch`).
 
+    An epoch of more than :data:`~.packed_counts.TEMPLATE_SAMPLES` samples is planned on counts
+    (:mod:`.packed_counts`), rank-locally where ``rank`` is given; a smaller one exactly, sample by sample.
+
     Args:
-        data: the planner's input (``.paths``, ``.keys``, ``.shapes`` per shard).
-        world, num_workers, batcher, seed, epoch, underfull: as :func:`~.planner.plan_epoch`.
+        data: the planner's input (``.paths``, ``.keys``, ``.shapes`` per shard; ``.arrays`` for a compact
+            index).
+        world, num_workers, batcher, seed, epoch, underfull, rank: as :func:`~.planner.plan_epoch`.
+        step_costs: keep ``plan.step_costs`` (a plan on counts builds the (world, steps) array only then).
         exclude: ``{shard_id: sample_ids}`` already consumed.
         t0: ``time.perf_counter()`` at the start of planning (for ``report["plan_seconds"]``).
     """
     from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, underfull_message
 
+    arrays = _IndexArrays.of(data)
+    if arrays.samples - sum(map(len, exclude.values())) > TEMPLATE_SAMPLES:
+        return _plan_on_counts(
+            arrays, data, world, num_workers, batcher, seed, epoch, exclude, underfull, t0, rank, step_costs
+        )  # fmt: skip
     workers = max(1, int(num_workers))
     samples = _Samples.of(data, batcher, exclude, seed, epoch)
     steps = _ordered_steps(samples, batcher, world, seed, epoch)
@@ -426,14 +443,19 @@ def plan_packed(
         if min(per_rank) == 0:
             raise PlanError(underfull_message(world, workers, len(data.shapes), len(samples.refs), per_rank))
     layout = _layout(samples, steps, world, workers, batcher.cost_model)
-    report = _report(samples, steps, layout, batcher, world, num_workers, epoch)
+    lens = np.array([[len(p) for p in st] for st in steps], dtype=np.int64).reshape(len(steps), world)
+    report = _report(
+        len(samples.refs), samples.oversize, samples.excluded, layout.step_tokens.T, layout.step_cost.T, lens,
+        np.arange(len(steps)), lens.sum(axis=0).tolist(), sum(len(v) for v in layout.reads.values()), batcher,
+        num_workers, epoch,
+    )  # fmt: skip
     plan = EpochPlan(
         world_size=world,
         num_workers=int(num_workers),
         seed=int(seed),
         epoch=int(epoch),
         mode="packed",
-        buckets=_bucket_table(samples, batcher),
+        buckets=_bucket_table(samples.shapes, samples.seq_len, batcher),
         streams=layout.streams,
         batch_buckets=layout.batch_buckets,
         batch_steps=layout.batch_steps,
@@ -499,7 +521,6 @@ class _Layout:
     reads: dict[tuple[int, int], list[tuple[int, list[int]]]]
     step_tokens: np.ndarray  # (world, steps)
     step_cost: np.ndarray  # (world, steps)
-    step_mean_len: np.ndarray  # (steps,) mean sample length of the step
 
 
 def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers: int, cost_model) -> _Layout:
@@ -513,7 +534,6 @@ def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers
         reads={st: [] for st in streams},
         step_tokens=np.zeros((world, len(steps)), dtype=np.int64),
         step_cost=np.zeros((world, len(steps)), dtype=np.float64),
-        step_mean_len=np.zeros(len(steps), dtype=np.float64),
     )
     tokens, refs = samples.tokens, samples.refs
     smallest = int(np.argmin(samples.seq_len)) if len(samples.shapes) else 0
@@ -532,8 +552,6 @@ def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers
             out.batch_buckets[st].append(shape_of[big] if pack else smallest)
             out.batch_steps[st].append(k)
             out.reads[st].extend(_runs(pack_refs))
-        n_in_step = sum(len(p) for p in packs)
-        out.step_mean_len[k] = out.step_tokens[:, k].sum() / n_in_step if n_in_step else 0.0
     return out
 
 
@@ -555,53 +573,80 @@ _ZERO_COUNTERS = (
 
 
 def _report(
-    samples: _Samples, steps, layout: _Layout, batcher, world: int, num_workers: int, epoch: int
+    n_samples: int,
+    oversize: int,
+    excluded: int,
+    tokens: np.ndarray,
+    cost: np.ndarray,
+    lens: np.ndarray,
+    rows: np.ndarray,
+    per_rank: list[int],
+    reads: int,
+    batcher: Any,
+    num_workers: int,
+    epoch: int,
 ) -> dict:
-    workers, n_steps = max(1, int(num_workers)), len(steps)
-    figures = balance_summary(layout.step_cost.T) if n_steps else {"cv_mean": 0.0, "straggler_wait": 0.0}
-    fill = layout.step_tokens / float(batcher.max_tokens)
-    opens = [sum(len(layout.reads[(r, w)]) for w in range(workers)) for r in range(world)]
-    per_rank = [sum(len(b) for w in range(workers) for b in layout.streams[(r, w)]) for r in range(world)]
+    """The plan's report from the packs of its distinct steps and which one each step of the epoch is.
+
+    Args:
+        tokens, cost, lens: (distinct steps, world): the tokens, estimated cost and sample count of each
+            pack of each distinct step (a step of the count planner's templates is taken many times; its
+            packs rotated over the ranks, which no figure here depends on).
+        rows: (steps,): the distinct step of each step of the epoch.
+        per_rank: samples of each rank over the epoch.
+        reads: reads of all streams.
+    """
+    world, n_steps = tokens.shape[1], len(rows)
+    if n_steps:
+        c, i, w = balance_rows(cost)
+        figures = summarize_steps(c[rows], i[rows], w[rows], cost.max(axis=1)[rows])
+    else:
+        figures = {"cv_mean": 0.0, "straggler_wait": 0.0}
+    step_tokens = tokens.sum(axis=1)[rows]
+    in_step = lens.sum(axis=1)[rows]
+    mean_len = np.where(in_step > 0, step_tokens / np.maximum(in_step, 1), 0.0)
+    used = np.unique(rows)
+    max_tokens = float(batcher.max_tokens)
     return {
         "epoch": int(epoch),
         "mode": "packed",
         "world_size": world,
         "num_workers": int(num_workers),
-        "samples": len(samples.refs),
+        "samples": int(n_samples),
         "batches": world * n_steps,
         "steps": n_steps,
-        "tokens": int(layout.step_tokens.sum()),
+        "tokens": int(step_tokens.sum()),
         "padding_tokens": 0,
-        "skipped": {"oversize": samples.oversize} if samples.oversize else {},
-        "excluded": samples.excluded,
-        "empty_batches": int(sum(1 for st in steps for p in st if not p)),
+        "skipped": {"oversize": int(oversize)} if oversize else {},
+        "excluded": int(excluded),
+        "empty_batches": int((lens == 0).sum(axis=1)[rows].sum()),
         **dict.fromkeys(_ZERO_COUNTERS, 0),
-        "reads": int(sum(opens)),
-        "shard_opens_per_rank": float(np.mean(opens)) if opens else 0.0,
-        "max_buffered_samples": int(max((len(p) for st in steps for p in st), default=0)),
+        "reads": int(reads),
+        "shard_opens_per_rank": float(reads) / world,
+        "max_buffered_samples": int(lens[used].max(initial=0)),
         "max_compute": batcher.max_compute,
         "est_compute_cv": figures["cv_mean"],
         "est_straggler_wait": figures["straggler_wait"],
         "est_wait_share": figures["straggler_wait"],
-        "fill_mean": float(fill.mean()) if n_steps else 0.0,
-        "fill_min": float(fill.min()) if n_steps else 0.0,
-        "order_rank_correlation": rank_correlation(range(n_steps), layout.step_mean_len),
-        "samples_per_rank": per_rank,
+        "fill_mean": float(step_tokens.sum() / (world * n_steps * max_tokens)) if n_steps else 0.0,
+        "fill_min": float(tokens[used].min() / max_tokens) if n_steps else 0.0,
+        "order_rank_correlation": rank_correlation(range(n_steps), mean_len),
+        "samples_per_rank": [int(x) for x in per_rank],
         "plan_seconds": 0.0,
     }
 
 
-def _bucket_table(samples: _Samples, batcher: Any) -> list[dict[str, Any]]:
+def _bucket_table(shapes: list[tuple[int, ...]], seq_len: np.ndarray, batcher: Any) -> list[dict[str, Any]]:
     max_tokens, cost_model = int(batcher.max_tokens), batcher.cost_model
     return [
         {
             "shape": shp,
-            "seq_len": int(samples.seq_len[b]),
-            "batch_size": max_tokens // int(samples.seq_len[b]) if samples.seq_len[b] <= max_tokens else 0,
-            "cost": cost_model.cost(int(samples.seq_len[b])),
+            "seq_len": int(seq_len[b]),
+            "batch_size": max_tokens // int(seq_len[b]) if seq_len[b] <= max_tokens else 0,
+            "cost": cost_model.cost(int(seq_len[b])),
             "lockstep_class": -1,
         }
-        for b, shp in enumerate(samples.shapes)
+        for b, shp in enumerate(shapes)
     ]
 
 
@@ -619,3 +664,193 @@ def _runs(pack_refs: list[Ref]) -> list[tuple[int, list[int]]]:
         else:
             out.append((shard, [i]))
     return out
+
+
+@dataclass
+class _IndexArrays:
+    """The index as arrays: distinct latent shapes (in order of first use), each sample's shape id, and
+    shard offsets (shard s: ``shape_ids[offsets[s] : offsets[s + 1]]``). A compact index's own arrays;
+    a list index converted once (only when its epoch is planned on counts)."""
+
+    data: Any
+    samples: int
+    _built: tuple[list[tuple[int, ...]], np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, data: Any) -> _IndexArrays:
+        if data.arrays is not None:
+            return cls(data, int(data.arrays.shard_offsets[-1]))
+        return cls(data, sum(map(len, data.shapes)))
+
+    def arrays(self) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
+        if self._built is None:
+            a = self.data.arrays
+            if a is not None:
+                table = [tuple(int(x) for x in r) for r in np.asarray(a.shape_table).tolist()]
+                self._built = (table, np.asarray(a.shape_ids), np.asarray(a.shard_offsets, dtype=np.int64))
+            else:
+                ids: dict[tuple[int, ...], int] = {}
+                flat = [
+                    ids.setdefault(tuple(int(x) for x in raw), len(ids))
+                    for row in self.data.shapes
+                    for raw in row
+                ]
+                lens = np.fromiter(map(len, self.data.shapes), dtype=np.int64, count=len(self.data.shapes))
+                self._built = (
+                    list(ids),
+                    np.asarray(flat, dtype=np.int32),
+                    np.concatenate(([0], np.cumsum(lens))),
+                )
+        return self._built
+
+    def first_use(self, shape: int, excluded: Mapping[int, Collection[int]]) -> tuple[int, int]:
+        """(shard, sample id) of the first sample of ``shape`` in index order that is not excluded."""
+        _, ids, off = self.arrays()
+        for pos in np.flatnonzero(ids == shape).tolist():
+            s = int(np.searchsorted(off, pos, side="right")) - 1
+            if pos - int(off[s]) not in excluded.get(s, ()):
+                return s, pos - int(off[s])
+        return -1, -1
+
+
+def _plan_on_counts(
+    index: _IndexArrays,
+    data: Any,
+    world: int,
+    num_workers: int,
+    batcher: Any,
+    seed: int,
+    epoch: int,
+    exclude: Mapping[int, Collection[int]],
+    underfull: str,
+    t0: float,
+    rank: int | None,
+    keep_costs: bool,
+) -> Any:
+    """:func:`plan_packed` of a large epoch: planned on counts of equal-token samples (:mod:`.packed_counts`);
+    only the kept rank's slots (every rank's for ``rank=None``) become samples."""
+    from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, underfull_message
+
+    workers, max_tokens = max(1, int(num_workers)), int(batcher.max_tokens)
+    shapes, shape_ids, offsets = index.arrays()
+    per_shape = np.bincount(shape_ids, minlength=len(shapes)).astype(np.int64)
+    gone = np.zeros(len(shapes), dtype=np.int64)
+    for s, ids in exclude.items():
+        if ids:
+            pos = int(offsets[s]) + np.fromiter(ids, dtype=np.int64, count=len(ids))
+            gone += np.bincount(shape_ids[pos], minlength=len(shapes))
+    live = per_shape - gone
+    for b, shape in enumerate(shapes):
+        if len(shape) != 4:
+            s, i = index.first_use(b, {})
+            raise ValueError(f"{data.paths[s]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)")
+    seq_len = np.array([tokens_per_sample(shape, batcher.patch_size) for shape in shapes], dtype=np.int64)
+    big = seq_len > max_tokens
+    if batcher.oversize == "raise" and (live[big] > 0).any():
+        b = int(np.flatnonzero(big & (live > 0))[0])
+        s, i = index.first_use(b, exclude)
+        raise ValueError(
+            f"{data.paths[s]}, sample #{i}: latent shape {list(shapes[b])} has {int(seq_len[b])} tokens, more "
+            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
+        )
+    values = np.unique(seq_len[~big])
+    value_of_shape = np.where(big, len(values), np.searchsorted(values, seq_len)).astype(np.int32)
+    counts = np.bincount(value_of_shape, weights=live, minlength=len(values) + 1)[: len(values)].astype(
+        np.int64
+    )
+    if counts.sum():
+        batcher.cost_model.check_positive(values[counts > 0].tolist())
+    rng = np.random.default_rng(abs(hash_seed(seed, epoch)))  # the exact planner's step shuffle
+    cp = plan_counts(values, counts, batcher.cost_model, max_tokens, world, rng, TEMPLATE_SAMPLES)
+    rows = cp.template_rows()
+    tokens, cost, lens = (x.reshape(-1, world) for x in (cp.pack_tokens, cp.pack_cost, cp.pack_len))
+    per_rank = [int(cp.at_positions(r, cp.pack_len).sum()) for r in range(world)]
+    if underfull == "error" and counts.sum() and min(per_rank) == 0:
+        raise PlanError(underfull_message(world, workers, len(offsets) - 1, int(counts.sum()), per_rank))
+    kept = list(range(world)) if rank is None else [int(rank)]
+    slots = [cp.slots_of(r) for r in kept]
+    order = list(range(len(offsets) - 1))
+    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)  # the exact planner's read order
+    v = np.concatenate([x[1] for x in slots])
+    ordinal = np.concatenate([x[2] for x in slots])
+    shard, ids, reads = resolve_slots(
+        cp, value_of_shape, shape_ids, offsets, order, {s: i for s, i in exclude.items() if i}, v, ordinal
+    )
+    layout: dict[str, dict] = {"streams": {}, "batch_buckets": {}, "batch_steps": {}, "reads": {}}
+    at = 0
+    smallest = int(np.argmin(seq_len)) if len(seq_len) else 0
+    for r, (position, _, _) in zip(kept, slots):
+        n = len(position)
+        sh, ii = shard[at : at + n], ids[at : at + n]
+        shape = shape_ids[offsets[sh] + ii].astype(np.int64)
+        _rank_streams(layout, r, workers, cp.steps, position, sh, ii, shape, seq_len, smallest)
+        at += n
+    oversize = int(live[big].sum())
+    excluded = int(gone[~big].sum())
+    report = _report(
+        int(counts.sum()), oversize, excluded, tokens, cost, lens, rows, per_rank, reads, batcher, num_workers,
+        epoch,
+    )  # fmt: skip
+    report["planned_on_counts"] = {"parts": len(cp.parts), "copies": [p.reps for p in cp.parts],
+                                   "template_samples": [int(p.per_rep.sum()) for p in cp.parts]}  # fmt: skip
+    step_order = [(k % workers, k // workers) for k in range(cp.steps)]
+    plan = EpochPlan(
+        world_size=world,
+        num_workers=int(num_workers),
+        seed=int(seed),
+        epoch=int(epoch),
+        mode="packed",
+        buckets=_bucket_table(shapes, seq_len, batcher),
+        streams=layout["streams"],
+        batch_buckets=layout["batch_buckets"],
+        batch_steps=layout["batch_steps"],
+        reads=layout["reads"],
+        step_order=[step_order if r in kept else [] for r in range(world)],
+        steps=cp.steps,
+        global_tokens=tokens.sum(axis=1)[rows].tolist(),
+        report=report,
+        step_costs=np.stack([cp.at_positions(r, cp.pack_cost) for r in range(world)]) if keep_costs else None,
+        rank=None if rank is None else int(rank),
+    )
+    report["plan_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def _rank_streams(
+    layout: dict[str, dict],
+    rank: int,
+    workers: int,
+    n_steps: int,
+    position: np.ndarray,
+    shard: np.ndarray,
+    ids: np.ndarray,
+    shape: np.ndarray,
+    seq_len: np.ndarray,
+    smallest: int,
+) -> None:
+    """Rank ``rank``'s streams, batch buckets, batch steps and reads from its samples (position = step)."""
+    o = np.lexsort((ids, shard, position))
+    pos, sh, ii, shp = position[o], shard[o], ids[o], shape[o]
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(pos, minlength=n_steps)))).astype(np.int64)
+    # A pack's bucket: its largest sample's (the first in ref order among equals); empty: the smallest shape.
+    first = np.lexsort((np.arange(len(pos)), -seq_len[shp], pos))
+    nonempty = bounds[1:] > bounds[:-1]
+    bucket = np.full(n_steps, smallest, dtype=np.int64)
+    bucket[nonempty] = shp[first[bounds[:-1][nonempty]]]
+    refs = list(zip(sh.tolist(), ii.tolist()))
+    packs = [refs[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    # Reads: per pack, one run per shard (refs sorted), in step order.
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(pos) != 0) | (np.diff(sh) != 0))))
+    ends = np.append(starts[1:], len(pos)).tolist()
+    ids_list = ii.tolist()
+    run_stream = (pos[starts] % workers).tolist()
+    reads: list[list[tuple[int, list[int]]]] = [[] for _ in range(workers)]
+    for w, s, a, b in zip(run_stream, sh[starts].tolist(), starts.tolist(), ends):
+        reads[w].append((s, ids_list[a:b]))
+    buckets = bucket.tolist()
+    for w in range(workers):
+        st = (rank, w)
+        layout["streams"][st] = packs[w::workers]
+        layout["batch_buckets"][st] = buckets[w::workers]
+        layout["batch_steps"][st] = list(range(w, n_steps, workers))
+        layout["reads"][st] = reads[w]

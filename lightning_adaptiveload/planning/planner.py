@@ -159,7 +159,9 @@ def plan_epoch(
         chunk_samples: None (default): plan the epoch at once. A number: an epoch of more samples is planned
             in segments of about that many samples, one after the other (:mod:`.chunked`: the memory of
             one segment at a time, exactly once and equal steps by construction, each segment with its own
-            tail); at most that many samples plan exactly as with None.
+            tail); at most that many samples plan exactly as with None. Ignored by the packed schedule,
+            which plans an epoch of more than :data:`~.packed_counts.TEMPLATE_SAMPLES` samples on counts
+            (:mod:`.packed_counts`), rank-locally and in bounded memory, without segments.
         progress: called with (segments planned, segments) after each segment of a chunked plan.
         keep_step_costs: keep ``plan.step_costs`` (every rank's estimated batch cost at every step).
         plan_processes: a chunked plan's segments are planned this many at a time in spawned processes
@@ -181,7 +183,8 @@ def plan_epoch(
     data = as_input(index_or_shapes)
     if rank is not None and not 0 <= int(rank) < world:
         raise ValueError(f"rank must be in 0..{world - 1} for world size {world}, got {rank!r}")
-    groups = segment_count(_num_samples(data), chunk_samples, world, workers)
+    # The packed schedule plans a large epoch on counts, in bounded memory: it needs no segments.
+    groups = 1 if mode == "packed" else segment_count(_num_samples(data), chunk_samples, world, workers)
     if groups > 1:
         return plan_segments(
             data, world, num_workers, batcher, seed, epoch, mode, exclude, underfull, rank, groups, plan_epoch,
@@ -190,7 +193,7 @@ def plan_epoch(
         )  # fmt: skip
     plan = _plan_whole(
         data, world, num_workers, batcher, seed, epoch, mode, exclude, max_buffered_samples, lockstep_tolerance,
-        underfull, lockstep_tail, t0, None if rank is None else int(rank),
+        underfull, lockstep_tail, t0, None if rank is None else int(rank), keep_step_costs,
     )  # fmt: skip
     if not keep_step_costs:
         plan.step_costs = None
@@ -218,6 +221,7 @@ def _plan_whole(
     lockstep_tail: str,
     t0: float,
     keep: int | None = None,
+    keep_step_costs: bool = True,
 ) -> EpochPlan:
     """One plan of the whole epoch (the body of :func:`plan_epoch`): every stream, or with ``keep`` set,
     possibly only that rank's streams (the lockstep schedule with its packed tail plans rank-locally on
@@ -226,7 +230,9 @@ def _plan_whole(
     if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
         from lightning_adaptiveload.planning.packed import plan_packed
 
-        return plan_packed(data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0)
+        return plan_packed(
+            data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0, keep, keep_step_costs
+        )  # fmt: skip
     batcher.resolve_max_compute(distinct_shapes(data))
     table = bucket_table(data, batcher.sizer, batcher.oversize)
     buckets = table.buckets
