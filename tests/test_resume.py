@@ -78,6 +78,23 @@ def test_resume_of_a_chunked_epoch(shards, monkeypatch, schedule, world, new_wor
     _kill_and_resume(shards, monkeypatch, schedule, world, new_world, workers, new_workers, 40)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "new_world", "workers", "new_workers"), [(2, 2, 0, 2), (2, 3, 2, 0)])
+def test_resume_of_a_packed_epoch_planned_on_counts(
+    shards, monkeypatch, world, new_world, workers, new_workers
+):
+    # 116 samples over a template of 30 samples (planning/packed_counts.py): the loaders read rank-local
+    # plans made on counts, and the resume replays them.
+    from lightning_adaptiveload.planning import packed
+
+    monkeypatch.setattr(packed, "TEMPLATE_SAMPLES", 30)
+    dm = make_dm(shards, 0, world, workers, "packed", monkeypatch)
+    take(dm, 1, monkeypatch, 0, world)
+    assert dm.epoch_report["planned_on_counts"]["parts"] >= 2
+    assert dm.train_dataset.plan.rank == 0
+    _kill_and_resume(shards, monkeypatch, "packed", world, new_world, workers, new_workers, None)
+
+
 def _kill_and_resume(shards, monkeypatch, schedule, world, new_world, workers, new_workers, chunk):
     keys = index_keys(shards)
     dms = [make_dm(shards, r, world, workers, schedule, monkeypatch, chunk) for r in range(world)]
