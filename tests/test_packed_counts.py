@@ -2,7 +2,7 @@
 guarantees as the exact planner (exactly once, equal steps, packs within max_tokens, resume), rank-local plans
 that are their rank's part of the plan of every stream, and the balance of the exact planner.
 
-The template size is lowered (``packed.TEMPLATE_SAMPLES``) so that small indexes take the count path."""
+The template size is lowered (``packed_counts.TEMPLATE_SAMPLES``) so that small indexes take the count path."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from test_packed_planning import COST, SHAPES, _check, _index, _refs
 
 from lightning_adaptiveload.data.compact import CompactIndex
 from lightning_adaptiveload.data.index import ShardIndex, ShardInfo
-from lightning_adaptiveload.planning import packed
+from lightning_adaptiveload.planning import packed_counts
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.packed_counts import plan_counts
@@ -62,7 +62,7 @@ def test_property_count_plans_keep_every_guarantee(
     exclude = set(rng.sample(sorted(refs), rng.randint(0, len(refs) // 3))) if resumed else set()
     data = _compact(index) if compact else index
     kw = dict(mode="packed", exclude=exclude)
-    with mock.patch.object(packed, "TEMPLATE_SAMPLES", template):
+    with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", template):
         plan = plan_epoch(data, world, workers, batcher, seed=seed, epoch=1, **kw)
         assert ("planned_on_counts" in plan.report) == (len(refs - exclude) > template)
         _check(plan, index, max_tokens, refs - exclude)
@@ -109,7 +109,7 @@ def test_count_plan_balances_and_fills_like_the_exact_planner():
     index = [shapes[i : i + 50] for i in range(0, len(shapes), 50)]
     batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
     exact = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed").report
-    with mock.patch.object(packed, "TEMPLATE_SAMPLES", 1_500):
+    with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 1_500):
         rep = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed").report
     assert rep["planned_on_counts"]["copies"][0] > 1  # the template was copied
     assert rep["est_compute_cv"] < 0.01 and rep["est_straggler_wait"] < 0.01
@@ -147,7 +147,7 @@ def test_slots_partition_every_count_and_match_their_packs():
 def test_count_path_oversize_raises_naming_the_sample_or_skips(compact):
     index = [[SHAPES[0]] * 30, [SHAPES[1]] * 5 + [(16, 9, 40, 40)] + [SHAPES[2]] * 30]
     data = _compact(index) if compact else index
-    with mock.patch.object(packed, "TEMPLATE_SAMPLES", 20):
+    with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 20):
         with pytest.raises(
             ValueError, match=r"s?1(\.tar)?, sample #5: latent shape \[16, 9, 40, 40\] has 3600 tokens"
         ):
@@ -171,7 +171,7 @@ def test_packed_plans_ignore_chunk_samples():
     rng = random.Random(2)
     index = _index(rng, 20, 40)
     batcher = DualConstraintBatcher(400, mode="equal_tokens", cost_model=COST)
-    with mock.patch.object(packed, "TEMPLATE_SAMPLES", 50):
+    with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 50):
         whole = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, mode="packed")
         chunked = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, mode="packed", chunk_samples=60)
     assert chunked.streams == whole.streams and "segments" not in chunked.report

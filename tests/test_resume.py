@@ -85,9 +85,9 @@ def test_resume_of_a_packed_epoch_planned_on_counts(
 ):
     # 116 samples over a template of 30 samples (planning/packed_counts.py): the loaders read rank-local
     # plans made on counts, and the resume replays them.
-    from lightning_adaptiveload.planning import packed
+    from lightning_adaptiveload.planning import packed_counts
 
-    monkeypatch.setattr(packed, "TEMPLATE_SAMPLES", 30)
+    monkeypatch.setattr(packed_counts, "TEMPLATE_SAMPLES", 30)
     dm = make_dm(shards, 0, world, workers, "packed", monkeypatch)
     take(dm, 1, monkeypatch, 0, world)
     assert dm.epoch_report["planned_on_counts"]["parts"] >= 2

@@ -31,18 +31,17 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor.stats import balance_rows, summarize_steps
-from lightning_adaptiveload.planning.packed_counts import (
-    TEMPLATE_SAMPLES,
-    plan_counts,
-    resolve_slots,
+from lightning_adaptiveload.planning.packed_report import (
+    bucket_dicts,
+    packed_plan,
+    packed_report,
+    rank_correlation,
 )
 from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_costs, pack_sums
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
@@ -50,7 +49,7 @@ from lightning_adaptiveload.planning.sizing import tokens_per_sample
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
-__all__ = ["pack_steps", "plan_packed", "rank_correlation"]
+__all__ = ["hash_seed", "pack_steps", "plan_packed", "rank_correlation"]
 
 Ref = tuple[int, int]
 # Packs per step are filled to this share of max_tokens when the epoch's pack count is chosen.
@@ -332,27 +331,6 @@ def _leftover_steps(
     return [[packs[k] for k in by_cost[s * world : (s + 1) * world]] for s in range(n_steps)]
 
 
-def rank_correlation(x: Iterable[float], y: Iterable[float]) -> float:
-    """Spearman rank correlation of two equal-length sequences (ties get their mean rank; 0.0 when either
-    is constant)."""
-    a = np.asarray(list(x), dtype=np.float64)
-    b = np.asarray(list(y), dtype=np.float64)
-    if len(a) < 2:
-        return 0.0
-    ra, rb = _mean_ranks(a), _mean_ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return 0.0
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def _mean_ranks(a: np.ndarray) -> np.ndarray:
-    """Ranks 0..n-1 of ``a`` with tied values sharing their mean rank (ordinal ranks would correlate
-    ties with their position)."""
-    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
-    start = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    return (start + (counts - 1) / 2.0)[inverse]
-
-
 def _collect(
     data: Any, batcher: DualConstraintBatcher, exclude: Mapping[int, Collection[int]]
 ) -> tuple[list[tuple[int, ...]], list[Ref], list[int], int, int]:
@@ -428,12 +406,13 @@ def plan_packed(
         exclude: ``{shard_id: sample_ids}`` already consumed.
         t0: ``time.perf_counter()`` at the start of planning (for ``report["plan_seconds"]``).
     """
-    from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, underfull_message
+    from lightning_adaptiveload.planning import packed_counts
+    from lightning_adaptiveload.planning.plan import PlanError, underfull_message
 
-    arrays = _IndexArrays.of(data)
-    if arrays.samples - sum(map(len, exclude.values())) > TEMPLATE_SAMPLES:
-        return _plan_on_counts(
-            arrays, data, world, num_workers, batcher, seed, epoch, exclude, underfull, t0, rank, step_costs
+    n = int(data.arrays.shard_offsets[-1]) if data.arrays is not None else sum(map(len, data.shapes))
+    if n - sum(map(len, exclude.values())) > packed_counts.TEMPLATE_SAMPLES:
+        return packed_counts.plan_on_counts(
+            data, world, num_workers, batcher, seed, epoch, exclude, underfull, t0, rank, step_costs
         )  # fmt: skip
     workers = max(1, int(num_workers))
     samples = _Samples.of(data, batcher, exclude, seed, epoch)
@@ -444,30 +423,15 @@ def plan_packed(
             raise PlanError(underfull_message(world, workers, len(data.shapes), len(samples.refs), per_rank))
     layout = _layout(samples, steps, world, workers, batcher.cost_model)
     lens = np.array([[len(p) for p in st] for st in steps], dtype=np.int64).reshape(len(steps), world)
-    report = _report(
+    report = packed_report(
         len(samples.refs), samples.oversize, samples.excluded, layout.step_tokens.T, layout.step_cost.T, lens,
         np.arange(len(steps)), lens.sum(axis=0).tolist(), sum(len(v) for v in layout.reads.values()), batcher,
         num_workers, epoch,
     )  # fmt: skip
-    plan = EpochPlan(
-        world_size=world,
-        num_workers=int(num_workers),
-        seed=int(seed),
-        epoch=int(epoch),
-        mode="packed",
-        buckets=_bucket_table(samples.shapes, samples.seq_len, batcher),
-        streams=layout.streams,
-        batch_buckets=layout.batch_buckets,
-        batch_steps=layout.batch_steps,
-        reads=layout.reads,
-        step_order=[[(k % workers, k // workers) for k in range(len(steps))] for _ in range(world)],
-        steps=len(steps),
-        global_tokens=[int(x) for x in layout.step_tokens.sum(axis=0)],
-        report=report,
-        step_costs=layout.step_cost,
-    )
-    report["plan_seconds"] = time.perf_counter() - t0
-    return plan
+    return packed_plan(
+        layout, world, num_workers, seed, epoch, bucket_dicts(samples.shapes, samples.seq_len, batcher), len(steps),
+        [int(x) for x in layout.step_tokens.sum(axis=0)], report, layout.step_cost, None, t0,
+    )  # fmt: skip
 
 
 @dataclass
@@ -486,8 +450,7 @@ class _Samples:
 
     @classmethod
     def of(cls, data: Any, batcher: Any, exclude: Mapping[int, Collection[int]], seed: int, epoch: int):
-        order = list(range(len(data.shapes)))
-        random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
+        order = shard_read_order(len(data.shapes), seed, epoch)
         position = {shard: k for k, shard in enumerate(order)}
         shapes, refs, sample_shape, oversize, excluded = _collect(data, batcher, exclude)
         seq_len = np.array([tokens_per_sample(s, batcher.patch_size) for s in shapes], dtype=np.int64)
@@ -555,99 +518,11 @@ def _layout(samples: _Samples, steps: list[list[list[int]]], world: int, workers
     return out
 
 
-# The bucketed schedules' counters: 0 here (a pack is never split, merged or moved), so that code reading
-# any plan's report works unchanged.
-_ZERO_COUNTERS = (
-    "partial_batches",
-    "bound_partial_batches",
-    "split_batches",
-    "merged_batches",
-    "reduced_steps",
-    "moved_samples",
-    "moved_batches",
-    "lockstep_classes",
-    "shard_splits",
-    "unequal_steps",
-    "lockstep_tail_steps",
-)
-
-
-def _report(
-    n_samples: int,
-    oversize: int,
-    excluded: int,
-    tokens: np.ndarray,
-    cost: np.ndarray,
-    lens: np.ndarray,
-    rows: np.ndarray,
-    per_rank: list[int],
-    reads: int,
-    batcher: Any,
-    num_workers: int,
-    epoch: int,
-) -> dict:
-    """The plan's report from the packs of its distinct steps and which one each step of the epoch is.
-
-    Args:
-        tokens, cost, lens: (distinct steps, world): the tokens, estimated cost and sample count of each
-            pack of each distinct step (a step of the count planner's templates is taken many times; its
-            packs rotated over the ranks, which no figure here depends on).
-        rows: (steps,): the distinct step of each step of the epoch.
-        per_rank: samples of each rank over the epoch.
-        reads: reads of all streams.
-    """
-    world, n_steps = tokens.shape[1], len(rows)
-    if n_steps:
-        c, i, w = balance_rows(cost)
-        figures = summarize_steps(c[rows], i[rows], w[rows], cost.max(axis=1)[rows])
-    else:
-        figures = {"cv_mean": 0.0, "straggler_wait": 0.0}
-    step_tokens = tokens.sum(axis=1)[rows]
-    in_step = lens.sum(axis=1)[rows]
-    mean_len = np.where(in_step > 0, step_tokens / np.maximum(in_step, 1), 0.0)
-    used = np.unique(rows)
-    max_tokens = float(batcher.max_tokens)
-    return {
-        "epoch": int(epoch),
-        "mode": "packed",
-        "world_size": world,
-        "num_workers": int(num_workers),
-        "samples": int(n_samples),
-        "batches": world * n_steps,
-        "steps": n_steps,
-        "tokens": int(step_tokens.sum()),
-        "padding_tokens": 0,
-        "skipped": {"oversize": int(oversize)} if oversize else {},
-        "excluded": int(excluded),
-        "empty_batches": int((lens == 0).sum(axis=1)[rows].sum()),
-        **dict.fromkeys(_ZERO_COUNTERS, 0),
-        "reads": int(reads),
-        "shard_opens_per_rank": float(reads) / world,
-        "max_buffered_samples": int(lens[used].max(initial=0)),
-        "max_compute": batcher.max_compute,
-        "est_compute_cv": figures["cv_mean"],
-        "est_straggler_wait": figures["straggler_wait"],
-        "est_wait_share": figures["straggler_wait"],
-        "fill_mean": float(step_tokens.sum() / (world * n_steps * max_tokens)) if n_steps else 0.0,
-        "fill_min": float(tokens[used].min() / max_tokens) if n_steps else 0.0,
-        "order_rank_correlation": rank_correlation(range(n_steps), mean_len),
-        "samples_per_rank": [int(x) for x in per_rank],
-        "plan_seconds": 0.0,
-    }
-
-
-def _bucket_table(shapes: list[tuple[int, ...]], seq_len: np.ndarray, batcher: Any) -> list[dict[str, Any]]:
-    max_tokens, cost_model = int(batcher.max_tokens), batcher.cost_model
-    return [
-        {
-            "shape": shp,
-            "seq_len": int(seq_len[b]),
-            "batch_size": max_tokens // int(seq_len[b]) if seq_len[b] <= max_tokens else 0,
-            "cost": cost_model.cost(int(seq_len[b])),
-            "lockstep_class": -1,
-        }
-        for b, shp in enumerate(shapes)
-    ]
+def shard_read_order(n_shards: int, seed: int, epoch: int) -> list[int]:
+    """The shards in the seeded order whose samples, by id, break ties between samples of equal tokens."""
+    order = list(range(n_shards))
+    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)
+    return order
 
 
 def hash_seed(seed: int, epoch: int) -> int:
@@ -664,193 +539,3 @@ def _runs(pack_refs: list[Ref]) -> list[tuple[int, list[int]]]:
         else:
             out.append((shard, [i]))
     return out
-
-
-@dataclass
-class _IndexArrays:
-    """The index as arrays: distinct latent shapes (in order of first use), each sample's shape id, and
-    shard offsets (shard s: ``shape_ids[offsets[s] : offsets[s + 1]]``). A compact index's own arrays;
-    a list index converted once (only when its epoch is planned on counts)."""
-
-    data: Any
-    samples: int
-    _built: tuple[list[tuple[int, ...]], np.ndarray, np.ndarray] | None = None
-
-    @classmethod
-    def of(cls, data: Any) -> _IndexArrays:
-        if data.arrays is not None:
-            return cls(data, int(data.arrays.shard_offsets[-1]))
-        return cls(data, sum(map(len, data.shapes)))
-
-    def arrays(self) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
-        if self._built is None:
-            a = self.data.arrays
-            if a is not None:
-                table = [tuple(int(x) for x in r) for r in np.asarray(a.shape_table).tolist()]
-                self._built = (table, np.asarray(a.shape_ids), np.asarray(a.shard_offsets, dtype=np.int64))
-            else:
-                ids: dict[tuple[int, ...], int] = {}
-                flat = [
-                    ids.setdefault(tuple(int(x) for x in raw), len(ids))
-                    for row in self.data.shapes
-                    for raw in row
-                ]
-                lens = np.fromiter(map(len, self.data.shapes), dtype=np.int64, count=len(self.data.shapes))
-                self._built = (
-                    list(ids),
-                    np.asarray(flat, dtype=np.int32),
-                    np.concatenate(([0], np.cumsum(lens))),
-                )
-        return self._built
-
-    def first_use(self, shape: int, excluded: Mapping[int, Collection[int]]) -> tuple[int, int]:
-        """(shard, sample id) of the first sample of ``shape`` in index order that is not excluded."""
-        _, ids, off = self.arrays()
-        for pos in np.flatnonzero(ids == shape).tolist():
-            s = int(np.searchsorted(off, pos, side="right")) - 1
-            if pos - int(off[s]) not in excluded.get(s, ()):
-                return s, pos - int(off[s])
-        return -1, -1
-
-
-def _plan_on_counts(
-    index: _IndexArrays,
-    data: Any,
-    world: int,
-    num_workers: int,
-    batcher: Any,
-    seed: int,
-    epoch: int,
-    exclude: Mapping[int, Collection[int]],
-    underfull: str,
-    t0: float,
-    rank: int | None,
-    keep_costs: bool,
-) -> Any:
-    """:func:`plan_packed` of a large epoch: planned on counts of equal-token samples (:mod:`.packed_counts`);
-    only the kept rank's slots (every rank's for ``rank=None``) become samples."""
-    from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, underfull_message
-
-    workers, max_tokens = max(1, int(num_workers)), int(batcher.max_tokens)
-    shapes, shape_ids, offsets = index.arrays()
-    per_shape = np.bincount(shape_ids, minlength=len(shapes)).astype(np.int64)
-    gone = np.zeros(len(shapes), dtype=np.int64)
-    for s, ids in exclude.items():
-        if ids:
-            pos = int(offsets[s]) + np.fromiter(ids, dtype=np.int64, count=len(ids))
-            gone += np.bincount(shape_ids[pos], minlength=len(shapes))
-    live = per_shape - gone
-    for b, shape in enumerate(shapes):
-        if len(shape) != 4:
-            s, i = index.first_use(b, {})
-            raise ValueError(f"{data.paths[s]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)")
-    seq_len = np.array([tokens_per_sample(shape, batcher.patch_size) for shape in shapes], dtype=np.int64)
-    big = seq_len > max_tokens
-    if batcher.oversize == "raise" and (live[big] > 0).any():
-        b = int(np.flatnonzero(big & (live > 0))[0])
-        s, i = index.first_use(b, exclude)
-        raise ValueError(
-            f"{data.paths[s]}, sample #{i}: latent shape {list(shapes[b])} has {int(seq_len[b])} tokens, more "
-            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
-        )
-    values = np.unique(seq_len[~big])
-    value_of_shape = np.where(big, len(values), np.searchsorted(values, seq_len)).astype(np.int32)
-    counts = np.bincount(value_of_shape, weights=live, minlength=len(values) + 1)[: len(values)].astype(
-        np.int64
-    )
-    if counts.sum():
-        batcher.cost_model.check_positive(values[counts > 0].tolist())
-    rng = np.random.default_rng(abs(hash_seed(seed, epoch)))  # the exact planner's step shuffle
-    cp = plan_counts(values, counts, batcher.cost_model, max_tokens, world, rng, TEMPLATE_SAMPLES)
-    rows = cp.template_rows()
-    tokens, cost, lens = (x.reshape(-1, world) for x in (cp.pack_tokens, cp.pack_cost, cp.pack_len))
-    per_rank = [int(cp.at_positions(r, cp.pack_len).sum()) for r in range(world)]
-    if underfull == "error" and counts.sum() and min(per_rank) == 0:
-        raise PlanError(underfull_message(world, workers, len(offsets) - 1, int(counts.sum()), per_rank))
-    kept = list(range(world)) if rank is None else [int(rank)]
-    slots = [cp.slots_of(r) for r in kept]
-    order = list(range(len(offsets) - 1))
-    random.Random(f"lightning-adaptiveload:{seed}:{epoch}").shuffle(order)  # the exact planner's read order
-    v = np.concatenate([x[1] for x in slots])
-    ordinal = np.concatenate([x[2] for x in slots])
-    shard, ids, reads = resolve_slots(
-        cp, value_of_shape, shape_ids, offsets, order, {s: i for s, i in exclude.items() if i}, v, ordinal
-    )
-    layout: dict[str, dict] = {"streams": {}, "batch_buckets": {}, "batch_steps": {}, "reads": {}}
-    at = 0
-    smallest = int(np.argmin(seq_len)) if len(seq_len) else 0
-    for r, (position, _, _) in zip(kept, slots):
-        n = len(position)
-        sh, ii = shard[at : at + n], ids[at : at + n]
-        shape = shape_ids[offsets[sh] + ii].astype(np.int64)
-        _rank_streams(layout, r, workers, cp.steps, position, sh, ii, shape, seq_len, smallest)
-        at += n
-    oversize = int(live[big].sum())
-    excluded = int(gone[~big].sum())
-    report = _report(
-        int(counts.sum()), oversize, excluded, tokens, cost, lens, rows, per_rank, reads, batcher, num_workers,
-        epoch,
-    )  # fmt: skip
-    report["planned_on_counts"] = {"parts": len(cp.parts), "copies": [p.reps for p in cp.parts],
-                                   "template_samples": [int(p.per_rep.sum()) for p in cp.parts]}  # fmt: skip
-    step_order = [(k % workers, k // workers) for k in range(cp.steps)]
-    plan = EpochPlan(
-        world_size=world,
-        num_workers=int(num_workers),
-        seed=int(seed),
-        epoch=int(epoch),
-        mode="packed",
-        buckets=_bucket_table(shapes, seq_len, batcher),
-        streams=layout["streams"],
-        batch_buckets=layout["batch_buckets"],
-        batch_steps=layout["batch_steps"],
-        reads=layout["reads"],
-        step_order=[step_order if r in kept else [] for r in range(world)],
-        steps=cp.steps,
-        global_tokens=tokens.sum(axis=1)[rows].tolist(),
-        report=report,
-        step_costs=np.stack([cp.at_positions(r, cp.pack_cost) for r in range(world)]) if keep_costs else None,
-        rank=None if rank is None else int(rank),
-    )
-    report["plan_seconds"] = time.perf_counter() - t0
-    return plan
-
-
-def _rank_streams(
-    layout: dict[str, dict],
-    rank: int,
-    workers: int,
-    n_steps: int,
-    position: np.ndarray,
-    shard: np.ndarray,
-    ids: np.ndarray,
-    shape: np.ndarray,
-    seq_len: np.ndarray,
-    smallest: int,
-) -> None:
-    """Rank ``rank``'s streams, batch buckets, batch steps and reads from its samples (position = step)."""
-    o = np.lexsort((ids, shard, position))
-    pos, sh, ii, shp = position[o], shard[o], ids[o], shape[o]
-    bounds = np.concatenate(([0], np.cumsum(np.bincount(pos, minlength=n_steps)))).astype(np.int64)
-    # A pack's bucket: its largest sample's (the first in ref order among equals); empty: the smallest shape.
-    first = np.lexsort((np.arange(len(pos)), -seq_len[shp], pos))
-    nonempty = bounds[1:] > bounds[:-1]
-    bucket = np.full(n_steps, smallest, dtype=np.int64)
-    bucket[nonempty] = shp[first[bounds[:-1][nonempty]]]
-    refs = list(zip(sh.tolist(), ii.tolist()))
-    packs = [refs[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
-    # Reads: per pack, one run per shard (refs sorted), in step order.
-    starts = np.flatnonzero(np.concatenate(([True], (np.diff(pos) != 0) | (np.diff(sh) != 0))))
-    ends = np.append(starts[1:], len(pos)).tolist()
-    ids_list = ii.tolist()
-    run_stream = (pos[starts] % workers).tolist()
-    reads: list[list[tuple[int, list[int]]]] = [[] for _ in range(workers)]
-    for w, s, a, b in zip(run_stream, sh[starts].tolist(), starts.tolist(), ends):
-        reads[w].append((s, ids_list[a:b]))
-    buckets = bucket.tolist()
-    for w in range(workers):
-        st = (rank, w)
-        layout["streams"][st] = packs[w::workers]
-        layout["batch_buckets"][st] = buckets[w::workers]
-        layout["batch_steps"][st] = list(range(w, n_steps, workers))
-        layout["reads"][st] = reads[w]

@@ -33,13 +33,17 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.planning.packed import _TARGET_FILL, hash_seed, pack_steps, shard_read_order
+from lightning_adaptiveload.planning.packed_report import bucket_dicts, packed_plan, packed_report
 from lightning_adaptiveload.planning.packing_kernels import pack_costs, pack_sums
+from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-__all__ = ["TEMPLATE_SAMPLES", "CountPlan", "plan_counts", "resolve_slots"]
+__all__ = ["TEMPLATE_SAMPLES", "CountPlan", "plan_counts", "plan_on_counts", "resolve_slots"]
 
 # An epoch of more samples than this is planned on counts (a template of about this many samples, copied);
 # up to this many, exactly. 100k samples plan in about a second on one core.
@@ -85,68 +89,74 @@ class CountPlan:
     def steps(self) -> int:
         return len(self.order)
 
+    @cached_property
+    def _table(self) -> dict[str, np.ndarray]:
+        """The parts' fields as arrays (index: part), built once."""
+        per_rep = np.stack([p.per_rep for p in self.parts])  # (parts, K)
+        pom = [p.pack_of_member for p in self.parts]
+        return {
+            "first_step": np.array([p.first_step for p in self.parts], dtype=np.int64),
+            "n_steps": np.array([p.n_steps for p in self.parts], dtype=np.int64),
+            "first_row": np.array([p.first_pack // self.world for p in self.parts], dtype=np.int64),
+            "base": np.stack([p.base for p in self.parts]),
+            "per_rep": per_rep,
+            "member_start": np.cumsum(per_rep, axis=1) - per_rep,  # the template members are count-major
+            "pom_offset": np.cumsum([0] + [len(x) for x in pom[:-1]]).astype(np.int64),
+            "pack_of_member": np.concatenate(pom),
+        }
+
+    @cached_property
+    def _positions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every position of the epoch: its part, its copy and its template step within the part."""
+        tb = self._table
+        p = np.searchsorted(tb["first_step"], self.order, side="right") - 1
+        local = self.order - tb["first_step"][p]
+        n_steps = tb["n_steps"][p]
+        return p, local // n_steps, local % n_steps
+
+    def template_rows(self) -> np.ndarray:
+        """The template step (a row of the pack arrays reshaped to (-1, world)) taken at every position."""
+        p, _, t = self._positions
+        return self._table["first_row"][p] + t
+
     def packs_at(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For every position of the epoch, rank ``rank``'s template pack, its part and its copy."""
-        g = self.order
-        part_first = np.array([p.first_step for p in self.parts], dtype=np.int64)
-        p = np.searchsorted(part_first, g, side="right") - 1
-        n_steps = np.array([pt.n_steps for pt in self.parts], dtype=np.int64)[p]
-        local = g - part_first[p]
-        rep, t = local // n_steps, local % n_steps
-        first_pack = np.array([pt.first_pack for pt in self.parts], dtype=np.int64)[p]
+        p, rep, _ = self._positions
         # The step's packs are rotated by its global id, as the exact planner rotates them.
-        q = (rank + g) % self.world
-        return first_pack + t * self.world + q, p, rep
+        return self.template_rows() * self.world + (rank + self.order) % self.world, p, rep
 
     def at_positions(self, rank: int, values: np.ndarray) -> np.ndarray:
         """``values`` (per template pack) of rank ``rank``'s pack at every position of the epoch."""
         return values[self.packs_at(rank)[0]]
 
-    def template_rows(self) -> np.ndarray:
-        """The template step (a row of the pack arrays reshaped to (-1, world)) taken at every position."""
-        part_first = np.array([p.first_step for p in self.parts], dtype=np.int64)
-        p = np.searchsorted(part_first, self.order, side="right") - 1
-        n_steps = np.array([pt.n_steps for pt in self.parts], dtype=np.int64)[p]
-        first_row = np.array([pt.first_pack // self.world for pt in self.parts], dtype=np.int64)[p]
-        return first_row + (self.order - part_first[p]) % n_steps
-
     def slots_of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rank ``rank``'s slots: (position in the epoch, count index v, global ordinal of v), by position."""
         pack, part, rep = self.packs_at(rank)
         lens = self.pack_len[pack]
-        total = int(lens.sum())
         ends = np.cumsum(lens)
-        within = np.arange(total, dtype=np.int64) - np.repeat(ends - lens, lens)
+        within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(ends - lens, lens)
         member = np.repeat(self.pack_start[pack], lens) + within
         v = self.member_value[member].astype(np.int64)
         part_s, rep_s = np.repeat(part, lens), np.repeat(rep, lens)
-        base = np.stack([pt.base for pt in self.parts])
-        per_rep = np.stack([pt.per_rep for pt in self.parts])
-        ordinal = self.member_ordinal[member] + base[part_s, v] + rep_s * per_rep[part_s, v]
+        tb = self._table
+        ordinal = self.member_ordinal[member] + tb["base"][part_s, v] + rep_s * tb["per_rep"][part_s, v]
         position = np.repeat(np.arange(len(pack), dtype=np.int64), lens)
         return position, v, ordinal
 
     def pack_ids(self, v: np.ndarray, ordinal: np.ndarray) -> np.ndarray:
         """The global pack (``step * world + q``, before the rotation) holding ordinal ``ordinal`` of count
         ``v``, for arrays of slots."""
-        k = len(self.values)
-        base = np.stack([p.base for p in self.parts])  # (parts, K); every count's ranges in part order
-        per_rep = np.stack([p.per_rep for p in self.parts])
+        tb = self._table
         # The part of a slot: the last whose first ordinal of v is at most the slot's (a part without
         # samples of v starts where the next one does, so it is never the last such).
         p = np.zeros(len(v), dtype=np.int64)
         for j in range(1, len(self.parts)):
-            p += ordinal >= base[j][v]
-        flat = p * k + v
-        per = per_rep.reshape(-1)[flat]
-        local = ordinal - base.reshape(-1)[flat]
+            p += ordinal >= tb["base"][j][v]
+        local = ordinal - tb["base"][p, v]
+        per = tb["per_rep"][p, v]
         rep, tord = local // per, local % per
-        member_start = (np.cumsum(per_rep, axis=1) - per_rep).reshape(-1)[flat]
-        offsets = np.cumsum([0] + [len(x.pack_of_member) for x in self.parts])
-        tpack = np.concatenate([x.pack_of_member for x in self.parts])[offsets[p] + member_start + tord]
-        first = np.array([x.first_step for x in self.parts], dtype=np.int64)[p]
-        n_steps = np.array([x.n_steps for x in self.parts], dtype=np.int64)[p]
-        return (first + rep * n_steps) * self.world + tpack
+        tpack = tb["pack_of_member"][tb["pom_offset"][p] + tb["member_start"][p, v] + tord]
+        return (tb["first_step"][p] + rep * tb["n_steps"][p]) * self.world + tpack
 
 
 def plan_counts(
@@ -164,8 +174,6 @@ def plan_counts(
     Each part's template is planned by :func:`~.packed.pack_steps` with its tie-break order the ordinal
     within each count, so that a pack's samples of one count are consecutive in the read order.
     """
-    from lightning_adaptiveload.planning.packed import pack_steps  # (packed imports this module)
-
     values = np.asarray(values, dtype=np.int64)
     costs_v = np.asarray(cost_model.costs(values), dtype=np.float64) if len(values) else np.zeros(0)
     left = np.asarray(counts, dtype=np.int64).copy()
@@ -235,8 +243,6 @@ def _whole_steps(per_rep: np.ndarray, values: np.ndarray, max_tokens: int, world
     """``per_rep`` scaled down (each count alike) to the tokens of a whole number of steps filled to the
     exact planner's target: a template of 22.6 steps' tokens would spread the missing 0.4 of a step over
     all its packs (the step count is a whole number), in every copy."""
-    from lightning_adaptiveload.planning.packed import _TARGET_FILL
-
     step = world * max_tokens * _TARGET_FILL
     tokens = float(per_rep @ values)
     whole = math.floor(tokens / step)
@@ -292,7 +298,6 @@ def resolve_slots(
     exclude: Mapping[int, Collection[int]],
     v: np.ndarray,
     ordinal: np.ndarray,
-    count_reads: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """The samples of slots ``(v, ordinal)``: their shard ids and sample ids, and the epoch's reads.
 
@@ -301,8 +306,8 @@ def resolve_slots(
     oversize or in ``exclude``) lists each count's samples in read order, so the ordinals of count v in this
     chunk are the next ``bincount[v]`` after those of earlier chunks.
 
-    With ``count_reads``, also counts the reads of every stream of every rank: the distinct (pack, shard)
-    pairs over all samples (a pack reads each shard it draws from once).
+    Also counts the reads of every stream of every rank: the distinct (pack, shard) pairs over all samples
+    (a pack reads each shard it draws from once).
     """
     k = len(plan.values)
     sizes = np.diff(offsets)
@@ -337,13 +342,196 @@ def resolve_slots(
             j = np.searchsorted(chunk_off, pos, side="right") - 1
             shard_out[req] = np.asarray(shards, dtype=np.int64)[j]
             id_out[req] = pos - chunk_off[j]
-        if count_reads:
-            kept = by_value[: int(cnt[:k].sum())]  # every sample of this chunk that the epoch takes
-            cv = vals[kept].astype(np.int64)
-            cord = seen[cv] + (np.arange(len(kept), dtype=np.int64) - group[cv])
-            shard_local = np.searchsorted(chunk_off, kept, side="right") - 1
-            pairs = plan.pack_ids(cv, cord) * len(shards) + shard_local
-            pairs.sort()
-            reads += int(np.count_nonzero(np.diff(pairs))) + (1 if len(pairs) else 0)
+        # Every stream's reads: the distinct (pack, shard) pairs of every sample the epoch takes here.
+        kept = by_value[: int(cnt[:k].sum())]  # every sample of this chunk that the epoch takes
+        cv = vals[kept].astype(np.int64)
+        cord = seen[cv] + (np.arange(len(kept), dtype=np.int64) - group[cv])
+        shard_local = np.searchsorted(chunk_off, kept, side="right") - 1
+        pairs = plan.pack_ids(cv, cord) * len(shards) + shard_local
+        pairs.sort()
+        reads += int(np.count_nonzero(np.diff(pairs))) + (1 if len(pairs) else 0)
         seen += cnt
     return shard_out, id_out, reads
+
+
+@dataclass
+class _IndexArrays:
+    """The index as arrays: distinct latent shapes (in order of first use), each sample's shape id, and
+    shard offsets (shard s: ``shape_ids[offsets[s] : offsets[s + 1]]``). A compact index's own arrays;
+    a list index converted once (only when its epoch is planned on counts)."""
+
+    data: Any
+    samples: int
+    _built: tuple[list[tuple[int, ...]], np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, data: Any) -> _IndexArrays:
+        if data.arrays is not None:
+            return cls(data, int(data.arrays.shard_offsets[-1]))
+        return cls(data, sum(map(len, data.shapes)))
+
+    def arrays(self) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
+        if self._built is None:
+            a = self.data.arrays
+            if a is not None:
+                table = [tuple(int(x) for x in r) for r in np.asarray(a.shape_table).tolist()]
+                self._built = (table, np.asarray(a.shape_ids), np.asarray(a.shard_offsets, dtype=np.int64))
+            else:
+                ids: dict[tuple[int, ...], int] = {}
+                flat = [
+                    ids.setdefault(tuple(int(x) for x in raw), len(ids))
+                    for row in self.data.shapes
+                    for raw in row
+                ]
+                lens = np.fromiter(map(len, self.data.shapes), dtype=np.int64, count=len(self.data.shapes))
+                self._built = (
+                    list(ids),
+                    np.asarray(flat, dtype=np.int32),
+                    np.concatenate(([0], np.cumsum(lens))),
+                )
+        return self._built
+
+    def first_use(self, shape: int, excluded: Mapping[int, Collection[int]]) -> tuple[int, int]:
+        """(shard, sample id) of the first sample of ``shape`` in index order that is not excluded."""
+        _, ids, off = self.arrays()
+        for pos in np.flatnonzero(ids == shape).tolist():
+            s = int(np.searchsorted(off, pos, side="right")) - 1
+            if pos - int(off[s]) not in excluded.get(s, ()):
+                return s, pos - int(off[s])
+        return -1, -1
+
+
+def plan_on_counts(
+    data: Any,
+    world: int,
+    num_workers: int,
+    batcher: Any,
+    seed: int,
+    epoch: int,
+    exclude: Mapping[int, Collection[int]],
+    underfull: str,
+    t0: float,
+    rank: int | None,
+    keep_costs: bool,
+) -> Any:
+    """:func:`~.packed.plan_packed` of an epoch of more than ``TEMPLATE_SAMPLES`` samples, planned on counts
+    of equal-token samples; only the kept rank's slots (every rank's for ``rank=None``) become samples."""
+    from lightning_adaptiveload.planning.plan import PlanError, underfull_message
+
+    index = _IndexArrays.of(data)
+    workers, max_tokens = max(1, int(num_workers)), int(batcher.max_tokens)
+    shapes, shape_ids, offsets = index.arrays()
+    per_shape = np.bincount(shape_ids, minlength=len(shapes)).astype(np.int64)
+    gone = np.zeros(len(shapes), dtype=np.int64)
+    for s, ids in exclude.items():
+        if ids:
+            pos = int(offsets[s]) + np.fromiter(ids, dtype=np.int64, count=len(ids))
+            gone += np.bincount(shape_ids[pos], minlength=len(shapes))
+    live = per_shape - gone
+    for b, shape in enumerate(shapes):
+        if len(shape) != 4:
+            s, i = index.first_use(b, {})
+            raise ValueError(f"{data.paths[s]}, sample #{i}: latent shape {list(shape)} must be (C, T, H, W)")
+    seq_len = np.array([tokens_per_sample(shape, batcher.patch_size) for shape in shapes], dtype=np.int64)
+    big = seq_len > max_tokens
+    if batcher.oversize == "raise" and (live[big] > 0).any():
+        b = int(np.flatnonzero(big & (live > 0))[0])
+        s, i = index.first_use(b, exclude)
+        raise ValueError(
+            f"{data.paths[s]}, sample #{i}: latent shape {list(shapes[b])} has {int(seq_len[b])} tokens, more "
+            f"than max_tokens={max_tokens}; raise max_tokens or set oversize='skip'"
+        )
+    values = np.unique(seq_len[~big])
+    value_of_shape = np.where(big, len(values), np.searchsorted(values, seq_len)).astype(np.int32)
+    counts = np.bincount(value_of_shape, weights=live, minlength=len(values) + 1)[: len(values)].astype(
+        np.int64
+    )
+    if counts.sum():
+        batcher.cost_model.check_positive(values[counts > 0].tolist())
+    rng = np.random.default_rng(abs(hash_seed(seed, epoch)))  # the exact planner's step shuffle
+    cp = plan_counts(values, counts, batcher.cost_model, max_tokens, world, rng, TEMPLATE_SAMPLES)
+    rows = cp.template_rows()
+    tokens, cost, lens = (x.reshape(-1, world) for x in (cp.pack_tokens, cp.pack_cost, cp.pack_len))
+    per_rank = [int(cp.at_positions(r, cp.pack_len).sum()) for r in range(world)]
+    if underfull == "error" and counts.sum() and min(per_rank) == 0:
+        raise PlanError(underfull_message(world, workers, len(offsets) - 1, int(counts.sum()), per_rank))
+    kept = list(range(world)) if rank is None else [int(rank)]
+    slots = [cp.slots_of(r) for r in kept]
+    order = shard_read_order(len(offsets) - 1, seed, epoch)  # the exact planner's read order
+    v = np.concatenate([x[1] for x in slots])
+    ordinal = np.concatenate([x[2] for x in slots])
+    shard, ids, reads = resolve_slots(
+        cp, value_of_shape, shape_ids, offsets, order, {s: i for s, i in exclude.items() if i}, v, ordinal
+    )
+    layout = _Streams({}, {}, {}, {})
+    at = 0
+    smallest = int(np.argmin(seq_len)) if len(seq_len) else 0
+    for r, (position, _, _) in zip(kept, slots):
+        n = len(position)
+        sh, ii = shard[at : at + n], ids[at : at + n]
+        shape = shape_ids[offsets[sh] + ii].astype(np.int64)
+        _rank_streams(layout, r, workers, cp.steps, position, sh, ii, shape, seq_len, smallest)
+        at += n
+    oversize = int(live[big].sum())
+    excluded = int(gone[~big].sum())
+    report = packed_report(
+        int(counts.sum()), oversize, excluded, tokens, cost, lens, rows, per_rank, reads, batcher, num_workers,
+        epoch,
+    )  # fmt: skip
+    report["planned_on_counts"] = {"parts": len(cp.parts), "copies": [p.reps for p in cp.parts],
+                                   "template_samples": [int(p.per_rep.sum()) for p in cp.parts]}  # fmt: skip
+    return packed_plan(
+        layout, world, num_workers, seed, epoch, bucket_dicts(shapes, seq_len, batcher), cp.steps,
+        tokens.sum(axis=1)[rows].tolist(), report,
+        np.stack([cp.at_positions(r, cp.pack_cost) for r in range(world)]) if keep_costs else None, rank, t0,
+    )  # fmt: skip
+
+
+@dataclass
+class _Streams:
+    """The kept streams of a plan on counts (the fields :func:`~.packed_report.packed_plan` reads)."""
+
+    streams: dict[tuple[int, int], list[list[tuple[int, int]]]]
+    batch_buckets: dict[tuple[int, int], list[int]]
+    batch_steps: dict[tuple[int, int], list[int]]
+    reads: dict[tuple[int, int], list[tuple[int, list[int]]]]
+
+
+def _rank_streams(
+    layout: _Streams,
+    rank: int,
+    workers: int,
+    n_steps: int,
+    position: np.ndarray,
+    shard: np.ndarray,
+    ids: np.ndarray,
+    shape: np.ndarray,
+    seq_len: np.ndarray,
+    smallest: int,
+) -> None:
+    """Rank ``rank``'s streams, batch buckets, batch steps and reads from its samples (position = step)."""
+    o = np.lexsort((ids, shard, position))
+    pos, sh, ii, shp = position[o], shard[o], ids[o], shape[o]
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(pos, minlength=n_steps)))).astype(np.int64)
+    # A pack's bucket: its largest sample's (the first in ref order among equals); empty: the smallest shape.
+    first = np.lexsort((np.arange(len(pos)), -seq_len[shp], pos))
+    nonempty = bounds[1:] > bounds[:-1]
+    bucket = np.full(n_steps, smallest, dtype=np.int64)
+    bucket[nonempty] = shp[first[bounds[:-1][nonempty]]]
+    refs = list(zip(sh.tolist(), ii.tolist()))
+    packs = [refs[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    # Reads: per pack, one run per shard (refs sorted), in step order.
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(pos) != 0) | (np.diff(sh) != 0))))
+    ends = np.append(starts[1:], len(pos)).tolist()
+    ids_list = ii.tolist()
+    run_stream = (pos[starts] % workers).tolist()
+    reads: list[list[tuple[int, list[int]]]] = [[] for _ in range(workers)]
+    for w, s, a, b in zip(run_stream, sh[starts].tolist(), starts.tolist(), ends):
+        reads[w].append((s, ids_list[a:b]))
+    buckets = bucket.tolist()
+    for w in range(workers):
+        st = (rank, w)
+        layout.streams[st] = packs[w::workers]
+        layout.batch_buckets[st] = buckets[w::workers]
+        layout.batch_steps[st] = list(range(w, n_steps, workers))
+        layout.reads[st] = reads[w]
