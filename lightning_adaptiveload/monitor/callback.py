@@ -200,6 +200,8 @@ class LoadBalanceMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        # The monitor gathers over gloo on CPU DDP; a user's own module registers no clean-up for its group.
+        _dist.destroy_gloo_group_at_exit()  # see _dist.destroy_gloo_group_at_exit
         self._rank, self._world = _dist.rank_and_world(trainer)
         self._device = trainer.strategy.root_device
         if self._device.type == "cuda":
