@@ -361,14 +361,7 @@ class _IndexArrays:
     a list index converted once (only when its epoch is planned on counts)."""
 
     data: Any
-    samples: int
     _built: tuple[list[tuple[int, ...]], np.ndarray, np.ndarray] | None = None
-
-    @classmethod
-    def of(cls, data: Any) -> _IndexArrays:
-        if data.arrays is not None:
-            return cls(data, int(data.arrays.shard_offsets[-1]))
-        return cls(data, sum(map(len, data.shapes)))
 
     def arrays(self) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
         if self._built is None:
@@ -418,7 +411,7 @@ def plan_on_counts(
     of equal-token samples; only the kept rank's slots (every rank's for ``rank=None``) become samples."""
     from lightning_adaptiveload.planning.plan import PlanError, underfull_message
 
-    index = _IndexArrays.of(data)
+    index = _IndexArrays(data)
     workers, max_tokens = max(1, int(num_workers)), int(batcher.max_tokens)
     shapes, shape_ids, offsets = index.arrays()
     per_shape = np.bincount(shape_ids, minlength=len(shapes)).astype(np.int64)
