@@ -4,6 +4,7 @@ folder is on ``sys.path``)."""
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 
 def cpu_name() -> str:
@@ -16,3 +17,22 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cuda_event_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` on the current CUDA stream (CUDA events, each call
+    synchronised), after ``warmup`` untimed calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cuda_event_times  # noqa: E402
+
 WAN_13B = {"dim": 1536, "num_heads": 12, "ffn_dim": 8960, "text_len": 512, "eps": 1e-6}
 # Set by main(): "cuda", or "cpu" for a smoke test of the script itself (with --tiny; times meaningless).
 DEVICE = "cuda"
@@ -154,16 +157,7 @@ def _time(fn, warmup: int, iters: int) -> list[float]:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    return cuda_event_times(fn, iters)
 
 
 def _summary(times: list[float]) -> dict[str, float]:

@@ -37,8 +37,9 @@ from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
 
 def _compiled(ckpt, **extra):
-    """A variant of ours with fp32 weights, the default attention and per-block compile."""
-    return dict(model="ours", weights="fp32", attention="default", compile=True, ckpt=ckpt, **extra)
+    """A variant of ours with fp32 weights, per-block compile and the default attention (unless ``extra``
+    names one)."""
+    return dict(dict(model="ours", weights="fp32", attention="default", compile=True, ckpt=ckpt), **extra)
 
 
 # name -> settings. "ours": VideoDiT; weights fp32 (autocast casts them) or bf16 (+ fp32 master in AdamW);
@@ -93,6 +94,10 @@ VARIANTS = {
     # ... and without our fused op in the compiled blocks (inductor fuses LayerNorm + modulate with the gated
     # residual; run 8: 22 ms faster on the clip).
     "compile+smm_auto+nofuse": _compiled(("save_matmuls", "auto"), fused=False),
+    # The same two with FlashAttention-4 under PyTorch's FlashAttention backend (attention_backend="fa4":
+    # process-wide once active, so these run after the cuDNN variants they are compared with).
+    "compile+smm26+nofuse+fa4": _compiled(("save_matmuls", 26), fused=False, attention="fa4"),
+    "compile+smm_auto+nofuse+fa4": _compiled(("save_matmuls", "auto"), fused=False, attention="fa4"),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"
@@ -125,6 +130,9 @@ VARIANTS = {
     "diffusers": dict(model="diffusers", fused=False, compile=False, attention="default"),
     "diffusers+fused": dict(model="diffusers", fused=True, compile=False, attention="default"),
     "diffusers+fused+compile": dict(model="diffusers", fused=True, compile=True, attention="auto"),
+    # ... with FlashAttention-4 through diffusers' "_native_flash" (set_attention_backend(model, "fa4")).
+    "diffusers+fused+compile+fa4": dict(model="diffusers", fused=True, compile=True, attention="fa4"),
+    "diffusers+compile+fa4": dict(model="diffusers", fused=False, compile=True, attention="fa4"),
     # CPU smoke test
     "eager": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
     "compiled": dict(

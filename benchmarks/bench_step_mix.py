@@ -120,8 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         default=AUTO_BUDGET_FRACTION,
         help="auto checkpointing: share of the GPU memory a step may use",
     )
+    ap.add_argument(
+        "--recompile-limit",
+        type=int,
+        default=None,
+        help="torch._dynamo.config.recompile_limit for the run (default: PyTorch's, 8)",
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
+    if args.recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = args.recompile_limit
     from lightning_adaptiveload.models.video_dit import forward_flops
 
     dev, cfg, name, peak, tag = device_setup(args)

@@ -15,26 +15,20 @@ import datetime
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cuda_event_times  # noqa: E402
 
 from lightning_adaptiveload.models.packing import varlen_attention_available
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
 
 
 def _time(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(cuda_event_times(fn, reps, warmup=3))
 
 
 def correctness(device: str) -> dict:

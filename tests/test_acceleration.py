@@ -20,8 +20,10 @@ from lightning_adaptiveload.fusion import fuse_norm_modulate
 from lightning_adaptiveload.models import attention
 from lightning_adaptiveload.models.acceleration import (
     MAX_GRAPHS_PER_MODE,
+    RECOMPILE_LIMIT,
     checkpoint_blocks_for_budget,
     compile_blocks,
+    ensure_recompile_limit,
     repeated_blocks,
 )
 from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
@@ -92,6 +94,103 @@ def test_flash_impl_activation_reports_instead_of_raising():
     if ok:  # the package is installed: leave the process as it was
         torch.nn.attention.restore_flash_attention_impl()
     assert isinstance(detail, str) and detail
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """A stand-in flash-attn-4 whose forward returns five values (as 4.0.0b36 does) and backward three; the
+    FA4 registry entry, the adapter module and torch's FA4 import cache are restored afterwards."""
+    import types
+
+    calls = []
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = lambda *a, **k: calls.append(("fwd", k)) or ("out", "lse", "p", "max", "lo")
+    interface._flash_attn_bwd = lambda *a, **k: calls.append(("bwd", k)) or ("dq", "dk", "dv")
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    pkg = types.ModuleType("flash_attn")
+    pkg.cute = cute
+    for name, mod in (
+        ("flash_attn", pkg),
+        ("flash_attn.cute", cute),
+        ("flash_attn.cute.interface", interface),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, attention._FA4_ADAPTER, raising=False)
+    registry = pytest.importorskip("torch.nn.attention._registry")
+    fa4 = pytest.importorskip("torch.nn.attention._fa4")
+    original = dict(registry._FLASH_ATTENTION_IMPLS)
+    yield calls
+    if torch.nn.attention.current_flash_attention_impl() is not None:
+        torch.nn.attention.restore_flash_attention_impl()
+    registry._FLASH_ATTENTION_IMPLS.clear()
+    registry._FLASH_ATTENTION_IMPLS.update(original)
+    fa4._fa4_import_module.cache_clear()
+    fa4._FA4_MODULE_PATH = None
+    sys.modules.pop(attention._FA4_ADAPTER, None)
+
+
+def test_fa4_adapter_returns_what_torch_unpacks(fake_fa4):
+    import importlib
+
+    adapter = importlib.import_module(attention._FA4_ADAPTER)
+    assert adapter._flash_attn_fwd("q", "k", "v", return_lse=True) == ("out", "lse")
+    assert adapter._flash_attn_bwd("q", "k", "v", "o", "do", "lse", causal=False) == ("dq", "dk", "dv")
+    assert fake_fa4 == [("fwd", {"return_lse": True}), ("bwd", {"causal": False})]  # kwargs passed through
+
+
+def test_activating_fa4_routes_torch_registry_through_the_adapter(fake_fa4):
+    from torch.nn.attention import _fa4
+
+    assert attention.activate_flash_impl("FA4") == (True, "FA4")
+    assert torch.nn.attention.current_flash_attention_impl() == "FA4"
+    assert _fa4._FA4_MODULE_PATH == attention._FA4_ADAPTER
+    torch.nn.attention.restore_flash_attention_impl()
+    q = torch.randn(1, 2, 8, 16)  # CPU attention is untouched by the CUDA registration
+    assert torch.nn.functional.scaled_dot_product_attention(q, q, q).shape == q.shape
+
+
+def test_fa4_missing_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn -> ImportError
+    monkeypatch.delitem(sys.modules, attention._FA4_ADAPTER, raising=False)
+    ok, why = attention.activate_flash_impl("FA4")
+    assert not ok and "FA4 unavailable" in why
+    assert attention.fa4_installed() is False
+
+
+def _fake_gpu(monkeypatch, major: int):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(attention, "_FLASH_READY", {})
+
+
+@pytest.mark.parametrize("name, major", [("fa4", 8), ("fa4", 12), ("fa3", 10)])
+def test_flash_impl_on_an_unsupported_gpu_falls_back_with_one_warning(monkeypatch, caplog, name, major):
+    _fake_gpu(monkeypatch, major)
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        order = attention.resolve_attention_backends(name, "cuda")
+        again = attention.resolve_attention_backends(name, "cuda")
+    auto_first = SDPBackend.CUDNN_ATTENTION if major >= 9 else SDPBackend.FLASH_ATTENTION
+    assert order == again and order[0] == auto_first and order[-1] == SDPBackend.MATH
+    warnings_ = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings_) == 1 and "compute capability" in warnings_[0].getMessage()
+    assert name in warnings_[0].getMessage()
+    assert torch.nn.attention.current_flash_attention_impl() is None  # nothing was activated
+
+
+def test_auto_prefers_fa4_where_it_is_installed_and_routed(monkeypatch):
+    _fake_gpu(monkeypatch, 9)
+    monkeypatch.setattr(attention, "fa4_installed", lambda: False)
+    assert attention.resolve_attention_backends("auto", "cuda")[0] == SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setattr(attention, "fa4_installed", lambda: True)
+    monkeypatch.setattr(attention, "flash_impl_ready", lambda name, device: (False, "broken"))
+    assert attention.resolve_attention_backends("auto", "cuda")[0] == SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setattr(attention, "flash_impl_ready", lambda name, device: (True, "FA4"))
+    assert attention.resolve_attention_backends("auto", "cuda")[0] == SDPBackend.FLASH_ATTENTION
+    assert attention.resolve_attention_backends("fa4", "cuda")[0] == SDPBackend.FLASH_ATTENTION
+    _fake_gpu(monkeypatch, 8)  # FA4 does not run on Ampere: auto keeps FlashAttention-2 first, not FA4
+    monkeypatch.setattr(attention, "flash_impl_ready", lambda name, device: pytest.fail("must not activate"))
+    assert attention.resolve_attention_backends("auto", "cuda")[0] == SDPBackend.FLASH_ATTENTION
 
 
 def test_model_attention_backend_is_validated_and_applied():
@@ -216,6 +315,24 @@ def test_compiled_model_matches_eager_with_bounded_recompiles():
                 torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-5, msg=name)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= MAX_GRAPHS_PER_MODE, graphs
+
+
+def test_compile_blocks_raises_the_recompile_limit_and_never_lowers_it(caplog):
+    # PyTorch's default of 8 graphs per code object was hit with fullgraph=True in the middle of an epoch on
+    # the GPU (inductor's size guards: 9 graphs over the wan21_480p mix with FlashAttention-4, run 12).
+    import torch._dynamo.config as dynamo_config
+
+    saved = dynamo_config.recompile_limit  # (monkeypatch would delattr a config entry on undo)
+    try:
+        dynamo_config.recompile_limit = 8
+        with caplog.at_level("INFO", logger="lightning_adaptiveload.models.acceleration"):
+            compile_blocks(_model(), backend="aot_eager")
+        assert dynamo_config.recompile_limit == RECOMPILE_LIMIT >= 16
+        assert f"recompile_limit 8 -> {RECOMPILE_LIMIT}" in caplog.text
+        dynamo_config.recompile_limit = 500
+        assert ensure_recompile_limit(RECOMPILE_LIMIT) == 500 and dynamo_config.recompile_limit == 500
+    finally:
+        dynamo_config.recompile_limit = saved
 
 
 def test_compile_blocks_says_when_fused_sites_are_compiled(caplog):

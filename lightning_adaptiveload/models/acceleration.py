@@ -18,6 +18,15 @@ from the others: a mix with B = 1 and B > 1 batches compiles two graphs per bloc
 train/eval, text/no text and checkpoint policy. With ``dynamic=None`` the first shape gets a static graph
 of its own (three at most). Every block shares the graph (parameters are graph inputs, and the model
 feeds every block a contiguous tensor), so 30 blocks do not mean 30 compiles.
+
+That bound holds for the traced graph (the CPU tests use the ``aot_eager`` backend). Inductor, generating
+GPU kernels, adds guards on the symbolic sizes of its own: 32-bit indexing (``4096 <= S``), alignment
+(``S % 8 == 0``) and fusion-size thresholds (``1536*S*B >= 5242880``). A length mix then compiles more
+graphs per mode: 8 (cuDNN attention) and 9 (FlashAttention-4) over the 12 shapes of a wan21_480p epoch on
+an H100 (``docs/performance.md``, run 11), while PyTorch's default recompile limit is 8 and, with
+``fullgraph=True``, the ninth raises ``FailOnRecompileLimitHit`` in the middle of training.
+:func:`compile_blocks` therefore raises ``torch._dynamo.config.recompile_limit`` to at least
+:data:`RECOMPILE_LIMIT` (never lowers it) and logs when it does.
 """
 
 from __future__ import annotations
@@ -36,16 +45,21 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_GRAPHS_PER_MODE",
+    "RECOMPILE_LIMIT",
     "checkpoint_blocks_for_budget",
     "compile_blocks",
     "compile_whole",
     "cuda_step_peak",
+    "ensure_recompile_limit",
     "probe_activation_memory",
     "repeated_blocks",
     "set_attention_backend",
 ]
 
 MAX_GRAPHS_PER_MODE = 2
+#: The recompile limit :func:`compile_blocks` ensures for the shared block graph (see the module docstring):
+#: room for inductor's size guards over a length mix, several checkpoint modes and train/eval.
+RECOMPILE_LIMIT = 64
 
 # Our names -> diffusers' AttentionBackendName values (diffusers >= 0.35).
 _DIFFUSERS_BACKENDS = {
@@ -115,9 +129,30 @@ def compile_blocks(
             "step, docs/performance.md run 8)",
             fused,
         )
+    ensure_recompile_limit(RECOMPILE_LIMIT)
     for block in chosen:
         block.compile(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
     return len(chosen)
+
+
+def ensure_recompile_limit(limit: int) -> int:
+    """Raise dynamo's per-code-object recompile limit to at least ``limit`` (never lower it); returns the
+    limit in force. One INFO line when it changes."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    current = getattr(dynamo_config, name)
+    if current < limit:
+        setattr(dynamo_config, name, limit)
+        _log.info(
+            "compile_blocks: torch._dynamo.config.%s %d -> %d (inductor's size guards compile more than "
+            "one graph per block mode over a length mix; see lightning_adaptiveload.models.acceleration)",
+            name,
+            current,
+            limit,
+        )
+        return limit
+    return current
 
 
 _REGIONS: dict[type, Callable] = {}
@@ -196,9 +231,11 @@ def set_attention_backend(
             f"{type(model).__name__} has no set_attention_backend; wrap its attention calls in "
             "lightning_adaptiveload.models.attention.sdpa(..., backends=resolve_attention_backends(name))"
         )
-    if name == "auto":
+    if name in ("auto", "fa4", "fa3"):
+        # Resolved for the device: "fa4"/"fa3" route PyTorch's FlashAttention backend to that implementation
+        # (process-wide) and pick diffusers' "_native_flash", or fall back as "auto" does.
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        order = _attention.resolve_attention_backends("auto", dev)
+        order = _attention.resolve_attention_backends(name, dev)
         name = (
             "default"
             if order is None

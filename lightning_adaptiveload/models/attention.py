@@ -11,20 +11,33 @@ Names (``attention_backend`` of :class:`~lightning_adaptiveload.models.VideoDiT`
 
 - ``"default"`` (the model's default): PyTorch's own choice, no context manager. On the measured H100
   (torch 2.11) that already ran cuDNN attention for Wan's head dim 128.
-- ``"auto"``: cuDNN first on Hopper and newer (compute capability >= 9.0; cuDNN's Hopper kernels use
-  wgmma and TMA, FlashAttention-2 does not), FlashAttention-2 first on older GPUs; elsewhere PyTorch's own
-  order.
+- ``"auto"``: on compute capability 9.x and 10.x with flash-attn-4 installed, FlashAttention-4 (as
+  ``"fa4"`` below); otherwise cuDNN first on Hopper and newer (cuDNN's Hopper kernels use wgmma and TMA,
+  FlashAttention-2 does not) and FlashAttention-2 first on older GPUs; off CUDA, PyTorch's own order.
 - ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``: that kernel first, the others after it.
+- ``"fa4"``, ``"fa3"``: FlashAttention-4 (``flash-attn-4``, CuTe DSL; compute capability 9.x and 10.x) or
+  FlashAttention-3 (``flash-attn-3``; 9.x only) routed under PyTorch's FlashAttention backend through
+  ``torch.nn.attention.activate_flash_attention_impl``, then that backend first and cuDNN, the
+  memory-efficient kernel and math as fallbacks. The routing is process-wide: from then on every
+  FlashAttention call of the process runs the new kernels (PyTorch's registry has no per-call switch).
+  Where the package is missing, the GPU is not supported or torch has no registry, a WARNING says why,
+  once, and ``"auto"``'s order is used instead.
 
-Measured on one H100 (``benchmarks/results/bench_step_*``): one clip's self-attention forward + backward
-(1 x 12 x 32760 x 128, bf16) takes 40.4 ms on cuDNN (572 TFLOP/s), 69.8 ms on FlashAttention-2 and 165 ms
-on the memory-efficient kernel. An explicit list enters ``sdpa_kernel`` at every call in eager mode (under
-``torch.compile`` it is resolved while tracing, at no cost per call); an eager step with it was slower on
-the host (see ``docs/performance.md``), which is why the model's default is ``"default"``.
+Measured on one H100 (``benchmarks/results/bench_step_*``, ``bench_attention_*``): one clip's self-attention
+forward + backward (1 x 12 x 32760 x 128, bf16) takes 37.6 ms on FlashAttention-4 through this switch
+(614 TFLOP/s), 42.6 ms on cuDNN (542), 69.8 ms on FlashAttention-2 and 165 ms on the memory-efficient
+kernel; wan-1.3b's compiled clip step is 11% faster with FlashAttention-4 than with cuDNN
+(``docs/performance.md``, runs 11 to 14). An explicit list enters ``sdpa_kernel`` at every call in eager
+mode (under ``torch.compile`` it is resolved while tracing, at no cost per call); an eager step with it was
+slower on the host (see ``docs/performance.md``), which is why the model's default is ``"default"``.
 
 FlashAttention-3/4 plug in underneath the ``"flash"`` backend through ``torch.nn.attention``'s registry
-(``activate_flash_attention_impl("FA3")``) when their packages are installed; :func:`activate_flash_impl`
-does that and says why not when it cannot.
+when their packages are installed; :func:`activate_flash_impl` does that and says why not when it cannot.
+For FA4 it registers :mod:`._fa4_adapter`, which returns what torch's FA4 dispatcher code unpacks: torch
+2.11's expects two values from flash-attn-4's forward, and 4.0.0b36 returns five ("too many values to
+unpack" inside every attention call otherwise). Install it with ``pip install
+"lightning-adaptiveload[fa4]"`` (``flash-attn-4`` with ``nvidia-cutlass-dsl``, about 270 MB unpacked; with a
+CUDA 13 torch also ``"nvidia-cutlass-dsl[cu13]"``).
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "activate_flash_impl",
     "attention_kernel_name",
+    "fa4_installed",
+    "flash_impl_ready",
     "resolve_attention_backends",
     "sdpa",
 ]
@@ -57,7 +72,10 @@ _LABELS = {
     SDPBackend.EFFICIENT_ATTENTION: "memory-efficient attention",
     SDPBackend.MATH: "math (unfused) attention",
 }
-ATTENTION_BACKENDS = ("auto", "default", *_KERNELS)
+# FlashAttention implementations that PyTorch's registry can route its FlashAttention backend to, with the
+# compute-capability majors each supports.
+_FLASH_IMPLS = {"fa4": ("FA4", (9, 10)), "fa3": ("FA3", (9,))}
+ATTENTION_BACKENDS = ("auto", "default", *_KERNELS, *_FLASH_IMPLS)
 
 
 def resolve_attention_backends(
@@ -81,11 +99,19 @@ def resolve_attention_backends(
     device = torch.device(device) if device is not None else None
     if name == "default":
         return None
+    if name in _FLASH_IMPLS:
+        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        ok, _ = flash_impl_ready(name, device)
+        name = "flash" if ok else "auto"
     if name == "auto":
         if device is None or device.type != "cuda" or not torch.cuda.is_available():
             return None
         major, _ = torch.cuda.get_device_capability(device)
-        first = "cudnn" if major >= 9 else "flash"
+        if major in _FLASH_IMPLS["fa4"][1] and fa4_installed() and flash_impl_ready("fa4", device)[0]:
+            first = "flash"  # FlashAttention-4, installed and routed: the fastest measured on Hopper
+        else:
+            first = "cudnn" if major >= 9 else "flash"
     else:
         first = name
     order = [first] + [k for k in ("cudnn", "flash", "efficient", "math") if k != first]
@@ -161,6 +187,23 @@ def attention_kernel_name(
     return _LABELS[SDPBackend.MATH]
 
 
+_FA4_ADAPTER = "lightning_adaptiveload.models._fa4_adapter"
+
+
+def _register_fa4_adapter() -> None:
+    """Point PyTorch's FA4 registry entry at :mod:`._fa4_adapter` (flash-attn-4's kernels with the return
+    values torch's dispatcher code unpacks). Raises ImportError without flash-attn-4."""
+    import functools
+    import importlib
+
+    from torch.nn.attention import _fa4, _registry  # present wherever activate_flash_attention_impl is
+
+    importlib.import_module("flash_attn.cute.interface")  # ImportError without flash-attn-4
+    _registry.register_flash_attention_impl(
+        "FA4", register_fn=functools.partial(_fa4.register_flash_attention_fa4, module_path=_FA4_ADAPTER)
+    )
+
+
 def activate_flash_impl(impl: str = "FA3") -> tuple[bool, str]:
     """Route PyTorch's FlashAttention backend to FlashAttention-3 or -4 if its package is installed.
 
@@ -171,10 +214,53 @@ def activate_flash_impl(impl: str = "FA3") -> tuple[bool, str]:
     if activate is None:
         return False, f"torch {torch.__version__} has no flash attention registry"
     try:
+        if impl == "FA4":
+            _register_fa4_adapter()
         activate(impl)
     except Exception as err:  # a missing package or an unsupported GPU: both mean "use what is built in"
         return False, f"{impl} unavailable: {type(err).__name__}: {err}"
     return True, impl
+
+
+_FLASH_READY: dict[tuple[str, int], tuple[bool, str]] = {}
+
+
+def fa4_installed() -> bool:
+    """Whether flash-attn-4 (the ``flash_attn.cute`` package) can be imported; imports nothing of it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # no flash_attn at all, or a broken one
+        return False
+
+
+def flash_impl_ready(name: str, device: torch.device | str) -> tuple[bool, str]:
+    """Route PyTorch's FlashAttention backend to ``name`` (``"fa4"`` or ``"fa3"``) for ``device``, once.
+
+    Returns ``(True, impl)`` when the implementation is active, else ``(False, why)``; the first failure per
+    (name, capability) logs one WARNING naming the reason and the fallback. Never raises.
+    """
+    impl, majors = _FLASH_IMPLS[name]
+    device = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    key = (name, major)
+    if key not in _FLASH_READY:
+        current = getattr(torch.nn.attention, "current_flash_attention_impl", lambda: None)()
+        if major not in majors:
+            result = (False, f"{impl} supports compute capability {majors}, this GPU is {major}.{minor}")
+        elif current is not None and current != impl:
+            result = (False, f"the process already routes FlashAttention to {current}")
+        elif current == impl:
+            result = (True, impl)
+        else:
+            result = activate_flash_impl(impl)
+        if not result[0]:
+            log.warning(
+                "attention_backend=%r: %s; using cuDNN first (the 'auto' order) instead", name, result[1]
+            )
+        _FLASH_READY[key] = result
+    return _FLASH_READY[key]
 
 
 def log_attention_kernel(where: str, kernel: str) -> None:

@@ -111,8 +111,9 @@ class VideoDiTModule(L.LightningModule):
             (``ActivationMemory.to_dict()``, from :func:`~lightning_adaptiveload.models.acceleration.
             probe_activation_memory` on the target GPU with this policy; ``docs/performance.md`` shows how).
         memory_budget_gib: for ``"auto"``: the peak one step may allocate (default: 88% of the GPU's memory).
-        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (cuDNN first on
-            Hopper), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
+        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (FlashAttention-4
+            where flash-attn-4 is installed on Hopper/Blackwell, else cuDNN first on Hopper), ``"fa4"``,
+            ``"fa3"``, ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
             :mod:`lightning_adaptiveload.models.attention`.
         weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
             fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.models.master_weights.MasterWeightAdamW`).

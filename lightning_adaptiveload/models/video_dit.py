@@ -547,8 +547,9 @@ class VideoDiT(nn.Module):
 
     def set_attention_backend(self, name: str) -> None:
         """Pick the attention kernels (see :mod:`lightning_adaptiveload.models.attention`): ``"default"`` (PyTorch's
-        choice; the initial setting), ``"auto"`` (cuDNN on Hopper, FlashAttention before), ``"cudnn"``,
-        ``"flash"``, ``"efficient"``, ``"math"``.
+        choice; the initial setting), ``"auto"`` (FlashAttention-4 where installed on Hopper/Blackwell, else
+        cuDNN on Hopper, FlashAttention before), ``"fa4"``, ``"fa3"``, ``"cudnn"``, ``"flash"``,
+        ``"efficient"``, ``"math"``.
 
         The choice is resolved for the input's device at the next forward; the first forward on a new
         input layout logs the kernel that runs (logger ``lightning_adaptiveload.models.attention``).
