@@ -98,6 +98,7 @@ VARIANTS = {
     # process-wide once active, so these run after the cuDNN variants they are compared with).
     "compile+smm26+nofuse+fa4": _compiled(("save_matmuls", 26), fused=False, attention="fa4"),
     "compile+smm_auto+nofuse+fa4": _compiled(("save_matmuls", "auto"), fused=False, attention="fa4"),
+    "compile+smm26+nofuse+auto": _compiled(("save_matmuls", 26), fused=False, attention="auto"),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"

@@ -452,3 +452,33 @@ def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():
         assert set_attention_backend(model, "auto", "cpu") == "native"  # PyTorch's choice off CUDA
     with pytest.raises(ValueError, match="no set_attention_backend"):
         set_attention_backend(torch.nn.Linear(2, 2), "cudnn")
+
+
+@pytest.mark.cuda
+def test_fa4_on_the_gpu_matches_cudnn_in_a_compiled_model():
+    # Runs where flash-attn-4 is installed on a GPU it supports (the H100 machine with benchmarks/gpu_fa4.sh's
+    # packages); elsewhere it is skipped, not passed.
+    if not attention.fa4_installed() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("needs flash-attn-4 on compute capability 9.x or 10.x")
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = attention.sdpa(q, k, v, None, [SDPBackend.CUDNN_ATTENTION])
+    order = attention.resolve_attention_backends("fa4", "cuda")
+    assert order[0] == SDPBackend.FLASH_ATTENTION, order
+    assert "FA4" in attention.attention_kernel_name(q, k, v, None, order)
+    assert attention.resolve_attention_backends("auto", "cuda")[0] == SDPBackend.FLASH_ATTENTION
+    torch.testing.assert_close(attention.sdpa(q, k, v, None, order), ref, rtol=2e-2, atol=2e-2)
+    eager, compiled = _model(dim=256, num_heads=2).cuda(), _model(dim=256, num_heads=2).cuda()  # head dim 128
+    compiled.load_state_dict(eager.state_dict())
+    for m in (eager, compiled):
+        m.set_activation_checkpointing(True, "save_matmuls")
+    eager.set_attention_backend("cudnn")
+    compiled.set_attention_backend("fa4")
+    compile_blocks(compiled, dynamic=True)
+    x, ts, ctx = (t.cuda() for t in _inputs(2, 3, h=8, w=8))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_e, g_e = _grads(eager, x, ts, ctx)
+        out_c, g_c = _grads(compiled, x, ts, ctx)
+    torch.testing.assert_close(out_c.float(), out_e.float(), rtol=5e-2, atol=5e-2)
+    for name in g_e:
+        rel = (g_c[name] - g_e[name]).norm() / g_e[name].norm().clamp_min(1e-12)
+        assert rel < 5e-2, (name, float(rel))
