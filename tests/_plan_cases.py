@@ -149,13 +149,18 @@ def _canon(x: Any) -> Any:
     return x
 
 
+def timeless_report(report: dict) -> dict:
+    """A plan report without its wall-clock field (``plan_seconds``): what two equal plans share."""
+    return {k: x for k, x in report.items() if k != "plan_seconds"}
+
+
 def digest_plan(plan: Any) -> dict[str, str]:
     """Per field, the SHA-256 of a canonical text of it (the report without plan_seconds)."""
     out = {}
     for f in FIELDS:
         v = getattr(plan, f)
         if f == "report":
-            v = {k: x for k, x in v.items() if k != "plan_seconds"}
+            v = timeless_report(v)
         out[f] = hashlib.sha256(repr(_canon(v)).encode()).hexdigest()[:16]
     return out
 

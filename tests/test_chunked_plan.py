@@ -5,6 +5,7 @@ import random
 
 import numpy as np
 import pytest
+from _plan_cases import timeless_report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_planning import all_refs, check_plan, random_index
@@ -25,10 +26,6 @@ def _batcher(rng: random.Random, mode: str) -> DualConstraintBatcher:
     return DualConstraintBatcher(
         rng.choice([96, 200, 400]), mode=rng.choice(["dual", "equal_tokens"]), cost_model=cost
     )
-
-
-def _report(plan) -> dict:
-    return {k: v for k, v in plan.report.items() if k != "plan_seconds"}
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -75,7 +72,7 @@ def test_chunked_plan_keeps_every_guarantee(seed, world, workers, mode, tail, re
             ]
         assert local.step_order[r] == plan.step_order[r]
         assert all(getattr(local, f) == getattr(plan, f) for f in GLOBAL)
-        assert _report(local) == _report(plan)
+        assert timeless_report(local.report) == timeless_report(plan.report)
         # Resume with another worker count, on the rank-local plan: the same batches as the full plan's.
         done = rng.randint(0, plan.steps)
         new_workers = rng.randint(0, 3)
@@ -188,7 +185,7 @@ def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
     pool = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, plan_processes=2, **kw)
     assert one.report["segments"] > 2
     assert pool.streams == one.streams and pool.reads == one.reads and pool.global_tokens == one.global_tokens
-    assert _report(pool) == _report(one)
+    assert timeless_report(pool.report) == timeless_report(one.report)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -224,4 +221,4 @@ def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(
         assert local.step_order[r] == plan.step_order[r]
         assert all(getattr(local, f) == getattr(plan, f) for f in GLOBAL)
         np.testing.assert_array_equal(local.step_costs, plan.step_costs)
-        assert _report(local) == _report(plan)
+        assert timeless_report(local.report) == timeless_report(plan.report)

@@ -82,10 +82,15 @@ def test_property_packed_exactly_once_equal_steps_and_resume(seed, n_shards, wor
         _check(again, index, max_tokens, refs - gone)
 
 
+def mix_index(samples: int, seed: int = 0) -> list[list]:
+    """``samples`` random SHAPES in shards of 50."""
+    rng = np.random.default_rng(seed)
+    shapes = [SHAPES[i] for i in rng.choice(len(SHAPES), samples)]
+    return [shapes[i : i + 50] for i in range(0, len(shapes), 50)]
+
+
 def test_packed_balances_fills_and_stays_shuffled():
-    rng = np.random.default_rng(0)
-    shapes = [SHAPES[i] for i in rng.choice(len(SHAPES), 6000)]
-    index = [shapes[i : i + 50] for i in range(0, len(shapes), 50)]
+    index = mix_index(6000)
     batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
     plan = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed")
     rep = plan.report
