@@ -257,7 +257,9 @@ def flash_impl_ready(name: str, device: torch.device | str) -> tuple[bool, str]:
             result = activate_flash_impl(impl)
         if not result[0]:
             log.warning(
-                "attention_backend=%r: %s; using cuDNN first (the 'auto' order) instead", name, result[1]
+                "attention_backend=%r: %s; using the 'auto' order instead (cuDNN first on Hopper and newer)",
+                name,
+                result[1],
             )
         _FLASH_READY[key] = result
     return _FLASH_READY[key]
