@@ -19,6 +19,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def device_tag(name: str) -> str:
+    """A device name as it goes into result file names: lower case, runs of other characters as '-'
+    ("NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3")."""
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+
+
 def cuda_event_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[float]:
     """Milliseconds of each of ``iters`` calls of ``fn`` on the current CUDA stream (CUDA events, each call
     synchronised), after ``warmup`` untimed calls."""

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cuda_event_times  # noqa: E402
+from _common import cuda_event_times, device_tag  # noqa: E402
 
 # name -> (B, Sq, Skv): the wan21_480p mix's attention shapes at 480p (60 x 104 latents, 1,560 tokens a frame
 # group), 12 heads of 128.
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
-    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    tag = device_tag(name)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_attention_{tag}_{_dt.date.today()}.json")
     result = {

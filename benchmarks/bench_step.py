@@ -33,6 +33,8 @@ import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import device_tag  # noqa: E402
+
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
 
@@ -99,6 +101,42 @@ VARIANTS = {
     "compile+smm26+nofuse+fa4": _compiled(("save_matmuls", 26), fused=False, attention="fa4"),
     "compile+smm_auto+nofuse+fa4": _compiled(("save_matmuls", "auto"), fused=False, attention="fa4"),
     "compile+smm26+nofuse+auto": _compiled(("save_matmuls", 26), fused=False, attention="auto"),
+    # Issue 17, run 16: inductor's 2D-tiled reductions (the GELU backward with its bias gradient ran at ~1.4 TB/s).
+    "compile+smm26+nofuse+fa4+tiled": _compiled(
+        ("save_matmuls", 26),
+        fused=False,
+        attention="fa4",
+        options={"triton.tile_reductions": True, "triton.prefer_nd_tiling": True},
+    ),
+    # Where inductor's elementwise kernels lose time (run 16): static shapes instead of symbolic ones, RoPE as a
+    # pair swap with full-width tables instead of a stack of the two halves, RMSNorm through F.rms_norm.
+    "compile+smm26+nofuse+static": _compiled(("save_matmuls", 26), fused=False, dynamic=False),
+    "compile+smm26+nofuse+ropeswap": _compiled(("save_matmuls", 26), fused=False, rope="swap"),
+    "compile+smm26+nofuse+rmsnative": _compiled(("save_matmuls", 26), fused=False, rms="native"),
+    # ... and inductor's reduction settings: mixed-order reductions (a row and a column reduction of the same
+    # tensor in one kernel: LayerNorm backward with the modulation gradients), looped instead of persistent
+    # reductions, and multi-kernel (both generated, the faster picked at run time).
+    "compile+smm26+nofuse+mor": _compiled(
+        ("save_matmuls", 26), fused=False, options={"triton.mix_order_reduction": True}
+    ),
+    "compile+smm26+nofuse+nopersist": _compiled(
+        ("save_matmuls", 26), fused=False, options={"triton.persistent_reductions": False}
+    ),
+    "compile+smm26+nofuse+multikernel": _compiled(
+        ("save_matmuls", 26), fused=False, options={"triton.multi_kernel": 1}
+    ),
+    # The FFN's first Linear as before run 17 (its bias gradient a column sum that inductor fuses into the GELU
+    # backward; layers.MatmulBiasLinear makes it a matmul under compile), and every Linear of the blocks made
+    # so (run 18: slower on the clip).
+    "compile+smm26+nofuse+fa4+oldffn": _compiled(
+        ("save_matmuls", 26), fused=False, attention="fa4", bias_mm="none"
+    ),
+    "compile+smm_auto+nofuse+fa4+oldffn": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", bias_mm="none"
+    ),
+    "compile+smm_auto+nofuse+fa4+alllinears": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", bias_mm="all"
+    ),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"
@@ -154,6 +192,45 @@ SHAPES = {
 PROFILED = {"image", "images", "tiny_images"}
 
 
+def _rope_swap(x, cos, sin):
+    """RoPE as ``x * cos2 + swap(x) * sin2`` with (S, d) tables (each angle twice; sin signed -, +) and the
+    channel pairs swapped: the same rotation as ``layers.apply_rope``, written without ``stack``."""
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    cos2 = cos.repeat_interleave(2, dim=-1)[:, None, :]
+    sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)[:, None, :]
+    return (xf * cos2 + swapped * sin2).to(x.dtype)
+
+
+def _rms_native(self, x):
+    return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+_ORIGINAL_LAYERS = {}
+
+
+def _set_experimental_layers(spec) -> None:
+    """The rope/rms variants replace the model's functions for this variant only (restored for the others)."""
+    from lightning_adaptiveload.models import layers, video_dit
+
+    if not _ORIGINAL_LAYERS:
+        _ORIGINAL_LAYERS.update(rope=video_dit.apply_rope, rms=layers.RMSNorm.forward)
+    video_dit.apply_rope = _rope_swap if spec.get("rope") == "swap" else _ORIGINAL_LAYERS["rope"]
+    layers.RMSNorm.forward = _rms_native if spec.get("rms") == "native" else _ORIGINAL_LAYERS["rms"]
+
+
+def _set_bias_matmul(model, which) -> None:
+    """ "none": no Linear of the blocks takes its bias gradient as a matmul; "all": every one does."""
+    from lightning_adaptiveload.models.layers import Linear, MatmulBiasLinear
+
+    for block in model.blocks:
+        for m in block.modules():
+            if which == "all" and type(m) is Linear:
+                m.__class__ = MatmulBiasLinear
+            if isinstance(m, MatmulBiasLinear):
+                m.bias_grad_by_matmul = which == "all"
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -177,6 +254,7 @@ def _build(spec, cfg, dev, text_dim):
         from lightning_adaptiveload.models import VideoDiT
         from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
+        _set_experimental_layers(spec)
         torch.manual_seed(0)
         model = VideoDiT(cfg).to(dev).train()
         torch.nn.init.normal_(model.head.head.weight, std=0.02)
@@ -190,6 +268,8 @@ def _build(spec, cfg, dev, text_dim):
             model.set_activation_checkpointing(
                 True, spec["ckpt"][0], None if n is None else min(n, len(model.blocks))
             )
+        if "bias_mm" in spec:
+            _set_bias_matmul(model, spec["bias_mm"])
         model.set_attention_backend(spec["attention"])
         fuse = dev.type == "cuda" and spec.get("fused", True)
         info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites if fuse else 0
@@ -222,7 +302,9 @@ def _build(spec, cfg, dev, text_dim):
             inductor_config.coordinate_descent_tuning = bool(spec.get("coordinate_descent_tuning", False))
 
             # Symbolic sizes from the first call: one graph for B = 1 and one for B > 1 (see acceleration.py).
-            info["compiled_blocks"] = compile_blocks(model, dynamic=True, mode=spec.get("mode"))
+            info["compiled_blocks"] = compile_blocks(
+                model, dynamic=spec.get("dynamic", True), mode=spec.get("mode"), options=spec.get("options")
+            )
 
         def fwd(x, t, ctx):
             return model(x, t, ctx, None)
@@ -354,7 +436,7 @@ def _measure(fwd, model, opt, shape, cfg, text_len, text_dim, dev, reps, profile
         row["gpu_busy"] = row["kernel_ms"] / row["fwd_bwd_ms"] if kernels else None
         row["top_kernels"] = [
             {"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "count": e.count}
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:60]
         ]
         cats: dict[str, list[float]] = {}
         for e in kernels:
@@ -448,7 +530,7 @@ def device_setup(args: argparse.Namespace):
     cfg = VideoDiTConfig.preset(args.preset)
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     peak = PEAK_FLOPS["h100-sxm"]["bf16"] if "H100" in name or "H200" in name else None
-    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    tag = device_tag(name)
     os.makedirs(args.out, exist_ok=True)
     return dev, cfg, name, peak, tag
 
@@ -561,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{vname:26s} {sname:8s} " + _fmt(row), flush=True)
             if "kernel_categories" in row:
                 print("    by category (ms, kernels):", json.dumps(row["kernel_categories"]), flush=True)
-                for k in row["top_kernels"]:
+                for k in row["top_kernels"][:15]:
                     print(f"    {k['ms']:8.1f} ms {k['count']:5d}x {k['kernel']}", flush=True)
             save()
         del model, opt, fwd

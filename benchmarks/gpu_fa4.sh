@@ -2,6 +2,7 @@
 # One GPU call (issue 17): FlashAttention-4 (flash-attn-4, CuTe DSL) against cuDNN attention on one H100.
 # 1. the attention kernels alone on the mix's shapes (bench_attention.py: cuDNN, FA2, FA4 through PyTorch's
 #    registry, FA4 called directly; errors against cuDNN and an fp32 reference);
+# 1b. MODE containing "tune": FA4's tile configurations alone (tune_fa4.py);
 # 2. MODE=clip (default): one clip's compiled step, cuDNN and FA4 side by side, profiled by kernel category;
 #    MODE=mix: the planned epoch of the wan21_480p mix (bench_step_mix.py) for $VARIANTS.
 #
@@ -37,6 +38,11 @@ if [ "${ATTN:-1}" = 1 ]; then  # ATTN=0: skip the kernels-alone benchmark
   timeout $(( ${ATTN_S:-200} )) python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 \
     | grep -v "^USDT\|^W1\|^W0" > "$OUT/attention.log"
   echo "attention rc=$? $(el)"; tail -22 "$OUT/attention.log"
+fi
+if [[ "${MODE:-clip}" == *tune* ]]; then  # FA4's tile configurations alone (tune_fa4.py)
+  timeout $(( ${TUNE_S:-220} + 20 )) python3 benchmarks/tune_fa4.py --out "$OUT" --time-budget-s "${TUNE_S:-220}" 2>&1 \
+    | grep -v "^USDT\|^W1\|^W0\|UserWarning\|exe_args" > "$OUT/tune.log"
+  echo "tune rc=$? $(el)"; tail -24 "$OUT/tune.log"
 fi
 left=$(seconds_left)
 if [[ "${MODE:-clip}" == *clip* ]]; then

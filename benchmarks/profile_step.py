@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import device_tag
 
 
 def _step(model, x, t, ctx, mask) -> None:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     os.makedirs(args.out, exist_ok=True)
     name = torch.cuda.get_device_name(0)
-    tag = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    tag = device_tag(name)
     path = os.path.join(args.out, f"profile_step_{tag}_{_dt.date.today().isoformat()}.json")
     with open(path, "w") as f:
         json.dump(

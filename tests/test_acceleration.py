@@ -335,6 +335,15 @@ def test_compile_blocks_raises_the_recompile_limit_and_never_lowers_it(caplog):
         dynamo_config.recompile_limit = saved
 
 
+def test_compile_blocks_passes_inductor_options_to_each_block(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    options = {"triton.tile_reductions": True}
+    assert compile_blocks(_model(), options=options) == 2
+    assert [kw["options"] for kw in seen] == [options, options]
+    assert compile_blocks(_model()) == 2 and seen[-1]["options"] is None
+
+
 def test_compile_blocks_says_when_fused_sites_are_compiled(caplog):
     fused, plain = _model(), _model()
     fuse_norm_modulate(fused, verify=False)

@@ -95,6 +95,7 @@ def compile_blocks(
     fullgraph: bool = True,
     mode: str | None = None,
     backend: str = "inductor",
+    options: dict | None = None,
 ) -> int:
     """``torch.compile`` each repeated block of ``model`` in place (``nn.Module.compile``).
 
@@ -108,6 +109,8 @@ def compile_blocks(
         mode: ``torch.compile`` mode (None: default; ``"max-autotune-no-cudagraphs"`` searches matmul
             configurations at much longer compile time).
         backend: ``torch.compile`` backend (``"aot_eager"`` traces without generating kernels: tests).
+        options: inductor settings for these blocks only (``torch.compile(options=...)``, e.g.
+            ``{"triton.tile_reductions": True}``); not together with ``mode``.
 
     Returns:
         The number of blocks compiled.
@@ -131,7 +134,7 @@ def compile_blocks(
         )
     ensure_recompile_limit(RECOMPILE_LIMIT)
     for block in chosen:
-        block.compile(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
+        block.compile(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend, options=options)
     return len(chosen)
 
 

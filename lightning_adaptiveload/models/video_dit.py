@@ -52,6 +52,7 @@ from lightning_adaptiveload.models.checkpointing import spread as _spread  # noq
 from lightning_adaptiveload.models.layers import (
     FP32LayerNorm,
     Linear,
+    MatmulBiasLinear,
     NormModulate,
     PatchEmbed,
     RMSNorm,
@@ -264,7 +265,10 @@ class DiTBlock(nn.Module):
         self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
         self.norm2 = NormModulate(dim, cfg.eps)
         self.ffn = nn.Sequential(
-            Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), Linear(cfg.ffn_dim, dim)
+            # The first projection's bias gradient is a matmul under compile (see MatmulBiasLinear).
+            MatmulBiasLinear(dim, cfg.ffn_dim),
+            nn.GELU(approximate="tanh"),
+            Linear(cfg.ffn_dim, dim),
         )
         # Per-block table added to the shared timestep projection (Wan's scale_shift_table).
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
