@@ -3,6 +3,7 @@ folder is on ``sys.path``)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Callable
 
@@ -17,6 +18,18 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def results_dir() -> str:
+    """Where result files go by default: ``$OUT`` (the GPU machine's output folder), else benchmarks/results."""
+    return os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def add_out_arg(ap) -> None:
+    """The ``--out`` option every benchmark takes (default :func:`results_dir`)."""
+    ap.add_argument(
+        "--out", default=results_dir(), help="folder for the results JSON (default: $OUT or results/)"
+    )
 
 
 def device_tag(name: str) -> str:

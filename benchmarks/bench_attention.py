@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cuda_event_times, device_tag  # noqa: E402
+from _common import add_out_arg, cuda_event_times, device_tag  # noqa: E402
 
 # name -> (B, Sq, Skv): the wan21_480p mix's attention shapes at 480p (60 x 104 latents, 1,560 tokens a frame
 # group), 12 heads of 128.
@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--impls", default="cudnn,fa2,fa4,fa4-direct")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA GPU", file=sys.stderr)

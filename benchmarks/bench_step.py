@@ -33,7 +33,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import device_tag  # noqa: E402
+from _common import add_out_arg, device_tag  # noqa: E402
 
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
@@ -515,9 +515,7 @@ def add_common_args(ap: argparse.ArgumentParser, reps: int) -> None:
     ap.add_argument("--text-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--time-budget-s", type=float, default=480.0)
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
+    add_out_arg(ap)
 
 
 def device_setup(args: argparse.Namespace):

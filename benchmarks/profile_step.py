@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import device_tag
+from _common import add_out_arg, device_tag
 
 
 def _step(model, x, t, ctx, mask) -> None:
@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-len", type=int, default=512)
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cuda_event_times, device_tag  # noqa: E402
+from _common import add_out_arg, cuda_event_times, device_tag  # noqa: E402
 from bench_attention import HEAD_DIM, HEADS, SHAPES  # noqa: E402
 
 # bench_attention.py's shapes (name -> (B, Sq, Skv)); by default the long clips, 20 images and one cross-attention.
@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-budget-s", type=float, default=300.0)
-    ap.add_argument(
-        "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    )
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_fa4.py needs a CUDA GPU", file=sys.stderr)
@@ -151,15 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         dout = torch.randn(b, sq, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=g)
         inputs[s] = (q, k, v, dout)
 
-    def out_of_time():
-        return time.perf_counter() - t_start > args.time_budget_s
+    def out_of_time(kind: str, label: str) -> bool:
+        if time.perf_counter() - t_start <= args.time_budget_s:
+            return False
+        result[kind][label] = {"skipped": "time budget"}
+        return True
+
+    def record(kind: str, label: str, row: dict) -> None:
+        result[kind][label] = row
+        save()
+        print(kind[:3], label, json.dumps({s: round(r.get("ms", -1), 3) for s, r in row.items()}), flush=True)
 
     # Forward candidates.
     ref_fwd = {}
     for cfg in FORWARD:
         label = _label_fwd(cfg)
-        if out_of_time():
-            result["forward"][label] = {"skipped": "time budget"}
+        if out_of_time("forward", label):
             continue
         kw = dict(tile_mn=(cfg[0], cfg[1]), mma_pv_is_rs=cfg[2], intra_wg_overlap=cfg[3], return_lse=True)
         row = {}
@@ -167,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             q, k, v, _ = inputs[s]
             call = partial(interface._flash_attn_fwd, q, k, v, **kw)
             row[s] = _candidate(call, args.reps, s, 1.0, ref_fwd, compared=1)  # out
-        result["forward"][label] = row
-        save()
-        print("fwd", label, json.dumps({s: round(r.get("ms", -1), 3) for s, r in row.items()}), flush=True)
+        record("forward", label, row)
 
     # Backward candidates (with the default forward's out and lse).
     original = interface._tile_size_bwd_sm90
@@ -183,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_bwd = {}
     for override in BACKWARD:
         label = _label_bwd(override)
-        if out_of_time():
-            result["backward"][label] = {"skipped": "time budget"}
+        if out_of_time("backward", label):
             continue
         cfg = dataclasses.replace(base_cfg, **override)
         interface._tile_size_bwd_sm90 = lambda *a, _cfg=cfg, **k: _cfg
@@ -197,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[s] = _candidate(call, args.reps, s, 2.5, ref_bwd, compared=3)  # dq, dk, dv
         finally:
             interface._tile_size_bwd_sm90 = original
-        result["backward"][label] = row
-        save()
-        print("bwd", label, json.dumps({s: round(r.get("ms", -1), 3) for s, r in row.items()}), flush=True)
+        record("backward", label, row)
 
     selfs = [s for s in shapes if s.startswith("self")]
 
