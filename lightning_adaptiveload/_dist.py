@@ -44,6 +44,23 @@ def _destroy_gloo_group() -> None:
         pass
 
 
+def destroy_gloo_group_now() -> None:
+    """At the end of a run: wait for every rank, then destroy a gloo default group (no-op otherwise).
+
+    The ranks tear the group down together while the interpreter is whole, instead of one rank exiting
+    (and closing its connections) while another still plans or reports; the exit handler of
+    :func:`destroy_gloo_group_at_exit` then finds nothing left. The package's CLI calls this after every
+    subcommand, whatever the LightningModule.
+    """
+    if not is_distributed() or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer already gone: still destroy ours
+        pass
+    _destroy_gloo_group()
+
+
 def rank_and_world(trainer: Any | None = None) -> tuple[int, int]:
     """Global rank and world size: from ``trainer`` if given, else the process group, else (0, 1)."""
     if trainer is not None:

@@ -14,6 +14,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_adaptiveload import _dist
+
 __all__ = [
     "LIGHTNING_COMMANDS",
     "argument_message",
@@ -139,6 +141,17 @@ def _cli_class(default_model: bool) -> type:
 
         def after_fit(self) -> None:
             _report_outputs(self.trainer, self.datamodule)
+            _dist.destroy_gloo_group_now()
+
+        # The other subcommands end the same way (CPU DDP: every rank tears its gloo group down together).
+        def after_validate(self) -> None:
+            _dist.destroy_gloo_group_now()
+
+        def after_test(self) -> None:
+            _dist.destroy_gloo_group_now()
+
+        def after_predict(self) -> None:
+            _dist.destroy_gloo_group_now()
 
     _CLI_CLASSES[default_model] = AdaptiveLoadCLI
     return AdaptiveLoadCLI
