@@ -32,6 +32,19 @@ def add_out_arg(ap) -> None:
     )
 
 
+def write_json(out_dir: str, filename: str, payload: dict) -> str:
+    """Writes ``payload`` as indented JSON to ``out_dir/filename`` (the folder made if missing), prints and
+    returns the path."""
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, filename)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print("wrote", path)
+    return path
+
+
 def device_tag(name: str) -> str:
     """A device name as it goes into result file names: lower case, runs of other characters as '-'
     ("NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3")."""

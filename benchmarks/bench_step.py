@@ -137,6 +137,19 @@ VARIANTS = {
     "compile+smm_auto+nofuse+fa4+alllinears": _compiled(
         ("save_matmuls", "auto"), fused=False, attention="fa4", bias_mm="all"
     ),
+    # The Triton norm kernels (ops.norm_kernels): none (inductor's own kernels for every norm, as up to run 18),
+    # all (the library's default since run 21, which the variants above use where Triton and CUDA are there),
+    # and RMSNorm + RoPE of the self-attention's q and k only (run 21's default: faster, but inductor's
+    # LayerNorm backward then gives wrong modulation gradients at batch 1, see ops/norm_kernels.py).
+    "compile+smm26+nofuse+nonormk": _compiled(("save_matmuls", 26), fused=False, norm_kernels="none"),
+    "compile+smm26+nofuse+allnormk": _compiled(("save_matmuls", 26), fused=False, norm_kernels="all"),
+    "compile+smm26+nofuse+ropenormk": _compiled(("save_matmuls", 26), fused=False, norm_kernels="rope"),
+    "compile+smm26+nofuse+fa4+nonormk": _compiled(
+        ("save_matmuls", 26), fused=False, attention="fa4", norm_kernels="none"
+    ),
+    "compile+smm_auto+nofuse+fa4+nonormk": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", norm_kernels="none"
+    ),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"
@@ -207,16 +220,38 @@ def _rms_native(self, x):
 
 
 _ORIGINAL_LAYERS = {}
+# Sites of ops.norm_kernels per variant setting: the library's default (all), none, all, and RMSNorm + RoPE of
+# the self-attention's q and k only (run 21's "compile+smm26+nofuse", the default of that run).
+_NORM_KERNEL_SITES = {}
+
+
+def _norm_kernel_sites():
+    from lightning_adaptiveload.ops import norm_kernels
+
+    if not _NORM_KERNEL_SITES:
+        default = dict(norm_kernels.ENABLED)
+        _NORM_KERNEL_SITES.update(
+            default=default,
+            none=dict.fromkeys(default, False),
+            all=dict.fromkeys(default, True),
+            rope=dict(dict.fromkeys(default, False), rms_norm_rope=True),
+        )
+    return _NORM_KERNEL_SITES
 
 
 def _set_experimental_layers(spec) -> None:
-    """The rope/rms variants replace the model's functions for this variant only (restored for the others)."""
-    from lightning_adaptiveload.models import layers, video_dit
+    """The rope/rms variants replace the model's functions for this variant only (restored for the others);
+    they are about inductor's own kernels, so they run without the Triton norm kernels, as does a variant
+    with ``norm_kernels="none"``."""
+    from lightning_adaptiveload.models import layers
+    from lightning_adaptiveload.ops import norm_kernels
 
     if not _ORIGINAL_LAYERS:
-        _ORIGINAL_LAYERS.update(rope=video_dit.apply_rope, rms=layers.RMSNorm.forward)
-    video_dit.apply_rope = _rope_swap if spec.get("rope") == "swap" else _ORIGINAL_LAYERS["rope"]
+        _ORIGINAL_LAYERS.update(rope=layers.apply_rope, rms=layers.RMSNorm.forward)
+    layers.apply_rope = _rope_swap if spec.get("rope") == "swap" else _ORIGINAL_LAYERS["rope"]
     layers.RMSNorm.forward = _rms_native if spec.get("rms") == "native" else _ORIGINAL_LAYERS["rms"]
+    which = spec.get("norm_kernels", "default" if "rope" not in spec and "rms" not in spec else "none")
+    norm_kernels.ENABLED = dict(_norm_kernel_sites()[which])
 
 
 def _set_bias_matmul(model, which) -> None:

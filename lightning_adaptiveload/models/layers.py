@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_adaptiveload import ops as _ops
+from lightning_adaptiveload.ops import norm_kernels as _norm_kernels
 
 __all__ = [
     "FP32LayerNorm",
@@ -22,6 +23,7 @@ __all__ = [
     "PatchEmbed",
     "RMSNorm",
     "apply_rope",
+    "normed_rope",
     "rope_3d",
     "sinusoidal_embedding",
 ]
@@ -30,6 +32,26 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------
+
+
+def _norm_kernels_on(x: torch.Tensor, site: str) -> bool:
+    """Whether a norm runs :mod:`~lightning_adaptiveload.ops.norm_kernels`' Triton kernels: on CUDA, inside
+    ``torch.compile``, where ``norm_kernels.ENABLED[site]`` is True and Triton imports. Eager calls keep the
+    plain-PyTorch forms."""
+    return (
+        _norm_kernels.ENABLED.get(site, False)
+        and x.is_cuda
+        and torch.compiler.is_compiling()
+        and _norm_kernels.available()
+    )
+
+
+def _output_dtype(x: torch.Tensor, feeds_matmul: bool) -> torch.dtype:
+    """x's dtype; the autocast dtype for a norm whose output only a matmul reads (what autocast would cast
+    it to anyway), so that the gradient comes back at that width."""
+    if feeds_matmul and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class Linear(nn.Linear):
@@ -115,6 +137,11 @@ class NormModulate(nn.Module):
     With ``fused = False`` the eager form runs (LayerNorm and modulation in fp32, output cast back to
     ``x.dtype``); with ``fused = True`` it calls :func:`lightning_adaptiveload.ops.layer_norm_modulate`.
     Flipping ``fused`` (see ``lightning_adaptiveload.fusion.fuse_norm_modulate``) changes no parameter.
+    Unfused, on CUDA inside ``torch.compile``, a per-sample modulation takes its backward from the Triton
+    kernel of :func:`lightning_adaptiveload.ops.norm_kernels.layer_norm_affine` (inductor's own gave wrong
+    modulation gradients at batch 1 and 32,760 tokens with torch 2.11); the forward stays PyTorch, for
+    inductor to fuse. ``feeds_matmul = True`` (set by the model where only a matmul reads the output)
+    returns the autocast dtype there.
 
     Args:
         dim: normalised width D.
@@ -127,6 +154,9 @@ class NormModulate(nn.Module):
         self.dim = dim
         self.eps = eps
         self.fused = False
+        # Only a matmul reads the output (set by the model's blocks): on the Triton path the output is then
+        # in the autocast dtype, the same values the matmul would cast it to.
+        self.feeds_matmul = False
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(dim))
             self.bias = nn.Parameter(torch.zeros(dim))
@@ -144,6 +174,15 @@ class NormModulate(nn.Module):
         if self.fused:
             # Looked up at call time so that a later swap of the op's dispatch is picked up.
             return _ops.layer_norm_modulate(x, shift, scale, self.weight, self.bias, self.eps)
+        if _norm_kernels_on(x, "layer_norm") and _per_sample(x, shift) and _per_sample(x, scale):
+            mult, add = torch.broadcast_tensors(1.0 + scale.float(), shift.float())
+            one_plus = mult
+            if self.weight is not None:
+                mult = self.weight.float() * one_plus
+                add = self.bias.float() * one_plus + add
+            return _norm_kernels.layer_norm_affine(
+                x, mult, add, self.eps, _output_dtype(x, self.feeds_matmul)
+            )
         weight = None if self.weight is None else self.weight.float()
         bias = None if self.bias is None else self.bias.float()
         y = F.layer_norm(x.float(), (self.dim,), weight, bias, self.eps)
@@ -151,6 +190,17 @@ class NormModulate(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}, fused={self.fused}"
+
+
+def _per_sample(x: torch.Tensor, m: torch.Tensor) -> bool:
+    """Whether modulation m is one (1, D) row per sample of x (B, S, D): (B, 1, D) or (1, 1, D)."""
+    return (
+        x.dim() == 3
+        and m.dim() == 3
+        and m.shape[1] == 1
+        and m.shape[2] == x.shape[2]
+        and m.shape[0] in (1, x.shape[0])
+    )
 
 
 class RMSNorm(nn.Module):
@@ -165,17 +215,43 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _norm_kernels_on(x, "rms_norm"):
+            return _norm_kernels.rms_norm_rope(x, self.weight, None, None, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
+
+    def forward_rope(
+        self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``apply_rope(self(x) split into heads, cos, sin)``: x (B, S, D), cos/sin (S, d/2); returns
+        (B, S, heads, d). On the Triton path one kernel each way, without the rounding between the two."""
+        if _norm_kernels_on(x, "rms_norm_rope") and x.dim() == 3:
+            return _norm_kernels.rms_norm_rope(x, self.weight, cos, sin, self.eps).unflatten(
+                -1, (num_heads, -1)
+            )
+        return apply_rope(self(x).unflatten(-1, (num_heads, -1)), cos, sin)
 
 
 class FP32LayerNorm(nn.LayerNorm):
     """LayerNorm computed in fp32 (Wan's ``norm3`` before cross-attention); output in the input's dtype."""
 
+    feeds_matmul = False  # as NormModulate's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = None if self.weight is None else self.weight.float()
         bias = None if self.bias is None else self.bias.float()
+        if (
+            _norm_kernels_on(x, "layer_norm")
+            and x.dim() == 3
+            and len(self.normalized_shape) == 1
+            and weight is not None
+            and bias is not None
+        ):
+            shape = (1, 1, x.shape[-1])
+            return _norm_kernels.layer_norm_affine(
+                x, weight.view(shape), bias.view(shape), self.eps, _output_dtype(x, self.feeds_matmul)
+            )
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
@@ -217,6 +293,19 @@ def rope_3d(
         angles.append(a.view(view).expand(*grid, d_axis // 2))
     full = torch.cat(angles, dim=-1).reshape(-1, head_dim // 2)
     return torch.cos(full).float(), torch.sin(full).float()
+
+
+def normed_rope(
+    norm: nn.Module, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The rotated queries or keys of attention: ``apply_rope(norm(x) split into heads, cos, sin)``.
+
+    x (B, S, D); returns (B, S, heads, d). An :class:`RMSNorm` does both in one pass on the Triton path
+    (:meth:`RMSNorm.forward_rope`); any other norm (``nn.Identity`` without qk-norm) runs as written.
+    """
+    if isinstance(norm, RMSNorm):
+        return norm.forward_rope(x, num_heads, cos, sin)
+    return apply_rope(norm(x).unflatten(-1, (num_heads, -1)), cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

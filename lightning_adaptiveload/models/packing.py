@@ -184,11 +184,11 @@ def _self_attention(
 ) -> torch.Tensor:
     """The block's :class:`SelfAttention` on a packed sequence x (1, S, D), attention per sample."""
     from lightning_adaptiveload.models import attention as _attention
-    from lightning_adaptiveload.models.layers import apply_rope
+    from lightning_adaptiveload.models.layers import normed_rope
 
     h = attn.num_heads
-    q = apply_rope(attn.norm_q(attn.q(x)).unflatten(-1, (h, -1)), cos, sin)  # (1, S_total, H, d)
-    k = apply_rope(attn.norm_k(attn.k(x)).unflatten(-1, (h, -1)), cos, sin)
+    q = normed_rope(attn.norm_q, attn.q(x), h, cos, sin)  # (1, S_total, H, d)
+    k = normed_rope(attn.norm_k, attn.k(x), h, cos, sin)
     v = attn.v(x).unflatten(-1, (h, -1))
     if route == "dense":
         # Equal lengths: the packed sequence is N samples back to back, so a view makes it a batch.

@@ -56,7 +56,7 @@ from lightning_adaptiveload.models.layers import (
     NormModulate,
     PatchEmbed,
     RMSNorm,
-    apply_rope,
+    normed_rope,
     rope_3d,
     sinusoidal_embedding,
 )
@@ -203,8 +203,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Args: x (B, S, D); cos, sin (S, d/2). Returns (B, S, D)."""
         h = self.num_heads
-        q = apply_rope(self.norm_q(self.q(x)).unflatten(-1, (h, -1)), cos, sin)
-        k = apply_rope(self.norm_k(self.k(x)).unflatten(-1, (h, -1)), cos, sin)
+        q, k = (
+            normed_rope(self.norm_q, self.q(x), h, cos, sin),
+            normed_rope(self.norm_k, self.k(x), h, cos, sin),
+        )
         v = self.v(x).unflatten(-1, (h, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if not torch.compiler.is_compiling():
@@ -264,6 +266,9 @@ class DiTBlock(nn.Module):
         )
         self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
         self.norm2 = NormModulate(dim, cfg.eps)
+        # norm3 and norm2 feed one matmul each (cross-attention's q, the FFN); norm1 feeds three (q, k, v),
+        # whose gradients are best added up at the residual stream's width, so it keeps x's dtype.
+        self.norm3.feeds_matmul = self.norm2.feeds_matmul = True
         self.ffn = nn.Sequential(
             # The first projection's bias gradient is a matmul under compile (see MatmulBiasLinear).
             MatmulBiasLinear(dim, cfg.ffn_dim),
@@ -324,6 +329,7 @@ class Head(nn.Module):
     def __init__(self, cfg: VideoDiTConfig) -> None:
         super().__init__()
         self.norm = NormModulate(cfg.dim, cfg.eps)
+        self.norm.feeds_matmul = True
         self.head = Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 

@@ -4,6 +4,9 @@ On CUDA it is the custom operator ``torch.ops.lightning_adaptiveload.layer_norm_
 C++ library built from ``csrc/`` (built on the node's first use; prebuild with ``python -m
 lightning_adaptiveload build-ops``); elsewhere it falls back to the plain-PyTorch reference with one warning,
 or raises with ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1``. ``fused_op_paths()`` says which ran.
+
+:mod:`lightning_adaptiveload.ops.norm_kernels` holds Triton kernels for the norms of compiled blocks
+(LayerNorm-affine backward, RMSNorm with RoPE), which the model's layers use on CUDA under ``torch.compile``.
 """
 
 from lightning_adaptiveload.ops._build import FusedOpUnavailable
