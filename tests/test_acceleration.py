@@ -336,12 +336,33 @@ def test_compile_blocks_raises_the_recompile_limit_and_never_lowers_it(caplog):
 
 
 def test_compile_blocks_passes_inductor_options_to_each_block(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS
+
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
     options = {"triton.tile_reductions": True}
-    assert compile_blocks(_model(), options=options) == 2
+    assert compile_blocks(_model(), options=options, safe_reductions=False) == 2
     assert [kw["options"] for kw in seen] == [options, options]
-    assert compile_blocks(_model()) == 2 and seen[-1]["options"] is None
+    assert compile_blocks(_model(), safe_reductions=False) == 2 and seen[-1]["options"] is None
+    if not hasattr(inductor_config.triton, "mix_order_reduction"):
+        pytest.skip("this torch has no mix-order reductions")
+    # By default the mix-order reductions are off (pytorch/pytorch#193061), the caller's options on top.
+    compile_blocks(_model(), options=options)
+    assert seen[-1]["options"] == {**SAFE_REDUCTIONS, **options} and seen[-1]["mode"] is None
+    compile_blocks(_model(), options={"triton.mix_order_reduction": True})
+    assert seen[-1]["options"] == {"triton.mix_order_reduction": True}
+    # A mode travels as its own settings (torch.compile takes a mode or options, not both).
+    compile_blocks(_model(), mode="max-autotune-no-cudagraphs")
+    assert seen[-1]["mode"] is None
+    assert seen[-1]["options"] == {
+        **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+        **SAFE_REDUCTIONS,
+    }
+    # Other backends get what they were given.
+    compile_blocks(_model(), backend="aot_eager")
+    assert seen[-1]["options"] is None and seen[-1]["backend"] == "aot_eager"
 
 
 def test_compile_blocks_says_when_fused_sites_are_compiled(caplog):

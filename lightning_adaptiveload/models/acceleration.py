@@ -2,7 +2,9 @@
 
 - :func:`compile_blocks`: regional ``torch.compile`` of a model's repeated blocks. One graph serves every
   block (parameters are graph inputs), compile time is that of one block rather than the whole model,
-  and the parts that change with the input's shape (RoPE tables, patchify) stay eager. The fused
+  and the parts that change with the input's shape (RoPE tables, patchify) stay eager. Inductor's mix-order
+  reductions are turned off (``safe_reductions``): with torch 2.10 and 2.11 they gave adaLN blocks wrong
+  modulation gradients (pytorch/pytorch#193061; ``docs/performance.md``, run 21). The fused
   ``layer_norm_modulate`` op is a ``torch.library`` custom op, so it stays one node in the graph; but
   inductor cannot fuse the gated residual before it into it, and unfused it fuses LayerNorm, modulation and
   residual itself: on an H100, wan-1.3b's clip step is 1.2% faster with our op off inside compiled blocks
@@ -96,6 +98,7 @@ def compile_blocks(
     mode: str | None = None,
     backend: str = "inductor",
     options: dict | None = None,
+    safe_reductions: bool = True,
 ) -> int:
     """``torch.compile`` each repeated block of ``model`` in place (``nn.Module.compile``).
 
@@ -110,7 +113,10 @@ def compile_blocks(
             configurations at much longer compile time).
         backend: ``torch.compile`` backend (``"aot_eager"`` traces without generating kernels: tests).
         options: inductor settings for these blocks only (``torch.compile(options=...)``, e.g.
-            ``{"triton.tile_reductions": True}``); not together with ``mode``.
+            ``{"triton.tile_reductions": True}``); combined with ``mode``'s own settings.
+        safe_reductions: turn inductor's mix-order reductions off (:data:`SAFE_REDUCTIONS`): with them,
+            torch 2.10 and 2.11 give wrong gradients to the slices of a shared modulation table in adaLN
+            blocks (pytorch/pytorch#193061). ``options`` may turn them back on.
 
     Returns:
         The number of blocks compiled.
@@ -133,9 +139,39 @@ def compile_blocks(
             fused,
         )
     ensure_recompile_limit(RECOMPILE_LIMIT)
+    mode, options = _inductor_settings(backend, mode, options, safe_reductions)
     for block in chosen:
         block.compile(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend, options=options)
     return len(chosen)
+
+
+# Inductor's mix-order reductions (a row and a column reduction of one tensor in one kernel; on by default
+# since torch 2.10) dropped the writes of some gradients into a shared buffer: pytorch/pytorch#193061, fixed
+# by #193103. Hit: the slices of one modulation table in chained adaLN norms (diffusers' Wan
+# scale_shift_table at any batch size; per-sample adaLN at batch 1). We measured it with torch 2.11 on an
+# H100: a compiled wan-1.3b block at one 32,760-token clip got modulation gradients 1.2 (relative) away from
+# eager mode's (docs/performance.md, run 21).
+SAFE_REDUCTIONS = {"triton.mix_order_reduction": False}
+
+
+def _inductor_settings(
+    backend: str, mode: str | None, options: dict | None, safe_reductions: bool
+) -> tuple[str | None, dict | None]:
+    """(mode, options) for ``torch.compile``: with ``safe_reductions`` (inductor only, where the setting
+    exists) :data:`SAFE_REDUCTIONS` joins the options, and a mode is passed as its options (``torch.compile``
+    takes one or the other); the caller's own options win."""
+    import torch._inductor.config as inductor_config
+
+    if (
+        not safe_reductions
+        or backend != "inductor"
+        or not hasattr(inductor_config.triton, "mix_order_reduction")
+    ):
+        return mode, options
+    merged = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
+    merged.update(SAFE_REDUCTIONS)
+    merged.update(options or {})
+    return None, merged
 
 
 def ensure_recompile_limit(limit: int) -> int:
@@ -179,6 +215,7 @@ def compile_whole(
     mode: str | None = None,
     dynamic: bool | None = False,
     backend: str = "inductor",
+    safe_reductions: bool = True,
 ) -> Callable:
     """``torch.compile`` the whole forward, each repeated block traced once (a nested compile region).
 
@@ -192,6 +229,7 @@ def compile_whole(
         blocks: the blocks to mark instead of the detected ones.
         mode, dynamic, backend: passed to ``torch.compile`` (``dynamic=False``: one graph per shape, as CUDA
             graphs need fixed shapes anyway).
+        safe_reductions: as in :func:`compile_blocks`.
 
     Returns:
         The compiled callable (call it like the model); the model's own ``forward`` stays eager.
@@ -206,7 +244,8 @@ def compile_whole(
         # The block goes in as an argument of the region (its parameters become the region's inputs); a
         # method bound to it would make dynamo reuse the first block's weights for every block.
         block.forward = functools.partial(_region_forward(type(block)), block)
-    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)
+    mode, options = _inductor_settings(backend, mode, None, safe_reductions)
+    return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend, options=options)
 
 
 def set_attention_backend(

@@ -6,8 +6,9 @@ mix a reduction along each row with one down each column: a LayerNorm backward w
 (adaLN's ``1 + scale``) sums over all tokens for the modulation's gradient, and the q/k RMSNorm with RoPE
 does the same for its weight. With torch 2.11 on an H100, inductor's kernels for the LayerNorm case gave a
 wan-1.3b block wrong modulation gradients at one 32,760-token sample (right at two samples and at short
-sequences; ``docs/performance.md``, run 21). The kernels here make one pass over the rows, with the column
-sums kept in registers per program and added up by a small reduction after; they match eager mode there.
+sequences; ``docs/performance.md``, run 21): PyTorch's bug pytorch/pytorch#193061 in its mix-order
+reductions. The kernels here make one pass over the rows, with the column sums kept in registers per
+program and added up by a small reduction after; they match eager mode there.
 Speed (run 21, one clip's compiled step): all of them 1,897 ms against inductor's 1,902; RMSNorm + RoPE
 alone 1,878 (but with inductor's wrong LayerNorm gradients).
 
@@ -41,7 +42,8 @@ __all__ = [
 # self-attention's q and k), "rms_norm" (the cross-attention's q and k) and "layer_norm" (the adaLN sites
 # and the cross-attention's LayerNorm). All on: with inductor's own LayerNorm backward, torch 2.11 gave a
 # compiled wan-1.3b block wrong gradients for the modulation (scale, shift) at one 32,760-token sample
-# (docs/performance.md, run 21); these kernels match eager mode there, at the same step time.
+# (docs/performance.md, run 21; pytorch/pytorch#193061); these kernels match eager mode there, at the same
+# step time.
 # benchmarks/bench_step.py compares settings; a change recompiles.
 ENABLED = {"rms_norm_rope": True, "rms_norm": True, "layer_norm": True}
 
