@@ -54,6 +54,7 @@ __all__ = [
     "attention_kernel_name",
     "fa4_installed",
     "flash_impl_ready",
+    "log_kernel_once",
     "resolve_attention_backends",
     "sdpa",
 ]
@@ -265,6 +266,18 @@ def flash_impl_ready(name: str, device: torch.device | str) -> tuple[bool, str]:
     return _FLASH_READY[key]
 
 
-def log_attention_kernel(where: str, kernel: str) -> None:
-    """One INFO line naming the kernel that runs (called once per model and input layout)."""
-    log.info("%s: attention runs on %s", where, kernel)
+_logged_kernels: set[tuple] = set()
+
+
+def log_kernel_once(where: str, q, k, v, mask, backends) -> None:
+    """One INFO line naming the kernel that runs, once per input layout (device, dtype, head dim, mask or
+    not, backend list), not per call."""
+    key = (where, q.device.type, q.dtype, q.shape[-1], mask is None, tuple(backends or ()))
+    if key in _logged_kernels:
+        return
+    _logged_kernels.add(key)
+    try:
+        name = attention_kernel_name(q, k, v, mask, backends)
+    except Exception as err:  # a log line must never stop training (the checks' API moves between versions)
+        name = f"unknown ({type(err).__name__}: {err})"
+    log.info("%s: attention runs on %s", where, name)

@@ -169,22 +169,6 @@ class VideoDiTConfig:
         return sorted(_PRESETS)
 
 
-_logged_kernels: set[tuple] = set()
-
-
-def _log_kernel_once(where: str, q, k, v, mask, backends) -> None:
-    # One log line per input layout (device, dtype, head dim, mask or not, backend list), not per call.
-    key = (where, q.device.type, q.dtype, q.shape[-1], mask is None, tuple(backends or ()))
-    if key in _logged_kernels:
-        return
-    _logged_kernels.add(key)
-    try:
-        name = _attention.attention_kernel_name(q, k, v, mask, backends)
-    except Exception as err:  # a log line must never stop training (the checks' API moves between versions)
-        name = f"unknown ({type(err).__name__}: {err})"
-    _attention.log_attention_kernel(where, name)
-
-
 class SelfAttention(nn.Module):
     """Full (bidirectional) self-attention over the video tokens with q/k RMSNorm and 3D RoPE."""
 
@@ -210,7 +194,7 @@ class SelfAttention(nn.Module):
         v = self.v(x).unflatten(-1, (h, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if not torch.compiler.is_compiling():
-            _log_kernel_once("VideoDiT self-attention", q, k, v, None, self.backends)
+            _attention.log_kernel_once("VideoDiT self-attention", q, k, v, None, self.backends)
         # No mask: a batch holds samples of one shape (never padded), so the fastest kernels apply.
         out = _attention.sdpa(q, k, v, backends=self.backends)
         return self.o(out.transpose(1, 2).flatten(2))
