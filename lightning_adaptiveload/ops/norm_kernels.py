@@ -169,6 +169,15 @@ if triton is not None:
         return tl.reshape(tl.join(e * c - o * s, e * s + o * c), (BLOCK_M, BLOCK_D))
 
     @triton.jit
+    def _rms_program(pid, W, n_rows, D, rows_per_prog, BLOCK_D: tl.constexpr):
+        """An RMSNorm program's columns, their mask, the weight (fp32) and its range of rows [first, last)."""
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        first = pid * rows_per_prog
+        return cols, cmask, w, first, tl.minimum(first + rows_per_prog, n_rows)
+
+    @triton.jit
     def _rms_rope_fwd_kernel(
         X,  # (rows, D)
         W,  # (D,) fp32
@@ -186,11 +195,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        first = pid * rows_per_prog
-        last = tl.minimum(first + rows_per_prog, n_rows)
+        cols, cmask, w, first, last = _rms_program(pid, W, n_rows, D, rows_per_prog, BLOCK_D)
         rows_n, offs_n, m_n = _rows(0, first, last, cols, cmask, D, BLOCK_M)
         x_n = tl.load(X + offs_n, mask=m_n, other=0.0)
         for r in range(first, last, BLOCK_M):
@@ -224,12 +229,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        cols, cmask, w, first, last = _rms_program(pid, W, n_rows, D, rows_per_prog, BLOCK_D)
         acc_w = tl.zeros([BLOCK_D], dtype=tl.float32)
-        first = pid * rows_per_prog
-        last = tl.minimum(first + rows_per_prog, n_rows)
         rows_n, offs_n, m_n = _rows(0, first, last, cols, cmask, D, BLOCK_M)
         x_n = tl.load(X + offs_n, mask=m_n, other=0.0)
         dy_n = tl.load(DY + offs_n, mask=m_n, other=0.0)
