@@ -1,11 +1,14 @@
-"""One wan-1.3b block at training size, compiled (as ``compile_blocks`` does: dynamic shapes, one graph)
-against eager mode: the largest difference of the output and of every gradient, relative to the eager
-value's largest magnitude, with the Triton norm kernels off, at the library's default and all on.
+"""One wan-1.3b block at training size, compiled as ``compile_blocks`` compiles it (dynamic shapes, one
+graph, inductor's mix-order reductions off: ``acceleration.SAFE_REDUCTIONS``; ``--torch-defaults`` keeps
+PyTorch's own settings, as run 21 did), against eager mode: the largest difference of the output and of
+every gradient, relative to the eager value's largest magnitude, with the Triton norm kernels off, at the
+library's default and all on.
 
 A correctness check, not a benchmark: a compiled block must give eager mode's gradients up to bf16
 rounding (about 1e-2 here). Writes ``check_block_grads_<device>_<date>.json``.
 
     python benchmarks/check_block_grads.py [--batch 1] [--grid 21,30,52] [--checkpoint save_matmuls]
+        [--settings none,default,all] [--torch-defaults] [--inductor-option NAME=0|1 ...]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import add_out_arg, device_tag, write_json  # noqa: E402
 
+from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS  # noqa: E402
 from lightning_adaptiveload.models.layers import rope_3d  # noqa: E402
 from lightning_adaptiveload.models.video_dit import DiTBlock, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.ops import norm_kernels  # noqa: E402
@@ -36,6 +40,9 @@ def main() -> None:
     ap.add_argument("--preset", default="wan-1.3b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--settings", default="none,default,all", help="which norm-kernel settings to check")
+    ap.add_argument(
+        "--torch-defaults", action="store_true", help="PyTorch's own inductor settings, not compile_blocks'"
+    )
     ap.add_argument(
         "--inductor-option",
         action="append",
@@ -81,7 +88,8 @@ def main() -> None:
         "all": dict.fromkeys(default, True),
     }
     report = {}
-    options = {k: bool(int(v)) for k, v in (o.split("=", 1) for o in args.inductor_option)}
+    options = {} if args.torch_defaults else dict(SAFE_REDUCTIONS)
+    options.update({k: bool(int(v)) for k, v in (o.split("=", 1) for o in args.inductor_option)})
     for label in args.settings.split(","):
         sites = settings[label]
         norm_kernels.ENABLED = dict(sites)
