@@ -8,7 +8,7 @@ A correctness check, not a benchmark: a compiled block must give eager mode's gr
 rounding (about 1e-2 here). Writes ``check_block_grads_<device>_<date>.json``.
 
     python benchmarks/check_block_grads.py [--batch 1] [--grid 21,30,52] [--checkpoint save_matmuls]
-        [--settings none,default,all] [--torch-defaults] [--inductor-option NAME=0|1 ...]
+        [--settings none,default,all,rope] [--torch-defaults] [--inductor-option NAME=0|1 ...]
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def main() -> None:
         "none": dict.fromkeys(default, False),
         "default": default,
         "all": dict.fromkeys(default, True),
+        "rope": dict(dict.fromkeys(default, False), rms_norm_rope=True),  # RMSNorm + RoPE of q and k only
     }
     report = {}
     options = {} if args.torch_defaults else dict(SAFE_REDUCTIONS)
