@@ -150,6 +150,9 @@ VARIANTS = {
     "compile+smm_auto+nofuse+fa4+nonormk": _compiled(
         ("save_matmuls", "auto"), fused=False, attention="fa4", norm_kernels="none"
     ),
+    "compile+smm_auto+nofuse+fa4+ropenormk": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", norm_kernels="rope"
+    ),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
         model="ours", weights="fp32", attention="default", compile=True, ckpt=None, mode="reduce-overhead"

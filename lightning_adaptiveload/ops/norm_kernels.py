@@ -8,9 +8,9 @@ does the same for its weight. With torch 2.11 on an H100, inductor's kernels for
 wan-1.3b block wrong modulation gradients at one 32,760-token sample (right at two samples and at short
 sequences; ``docs/performance.md``, run 21): PyTorch's bug pytorch/pytorch#193061 in its mix-order
 reductions. The kernels here make one pass over the rows, with the column sums kept in registers per
-program and added up by a small reduction after; they match eager mode there.
-Speed (run 21, one clip's compiled step): all of them 1,897 ms against inductor's 1,902; RMSNorm + RoPE
-alone 1,878 (but with inductor's wrong LayerNorm gradients).
+program and added up by a small reduction after; they match eager mode there, with or without those
+reductions (``acceleration.SAFE_REDUCTIONS`` alone also fixes inductor's kernels: run 22).
+Speed (runs 21-23): a tie with inductor's norms over one clip's compiled step and over the epoch.
 
 - :func:`layer_norm_affine`: ``LN(x) * mult + add`` (``mult``, ``add`` per sample (B, 1, D) or shared
   (1, 1, D)). Forward in plain PyTorch, so that inductor keeps fusing it; backward one Triton kernel
@@ -43,7 +43,9 @@ __all__ = [
 # and the cross-attention's LayerNorm). All on: with inductor's own LayerNorm backward, torch 2.11 gave a
 # compiled wan-1.3b block wrong gradients for the modulation (scale, shift) at one 32,760-token sample
 # (docs/performance.md, run 21; pytorch/pytorch#193061); these kernels match eager mode there, at the same
-# step time.
+# step time. compile_blocks' safe_reductions fixes inductor's kernels too (run 22), but a block compiled by a
+# plain torch.compile keeps PyTorch's reductions: with every site on, it is right either way. RMSNorm + RoPE
+# alone tied with all sites over the epoch (run 23).
 # benchmarks/bench_step.py compares settings; a change recompiles.
 ENABLED = {"rms_norm_rope": True, "rms_norm": True, "layer_norm": True}
 
