@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import add_out_arg, cuda_event_times, device_tag, write_json  # noqa: E402
 
+from lightning_adaptiveload.models.compile_check import relative_difference as rel  # noqa: E402
 from lightning_adaptiveload.models.layers import FP32LayerNorm, NormModulate, RMSNorm, rope_3d  # noqa: E402
 from lightning_adaptiveload.ops import norm_kernels  # noqa: E402
 
@@ -133,9 +134,6 @@ def run_site(name, B, grid, dev, iters):
             grads=[t.grad.detach().float().clone() for t in leaves],
         )
     off, on = results[False], results[True]
-
-    def rel(a, b):
-        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
     norm_kernels.ENABLED = dict(_DEFAULT_SITES)
     return dict(

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import add_out_arg, device_tag, write_json  # noqa: E402
 
 from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS  # noqa: E402
+from lightning_adaptiveload.models.compile_check import compare_compiled  # noqa: E402
 from lightning_adaptiveload.models.layers import rope_3d  # noqa: E402
 from lightning_adaptiveload.models.video_dit import DiTBlock, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.ops import norm_kernels  # noqa: E402
@@ -67,20 +68,7 @@ def main() -> None:
     e0 = (0.3 * torch.randn(B, 6, cfg.dim, device=dev)).requires_grad_()
     ctx = torch.randn(B, args.text_len, cfg.dim, device=dev)
     cos, sin = rope_3d(grid, cfg.head_dim, device=dev)
-    dy = torch.randn(B, S, cfg.dim, device=dev)
-    names = ["out", "x", "e0"] + [n for n, _ in block.named_parameters()]
-
-    def grads(fn):
-        x.grad = e0.grad = None
-        block.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            y = fn(x, e0, cos, sin, ctx, None)
-        y.backward(dy)
-        return [y.detach().float(), x.grad.clone(), e0.grad.clone()] + [
-            p.grad.clone() for p in block.parameters()
-        ]
-
-    ref = grads(block)
+    inputs = dict(x=x, e0=e0, cos=cos, sin=sin, context=ctx, context_mask=None)
     default = dict(norm_kernels.ENABLED)
     settings = {
         "none": dict.fromkeys(default, False),
@@ -89,18 +77,19 @@ def main() -> None:
         "rope": dict(dict.fromkeys(default, False), rms_norm_rope=True),  # RMSNorm + RoPE of q and k only
     }
     report = {}
-    options = {} if args.torch_defaults else dict(SAFE_REDUCTIONS)
-    options.update({k: bool(int(v)) for k, v in (o.split("=", 1) for o in args.inductor_option)})
+    extra = {k: bool(int(v)) for k, v in (o.split("=", 1) for o in args.inductor_option)}
     for label in args.settings.split(","):
         sites = settings[label]
         norm_kernels.ENABLED = dict(sites)
         torch._dynamo.reset()
-        got = grads(torch.compile(block, dynamic=True, fullgraph=True, options=options or None))
-        diffs = {}
-        for name, a, b in zip(names, got, ref):
-            # The keys' bias: zero gradient in theory (softmax ignores a shift shared by all keys).
-            if not name.endswith("k.bias"):
-                diffs[name] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        # The keys' bias: zero gradient in theory (softmax ignores a shift shared by all keys).
+        diffs = compare_compiled(
+            block,
+            kwargs=inputs,
+            options=extra or None,
+            safe_reductions=not args.torch_defaults,
+            ignore=["k.bias"],
+        )
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:6]
         print(f"{label:8s} worst: " + ", ".join(f"{k} {v:.1e}" for k, v in worst), flush=True)
         report[label] = dict(sites=sites, rel_diff=diffs)
@@ -115,7 +104,7 @@ def main() -> None:
         grid=grid,
         tokens=S,
         checkpoint=args.checkpoint,
-        inductor_options=options,
+        inductor_options=dict({} if args.torch_defaults else SAFE_REDUCTIONS, **extra),
         what="max |compiled - eager| / max |eager| per output and gradient, bf16 autocast",
         settings=report,
     )

@@ -11,12 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_adaptiveload.models import layers
+from lightning_adaptiveload.models.compile_check import relative_difference as _rel
 from lightning_adaptiveload.models.layers import apply_rope, rope_3d
 from lightning_adaptiveload.ops import norm_kernels as nk
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def _grads(fn, leaves, dy):
