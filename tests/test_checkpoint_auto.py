@@ -349,5 +349,20 @@ def test_calibrate_fits_auto_checkpointing_into_the_fragment():
     memory = ActivationMemory.from_dict(args["activation_memory"])
     assert memory.num_blocks == 2 and memory.base_bytes > 0
     assert "count per batch (auto)" in result.to_yaml()
+    assert "compile" not in args  # measured eagerly: nothing to carry
+
+
+def test_a_compiled_calibration_sets_compile_in_the_fragment():
+    import yaml
+
+    from lightning_adaptiveload.tools.calibrate import calibrate
+
+    kwargs = dict(
+        preset="tiny", mix="tiny", num_shapes=3, device="cpu", max_tokens=900, warmup=1, repeats=1,
+        progress=False, timer=lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes), packs=False,
+    )  # fmt: skip
+    fragment = yaml.safe_load(calibrate(compile=True, **kwargs).to_yaml())
+    assert fragment["model"]["init_args"] == {"compile": True}  # the budget was measured compiled
+    assert "model" not in yaml.safe_load(calibrate(**kwargs).to_yaml())
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         calibrate(preset="tiny", mix="tiny", device="cpu", max_tokens=900, checkpoint_blocks="auto")

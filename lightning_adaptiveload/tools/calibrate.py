@@ -101,7 +101,9 @@ class CalibrationResult:
     probes: list[MemoryProbe]
     info: dict[str, Any]
     points: list[Any] = field(default_factory=list)  # PackTiming: every fitted step, with its error
-    model_args: dict[str, Any] = field(default_factory=dict)  # model.init_args to set (auto checkpointing)
+    model_args: dict[str, Any] = field(
+        default_factory=dict
+    )  # model.init_args to set (compile, auto checkpointing)
 
     def to_results(self) -> dict[str, Any]:
         """Everything measured, as a plain dict for a results file (``--results``): the fragment, the
@@ -134,8 +136,8 @@ class CalibrationResult:
         }
 
     def fragment(self) -> dict[str, Any]:
-        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``, and ``model`` with auto
-        checkpointing)."""
+        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``, and ``model`` with compile or
+        auto checkpointing)."""
         model = {"model": {"init_args": dict(self.model_args)}} if self.model_args else {}
         return {
             **model,
@@ -319,7 +321,9 @@ def calibrate(
         batch_sizes: batch sizes to time at every shape; None: 1 and the budget's batch size at that shape.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``; None: bf16-mixed on
             CUDA, 32-true on CPU.
-        activation_checkpointing, compile, checkpoint_policy: as in :class:`VideoDiTModule`.
+        activation_checkpointing, compile, checkpoint_policy: as in :class:`VideoDiTModule`. With
+            ``compile``, the fragment also sets ``model.init_args.compile: true``: its budget and memory
+            model were measured on the compiled step, and an eager step of the same policy can peak higher.
         checkpoint_blocks: ``"auto"``: after the memory search (every block checkpointed), fit the
             :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` on three batches at
             ``max_tokens`` (:meth:`Bench.activation_memory`), time with the count chosen per batch, and
@@ -403,6 +407,8 @@ def calibrate(
         if checkpoint_blocks == "auto"
         else ({}, None)
     )
+    if compile:  # what was measured: the fragment must not be trained eagerly by mistake
+        model_args = {"compile": True, **model_args}
     use_packs = packs and kind == "quadratic"
     if use_packs and not batch_sizes:
         batch_sizes = [1]
