@@ -56,8 +56,9 @@ def compare_compiled(
 
     Args:
         module: the module to check (a transformer block, say), in the mode it trains in. It is compiled with
-            ``torch.compile`` into a wrapper; the module itself is not changed. Random ops (dropout) must be
-            off, or the two runs differ by design.
+            ``torch.compile`` into a wrapper; the module itself is not changed, but its parameters' and the
+            inputs' ``.grad`` are overwritten (they hold the compiled run's gradients after). Random ops
+            (dropout) must be off, or the two runs differ by design.
         args, kwargs: its inputs. Tensors with ``requires_grad`` get their gradients compared, named
             ``args[i]`` and by their keyword; other inputs pass through.
         grad_output: the output's gradient; None draws a standard normal one (seeded by ``seed``). The
