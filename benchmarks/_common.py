@@ -68,3 +68,24 @@ def cuda_event_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> l
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def diffusers_wan(cfg, text_dim: int, num_layers: int | None = None):
+    """Diffusers' ``WanTransformer3DModel`` with the sizes of our ``VideoDiTConfig`` ``cfg`` (Wan 2.1's
+    patch, cross-attention norm and q/k RMSNorm), random weights, on the CPU in fp32. Needs diffusers."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        text_dim=text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers if num_layers is None else num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )

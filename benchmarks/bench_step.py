@@ -33,7 +33,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_out_arg, device_tag  # noqa: E402
+from _common import add_out_arg, device_tag, diffusers_wan  # noqa: E402
 
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 
@@ -349,30 +349,11 @@ def _build(spec, cfg, dev, text_dim):
 
         _init_optimizer_state(model, opt)
         return model, opt, fwd, info
-    from diffusers import WanTransformer3DModel
-
     from lightning_adaptiveload.fusion import fuse_norm_modulate
     from lightning_adaptiveload.models.acceleration import set_attention_backend
 
     torch.manual_seed(0)
-    model = (
-        WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=cfg.num_heads,
-            attention_head_dim=cfg.head_dim,
-            in_channels=cfg.in_channels,
-            out_channels=cfg.out_channels,
-            text_dim=text_dim,
-            freq_dim=cfg.freq_dim,
-            ffn_dim=cfg.ffn_dim,
-            num_layers=cfg.num_layers,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-        )
-        .to(dev, torch.bfloat16)
-        .train()
-    )
+    model = diffusers_wan(cfg, text_dim).to(dev, torch.bfloat16).train()
     model.enable_gradient_checkpointing()
     info["attention"] = set_attention_backend(model, spec["attention"], dev)
     if spec["fused"]:

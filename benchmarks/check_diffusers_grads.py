@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import add_out_arg, device_tag, write_json  # noqa: E402
+from _common import add_out_arg, device_tag, diffusers_wan, write_json  # noqa: E402
 
 from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS  # noqa: E402
 from lightning_adaptiveload.models.compile_check import capture_inputs, compare_compiled  # noqa: E402
@@ -48,27 +48,12 @@ def main() -> None:
     )
     add_out_arg(ap)
     args = ap.parse_args()
-    from diffusers import WanTransformer3DModel
-
     dev = torch.device(args.device)
     cfg = VideoDiTConfig.preset(args.preset)
     T, H, W = (int(v) for v in args.latent.split(","))
     torch.manual_seed(0)
     model = (
-        WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=cfg.num_heads,
-            attention_head_dim=cfg.head_dim,
-            in_channels=cfg.in_channels,
-            out_channels=cfg.out_channels,
-            text_dim=cfg.text_dim,
-            freq_dim=cfg.freq_dim,
-            ffn_dim=cfg.ffn_dim,
-            num_layers=1,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-        )
+        diffusers_wan(cfg, cfg.text_dim, num_layers=1)
         .to(dev, torch.bfloat16 if args.weights == "bf16" else torch.float32)
         .train()
     )
