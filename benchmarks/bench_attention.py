@@ -17,6 +17,9 @@ implementation's output and gradients are compared with cuDNN's on the same inpu
 relative Frobenius error), and both with an fp32 reference on a small shape. TFLOP/s counts 4 B H Sq Skv d
 for the forward and 2.5 times that for the backward.
 
+``--splits 1,2,4,8`` adds, on the cross-attention shapes, cuDNN and FA4 with the queries cut into that many
+chunks (``attention.sdpa_split_queries``, the model's cross-attention path for long single samples).
+
 Writes ``bench_attention_<device>_<date>.json`` into ``--out`` after every shape and prints a table last.
 
     python benchmarks/bench_attention.py --out benchmarks/results        # one H100, under 2 minutes
@@ -52,7 +55,17 @@ SHAPES = {
     "self_20img": (20, 1560, 1560),
     "cross_81f": (1, 32760, 512),
     "cross_20img": (20, 1560, 512),
+    # More cross-attention shapes, for --splits: other clip lengths, three 17-frame clips, and an 81-frame
+    # clip at 78 x 78 latents (1,521 tokens a frame group: an odd length, so the split pads).
+    "cross_65f": (1, 26520, 512),
+    "cross_49f": (1, 20280, 512),
+    "cross_33f": (1, 14040, 512),
+    "cross_17f": (1, 7800, 512),
+    "cross_17f_b3": (3, 7800, 512),
+    "cross_81f_sq": (1, 31941, 512),
 }
+# The shapes run unless --shapes names others (the first eight: the mix's main ones).
+DEFAULT_SHAPES = list(SHAPES)[:8]
 HEADS, HEAD_DIM = 12, 128
 
 
@@ -78,8 +91,15 @@ def _inputs(b, sq, skv, dev, seed=0):
     return q, k, v, grad
 
 
-def _sdpa_call(backend):
+def _sdpa_call(backend, splits: int = 1):
     def call(q, k, v):  # (B, S, H, d) leaves -> (B, S, H, d), through the model's (B, H, S, d) views
+        if splits > 1:  # the model's query split (attention.sdpa_split_queries)
+            from lightning_adaptiveload.models.attention import sdpa_split_queries
+
+            out = sdpa_split_queries(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, [backend], splits
+            )
+            return out.transpose(1, 2)
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2)
@@ -138,8 +158,14 @@ def _fp32_reference_errors(impls, dev):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--impls", default="cudnn,fa2,fa4,fa4-direct")
+    ap.add_argument(
+        "--splits",
+        default="1",
+        help="query splits to time for cuDNN and FA4 on cross-attention shapes (e.g. 1,2,4,8): "
+        "attention.sdpa_split_queries, named <impl>/split<k>",
+    )
     ap.add_argument("--reps", type=int, default=10)
     add_out_arg(ap)
     args = ap.parse_args(argv)
@@ -184,12 +210,20 @@ def main(argv: list[str] | None = None) -> int:
             impls["fa4"] = _sdpa_call(SDPBackend.FLASH_ATTENTION)
             result["fp32_reference"]["fa4"] = _fp32_reference_errors({"fa4": impls["fa4"]}, dev)["fa4"]
             impls.pop("fa2", None)  # the flash backend is FA4 from here on
+    splits = [int(x) for x in args.splits.split(",") if int(x) > 1]
     for shape in args.shapes.split(","):
         b, sq, skv = SHAPES[shape]
         flops = 4 * b * HEADS * sq * skv * HEAD_DIM
         q, k, v, grad = _inputs(b, sq, skv, dev)
         rows, ref = {}, None
-        for impl, call in impls.items():
+        shape_impls = dict(impls)
+        if shape.startswith("cross"):
+            for impl in ("cudnn", "fa4"):
+                if impl in impls:
+                    backend = SDPBackend.CUDNN_ATTENTION if impl == "cudnn" else SDPBackend.FLASH_ATTENTION
+                    for n in splits:
+                        shape_impls[f"{impl}/split{n}"] = _sdpa_call(backend, n)
+        for impl, call in shape_impls.items():
             try:
                 t0 = time.perf_counter()
                 got = _run(call, q, k, v, grad)  # the first call (FA4: JIT compile) and the numbers
@@ -216,14 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
         del q, k, v, grad
         torch.cuda.empty_cache()
-    print(f"\n{'shape':<12} {'impl':<11} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'bwd TF/s':>9}")
+    print(f"\n{'shape':<13} {'impl':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'bwd TF/s':>9}")
     for shape, entry in result["shapes"].items():
         for impl, r in entry["impls"].items():
             if "error" in r:
-                print(f"{shape:<12} {impl:<11} {r['error'][:60]}")
+                print(f"{shape:<13} {impl:<14} {r['error'][:60]}")
             else:
                 print(
-                    f"{shape:<12} {impl:<11} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} "
+                    f"{shape:<13} {impl:<14} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} "
                     f"{r['fwd_tflops']:9.0f} {r['bwd_tflops']:9.0f}"
                 )
     print(f"wrote {path}")

@@ -47,7 +47,11 @@ def _compiled(ckpt, **extra):
 # name -> settings. "ours": VideoDiT; weights fp32 (autocast casts them) or bf16 (+ fp32 master in AdamW);
 # attention: our backend names; compile: regional per block; ckpt: (policy, num_blocks or None) or None.
 VARIANTS = {
-    "baseline": dict(model="ours", weights="fp32", attention="default", compile=False, ckpt=("full", None)),
+    # The step as the issue found it: eager, fp32 weights under autocast, full checkpointing, PyTorch's
+    # attention choice, no cross-attention query split (xsplit=1; the model's default is "auto" since run 28).
+    "baseline": dict(
+        model="ours", weights="fp32", attention="default", compile=False, ckpt=("full", None), xsplit=1
+    ),
     "flash": dict(model="ours", weights="fp32", attention="flash", compile=False, ckpt=("full", None)),
     # Isolate the two changes the "bf16w" variant bundles (its eager host time rose on the image step).
     "auto": dict(model="ours", weights="fp32", attention="auto", compile=False, ckpt=("full", None)),
@@ -152,6 +156,23 @@ VARIANTS = {
     ),
     "compile+smm_auto+nofuse+fa4+ropenormk": _compiled(
         ("save_matmuls", "auto"), fused=False, attention="fa4", norm_kernels="rope"
+    ),
+    # bf16 weights with fp32 masters in the optimizer (MasterWeightAdamW, its one-kernel Triton step on CUDA):
+    # no weight casts in the forward, the recompute or the weight gradients (run 27).
+    "compile+smm26+nofuse+bf16w": _compiled(("save_matmuls", 26), fused=False, weights="bf16"),
+    "compile+smm26+nofuse+fa4+bf16w": _compiled(
+        ("save_matmuls", 26), fused=False, attention="fa4", weights="bf16"
+    ),
+    "compile+smm_auto+nofuse+fa4+bf16w": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", weights="bf16"
+    ),
+    # The cross-attention without its query split (attention.sdpa_split_queries, the model's default since
+    # run 28 for one long sample): the variants above before that run.
+    "compile+smm26+nofuse+fa4+nosplit": _compiled(
+        ("save_matmuls", 26), fused=False, attention="fa4", xsplit=1
+    ),
+    "compile+smm_auto+nofuse+fa4+nosplit": _compiled(
+        ("save_matmuls", "auto"), fused=False, attention="fa4", xsplit=1
     ),
     # CUDA graphs per block (torch.compile mode="reduce-overhead"): the host-bound single image (issue 17).
     "compile+noac+cg": dict(
@@ -309,6 +330,7 @@ def _build(spec, cfg, dev, text_dim):
         if "bias_mm" in spec:
             _set_bias_matmul(model, spec["bias_mm"])
         model.set_attention_backend(spec["attention"])
+        model.set_cross_attention_splits(spec.get("xsplit", "auto"))
         fuse = dev.type == "cuda" and spec.get("fused", True)
         info["fused_sites"] = fuse_norm_modulate(model, verify=False).num_sites if fuse else 0
         if spec["weights"] == "bf16":

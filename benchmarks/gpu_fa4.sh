@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call (issue 17): FlashAttention-4 (flash-attn-4, CuTe DSL) against cuDNN attention on one H100.
+# 0. TESTS (test files; TESTS_K: a -k expression): those CUDA tests first, with FA4 importable;
 # 1. the attention kernels alone on the mix's shapes (bench_attention.py: cuDNN, FA2, FA4 through PyTorch's
-#    registry, FA4 called directly; errors against cuDNN and an fp32 reference);
+#    registry, FA4 called directly; errors against cuDNN and an fp32 reference); ATTN_ARGS adds arguments
+#    (e.g. "--impls cudnn,fa4 --shapes cross_81f,cross_17f --splits 1,4,8", run 28);
 # 1b. MODE containing "tune": FA4's tile configurations alone (tune_fa4.py);
 # 2. MODE=clip (default): one clip's compiled step, cuDNN and FA4 side by side, profiled by kernel category;
 #    MODE=mix: the planned epoch of the wan21_480p mix (bench_step_mix.py) for $VARIANTS.
@@ -34,8 +36,13 @@ if ls .whl/*.whl > /dev/null 2>&1; then  # diffusers for its variants (../shared
 fi
 python3 -c "import flash_attn.cute.interface as i, cutlass, torch; print('flash_attn.cute', i.__file__, 'cutlass', cutlass.__file__)" || exit 4
 
+if [ -n "${TESTS:-}" ]; then  # TESTS="test files", TESTS_K="a -k expression": CUDA tests with FA4 importable
+  timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short -rs $TESTS \
+    ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest_fa4.log" 2>&1
+  echo "pytest rc=$? $(el)"; tail -6 "$OUT/pytest_fa4.log"
+fi
 if [ "${ATTN:-1}" = 1 ]; then  # ATTN=0: skip the kernels-alone benchmark
-  timeout $(( ${ATTN_S:-200} )) python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 \
+  timeout $(( ${ATTN_S:-200} )) python3 benchmarks/bench_attention.py --out "$OUT" ${ATTN_ARGS:-} 2>&1 \
     | grep -v "^USDT\|^W1\|^W0" > "$OUT/attention.log"
   echo "attention rc=$? $(el)"; tail -22 "$OUT/attention.log"
 fi

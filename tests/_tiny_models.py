@@ -1,8 +1,11 @@
 """A tiny diffusers ``WanTransformer3DModel`` shared by the tests that need one (flops, fusion, pretrained,
-acceleration): one base config, each test's differences as overrides."""
+acceleration): one base config, each test's differences as overrides. Also the compiled-against-eager check
+of a training step that several tests run over a list of batches."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -34,3 +37,23 @@ def tiny_wan(seed: int | None = None, **overrides: Any):
     if seed is not None:
         torch.manual_seed(seed)
     return diffusers.WanTransformer3DModel(**tiny_wan_config(**overrides))
+
+
+def assert_same_steps(
+    eager: torch.nn.Module,
+    compiled: torch.nn.Module,
+    batches: Iterable[tuple],
+    grads: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> None:
+    """Each batch through both models (``grads(model, *batch) -> (output, {name: gradient})``): the outputs
+    and every gradient agree within the tolerances (compile warnings silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in batches:
+            out_e, g_e = grads(eager, *batch)
+            out_c, g_c = grads(compiled, *batch)
+            torch.testing.assert_close(out_c, out_e, rtol=rtol, atol=atol)
+            for name in g_e:
+                torch.testing.assert_close(g_c[name], g_e[name], rtol=rtol, atol=atol, msg=name)

@@ -352,7 +352,27 @@ def test_calibrate_fits_auto_checkpointing_into_the_fragment():
     assert "compile" not in args  # measured eagerly: nothing to carry
 
 
-def test_a_compiled_calibration_sets_compile_in_the_fragment():
+def test_calibration_bench_with_bf16_weights_uses_master_weights_and_counts_them():
+    from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
+    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.tools.calibrate_bench import Bench
+
+    benches = {}
+    for dtype in ("fp32", "bf16"):
+        module = VideoDiTModule(preset="tiny", weight_dtype=dtype)
+        module.configure_model()
+        benches[dtype] = Bench(
+            module, torch.device("cpu"), "bf16-mixed", 4, True, 0, master_weights=dtype == "bf16"
+        )
+    fp32, bf16 = benches["fp32"], benches["bf16"]
+    n = fp32.num_params
+    assert isinstance(bf16.optimizer, MasterWeightAdamW) and not isinstance(fp32.optimizer, MasterWeightAdamW)
+    # fp32: weights, gradients and two moments, 4 bytes each; bf16: 2 + 2, then the fp32 master and moments.
+    assert fp32.static_bytes == 16 * n and bf16.static_bytes == 16 * n
+    assert fp32.ddp_bytes == 4 * n and bf16.ddp_bytes == 2 * n
+
+
+def test_a_compiled_calibration_sets_compile_and_weight_dtype_in_the_fragment():
     import yaml
 
     from lightning_adaptiveload.tools.calibrate import calibrate
@@ -363,6 +383,8 @@ def test_a_compiled_calibration_sets_compile_in_the_fragment():
     )  # fmt: skip
     fragment = yaml.safe_load(calibrate(compile=True, **kwargs).to_yaml())
     assert fragment["model"]["init_args"] == {"compile": True}  # the budget was measured compiled
+    both = yaml.safe_load(calibrate(compile=True, weight_dtype="bf16", **kwargs).to_yaml())
+    assert both["model"]["init_args"] == {"compile": True, "weight_dtype": "bf16"}
     assert "model" not in yaml.safe_load(calibrate(**kwargs).to_yaml())
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         calibrate(preset="tiny", mix="tiny", device="cpu", max_tokens=900, checkpoint_blocks="auto")

@@ -321,6 +321,21 @@ def test_calibrate_reads_the_model_from_a_recipe(tmp_path, one_thread):
     assert calibrate_main(["--recipe", str(tmp_path / "missing.yaml"), "--device", "cpu"]) == 2
 
 
+def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_thread):
+    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    recipe["model"]["init_args"]["weight_dtype"] = "bf16"
+    path = tmp_path / "bf16.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    common = ["--max-tokens", "900", "--num-shapes", "2", "--device", "cpu", "--warmup", "0", "--repeats", "1",
+              "--no-progress"]  # fmt: skip
+    for extra, expected in (([], "bf16"), (["--weight-dtype", "fp32"], None)):
+        out = tmp_path / f"cal_{expected}.yaml"
+        assert calibrate_main(["--recipe", str(path), *common, *extra, "--out", str(out)]) == 0
+        fragment = yaml.safe_load(out.read_text())
+        assert (fragment.get("model") or {}).get("init_args", {}).get("weight_dtype") == expected
+        assert f"# weight_dtype: {expected or 'fp32'}" in out.read_text()
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_calibrate_on_cuda_measures_allocator_peaks(tmp_path):

@@ -38,6 +38,17 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+# The model settings a recipe's model.init_args gives calibrate (each also a flag).
+_MODEL_KEYS = (
+    "preset",
+    "model_overrides",
+    "activation_checkpointing",
+    "compile",
+    "weight_dtype",
+    "checkpoint_policy",
+)
+
+
 def _recipe_defaults(path: str) -> dict[str, Any]:
     """Settings from a recipe: model.init_args, trainer.precision and the synthetic data's mix."""
     import yaml
@@ -52,7 +63,7 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
     model = recipe.get("model") or {}
     args = model.get("init_args", model) if isinstance(model, dict) else {}
     out: dict[str, Any] = {}
-    for key in ("preset", "model_overrides", "activation_checkpointing", "compile", "checkpoint_policy"):
+    for key in _MODEL_KEYS:
         if key in args:
             out[key] = args[key]
     data = recipe.get("data") or {}
@@ -78,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recipe",
-        help="read preset, model_overrides, activation_checkpointing, compile, trainer.precision and the "
-        "synthetic data's mix from this recipe (flags override it)",
+        help="read preset, model_overrides, activation_checkpointing, compile, weight_dtype, "
+        "trainer.precision and the synthetic data's mix from this recipe (flags override it)",
     )
     p.add_argument("--preset", help="model preset: tiny, wan-1.3b, wan-14b (default wan-1.3b)")
     p.add_argument("--model-overrides", type=json.loads, help="JSON, e.g. '{\"num_layers\": 4}'")
@@ -102,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model"
+    )
+    p.add_argument(
+        "--weight-dtype",
+        choices=("fp32", "bf16"),
+        help="the model's parameters: fp32 (autocast casts them) or bf16 with fp32 masters in the "
+        "optimizer (default: the recipe's, else fp32)",
     )
     p.add_argument(
         "--checkpoint-policy",
@@ -158,15 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = _recipe_defaults(args.recipe) if args.recipe else {}
-        for key in (
-            "preset",
-            "model_overrides",
-            "activation_checkpointing",
-            "compile",
-            "precision",
-            "checkpoint_policy",
-            "checkpoint_blocks",
-        ):
+        for key in (*_MODEL_KEYS, "precision", "checkpoint_blocks"):
             value = getattr(args, key)
             if value is not None:
                 settings[key] = value

@@ -31,6 +31,12 @@ kernel; wan-1.3b's compiled clip step is 11% faster with FlashAttention-4 than w
 mode (under ``torch.compile`` it is resolved while tracing, at no cost per call); an eager step with it was
 slower on the host (see ``docs/performance.md``), which is why the model's default is ``"default"``.
 
+The cross-attention of one long sample to a short text has too little parallel work in the kernels'
+backward (one thread block per head and block of 128 keys); :func:`sdpa_split_queries` cuts the queries into
+``splits`` samples that share the keys (the same result) and :func:`query_splits` picks the count for a GPU.
+:class:`~lightning_adaptiveload.models.VideoDiT` does it for batches of one sample on CUDA (8 for wan-1.3b on
+an H100: the clip's cross-attention backward 28 -> 13.4 ms per step; ``docs/performance.md``, run 28).
+
 FlashAttention-3/4 plug in underneath the ``"flash"`` backend through ``torch.nn.attention``'s registry
 when their packages are installed; :func:`activate_flash_impl` does that and says why not when it cannot.
 For FA4 it registers :mod:`._fa4_adapter`, which returns what torch's FA4 dispatcher code unpacks: torch
@@ -55,8 +61,10 @@ __all__ = [
     "fa4_installed",
     "flash_impl_ready",
     "log_kernel_once",
+    "query_splits",
     "resolve_attention_backends",
     "sdpa",
+    "sdpa_split_queries",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,6 +147,77 @@ def sdpa(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
+# Query splits of a single sample's cross-attention (sdpa_split_queries): enough that the backward's thread
+# blocks (heads x blocks of 128 keys x splits) fill the GPU's SMs SPLIT_WAVES times over, at most SPLIT_MAX.
+# Measured in benchmarks/bench_attention.py --splits (docs/performance.md, run 28).
+SPLIT_WAVES = 3
+SPLIT_MAX = 16
+
+
+def query_splits(device: torch.device | str, heads: int, keys: int = 512) -> int:
+    """The query splits for one long sample's cross-attention with ``heads`` heads to ``keys`` keys on
+    ``device`` (1 off CUDA): see :func:`sdpa_split_queries`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = heads * max(1, -(-int(keys) // 128))
+    return max(1, min(SPLIT_MAX, round(SPLIT_WAVES * sms / blocks)))
+
+
+def sdpa_split_queries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    backends: list[SDPBackend] | None = None,
+    splits: int = 1,
+) -> torch.Tensor:
+    """:func:`sdpa` with the queries cut into ``splits`` equal chunks, each attending to all the keys as a
+    sample of its own: the same result (softmax runs over the keys, per query), more parallel work.
+
+    FlashAttention's and cuDNN's backward passes give one thread block to each (sample, head, block of 128
+    keys) and loop over all the queries in it. Cross-attention from 32,760 video tokens to 512 text tokens
+    then has 4 x 12 = 48 blocks for one sample, a third of an H100's SMs. Cut into ``splits`` samples (the
+    keys and values repeated, their gradients summed back by autograd), the backward has ``splits`` times
+    as many blocks. The queries are zero-padded to a multiple of ``splits`` and the padding dropped after
+    (under ``torch.compile`` always, so that the length needs no guard).
+
+    Args:
+        q: (B, H, S, d); k, v: (B, H, L, d); attn_mask: None, or a mask over the keys that does not vary
+            over the queries: (B or 1, H or 1, 1, L), or fewer leading dimensions (taken as 1).
+        backends: as for :func:`sdpa`.
+        splits: chunks per sample; 1 is :func:`sdpa` itself.
+
+    Returns:
+        (B, H, S, d) in q's dtype.
+    """
+    if splits <= 1:
+        return sdpa(q, k, v, attn_mask, backends)
+    if attn_mask is not None:
+        if attn_mask.dim() > 4:
+            raise ValueError(f"sdpa_split_queries: the mask has {attn_mask.dim()} dimensions, at most 4")
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        if attn_mask.shape[-2] != 1:
+            raise ValueError(
+                "sdpa_split_queries: a mask must not vary over the queries (its dimension -2 is 1)"
+            )
+    b, h, s, d = q.shape
+    pad = (-s) % splits
+    qs = q.transpose(1, 2)  # (B, S, H, d)
+    # Under torch.compile padded even where nothing is missing: a branch on the length would be a recompile.
+    if torch.compiler.is_compiling() or pad:
+        qs = F.pad(qs, (0, 0, 0, 0, 0, pad))
+    qs = qs.reshape(b * splits, (s + pad) // splits, h, d).transpose(1, 2)
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(1).expand(t.shape[0], splits, *t.shape[1:]).flatten(0, 1)
+
+    mask = None if attn_mask is None else repeat(attn_mask.expand(b, *attn_mask.shape[1:]))
+    out = sdpa(qs, repeat(k), repeat(v), mask, backends)  # (B * splits, H, S' / splits, d)
+    return out.transpose(1, 2).reshape(b, s + pad, h, d)[:, :s].transpose(1, 2)
 
 
 def attention_kernel_name(

@@ -213,6 +213,8 @@ class CrossAttention(nn.Module):
         self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.backends = None
+        # Query splits of one long sample (attention.sdpa_split_queries); set by VideoDiT for its device.
+        self.query_splits = 1
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
@@ -231,7 +233,13 @@ class CrossAttention(nn.Module):
             # arithmetically so that no host sync is needed to find such rows.
             keep = context_mask.any(dim=-1)  # (B,)
             attn_mask = (context_mask | ~keep[:, None])[:, None, None, :]  # (B, 1, 1, L)
-        out = _attention.sdpa(q, k, v, attn_mask, self.backends).transpose(1, 2).flatten(2)
+        # One sample, training: cut its queries into chunks so that the backward fills the GPU (see
+        # attention.sdpa_split_queries); batches of several samples have the parallelism already, and the
+        # forward alone does not gain. (B = 1 and grad mode have graphs of their own under torch.compile
+        # anyway, so this adds no recompile.)
+        splits = self.query_splits if q.shape[0] == 1 and torch.is_grad_enabled() else 1
+        out = _attention.sdpa_split_queries(q, k, v, attn_mask, self.backends, splits)
+        out = out.transpose(1, 2).flatten(2)
         if keep is not None:
             out = out * keep[:, None, None].to(out.dtype)
         return self.o(out)
@@ -403,7 +411,9 @@ class VideoDiT(nn.Module):
         self.head = Head(cfg)
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.attention_backend = "default"
-        self._backends_for: tuple[str, str] | None = None  # (device, name) the attention modules were set for
+        self.cross_attention_splits: int | str = "auto"
+        # (device, name, splits) the attention modules were set for
+        self._backends_for: tuple[str, str, int | str] | None = None
         # (policy, ActivationMemory, budget bytes) when the checkpointed-block count is chosen per batch.
         self._auto_checkpointing: tuple[str, Any, float] | None = None
         self.last_checkpointed_blocks: int | None = None  # the count the last forward ran with
@@ -552,14 +562,30 @@ class VideoDiT(nn.Module):
         self.attention_backend = name
         self._backends_for = None
 
+    def set_cross_attention_splits(self, splits: int | str = "auto") -> None:
+        """How many chunks the cross-attention cuts one long sample's queries into
+        (:func:`~lightning_adaptiveload.models.attention.sdpa_split_queries`: the same result, a backward
+        that fills the GPU): ``"auto"`` (the initial setting; :func:`~lightning_adaptiveload.models.attention.
+        query_splits` for the device, 1 off CUDA) or a count (1: never)."""
+        if splits != "auto" and not (
+            isinstance(splits, int) and not isinstance(splits, bool) and splits >= 1
+        ):
+            raise ValueError(f"cross-attention splits must be 'auto' or an integer >= 1, got {splits!r}")
+        self.cross_attention_splits = splits
+        self._backends_for = None
+
     def _apply_attention_backend(self, device: torch.device) -> None:
-        key = (str(device), self.attention_backend)
+        key = (str(device), self.attention_backend, self.cross_attention_splits)
         if self._backends_for == key:
             return
         backends = _attention.resolve_attention_backends(self.attention_backend, device)
+        splits = self.cross_attention_splits
+        if splits == "auto":
+            splits = _attention.query_splits(device, self.config.num_heads)
         for block in self.blocks:
             block.self_attn.backends = backends
             block.cross_attn.backends = backends
+            block.cross_attn.query_splits = splits
         self._backends_for = key
 
     # -- forward -----------------------------------------------------------------------------------

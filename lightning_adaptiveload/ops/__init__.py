@@ -7,6 +7,8 @@ or raises with ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1``. ``fused_op_paths()`` 
 
 :mod:`lightning_adaptiveload.ops.norm_kernels` holds Triton kernels for the norms of compiled blocks
 (LayerNorm-affine backward, RMSNorm with RoPE), which the model's layers use on CUDA under ``torch.compile``.
+:mod:`lightning_adaptiveload.ops.adamw_kernels` holds the one-pass master-weight AdamW kernel of
+:class:`~lightning_adaptiveload.models.master_weights.MasterWeightAdamW`.
 """
 
 from lightning_adaptiveload.ops._build import FusedOpUnavailable

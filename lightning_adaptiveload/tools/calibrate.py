@@ -294,6 +294,7 @@ def calibrate(
     precision: str | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    weight_dtype: str = "fp32",
     checkpoint_policy: str = "full",
     checkpoint_blocks: str | None = None,
     text_len: int | None = None,
@@ -324,6 +325,9 @@ def calibrate(
         activation_checkpointing, compile, checkpoint_policy: as in :class:`VideoDiTModule`. With
             ``compile``, the fragment also sets ``model.init_args.compile: true``: its budget and memory
             model were measured on the compiled step, and an eager step of the same policy can peak higher.
+        weight_dtype: as in :class:`VideoDiTModule`: ``"bf16"`` measures bf16 parameters with the fp32
+            master-weight optimizer (2 more bytes per parameter than fp32 weights) and writes
+            ``weight_dtype: bf16`` into the fragment.
         checkpoint_blocks: ``"auto"``: after the memory search (every block checkpointed), fit the
             :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` on three batches at
             ``max_tokens`` (:meth:`Bench.activation_memory`), time with the count chosen per batch, and
@@ -373,6 +377,7 @@ def calibrate(
         activation_checkpointing=activation_checkpointing,
         compile=compile,
         checkpoint_policy=checkpoint_policy,
+        weight_dtype=weight_dtype,
     )
     cfg = module.model_config
     patch = cfg.patch_size
@@ -389,7 +394,7 @@ def calibrate(
         module.model.to(torch.bfloat16)
     module.model.to(dev)
     module.model.train()
-    bench = Bench(module, dev, precision, text_len, ddp, seed)
+    bench = Bench(module, dev, precision, text_len, ddp, seed, master_weights=weight_dtype == "bf16")
     bench.allocate_optimizer_state(shortest)
 
     total, device_name = _device_memory(dev)
@@ -407,6 +412,8 @@ def calibrate(
         if checkpoint_blocks == "auto"
         else ({}, None)
     )
+    if weight_dtype == "bf16":  # what was measured (its memory differs from fp32 weights')
+        model_args = {"weight_dtype": "bf16", **model_args}
     if compile:  # what was measured: the fragment must not be trained eagerly by mistake
         model_args = {"compile": True, **model_args}
     use_packs = packs and kind == "quadratic"
@@ -432,6 +439,7 @@ def calibrate(
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
         "compile": compile,
+        "weight_dtype": weight_dtype,
         "checkpointing": f"{checkpoint_policy}, "
         + ("count per batch (auto)" if model_args else "every block" if activation_checkpointing else "off"),
         "text_len": text_len,

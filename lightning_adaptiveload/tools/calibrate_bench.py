@@ -52,7 +52,16 @@ def physical_memory() -> int:
 class Bench:
     """The model, its optimizer and the measurement primitives on one device."""
 
-    def __init__(self, module, device: torch.device, precision: str, text_len: int, ddp: bool, seed: int):
+    def __init__(
+        self,
+        module,
+        device: torch.device,
+        precision: str,
+        text_len: int,
+        ddp: bool,
+        seed: int,
+        master_weights: bool = False,
+    ):
         self.module = module
         self.device = device
         self.precision = precision
@@ -61,11 +70,19 @@ class Bench:
         model = module.model
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.num_params = sum(p.numel() for p in model.parameters())
-        # Gradients (param dtype) + AdamW's two moments (param dtype) on top of the parameters.
-        self.static_bytes = 4 * self.param_bytes
-        # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
-        self.ddp_bytes = 4 * self.num_params if ddp else 0
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
+        if master_weights:  # weight_dtype="bf16": the optimizer the module trains with
+            from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
+
+            # Gradients (param dtype), then fp32 masters and AdamW's two fp32 moments.
+            self.static_bytes = 2 * self.param_bytes + 12 * self.num_params
+            self.ddp_bytes = self.param_bytes if ddp else 0  # DDP's buckets, in the gradients' dtype
+            self.optimizer = MasterWeightAdamW(model.parameters(), lr=1e-12)
+        else:
+            # Gradients (param dtype) + AdamW's two moments (param dtype) on top of the parameters.
+            self.static_bytes = 4 * self.param_bytes
+            # DDP keeps its own fp32 gradient buckets (one more copy of the gradients).
+            self.ddp_bytes = 4 * self.num_params if ddp else 0
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12)
         self._pack: tuple[tuple, dict] | None = None  # the last pack's inputs, reused across its repeats
 
     def batch(self, shape: Sequence[int], b: int) -> dict:
