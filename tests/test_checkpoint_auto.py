@@ -128,6 +128,9 @@ def test_auto_mode_needs_a_memory_model_for_this_depth():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(*_inputs(1, 4))  # the same batch again: no second warning
+        model(*_inputs(1, 4, text=9))  # nor for another text length (they vary by sample)
+    with pytest.warns(UserWarning, match="lower max_tokens"):
+        model(*_inputs(1, 2))  # another length warns
 
 
 def _saved_bytes(model, shape, text):

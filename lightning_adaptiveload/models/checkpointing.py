@@ -100,12 +100,13 @@ def apply_checkpointing(blocks: Sequence[nn.Module], policy: str | None, count: 
 def auto_count(memory: Any, batch: tuple[int, int, int], budget: float, warned: set) -> int:
     """``num_blocks="auto"``: the blocks to checkpoint for a batch of (B, S, L) (``memory`` an
     ``ActivationMemory``). A batch predicted over ``budget`` even with every block checkpointed gets every
-    block, and one warning per batch shape (``warned`` remembers them): the prediction may be pessimistic,
-    and a real out-of-memory error names the batch anyway."""
+    block, and one warning per batch size and length, whatever the text length (``warned`` remembers them:
+    text lengths vary by sample): the prediction may be pessimistic, and a real out-of-memory error names
+    the batch anyway."""
     try:
         return memory.checkpointed_blocks(*batch, budget)
     except ValueError as err:
-        if batch not in warned:
-            warned.add(batch)
+        if batch[:2] not in warned:
+            warned.add(batch[:2])
             warnings.warn(f"checkpoint_blocks='auto': {err}; checkpointing every block", stacklevel=4)
         return memory.num_blocks

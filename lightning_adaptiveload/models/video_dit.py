@@ -417,7 +417,7 @@ class VideoDiT(nn.Module):
         # (policy, ActivationMemory, budget bytes) when the checkpointed-block count is chosen per batch.
         self._auto_checkpointing: tuple[str, Any, float] | None = None
         self.last_checkpointed_blocks: int | None = None  # the count the last forward ran with
-        self._over_budget: set[tuple[int, int, int]] = set()  # batches warned about (over budget)
+        self._over_budget: set[tuple[int, int]] = set()  # (B, S) of batches warned about (over budget)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
