@@ -1,6 +1,7 @@
 """The leaf layers of :mod:`~lightning_adaptiveload.models.video_dit`: initialised Linear and patch Conv3d,
 the norms (``NormModulate``, the fused op's site, ``RMSNorm``, ``FP32LayerNorm``), the sinusoidal time
-features and Wan's 3-D RoPE.
+features, Wan's 3-D RoPE, and the self- and cross-attention layers built from them (their kernels chosen by
+:mod:`~lightning_adaptiveload.models.attention`).
 
 The RoPE splits each head's dimension d over the three axes like Wan: T gets d - 4*(d//6), H and W get
 2*(d//6) each, with frequencies 1 / 10000^(2i/d_axis) per axis and adjacent channel pairs rotated.
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_adaptiveload import ops as _ops
+from lightning_adaptiveload.models import attention as _attention
 from lightning_adaptiveload.ops import norm_kernels as _norm_kernels
 
 __all__ = [
@@ -314,3 +316,79 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x0, x1 = xf[..., 0], xf[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Full (bidirectional) self-attention over the video tokens with q/k RMSNorm and 3D RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = Linear(dim, dim)
+        self.k = Linear(dim, dim)
+        self.v = Linear(dim, dim)
+        self.o = Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        # SDPA kernels in priority order (None: PyTorch's choice); set by VideoDiT.set_attention_backend.
+        self.backends = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, S, D); cos, sin (S, d/2). Returns (B, S, D)."""
+        h = self.num_heads
+        q, k = (
+            normed_rope(self.norm_q, self.q(x), h, cos, sin),
+            normed_rope(self.norm_k, self.k(x), h, cos, sin),
+        )
+        v = self.v(x).unflatten(-1, (h, -1))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if not torch.compiler.is_compiling():
+            _attention.log_kernel_once("VideoDiT self-attention", q, k, v, None, self.backends)
+        # No mask: a batch holds samples of one shape (never padded), so the fastest kernels apply.
+        out = _attention.sdpa(q, k, v, backends=self.backends)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class CrossAttention(nn.Module):
+    """Attention from video tokens to text states, ignoring padded text positions."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = Linear(dim, dim)
+        self.k = Linear(dim, dim)
+        self.v = Linear(dim, dim)
+        self.o = Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.backends = None
+        # Query splits of one long sample (attention.sdpa_split_queries); set by VideoDiT for its device.
+        self.query_splits = 1
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Args: x (B, S, D); context (B, L, D); context_mask (B, L) bool, True = real token, or None.
+
+        Returns (B, S, D). A sample whose mask is all False gets 0 (attention to nothing) rather than NaN.
+        """
+        h = self.num_heads
+        q = self.norm_q(self.q(x)).unflatten(-1, (h, -1)).transpose(1, 2)
+        k = self.norm_k(self.k(context)).unflatten(-1, (h, -1)).transpose(1, 2)
+        v = self.v(context).unflatten(-1, (h, -1)).transpose(1, 2)
+        attn_mask = keep = None
+        if context_mask is not None:
+            # A fully masked row makes softmax NaN; let it attend everywhere, then zero its output. Done
+            # arithmetically so that no host sync is needed to find such rows.
+            keep = context_mask.any(dim=-1)  # (B,)
+            attn_mask = (context_mask | ~keep[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        # One sample, training: cut its queries into chunks so that the backward fills the GPU (see
+        # attention.sdpa_split_queries); batches of several samples have the parallelism already, and the
+        # forward alone does not gain. (B = 1 and grad mode have graphs of their own under torch.compile
+        # anyway, so this adds no recompile.)
+        splits = self.query_splits if q.shape[0] == 1 and torch.is_grad_enabled() else 1
+        out = _attention.sdpa_split_queries(q, k, v, attn_mask, self.backends, splits)
+        out = out.transpose(1, 2).flatten(2)
+        if keep is not None:
+            out = out * keep[:, None, None].to(out.dtype)
+        return self.o(out)
