@@ -364,9 +364,7 @@ def test_calibration_bench_with_bf16_weights_uses_master_weights_and_counts_them
     for dtype in ("fp32", "bf16"):
         module = VideoDiTModule(preset="tiny", weight_dtype=dtype)
         module.configure_model()
-        benches[dtype] = Bench(
-            module, torch.device("cpu"), "bf16-mixed", 4, True, 0, master_weights=dtype == "bf16"
-        )
+        benches[dtype] = Bench(module, torch.device("cpu"), "bf16-mixed", 4, True, 0)  # from weight_dtype
     fp32, bf16 = benches["fp32"], benches["bf16"]
     n = fp32.num_params
     assert isinstance(bf16.optimizer, MasterWeightAdamW) and not isinstance(fp32.optimizer, MasterWeightAdamW)

@@ -394,7 +394,7 @@ def calibrate(
         module.model.to(torch.bfloat16)
     module.model.to(dev)
     module.model.train()
-    bench = Bench(module, dev, precision, text_len, ddp, seed, master_weights=weight_dtype == "bf16")
+    bench = Bench(module, dev, precision, text_len, ddp, seed)
     bench.allocate_optimizer_state(shortest)
 
     total, device_name = _device_memory(dev)
