@@ -7,7 +7,6 @@ environment variables: Lightning does not set ``RANK`` for the processes it spaw
 from __future__ import annotations
 
 import atexit
-import datetime
 from typing import Any
 
 import torch
@@ -19,9 +18,6 @@ def is_distributed() -> bool:
 
 
 _EXIT_HOOK_REGISTERED = False
-# How long a rank's exit handler waits for the others before it destroys its group anyway (a peer that died
-# never arrives).
-EXIT_BARRIER_TIMEOUT_S = 30.0
 
 
 def destroy_gloo_group_at_exit() -> None:
@@ -31,26 +27,13 @@ def destroy_gloo_group_at_exit() -> None:
     exception") during interpreter finalization: gloo's worker threads still hold work objects whose
     tensors need the GIL, which is being torn down (PyTorch's own fix, pytorch/pytorch#179291, was
     abandoned). Lightning's ``ddp_spawn`` workers exit without destroying the group; an ``atexit`` handler
-    runs while the interpreter is still whole. The ranks first wait for each other (a monitored barrier, at
-    most ``EXIT_BARRIER_TIMEOUT_S``): a rank that tore its group down while a peer still had it open made
-    that peer abort ("terminate called without an active exception", a CI run of
-    ``test_ddp_cvs_equal_known_batches``). Registered once per process; NCCL groups are left alone.
+    runs while the interpreter is still whole. Registered once per process; NCCL groups are left alone.
     """
     global _EXIT_HOOK_REGISTERED
     if _EXIT_HOOK_REGISTERED or not is_distributed() or dist.get_backend() != "gloo":
         return
-    atexit.register(_destroy_gloo_group_at_exit)
+    atexit.register(_destroy_gloo_group)
     _EXIT_HOOK_REGISTERED = True
-
-
-def _destroy_gloo_group_at_exit() -> None:
-    if not is_distributed() or dist.get_backend() != "gloo":
-        return  # destroyed already (destroy_gloo_group_now, or the program itself)
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
-    except Exception:  # noqa: BLE001 - a peer gone or late: still destroy ours
-        pass
-    _destroy_gloo_group()
 
 
 def _destroy_gloo_group() -> None:
