@@ -138,7 +138,7 @@ def test_fsdp2_matches_ddp_resumes_and_is_timed(setup, tmp_path):
         json.load(open(os.path.join(out, "resumed.monitor.json")))["meta"]["timing_method"]
         == "fsdp2_post_backward"
     )
-    assert json.load(open(os.path.join(out, "ddp.monitor.json")))["meta"]["timing_method"] == "ddp_comm_hook"
+    assert json.load(open(os.path.join(out, "ddp.monitor.json")))["meta"]["timing_method"] == "backward_end"
 
 
 @pytest.mark.timeout(150)

@@ -169,8 +169,8 @@ def test_ddp_cvs_equal_known_batches(tmp_path):
         assert float(row["cost"]) == pytest.approx(_cost(b, s))
         # FlopCounterMode: a Linear's forward is one addmm of 2 * B * D_IN * D_OUT; training = 3x forward
         assert float(row["flops"]) == 3 * 2 * b * D_IN * D_OUT
-        # timed by the DDP communication hook: compute (start -> last bucket ready) within the step
-        assert row["ddp_hook_timed"] == "1"
+        # timed to the end of the backward (an engine callback), within the step
+        assert row["backward_timed"] == "1"
         assert 0 < float(row["compute_time_s"]) <= float(row["step_time_s"]) <= float(row["iter_time_s"])
         # no CUDA: memory fields absent
         assert row["peak_allocated_bytes"] == "" and row["peak_reserved_bytes"] == ""
@@ -196,7 +196,7 @@ def test_ddp_cvs_equal_known_batches(tmp_path):
     payload = json.load(open(os.path.join(outdir, "load_balance.json")))
     meta = payload["summary"]["meta"]
     assert meta["world_size"] == 2
-    assert meta["timing_method"] == "ddp_comm_hook"
+    assert meta["timing_method"] == "backward_end"
     assert meta["flops_source"] == "flop_counter"
     assert meta["num_collectives"] == 3  # steps 3 and 6, then the 2 remaining steps at the end of fit
     assert len(payload["steps"]) == STEPS
@@ -206,23 +206,89 @@ def test_ddp_cvs_equal_known_batches(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_ddp_user_comm_hook_falls_back_to_step_time(tmp_path):
+def test_ddp_user_comm_hook_keeps_the_timing(tmp_path):
+    # A user's own communication hook (compression, PowerSGD) no longer costs the timing: the monitor marks
+    # the end of the backward with an engine callback, not with a hook of its own.
     monitor = LoadBalanceMonitor(dirpath=tmp_path / "out", print_summary=False, plots=False)
     trainer = _trainer(tmp_path, monitor, strategy="ddp_spawn", devices=2, log_every_n_steps=4)
     trainer.fit(TinyModule(register_user_hook=True))
 
     ranks = _read_csv(tmp_path / "out" / "load_balance_ranks.csv")
     assert len(ranks) == 2 * STEPS
-    assert {row["ddp_hook_timed"] for row in ranks} == {"0"}
+    assert {row["backward_timed"] for row in ranks} == {"1"}
     for row in ranks:
-        assert float(row["compute_time_s"]) == float(row["step_time_s"])
+        assert 0 < float(row["compute_time_s"]) <= float(row["step_time_s"])
+        assert float(row["sync_wait_s"]) >= 0
     meta = json.load(open(tmp_path / "out" / "load_balance.json"))["summary"]["meta"]
-    assert meta["timing_method"] == "step"
+    assert meta["timing_method"] == "backward_end"
     assert meta["num_collectives"] == 2  # steps 4 and 8
     _, token_cv = _expected_step_cvs()
     assert trainer.callback_metrics["balance/token_cv"].item() == pytest.approx(
         token_cv[4:8].mean(), rel=1e-6
     )
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity forward; the backward sleeps: a rank made deliberately slow by a known amount."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+SLOW_RANK_SLEEP_S = 0.5
+
+
+class SlowRankModule(TinyModule):
+    """Rank 1's backward takes SLOW_RANK_SLEEP_S longer than rank 0's at every step."""
+
+    def training_step(self, batch, batch_idx):
+        y = self.lin(batch["latents"])
+        if self.global_rank == 1:
+            y = _SleepInBackward.apply(y, SLOW_RANK_SLEEP_S)
+        return y.pow(2).mean()
+
+
+@pytest.mark.timeout(240)
+def test_ddp_compute_time_excludes_the_wait_for_a_slow_rank(tmp_path):
+    """The no-wait rule: the fast rank's compute time ends at its own backward, not at the all-reduce that
+    waits for the slow rank; the wait appears in its measured synchronisation wait instead."""
+    monitor = LoadBalanceMonitor(
+        dirpath=tmp_path / "out", print_summary=False, plots=False, count_flops=False
+    )
+    trainer = _trainer(tmp_path, monitor, strategy="ddp_spawn", devices=2, log_every_n_steps=4)
+    trainer.fit(SlowRankModule())
+
+    rows = _read_csv(tmp_path / "out" / "load_balance_ranks.csv")
+    by_step: dict[int, dict[int, dict]] = {}
+    for row in rows:
+        by_step.setdefault(int(row["batch_idx"]), {})[int(row["rank"])] = row
+    assert len(by_step) == STEPS
+    for step, pair in by_step.items():
+        fast, slow = pair[0], pair[1]
+        assert fast["backward_timed"] == slow["backward_timed"] == "1"
+        c_fast, c_slow = float(fast["compute_time_s"]), float(slow["compute_time_s"])
+        w_fast, w_slow = float(fast["sync_wait_s"]), float(slow["sync_wait_s"])
+        # The slow rank's compute holds its sleep; the fast rank's does not hold the wait for it.
+        assert c_slow >= SLOW_RANK_SLEEP_S, (step, c_slow)
+        assert c_fast < c_slow - SLOW_RANK_SLEEP_S / 2, (step, c_fast, c_slow)
+        # The fast rank waited for the slow one, measured on its own clock; the slow rank hardly waited.
+        assert w_fast > w_slow + SLOW_RANK_SLEEP_S / 2, (step, w_fast, w_slow)
+    summary = json.load(open(tmp_path / "out" / "load_balance.json"))["summary"]
+    overall = summary["overall"]
+    # Two ranks, one idle for most of the slow rank's step: the wait is near 1 - mean/max, i.e. well above
+    # the 0.2 that a run folding the wait into compute time could never reach.
+    assert overall["straggler_wait"] > 0.2
+    # The measured wait tells the same story as the compute times (the monitor checks itself).
+    assert overall["measured_straggler_wait"] == pytest.approx(overall["straggler_wait"], abs=0.1)
 
 
 # ------------------------------------------------------------------ single process

@@ -213,3 +213,21 @@ def test_balance_rows_matches_scalar_functions():
         stats.balance_rows(np.ones(3))
     with pytest.raises(ValueError, match="negative"):
         stats.balance_rows(np.array([[1.0, -2.0]]))
+
+
+def test_measured_wait_rows_equals_the_derived_wait_when_waits_are_exact():
+    rng = np.random.default_rng(3)
+    compute = rng.uniform(0.5, 3.0, size=(6, 4))
+    tail = rng.uniform(0.0, 0.05, size=(6, 1))  # the collective's own tail, paid by every rank
+    sync_wait = compute.max(axis=1, keepdims=True) - compute + tail
+    share, got_tail = stats.measured_wait_rows(sync_wait, compute)
+    assert share == pytest.approx(stats.balance_rows(compute)[2], rel=1e-12)
+    assert got_tail == pytest.approx(tail[:, 0])
+    # a wait folded into compute time (every rank reports the slowest time) shows as no derived wait, while
+    # the measured wait still sees it
+    folded = np.repeat(compute.max(axis=1, keepdims=True), 4, axis=1)
+    assert stats.balance_rows(folded)[2] == pytest.approx(np.zeros(6))
+    share_nan, _ = stats.measured_wait_rows(np.full((2, 2), np.nan), np.ones((2, 2)))
+    assert np.isnan(share_nan).all()
+    with pytest.raises(ValueError, match="shapes"):
+        stats.measured_wait_rows(np.ones((2, 3)), np.ones((3, 2)))

@@ -34,12 +34,11 @@ from lightning_adaptiveload.monitor import report, stats
 from lightning_adaptiveload.monitor import steps as step_table
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
-    BucketTimer,
+    BackwardTimer,
     CudaClock,
     HostClock,
     PendingStep,
     dynamo_frames,
-    timed_allreduce_hook,
 )
 
 if TYPE_CHECKING:
@@ -57,10 +56,11 @@ class LoadBalanceMonitor(Callback):
 
     - work: ``batch["cost"]`` (the cost model's estimate), ``batch["num_tokens"]``, ``batch["batch_size"]``,
       ``batch["seq_len"]`` (the batch contract of ``docs/architecture.md``) and the step's model FLOPs;
-    - time: the rank's own *compute* time, from the step start to the moment its last gradient bucket is
-      ready (a DDP communication hook that wraps the default all-reduce; CUDA events on GPU, the host clock on
-      CPU), so waiting for slower ranks in the all-reduce is excluded; the step's wall time; the iteration
-      time (step end to step end, data loading included);
+    - time: the rank's own *compute* time, from the step start to the end of its own backward (an
+      autograd-engine callback queued ahead of the strategy's gradient synchronisation; CUDA events on GPU,
+      the host clock on CPU), so waiting for slower ranks is excluded; the *measured* synchronisation wait,
+      from the end of the backward to the end of the gradient collective; the step's wall time; the
+      iteration time (step end to step end, data loading included);
     - memory (CUDA only): peak allocated and reserved bytes within the step (peaks reset at each step start),
       the device's total, allocation retries and OOMs.
 
@@ -72,7 +72,9 @@ class LoadBalanceMonitor(Callback):
     ``compute_cv``, ``compute_imbalance`` (of the cost estimates), ``token_cv``, ``step_time_cv`` (of the
     ranks' compute times), ``imbalance`` (``max / mean - 1`` of compute times), ``straggler_wait``
     (the share of the window's compute time spent waiting for the slowest rank: ``sum(max - mean) /
-    sum(max)`` over its steps, :func:`lightning_adaptiveload.monitor.stats.straggler_wait`), ``step_wait_mean``
+    sum(max)`` over its steps, :func:`lightning_adaptiveload.monitor.stats.straggler_wait`),
+    ``measured_straggler_wait`` (the same share from each rank's measured wait,
+    :func:`~lightning_adaptiveload.monitor.stats.measured_wait_rows`: a check of the first), ``step_wait_mean``
     (the per-step ``1 - mean / max``, averaged over steps unweighted), ``tokens_per_s`` and
     ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
     ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
@@ -165,7 +167,8 @@ class LoadBalanceMonitor(Callback):
         self._device = torch.device("cpu")
         self._clock: HostClock | CudaClock = HostClock()
         self._max_tokens = math.nan  # the batcher's cap, read at train start (for the per-step fill)
-        self._bucket_timer: BucketTimer | None = None
+        self._timer: BackwardTimer | None = None
+        self._fsdp_timer: Any = None  # FSDP2: FsdpStepTimer, whose all-gather waits come off the compute time
         self._timing_method = "step"
         self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
@@ -215,7 +218,7 @@ class LoadBalanceMonitor(Callback):
         # The memory cap per rank and step, for the per-step fill (packed steps fill it; buckets do not).
         batcher = getattr(getattr(trainer, "datamodule", None), "batcher", None)
         self._max_tokens = float(getattr(batcher, "max_tokens", math.nan) or math.nan)
-        self._install_comm_hook(trainer)
+        self._install_timers(trainer)
         self._flops = BatchFlops(pl_module, self.flops_fn, self.count_flops, self._warn_once)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
         outdir = self.dirpath if self.dirpath is not None else (trainer.log_dir or trainer.default_root_dir)
@@ -236,9 +239,23 @@ class LoadBalanceMonitor(Callback):
         if self._flops is not None:
             self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
         self._frames_at_start = dynamo_frames()
-        if self._bucket_timer is not None:
-            self._bucket_timer.start_step()
+        if self._timer is not None:
+            self._timer.start_step()
+        if self._fsdp_timer is not None:
+            self._fsdp_timer.start_step()
         self._start = self._clock.mark()
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._timer is not None:
+            self._timer.watch(loss)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.after_backward()
 
     @override
     def on_train_batch_end(
@@ -250,12 +267,16 @@ class LoadBalanceMonitor(Callback):
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
         if dynamo_frames() != self._frames_at_start:
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
-        bucket = None
-        if self._bucket_timer is not None:
-            self._bucket_timer.active = False
-            if self._bucket_timer.buckets > 0:
-                bucket = self._bucket_timer.mark
-                flags |= step_table.FLAG_HOOK
+        backward_end = sync_end = fsdp = None
+        if self._timer is not None:
+            self._timer.active = False
+            backward_end, sync_end = self._timer.backward_end, self._timer.sync_end
+        if self._fsdp_timer is not None:
+            self._fsdp_timer.active = False
+            if self._fsdp_timer.buckets > 0:
+                fsdp = self._fsdp_timer.mark
+        if backward_end is not None or fsdp is not None:
+            flags |= step_table.FLAG_HOOK
         memory = (math.nan,) * 4
         if self._device.type == "cuda":
             s = torch.cuda.memory_stats(self._device)
@@ -274,7 +295,9 @@ class LoadBalanceMonitor(Callback):
                 start=self._start,
                 end=end,
                 prev_end=self._prev_end,
-                bucket=bucket,
+                backward_end=backward_end,
+                sync_end=sync_end,
+                fsdp=fsdp,
                 memory=memory,
                 flags=flags,
             )
@@ -296,11 +319,10 @@ class LoadBalanceMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending:
             self._flush(trainer, pl_module, log=False)
-        if hasattr(self._bucket_timer, "remove"):  # FSDP2's timing hooks come off; DDP's hook cannot
-            self._bucket_timer.remove()
-        if self._bucket_timer is not None:
-            # DDP cannot unregister a hook: it stays on the module as a plain all-reduce.
-            self._bucket_timer.active = False
+        if self._fsdp_timer is not None:  # FSDP2's timing hooks come off the model
+            self._fsdp_timer.remove()
+        if self._timer is not None:
+            self._timer.active = False
         if self._rank != 0:
             return
         self.summary = self._summarize()
@@ -315,8 +337,10 @@ class LoadBalanceMonitor(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._bucket_timer is not None:
-            self._bucket_timer.active = False
+        if self._timer is not None:
+            self._timer.active = False
+        if self._fsdp_timer is not None:
+            self._fsdp_timer.active = False
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -347,47 +371,43 @@ class LoadBalanceMonitor(Callback):
             return math.nan
         return peak
 
-    def _install_comm_hook(self, trainer: pl.Trainer) -> None:
+    def _install_timers(self, trainer: pl.Trainer) -> None:
+        """The end of each rank's backward is marked under every strategy (:class:`BackwardTimer`); under FSDP2
+        the all-gather waits inside the step are bracketed too and taken off the compute time."""
         from torch.nn.parallel import DistributedDataParallel
 
         model = trainer.strategy.model
-        if not isinstance(model, DistributedDataParallel):
-            from lightning_adaptiveload.models.strategies import check_sharded
-            from lightning_adaptiveload.monitor import fsdp_timing
-
-            check_sharded(trainer.strategy, model)
-            self._bucket_timer = fsdp_timing.install_fsdp2_timer(self._clock, model)
-            if self._bucket_timer is not None:
-                self._timing_method = "fsdp2_post_backward"
-                return
-            if self._world > 1:
+        self._timer = BackwardTimer(self._clock)
+        self._timing_method = "backward_end"
+        if isinstance(model, DistributedDataParallel):
+            if getattr(model, "_comm_hooks", None):
                 self._warn_once(
-                    "hook",
-                    f"LoadBalanceMonitor: the strategy {type(trainer.strategy).__name__} does not wrap the model "
-                    "in DistributedDataParallel; compute time is the whole step, waiting for other ranks included"
-                    " (step_time_cv and straggler_wait understate the imbalance).",
+                    "python_hook",
+                    "LoadBalanceMonitor: a Python DDP communication hook is registered. On GPUs, under Lightning, "
+                    "a Python hook that recorded a CUDA event (the monitor's own timing hook in 0.1.0) held the "
+                    "fast ranks' backward kernels until the slowest rank's (2 x H200: 2.74 s against 1.58 s "
+                    "without it; docs/monitor.md, 'Checked on GPUs'). Compute times then hold that wait. If "
+                    "the ranks' compute times look alike although their work differs, compare a run without "
+                    "the hook.",
                 )
             return
-        if getattr(model, "_comm_hooks", None) or getattr(model, "_use_python_reducer", False):
-            self._warn_once(
-                "hook",
-                "LoadBalanceMonitor: a DDP communication hook is already registered; compute time is the whole "
-                "step, waiting for other ranks included (step_time_cv and straggler_wait understate the "
-                "imbalance).",
-            )
+        if self._world == 1:
             return
-        timer = BucketTimer(self._clock, model.process_group)
-        try:
-            model.register_comm_hook(timer, timed_allreduce_hook)
-        except RuntimeError as err:  # a built-in (C++) hook was registered: the reducer takes only one
-            self._warn_once(
-                "hook",
-                f"LoadBalanceMonitor: could not register the timing DDP communication hook ({err}); compute "
-                "time is the whole step, waiting for other ranks included.",
-            )
+        from lightning_adaptiveload.models.strategies import check_sharded
+        from lightning_adaptiveload.monitor import fsdp_timing
+
+        check_sharded(trainer.strategy, model)
+        self._fsdp_timer = fsdp_timing.install_fsdp2_timer(self._clock, model)
+        if self._fsdp_timer is not None:
+            self._timing_method = "fsdp2_post_backward"
             return
-        self._bucket_timer = timer
-        self._timing_method = "ddp_comm_hook"
+        self._warn_once(
+            "gathers",
+            f"LoadBalanceMonitor: under {type(trainer.strategy).__name__} the ranks may also wait for each other "
+            "inside the forward and backward (parameter all-gathers of FSDP v1 or DeepSpeed ZeRO-3), which the "
+            "monitor does not bracket: compute time runs to the end of the backward and includes those waits "
+            "(step_time_cv and straggler_wait may understate the imbalance). DDP and FSDP2 are timed exactly.",
+        )
 
     # ------------------------------------------------------------------ per-step helpers
 

@@ -1,7 +1,7 @@
 """Compute time apart from waiting under FSDP2 (``fully_shard``), for :class:`LoadBalanceMonitor`.
 
-Under DDP one point splits a step: the last gradient bucket being ready (a communication hook). FSDP2 has
-no such hook, and it communicates all through the step: every sharded unit all-gathers its parameters
+Under DDP one point splits a step: the end of the rank's own backward (``timing.BackwardTimer``), after
+which it only waits for the gradient all-reduce. FSDP2 also communicates all through the step: every sharded unit all-gathers its parameters
 before its forward and again before its backward, and those collectives make a fast rank wait for a slow
 one block by block. So the rank's compute time here is::
 
@@ -77,7 +77,7 @@ def _grad_tensors(output: Any) -> list[torch.Tensor]:
 
 
 class FsdpStepTimer:
-    """Timing hooks on every FSDP2 unit; the monitor drives it like its DDP bucket timer.
+    """Timing hooks on every FSDP2 unit; the monitor starts and stops it with every step.
 
     Attributes (the interface the monitor reads): ``active`` (hooks record only between ``start_step`` and
     the step end), ``mark`` (this step's :class:`FsdpStepMarks`), ``buckets`` (1 once the backward ended).

@@ -150,7 +150,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 def write_ranks_header(path: str | os.PathLike) -> None:
     """Start ``load_balance_ranks.csv``: one row per rank and step follows (:func:`append_rank_rows`)."""
     with open(path, "w", newline="") as f:
-        csv.writer(f).writerow(["rank", *FIELDS[:-1], "flops_counted", "ddp_hook_timed"])
+        csv.writer(f).writerow(["rank", *FIELDS[:-1], "flops_counted", "backward_timed"])
 
 
 def append_rank_rows(path: str | os.PathLike, steps: np.ndarray) -> None:

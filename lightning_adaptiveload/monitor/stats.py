@@ -42,6 +42,7 @@ __all__ = [
     "straggler_wait",
     "step_wait_mean",
     "balance_rows",
+    "measured_wait_rows",
     "BALANCE_FIGURES",
     "summarize_steps",
     "balance_summary",
@@ -198,6 +199,36 @@ def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     nan = np.isnan(mean)  # np.clip keeps nan, but `equal` is False for nan rows: keep nan explicit
     cv_[nan], imb[nan], wait[nan] = np.nan, np.nan, np.nan
     return cv_, imb, wait
+
+
+def measured_wait_rows(sync_wait: np.ndarray, compute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the ranks' waiting for their peers as each rank *measured* it, next to :func:`balance_rows`'
+    ``straggler_wait``, which is derived from the compute times alone.
+
+    A rank's measured synchronisation wait (end of its backward -> end of its gradient collective) is its
+    wait for the slowest rank plus the collective's own tail, which every rank pays. The rank that waits
+    least is the slowest one: its wait is the tail. Taking it off every rank leaves the wait for peers, so
+
+        measured_wait = mean_r(sync_wait_r - min_r sync_wait_r) / max_r compute_r
+
+    which equals ``1 - mean / max`` of the compute times when both measurements are right: a check of the
+    monitor against itself, and the figure to trust where they disagree.
+
+    Args:
+        sync_wait: float (steps, ranks), seconds; nan where not measured.
+        compute: float (steps, ranks), each rank's own compute time in seconds.
+
+    Returns:
+        ``(measured_wait, tail_s)``: float64 (steps,) each; nan for a step with a nan.
+    """
+    w = np.asarray(sync_wait, dtype=np.float64)
+    c = np.asarray(compute, dtype=np.float64)
+    if w.shape != c.shape or w.ndim != 2:
+        raise ValueError(f"measured_wait_rows: shapes {w.shape} and {c.shape} must be equal (steps, ranks)")
+    tail = w.min(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = (w - tail[:, None]).mean(axis=1) / c.max(axis=1)
+    return share, tail
 
 
 # The balance figures that the simulator and the monitor both report, under these names, so that a

@@ -29,6 +29,7 @@ __all__ = [
     "split_blocks",
     "step_table",
     "balance_figures",
+    "measured_straggler_wait",
     "throughput",
     "window_metrics",
     "rank_band",
@@ -49,7 +50,8 @@ FIELDS = (
     "batch_size",  # batch["batch_size"]
     "seq_len",  # batch["seq_len"]
     "flops",  # model FLOPs of forward + backward (3x forward)
-    "compute_time_s",  # the rank's own compute: step start -> last gradient bucket ready (or the whole step)
+    "compute_time_s",  # the rank's own compute: step start -> end of its backward (or the whole step)
+    "sync_wait_s",  # end of its backward -> end of its gradient synchronisation, measured (nan: not timed)
     "step_time_s",  # step start -> step end (on_train_batch_start -> on_train_batch_end), waiting included
     "iter_time_s",  # previous step end -> this step end: data loading, step and callbacks
     "data_time_s",  # previous step end -> this step start (nan for the first step and after validation)
@@ -58,7 +60,8 @@ FIELDS = (
     "alloc_retries",  # cumulative cudaMalloc retries (torch.cuda.memory_stats "num_alloc_retries")
     "ooms",  # cumulative out-of-memory errors
     "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
-    # it: its times are inflated); bit 1: timed by DDP hook; bit 2: torch.compile compiled in it
+    # it: its times are inflated); bit 1: compute timed to the end of the backward; bit 2: torch.compile
+    # compiled in it
 )
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -72,7 +75,7 @@ STEP_COLUMNS = (
     "step",
     "batch_idx",
     "counted",  # 1 if some rank counted FLOPs or compiled (warm-up) at the step: its time statistics are left out
-    "hook_timed",  # 1 if every rank's compute time came from the DDP hook
+    "hook_timed",  # 1 if every rank's compute time ended at its backward's end (not the whole step)
     "compute_cv",
     "compute_imbalance",
     "token_cv",
@@ -80,6 +83,8 @@ STEP_COLUMNS = (
     "imbalance",
     "straggler_wait",
     "compute_time_max_s",
+    "measured_wait",  # mean over ranks of the measured wait for peers / slowest compute (stats.measured_wait_rows)
+    "sync_tail_s",  # the gradient collective's own tail: the least measured synchronisation wait of the step
     "step_time_s",
     "iter_time_s",
     "data_share",
@@ -108,6 +113,8 @@ _SUMMARY_TIMED_STEPS = (
     "step_time_cv",
     "imbalance",
     "straggler_wait",
+    "measured_wait",
+    "sync_tail_s",
     "data_share",
     "compute_time_max_s",
     "step_time_s",
@@ -183,6 +190,7 @@ def step_table(
     t["token_cv"], _, _ = stats.balance_rows(col("num_tokens"))
     t["step_time_cv"], t["imbalance"], t["straggler_wait"] = stats.balance_rows(col("compute_time_s"))
     t["compute_time_max_s"] = col("compute_time_s").max(axis=1)
+    t["measured_wait"], t["sync_tail_s"] = stats.measured_wait_rows(col("sync_wait_s"), col("compute_time_s"))
     t["step_time_s"] = col("step_time_s").max(axis=1)
     wall = col("iter_time_s").max(axis=1)  # a synchronous step ends for everyone with the slowest rank
     t["iter_time_s"] = wall
@@ -216,6 +224,18 @@ def balance_figures(table: dict[str, np.ndarray]) -> dict[str, float]:
         table["straggler_wait"][timed],
         table["compute_time_max_s"][timed],
     )
+
+
+def measured_straggler_wait(table: dict[str, np.ndarray]) -> float:
+    """``straggler_wait``'s time-weighting (by the slowest compute time) applied to the wait the ranks
+    measured (:func:`stats.measured_wait_rows`), over the timed steps; nan when no step measured it."""
+    timed = table["counted"] == 0
+    measured = table["measured_wait"][timed]
+    seconds = table["compute_time_max_s"][timed]
+    ok = ~(np.isnan(measured) | np.isnan(seconds))
+    if not ok.any() or seconds[ok].sum() <= 0:
+        return math.nan
+    return float(np.average(measured[ok], weights=seconds[ok]))
 
 
 def throughput(table: dict[str, np.ndarray], world: int, peaks_flops: np.ndarray | None) -> dict[str, float]:
@@ -263,6 +283,7 @@ def window_metrics(
         out[key] = _nanmean(table[key][timed])
     figures = balance_figures(table)
     out["straggler_wait"] = figures["straggler_wait"]  # time-weighted over the window's timed steps
+    out["measured_straggler_wait"] = measured_straggler_wait(table)
     out["step_wait_mean"] = figures["step_wait_mean"]
     for key in ("peak_allocated_gib", "peak_reserved_gib"):
         out[key] = _nanmax(table[key])
@@ -318,6 +339,7 @@ def summarize_table(
         described[key] = stats.describe(table[key][timed].tolist())
     overall.update(throughput(table, world, peaks_flops))
     overall.update(balance_figures(table))
+    overall["measured_straggler_wait"] = measured_straggler_wait(table)
     overall["tokens"] = float(np.nansum(table["tokens"]))
     overall["samples"] = float(np.nansum(table["samples"]))
     if rank_peaks and world <= MAX_PLOTTED_RANKS:

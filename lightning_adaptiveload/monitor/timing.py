@@ -1,9 +1,9 @@
 """Clocks of the LoadBalanceMonitor: a rank's own compute time, apart from its wait for the others.
 
 Owns the host and CUDA clocks (a *mark* is a reading; CUDA events are resolved at the flush, so a step costs
-no host synchronisation), the DDP communication hook that marks the moment a rank's last gradient bucket is
-ready (before the all-reduce waits for slower ranks), and the resolution of one step's marks into the
-record of :data:`lightning_adaptiveload.monitor.steps.FIELDS`. Torch only, no Lightning.
+no host synchronisation), the :class:`BackwardTimer` that marks the end of a rank's own backward (before
+any wait for slower ranks) and the end of its gradient synchronisation, and the resolution of one step's
+marks into the record of :data:`lightning_adaptiveload.monitor.steps.FIELDS`. Torch only, no Lightning.
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostClock", "CudaClock", "BucketTimer", "timed_allreduce_hook", "PendingStep", "dynamo_frames"]
+__all__ = ["HostClock", "CudaClock", "BackwardTimer", "PendingStep", "dynamo_frames"]
 
 
 class HostClock:
     """Host wall clock (CPU training): a mark is a ``time.perf_counter()`` reading in seconds."""
 
     def mark(self) -> float:
-        return time.perf_counter()
-
-    def new_bucket_mark(self) -> None:
-        return None
-
-    def record_bucket(self, current: Any) -> float:
         return time.perf_counter()
 
     def seconds(self, start: Any, end: Any) -> float:
@@ -45,59 +39,83 @@ class CudaClock:
         self.device = device
 
     def mark(self) -> torch.cuda.Event:
+        # The current stream of this thread for the monitored device: the autograd engine runs final
+        # callbacks on the stream that called backward, so a mark taken there is ordered after the backward.
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
-
-    def new_bucket_mark(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
-
-    def record_bucket(self, current: torch.cuda.Event) -> torch.cuda.Event:
-        # Re-recording one event per step keeps only the last bucket, which is all the timing needs.
-        current.record()
-        return current
 
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return start.elapsed_time(end) / 1e3
 
     def wait(self, mark: torch.cuda.Event) -> None:
-        # The whole device, not just `mark`: bucket events may sit on the autograd engine's stream.
+        # The whole device, not just `mark`: FSDP's wait marks may sit on the autograd engine's stream.
         torch.cuda.synchronize(self.device)
 
 
-class BucketTimer:
-    """State of the DDP communication hook: the time the last gradient bucket of the step became ready."""
+class BackwardTimer:
+    """Marks the two moments that split a rank's step: the end of its own backward, and the end of the
+    gradient synchronisation that follows it.
 
-    def __init__(self, clock: HostClock | CudaClock, process_group: Any) -> None:
+    * **Backward end**: an autograd-engine callback, queued from a gradient hook on the loss (the first node
+      the backward runs), so that it is queued ahead of every strategy's own final callback (DDP's
+      ``finalize_backward``, FSDP's post-backward). The engine runs final callbacks in order once this
+      rank's last gradient is computed, on the stream the backward was called from: the mark lies after
+      this rank's backward kernels and before the stream's wait for the gradient all-reduce.
+    * **Sync end**: a mark on the current stream right after ``loss.backward()`` returned (Lightning's
+      ``on_after_backward``). By then DDP's (or FSDP's) final callback has made the stream wait for the
+      gradient collectives, so the mark completes when this rank's gradients are synchronised: after the
+      slowest rank's backward.
+
+    ``sync_end - backward_end`` is the time this rank spent waiting for its peers plus the gradient
+    collective's own tail: the wait, measured on the device, not derived from the other ranks' times.
+
+    An earlier version marked the last DDP gradient bucket in a communication hook. On GPUs under NCCL that
+    mark could not be trusted (the probe in ``benchmarks/monitor_truth.py`` and ``docs/monitor.md``
+    compare the two), and a hook excluded users' own communication hooks (compression, PowerSGD).
+    """
+
+    def __init__(self, clock: HostClock | CudaClock) -> None:
         self.clock = clock
-        self.process_group = process_group
         self.active = False
-        self.mark: Any = None
-        self.buckets = 0
+        self.backward_end: Any = None
+        self.sync_end: Any = None
 
     def start_step(self) -> None:
-        self.mark = self.clock.new_bucket_mark()
-        self.buckets = 0
+        self.backward_end = None
+        self.sync_end = None
         self.active = True
 
+    def watch(self, loss: Any) -> bool:
+        """Hook the backward of ``loss`` (called just before ``loss.backward()``); False if it has no graph."""
+        if not (self.active and isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return False
+        loss.register_hook(self._on_loss_grad)
+        return True
 
-def timed_allreduce_hook(state: BucketTimer, bucket):
-    """DDP communication hook: mark the bucket's readiness, then the default all-reduce."""
-    # `bucket` stays unannotated: DDP compares annotations with dist.GradBucket, and postponed annotations
-    # (a string) would fail that check.
-    # DDP calls this when a bucket's gradients are computed. Timing here, before the all-reduce is launched,
-    # separates the rank's own backward from the wait for slower ranks that follows in finalize.
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    def _on_loss_grad(self, grad: torch.Tensor) -> None:
+        if self.active:
+            torch.autograd.Variable._execution_engine.queue_callback(self._mark_backward_end)
 
-    if state.active:
-        state.mark = state.clock.record_bucket(state.mark)
-        state.buckets += 1
-    return default_hooks.allreduce_hook(state.process_group, bucket)
+    def _mark_backward_end(self) -> None:
+        if self.active:
+            # Re-marked by each backward of the step (gradient accumulation inside one batch): the last wins.
+            self.backward_end = self.clock.mark()
+
+    def after_backward(self) -> None:
+        """Called right after ``loss.backward()`` returned: the end of the gradient synchronisation."""
+        if self.active and self.backward_end is not None:
+            self.sync_end = self.clock.mark()
 
 
 @dataclass
 class PendingStep:
-    """One step of this rank, before its clock marks are resolved to seconds at the flush."""
+    """One step of this rank, before its clock marks are resolved to seconds at the flush.
+
+    ``backward_end`` and ``sync_end`` are :class:`BackwardTimer`'s marks (None when the step was not timed
+    that way); ``fsdp`` is :class:`~lightning_adaptiveload.monitor.fsdp_timing.FsdpStepMarks` under FSDP2,
+    whose all-gather waits are taken off the compute time.
+    """
 
     batch_idx: int
     step: int
@@ -106,19 +124,24 @@ class PendingStep:
     start: Any
     end: Any
     prev_end: Any
-    bucket: Any
+    backward_end: Any
+    sync_end: Any
+    fsdp: Any
     memory: tuple[float, float, float, float]
     flags: int
 
     def resolve(self, clock: HostClock | CudaClock) -> list[float]:
         """The step's record, in the order of :data:`lightning_adaptiveload.monitor.steps.FIELDS`."""
         step_time = clock.seconds(self.start, self.end)
-        if hasattr(self.bucket, "compute_seconds"):  # FSDP2: the backward's end less the all-gather waits
-            compute = self.bucket.compute_seconds(clock, self.start)
-        elif self.bucket is not None:
-            compute = clock.seconds(self.start, self.bucket)
+        sync_wait = math.nan
+        if self.fsdp is not None and self.fsdp.end is not None:
+            compute = self.fsdp.compute_seconds(clock, self.start)
+        elif self.backward_end is not None:
+            compute = clock.seconds(self.start, self.backward_end)
         else:
             compute = step_time
+        if self.backward_end is not None and self.sync_end is not None:
+            sync_wait = max(0.0, clock.seconds(self.backward_end, self.sync_end))
         if self.prev_end is not None:
             iter_time = clock.seconds(self.prev_end, self.end)
             data_time = clock.seconds(self.prev_end, self.start)
@@ -130,6 +153,7 @@ class PendingStep:
             *self.work,
             self.flops,
             compute,
+            sync_wait,
             step_time,
             iter_time,
             data_time,
