@@ -62,7 +62,9 @@ def _step(model: VideoDiT, latents, t, text, mask):
     model.zero_grad(set_to_none=True)
     out = model(latents, t, text, mask)
     sum(o.square().sum() for o in out).backward()
-    return [o.detach() for o in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [o.detach() for o in out], {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def test_changing_pack_compositions_compile_a_bounded_number_of_graphs(caplog):
@@ -93,6 +95,10 @@ def test_changing_pack_compositions_compile_a_bounded_number_of_graphs(caplog):
     # Every new graph was logged, with the input that made it.
     log = compiled.graph_log
     assert sum(1 for _ in log.events) >= 1 and log.graphs == compiled_graphs()
-    lines = [r.getMessage() for r in caplog.records if r.name == acceleration.__name__ and "new graph" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == acceleration.__name__ and "new graph" in r.getMessage()
+    ]
     assert len(lines) == len(log.events)
     assert any("pack of" in line for line in lines)

@@ -150,7 +150,9 @@ def test_a_pack_goes_through_the_model_and_every_block_call(entry, shapes):
         elif entry == "call":
             out = model(tuple(latents), t * 1000, text, mask)
         elif entry == "flow_loss_packed":
-            out, _ = flow_loss_packed(model, latents, t, [torch.randn_like(x) for x in latents], 1000, text, mask)
+            out, _ = flow_loss_packed(
+                model, latents, t, [torch.randn_like(x) for x in latents], 1000, text, mask
+            )
         else:
             module = VideoDiTModule(preset="tiny")
             module.model = model
@@ -162,7 +164,9 @@ def test_a_pack_goes_through_the_model_and_every_block_call(entry, shapes):
     assert out is not None
     assert calls[""] == 1, calls
     assert all(calls[f"blocks.{i}"] == 1 for i in range(len(model.blocks))), calls
-    assert calls["time_embedding"] == calls["time_projection"] == calls["text_embedding"] == calls["head"] == 1
+    assert (
+        calls["time_embedding"] == calls["time_projection"] == calls["text_embedding"] == calls["head"] == 1
+    )
     assert calls["patch_embedding"] == (1 if n == 1 else n), calls  # per latent (a batch: once)
 
 

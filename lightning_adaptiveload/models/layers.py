@@ -398,7 +398,9 @@ class CrossAttention(nn.Module):
         k = self.norm_k(self.k(context)).unflatten(-1, (h, -1)).transpose(1, 2)
         v = self.v(context).unflatten(-1, (h, -1)).transpose(1, 2)
         if segments is not None:
-            out = _packing.segment_cross_attention(q, k, v, context_mask, segments, self._attend, self.backends)
+            out = _packing.segment_cross_attention(
+                q, k, v, context_mask, segments, self._attend, self.backends
+            )
         else:
             out = self._attend(q, k, v, context_mask)
         return self.o(out.transpose(1, 2).flatten(2))

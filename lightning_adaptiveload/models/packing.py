@@ -268,7 +268,8 @@ def segment_sum(
     if how == "matmul":
         flat = values.reshape(values.shape[0], -1)
         onehot = (torch.arange(num_segments, device=seg.device)[:, None] == seg[None, :]).to(flat.dtype)
-        return (onehot @ flat).reshape(num_segments, *values.shape[1:])
+        with torch.autocast(values.device.type, enabled=False):  # a sum: in values' dtype, never bf16
+            return (onehot @ flat).reshape(num_segments, *values.shape[1:])
     if how == "index_add":
         return values.new_zeros(num_segments, *values.shape[1:]).index_add_(0, seg, values)
     raise ValueError(f"segment_sum: how must be 'splits', 'matmul' or 'index_add', got {how!r}")

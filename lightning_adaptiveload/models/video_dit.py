@@ -642,9 +642,15 @@ class VideoDiT(nn.Module):
         ctx, context_mask = self._embed_text(context, context_mask, n)
         segments = None
         if route == "segments":
-            varlen = device.type != "meta" and _packing.varlen_applies_to(device, self._attention_dtype(device))
+            varlen = device.type != "meta" and _packing.varlen_applies_to(
+                device, self._attention_dtype(device)
+            )
             segments = _packing.PackSegments.build(
-                lens, device, context_mask if ctx is not None else None, 0 if ctx is None else ctx.shape[1], varlen
+                lens,
+                device,
+                context_mask if ctx is not None else None,
+                0 if ctx is None else ctx.shape[1],
+                varlen,
             )
         else:
             varlen = False
@@ -700,7 +706,12 @@ class VideoDiT(nn.Module):
     def _embed_patches(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C_in, T, H, W) -> (B, S, D) tokens in the stream dtype, contiguous."""
         param_dtype = self.patch_embedding.weight.dtype
-        h = self.patch_embedding(x.to(param_dtype)).flatten(2).transpose(1, 2).to(self._stream_dtype(x.device))
+        h = (
+            self.patch_embedding(x.to(param_dtype))
+            .flatten(2)
+            .transpose(1, 2)
+            .to(self._stream_dtype(x.device))
+        )
         # Contiguous, not a transposed view: every block then sees inputs of one layout, so a compiled block
         # serves the first block too (a view input would add a guard on its base and a second graph).
         return h.contiguous()
