@@ -91,3 +91,115 @@ def test_samples_do_not_mix():
     assert not torch.allclose(before[0], after[0]) and not torch.allclose(before[1], after[1])
     torch.testing.assert_close(before[2], after[2], rtol=0, atol=0)
     torch.testing.assert_close(before[3], after[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["splits", "matmul", "index_add", "index"])
+def test_every_segment_sum_gives_the_per_sample_gradients(how, monkeypatch):
+    # Every pack through the segments route (a pack of equal lengths included), each way of summing the
+    # per-token modulation gradients back to the samples.
+    from lightning_adaptiveload.models import packing
+
+    monkeypatch.setattr(packing, "SEGMENT_SUM", how)
+    model = _model().train()
+    latents, t, text, mask, noise = _inputs(model)
+    ref_preds, ref_err = _per_sample(model, latents, t, text, mask, noise)
+    ref_grads = torch.autograd.grad(ref_err, list(model.parameters()), allow_unused=True)
+    err, _ = flow_loss_packed(model, latents, t, noise, 1000, text, mask)
+    grads = torch.autograd.grad(err, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(err, ref_err, rtol=1e-5, atol=1e-6)
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        if r is not None:
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _count_calls(model):
+    """Forward hooks on the model and on every module a pack must reach as a module call."""
+    calls: dict[str, int] = {}
+    names = ["", "patch_embedding", "time_embedding", "time_projection", "text_embedding", "head"]
+    names += [f"blocks.{i}" for i in range(len(model.blocks))]
+    modules = dict(model.named_modules())
+    handles = []
+    for name in names:
+        calls[name] = 0
+
+        def hook(module, args, output, name=name):
+            calls[name] += 1
+
+        handles.append(modules[name].register_forward_hook(hook))
+    return calls, handles
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, [SHAPES[1]]], ids=["mixed", "one-clip"])
+@pytest.mark.parametrize("entry", ["forward_packed", "call", "flow_loss_packed", "module"])
+def test_a_pack_goes_through_the_model_and_every_block_call(entry, shapes):
+    # FSDP2's pre-forward hooks, compiled blocks and user hooks live on __call__: a pack must pass through
+    # VideoDiT.__call__ and each DiTBlock.__call__, and reach the embeddings and the head as module calls.
+    from lightning_adaptiveload.models.module import VideoDiTModule
+
+    model = _model().train()
+    g = torch.Generator().manual_seed(3)
+    latents = [torch.randn(s, generator=g) for s in shapes]
+    n = len(shapes)
+    t = torch.rand(n, generator=g)
+    text = torch.randn(n, 4, model.config.text_dim, generator=g)
+    mask = torch.ones(n, 4, dtype=torch.bool)
+    calls, handles = _count_calls(model)
+    try:
+        if entry == "forward_packed":
+            out = model.forward_packed(latents, t * 1000, text, mask)
+        elif entry == "call":
+            out = model(tuple(latents), t * 1000, text, mask)
+        elif entry == "flow_loss_packed":
+            out, _ = flow_loss_packed(
+                model, latents, t, [torch.randn_like(x) for x in latents], 1000, text, mask
+            )
+        else:
+            module = VideoDiTModule(preset="tiny")
+            module.model = model
+            batch = {"packed": True, "latents": latents, "text": text, "text_mask": mask}
+            out, _ = module.compute_loss(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    assert out is not None
+    assert calls[""] == 1, calls
+    assert all(calls[f"blocks.{i}"] == 1 for i in range(len(model.blocks))), calls
+    assert (
+        calls["time_embedding"] == calls["time_projection"] == calls["text_embedding"] == calls["head"] == 1
+    )
+    assert calls["patch_embedding"] == (1 if n == 1 else n), calls  # per latent (a batch: once)
+
+
+def test_a_pack_of_one_runs_the_bucketed_batch_exactly():
+    # Issue 36: a pack of one clip must run what the bucketed batch of that clip runs, so the same blocks
+    # see the same arguments (no segments) and the results agree bit for bit.
+    model = _model().train()
+    model.set_activation_checkpointing(True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(SHAPES[1], generator=g)
+    t = torch.rand(1, generator=g) * 1000
+    text = torch.randn(1, 5, model.config.text_dim, generator=g)
+    seen = []
+    handle = model.blocks[0].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(([tuple(a.shape) for a in args if a is not None], dict(kwargs))),
+        with_kwargs=True,
+    )
+    try:
+        out_batch = model(x[None], t, text)
+        grads_batch = torch.autograd.grad(out_batch.square().sum(), list(model.parameters()))
+        (out_pack,) = model([x], t, text)
+        grads_pack = torch.autograd.grad(out_pack.square().sum(), list(model.parameters()))
+    finally:
+        handle.remove()
+    assert seen[0] == seen[1] and seen[1][1] == {}
+    assert torch.equal(out_pack, out_batch[0])
+    for a, b in zip(grads_pack, grads_batch):
+        assert torch.equal(a, b)
+
+
+def test_a_pack_refuses_items_that_are_not_latents():
+    model = _model()
+    with pytest.raises(ValueError, match="list of latents"):
+        model([torch.randn(1, 16, 1, 4, 4)], torch.rand(1))
+    with pytest.raises(ValueError, match="timestep of shape"):
+        model([torch.randn(16, 1, 4, 4)], torch.rand(2))

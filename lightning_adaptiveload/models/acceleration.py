@@ -29,6 +29,13 @@ an H100 (``docs/performance.md``, run 11), while PyTorch's default recompile lim
 ``fullgraph=True``, the ninth raises ``FailOnRecompileLimitHit`` in the middle of training.
 :func:`compile_blocks` therefore raises ``torch._dynamo.config.recompile_limit`` to at least
 :data:`RECOMPILE_LIMIT` (never lowers it) and logs when it does.
+
+Packs (``VideoDiT``'s list input): a pack of equal token counts calls its blocks as a batch does (the same
+graphs); a mixed pack calls them with ``segments=`` (one more graph per mode), whose offsets and segment ids
+are tensors and whose longest sample is a symbolic int, so that the pack's composition, which changes at
+every step, compiles nothing new: over 12 packs of different compositions the tiny model compiles 3 graphs
+(``tests/test_packing_compile.py``). :func:`compile_blocks` counts the graphs (:func:`compiled_graphs`) and
+logs every new one with the input that made it (:class:`GraphLog`, a forward hook on the model).
 """
 
 from __future__ import annotations
@@ -47,10 +54,12 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_GRAPHS_PER_MODE",
+    "GraphLog",
     "RECOMPILE_LIMIT",
     "checkpoint_blocks_for_budget",
     "compile_blocks",
     "compile_whole",
+    "compiled_graphs",
     "cuda_step_peak",
     "ensure_recompile_limit",
     "probe_activation_memory",
@@ -142,7 +151,65 @@ def compile_blocks(
     mode, options = _inductor_settings(backend, mode, options, safe_reductions)
     for block in chosen:
         block.compile(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend, options=options)
+    if not isinstance(getattr(model, "graph_log", None), GraphLog) and all(model is not b for b in chosen):
+        model.graph_log = GraphLog()
+        model.register_forward_hook(model.graph_log, with_kwargs=True)
     return len(chosen)
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has made in this process so far (dynamo's ``unique_graphs`` counter: one per
+    compile or recompile of a frame, whatever module it belongs to)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _describe_input(args: tuple, kwargs: dict) -> str:
+    """A short description of a forward's first argument: a batch's shape, or a pack's size and route."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, (list, tuple)) and first and all(isinstance(x, torch.Tensor) for x in first):
+        shapes = {tuple(x.shape) for x in first}
+        n, k = len(first), len(shapes)
+        return f"pack of {n} sample{'s' * (n > 1)} ({k} shape{'s' * (k > 1)})"
+    if isinstance(first, torch.Tensor):
+        return f"batch {tuple(first.shape)}"
+    return type(first).__name__
+
+
+class GraphLog:
+    """A forward hook that logs each new compiled graph with the input that made it.
+
+    :func:`compile_blocks` registers one on the model (``model.graph_log``). After every forward it compares
+    :func:`compiled_graphs` with the last count (one dictionary read) and, when it grew, logs one INFO line
+    (logger ``lightning_adaptiveload.models.acceleration``) and appends ``(graphs, input)`` to ``events``.
+    The counter is process-wide: a graph compiled elsewhere between two forwards is attributed to the next.
+
+    Attributes:
+        graphs: the count after the last forward.
+        events: ``(count, description)`` of every forward that compiled.
+    """
+
+    def __init__(self) -> None:
+        self.graphs = compiled_graphs()
+        self.events: list[tuple[int, str]] = []
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if torch.compiler.is_compiling():
+            return
+        now = compiled_graphs()
+        if now == self.graphs:
+            return
+        what = _describe_input(args, kwargs)
+        _log.info(
+            "compiled %d new graph(s) for a %s of %s; %d in this process",
+            now - self.graphs,
+            what,
+            type(module).__name__,
+            now,
+        )
+        self.events.append((now, what))
+        self.graphs = now
 
 
 # Inductor's mix-order reductions (a row and a column reduction of one tensor in one kernel; on by default

@@ -44,6 +44,12 @@ _ATTENTION_OPS = {
     )
     if hasattr(torch.ops.aten, name)
 }
+try:  # the variable-length kernel of mixed packs (torch >= 2.10), a custom op of its own
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
+
+    _ATTENTION_OPS.add(torch.ops.torch_attn._varlen_attn.default)
+except (ImportError, AttributeError):
+    pass
 
 
 # ... and by "save_matmuls" with these: the recompute then runs only elementwise work (norms, RoPE, GELU, gates),

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_adaptiveload import ops as _ops
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.models import packing as _packing
 from lightning_adaptiveload.ops import norm_kernels as _norm_kernels
 
 __all__ = [
@@ -226,9 +227,10 @@ class RMSNorm(nn.Module):
     def forward_rope(
         self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """``apply_rope(self(x) split into heads, cos, sin)``: x (B, S, D), cos/sin (S, d/2); returns
-        (B, S, heads, d). On the Triton path one kernel each way, without the rounding between the two."""
-        if _norm_kernels_on(x, "rms_norm_rope") and x.dim() == 3:
+        """``apply_rope(self(x) split into heads, cos, sin)``: x (B, S, D), cos/sin (S, d/2) or, per sample,
+        (B, S, d/2); returns (B, S, heads, d). On the Triton path (shared tables) one kernel each way,
+        without the rounding between the two."""
+        if _norm_kernels_on(x, "rms_norm_rope") and x.dim() == 3 and cos.dim() == 2:
             return _norm_kernels.rms_norm_rope(x, self.weight, cos, sin, self.eps).unflatten(
                 -1, (num_heads, -1)
             )
@@ -311,10 +313,11 @@ def normed_rope(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of ``x`` (B, S, H, d) by the angles of ``cos``/``sin`` (S, d/2)."""
+    """Rotate adjacent channel pairs of ``x`` (B, S, H, d) by the angles of ``cos``/``sin``: (S, d/2) shared
+    by the batch, or (B, S, d/2) per sample (a pack of equal token counts on different grids)."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]  # (S, 1, d/2) or (B, S, 1, d/2) against (B, S, H, d/2)
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -333,8 +336,16 @@ class SelfAttention(nn.Module):
         # SDPA kernels in priority order (None: PyTorch's choice); set by VideoDiT.set_attention_backend.
         self.backends = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, S, D); cos, sin (S, d/2). Returns (B, S, D)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: _packing.PackSegments | None = None,
+    ) -> torch.Tensor:
+        """Args: x (B, S, D); cos, sin (S, d/2), or (B, S, d/2) per sample; segments: None, or for a pack of
+        mixed lengths (x (1, S, D)) its :class:`~lightning_adaptiveload.models.packing.PackSegments`, each
+        sample attending to itself only. Returns (B, S, D)."""
         h = self.num_heads
         q, k = (
             normed_rope(self.norm_q, self.q(x), h, cos, sin),
@@ -342,6 +353,9 @@ class SelfAttention(nn.Module):
         )
         v = self.v(x).unflatten(-1, (h, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if segments is not None:
+            out = _packing.segment_self_attention(q, k, v, segments, self.backends)
+            return self.o(out.transpose(1, 2).flatten(2))
         if not torch.compiler.is_compiling():
             _attention.log_kernel_once("VideoDiT self-attention", q, k, v, None, self.backends)
         # No mask: a batch holds samples of one shape (never padded), so the fastest kernels apply.
@@ -366,9 +380,16 @@ class CrossAttention(nn.Module):
         self.query_splits = 1
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None,
+        segments: _packing.PackSegments | None = None,
     ) -> torch.Tensor:
-        """Args: x (B, S, D); context (B, L, D); context_mask (B, L) bool, True = real token, or None.
+        """Args: x (B, S, D); context (B, L, D); context_mask (B, L) bool, True = real token, or None;
+        segments: None, or for a pack of mixed lengths (x (1, S, D), context (N, L, D)) its
+        :class:`~lightning_adaptiveload.models.packing.PackSegments`: each sample's tokens attend to its
+        own text only.
 
         Returns (B, S, D). A sample whose mask is all False gets 0 (attention to nothing) rather than NaN.
         """
@@ -376,6 +397,18 @@ class CrossAttention(nn.Module):
         q = self.norm_q(self.q(x)).unflatten(-1, (h, -1)).transpose(1, 2)
         k = self.norm_k(self.k(context)).unflatten(-1, (h, -1)).transpose(1, 2)
         v = self.v(context).unflatten(-1, (h, -1)).transpose(1, 2)
+        if segments is not None:
+            out = _packing.segment_cross_attention(
+                q, k, v, context_mask, segments, self._attend, self.backends
+            )
+        else:
+            out = self._attend(q, k, v, context_mask)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q (B, H, S, d), k and v (B, H, L, d), context_mask (B, L) or None -> (B, H, S, d)."""
         attn_mask = keep = None
         if context_mask is not None:
             # A fully masked row makes softmax NaN; let it attend everywhere, then zero its output. Done
@@ -388,7 +421,6 @@ class CrossAttention(nn.Module):
         # anyway, so this adds no recompile.)
         splits = self.query_splits if q.shape[0] == 1 and torch.is_grad_enabled() else 1
         out = _attention.sdpa_split_queries(q, k, v, attn_mask, self.backends, splits)
-        out = out.transpose(1, 2).flatten(2)
         if keep is not None:
-            out = out * keep[:, None, None].to(out.dtype)
-        return self.o(out)
+            out = out * keep[:, None, None, None].to(out.dtype)
+        return out

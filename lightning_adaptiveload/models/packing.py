@@ -1,32 +1,45 @@
-"""Packed sequences: samples of any shapes run as one token sequence, each attending only to itself.
+"""Packed sequences: samples of any shapes run as one step, each attending only to itself.
 
 A *pack* (the ``packed`` schedule's batch, see ``docs/data_path.md``) holds N samples of different latent
-shapes. The model patchifies each, concatenates the tokens to one sequence of ``sum S_i`` tokens, and
-keeps every sample apart where samples could mix:
+shapes. :class:`~lightning_adaptiveload.models.video_dit.VideoDiT` takes it through its own ``forward``
+(``model([x_0, x_1, ...], t)``; ``forward_packed`` is an alias), so FSDP's hooks, compiled blocks and user
+hooks see packs as they see batches. It keeps every sample apart where samples could mix:
 
 - **positions**: each sample's 3-D RoPE angles start at its own (0, 0, 0) (:func:`packed_rope`);
 - **self-attention**: confined to each sample (block-diagonal; :func:`segment_attention`);
 - **cross-attention**: each sample's tokens attend to its own text only;
-- **timestep modulation**: per token, from its sample's timestep (the fused op's per-token layout
-  ``(1, S, D)`` shift/scale);
+- **timestep modulation**: per sample, from its own timestep;
 - **loss**: summed per token, so a pack and the same samples as separate batches give the same loss.
 
-Helpers a user's own model needs to adopt the contract: :func:`cu_seqlens` (token offsets),
-:func:`segment_ids` (sample of every token), :func:`packed_rope` (per-sample positions) and
-:func:`segment_attention` (exact on CPU, variable-length kernels on CUDA where torch has them).
+Two routes (:func:`attention_route`, logged once per route and device):
 
-Which attention runs (:func:`attention_route`, logged once per route and device): a pack whose samples all
-have the same token count runs as a dense batch ``(N, S, ...)`` through SDPA, exactly as a bucketed batch
-does; only a pack of mixed lengths takes the segment path. On the H100 the variable-length kernel took
-7.0 ms against 20.1 ms for padded SDPA on a mixed pack, but was 1.7x to 1.9x slower than plain SDPA on
-equal lengths (``docs/performance.md``), where a dense batch needs neither padding nor offsets.
-Plain PyTorch: no Lightning.
+- ``"dense"``: every sample has the same token count (a pack of one sample included). The pack *is* a
+  batch: tokens (N, L, D), modulation (N, 1, D) rows broadcast per sample, batched SDPA, the head per
+  sample, exactly the bucketed path's kernels (a pack of one 32,760-token clip runs what the bucketed
+  batch of that clip runs).
+- ``"segments"``: mixed lengths. The tokens are one sequence (1, S, D) described by a
+  :class:`PackSegments`; the per-sample modulation rows are spread to tokens by :func:`segment_rows`, whose
+  backward is a segment sum (never the sort-based backward of an advanced-index gather, which took 60% of a
+  packed step on an H200: ``indexing_backward_kernel``, issue 36). Attention runs per sample: one
+  variable-length kernel on CUDA (``torch.nn.attention.varlen``, bf16/fp16), per-sample SDPA elsewhere,
+  and a block-diagonal mask inside ``torch.compile`` off the varlen kernel.
+
+Under ``torch.compile`` (``compile_blocks``) nothing that describes the pack's composition enters a block's
+graph as a Python value: offsets and segment ids are tensors and the longest sample is a symbolic int, so
+one graph serves every mixed pack (``tests/test_packing_compile.py`` bounds the graphs over 12 packs).
+
+Helpers a user's own model needs to adopt the contract: :func:`cu_seqlens` (token offsets),
+:func:`segment_ids` (sample of every token), :func:`packed_rope` (per-sample positions),
+:func:`segment_attention` (exact on CPU, variable-length kernels on CUDA where torch has them) and
+:func:`segment_rows` / :func:`segment_sum` (per-sample values to tokens and back). Plain PyTorch: no
+Lightning.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,13 +47,19 @@ import torch.nn.functional as F
 
 __all__ = [
     "ATTENTION_ROUTES",
+    "SEGMENT_SUMS",
+    "PackSegments",
     "attention_route",
     "cu_seqlens",
     "flow_loss_packed",
     "packed_forward",
     "packed_rope",
     "segment_attention",
+    "segment_cross_attention",
     "segment_ids",
+    "segment_rows",
+    "segment_self_attention",
+    "segment_sum",
     "varlen_attention_available",
 ]
 
@@ -50,29 +69,47 @@ log = logging.getLogger(__name__)
 ATTENTION_ROUTES = ("dense", "segments")
 _logged_routes: set[tuple[str, str, bool]] = set()
 
+#: How :func:`segment_rows` sums its gradient back to the rows (:func:`segment_sum`): ``"splits"`` (one
+#: column sum per sample over host offsets; eager only), ``"matmul"`` (a (N, S) one-hot matrix times the
+#: gradient: one GEMM, deterministic; with TF32 allowed its inputs are rounded to TF32), ``"index_add"``
+#: (atomic adds, not deterministic on CUDA), ``"index"`` (the advanced-index gather ``rows[seg]`` of
+#: versions <= 0.x, whose sort-based CUDA backward is the slow one: kept for before/after benchmarks).
+SEGMENT_SUMS = ("auto", "splits", "matmul", "index_add", "index")
+
+#: The segment sum :func:`segment_rows` uses; ``"auto"``: ``"splits"`` in eager mode, ``"matmul"`` inside
+#: ``torch.compile`` (where host offsets would bake the pack's composition into the graph). A setting for
+#: benchmarks (``benchmarks/bench_packed_step.py``); read at call time.
+SEGMENT_SUM = "auto"
+
+#: Send every pack, equal lengths included, through the ``"segments"`` route (benchmarks only: with
+#: ``SEGMENT_SUM = "index"`` this is the packed path before issue 36).
+FORCE_SEGMENTS = False
+
 
 def attention_route(seq_lens: Sequence[int]) -> str:
-    """How a pack's attention runs: ``"dense"`` when all its samples have one token count, else ``"segments"``.
+    """How a pack runs: ``"dense"`` when all its samples have one token count, else ``"segments"``.
 
-    ``"dense"``: the pack is viewed as a batch (N, S, ...) and self- and cross-attention run through
-    batched SDPA, the bucketed path. ``"segments"``: self-attention is confined to each sample by
-    :func:`segment_attention` (one variable-length kernel on CUDA, per-sample SDPA elsewhere) and each
-    sample's cross-attention runs on its own. Text lengths do not enter the choice: both routes attend to
-    the same zero-padded text through the same mask, so the dense route is exact for any text lengths.
+    ``"dense"``: the pack is a batch (N, S, ...) and runs the bucketed path (batched SDPA, per-sample
+    modulation rows). ``"segments"``: one sequence of all tokens, described by :class:`PackSegments`; self-
+    and cross-attention are confined to each sample. Text lengths do not enter the choice: both routes
+    attend to the same zero-padded text through the same mask, so the dense route is exact for any text
+    lengths.
 
     Args:
         seq_lens: the N token counts of the pack (host ints).
     """
     if len(seq_lens) == 0:
         raise ValueError("attention_route: a pack holds at least one sample")
+    if FORCE_SEGMENTS:
+        return "segments"
     return "dense" if len({int(s) for s in seq_lens}) == 1 else "segments"
 
 
-def _log_route_once(route: str, q: torch.Tensor, n: int) -> None:
-    # One line per (route, device, kernel family), not per step: which path a run takes is a setting of
-    # its data, and the varlen kernel's speed differs from SDPA's by up to 3x either way.
-    varlen = route == "segments" and _varlen_applies(q)
-    key = (route, q.device.type, varlen)
+def log_route_once(route: str, device: torch.device, varlen: bool, n: int) -> None:
+    """One INFO line per (route, device type, kernel family), not per step: which path a run takes is a
+    setting of its data, and the varlen kernel's speed differs from SDPA's by up to 3x either way."""
+    varlen = route == "segments" and varlen
+    key = (route, device.type, varlen)
     if key in _logged_routes:
         return
     _logged_routes.add(key)
@@ -82,7 +119,12 @@ def _log_route_once(route: str, q: torch.Tensor, n: int) -> None:
         what = "mixed lengths through the variable-length kernel (torch.nn.attention.varlen)"
     else:
         what = "mixed lengths through SDPA per sample"
-    log.info("packed attention on %s: %s", q.device.type, what)
+    log.info("packed attention on %s: %s", device.type, what)
+
+
+# --------------------------------------------------------------------------------------------------
+# Offsets and segment ids
+# --------------------------------------------------------------------------------------------------
 
 
 def cu_seqlens(
@@ -96,9 +138,14 @@ def cu_seqlens(
 def segment_ids(
     seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The sample index of every token of a pack: int64 (sum S_i,), e.g. ``[0, 0, 0, 1, 1]`` for (3, 2)."""
+    """The sample index of every token of a pack: int64 (sum S_i,), e.g. ``[0, 0, 0, 1, 1]`` for (3, 2).
+
+    From host ints no device-to-host copy happens (the total is known); from a CUDA tensor of lengths,
+    ``repeat_interleave`` reads the total back once.
+    """
     lens = torch.as_tensor(seq_lens, dtype=torch.int64, device=device)
-    return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+    total = None if isinstance(seq_lens, torch.Tensor) else int(sum(int(s) for s in seq_lens))
+    return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
 
 
 def packed_rope(
@@ -113,6 +160,166 @@ def packed_rope(
     """
     parts = [model._rope(tuple(int(v) for v in g), device) for g in grids]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+@dataclass(frozen=True, eq=False)
+class PackSegments:
+    """Where each sample of a mixed pack lies in its token sequence: what a block needs to keep samples apart.
+
+    Built once per pack (:meth:`build`, by ``VideoDiT.forward``) and passed to every block, attention layer
+    and the head (``segments=``). Tensors live on the pack's device.
+
+    Attributes:
+        lens: the N token counts, host ints. Read in eager mode only (per-sample loops, column sums), never
+            inside ``torch.compile``, so that a compiled block's graph does not depend on the composition.
+        seg: int64 (S,): the sample of every token (:func:`segment_ids`).
+        cu: int32 (N + 1,): token offsets (:func:`cu_seqlens`).
+        max_len: the longest sample's token count (the varlen kernel's bound; symbolic under compile).
+        text_order: int64 (N * L,) or None: positions of the padded text (N, L) flattened, each sample's
+            real tokens first and in order, all padding after the last sample's; the varlen cross-attention
+            reads keys in this order up to ``text_cu[N]``. None where the varlen kernel cannot run.
+        text_cu: int32 (N + 1,) or None: offsets of each sample's real text tokens in that order.
+        text_max: the padded text length L (an upper bound of each sample's real text, as the kernel needs).
+        has_text: bool (S,) or None: whether the token's sample has any real text (a sample without text
+            gets a zero cross-attention output, as in the bucketed path); None: all have.
+    """
+
+    lens: tuple[int, ...]
+    seg: torch.Tensor
+    cu: torch.Tensor
+    max_len: int
+    text_order: torch.Tensor | None = None
+    text_cu: torch.Tensor | None = None
+    text_max: int = 0
+    has_text: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        lens: Sequence[int],
+        device: torch.device | str,
+        text_mask: torch.Tensor | None = None,
+        text_len: int = 0,
+        varlen_text: bool = False,
+    ) -> PackSegments:
+        """The description of a pack of samples with ``lens`` tokens, without a device-to-host copy.
+
+        Args:
+            lens: the N token counts (host ints).
+            device: where the pack's tokens are.
+            text_mask: (N, L) bool, True at real text tokens, or None (all real, or no text).
+            text_len: L, the padded text length (0: no text).
+            varlen_text: also build the key order and offsets of the variable-length cross-attention.
+        """
+        lens = tuple(int(s) for s in lens)
+        device = torch.device(device)
+        seg = segment_ids(lens, device)
+        cu = cu_seqlens(lens, device)
+        text_order = text_cu = has_text = None
+        if text_mask is not None:
+            has_text = text_mask.any(dim=-1).index_select(0, seg)
+        if varlen_text and text_len > 0:
+            n = len(lens)
+            if text_mask is None:
+                counts = torch.full((n,), text_len, dtype=torch.int64, device=device)
+                text_order = torch.arange(n * text_len, device=device)
+            else:
+                counts = text_mask.sum(dim=-1)
+                # Real tokens first (stable: in order, sample by sample), then every padding position.
+                text_order = torch.argsort((~text_mask).flatten().to(torch.int8), stable=True)
+            text_cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+        return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text)
+
+    @property
+    def num_samples(self) -> int:
+        return self.cu.shape[0] - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-sample values to tokens, and gradients back
+# --------------------------------------------------------------------------------------------------
+
+
+def segment_sum(
+    values: torch.Tensor,
+    seg: torch.Tensor,
+    num_segments: int,
+    lens: Sequence[int] | None = None,
+    how: str = "matmul",
+) -> torch.Tensor:
+    """Sum the rows of each segment: (S, ...) -> (N, ...), ``out[i] = values[seg == i].sum(0)``.
+
+    Args:
+        values: (S, ...) float, the segments' rows back to back (segment i is rows ``cu[i]:cu[i+1]``).
+        seg: int64 (S,), each row's segment (:func:`segment_ids`), non-decreasing.
+        num_segments: N.
+        lens: the N segment lengths as host ints; needed by ``how="splits"``.
+        how: ``"splits"`` (a column sum per segment: exact fp32 sums, N kernels), ``"matmul"`` (one-hot
+            (N, S) @ values: one GEMM; rounded to TF32 where TF32 matmuls are allowed) or ``"index_add"``
+            (atomic adds; on CUDA the order, hence the last bits, vary from run to run).
+
+    Returns:
+        (N, ...) in values' dtype.
+    """
+    if how == "splits":
+        if lens is None:
+            raise ValueError("segment_sum(how='splits') needs the segment lengths as host ints (lens=...)")
+        return torch.stack([part.sum(0) for part in values.split(list(lens))])
+    if how == "matmul":
+        flat = values.reshape(values.shape[0], -1)
+        onehot = (torch.arange(num_segments, device=seg.device)[:, None] == seg[None, :]).to(flat.dtype)
+        with torch.autocast(values.device.type, enabled=False):  # a sum: in values' dtype, never bf16
+            return (onehot @ flat).reshape(num_segments, *values.shape[1:])
+    if how == "index_add":
+        return values.new_zeros(num_segments, *values.shape[1:]).index_add_(0, seg, values)
+    raise ValueError(f"segment_sum: how must be 'splits', 'matmul' or 'index_add', got {how!r}")
+
+
+class _SegmentRows(torch.autograd.Function):
+    """``rows.index_select(0, seg)`` whose backward is :func:`segment_sum` (not a scatter per token)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, seg: torch.Tensor, lens: tuple[int, ...] | None, how: str):
+        ctx.save_for_backward(seg)
+        ctx.num_segments, ctx.lens, ctx.how = rows.shape[0], lens, how
+        return rows.index_select(0, seg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (seg,) = ctx.saved_tensors
+        return segment_sum(grad, seg, ctx.num_segments, ctx.lens, ctx.how), None, None, None
+
+
+def segment_rows(rows: torch.Tensor, segments: PackSegments) -> torch.Tensor:
+    """Per-sample rows spread to the tokens of a pack: (N, D) -> (1, S, D), token s getting ``rows[seg[s]]``.
+
+    The per-token layout ``(1, S, D)`` of ``NormModulate`` and of the fused op. The forward is a gather;
+    the backward sums each sample's token gradients (:func:`segment_sum`, chosen by
+    :data:`SEGMENT_SUM`), so that the gradient of a row that thousands of tokens share is one reduction,
+    not thousands of scattered adds to one address.
+
+    Args:
+        rows: (N, D) float (fp32 modulation rows in the model).
+        segments: the pack's :class:`PackSegments`.
+
+    Returns:
+        (1, S, D) in rows' dtype.
+    """
+    how = SEGMENT_SUM
+    if how not in SEGMENT_SUMS:
+        raise ValueError(f"packing.SEGMENT_SUM must be one of {list(SEGMENT_SUMS)}, got {how!r}")
+    if how == "index":  # the old advanced-index gather (benchmarks: before/after)
+        return rows[segments.seg][None]
+    compiling = torch.compiler.is_compiling()
+    if how == "auto" or (how == "splits" and compiling):
+        how = "matmul" if compiling else "splits"
+    lens = segments.lens if how == "splits" else None
+    return _SegmentRows.apply(rows, segments.seg, lens, how)[None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention within samples
+# --------------------------------------------------------------------------------------------------
 
 
 def varlen_attention_available() -> bool:
@@ -130,6 +337,26 @@ def varlen_attention_available() -> bool:
 
 def _varlen_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and varlen_attention_available() and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_applies_to(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the variable-length kernel runs for attention inputs of ``dtype`` on ``device``."""
+    return device.type == "cuda" and varlen_attention_available() and dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> torch.Tensor:
+    """``varlen_attn`` on (S, H, d) queries and (T, H, d) keys/values; returns (S, H, d)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
 def segment_attention(
@@ -154,12 +381,9 @@ def segment_attention(
         per-sample computation exactly.
     """
     if _varlen_applies(q):
-        from torch.nn.attention.varlen import varlen_attn
-
         m = max(int(s) for s in lens)
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # (S_total, H, d)
-        out = varlen_attn(qt, kt, vt, cu, cu, m, m)
-        return out.transpose(0, 1)[None]
+        return _varlen(qt, kt, vt, cu, cu, m, m).transpose(0, 1)[None]
     from lightning_adaptiveload.models import attention as _attention
 
     outs = []
@@ -173,86 +397,92 @@ def segment_attention(
     return torch.cat(outs, dim=2)
 
 
-def _self_attention(
-    attn: Any,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cu: torch.Tensor,
-    lens: Sequence[int],
-    route: str,
+def segment_self_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: PackSegments, backends: Any = None
 ) -> torch.Tensor:
-    """The block's :class:`SelfAttention` on a packed sequence x (1, S, D), attention per sample."""
-    from lightning_adaptiveload.models import attention as _attention
-    from lightning_adaptiveload.models.layers import normed_rope
+    """Self-attention of a pack, each sample attending to itself: the layers' ``segments=`` path.
 
-    h = attn.num_heads
-    q = normed_rope(attn.norm_q, attn.q(x), h, cos, sin)  # (1, S_total, H, d)
-    k = normed_rope(attn.norm_k, attn.k(x), h, cos, sin)
-    v = attn.v(x).unflatten(-1, (h, -1))
-    if route == "dense":
-        # Equal lengths: the packed sequence is N samples back to back, so a view makes it a batch.
-        n = len(lens)
-        q, k, v = (t.reshape(n, int(lens[0]), h, -1).transpose(1, 2) for t in (q, k, v))  # (N, H, S, d)
-        if not torch.compiler.is_compiling():
-            _log_route_once(route, q, n)
-        out = _attention.sdpa(q, k, v, backends=attn.backends)
-        return attn.o(out.transpose(1, 2).flatten(2).reshape(x.shape))
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if not torch.compiler.is_compiling():
-        _log_route_once(route, q, len(lens))
-    out = segment_attention(q, k, v, cu, lens, attn.backends)
-    return attn.o(out.transpose(1, 2).flatten(2))
+    Args:
+        q, k, v: (1, H, S, d).
+        segments: the pack's :class:`PackSegments`.
+        backends: SDPA kernel order (``models/attention.py``) where SDPA runs.
+
+    Returns:
+        (1, H, S, d). The varlen kernel on CUDA for bf16/fp16 (eager and compiled); per-sample SDPA in
+        eager mode elsewhere; inside ``torch.compile`` elsewhere, SDPA with a block-diagonal (S, S) mask
+        built from the segment ids (no loop over samples in the graph: S^2 memory, for CPU and tests).
+    """
+    if _varlen_applies(q):
+        qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # (S, H, d)
+        out = _varlen(qt, kt, vt, segments.cu, segments.cu, segments.max_len, segments.max_len)
+        return out.transpose(0, 1)[None]
+    if torch.compiler.is_compiling():
+        from lightning_adaptiveload.models import attention as _attention
+
+        same = segments.seg[:, None] == segments.seg[None, :]
+        return _attention.sdpa(q, k, v, same[None, None], backends)
+    return segment_attention(q, k, v, segments.cu, segments.lens, backends)
 
 
-def _cross_attention(
-    attn: Any, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int], route: str
+def segment_cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_mask: torch.Tensor | None,
+    segments: PackSegments,
+    attend: Callable[..., torch.Tensor],
+    backends: Any = None,
 ) -> torch.Tensor:
-    """Each sample's tokens of x (1, S, D) attend to their own text ``ctx[i]`` (N, L, D) only."""
-    if route == "dense":
-        n = len(lens)
-        return attn(x.reshape(n, int(lens[0]), -1), ctx, mask).reshape(x.shape)
+    """Cross-attention of a pack: each sample's tokens attend to its own text only.
+
+    Args:
+        q: (1, H, S, d) the pack's queries.
+        k, v: (N, H, L, d) each sample's text keys and values, zero padded to L.
+        context_mask: (N, L) bool, True at real text tokens, or None (all real).
+        segments: the pack's :class:`PackSegments`.
+        attend: ``attend(q_i, k_i, v_i, mask_i)`` -> (1, H, S_i, d): one sample's masked cross-attention
+            (``CrossAttention._attend``), for the per-sample loop of eager mode.
+        backends: SDPA kernel order for the masked path.
+
+    Returns:
+        (1, H, S, d); zero for the tokens of a sample without real text (as in the bucketed path).
+    """
+    if segments.text_cu is not None and _varlen_applies(q):
+        h, d = k.shape[1], k.shape[3]
+        # (N * L, H, d), each sample's real tokens first: the kernel reads keys [text_cu[i], text_cu[i+1]).
+        kt, vt = (x.transpose(1, 2).reshape(-1, h, d).index_select(0, segments.text_order) for x in (k, v))
+        out = _varlen(
+            q[0].transpose(0, 1), kt, vt, segments.cu, segments.text_cu, segments.max_len, segments.text_max
+        )
+        if segments.has_text is not None:  # a sample without text attends to nothing: 0, never NaN
+            out = torch.where(segments.has_text[:, None, None], out, out.new_zeros(()))
+        return out.transpose(0, 1)[None]
+    if torch.compiler.is_compiling():
+        from lightning_adaptiveload.models import attention as _attention
+
+        n, h, length, d = k.shape
+        key_seg = torch.arange(n, device=k.device).repeat_interleave(length)  # (N * L,)
+        allowed = segments.seg[:, None] == key_seg[None, :]  # (S, N * L)
+        if context_mask is not None:
+            allowed = allowed & context_mask.reshape(1, -1)
+        keep = allowed.any(dim=-1)  # (S,)
+        allowed = allowed | ~keep[:, None]  # a row without keys would make softmax NaN
+        kf, vf = (x.transpose(0, 1).reshape(1, h, n * length, d) for x in (k, v))
+        out = _attention.sdpa(q, kf, vf, allowed[None, None], backends)
+        return out * keep[None, None, :, None].to(out.dtype)
     outs = []
     start = 0
-    for i, s in enumerate(lens):
-        end = start + int(s)
-        m = None if mask is None else mask[i : i + 1]
-        outs.append(attn(x[:, start:end], ctx[i : i + 1], m))
+    for i, s in enumerate(segments.lens):
+        end = start + s
+        mask = None if context_mask is None else context_mask[i : i + 1]
+        outs.append(attend(q[:, :, start:end], k[i : i + 1], v[i : i + 1], mask))
         start = end
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=2)
 
 
-def _block_forward(
-    block: Any,
-    x: torch.Tensor,
-    e0: torch.Tensor,
-    seg: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    ctx: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    cu: torch.Tensor,
-    lens: Sequence[int],
-    route: str = "segments",
-) -> torch.Tensor:
-    """One :class:`DiTBlock` on a pack: x (1, S, D); e0 (N, 6, D) fp32 per-sample time projection and
-    ``seg`` (S,) each token's sample; ``route`` from :func:`attention_route`.
-
-    The six modulation rows are expanded to tokens one at a time, where they are used: a (S, 6, D) fp32
-    table would take 4.8 GB at 131,040 tokens of wan-1.3b, kept for the whole backward as a checkpoint
-    input, which made full packs run out of memory where a bucketed batch of the same tokens fits.
-    """
-    mod = block.modulation.float() + e0  # (N, 6, D)
-
-    def row(i: int) -> torch.Tensor:  # (1, S, D): the per-token layout of the fused op
-        return mod[:, i][seg][None]
-
-    y = _self_attention(block.self_attn, block.norm1(x, row(0), row(1)), cos, sin, cu, lens, route)
-    x = (x + y * row(2)).to(x.dtype)
-    if ctx is not None:
-        x = (x + _cross_attention(block.cross_attn, block.norm3(x), ctx, mask, lens, route)).to(x.dtype)
-    y = block.ffn(block.norm2(x, row(3), row(4)))
-    return (x + y * row(5)).to(x.dtype)
+# --------------------------------------------------------------------------------------------------
+# A pack through a model, and its loss
+# --------------------------------------------------------------------------------------------------
 
 
 def packed_forward(
@@ -262,10 +492,11 @@ def packed_forward(
     context: torch.Tensor | None = None,
     context_mask: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Run a :class:`~lightning_adaptiveload.models.video_dit.VideoDiT` on a pack (``VideoDiT.forward_packed``).
+    """``model(list(latents), timestep, context, context_mask)``: a pack through the model's own forward.
 
     Args:
-        model: the VideoDiT.
+        model: a :class:`~lightning_adaptiveload.models.video_dit.VideoDiT` (or a model with the same pack
+            contract).
         latents: N noisy latents, each (C_in, T_i, H_i, W_i), any shapes divisible by the patch.
         timestep: (N,) per-sample diffusion time in the model's units.
         context: (N, L, text_dim) per-sample text, zero padded to the longest, or None.
@@ -274,59 +505,7 @@ def packed_forward(
     Returns:
         N predictions, each (C_out, T_i, H_i, W_i): the same as running each sample alone.
     """
-    from lightning_adaptiveload.models.checkpointing import run_block
-    from lightning_adaptiveload.models.layers import sinusoidal_embedding
-
-    n = len(latents)
-    if n == 0 or timestep.shape != (n,):
-        raise ValueError(
-            f"a pack needs N >= 1 latents and timestep of shape (N,) = ({n},), got {tuple(timestep.shape)}"
-        )
-    grids = [model._check_input(x[None]) for x in latents]
-    lens = [f * h * w for f, h, w in grids]
-    device = latents[0].device
-    param_dtype = model.patch_embedding.weight.dtype
-    low_precision = param_dtype in (torch.float16, torch.bfloat16)
-    if low_precision and not torch.is_autocast_enabled(device.type):
-        stream_dtype = param_dtype
-    else:
-        stream_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-    h = torch.cat(
-        [model.patch_embedding(x[None].to(param_dtype)).flatten(2).transpose(1, 2) for x in latents], dim=1
-    )
-    h = h.to(stream_dtype).contiguous()  # (1, S_total, D)
-    seg = segment_ids(lens, device)
-    cu = cu_seqlens(lens, device)
-    with torch.autocast(device.type, enabled=False):
-        w_dtype = model.time_embedding[0].weight.dtype
-        e = model.time_embedding(sinusoidal_embedding(timestep, model.config.freq_dim).to(w_dtype)).float()
-        e0 = model.time_projection(e.to(w_dtype)).float().unflatten(1, (6, model.config.dim))  # (N, 6, D)
-    e_tok = e[seg]  # per token, for the head (the blocks expand e0 row by row, see _block_forward)
-    ctx = None
-    if context is not None:
-        if context.dim() != 3 or context.shape[0] != n or context.shape[2] != model.config.text_dim:
-            raise ValueError(
-                f"pack text must have shape (N={n}, L, text_dim={model.config.text_dim}), got {tuple(context.shape)}"
-            )
-        ctx = model.text_embedding(context.to(param_dtype))
-        if context_mask is not None:
-            context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
-    cos, sin = packed_rope(model, grids, device)
-    route = attention_route(lens)
-    model._apply_attention_backend(device)
-    for block in model.blocks:
-        args = (block, h, e0, seg, cos, sin, ctx, context_mask, cu, lens, route)
-        h = run_block(block.checkpoint_policy, model.training, _block_forward, *args)
-    head = model.head
-    shift, scale = (head.modulation.float() + e_tok[:, None, :]).transpose(0, 1)[:, None].unbind(0)
-    tokens = head.head(head.norm(h, shift, scale))[0]  # (S_total, C_out * patch volume)
-    if ctx is None and model.training and torch.is_grad_enabled():
-        # As in VideoDiT.forward: keep the text path in the graph for DDP (zero gradients).
-        tokens = tokens + 0.0 * sum(p.sum() for p in model._text_path_parameters()).to(tokens.dtype)
-    outs = []
-    for part, grid in zip(tokens.split(lens), grids):
-        outs.append(model.unpatchify(part[None], grid)[0])
-    return outs
+    return model(list(latents), timestep, context, context_mask)
 
 
 def flow_loss_packed(
@@ -342,9 +521,10 @@ def flow_loss_packed(
 
     ``e`` is the latent elements per token (C_in times the patch volume), as in the bucketed loss, so that
     a pack and the same samples as separate batches give the same sum (and, weighted by the global token
-    count, the same loss and gradients).
+    count, the same loss and gradients). The model runs through its own ``forward`` (``model(list, t, ...)``).
 
     Args:
+        model: the model (its ``config`` gives C_in and the patch volume).
         latents: N clean latents x0, each (C, T_i, H_i, W_i).
         t: (N,) rectified-flow times in [0, 1].
         noise: N noise tensors of the latents' shapes.
@@ -353,7 +533,7 @@ def flow_loss_packed(
     """
     x0 = [x.float() for x in latents]
     x_t = [(1.0 - ti) * a + ti * z for a, z, ti in zip(x0, noise, t.float())]
-    pred = packed_forward(model, x_t, t * num_train_timesteps, text, text_mask)
+    pred = model(x_t, t * num_train_timesteps, text, text_mask)
     cfg = model.config
     elems = cfg.in_channels * cfg.patch_volume
     err = sum((p.float() - (z - a)).square().sum() for p, z, a in zip(pred, noise, x0)) / elems

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.models import packing as _packing
 from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exported; _spread is the old private name)
     CHECKPOINT_POLICIES,
     apply_checkpointing,
@@ -210,12 +211,25 @@ class DiTBlock(nn.Module):
         sin: torch.Tensor,
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
+        segments: _packing.PackSegments | None = None,
     ) -> torch.Tensor:
         """Args: x (B, S, D) residual stream; e0 (B, 6, D) fp32, or (B, S, 6, D) with per-token timesteps
-        (Wan 2.2); cos, sin (S, d/2); context (B, L, D) or None; context_mask (B, L) bool or None.
-        Returns (B, S, D) in x.dtype."""
+        (Wan 2.2); cos, sin (S, d/2), or (B, S, d/2) per sample; context (B, L, D) or None; context_mask
+        (B, L) bool or None; segments: None for a batch, or for a pack of mixed lengths its
+        :class:`~lightning_adaptiveload.models.packing.PackSegments`, with x (1, S_total, D), e0 (N, 6, D)
+        fp32 per sample, cos/sin (S_total, d/2) and context (N, L, D).
+        Returns x's shape in x.dtype."""
         return run_block(
-            self.checkpoint_policy, self.training, self._forward, x, e0, cos, sin, context, context_mask
+            self.checkpoint_policy,
+            self.training,
+            self._forward,
+            x,
+            e0,
+            cos,
+            sin,
+            context,
+            context_mask,
+            segments,
         )
 
     def _forward(
@@ -226,18 +240,29 @@ class DiTBlock(nn.Module):
         sin: torch.Tensor,
         context: torch.Tensor | None,
         context_mask: torch.Tensor | None,
+        segments: _packing.PackSegments | None = None,
     ) -> torch.Tensor:
-        mod = self.modulation.float() + e0  # (B, 6, D), or (B, S, 6, D) per token
-        # Per sample: six (B, 1, D) tables; per token: six (B, S, D) ones (the fused op's per-token layout).
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
-            mod.unbind(-2) if mod.dim() == 4 else mod.chunk(6, 1)
-        )
-        y = self.self_attn(self.norm1(x, shift_sa, scale_sa), cos, sin)
-        x = (x + y * gate_sa).to(x.dtype)
+        mod = self.modulation.float() + e0  # (B, 6, D), or (B, S, 6, D) per token, or (N, 6, D) per sample
+        if segments is None:
+            # Per sample: six (B, 1, D) tables; per token: six (B, S, D) ones (the fused op's per-token layout).
+            tables = mod.unbind(-2) if mod.dim() == 4 else mod.chunk(6, 1)
+
+            def row(i: int) -> torch.Tensor:
+                return tables[i]
+
+        else:
+            # A mixed pack: each (N, D) row spread to its samples' tokens, (1, S, D), where it is used (six at
+            # once would be a (S, 6, D) fp32 table: 4.8 GB at 131,040 tokens of wan-1.3b); the gradient
+            # comes back as a sum per sample (packing.segment_rows).
+            def row(i: int) -> torch.Tensor:
+                return _packing.segment_rows(mod[:, i], segments)
+
+        y = self.self_attn(self.norm1(x, row(0), row(1)), cos, sin, segments)
+        x = (x + y * row(2)).to(x.dtype)
         if context is not None:
-            x = (x + self.cross_attn(self.norm3(x), context, context_mask)).to(x.dtype)
-        y = self.ffn(self.norm2(x, shift_ff, scale_ff))
-        return (x + y * gate_ff).to(x.dtype)
+            x = (x + self.cross_attn(self.norm3(x), context, context_mask, segments)).to(x.dtype)
+        y = self.ffn(self.norm2(x, row(3), row(4)))
+        return (x + y * row(5)).to(x.dtype)
 
 
 class Head(nn.Module):
@@ -254,9 +279,16 @@ class Head(nn.Module):
         with torch.no_grad():
             self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, S, D); e (B, D) fp32, or (B, S, D) per token. Returns (B, S, C_out * pt * ph * pw)."""
-        if e.dim() == 3:  # per token: (1, 1, 2, D) + (B, S, 1, D) -> two (B, S, D) tables
+    def forward(
+        self, x: torch.Tensor, e: torch.Tensor, segments: _packing.PackSegments | None = None
+    ) -> torch.Tensor:
+        """Args: x (B, S, D); e (B, D) fp32, or (B, S, D) per token; segments: None, or for a pack of mixed
+        lengths (x (1, S, D), e (N, D) per sample) its
+        :class:`~lightning_adaptiveload.models.packing.PackSegments`. Returns (B, S, C_out * pt * ph * pw)."""
+        if segments is not None:  # per sample, spread to tokens: two (1, S, D) tables
+            mod = self.modulation.float() + e[:, None, :]  # (N, 2, D)
+            shift, scale = (_packing.segment_rows(mod[:, i], segments) for i in (0, 1))
+        elif e.dim() == 3:  # per token: (1, 1, 2, D) + (B, S, 1, D) -> two (B, S, D) tables
             shift, scale = (self.modulation.float()[None] + e[:, :, None, :]).unbind(-2)
         else:
             shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
@@ -517,25 +549,33 @@ class VideoDiT(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
         timestep: torch.Tensor,
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Predict the flow velocity.
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Predict the flow velocity of a batch, or of a pack of samples of any shapes.
 
         Args:
-            x: (B, C_in, T, H, W) noisy latent, any float dtype; T, H, W divisible by ``patch_size``.
+            x: (B, C_in, T, H, W) noisy latent, any float dtype; T, H, W divisible by ``patch_size``. Or a
+                *pack*: a list or tuple of N latents (C_in, T_i, H_i, W_i) of any shapes (each divisible by
+                the patch), run as one step in which every sample attends only to itself and its own text
+                (see :mod:`lightning_adaptiveload.models.packing`).
             timestep: (B,) diffusion time, float, in the model's units (rectified-flow t in [0, 1] x 1000);
                 or (B, S), one time per token in patch order (T, H, W flattened), as Wan 2.2 TI2V uses.
+                For a pack: (N,).
             context: (B, L, text_dim) text states, or None for no text (cross-attention is skipped; its
-                parameters get zero gradients while training, so that DDP sees every parameter).
+                parameters get zero gradients while training, so that DDP sees every parameter). For a
+                pack: (N, L, text_dim), each sample's text zero padded to L.
             context_mask: (B, L) bool, True at real text tokens; None means all are real.
 
         Returns:
             (B, C_out, T, H, W) in the dtype of the head's output (fp32 in fp32 training, bf16 under
-            bf16 autocast).
+            bf16 autocast); for a pack, a list of N tensors (C_out, T_i, H_i, W_i), the same as each sample
+            run alone.
         """
+        if isinstance(x, (list, tuple)):
+            return self._forward_pack(list(x), timestep, context, context_mask)
         grid = self._check_input(x)
         b = x.shape[0]
         seq = grid[0] * grid[1] * grid[2]
@@ -544,60 +584,93 @@ class VideoDiT(nn.Module):
                 f"timestep must have shape (B,) = ({b},) or, one per token, (B, S) = ({b}, {seq}); got "
                 f"{tuple(timestep.shape)}"
             )
-        param_dtype = self.patch_embedding.weight.dtype
-        # The residual stream is fp32 (Wan keeps the gated adds in fp32), except when the parameters are
-        # themselves low precision without autocast ("bf16-true"), where matmul inputs must match them.
-        low_precision = param_dtype in (torch.float16, torch.bfloat16)
-        if low_precision and not torch.is_autocast_enabled(x.device.type):
-            stream_dtype = param_dtype
-        else:
-            stream_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-
-        h = self.patch_embedding(x.to(param_dtype)).flatten(2).transpose(1, 2).to(stream_dtype)  # (B, S, D)
-        # Contiguous, not a transposed view: every block then sees inputs of one layout, so a compiled block
-        # serves the first block too (a view input would add a guard on its base and a second graph).
-        h = h.contiguous()
-
-        # Meta tensors (shape and FLOP analysis) have no autocast.
-        no_autocast = (
-            nullcontext() if x.device.type == "meta" else torch.autocast(x.device.type, enabled=False)
-        )
-        with no_autocast:
-            w_dtype = self.time_embedding[0].weight.dtype
-            t_emb = sinusoidal_embedding(timestep.flatten(), self.config.freq_dim).to(w_dtype)
-            e = self.time_embedding(t_emb).float()  # (B, D), or (B * S, D) per token
-            e0 = self.time_projection(e.to(w_dtype)).float().unflatten(1, (6, self.config.dim))  # (., 6, D)
-            if timestep.dim() == 2:  # per token: (B, S, D) and (B, S, 6, D)
-                e, e0 = e.unflatten(0, (b, seq)), e0.unflatten(0, (b, seq))
-
-        ctx = None
-        if context is not None:
-            if context.dim() != 3 or context.shape[0] != b or context.shape[2] != self.config.text_dim:
-                raise ValueError(
-                    f"text states must have shape (B={b}, L, text_dim={self.config.text_dim}), got "
-                    f"{tuple(context.shape)}; set text_dim in the model config to the text encoder's width"
-                )
-            if context_mask is not None and context_mask.shape != context.shape[:2]:
-                raise ValueError(
-                    f"text_mask shape {tuple(context_mask.shape)} does not match text {tuple(context.shape[:2])}"
-                )
-            ctx = self.text_embedding(context.to(param_dtype))
-            if context_mask is not None:
-                context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
-
+        h = self._embed_patches(x)  # (B, S, D)
+        e, e0 = self._embed_time(timestep)  # (B, D) and (B, 6, D), or (B * S, ...) per token
+        if timestep.dim() == 2:  # per token: (B, S, D) and (B, S, 6, D)
+            e, e0 = e.unflatten(0, (b, seq)), e0.unflatten(0, (b, seq))
+        ctx, context_mask = self._embed_text(context, context_mask, b)
         cos, sin = self._rope(grid, x.device)
         self._apply_attention_backend(x.device)
         self._choose_checkpointing(b, seq, 0 if context is None else context.shape[1])
         for block in self.blocks:
             # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
             h = block(h, e0, cos, sin, ctx, context_mask)
-        out = self.unpatchify(self.head(h, e), grid)
-        if ctx is None and self.training and torch.is_grad_enabled():
-            # DDP expects a gradient for every parameter at every step; a batch without text would leave
-            # the text path out of the graph and hang the gradient all-reduce. A zero-weighted sum keeps it
-            # in (zero gradients) for the cost of one reduction per tensor.
-            out = out + 0.0 * sum(p.sum() for p in self._text_path_parameters()).to(out.dtype)
-        return out
+        return self._keep_text_path(self.unpatchify(self.head(h, e), grid), ctx)
+
+    def _forward_pack(
+        self,
+        latents: list[torch.Tensor],
+        timestep: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """:meth:`forward` of a pack; the two routes of :func:`~lightning_adaptiveload.models.packing.attention_route`.
+
+        Equal token counts (one sample included): a batch (N, L, D) with per-sample rows, every block called
+        exactly as for a bucketed batch. Mixed: one sequence (1, S, D), every block called with
+        ``segments=`` (:class:`~lightning_adaptiveload.models.packing.PackSegments`).
+        """
+        n = len(latents)
+        if n == 0 or timestep.shape != (n,):
+            raise ValueError(
+                f"a pack needs N >= 1 latents and timestep of shape (N,) = ({n},), got {tuple(timestep.shape)}"
+            )
+        for i, lat in enumerate(latents):
+            if not isinstance(lat, torch.Tensor) or lat.dim() != 4:
+                raise ValueError(
+                    f"a pack is a list of latents (C, T, H, W); item {i} is "
+                    f"{tuple(lat.shape) if isinstance(lat, torch.Tensor) else type(lat).__name__}"
+                )
+        grids = [self._check_input(lat[None]) for lat in latents]
+        lens = [f * hh * w for f, hh, w in grids]
+        device = latents[0].device
+        route = _packing.attention_route(lens)
+        same_grid = all(g == grids[0] for g in grids)
+        if route == "dense" and same_grid:  # the bucketed batch of these samples
+            h = self._embed_patches(latents[0][None] if n == 1 else torch.stack(latents))  # (N, L, D)
+            cos, sin = self._rope(grids[0], device)
+        else:
+            tokens = [self._embed_patches(lat[None]) for lat in latents]  # (1, S_i, D) each
+            if route == "dense":  # equal counts on different grids: a batch with per-sample RoPE tables
+                h = torch.cat(tokens, dim=0)  # (N, L, D)
+                tables = [self._rope(g, device) for g in grids]
+                cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+            else:
+                h = torch.cat(tokens, dim=1)  # (1, S_total, D)
+                cos, sin = _packing.packed_rope(self, grids, device)
+        e, e0 = self._embed_time(timestep)  # (N, D), (N, 6, D) fp32
+        ctx, context_mask = self._embed_text(context, context_mask, n)
+        segments = None
+        if route == "segments":
+            varlen = device.type != "meta" and _packing.varlen_applies_to(
+                device, self._attention_dtype(device)
+            )
+            segments = _packing.PackSegments.build(
+                lens,
+                device,
+                context_mask if ctx is not None else None,
+                0 if ctx is None else ctx.shape[1],
+                varlen,
+            )
+        else:
+            varlen = False
+        if not torch.compiler.is_compiling():
+            _packing.log_route_once(route, device, varlen, n)
+        self._apply_attention_backend(device)
+        text_len = 0 if context is None else context.shape[1]
+        self._choose_checkpointing(*((n, lens[0]) if segments is None else (1, sum(lens))), text_len)
+        for block in self.blocks:
+            if segments is None:  # the bucketed call: a compiled block shares its graphs with batches
+                h = block(h, e0, cos, sin, ctx, context_mask)
+            else:
+                h = block(h, e0, cos, sin, ctx, context_mask, segments=segments)
+        if segments is None:
+            out = self._keep_text_path(self.head(h, e), ctx)  # (N, L, C_out * patch volume)
+            if same_grid:
+                return list(self.unpatchify(out, grids[0]).unbind(0))
+            return [self.unpatchify(out[i : i + 1], g)[0] for i, g in enumerate(grids)]
+        out = self._keep_text_path(self.head(h, e, segments), ctx)[0]  # (S_total, C_out * patch volume)
+        return [self.unpatchify(part[None], g)[0] for part, g in zip(out.split(lens), grids)]
 
     def forward_packed(
         self,
@@ -606,16 +679,82 @@ class VideoDiT(nn.Module):
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Predict the flow velocity of a pack: N latents of any shapes as one sequence, each sample
-        attending only to itself and its own text; see
-        :func:`lightning_adaptiveload.models.packing.packed_forward`.
+        """``self(list(latents), timestep, context, context_mask)``: a pack through :meth:`forward` (and so
+        through ``__call__``, its hooks and FSDP's).
 
         Args: latents: N tensors (C_in, T_i, H_i, W_i); timestep (N,); context (N, L, text_dim) or None;
         context_mask (N, L) bool or None. Returns N tensors (C_out, T_i, H_i, W_i).
         """
-        from lightning_adaptiveload.models.packing import packed_forward
+        return self(list(latents), timestep, context, context_mask)
 
-        return packed_forward(self, latents, timestep, context, context_mask)
+    # -- forward's parts -------------------------------------------------------------------------
+
+    def _stream_dtype(self, device: torch.device) -> torch.dtype:
+        """The residual stream's dtype: fp32 (Wan keeps the gated adds in fp32), fp64 for fp64 parameters, or
+        the parameters' own low precision without autocast ("bf16-true"), where matmul inputs must match."""
+        param_dtype = self.patch_embedding.weight.dtype
+        if param_dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(device.type):
+            return param_dtype
+        return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+    def _attention_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype attention's inputs will have: autocast's where it is on, else the parameters'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.patch_embedding.weight.dtype
+
+    def _embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in, T, H, W) -> (B, S, D) tokens in the stream dtype, contiguous."""
+        param_dtype = self.patch_embedding.weight.dtype
+        h = (
+            self.patch_embedding(x.to(param_dtype))
+            .flatten(2)
+            .transpose(1, 2)
+            .to(self._stream_dtype(x.device))
+        )
+        # Contiguous, not a transposed view: every block then sees inputs of one layout, so a compiled block
+        # serves the first block too (a view input would add a guard on its base and a second graph).
+        return h.contiguous()
+
+    def _embed_time(self, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """timestep (B,) or (B, S) -> e (B', D) and e0 (B', 6, D), fp32, B' = timestep.numel()."""
+        # Meta tensors (shape and FLOP analysis) have no autocast.
+        device = timestep.device
+        no_autocast = nullcontext() if device.type == "meta" else torch.autocast(device.type, enabled=False)
+        with no_autocast:
+            w_dtype = self.time_embedding[0].weight.dtype
+            t_emb = sinusoidal_embedding(timestep.flatten(), self.config.freq_dim).to(w_dtype)
+            e = self.time_embedding(t_emb).float()
+            e0 = self.time_projection(e.to(w_dtype)).float().unflatten(1, (6, self.config.dim))
+        return e, e0
+
+    def _embed_text(
+        self, context: torch.Tensor | None, context_mask: torch.Tensor | None, b: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Validated text states (B, L, text_dim) -> (B, L, D) in the parameters' dtype, and the bool mask."""
+        if context is None:
+            return None, None
+        if context.dim() != 3 or context.shape[0] != b or context.shape[2] != self.config.text_dim:
+            raise ValueError(
+                f"text states must have shape (B={b}, L, text_dim={self.config.text_dim}), got "
+                f"{tuple(context.shape)}; set text_dim in the model config to the text encoder's width"
+            )
+        if context_mask is not None and context_mask.shape != context.shape[:2]:
+            raise ValueError(
+                f"text_mask shape {tuple(context_mask.shape)} does not match text {tuple(context.shape[:2])}"
+            )
+        ctx = self.text_embedding(context.to(self.patch_embedding.weight.dtype))
+        if context_mask is not None:
+            context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
+        return ctx, context_mask
+
+    def _keep_text_path(self, out: torch.Tensor, ctx: torch.Tensor | None) -> torch.Tensor:
+        if ctx is None and self.training and torch.is_grad_enabled():
+            # DDP expects a gradient for every parameter at every step; a batch without text would leave
+            # the text path out of the graph and hang the gradient all-reduce. A zero-weighted sum keeps it
+            # in (zero gradients) for the cost of one reduction per tensor.
+            out = out + 0.0 * sum(p.sum() for p in self._text_path_parameters()).to(out.dtype)
+        return out
 
     def _text_path_parameters(self) -> list[nn.Parameter]:
         params = list(self.text_embedding.parameters())

@@ -1,0 +1,104 @@
+"""Packs under regional torch.compile: an epoch whose pack composition changes at every step compiles a
+bounded number of block graphs, and the compiled model equals eager mode (CPU, ``aot_eager``, fp32).
+
+``aot_eager`` runs Dynamo and AOTAutograd, the parts that decide graph breaks, recompiles and what a
+checkpoint keeps; inductor adds code generation (and size guards of its own on GPUs, see
+``models/acceleration.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+
+import torch
+import torch._dynamo
+
+from lightning_adaptiveload.models import acceleration
+from lightning_adaptiveload.models.acceleration import compile_blocks, compiled_graphs
+from lightning_adaptiveload.models.packing import attention_route
+from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
+
+# Text lengths avoid 6 and the model's widths: dynamo's duck sizing would give a text length equal to another
+# size (the six modulation rows) that size's symbol, which is then specialised.
+_CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
+_GRIDS = [(1, 4, 4), (2, 4, 4), (1, 4, 6), (3, 2, 2), (1, 2, 4), (2, 2, 6), (1, 6, 6)]
+MAX_PACK_GRAPHS = 4
+
+
+def _model() -> VideoDiT:
+    torch.manual_seed(0)
+    model = VideoDiT(VideoDiTConfig.preset("tiny", **_CFG)).train()
+    torch.nn.init.normal_(model.head.head.weight, std=0.02)  # non-zero gradients everywhere
+    model.set_activation_checkpointing(True, "save_attention")
+    return model
+
+
+def _packs(count: int = 12, seed: int = 0):
+    """``count`` packs, each of a new composition: mixed lengths mostly, a pack of one and equal lengths."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    compositions = [[rng.choice(_GRIDS) for _ in range(rng.randint(2, 5))] for _ in range(count)]
+    compositions[3] = [(1, 6, 6)]  # a pack of one: the bucketed batch
+    compositions[7] = [(1, 4, 4), (1, 4, 4), (1, 4, 4)]  # equal lengths: a batch of three
+    seen = set()
+    for comp in compositions:
+        assert tuple(comp) not in seen
+        seen.add(tuple(comp))
+        n = len(comp)
+        text_len = rng.choice([3, 4, 5, 7, 9])
+        mask = torch.rand(n, text_len, generator=g) > 0.3
+        mask[:, 0] = True
+        yield (
+            [torch.randn(16, *grid, generator=g) for grid in comp],
+            torch.rand(n, generator=g) * 1000,
+            torch.randn(n, text_len, _CFG["text_dim"], generator=g),
+            mask,
+        )
+
+
+def _step(model: VideoDiT, latents, t, text, mask):
+    model.zero_grad(set_to_none=True)
+    out = model(latents, t, text, mask)
+    sum(o.square().sum() for o in out).backward()
+    return [o.detach() for o in out], {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def test_changing_pack_compositions_compile_a_bounded_number_of_graphs(caplog):
+    eager, compiled = _model(), _model()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    before = compiled_graphs()
+    assert compile_blocks(compiled, backend="aot_eager") == 2
+    routes = set()
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger=acceleration.__name__):
+        warnings.simplefilter("ignore")  # the checkpoint-under-compile notice
+        for latents, t, text, mask in _packs():
+            routes.add(attention_route([g.shape[1] * g.shape[2] * g.shape[3] // 4 for g in latents]))
+            out_e, grads_e = _step(eager, latents, t, text, mask)
+            out_c, grads_c = _step(compiled, latents, t, text, mask)
+            for a, b in zip(out_c, out_e):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert grads_c.keys() == grads_e.keys()
+            for name in grads_e:
+                torch.testing.assert_close(
+                    grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+                )
+    assert routes == {"dense", "segments"}
+    graphs = compiled_graphs() - before
+    # A mixed pack's graph (any composition), the batch graphs of the pack of one (B = 1) and of the
+    # equal-length pack (B > 1), with room for one recompile when a size first turns out dynamic.
+    assert 1 <= graphs <= MAX_PACK_GRAPHS, graphs
+    # Every new graph was logged, with the input that made it.
+    log = compiled.graph_log
+    assert sum(1 for _ in log.events) >= 1 and log.graphs == compiled_graphs()
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == acceleration.__name__ and "new graph" in r.getMessage()
+    ]
+    assert len(lines) == len(log.events)
+    assert any("pack of" in line for line in lines)
