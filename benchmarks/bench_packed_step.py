@@ -62,14 +62,15 @@ SHAPES = {
 
 
 @contextlib.contextmanager
-def packing_settings(segment_sum: str = "auto", force_segments: bool = False):
-    """Set ``packing.SEGMENT_SUM`` and ``packing.FORCE_SEGMENTS`` for a variant, restored after."""
-    saved = packing.SEGMENT_SUM, packing.FORCE_SEGMENTS
+def packing_settings(segment_sum: str = "auto", force_segments: bool = False, segment_attention: str = "auto"):
+    """Set ``packing.SEGMENT_SUM``, ``FORCE_SEGMENTS`` and ``SEGMENT_ATTENTION`` for a variant, restored after."""
+    saved = packing.SEGMENT_SUM, packing.FORCE_SEGMENTS, packing.SEGMENT_ATTENTION
     packing.SEGMENT_SUM, packing.FORCE_SEGMENTS = segment_sum, force_segments
+    packing.SEGMENT_ATTENTION = segment_attention
     try:
         yield
     finally:
-        packing.SEGMENT_SUM, packing.FORCE_SEGMENTS = saved
+        packing.SEGMENT_SUM, packing.FORCE_SEGMENTS, packing.SEGMENT_ATTENTION = saved
 
 
 def tokens_of(shape: tuple[int, ...], patch: tuple[int, int, int]) -> int:
@@ -274,6 +275,8 @@ def run(args) -> dict:
 
     old = dict(segment_sum="index", force_segments=True)
     forced = dict(force_segments=True)
+    persample = dict(segment_attention="per_sample")
+    persample_forced = dict(force_segments=True, segment_attention="per_sample")
     if "segment_rows" in args.cases:
         segment_rows_variants(args, device, timer, record)
     for mode in args.modes:
@@ -284,11 +287,13 @@ def run(args) -> dict:
                 measure("clip", "bucketed", mode, ("clip", "bucketed"))
                 measure("clip", "pack", mode, ("clip", "pack"))
                 measure("clip", "pack-segments", mode, ("clip", "pack"), forced)
-                if mode == "eager" or args.old_compiled:
+                measure("clip", "pack-segments-persample", mode, ("clip", "pack"), persample_forced)
+                if (mode == "eager" or args.old_compiled) and not args.no_old:
                     measure("clip", "pack-old", mode, ("clip", "pack"), old)
             elif case == "mix":
                 measure("mix", "pack", mode, ("mix", "pack"))
-                if mode == "eager" or args.old_compiled:
+                measure("mix", "pack-persample", mode, ("mix", "pack"), persample)
+                if (mode == "eager" or args.old_compiled) and not args.no_old:
                     measure("mix", "pack-old", mode, ("mix", "pack"), old)
                 measure("mix", "bucketed-clip", mode, ("mix", "bucketed-clip"))
                 measure("mix", "bucketed-images", mode, ("mix", "bucketed-images"))
@@ -306,7 +311,7 @@ def summarise(results: list[dict], n_images: int) -> list[dict]:
     rows = []
     for mode in sorted({r["mode"] for r in results}):
         base = ms.get(("clip", "bucketed", mode))
-        for variant in ("pack", "pack-segments", "pack-old"):
+        for variant in ("pack", "pack-segments", "pack-segments-persample", "pack-old"):
             got = ms.get(("clip", variant, mode))
             if base and got:
                 rows.append(
@@ -323,7 +328,7 @@ def summarise(results: list[dict], n_images: int) -> list[dict]:
         clip, batch, one = (
             ms.get(("mix", v, mode)) for v in ("bucketed-clip", "bucketed-images", "bucketed-image")
         )
-        for variant in ("pack", "pack-old"):
+        for variant in ("pack", "pack-persample", "pack-old"):
             got = ms.get(("mix", variant, mode))
             if got and clip and batch:
                 rows.append(
@@ -387,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--modes", default=None, help="comma list of eager, compiled (default both; eager with --quick)"
     )
+    ap.add_argument("--no-old", action="store_true", help="skip the pre-issue-36 index path (pack-old)")
     ap.add_argument("--cases", default="segment_rows,clip,mix", help="comma list of segment_rows, clip, mix")
     ap.add_argument(
         "--reps", type=int, default=None, help="timed steps per variant (default 5; 1 with --quick)"

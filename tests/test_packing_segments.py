@@ -128,3 +128,22 @@ def test_mask_paths_used_under_compile_equal_the_per_sample_loops(lens, monkeypa
     # The sample without text gets zeros from both paths.
     start, end = lens[0], lens[0] + lens[1]
     assert torch.count_nonzero(got[1][:, :, start:end]) == 0
+
+
+def test_segment_attention_batches_runs_of_equal_lengths_exactly():
+    import torch.nn.functional as F
+
+    from lightning_adaptiveload.models import packing
+
+    assert packing._equal_runs([3, 3, 5, 3, 3, 3]) == [(3, 2), (5, 1), (3, 3)]
+    g = torch.Generator().manual_seed(0)
+    lens = [4, 4, 4, 7, 2, 2]
+    s = sum(lens)
+    q, k, v = (torch.randn(1, 3, s, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out = packing.segment_attention(q, k, v, packing.cu_seqlens(lens), lens, varlen=False)
+    start, ref = 0, []
+    for n in lens:
+        sl = slice(start, start + n)
+        ref.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl]))
+        start += n
+    torch.testing.assert_close(out, torch.cat(ref, dim=2), rtol=1e-12, atol=1e-12)

@@ -81,6 +81,16 @@ SEGMENT_SUMS = ("auto", "splits", "matmul", "index_add", "index")
 #: benchmarks (``benchmarks/bench_packed_step.py``); read at call time.
 SEGMENT_SUM = "auto"
 
+SEGMENT_ATTENTIONS = ("auto", "varlen", "per_sample")
+
+#: How a mixed pack's self-attention runs on CUDA: ``"varlen"`` (one variable-length kernel for the whole
+#: pack, ``torch.nn.attention.varlen``), ``"per_sample"`` (each run of equal-length samples as one batched
+#: SDPA call, so through the fastest dense kernel the machine has; eager mode only), ``"auto"``:
+#: ``"per_sample"`` in eager mode, ``"varlen"`` inside ``torch.compile``. On one H200 (wan-1.3b, bf16,
+#: 2026-11-27) the 32,760-token clip forced through the mixed route took 4,024 ms with varlen and 2,943 ms
+#: per sample, against 2,850 ms bucketed. Read at call time (``benchmarks/bench_packed_step.py`` sets it).
+SEGMENT_ATTENTION = "auto"
+
 #: Send every pack, equal lengths included, through the ``"segments"`` route (benchmarks only: with
 #: ``SEGMENT_SUM = "index"`` this is the packed path before issue 36).
 FORCE_SEGMENTS = False
@@ -366,6 +376,7 @@ def segment_attention(
     cu: torch.Tensor,
     lens: Sequence[int],
     backends: Any = None,
+    varlen: bool = True,
 ) -> torch.Tensor:
     """Self-attention confined to each sample of a pack (block-diagonal), no mask materialised.
 
@@ -374,13 +385,14 @@ def segment_attention(
         cu: int32 (N + 1,) token offsets (:func:`cu_seqlens`).
         lens: the N sample lengths (host ints, to slice without a device sync).
         backends: SDPA kernel order for the per-sample path (see ``models/attention.py``).
+        varlen: False: per-sample SDPA even where the variable-length kernel would run.
 
     Returns:
         (1, H, S_total, d). On CUDA with ``torch.nn.attention.varlen`` (torch >= 2.10) one variable-length
         kernel runs for the whole pack; elsewhere each sample's slice runs through SDPA, which is the
         per-sample computation exactly.
     """
-    if _varlen_applies(q):
+    if varlen and _varlen_applies(q):
         m = max(int(s) for s in lens)
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # (S_total, H, d)
         return _varlen(qt, kt, vt, cu, cu, m, m).transpose(0, 1)[None]
@@ -388,13 +400,31 @@ def segment_attention(
 
     outs = []
     start = 0
-    for s in lens:
-        end = start + int(s)
-        outs.append(
-            _attention.sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], backends=backends)
-        )
+    for length, count in _equal_runs(lens):
+        end = start + length * count
+        if count == 1:
+            outs.append(
+                _attention.sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], backends=backends)
+            )
+        else:  # a run of equal-length samples: one batched call (N, H, L, d), as a bucketed batch runs
+            h, d = q.shape[1], q.shape[3]
+            qs, ks, vs = (t[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1) for t in (q, k, v))
+            out = _attention.sdpa(qs, ks, vs, backends=backends)  # (count, H, L, d)
+            outs.append(out.transpose(0, 1).reshape(1, h, count * length, d))
         start = end
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _equal_runs(lens: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive equal lengths as (length, count) runs: (1560, 1560, 1560, 17160) -> [(1560, 3), (17160, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for s in lens:
+        s = int(s)
+        if runs and runs[-1][0] == s:
+            runs[-1] = (s, runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
 
 
 def segment_self_attention(
@@ -412,6 +442,13 @@ def segment_self_attention(
         eager mode elsewhere; inside ``torch.compile`` elsewhere, SDPA with a block-diagonal (S, S) mask
         built from the segment ids (no loop over samples in the graph: S^2 memory, for CPU and tests).
     """
+    per_sample = SEGMENT_ATTENTION == "per_sample" or (
+        SEGMENT_ATTENTION == "auto" and not torch.compiler.is_compiling()
+    )
+    if per_sample and not torch.compiler.is_compiling():
+        return segment_attention(q, k, v, segments.cu, segments.lens, backends, varlen=False)
+    if per_sample:
+        return _per_sample_attention(q, k, v, segments.cu, segments.lens, backends)
     if _varlen_applies(q):
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # (S, H, d)
         out = _varlen(qt, kt, vt, segments.cu, segments.cu, segments.max_len, segments.max_len)
@@ -422,6 +459,14 @@ def segment_self_attention(
         same = segments.seg[:, None] == segments.seg[None, :]
         return _attention.sdpa(q, k, v, same[None, None], backends)
     return segment_attention(q, k, v, segments.cu, segments.lens, backends)
+
+
+@torch.compiler.disable
+def _per_sample_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, lens: Sequence[int], backends: Any
+) -> torch.Tensor:
+    # Host lengths slice the pack: eager only (a compiled block breaks its graph here, not per composition).
+    return segment_attention(q, k, v, cu, lens, backends, varlen=False)
 
 
 def segment_cross_attention(
