@@ -24,11 +24,11 @@ Cases:
 Modes: ``eager`` and ``compiled`` (``compile_blocks``: regional, ``dynamic=True``; the compiled block graphs
 are counted and recorded per case). ``pack-old`` runs eager only unless ``--old-compiled``.
 
-Writes ``bench_packed_step_<device>_<date>.json`` into ``--out`` after every measurement (a run cut short
+Writes ``bench_packed_step_<device>_<date>_<modes>.json`` into ``--out`` after every measurement (a run cut short
 keeps what it measured) and prints a table last. Never asserts a time.
 
-    python benchmarks/bench_packed_step.py                      # one H100/H200, about 8 minutes
-    python benchmarks/bench_packed_step.py --modes eager        # about 4 minutes
+    python benchmarks/bench_packed_step.py --modes eager        # one H100/H200, about 4 minutes
+    python benchmarks/bench_packed_step.py --modes compiled     # about 6 minutes (3-4 block graphs)
     python benchmarks/bench_packed_step.py --quick              # tiny preset, CPU, eager: seconds
     python benchmarks/bench_packed_step.py --quick --modes eager,compiled   # + aot_eager compile: ~2 min
 """
@@ -217,7 +217,7 @@ def run(args) -> dict:
         "errors": [],
     }
     tag = "cpu" if device.type == "cpu" else device_tag(device_name)
-    filename = args.filename or f"bench_packed_step_{tag}_{date}.json"
+    filename = args.filename or f"bench_packed_step_{tag}_{date}_{'+'.join(args.modes)}.json"
 
     def record(case: str, variant: str, mode: str, fn, n_tokens: int, extra: dict | None = None) -> None:
         before = compiled_graphs()
@@ -405,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
     ap.add_argument(
-        "--filename", default=None, help="result file name (default bench_packed_step_<device>_<date>.json)"
+        "--filename",
+        default=None,
+        help="result file (default bench_packed_step_<device>_<date>_<modes>.json)",
     )
     add_out_arg(ap)
     args = ap.parse_args(argv)
