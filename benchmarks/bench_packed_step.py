@@ -15,20 +15,21 @@ Cases:
   (``packing.SEGMENT_SUM = "index"``), the path before issue 36 (then self-attention was batched SDPA).
 - ``mix``: one 41-frame clip (16 x 11 x 60 x 104 -> 17,160 tokens) and ten images (16 x 1 x 60 x 104 ->
   1,560 each): 32,760 tokens as one pack (the segments route) and ``pack-old``; against the same samples as
-  bucketed steps: the clip alone plus the ten images as one batch (``separate``, the sum of the two steps'
-  medians), and each image alone (``separate-each``: clip + 10 x one image).
+  bucketed steps (``bucketed-clip``, ``bucketed-images``: the ten as one batch, ``bucketed-image``: one),
+  summed in the table as "clip + images batch" and "clip + each image" (the clip + 10 x one image).
 - ``segment_rows``: the per-token modulation rows alone at the mix's shapes (S = 32,760, D = 1536, N = 11),
   forward + backward, one row per way of summing the gradient back (``splits``, ``matmul``, ``index_add``,
   and the old ``index``).
 
 Modes: ``eager`` and ``compiled`` (``compile_blocks``: regional, ``dynamic=True``; the compiled block graphs
-are counted and recorded per case). ``pack-old`` runs eager only unless ``--old-compiled``.
+are counted and recorded per variant). ``pack-segments`` and ``pack-old`` run eager only unless
+``--old-compiled`` (compiled, each adds a graph of its own).
 
-Writes ``bench_packed_step_<device>_<date>.json`` into ``--out`` after every measurement (a run cut short
-keeps what it measured) and prints a table last. Never asserts a time.
+Writes ``bench_packed_step_<device>_<date>_<modes>.json`` into ``--out`` after every measurement (a run cut
+short keeps what it measured) and prints a table last. Never asserts a time.
 
-    python benchmarks/bench_packed_step.py                      # one H100/H200, about 8 minutes
-    python benchmarks/bench_packed_step.py --modes eager        # about 4 minutes
+    python benchmarks/bench_packed_step.py --modes eager        # one H100/H200, about 4 minutes
+    python benchmarks/bench_packed_step.py --modes compiled     # about 6 minutes (3-4 block graphs)
     python benchmarks/bench_packed_step.py --quick              # tiny preset, CPU, eager: seconds
     python benchmarks/bench_packed_step.py --quick --modes eager,compiled   # + aot_eager compile: ~2 min
 """
@@ -218,7 +219,7 @@ def run(args) -> dict:
         "errors": [],
     }
     tag = "cpu" if device.type == "cpu" else device_tag(device_name)
-    filename = args.filename or f"bench_packed_step_{tag}_{date}.json"
+    filename = args.filename or f"bench_packed_step_{tag}_{date}_{'+'.join(args.modes)}.json"
 
     def record(case: str, variant: str, mode: str, fn, n_tokens: int, extra: dict | None = None) -> None:
         before = compiled_graphs()
@@ -286,8 +287,9 @@ def run(args) -> dict:
             if case == "clip":
                 measure("clip", "bucketed", mode, ("clip", "bucketed"))
                 measure("clip", "pack", mode, ("clip", "pack"))
-                measure("clip", "pack-segments", mode, ("clip", "pack"), forced)
-                measure("clip", "pack-segments-persample", mode, ("clip", "pack"), persample_forced)
+                if mode == "eager" or args.old_compiled:  # diagnostics; compiled, a graph each (N = 1)
+                    measure("clip", "pack-segments", mode, ("clip", "pack"), forced)
+                    measure("clip", "pack-segments-persample", mode, ("clip", "pack"), persample_forced)
                 if (mode == "eager" or args.old_compiled) and not args.no_old:
                     measure("clip", "pack-old", mode, ("clip", "pack"), old)
             elif case == "mix":
@@ -407,11 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backend", default=None, help="torch.compile backend (inductor; aot_eager with --quick)"
     )
-    ap.add_argument("--old-compiled", action="store_true", help="also time the old index path compiled")
+    ap.add_argument(
+        "--old-compiled", action="store_true", help="also time pack-segments and pack-old compiled"
+    )
     ap.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
     ap.add_argument(
-        "--filename", default=None, help="result file name (default bench_packed_step_<device>_<date>.json)"
+        "--filename",
+        default=None,
+        help="result file (default bench_packed_step_<device>_<date>_<modes>.json)",
     )
     add_out_arg(ap)
     args = ap.parse_args(argv)

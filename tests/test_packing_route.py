@@ -103,3 +103,40 @@ def test_routes_on_cuda_under_bf16_autocast(shapes, route, monkeypatch):
     for p, r in zip(preds, refs):
         rel = (p.float() - r.float()).norm() / r.float().norm()
         assert rel < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["auto", "matmul", "index_add"])
+def test_mixed_pack_gradients_on_cuda_under_bf16_autocast(how, monkeypatch):
+    # The segments route on CUDA: varlen self- and cross-attention (text keys reordered, one sample without
+    # text), per-token rows with a segment-sum backward; gradients within bf16 rounding of per sample.
+    from lightning_adaptiveload.models.packing import varlen_attention_available
+
+    monkeypatch.setattr(packing, "SEGMENT_SUM", how)
+    model = _model().cuda()
+    latents, t, text, mask = _inputs(model, MIXED)
+    latents, t, text, mask = [x.cuda() for x in latents], t.cuda(), text.cuda(), mask.cuda()
+    calls = []
+    original = packing._varlen
+    monkeypatch.setattr(packing, "_varlen", lambda *a: calls.append(1) or original(*a))
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            preds = run()
+        sum(p.float().square().sum() for p in preds).backward()
+        return preds, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    preds, got = grads(lambda: model(latents, t, text, mask))
+    if varlen_attention_available():
+        assert len(calls) == 2 * model.config.num_layers  # self- and cross-attention of every block
+    refs, want = grads(
+        lambda: [
+            model(x[None], t[i : i + 1], text[i : i + 1], mask[i : i + 1])[0] for i, x in enumerate(latents)
+        ]
+    )
+    for p, r in zip(preds, refs):
+        assert (p.float() - r.float()).norm() / r.float().norm() < 2e-2
+    for name, r in want.items():
+        rel = (got[name] - r).norm() / r.norm().clamp_min(1e-12)
+        assert rel < 5e-2, (name, float(rel))

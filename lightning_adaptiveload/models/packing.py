@@ -45,6 +45,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_adaptiveload.models import attention as _attention
+
+try:  # torch >= 2.10; imported here, not inside functions that torch.compile traces
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+
 __all__ = [
     "ATTENTION_ROUTES",
     "SEGMENT_SUMS",
@@ -338,11 +345,7 @@ def varlen_attention_available() -> bool:
     It appeared in torch 2.10 (docs 2.10 onward; CUDA only, FlashAttention-based; 2.10 has an ``is_causal``
     keyword, 2.12 on ``window_size``: only the positional arguments are used here); 2.9 and older lack it.
     """
-    try:
-        from torch.nn.attention import varlen  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(varlen, "varlen_attn")
+    return _varlen_attn is not None
 
 
 def _varlen_applies(q: torch.Tensor) -> bool:
@@ -364,9 +367,7 @@ def _varlen(
     max_k: int,
 ) -> torch.Tensor:
     """``varlen_attn`` on (S, H, d) queries and (T, H, d) keys/values; returns (S, H, d)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k)
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
 def segment_attention(
@@ -396,8 +397,6 @@ def segment_attention(
         m = max(int(s) for s in lens)
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # (S_total, H, d)
         return _varlen(qt, kt, vt, cu, cu, m, m).transpose(0, 1)[None]
-    from lightning_adaptiveload.models import attention as _attention
-
     outs = []
     start = 0
     for length, count in _equal_runs(lens):
@@ -454,8 +453,6 @@ def segment_self_attention(
         out = _varlen(qt, kt, vt, segments.cu, segments.cu, segments.max_len, segments.max_len)
         return out.transpose(0, 1)[None]
     if torch.compiler.is_compiling():
-        from lightning_adaptiveload.models import attention as _attention
-
         same = segments.seg[:, None] == segments.seg[None, :]
         return _attention.sdpa(q, k, v, same[None, None], backends)
     return segment_attention(q, k, v, segments.cu, segments.lens, backends)
@@ -503,8 +500,6 @@ def segment_cross_attention(
             out = torch.where(segments.has_text[:, None, None], out, out.new_zeros(()))
         return out.transpose(0, 1)[None]
     if torch.compiler.is_compiling():
-        from lightning_adaptiveload.models import attention as _attention
-
         n, h, length, d = k.shape
         key_seg = torch.arange(n, device=k.device).repeat_interleave(length)  # (N * L,)
         allowed = segments.seg[:, None] == key_seg[None, :]  # (S, N * L)

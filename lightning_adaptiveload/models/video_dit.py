@@ -29,6 +29,12 @@ reference implementation (``patch_embedding``, ``blocks.N.self_attn.q``, ``block
 
 The leaf layers (norms, embeddings, Wan's 3-D RoPE, the two attention layers) are in
 :mod:`~lightning_adaptiveload.models.layers`.
+
+``forward`` also takes a *pack*: a list of N latents of any shapes, run as one step in which each sample
+attends only to itself (:mod:`~lightning_adaptiveload.models.packing`). Equal token counts run as a batch;
+mixed ones as one token sequence whose blocks, attention layers and head get ``segments=`` (a
+:class:`~lightning_adaptiveload.models.packing.PackSegments`). Either way every block runs through its own
+``__call__``, so FSDP's hooks and compiled blocks see packs.
 """
 
 from __future__ import annotations
