@@ -219,7 +219,7 @@ def run(args) -> dict:
         "errors": [],
     }
     tag = "cpu" if device.type == "cpu" else device_tag(device_name)
-    filename = args.filename or f"bench_packed_step_{tag}_{date}_{'+'.join(args.modes)}.json"
+    filename = args.filename or f"bench_packed_step_{tag}_{date}_{'-'.join(args.modes)}.json"
 
     def record(case: str, variant: str, mode: str, fn, n_tokens: int, extra: dict | None = None) -> None:
         before = compiled_graphs()
