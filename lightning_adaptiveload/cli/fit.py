@@ -218,6 +218,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     if index is None or batcher is None:
         return None
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.plan import batching_label
     from lightning_adaptiveload.planning.planner import plan_epoch
 
     world = int(getattr(trainer, "world_size", 1))
@@ -233,7 +234,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
     line = (
         f"  balance (planned, epoch {epoch}, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
-        f"{this['steps']} steps with schedule {datamodule.schedule}, mode {batcher.mode}"
+        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.mode)}"
     )
     if index.num_samples > BASELINE_MAX_SAMPLES:
         return f"{line}; baseline not planned for {index.num_samples} samples (compare with `simulate`)"

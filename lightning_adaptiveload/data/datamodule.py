@@ -37,7 +37,7 @@ from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
-from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan, batching_label
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
@@ -515,8 +515,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             rank_zero_info(
                 f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
-                f"partial {rep['partial_batches']}, split {rep['split_batches']}, schedule {rep['mode']}, "
-                f"mode {self.batcher.mode}"
+                f"partial {rep['partial_batches']}, split {rep['split_batches']}, "
+                f"{batching_label(rep['mode'], self.batcher.mode)}"
                 + (
                     f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
                     f"{rep.get('packed_tail_steps', 0)}"
