@@ -55,6 +55,19 @@ def _fit_over(trainer: Any) -> bool:
     return bool(trainer.should_stop)
 
 
+def _planned_for(ds: PlannedShardDataset | None, epoch: int) -> bool:
+    """Whether ``ds`` holds a plan of ``epoch`` made for its current rank, world size and worker count."""
+    plan = None if ds is None else ds.plan
+    return (
+        plan is not None
+        and ds is not None
+        and ds.epoch == epoch
+        and plan.world_size == ds.world_size
+        and max(1, plan.num_workers) == max(1, ds.num_workers)
+        and plan.rank in (None, ds.rank)
+    )
+
+
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
 
@@ -483,6 +496,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._iterating = True
         if prepared is not None and (trainer is None or prepared == int(trainer.current_epoch)):
             return  # planned ahead by len()
+        ds = self.train_dataset
+        if trainer is not None and self._resume is None and _planned_for(ds, int(trainer.current_epoch)):
+            # The epoch's plan exists: start it over rather than plan it again. Lightning (2.x) creates the
+            # training iterator twice in every epoch after the first when it reloads the loader (in
+            # FitLoop.setup_data, then again in the epoch loop's on_run_start, abandoning the first), and
+            # a plan costs minutes at 100M samples. The plan of an epoch is fixed by its seed and settings,
+            # so it is the one a second planning would make (for a resumed epoch, the rest of it).
+            ds.begin_epoch(ds.epoch, ds.plan)
+            return
         self._prepare_train_epoch()
         self._prepared_epoch = None
 
