@@ -298,8 +298,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 )
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the indexes and build the datasets; rank and world size come from the trainer."""
+        """Load the indexes and build the datasets; rank and world size come from the trainer.
+
+        Raises:
+            ValueError: the trainer's module cannot take the training batches (:meth:`check_module`).
+        """
         _dist.destroy_gloo_group_at_exit()  # each DDP process on CPU: see _dist.destroy_gloo_group_at_exit
+        if stage in (None, "fit") and self.trainer is not None:
+            # Every rank raises the same error here, before any collective of the fit: no rank waits.
+            self.check_module(getattr(self.trainer, "lightning_module", None))
         rank, world = _dist.rank_and_world(self.trainer)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
@@ -337,6 +344,39 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     f"{trainer.reload_dataloaders_every_n_epochs}): every epoch has its own planned length"
                 )
             trainer.reload_dataloaders_every_n_epochs = 1
+
+    def check_module(self, module: Any) -> None:
+        """Refuse a training module that cannot take this DataModule's training batches, before any step.
+
+        The packed schedule gives every training step a pack (``batch["packed"]`` is True and
+        ``batch["latents"]`` a list of ``(C, T, H, W)`` tensors of different shapes; ``docs/data_path.md``,
+        "Packed batches"). A module says it runs packs with the class attribute ``runs_packed_batches =
+        True`` (``VideoDiTModule`` does); any other would fail deep inside its first step, or silently train on
+        what it misreads. :meth:`setup` calls this on every rank; the CLI also calls it in the launching
+        process, before DDP starts the ranks. Lockstep's packed tail asks the same attribute, but falls back
+        to bucketed batches instead (:attr:`lockstep_tail`).
+
+        Args:
+            module: the LightningModule that will train, or None (nothing to check: plain PyTorch use).
+
+        Raises:
+            ValueError: ``schedule="packed"`` and the module does not set ``runs_packed_batches = True``; the
+                message names the module, the setting and both ways out.
+        """
+        if self.schedule != "packed" or module is None:
+            return
+        flag = getattr(module, "runs_packed_batches", None)
+        if flag:
+            return
+        said = "sets runs_packed_batches = False" if flag is not None else "does not set runs_packed_batches = True"
+        raise ValueError(
+            f"schedule='packed' gives every training step a pack of samples of different shapes "
+            f"(batch['packed'] is True, batch['latents'] a list of (C, T, H, W) tensors), but "
+            f"{type(module).__name__} {said}, so it cannot take them. Either set the data's schedule to "
+            "'lockstep' or 'independent' (in a recipe: data.init_args.schedule), or make the module's "
+            "training_step take packs and set runs_packed_batches = True on its class (docs/data_path.md, "
+            "'Packed batches'; examples/your_own_model/wan_flow.py does)"
+        )
 
     def _train_lockstep_tail(self) -> str:
         """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
