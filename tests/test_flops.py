@@ -132,3 +132,19 @@ def test_meta_copy_reads_the_trainer_but_cannot_act_on_it():
     with pytest.raises(AttributeError, match="trainer.strategy is not available"):
         meta_training_flops(gathering, batch)  # the monitor warns and goes without FLOPs
     gathering._trainer = None
+
+
+def test_wan_flops_of_a_pack_are_those_of_its_samples():
+    # A pack's latents are a list of (C, T, H, W) of different shapes (the packed schedule, lockstep's
+    # packed tail); the formula read `.shape` of a tensor and failed on it.
+    wan = _tiny_wan()
+    shapes = [(4, 3, 4, 6), (4, 1, 8, 8), (4, 3, 4, 6)]
+    text = torch.randn(3, 7, 16)
+    pack = {"packed": True, "latents": [torch.randn(s) for s in shapes], "text": text}
+    alone = [
+        wan_flops_per_batch(wan.config, {"latents": torch.randn(1, *s), "text": text[i : i + 1]})
+        for i, s in enumerate(shapes)
+    ]
+    assert wan_flops_per_batch(wan.config, pack) == pytest.approx(sum(alone))
+    assert wan_flops_per_batch(wan.config, {**pack, "text": None}) < sum(alone)
+

@@ -75,7 +75,10 @@ def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
         config: the model's ``config`` (a diffusers ``FrozenDict`` or any mapping / object with
             ``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``ffn_dim``, ``patch_size``,
             ``in_channels``, ``out_channels``, ``freq_dim``, ``text_dim``).
-        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None.
+        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None; or a
+            pack (``docs/data_path.md``, "Packed batches"): ``latents`` a list of (C, T_i, H_i, W_i), ``text``
+            (N, L, D) or None, counted as its samples one by one, each with the pack's padded text length L
+            (what a model without varlen attention runs, e.g. ``examples/your_own_model``).
 
     Returns:
         FLOPs of forward + backward of the batch on this rank.
@@ -88,12 +91,23 @@ def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
     from lightning_adaptiveload.models.video_dit import forward_flops
 
     cfg = _wan_as_video_dit(config)
-    b, _, t, h, w = batch["latents"].shape
     pt, ph, pw = cfg.patch_size
     text = batch.get("text")
     text_len = 0 if text is None else int(text.shape[1])
-    seq_len = (t // pt) * (h // ph) * (w // pw)
-    return TRAINING_FLOPS_PER_FORWARD * int(b) * forward_flops(cfg, seq_len, text_len)  # type: ignore[arg-type]
+    latents = batch["latents"]
+    if isinstance(latents, (list, tuple)):  # a pack: samples of different shapes
+        grids = [tuple(int(v) for v in x.shape[-3:]) for x in latents]
+    else:
+        b, _, t, h, w = latents.shape
+        grids = [(int(t), int(h), int(w))] * int(b)
+    counts: dict[tuple[int, int, int], int] = {}
+    for grid in grids:
+        counts[grid] = counts.get(grid, 0) + 1
+    forward = sum(
+        n * forward_flops(cfg, (t // pt) * (h // ph) * (w // pw), text_len)  # type: ignore[arg-type]
+        for (t, h, w), n in counts.items()
+    )
+    return TRAINING_FLOPS_PER_FORWARD * forward
 
 
 def find_wan_config(module: torch.nn.Module) -> Any:
