@@ -193,6 +193,24 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _MetaSafeGenerator(torch.Generator):
+    """``torch.Generator`` that is a CPU generator when asked for the meta device, which has none.
+
+    Stands in for ``torch.Generator`` while a step runs on a meta copy: a step that makes
+    ``torch.Generator(device=x.device)`` from its inputs (meta there) would raise "META device type not an
+    accelerator"; ``torch.randn(..., device="meta", generator=g)`` takes a CPU generator.
+    """
+
+    def __new__(cls, device: Any = None) -> _MetaSafeGenerator:
+        where = None if device is None else torch.device(device)
+        if where is not None and where.type == "meta":
+            where = torch.device("cpu")
+        return super().__new__(cls) if where is None else super().__new__(cls, where)
+
+    def __init__(self, device: Any = None) -> None:  # the device was taken in __new__
+        pass
+
+
 def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: Any = None) -> float:
     """Training FLOPs (3x forward) of ``pl_module.training_step(batch)``, counted on a meta copy.
 
@@ -200,7 +218,9 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
     ranks, epoch, step, the optimizers' settings), ``self.log``, ``self.log_dict`` and ``self.print`` do
     nothing, ``torch.distributed`` reads as uninitialised (no collective can start on one rank only and
     hang the others), compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``), gradients
-    are off and the random state is restored afterwards. The live module is not called.
+    are off, a ``torch.Generator`` made for the meta device is a CPU one (the meta device has none; meta
+    tensors draw from a CPU generator) and the random state is restored afterwards. The live module is not
+    called.
 
     Args:
         pl_module: the LightningModule (or any module with ``training_step(batch, batch_idx)``).
@@ -213,7 +233,7 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
 
     Raises:
         Exception: whatever the training step raises on meta tensors (``.item()``, data-dependent
-            control flow, a generator on the device): the caller decides what to do.
+            control flow): the caller decides what to do.
     """
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
@@ -231,6 +251,7 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
         warnings.simplefilter("ignore")
         stack.enter_context(torch.random.fork_rng(devices=[]))
         stack.enter_context(mock.patch.object(dist, "is_initialized", lambda: False))
+        stack.enter_context(mock.patch.object(torch, "Generator", _MetaSafeGenerator))
         set_stance = getattr(torch.compiler, "set_stance", None)
         if set_stance is not None:
             stack.enter_context(set_stance("force_eager"))
