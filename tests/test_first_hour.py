@@ -389,7 +389,9 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(t
     assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
 
     write_synthetic_shards(tmp_path / "d", num_samples=24, samples_per_shard=12, progress=False)
-    dm = AdaptiveLoadDataModule(train_shards=str(tmp_path / "d"), max_tokens=512, schedule="packed", num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(tmp_path / "d"), max_tokens=512, schedule="packed", num_workers=0
+    )
     dm.setup("fit")
     with caplog.at_level(logging.INFO):
         len(dm.train_dataloader())  # plans epoch 0 and prints its line

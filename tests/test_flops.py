@@ -179,7 +179,10 @@ class _FollowsTheDocs(L.LightningModule):
 def test_rank_noise_generator_on_the_meta_device_draws_meta_tensors():
     # torch.Generator("meta") raises "META device type not an accelerator"; meta factories take a CPU one.
     g = rank_noise_generator("meta", rank=1, seed=7)
-    assert g.device.type == "cpu" and g.initial_seed() == rank_noise_generator("cpu", rank=1, seed=7).initial_seed()
+    assert (
+        g.device.type == "cpu"
+        and g.initial_seed() == rank_noise_generator("cpu", rank=1, seed=7).initial_seed()
+    )
     assert torch.randn(3, 4, generator=g, device="meta").shape == (3, 4)
 
 

@@ -76,7 +76,9 @@ def test_packed_schedule_refuses_a_module_without_packs(tmp_path, module):
     # Before, the packed schedule never asked: the module got packs and failed deep inside its first step
     # ("'list' object has no attribute 'float'"), or trained silently on what it misread.
     dm = AdaptiveLoadDataModule(train_shards=_shards(tmp_path), max_tokens=MAX_TOKENS, schedule="packed")
-    said = "sets runs_packed_batches = False" if module is _SaysNoPacks else "does not set runs_packed_batches"
+    said = (
+        "sets runs_packed_batches = False" if module is _SaysNoPacks else "does not set runs_packed_batches"
+    )
     with pytest.raises(ValueError, match=f"{module.__name__} {said}") as err:
         dm.check_module(module())
     assert "data.init_args.schedule" in str(err.value) and "'lockstep' or 'independent'" in str(err.value)

@@ -105,7 +105,9 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         text = batch["text"]
         return torch.cat(
             [
-                self._velocity_error({"latents": x.unsqueeze(0), "text": None if text is None else text[i : i + 1]})
+                self._velocity_error(
+                    {"latents": x.unsqueeze(0), "text": None if text is None else text[i : i + 1]}
+                )
                 for i, x in enumerate(batch["latents"])
             ]
         )

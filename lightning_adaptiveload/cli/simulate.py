@@ -164,9 +164,7 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
             file=sys.stderr,
         )
     by_pair = {pair: name for name, pair in MODES.items()}
-    names = [
-        "packed" if sch == "packed" else by_pair[(sch, m)] for sch in schedule_list for m in mode_list
-    ]
+    names = ["packed" if sch == "packed" else by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
     return list(dict.fromkeys(names))
 
 
@@ -176,8 +174,7 @@ _SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 def _describe(names: Sequence[str], times: Any) -> list[str]:
     """What the output's configuration names mean, and where the step times come from."""
     lines = [
-        "configurations: "
-        + "; ".join(f"{n} = {batching_label(*MODES[n])}" for n in names if n in MODES)
+        "configurations: " + "; ".join(f"{n} = {batching_label(*MODES[n])}" for n in names if n in MODES)
     ]
     if times is None:
         lines.append(

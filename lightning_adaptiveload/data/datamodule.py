@@ -368,7 +368,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         flag = getattr(module, "runs_packed_batches", None)
         if flag:
             return
-        said = "sets runs_packed_batches = False" if flag is not None else "does not set runs_packed_batches = True"
+        said = (
+            "sets runs_packed_batches = False"
+            if flag is not None
+            else "does not set runs_packed_batches = True"
+        )
         raise ValueError(
             f"schedule='packed' gives every training step a pack of samples of different shapes "
             f"(batch['packed'] is True, batch['latents'] a list of (C, T, H, W) tensors), but "
