@@ -371,3 +371,61 @@ def test_end_of_fit_balance_line_reuses_the_runs_plan_and_skips_the_baseline_at_
     line = fit._baseline_line(SimpleNamespace(world_size=8), datamodule)
     assert "epoch 3, 8 ranks): compute CV 0.012 over 77 steps with schedule lockstep" in line
     assert "baseline not planned" in line and "simulate" in line
+
+
+def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(tmp_path, caplog):
+    # The epoch line said "schedule packed, mode dual" while simulate called packed "equal_tokens": the
+    # packed schedule uses no batcher mode, and every place now says so in the same words.
+    import logging
+    from types import SimpleNamespace
+
+    from lightning_adaptiveload import AdaptiveLoadDataModule
+    from lightning_adaptiveload.cli import fit, simulate
+    from lightning_adaptiveload.data import write_synthetic_shards
+    from lightning_adaptiveload.planning.plan import batching_label
+
+    label = batching_label("packed", "dual")
+    assert label == batching_label("packed", "equal_tokens") and "mode dual" not in label
+    assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
+
+    write_synthetic_shards(tmp_path / "d", num_samples=24, samples_per_shard=12, progress=False)
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(tmp_path / "d"), max_tokens=512, schedule="packed", num_workers=0
+    )
+    dm.setup("fit")
+    with caplog.at_level(logging.INFO):
+        len(dm.train_dataloader())  # plans epoch 0 and prints its line
+    epoch_line = next(r.getMessage() for r in caplog.records if "[adaptiveload] epoch 0" in r.getMessage())
+    assert label in epoch_line and "mode dual" not in epoch_line
+
+    end_line = fit._baseline_line(SimpleNamespace(world_size=1), dm)
+    assert f"with {label}" in end_line and "mode dual" not in end_line.split(";")[0]
+
+
+def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
+    # docs/recipes.md said 0.092 (epoch 0's baseline) where the run's line says 0.083: the line plans the
+    # last epoch. Plan what the quickstart's line plans, from the recipe itself, and find it in the docs.
+    import yaml
+
+    from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.planner import plan_epoch
+
+    recipe = yaml.safe_load(open(QUICKSTART))
+    data, trainer = recipe["data"]["init_args"], recipe["trainer"]
+    synthetic = {k: v for k, v in data["synthetic"].items() if k != "val_num_samples"}
+    write_synthetic_shards(tmp_path, **synthetic, progress=False)
+    index = ShardIndex.load(str(tmp_path / "index.json"))
+    world, epoch = int(trainer["devices"]), int(trainer["max_epochs"]) - 1
+    caps = {"max_tokens": data["max_tokens"], "max_compute": data.get("max_compute"), "mode": data["mode"]}
+
+    def cv(schedule: str, **batcher) -> str:
+        plan = plan_epoch(index, world, data["num_workers"], DualConstraintBatcher(**batcher), data["seed"], epoch,
+                          mode=schedule)  # fmt: skip
+        return f"{plan.report['est_compute_cv']:.3f}"
+
+    run = cv(data["schedule"], **caps)
+    base = cv("independent", max_tokens=data["max_tokens"], mode="equal_tokens")
+    for doc in ("docs/recipes.md", "README.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert f"compute CV {run}" in text and f"against {base}" in text, (doc, run, base)

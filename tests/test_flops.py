@@ -132,3 +132,88 @@ def test_meta_copy_reads_the_trainer_but_cannot_act_on_it():
     with pytest.raises(AttributeError, match="trainer.strategy is not available"):
         meta_training_flops(gathering, batch)  # the monitor warns and goes without FLOPs
     gathering._trainer = None
+
+
+def test_wan_flops_of_a_pack_are_those_of_its_samples():
+    # A pack's latents are a list of (C, T, H, W) of different shapes (the packed schedule, lockstep's
+    # packed tail); the formula read `.shape` of a tensor and failed on it.
+    wan = _tiny_wan()
+    shapes = [(4, 3, 4, 6), (4, 1, 8, 8), (4, 3, 4, 6)]
+    text = torch.randn(3, 7, 16)
+    pack = {"packed": True, "latents": [torch.randn(s) for s in shapes], "text": text}
+    alone = [
+        wan_flops_per_batch(wan.config, {"latents": torch.randn(1, *s), "text": text[i : i + 1]})
+        for i, s in enumerate(shapes)
+    ]
+    assert wan_flops_per_batch(wan.config, pack) == pytest.approx(sum(alone))
+    assert wan_flops_per_batch(wan.config, {**pack, "text": None}) < sum(alone)
+
+
+class _FollowsTheDocs(L.LightningModule):
+    """A module as docs/your_own_model.md tells it (noise from ``rank_noise_generator`` kept on the module, a
+    token-weighted loss) with no FLOP formula of its own: the monitor counts it on a meta copy."""
+
+    def __init__(self, direct_generator: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        self.direct_generator = direct_generator
+        self._noise: torch.Generator | None = None
+
+    def training_step(self, batch, batch_idx):
+        x0 = batch["latents"].float()
+        if self._noise is None or self._noise.device != x0.device:
+            self._noise = (
+                torch.Generator(device=x0.device).manual_seed(0)  # the same trap, without our helper
+                if self.direct_generator
+                else rank_noise_generator(x0.device, self.global_rank)
+            )
+        t = torch.rand(x0.shape[0], 1, generator=self._noise, device=x0.device)
+        noise = torch.randn(x0.shape, generator=self._noise, device=x0.device)
+        err = (self.net((1 - t) * x0 + t * noise) - (noise - x0)).square().sum()
+        return token_weighted_loss(err, batch["num_tokens"], batch["global_tokens"], self.trainer.world_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_rank_noise_generator_on_the_meta_device_draws_meta_tensors():
+    # torch.Generator("meta") raises "META device type not an accelerator"; meta factories take a CPU one.
+    g = rank_noise_generator("meta", rank=1, seed=7)
+    assert (
+        g.device.type == "cpu"
+        and g.initial_seed() == rank_noise_generator("cpu", rank=1, seed=7).initial_seed()
+    )
+    assert torch.randn(3, 4, generator=g, device="meta").shape == (3, 4)
+
+
+@pytest.mark.parametrize("direct_generator", [False, True])
+def test_meta_count_of_a_module_that_follows_the_docs(direct_generator):
+    from types import SimpleNamespace
+
+    module = _FollowsTheDocs(direct_generator)
+    module._trainer = SimpleNamespace(world_size=1, global_rank=0)
+    batch = {"latents": torch.randn(4, 8), "num_tokens": 4, "global_tokens": -1}
+    assert meta_training_flops(module, batch) == 3 * 2 * 4 * (8 * 16 + 16 * 8)
+    assert torch.Generator is not None and type(torch.Generator()) is torch._C.Generator  # restored after
+
+
+@pytest.mark.timeout(120)
+def test_monitor_counts_the_flops_of_a_module_that_follows_the_docs(tmp_path):
+    import json
+
+    from lightning_adaptiveload import LoadBalanceMonitor
+
+    batches = [
+        {"latents": torch.randn(b, 8), "cost": 1.0, "num_tokens": b, "batch_size": b, "seq_len": 1,
+         "global_tokens": -1}
+        for b in (4, 2, 4)
+    ]  # fmt: skip
+    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(_FollowsTheDocs(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    assert monitor.summary["meta"]["flops_source"] == "flop_counter"  # None before: the count failed
+    steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
+    assert [s["flops"] for s in steps] == [3 * 2 * b * (8 * 16 + 16 * 8) for b in (4, 2, 4)]

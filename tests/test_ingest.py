@@ -223,6 +223,8 @@ def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_d
     ]
     index = ShardIndex.load(out / "index.json")
     assert index.num_samples == 4 and index.num_shards == 2
+    # The writer's own index (.index-r000a000.json) is merged into index.json and removed.
+    assert sorted(n for n in os.listdir(out) if n.endswith(".json")) == ["index.json"]
     samples = [s for i, sh in enumerate(index.shards) for s in iter_shard(sh, i)]
     by_src = {os.path.basename(s["meta"]["source"]): s for s in samples}
     assert by_src["img.png"]["latent"].shape == (Z, 1, 4, 4) and by_src["img.png"]["text"] is None
@@ -250,6 +252,7 @@ def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_d
     assert again["written"] == 0 and again["already_done"] == 4
     keys = _all_keys(out)
     assert len(keys) == len(set(keys)) == 4
+    assert sorted(n for n in os.listdir(out) if n.endswith(".json")) == ["index.json"]
 
 
 def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
@@ -379,6 +382,7 @@ def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path
     assert len(keys) == len(set(keys)) and set(keys) == inputs
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     assert ShardIndex.load(out / "index.json").num_samples == len(inputs)
+    assert not [n for n in os.listdir(out) if n.startswith(".index-")]  # every rank's own index, merged
     # A rerun on one rank (another world size) finds everything done.
     again = ing.ingest(
         src,

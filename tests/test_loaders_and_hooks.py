@@ -131,6 +131,42 @@ def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path, mo
     assert sorted(model.seen["predict"]) == sorted(_keys(data))
 
 
+@pytest.mark.timeout(180)
+def test_every_epoch_is_planned_once(data, tmp_path, monkeypatch, caplog):
+    # Lightning creates the training iterator twice in every epoch after the first when it reloads the
+    # loader (FitLoop.setup_data, then the epoch loop's on_run_start); each iterator planned its epoch anew,
+    # so epochs 1.. were planned (and their "epoch N" line printed) twice.
+    import collections
+    import logging
+
+    calls: collections.Counter = collections.Counter()
+    real = PlannedShardDataset.make_plan
+
+    def make_plan(self, epoch, settings=None, exclude=None, local=False):
+        if self.fixed_epoch is None:  # a training plan (validation plans once, epoch 0, fixed)
+            calls[epoch] += 1
+        return real(self, epoch, settings, exclude, local)
+
+    monkeypatch.setattr(PlannedShardDataset, "make_plan", make_plan)
+    dm = AdaptiveLoadDataModule(train_shards=data, val_shards=data, max_tokens=300, num_workers=0)
+    model = _Tiny()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, datamodule=dm)
+    assert dict(calls) == {0: 1, 1: 1, 2: 1, 3: 1}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[adaptiveload] epoch ")]
+    assert [line.split(":")[0] for line in lines] == [f"[adaptiveload] epoch {e}" for e in range(4)]
+    assert len(model.seen["fit"]) == 4 * 40  # every epoch still ran its whole plan, each sample once
+
+
 def test_lightning_can_rebuild_the_loader_for_predict(data):
     dm = AdaptiveLoadDataModule(train_shards=data, predict_shards=data, max_tokens=300, num_workers=0)
     dm.setup("predict")

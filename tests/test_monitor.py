@@ -390,6 +390,17 @@ def test_flops_sources_in_order_of_preference(tmp_path):
     assert flops == [None] * STEPS
 
 
+def test_summary_says_where_the_flops_came_from_or_that_they_were_not_counted():
+    from lightning_adaptiveload.monitor.report import format_summary
+
+    meta = {"num_steps": 3, "world_size": 2, "device": "cpu", "timing_method": "step"}
+    for source in ("wan_config", None):
+        text = format_summary({"meta": {**meta, "flops_source": source}, "overall": {}, "table": {}})
+        first = text.splitlines()[0]
+        assert "None" not in first  # "FLOPs by None" before
+        assert first.endswith("FLOPs by wan_config" if source else "FLOPs not counted (no TFLOP/s or MFU)")
+
+
 def test_batches_without_work_keys_warn_and_do_not_crash(tmp_path):
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=True, print_summary=False)
     trainer = _trainer(tmp_path, monitor, log_every_n_steps=2)

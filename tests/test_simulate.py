@@ -364,3 +364,73 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
 def test_cli_bad_input_returns_2(tmp_path, capsys):
     assert main(["--mix", str(tmp_path / "missing.json"), "--out", str(tmp_path), "--no-progress"]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+_CONFIG_OF = {
+    ("independent", "dual"): "dual",
+    ("independent", "equal_tokens"): "equal_tokens",
+    ("lockstep", "dual"): "lockstep",
+    ("lockstep", "equal_tokens"): "lockstep_equal_tokens",
+}
+
+
+@pytest.mark.parametrize("modes", [None, "dual", "equal_tokens", "dual,equal_tokens"])
+@pytest.mark.parametrize("schedules", ["independent", "lockstep", "packed", "independent,lockstep,packed"])
+def test_cli_runs_every_schedule_with_every_mode(tmp_path, capsys, schedules, modes):
+    # `--schedules packed` (alone or with others) raised KeyError: ('packed', 'dual') before.
+    argv = [
+        "--mix", "tiny", "--world-sizes", "2", "--max-tokens", "450", "--min-steps-per-rank", "8",
+        "--candidates", "2", "--out", str(tmp_path), "--no-plots", "--no-progress", "--schedules", schedules,
+    ]  # fmt: skip
+    argv += [] if modes is None else ["--modes", modes]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    wanted = {"equal_tokens"}  # the reference of tokens_per_s_ratio, always simulated
+    for schedule in schedules.split(","):
+        for mode in (modes or "dual,equal_tokens").split(","):
+            wanted.add("packed" if schedule == "packed" else _CONFIG_OF[(schedule, mode)])
+    rows = json.loads((tmp_path / "simulate.json").read_text())["results"]
+    assert sorted(r["mode"] for r in rows) == sorted(wanted)  # packed once, whatever the modes
+    assert all(r["steps"] > 0 for r in rows)
+    if "packed" in schedules:
+        assert "packed = schedule packed (no batcher mode" in printed.out
+        # An explicit --modes is said not to apply to the packed schedule; no note without one.
+        assert ("does not apply to the packed schedule" in printed.err) == (modes is not None)
+
+
+def test_table_splits_schedule_and_mode_and_gives_the_budget_unit():
+    result = simulate(
+        "tiny", world_sizes=[2], modes=["dual", "packed"], max_tokens=450, min_steps_per_rank=8,
+        max_candidates=2, progress=False,
+    )  # fmt: skip
+    lines = result.table().splitlines()
+    head = lines[0].split()
+    assert head[:5] == ["config", "schedule", "mode", "ranks", "steps"]
+    assert "[s]" in lines[0]  # the budget's unit: p fitted to the step times, so seconds per batch
+    rows = {line.split()[0]: line.split() for line in lines[2:] if line.split()[0] in ("dual", "packed")}
+    assert rows["dual"][1:3] == ["independent", "dual"]
+    assert rows["packed"][1:3] == ["packed", "-"]  # the packed schedule has no batcher mode
+    assert "seconds per batch" in lines[-1] and "cost_model" in lines[-1]
+    assert result.meta["max_compute_unit"].startswith("seconds per batch")
+    given_p = simulate("tiny", world_sizes=[2], modes=["dual"], max_tokens=450, p=1.5, min_steps_per_rank=8,
+                       max_candidates=2, progress=False)  # fmt: skip
+    assert "[token^p]" in given_p.table().splitlines()[0]
+
+
+def test_cv_max_shows_the_few_steps_that_lift_the_mean_above_the_p95():
+    # 100 steps, 4 unbalanced: the p95 is 0 and below the mean; the mean is right, the max shows why.
+    t = np.ones((100, 2))
+    t[[3, 40, 70, 99], 0] = 3.0
+    m = balance_metrics(t, np.ones_like(t))
+    assert m["cv_p95"] == 0.0 < m["cv_mean"] == pytest.approx(4 * 0.5 / 100)
+    assert m["cv_max"] == pytest.approx(0.5)
+    assert m["cv_max"] >= m["cv_p95"]
+
+
+def test_packed_schedule_is_balanced_with_the_planning_cost_model():
+    from lightning_adaptiveload.tools.replay import make_batcher
+
+    cm = CostModel(kind="power", p=2.0)
+    # The batcher built for packed (and lockstep_equal_tokens) carried the default cost model before.
+    assert make_batcher("equal_tokens", 450, "auto", cm, (1, 2, 2)).cost_model == cm
+    assert make_batcher("dual", 450, "auto", cm, (1, 2, 2)).cost_model == cm

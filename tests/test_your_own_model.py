@@ -44,6 +44,8 @@ def test_own_wan_module_fits_validates_tests_and_predicts_under_ddp(tmp_path):
     assert fit.returncode == 0, fit.stderr[-4000:]
     out = fit.stdout + fit.stderr
     assert "FLOPs by wan_config" in out  # the monitor knew the Wan's FLOPs without running a counter
+    # The example runs packs (lockstep's packed tail): no warning that it does not, at every run.
+    assert "runs_packed_batches" not in out and "packed tail steps" in out
     assert "fused" in out.lower() or "WanTransformerBlock" in out  # the mixin's report
     metrics = next((work / "runs" / "wan_flow" / "logs").rglob("metrics.csv"))
     rows = list(csv.DictReader(open(metrics)))
@@ -151,3 +153,63 @@ def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
     # model_class passes through ("got multiple values for argument 'model_class'" before).
     built = cli.build_cli(["--model=VideoDiTModule", *base], run=False, model_class=VideoDiTModule)
     assert type(built.model) is VideoDiTModule
+
+
+def _example_module():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from wan_flow import WanFlowModule
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    module = WanFlowModule(num_layers=1, text_dim=16)
+    module.configure_model()
+    return module
+
+
+def test_example_module_runs_a_pack_as_its_samples():
+    from lightning_adaptiveload.planning.packed_collate import collate_packed
+
+    module = _example_module()
+    assert module.runs_packed_batches is True
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        {"__key__": f"k{i}", "latent": torch.randn(16, *thw, generator=g), "text": torch.randn(n, 16, generator=g),
+         "meta": {}}
+        for i, (thw, n) in enumerate([((1, 4, 6), 3), ((3, 4, 4), 5), ((2, 2, 6), 1)])
+    ]  # fmt: skip
+    pack = collate_packed(samples, text_pad_to=12)
+    module._noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        err = module._pack_error(pack)
+    # The same draws, sample by sample as batches of one with the pack's padded text rows.
+    module._noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        alone = [
+            module._velocity_error({"latents": x.unsqueeze(0), "text": pack["text"][i : i + 1]})
+            for i, x in enumerate(pack["latents"])
+        ]
+    assert err.shape == (3,) and torch.allclose(err, torch.cat(alone))
+
+
+@pytest.mark.timeout(300)
+def test_example_module_fits_the_packed_schedule(tmp_path):
+    # Before, both ranks failed in the first step: "'list' object has no attribute 'float'".
+    from lightning_adaptiveload import AdaptiveLoadDataModule, LoadBalanceMonitor
+    from lightning_adaptiveload.data import write_synthetic_shards
+
+    data = tmp_path / "d"
+    write_synthetic_shards(
+        data, mix="tiny", num_samples=16, samples_per_shard=8, text_len_range=(1, 12), text_dim=16,
+        progress=False,
+    )  # fmt: skip
+    dm = AdaptiveLoadDataModule(train_shards=str(data), max_tokens=512, schedule="packed", num_workers=0,
+                                text_pad_to=12)  # fmt: skip
+    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(_example_module(), datamodule=dm)
+    assert trainer.global_step == dm.epoch_report["steps"] > 0
+    steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
+    assert monitor.summary["meta"]["flops_source"] == "wan_config" and all(s["flops"] > 0 for s in steps)

@@ -2,9 +2,9 @@
 
 Nothing here subclasses the suite's ``VideoDiTModule``: the module reads the batch dict of
 ``docs/data_path.md``, weights its loss with :func:`lightning_adaptiveload.token_weighted_loss`, draws
-noise from :func:`lightning_adaptiveload.rank_noise_generator`, and fuses its norm + modulate sites with
-:class:`lightning_adaptiveload.FusedNormModulateMixin`. Run it with ``wan_flow.yaml`` beside it (see
-``docs/your_own_model.md``).
+noise from :func:`lightning_adaptiveload.rank_noise_generator`, fuses its norm + modulate sites with
+:class:`lightning_adaptiveload.FusedNormModulateMixin`, and takes packed batches (``runs_packed_batches``) by
+running a pack's samples one by one. Run it with ``wan_flow.yaml`` beside it (see ``docs/your_own_model.md``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
     """
 
     fuse_submodule = "transformer"  # fuse inside the Wan model; its output head is left as it is
+    # training_step takes packs (schedule: packed, and the last steps of a lockstep epoch): see _pack_error.
+    runs_packed_batches = True
 
     def __init__(
         self,
@@ -91,12 +93,31 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         elems_per_token = x0.shape[1] * 4  # channels x patch volume (1 * 2 * 2)
         return (pred.float() - (noise - x0)).square().flatten(1).sum(1) / elems_per_token
 
+    def _pack_error(self, batch: dict) -> torch.Tensor:
+        """(N,) errors of a pack's samples (``batch["latents"]``: a list of (C, T, H, W) of different shapes).
+
+        Diffusers' Wan has no attention confined to each sample of one sequence, so each sample runs as a
+        batch of one, with its row of the pack's padded text: the loss a bucketed batch of the same samples
+        gives. A model with varlen attention runs the pack as one sequence instead (``docs/data_path.md``,
+        "Packed batches"); either way the ranks' packs cost the same, which is what the packed schedule
+        balances.
+        """
+        text = batch["text"]
+        return torch.cat(
+            [
+                self._velocity_error(
+                    {"latents": x.unsqueeze(0), "text": None if text is None else text[i : i + 1]}
+                )
+                for i, x in enumerate(batch["latents"])
+            ]
+        )
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if batch["batch_size"] == 0:
             # Every sample of this batch was skipped while reading: a zero loss that still touches every
             # parameter, so that DDP's gradient all-reduce runs as on the other ranks.
             return sum(p.sum() for p in self.parameters()) * 0.0
-        err = self._velocity_error(batch).sum()
+        err = (self._pack_error(batch) if batch.get("packed") else self._velocity_error(batch)).sum()
         loss = token_weighted_loss(err, batch["num_tokens"], batch["global_tokens"], self.trainer.world_size)
         self.log("train/loss", err / batch["num_tokens"], prog_bar=True, batch_size=batch["batch_size"])
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=1)

@@ -137,7 +137,7 @@ def _cli_class(default_model: bool) -> type:
                 parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.VideoDiTModule"}})
 
         def before_fit(self) -> None:
-            _check_before_fit(self.trainer, self.datamodule)
+            _check_before_fit(self.trainer, self.datamodule, self.model)
 
         def after_fit(self) -> None:
             _report_outputs(self.trainer, self.datamodule)
@@ -160,16 +160,23 @@ def _cli_class(default_model: bool) -> type:
 _CLI_CLASSES: dict[bool, type] = {}
 
 
-def _check_before_fit(trainer: Any, datamodule: Any) -> None:
-    """Prepare and check the data in the launching process, before DDP starts the other ranks.
+def _check_before_fit(trainer: Any, datamodule: Any, model: Any = None) -> None:
+    """Check the module against the data, then prepare and check the data, in the launching process,
+    before DDP starts the other ranks.
 
     Lightning starts the ranks before ``prepare_data`` and ``setup``; an error raised there on one rank
     ends the run with other ranks' connection errors printed after it. Raised here, it is the last
     error shown. Runs on local rank 0 only (the ranks Lightning starts, and every rank but one per
-    node under torchrun or SLURM, skip it); ``prepare_data`` later reuses what it wrote.
+    node under torchrun or SLURM, skip it); ``prepare_data`` later reuses what it wrote. The module check
+    (a packed schedule for a module that runs no packs) comes first: it needs no data.
     """
+    if getattr(trainer, "local_rank", 0) != 0:
+        return
+    check_module = getattr(datamodule, "check_module", None)
+    if callable(check_module):
+        check_module(model)
     check = getattr(datamodule, "check_data", None)
-    if not callable(check) or getattr(trainer, "local_rank", 0) != 0:
+    if not callable(check):
         return
     datamodule.prepare_data()
     check()
@@ -218,6 +225,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     if index is None or batcher is None:
         return None
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.plan import batching_label
     from lightning_adaptiveload.planning.planner import plan_epoch
 
     world = int(getattr(trainer, "world_size", 1))
@@ -233,7 +241,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
     line = (
         f"  balance (planned, epoch {epoch}, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
-        f"{this['steps']} steps with schedule {datamodule.schedule}, mode {batcher.mode}"
+        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.mode)}"
     )
     if index.num_samples > BASELINE_MAX_SAMPLES:
         return f"{line}; baseline not planned for {index.num_samples} samples (compare with `simulate`)"

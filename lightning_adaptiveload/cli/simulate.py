@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_adaptiveload.planning.plan import batching_label
 from lightning_adaptiveload.tools.simulate import DEFAULT_MODES, DEFAULT_WORLD_SIZES, MODES, simulate
 from lightning_adaptiveload.tools.step_times import DEFAULT_PATCH
 
@@ -69,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         "--schedules",
         default=None,
         help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: independent); "
-        "every schedule is simulated with every mode",
+        "every schedule is simulated with every mode, except packed, which has no batcher mode (its packs fill "
+        "--max-tokens and are balanced by the cost model) and is simulated once",
     )
     ap.add_argument(
         "--max-tokens", type=int, default=32760, help="token budget per rank and step (memory cap)"
@@ -126,7 +128,15 @@ _BATCHER_MODES = ("dual", "equal_tokens")
 
 
 def _configurations(modes: str | None, schedules: str | None) -> list[str]:
-    """The configuration names (keys of :data:`MODES`) for the ``--modes`` and ``--schedules`` flags."""
+    """The configuration names (keys of :data:`MODES`) for the ``--modes`` and ``--schedules`` flags.
+
+    Every schedule is taken with every mode, but the packed schedule has no batcher mode (its packs are
+    filled up to ``--max-tokens`` and balanced by the cost model, whatever the mode): it is simulated once,
+    as ``packed``, and a note says so when ``--modes`` was given.
+
+    Raises:
+        ValueError: a mode or schedule that is not one of the choices (the message lists them).
+    """
     if modes is None and schedules is None:
         return list(DEFAULT_MODES)
     mode_list = [m for m in (modes or ",".join(_BATCHER_MODES)).split(",") if m]
@@ -134,7 +144,7 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
     if legacy and schedules is None and all(m in MODES for m in legacy):
         print(
             f"note: --modes {','.join(legacy)} names schedule+mode configurations; this spelling is deprecated: "
-            "use --schedules independent,lockstep --modes dual,equal_tokens",
+            "use --schedules independent,lockstep,packed --modes dual,equal_tokens",
             file=sys.stderr,
         )
         return mode_list
@@ -146,8 +156,16 @@ def _configurations(modes: str | None, schedules: str | None) -> list[str]:
         bad = [v for v in value if v not in valid]
         if bad:
             raise ValueError(f"{flag} {','.join(bad)}: not one of {','.join(valid)}")
+    if "packed" in schedule_list and modes is not None:
+        print(
+            f"note: --modes {modes} does not apply to the packed schedule (it sizes no batches: each pack is "
+            "filled up to --max-tokens and the packs of a step are balanced by the cost model); packed is "
+            "simulated once",
+            file=sys.stderr,
+        )
     by_pair = {pair: name for name, pair in MODES.items()}
-    return [by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
+    names = ["packed" if sch == "packed" else by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
+    return list(dict.fromkeys(names))
 
 
 _SCHEDULE_NAMES = ("independent", "lockstep", "packed")
@@ -156,8 +174,7 @@ _SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 def _describe(names: Sequence[str], times: Any) -> list[str]:
     """What the output's configuration names mean, and where the step times come from."""
     lines = [
-        "configurations: "
-        + "; ".join(f"{n} = schedule {MODES[n][0]}, mode {MODES[n][1]}" for n in names if n in MODES)
+        "configurations: " + "; ".join(f"{n} = {batching_label(*MODES[n])}" for n in names if n in MODES)
     ]
     if times is None:
         lines.append(

@@ -37,7 +37,7 @@ from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
-from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan, batching_label
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
@@ -53,6 +53,19 @@ def _fit_over(trainer: Any) -> bool:
     if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
         return True
     return bool(trainer.should_stop)
+
+
+def _planned_for(ds: PlannedShardDataset | None, epoch: int) -> bool:
+    """Whether ``ds`` holds a plan of ``epoch`` made for its current rank, world size and worker count."""
+    plan = None if ds is None else ds.plan
+    return (
+        plan is not None
+        and ds is not None
+        and ds.epoch == epoch
+        and plan.world_size == ds.world_size
+        and max(1, plan.num_workers) == max(1, ds.num_workers)
+        and plan.rank in (None, ds.rank)
+    )
 
 
 class AdaptiveLoadDataModule(pl.LightningDataModule):
@@ -285,8 +298,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 )
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the indexes and build the datasets; rank and world size come from the trainer."""
+        """Load the indexes and build the datasets; rank and world size come from the trainer.
+
+        Raises:
+            ValueError: the trainer's module cannot take the training batches (:meth:`check_module`).
+        """
         _dist.destroy_gloo_group_at_exit()  # each DDP process on CPU: see _dist.destroy_gloo_group_at_exit
+        if stage in (None, "fit") and self.trainer is not None:
+            # Every rank raises the same error here, before any collective of the fit: no rank waits.
+            self.check_module(getattr(self.trainer, "lightning_module", None))
         rank, world = _dist.rank_and_world(self.trainer)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
@@ -324,6 +344,43 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     f"{trainer.reload_dataloaders_every_n_epochs}): every epoch has its own planned length"
                 )
             trainer.reload_dataloaders_every_n_epochs = 1
+
+    def check_module(self, module: Any) -> None:
+        """Refuse a training module that cannot take this DataModule's training batches, before any step.
+
+        The packed schedule gives every training step a pack (``batch["packed"]`` is True and
+        ``batch["latents"]`` a list of ``(C, T, H, W)`` tensors of different shapes; ``docs/data_path.md``,
+        "Packed batches"). A module says it runs packs with the class attribute ``runs_packed_batches =
+        True`` (``VideoDiTModule`` does); any other would fail deep inside its first step, or silently train on
+        what it misreads. :meth:`setup` calls this on every rank; the CLI also calls it in the launching
+        process, before DDP starts the ranks. Lockstep's packed tail asks the same attribute, but falls back
+        to bucketed batches instead (:attr:`lockstep_tail`).
+
+        Args:
+            module: the LightningModule that will train, or None (nothing to check: plain PyTorch use).
+
+        Raises:
+            ValueError: ``schedule="packed"`` and the module does not set ``runs_packed_batches = True``; the
+                message names the module, the setting and both ways out.
+        """
+        if self.schedule != "packed" or module is None:
+            return
+        flag = getattr(module, "runs_packed_batches", None)
+        if flag:
+            return
+        said = (
+            "sets runs_packed_batches = False"
+            if flag is not None
+            else "does not set runs_packed_batches = True"
+        )
+        raise ValueError(
+            f"schedule='packed' gives every training step a pack of samples of different shapes "
+            f"(batch['packed'] is True, batch['latents'] a list of (C, T, H, W) tensors), but "
+            f"{type(module).__name__} {said}, so it cannot take them. Either set the data's schedule to "
+            "'lockstep' or 'independent' (in a recipe: data.init_args.schedule), or make the module's "
+            "training_step take packs and set runs_packed_batches = True on its class (docs/data_path.md, "
+            "'Packed batches'; examples/your_own_model/wan_flow.py does)"
+        )
 
     def _train_lockstep_tail(self) -> str:
         """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
@@ -483,6 +540,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._iterating = True
         if prepared is not None and (trainer is None or prepared == int(trainer.current_epoch)):
             return  # planned ahead by len()
+        ds = self.train_dataset
+        if trainer is not None and self._resume is None and _planned_for(ds, int(trainer.current_epoch)):
+            # The epoch's plan exists: start it over rather than plan it again. Lightning (2.x) creates the
+            # training iterator twice in every epoch after the first when it reloads the loader (in
+            # FitLoop.setup_data, then again in the epoch loop's on_run_start, abandoning the first), and
+            # a plan costs minutes at 100M samples. The plan of an epoch is fixed by its seed and settings,
+            # so it is the one a second planning would make (for a resumed epoch, the rest of it).
+            ds.begin_epoch(ds.epoch, ds.plan)
+            return
         self._prepare_train_epoch()
         self._prepared_epoch = None
 
@@ -515,8 +581,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             rank_zero_info(
                 f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
-                f"partial {rep['partial_batches']}, split {rep['split_batches']}, schedule {rep['mode']}, "
-                f"mode {self.batcher.mode}"
+                f"partial {rep['partial_batches']}, split {rep['split_batches']}, "
+                f"{batching_label(rep['mode'], self.batcher.mode)}"
                 + (
                     f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
                     f"{rep.get('packed_tail_steps', 0)}"

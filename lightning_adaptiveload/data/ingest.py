@@ -19,6 +19,7 @@ The decode, frame and sizing functions are plain Python in :mod:`lightning_adapt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -74,6 +75,8 @@ __all__ = [
 
 _SHARD = re.compile(r"r(\d{3,})a(\d{3,})-\d{6}\.tar")
 _STALE_TMP = re.compile(r"\.r\d{3,}a\d{3,}-\d{6}\.tar\.\d+\.tmp")
+# Each rank's writer indexes its own shards under this name; index.json merges them all (write_index).
+_WRITER_INDEX = re.compile(r"\.index-r\d{3,}a\d{3,}\.json")
 
 
 def _complete_shards(out: str) -> list[str]:
@@ -354,7 +357,12 @@ class ShardPredictionWriter(BasePredictionWriter):
 
 
 def write_index(out: str | os.PathLike):
-    """Index every complete shard in ``out`` (headers only) and save ``<out>/index.json``; returns it."""
+    """Index every complete shard in ``out`` (headers only) and save ``<out>/index.json``; returns it.
+
+    The writers' own indexes (``.index-r<rank>a<attempt>.json``, one per rank and run) are then removed:
+    ``index.json`` holds their shards, and a rerun rebuilds it from the shards themselves. Call it when no
+    writer is open (``ShardPredictionWriter`` calls it on rank 0 after every rank has closed its writer).
+    """
     from lightning_adaptiveload.data.index import ShardIndex
 
     out = os.fspath(out)
@@ -362,6 +370,10 @@ def write_index(out: str | os.PathLike):
     # Every sample was checked finite by ShardWriter when it was written.
     index.values_checked = True
     index.save(os.path.join(out, "index.json"))
+    for name in os.listdir(out):
+        if _WRITER_INDEX.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, name))
     return index
 
 

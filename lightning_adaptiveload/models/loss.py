@@ -90,15 +90,23 @@ def rank_noise_generator(
     timesteps) on all ranks: samples at the same batch position would share noise. Offsetting by the rank
     keeps runs reproducible and ranks independent.
 
+    The meta device has no generator (``torch.Generator("meta")`` raises "META device type not an
+    accelerator"), but ``torch.randn(..., device="meta", generator=g)`` takes a CPU one: for meta, a CPU
+    generator is returned, so that a step run for its shapes alone (the ``LoadBalanceMonitor``'s FLOP count
+    on a meta copy of the module) draws as on a real device.
+
     Args:
         device: where the generator draws (the device of the latents).
         rank: global rank; None: from the process group (0 without one).
         seed: base seed; None: ``torch.initial_seed()`` (what ``seed_everything`` set).
 
     Returns:
-        ``torch.Generator`` seeded with ``(seed + 1_000_003 * rank) mod 2**63``; keep it and pass it as
-        ``generator=`` to ``torch.randn`` / ``torch.rand``.
+        ``torch.Generator`` seeded with ``(seed + 1_000_003 * rank) mod 2**63`` (on the CPU for ``device``
+        meta); keep it and pass it as ``generator=`` to ``torch.randn`` / ``torch.rand``.
     """
     rank = _dist.rank_and_world()[0] if rank is None else int(rank)
     base = torch.initial_seed() if seed is None else int(seed)
-    return torch.Generator(device=device).manual_seed((base + 1_000_003 * rank) % (2**63))
+    where = torch.device(device)
+    if where.type == "meta":
+        where = torch.device("cpu")
+    return torch.Generator(device=where).manual_seed((base + 1_000_003 * rank) % (2**63))

@@ -75,7 +75,10 @@ def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
         config: the model's ``config`` (a diffusers ``FrozenDict`` or any mapping / object with
             ``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``ffn_dim``, ``patch_size``,
             ``in_channels``, ``out_channels``, ``freq_dim``, ``text_dim``).
-        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None.
+        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None; or a
+            pack (``docs/data_path.md``, "Packed batches"): ``latents`` a list of (C, T_i, H_i, W_i), ``text``
+            (N, L, D) or None, counted as its samples one by one, each with the pack's padded text length L
+            (what a model without varlen attention runs, e.g. ``examples/your_own_model``).
 
     Returns:
         FLOPs of forward + backward of the batch on this rank.
@@ -88,12 +91,23 @@ def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
     from lightning_adaptiveload.models.video_dit import forward_flops
 
     cfg = _wan_as_video_dit(config)
-    b, _, t, h, w = batch["latents"].shape
     pt, ph, pw = cfg.patch_size
     text = batch.get("text")
     text_len = 0 if text is None else int(text.shape[1])
-    seq_len = (t // pt) * (h // ph) * (w // pw)
-    return TRAINING_FLOPS_PER_FORWARD * int(b) * forward_flops(cfg, seq_len, text_len)  # type: ignore[arg-type]
+    latents = batch["latents"]
+    if isinstance(latents, (list, tuple)):  # a pack: samples of different shapes
+        grids = [tuple(int(v) for v in x.shape[-3:]) for x in latents]
+    else:
+        b, _, t, h, w = latents.shape
+        grids = [(int(t), int(h), int(w))] * int(b)
+    counts: dict[tuple[int, int, int], int] = {}
+    for grid in grids:
+        counts[grid] = counts.get(grid, 0) + 1
+    forward = sum(
+        n * forward_flops(cfg, (t // pt) * (h // ph) * (w // pw), text_len)  # type: ignore[arg-type]
+        for (t, h, w), n in counts.items()
+    )
+    return TRAINING_FLOPS_PER_FORWARD * forward
 
 
 def find_wan_config(module: torch.nn.Module) -> Any:
@@ -179,6 +193,24 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _MetaSafeGenerator(torch.Generator):
+    """``torch.Generator`` that is a CPU generator when asked for the meta device, which has none.
+
+    Stands in for ``torch.Generator`` while a step runs on a meta copy: a step that makes
+    ``torch.Generator(device=x.device)`` from its inputs (meta there) would raise "META device type not an
+    accelerator"; ``torch.randn(..., device="meta", generator=g)`` takes a CPU generator.
+    """
+
+    def __new__(cls, device: Any = None) -> _MetaSafeGenerator:
+        where = None if device is None else torch.device(device)
+        if where is not None and where.type == "meta":
+            where = torch.device("cpu")
+        return super().__new__(cls) if where is None else super().__new__(cls, where)
+
+    def __init__(self, device: Any = None) -> None:  # the device was taken in __new__
+        pass
+
+
 def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: Any = None) -> float:
     """Training FLOPs (3x forward) of ``pl_module.training_step(batch)``, counted on a meta copy.
 
@@ -186,7 +218,9 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
     ranks, epoch, step, the optimizers' settings), ``self.log``, ``self.log_dict`` and ``self.print`` do
     nothing, ``torch.distributed`` reads as uninitialised (no collective can start on one rank only and
     hang the others), compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``), gradients
-    are off and the random state is restored afterwards. The live module is not called.
+    are off, a ``torch.Generator`` made for the meta device is a CPU one (the meta device has none; meta
+    tensors draw from a CPU generator) and the random state is restored afterwards. The live module is not
+    called.
 
     Args:
         pl_module: the LightningModule (or any module with ``training_step(batch, batch_idx)``).
@@ -199,7 +233,7 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
 
     Raises:
         Exception: whatever the training step raises on meta tensors (``.item()``, data-dependent
-            control flow, a generator on the device): the caller decides what to do.
+            control flow): the caller decides what to do.
     """
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
@@ -217,6 +251,7 @@ def meta_training_flops(pl_module: Any, batch: Any, batch_idx: int = 0, clone: A
         warnings.simplefilter("ignore")
         stack.enter_context(torch.random.fork_rng(devices=[]))
         stack.enter_context(mock.patch.object(dist, "is_initialized", lambda: False))
+        stack.enter_context(mock.patch.object(torch, "Generator", _MetaSafeGenerator))
         set_stance = getattr(torch.compiler, "set_stance", None)
         if set_stance is not None:
             stack.enter_context(set_stance("force_eager"))

@@ -129,9 +129,11 @@ def format_value(value: float) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The LoadBalanceMonitor's printed summary: a line of metadata, the statistics table, the whole job."""
     meta, overall, table = summary["meta"], summary["overall"], summary["table"]
+    source = meta.get("flops_source")
+    flops = f"FLOPs by {source}" if source not in (None, "none") else "FLOPs not counted (no TFLOP/s or MFU)"
     lines = [
         f"LoadBalanceMonitor: {meta['num_steps']} steps x {meta['world_size']} ranks on {meta['device']}; "
-        f"compute time by {meta['timing_method']}, FLOPs by {meta['flops_source']}",
+        f"compute time by {meta['timing_method']}, {flops}",
         f"{'statistic':<22}{'mean':>12}{'p50':>12}{'p95':>12}{'max':>12}",
     ]
     for key, d in table.items():

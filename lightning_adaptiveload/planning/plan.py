@@ -9,12 +9,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SCHEDULES", "Batch", "EpochPlan", "PlanError", "Read", "Ref", "Stream", "underfull_message"]
+__all__ = [
+    "SCHEDULES",
+    "Batch",
+    "EpochPlan",
+    "PlanError",
+    "Read",
+    "Ref",
+    "Stream",
+    "batching_label",
+    "underfull_message",
+]
 
 Ref = tuple[int, int]  # a sample: (shard id, sample id)
 Stream = tuple[int, int]  # (rank, worker)
 Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream reads of one shard
 SCHEDULES = ("independent", "lockstep", "packed")
+
+
+def batching_label(schedule: str, mode: str) -> str:
+    """How a configuration is named wherever it is printed (the epoch line, the end of fit, ``simulate``).
+
+    ``"schedule S, mode M"``; but the packed schedule sizes no batches, so the batcher's ``mode`` (and
+    ``max_compute``) change nothing in it: each rank's pack is filled up to ``max_tokens`` and the packs of
+    a step are balanced by the cost model. Its label says that rather than name a mode that does not apply
+    (the simulator builds its packed plans with an ``equal_tokens`` batcher, the DataModule with whatever
+    mode the recipe sets, and both plans are the same).
+
+    Example:
+        >>> batching_label("lockstep", "dual")
+        'schedule lockstep, mode dual'
+    """
+    if schedule == "packed":
+        return "schedule packed (no batcher mode: packs up to max_tokens, balanced by the cost model)"
+    return f"schedule {schedule}, mode {mode}"
 
 
 class PlanError(ValueError):

@@ -37,13 +37,16 @@ __all__ = [
     "run_mode",
 ]
 
-# mode name -> (schedule passed to plan_epoch, batcher mode)
+# configuration name -> (schedule passed to plan_epoch, batcher mode)
 MODES: dict[str, tuple[str, str]] = {
     "equal_tokens": ("independent", "equal_tokens"),
     "dual": ("independent", "dual"),
     "lockstep": ("lockstep", "dual"),
     "lockstep_equal_tokens": ("lockstep", "equal_tokens"),
-    "packed": ("packed", "equal_tokens"),  # one pack per rank and step (planning/packed.py)
+    # One pack per rank and step (planning/packed.py). The packed schedule sizes no batches, so it has no
+    # batcher mode (planning.plan.batching_label): the batcher built for it only carries max_tokens and
+    # the cost model, and equal_tokens is the one that needs no max_compute.
+    "packed": ("packed", "equal_tokens"),
 }
 
 
@@ -71,7 +74,7 @@ def balance_metrics(
         max_compute: the compute budget in cost-model units, for ``compute_fill``.
 
     Returns:
-        ``steps, world, cv_mean, cv_p50, cv_p95, imbalance_mean, imbalance_p95, straggler_wait
+        ``steps, world, cv_mean, cv_p50, cv_p95, cv_max, imbalance_mean, imbalance_p95, straggler_wait
         (time-weighted), step_wait_mean (unweighted), wait_share and wait_mean (their old names),
         step_seconds_mean, step_time_cv (of the step durations across steps), total_seconds, total_tokens,
         tokens_per_s, peak_tokens, token_fill, compute_fill, vram_utilisation`` (fractions, not percent).
@@ -89,6 +92,7 @@ def balance_metrics(
         raise ValueError("rank_seconds must be finite and >= 0")
     top = t.max(axis=1)
     figures = stats.balance_summary(t)
+    step_cv = stats.balance_rows(t)[0]
     total_seconds = float(top.sum())
     total_tokens = float(tok.sum())
     mem = tok if rank_memory is None else np.asarray(rank_memory, dtype=np.float64)
@@ -96,6 +100,9 @@ def balance_metrics(
         "steps": int(t.shape[0]),
         "world": int(t.shape[1]),
         **figures,
+        # A mean above the p95 is no error: fewer than 5% of the steps are unbalanced (a packed epoch's
+        # leftover steps); the max says how much those few are.
+        "cv_max": float(np.nanmax(step_cv)) if not np.isnan(step_cv).all() else math.nan,
         "wait_share": figures["straggler_wait"],  # old names, kept for scripts
         "wait_mean": figures["step_wait_mean"],
         "step_seconds_mean": float(top.mean()),
@@ -225,10 +232,14 @@ def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel, index: Any
 
 
 def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: CostModel, patch) -> Any:
+    """The batcher of a configuration. Both modes carry ``plan_cost``: equal_tokens sizes batches without it,
+    but the lockstep classes and the packed schedule's balance are costed with the batcher's cost model."""
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     if batching == "equal_tokens":
-        return DualConstraintBatcher(max_tokens=max_tokens, mode="equal_tokens", patch_size=patch)
+        return DualConstraintBatcher(
+            max_tokens=max_tokens, mode="equal_tokens", cost_model=plan_cost, patch_size=patch
+        )
     return DualConstraintBatcher(
         max_tokens=max_tokens, max_compute=max_compute, cost_model=plan_cost, mode="dual", patch_size=patch
     )

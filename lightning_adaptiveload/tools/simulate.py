@@ -152,21 +152,59 @@ class SimulationResult:
         )
 
     def table(self) -> str:
-        """A plain-text table: mode x world size -> CV mean/p95, imbalance, wait, tokens/s ratio, fill."""
+        """A plain-text table, one row per configuration and world size.
+
+        Columns: the configuration's name, its schedule and batcher mode (``-`` for the packed schedule, which
+        has none), ranks, steps per rank, the per-step compute CV (mean, 95th percentile and max over the
+        steps: a mean above the p95 means that fewer than 5% of the steps carry the imbalance, the max shows
+        how much), imbalance, straggler wait, tokens/s ratio, peak tokens, token fill, VRAM utilisation and
+        the recommended ``max_compute`` in the planning cost model's unit (said below the table).
+        """
+        unit = self.meta.get("max_compute_unit", "cost-model units")
+        rec_head = f"rec. max_compute [{_short_unit(unit)}]"
         head = (
-            f"{'mode':<22}{'ranks':>6}{'steps':>7}{'CV mean':>9}{'CV p95':>9}{'imbal':>8}{'wait':>8}"
-            f"{'tok/s x':>9}{'peak tok':>10}{'tok fill':>9}{'VRAM ut':>9}{'rec. max_compute':>18}"
+            f"{'config':<22}{'schedule':<12}{'mode':<13}{'ranks':>6}{'steps':>7}{'CV mean':>9}{'CV p95':>9}"
+            f"{'CV max':>9}{'imbal':>8}{'wait':>8}{'tok/s x':>9}{'peak tok':>10}{'tok fill':>9}{'VRAM ut':>9}"
+            f"{rec_head:>{max(18, len(rec_head) + 2)}}"
         )
         lines = [head, "-" * len(head)]
         for r in self.rows:
             rec = r.get("recommended_max_compute")
+            schedule, mode = MODES[r["mode"]] if r["mode"] in MODES else (r.get("schedule", "?"), "?")
             lines.append(
-                f"{r['mode']:<22}{r['world_size']:>6}{r['steps']:>7}{100 * r['cv_mean']:>8.1f}%"
-                f"{100 * r['cv_p95']:>8.1f}%{100 * r['imbalance_mean']:>7.1f}%{100 * r['wait_share']:>7.1f}%"
+                f"{r['mode']:<22}{schedule:<12}{('-' if schedule == 'packed' else mode):<13}"
+                f"{r['world_size']:>6}{r['steps']:>7}{100 * r['cv_mean']:>8.1f}%"
+                f"{100 * r['cv_p95']:>8.1f}%{100 * r.get('cv_max', math.nan):>8.1f}%"
+                f"{100 * r['imbalance_mean']:>7.1f}%{100 * r['wait_share']:>7.1f}%"
                 f"{r['tokens_per_s_ratio']:>9.3f}{r['peak_tokens']:>10}{100 * r['token_fill']:>8.1f}%"
-                f"{100 * r['vram_utilisation']:>8.1f}%{('-' if rec is None else f'{rec:.4g}'):>18}"
+                f"{100 * r['vram_utilisation']:>8.1f}%"
+                f"{('-' if rec is None else f'{rec:.4g}'):>{max(18, len(rec_head) + 2)}}"
             )
+        lines.append(
+            f"rec. max_compute: in {unit}; put it in a recipe together with that cost model "
+            "(data.init_args.max_compute and cost_model). '-': not searched (mode equal_tokens, the packed "
+            "schedule, or --no-recommend)"
+        )
         return "\n".join(lines)
+
+
+def _short_unit(unit: str) -> str:
+    """The unit of :meth:`SimulationResult.table`'s budget column, in a few characters."""
+    if unit.startswith("seconds"):
+        return "s"
+    if unit.startswith("token^p"):
+        return "token^p"
+    return "cost units"
+
+
+def _budget_unit(plan_cost: CostModel, given: bool, p: float | None) -> str:
+    """What a ``max_compute`` of ``plan_cost`` is measured in, for the table and ``meta``."""
+    formula = plan_cost.describe()
+    if given:
+        return f"cost-model units of the given plan_cost_model (cost(S) = {formula})"
+    if p is not None:
+        return f"token^p units (cost(S) = {formula}, S in tokens per sample)"
+    return f"seconds per batch (cost(S) = {formula}, fitted to the step times)"
 
 
 def simulate(
@@ -256,6 +294,7 @@ def simulate(
         plan_cost = CostModel.from_dict(plan_cost_model)
     else:
         plan_cost = default_plan_cost(time_source, shares, patch, p)
+    budget_unit = _budget_unit(plan_cost, plan_cost_model is not None, p)
     setup = _Setup(
         shares=shares,
         max_tokens=int(max_tokens),
@@ -293,6 +332,7 @@ def simulate(
         elapsed,
         **_settings(setup, step_overhead_s),
     )
+    meta["max_compute_unit"] = budget_unit
     result = SimulationResult(
         rows=runs.rows,
         per_step_cv=runs.per_step_cv,

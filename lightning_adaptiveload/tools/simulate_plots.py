@@ -132,4 +132,7 @@ def _plot_against_world_size(
 
 def _legend(name: str) -> str:
     """A configuration's name with its schedule and mode, for plot legends."""
-    return f"{name} ({MODES[name][0]}, {MODES[name][1]})" if name in MODES else name
+    if name not in MODES:
+        return name
+    schedule, mode = MODES[name]
+    return f"{name} (packed: no batcher mode)" if schedule == "packed" else f"{name} ({schedule}, {mode})"
