@@ -314,6 +314,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 ds.rank, ds.world_size = rank, world
         if loaded:
             check_indexes_agree(loaded)
+        for name, shards, index in loaded:
+            if (getattr(index, "metadata", None) or {}).get("demo"):
+                # Written by `ingest --vae tiny-random` (data/demo.py): shapes right, content random.
+                rank_zero_warn(
+                    f"[adaptiveload] the {name} shards {shards!r} are DEMO DATA, NOT FOR TRAINING: their index "
+                    "says they were encoded with a random-weight tiny VAE, so a model learns nothing useful "
+                    "from them. Ingest real data with Wan's VAE (docs/ingest.md)"
+                )
         trainer = self.trainer
         if stage in (None, "fit") and trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
             # The loader's length is its epoch's planned step count, which differs between epochs: Lightning
