@@ -245,6 +245,23 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             )
         return shards
 
+    def _write_synthetic(self, name: str, shards: Any, settings: dict[str, Any]) -> None:
+        """``write_synthetic_shards`` into ``shards``; data there that it did not write is never replaced."""
+        from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
+
+        try:
+            write_synthetic_shards(self._synthetic_dir(shards), **settings)
+        except NotSyntheticDataError as err:
+            # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
+            raise NotSyntheticDataError(
+                err.directory,
+                err.found,
+                context=f" It is {name}, and data.synthetic is set: synthetic shards would be written there.",
+                advice=f"to train on the data in {name}={shards!r}, remove the `synthetic:` block from the recipe "
+                "(data.init_args.synthetic; on the command line: --data.init_args.synthetic=null); for "
+                f"synthetic data, point {name} at an empty or new folder",
+            ) from None
+
     def prepare_data(self) -> None:
         """Generate synthetic shards when ``synthetic`` is set, and write ``index.json`` if missing.
 
@@ -252,19 +269,19 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """
         from lightning_adaptiveload.data.format import INDEX_NAME
         from lightning_adaptiveload.data.index import ShardIndex
-        from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
         if self.synthetic is not None:
             settings = dict(self.synthetic)
             val_n = settings.pop("val_num_samples", None)
+            # A bar only for a large write (write_synthetic_shards announces and shows one over 1 GiB).
             settings.setdefault("progress", False)
-            write_synthetic_shards(self._synthetic_dir(self.train_shards), **settings)
+            self._write_synthetic("train_shards", self.train_shards, settings)
             if self.val_shards is not None:
                 n = int(val_n) if val_n is not None else max(8, int(settings.get("num_samples", 256)) // 8)
                 val_settings = {**settings, "num_samples": n, "seed": int(settings.get("seed", 0)) + 1}
                 if isinstance(val_settings.get("samples_per_shard"), list):
                     val_settings["samples_per_shard"] = max(1, n // 4)
-                write_synthetic_shards(self._synthetic_dir(self.val_shards), **val_settings)
+                self._write_synthetic("val_shards", self.val_shards, val_settings)
         stage = getattr(getattr(self.trainer, "state", None), "fn", None)
         extra = {"test": self.test_shards, "predict": self.predict_shards}
         # Test and predict data are indexed only for their own stage (they may not exist while training).
