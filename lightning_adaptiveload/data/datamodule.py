@@ -68,8 +68,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         cost_model: a :class:`CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
             ``{"kind": "power", "p": 1.5}``); None: :meth:`CostModel.default`.
         mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
-        schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
-            take the same bucket class and batch size at every step).
+        schedule: ``"independent"`` (each rank batches its own samples), ``"lockstep"`` (all ranks
+            take the same bucket class and batch size at every step) or ``"packed"`` (each rank takes one
+            pack of samples of any shapes per step, the packs of a step of equal cost; the module must run
+            packs, ``runs_packed_batches = True``). Which to use: ``docs/schedules.md``.
         lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
             (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
             says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
