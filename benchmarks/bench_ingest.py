@@ -9,8 +9,11 @@ Measures, on this machine (clips written by the script with PyAV, 30 fps, smooth
    one clip per shape; seconds per sample. A 9-frame 240x416 clip takes minutes on 2 busy cores, so
    480p shapes (17 and 81 frames) run only with ``--full``.
 3. **The whole job** (``ingest()``: Trainer.predict, one rank, a data-loader worker decoding, the writer)
-   with a tiny VAE on small clips (128x224, 17 frames), so that the number is the pipeline's own
-   overhead: samples/s.
+   with the library's tiny random VAE (``data.demo.tiny_random_vae``, what ``ingest --vae tiny-random``
+   uses) on small clips (128x224, 17 frames), so that the number is the pipeline's own overhead:
+   samples/s.
+
+The clips come from ``data.demo.write_demo_clips`` (the generator behind ``ingest --demo-clips``).
 
 Writes ``benchmarks/results/ingest_<cpu>_<date>.json`` with the CPU name, thread count and the load
 average before and after (the development box is shared; a load above the core count means the numbers
@@ -31,29 +34,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 from _common import cpu_name
 
 from lightning_adaptiveload.data import ingest as ing
+from lightning_adaptiveload.data.demo import DEMO_ENCODER, TINY_VAE_CONFIG, tiny_random_vae, write_demo_clips
 from lightning_adaptiveload.monitor.report import jsonable
-
-
-def write_clip(path: str, seconds: float, fps: int, size: tuple[int, int], seed: int) -> None:
-    import av
-
-    rng = np.random.default_rng(seed)
-    h, w = size
-    base = rng.integers(0, 255, size=(h // 8, w // 8, 3)).astype(np.uint8).repeat(8, 0).repeat(8, 1)
-    with av.open(path, "w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.height, stream.width, stream.pix_fmt = h, w, "yuv420p"
-        for i in range(int(seconds * fps)):
-            img = np.roll(base, 2 * i, axis=1)
-            for packet in stream.encode(__import__("av").VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
 
 
 def save(result: dict, out_dir: str) -> str:
@@ -88,9 +74,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "in")
-        os.makedirs(src)
-        for i in range(args.clips):
-            write_clip(os.path.join(src, f"clip{i}.mp4"), 3.0, 30, (480, 832), seed=i)
+        write_demo_clips(src, count=args.clips, fps=30, size=(480, 832), seconds=3.0, image=False)
         items = ing.find_inputs(src)
 
         # 1. Decode + size.
@@ -136,13 +120,9 @@ def main() -> None:
 
         # 3. The whole job, tiny VAE (pipeline overhead), on small clips so that the tiny VAE stays cheap.
         small = os.path.join(tmp, "small")
-        os.makedirs(small)
-        for i in range(args.clips):
-            write_clip(os.path.join(small, f"clip{i}.mp4"), 2.0, 30, (128, 224), seed=i)
-        tiny = os.path.join(tmp, "tiny_vae")
-        AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).save_pretrained(tiny)
+        write_demo_clips(small, count=args.clips, fps=30, size=(128, 224), seconds=2.0, image=False)
         # The tiny VAE alone on one such clip: the job's time less this is the pipeline's overhead.
-        tiny_vae = AutoencoderKLWan.from_pretrained(tiny).eval()
+        tiny_vae = tiny_random_vae()
         x = torch.rand(1, 3, 17, 128, 224) * 2 - 1
         ing.encode_video(tiny_vae, x)  # first call: allocator and kernel warm-up
         t0 = time.perf_counter()
@@ -154,7 +134,7 @@ def main() -> None:
         summary = ing.ingest(
             small,
             os.path.join(tmp, "out"),
-            tiny,
+            DEMO_ENCODER,
             fps=16.0,
             max_frames=17,
             buckets="128x224",
@@ -164,7 +144,8 @@ def main() -> None:
         )
         dt = time.perf_counter() - t0
         result["ingest_job_tiny_vae"] = {
-            "clip": "128x224, 2 s at 30 fps -> 16 fps, 17 frames; tiny AutoencoderKLWan (base_dim 8); 1 rank, 1 worker",
+            "clip": "128x224, 2 s at 30 fps -> 16 fps, 17 frames; 1 rank, 1 worker",
+            "vae": f"data.demo.tiny_random_vae: AutoencoderKLWan({TINY_VAE_CONFIG}), random weights",
             "samples": summary["written"],
             "seconds_total": dt,
             "samples_per_s_total": summary["written"] / dt,

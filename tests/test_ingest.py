@@ -27,16 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_vae():
-    torch.manual_seed(0)
-    return diffusers.AutoencoderKLWan(
-        base_dim=8,
+    # The library's demo VAE (one definition, data/demo.py) with 4 channels and non-trivial statistics.
+    from lightning_adaptiveload.data.demo import tiny_random_vae
+
+    return tiny_random_vae(
         z_dim=Z,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
         temperal_downsample=[False, True, True],
         latents_mean=[0.3, -0.2, 0.1, 0.5],
         latents_std=[1.5, 0.7, 2.0, 1.1],
-    ).eval()
+    )
 
 
 def write_video(path, frames=20, fps=10, size=(48, 64), seed=0):
@@ -436,3 +435,93 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
     trainer.fit(model, data)
     assert trainer.global_step >= 1
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+# -- the demo path: no downloaded weights (issue 38, item 4) -------------------------------------------------
+
+
+def _demo_cli(src, out, *extra):
+    from lightning_adaptiveload.cli import main as cli
+
+    args = ["ingest", str(src), "--out", str(out), "--vae", "tiny-random", "--buckets", "32x48,48x32,32x32"]
+    args += [
+        "--max-frames",
+        "5",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "1",
+        "--num-workers",
+        "0",
+        "--no-progress",
+    ]
+    return cli.main([*args, *extra])
+
+
+def test_demo_ingest_runs_without_weights_and_marks_its_shards(tmp_path, capsys, caplog):
+    src, out = tmp_path / "videos", tmp_path / "train"
+    code = _demo_cli(src, out, "--demo-clips", "2", "--text-encoder", "tiny-random")
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out.strip().splitlines()[-1])
+    assert report["written"] == 3 and report["demo"] is True  # two generated clips and one image
+    assert "NOT for training" in captured.err and "--data.init_args.train_shards=" in captured.err
+    assert "NOT FOR TRAINING" in caplog.text  # the loud warning at the start
+    assert sorted(p.name for p in src.iterdir()) == [
+        "demo-00.mp4", "demo-00.txt", "demo-01.mp4", "demo-01.txt", "demo-image.png", "demo-image.txt",
+    ]  # fmt: skip
+    index = ShardIndex.load(out / "index.json")
+    assert (
+        index.metadata["demo"]["vae"] == "tiny-random"
+        and "NOT FOR TRAINING" in index.metadata["demo"]["note"]
+    )
+    samples = [s for i, sh in enumerate(index.shards) for s in iter_shard(sh, i)]
+    assert all(s["meta"]["demo"] is True for s in samples)
+    # Wan's 16 latent channels; text states of the tiny model preset's width (32), one per character + </s>.
+    assert {s["latent"].shape[0] for s in samples} == {16}
+    clip = next(s for s in samples if s["meta"]["source"].endswith("demo-00.mp4"))
+    caption = (src / "demo-00.txt").read_text().strip()
+    assert clip["text"].shape == (len(caption) + 1, 32) and clip["meta"]["caption"] == caption
+
+
+def test_demo_and_real_shards_never_share_a_folder(tmp_path, vae_dir, capsys):
+    from lightning_adaptiveload.data.demo import write_demo_clips
+
+    src = tmp_path / "videos"
+    write_demo_clips(src, count=1, image=False)
+    kw = dict(fps=8.0, max_frames=5, buckets="32x48,48x32,32x32", num_workers=0, progress=False)
+    kw["trainer_kwargs"] = {"accelerator": "cpu", "devices": 1}
+    ing.ingest(src, tmp_path / "demo", "tiny-random", **kw)
+    with pytest.raises(FileExistsError, match="holds DEMO shards"):
+        ing.ingest(src, tmp_path / "demo", vae_dir, **kw)
+    ing.ingest(src, tmp_path / "real", vae_dir, **kw)
+    with pytest.raises(FileExistsError, match="encoded with a real VAE"):
+        ing.ingest(src, tmp_path / "real", "tiny-random", **kw)
+    assert "demo" not in ShardIndex.load(tmp_path / "real" / "index.json").metadata
+
+
+def test_demo_ingest_without_inputs_says_what_to_pass(tmp_path, capsys):
+    assert _demo_cli(tmp_path / "nothing", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "--demo-clips" in err and len(err.splitlines()) == 1
+
+
+def test_training_on_demo_shards_warns(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
+
+    src = _dataset(tmp_path / "in", n_videos=2, corrupt=False)
+    out = tmp_path / "train"
+    ing.ingest(
+        src, out, "tiny-random", fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0, progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )  # fmt: skip
+    data = AdaptiveLoadDataModule(train_shards=str(out), max_tokens=1024, num_workers=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="DEMO DATA, NOT FOR TRAINING"):
+        trainer.fit(VideoDiTModule(preset="tiny"), data)

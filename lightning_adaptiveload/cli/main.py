@@ -108,6 +108,11 @@ def _usage() -> str:
     lines += [f"  {n:<{width}}  see `lightning-adaptiveload {n} --help`" for n in LIGHTNING_COMMANDS]
     lines += ["", "tools:"]
     lines += [f"  {n:<{width}}  {help_}" for n, (_, _, help_) in COMMANDS.items()]
+    lines += [
+        "",
+        f"a failed command prints its error alone, last; its traceback goes to a file ({TRACEBACK_FLAG}: to the "
+        "terminal, with any command)",
+    ]
     lines += ["", f"packaged recipes (--config NAME): {', '.join(packaged_recipes()) or 'none'}"]
     lines += ["example: lightning-adaptiveload fit --config quickstart"]
     return "\n".join(lines)
@@ -134,8 +139,13 @@ def _is_secondary(err: BaseException) -> bool:
     return type(err).__name__.startswith("Dist") or any(s in text for s in _SECONDARY)
 
 
-def _report_failure(err: BaseException, started: float) -> int:
-    """Print the traceback and, last, the error that caused the failure (this rank's or another's).
+def _report_failure(err: BaseException, started: float, argv: Sequence[str] = ()) -> int:
+    """Print the error that caused the failure (this rank's or another's) alone, as the final block.
+
+    The traceback goes to a file (its path is printed just before the final block), or to stderr with
+    ``--traceback`` / ``LIGHTNING_ADAPTIVELOAD_TRACEBACK=1``: the library's errors say what went wrong and
+    what to do, and 60 lines of frames in front of that line bury it. Known errors get a ``what to do``
+    line (:func:`_hints`).
 
     Every rank records its error in a file of the run (keyed by ``MASTER_PORT``); the launching rank,
     whose own error is often only the closed connection of a rank that died first, prints that rank's
@@ -144,7 +154,7 @@ def _report_failure(err: BaseException, started: float) -> int:
     import json
     import time
 
-    traceback.print_exc()
+    _show_traceback(err)
     # jsonargparse re-raises an error of a class's __init__ inside a long "does not validate" message.
     while err.__cause__ is not None:
         frames = traceback.extract_tb(err.__traceback__)
@@ -152,7 +162,12 @@ def _report_failure(err: BaseException, started: float) -> int:
             break
         err = err.__cause__
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    own = {"rank": rank, "error": f"{type(err).__name__}: {err}", "secondary": _is_secondary(err)}
+    own = {
+        "rank": rank,
+        "error": f"{type(err).__name__}: {err}",
+        "secondary": _is_secondary(err),
+        "hints": _hints(err, argv),
+    }
     root = own
     folder = _error_dir()
     if folder is not None:
@@ -184,8 +199,131 @@ def _report_failure(err: BaseException, started: float) -> int:
 
         shutil.rmtree(folder, ignore_errors=True)
     where = f" on rank {root['rank']}" if folder is not None else ""
-    print(f"\nlightning-adaptiveload: the run failed{where}:\n  {root['error']}", file=sys.stderr, flush=True)
+    hints = "".join(f"\n  {line}" for line in root.get("hints") or ())
+    print(
+        f"\nlightning-adaptiveload: the run failed{where}:\n  {root['error']}{hints}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1
+
+
+# -- the traceback of a failure: behind a flag, or in a file -------------------------------------------------
+
+TRACEBACK_FLAG = "--traceback"
+TRACEBACK_ENV = "LIGHTNING_ADAPTIVELOAD_TRACEBACK"
+
+
+def _take_traceback_flag(argv: list[str]) -> list[str]:
+    """``argv`` without ``--traceback``; the flag becomes the environment variable, which the ranks that
+    DDP starts (from ``sys.argv``) inherit."""
+    if TRACEBACK_FLAG in argv:
+        os.environ[TRACEBACK_ENV] = "1"
+        argv = [a for a in argv if a != TRACEBACK_FLAG]
+    return argv
+
+
+def _show_traceback(err: BaseException) -> None:
+    """The traceback to stderr (``--traceback``), else to a file whose path is printed in one line."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        print(text, file=sys.stderr, end="", flush=True)
+        return
+    import tempfile
+
+    rank = os.environ.get("LOCAL_RANK", "0")
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"lightning-adaptiveload-traceback-rank{rank}-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        print(text, file=sys.stderr, end="", flush=True)  # nowhere to keep it: show it
+        return
+    print(
+        f"lightning-adaptiveload: traceback in {path} (or rerun with {TRACEBACK_FLAG})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# -- what to do about known failures -------------------------------------------------------------------------
+
+
+def _hints(err: BaseException, argv: Sequence[str]) -> list[str]:
+    """``what to do`` lines for errors whose own message does not say it (those of Lightning and PyTorch)."""
+    text = str(err)
+    if "No supported gpu backend found" in text or "accelerator is not available" in text:
+        return _no_gpu_hint(argv)
+    return []
+
+
+def _recipe_of(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
+    """The last ``--config`` of ``argv`` and its contents ({} when it cannot be read)."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg[len("--config=") :]
+    if path is None:
+        return None, {}
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except (OSError, ValueError, ImportError):
+        return path, {}
+    return path, recipe if isinstance(recipe, dict) else {}
+
+
+def _init_args(recipe: dict[str, Any], section: str) -> dict[str, Any]:
+    part = recipe.get(section)
+    if not isinstance(part, dict):
+        return {}
+    args = part.get("init_args", part)
+    return args if isinstance(args, dict) else {}
+
+
+def _no_gpu_hint(argv: Sequence[str]) -> list[str]:
+    """A GPU recipe on a machine without a GPU: which recipe is for the CPU, and what a CPU retry would do."""
+    import torch
+
+    path, recipe = _recipe_of(argv)
+    build = (
+        f"PyTorch {torch.__version__} is a CPU-only build"
+        if torch.version.cuda is None
+        else f"PyTorch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU"
+    )
+    name = os.path.basename(path) if path else "this recipe"
+    lines = [
+        f"what to do: {name} asks for GPUs (trainer.accelerator), and {build}.",
+        "  On a CPU, run the recipe made for it: lightning-adaptiveload fit --config quickstart "
+        "(the tiny model on synthetic data, about a minute).",
+    ]
+    preset = _init_args(recipe, "model").get("preset")
+    synthetic = _init_args(recipe, "data").get("synthetic")
+    cost = []
+    if preset and preset != "tiny":
+        cost.append(f"train its {preset} model on the CPU (far too slow to be useful)")
+    if isinstance(synthetic, dict):
+        try:
+            from lightning_adaptiveload.data.synthetic import ANNOUNCE_BYTES, estimate_synthetic_bytes
+
+            size = estimate_synthetic_bytes(
+                synthetic.get("mix", "tiny"),
+                int(synthetic.get("num_samples", 256)),
+                synthetic.get("text_len_range", (0, 16)),
+                int(synthetic.get("text_dim", 32)),
+                synthetic.get("dtype", "float16"),
+            )
+            if size > ANNOUNCE_BYTES:
+                cost.insert(0, f"first write about {size / (1 << 30):.1f} GiB of synthetic data")
+        except (ValueError, TypeError, OSError):
+            pass
+    if cost:
+        lines.append(f"  --trainer.accelerator cpu would run {name} as it is: {', then '.join(cost)}.")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,9 +333,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.time()
     from_command_line = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _take_traceback_flag(list(sys.argv[1:] if argv is None else argv))
     if argv and argv[0] in COMMANDS:
-        return int(_load(argv[0])(argv[1:]) or 0)
+        command = _load(argv[0])
+        if not from_command_line:
+            return int(command(argv[1:]) or 0)
+        try:
+            return int(command(argv[1:]) or 0)
+        except Exception as err:  # a tool's own error: the message alone, as for training
+            return _report_failure(err, started, argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
@@ -219,5 +363,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         if not from_command_line:
             raise
-        return _report_failure(err, started)
+        return _report_failure(err, started, argv)
     return 0

@@ -81,8 +81,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         cost_model: a :class:`CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
             ``{"kind": "power", "p": 1.5}``); None: :meth:`CostModel.default`.
         mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
-        schedule: ``"independent"`` (each rank batches its own samples) or ``"lockstep"`` (all ranks
-            take the same bucket class and batch size at every step).
+        schedule: ``"independent"`` (each rank batches its own samples), ``"lockstep"`` (all ranks
+            take the same bucket class and batch size at every step) or ``"packed"`` (each rank takes one
+            pack of samples of any shapes per step, the packs of a step of equal cost; the module must run
+            packs, ``runs_packed_batches = True``). Which to use: ``docs/schedules.md``.
         lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
             (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
             says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
@@ -258,6 +260,23 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             )
         return shards
 
+    def _write_synthetic(self, name: str, shards: Any, settings: dict[str, Any]) -> None:
+        """``write_synthetic_shards`` into ``shards``; data there that it did not write is never replaced."""
+        from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
+
+        try:
+            write_synthetic_shards(self._synthetic_dir(shards), **settings)
+        except NotSyntheticDataError as err:
+            # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
+            raise NotSyntheticDataError(
+                err.directory,
+                err.found,
+                context=f" It is {name}, and data.synthetic is set: synthetic shards would be written there.",
+                advice=f"to train on the data in {name}={shards!r}, remove the `synthetic:` block from the recipe "
+                "(data.init_args.synthetic; on the command line: --data.init_args.synthetic=null); for "
+                f"synthetic data, point {name} at an empty or new folder",
+            ) from None
+
     def prepare_data(self) -> None:
         """Generate synthetic shards when ``synthetic`` is set, and write ``index.json`` if missing.
 
@@ -265,19 +284,19 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """
         from lightning_adaptiveload.data.format import INDEX_NAME
         from lightning_adaptiveload.data.index import ShardIndex
-        from lightning_adaptiveload.data.synthetic import write_synthetic_shards
 
         if self.synthetic is not None:
             settings = dict(self.synthetic)
             val_n = settings.pop("val_num_samples", None)
+            # A bar only for a large write (write_synthetic_shards announces and shows one over 1 GiB).
             settings.setdefault("progress", False)
-            write_synthetic_shards(self._synthetic_dir(self.train_shards), **settings)
+            self._write_synthetic("train_shards", self.train_shards, settings)
             if self.val_shards is not None:
                 n = int(val_n) if val_n is not None else max(8, int(settings.get("num_samples", 256)) // 8)
                 val_settings = {**settings, "num_samples": n, "seed": int(settings.get("seed", 0)) + 1}
                 if isinstance(val_settings.get("samples_per_shard"), list):
                     val_settings["samples_per_shard"] = max(1, n // 4)
-                write_synthetic_shards(self._synthetic_dir(self.val_shards), **val_settings)
+                self._write_synthetic("val_shards", self.val_shards, val_settings)
         stage = getattr(getattr(self.trainer, "state", None), "fn", None)
         extra = {"test": self.test_shards, "predict": self.predict_shards}
         # Test and predict data are indexed only for their own stage (they may not exist while training).
@@ -334,6 +353,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 ds.rank, ds.world_size = rank, world
         if loaded:
             check_indexes_agree(loaded)
+        for name, shards, index in loaded:
+            if (getattr(index, "metadata", None) or {}).get("demo"):
+                # Written by `ingest --vae tiny-random` (data/demo.py): shapes right, content random.
+                rank_zero_warn(
+                    f"[adaptiveload] the {name} shards {shards!r} are DEMO DATA, NOT FOR TRAINING: their index "
+                    "says they were encoded with a random-weight tiny VAE, so a model learns nothing useful "
+                    "from them. Ingest real data with Wan's VAE (docs/ingest.md)"
+                )
         trainer = self.trainer
         if stage in (None, "fit") and trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
             # The loader's length is its epoch's planned step count, which differs between epochs: Lightning

@@ -416,7 +416,12 @@ class ShardIndex:
         infos = _covered_or_built(
             shard_paths, known, patch, on_error, check_values, progress, num_workers, max_member_bytes
         )
-        index = cls(shards=infos, patch_size=patch, values_checked=check_values)
+        index = cls(
+            shards=infos,
+            patch_size=patch,
+            values_checked=check_values,
+            metadata=_carried_metadata(shard_paths, known),
+        )
         if patch is not None:
             apply_patch_check(index.shards, patch, on_error)
         check_cross_duplicates(index.shards, on_error)
@@ -426,6 +431,20 @@ class ShardIndex:
         if save:
             index.save(_save_target(index) if save is True else os.fspath(save))
         return index
+
+
+def _carried_metadata(
+    shard_paths: list[str], known: dict[str, tuple[ShardInfo, ShardIndex]]
+) -> dict[str, Any]:
+    """The metadata of the loaded index that lists every shard (e.g. synthetic settings), else {}; and the
+    ``demo`` mark of any loaded index that lists one of them: demo shards among others make demo data."""
+    sources = {id(found[1]): found[1] for p in shard_paths if (found := known.get(p)) is not None}
+    covered = len(sources) == 1 and all(p in known for p in shard_paths)
+    metadata = dict(next(iter(sources.values())).metadata) if covered else {}
+    for source in sources.values():
+        if source.metadata.get("demo"):
+            metadata["demo"] = source.metadata["demo"]
+    return metadata
 
 
 def _covered_or_built(

@@ -33,6 +33,13 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from lightning_adaptiveload.data.demo import (
+    DEMO_ENCODER,
+    DEMO_NOTE,
+    is_demo_encoder,
+    tiny_random_text_encoder,
+    tiny_random_vae,
+)
 from lightning_adaptiveload.data.media import (
     IngestItem,
     InputError,
@@ -77,6 +84,8 @@ _SHARD = re.compile(r"r(\d{3,})a(\d{3,})-\d{6}\.tar")
 _STALE_TMP = re.compile(r"\.r\d{3,}a\d{3,}-\d{6}\.tar\.\d+\.tmp")
 # Each rank's writer indexes its own shards under this name; index.json merges them all (write_index).
 _WRITER_INDEX = re.compile(r"\.index-r\d{3,}a\d{3,}\.json")
+# In an output folder whose shards were encoded with the random-weight demo VAE (data/demo.py).
+DEMO_MARKER = "ingest-demo.json"
 
 
 def _complete_shards(out: str) -> list[str]:
@@ -131,8 +140,11 @@ class IngestModule(pl.LightningModule):
     on its own device.
 
     Args:
-        vae: folder of a diffusers ``AutoencoderKLWan`` (``config.json`` + weights), or the model itself.
-        text_encoder: folder of a transformers ``UMT5EncoderModel``, the model itself, or None (no text).
+        vae: folder of a diffusers ``AutoencoderKLWan`` (``config.json`` + weights), the model itself, or
+            ``"tiny-random"`` (:func:`~lightning_adaptiveload.data.demo.tiny_random_vae`; NOT for training).
+        text_encoder: folder of a transformers ``UMT5EncoderModel``, the model itself, ``"tiny-random"``
+            (:func:`~lightning_adaptiveload.data.demo.tiny_random_text_encoder`, with its own tokenizer;
+            NOT for training), or None (no text).
         tokenizer: folder of its tokenizer (default: ``text_encoder``'s folder) or the tokenizer itself.
         dtype: compute dtype of the encoders (``"float32"`` or ``"bfloat16"``).
     """
@@ -179,7 +191,11 @@ class IngestModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.vae is not None:
             return
-        if isinstance(self._vae_src, (str, os.PathLike)):
+        if is_demo_encoder(self._vae_src):
+            self.vae = tiny_random_vae()
+            if self.compute_dtype != torch.float32:
+                self.vae = self.vae.to(self.compute_dtype)
+        elif isinstance(self._vae_src, (str, os.PathLike)):
             from diffusers import AutoencoderKLWan
 
             self.vae = AutoencoderKLWan.from_pretrained(
@@ -188,7 +204,10 @@ class IngestModule(pl.LightningModule):
         else:
             self.vae = self._vae_src
         self.vae.eval().requires_grad_(False)
-        if self._text_src is not None:
+        if is_demo_encoder(self._text_src):
+            encoder, self.tokenizer = tiny_random_text_encoder()
+            self.text_encoder = encoder.to(self.compute_dtype).eval().requires_grad_(False)
+        elif self._text_src is not None:
             if isinstance(self._text_src, (str, os.PathLike)):
                 from transformers import UMT5EncoderModel
 
@@ -212,12 +231,15 @@ class IngestModule(pl.LightningModule):
         text = None
         if self.text_encoder is not None and batch["caption"]:
             text = encode_text(self.tokenizer, self.text_encoder, batch["caption"])
+        meta = batch["meta"]
+        if is_demo_encoder(self._vae_src) or is_demo_encoder(self._text_src):
+            meta = {**meta, "demo": True}
         return {
             "key": batch["key"],
             "path": batch["path"],
             "latent": latent.cpu(),
             "text": None if text is None else text.cpu(),
-            "meta": batch["meta"],
+            "meta": meta,
         }
 
 
@@ -234,6 +256,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         on_error: ``"skip"``: count the input and its reason (``ingest-skipped-r<rank>.jsonl``) and go
             on; ``"raise"``: stop with an error naming the file.
         progress: show a tqdm bar on rank 0 (samples, hours of video).
+        metadata: stored in ``index.json``'s ``metadata`` (``ingest`` marks demo shards there).
     """
 
     def __init__(
@@ -243,6 +266,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         latent_dtype: str = "float16",
         on_error: str = "skip",
         progress: bool = True,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(write_interval="batch")
         if on_error not in ("skip", "raise"):
@@ -254,6 +278,7 @@ class ShardPredictionWriter(BasePredictionWriter):
             progress,
         )
         self.total = 0
+        self.metadata = dict(metadata or {})
         self.latent_dtype = np.dtype(latent_dtype)
         self.writer = None
         self.written = 0
@@ -340,7 +365,7 @@ class ShardPredictionWriter(BasePredictionWriter):
             self._bar.close()
         trainer.strategy.barrier("ingest_written")
         if trainer.global_rank == 0:
-            write_index(self.out)
+            write_index(self.out, metadata=self.metadata)
         trainer.strategy.barrier("ingest_indexed")
 
     def summary(self) -> dict[str, Any]:
@@ -356,10 +381,11 @@ class ShardPredictionWriter(BasePredictionWriter):
         }
 
 
-def write_index(out: str | os.PathLike):
+def write_index(out: str | os.PathLike, metadata: dict[str, Any] | None = None):
     """Index every complete shard in ``out`` (headers only) and save ``<out>/index.json``; returns it.
 
-    The writers' own indexes (``.index-r<rank>a<attempt>.json``, one per rank and run) are then removed:
+    ``metadata`` is stored in the index's ``metadata`` (e.g. ``{"demo": ...}`` for demo shards). The
+    writers' own indexes (``.index-r<rank>a<attempt>.json``, one per rank and run) are then removed:
     ``index.json`` holds their shards, and a rerun rebuilds it from the shards themselves. Call it when no
     writer is open (``ShardPredictionWriter`` calls it on rank 0 after every rank has closed its writer).
     """
@@ -369,6 +395,7 @@ def write_index(out: str | os.PathLike):
     index = ShardIndex.build(_complete_shards(out), progress=False, patch_size=None, check_values=False)
     # Every sample was checked finite by ShardWriter when it was written.
     index.values_checked = True
+    index.metadata = dict(metadata or {})
     index.save(os.path.join(out, "index.json"))
     for name in os.listdir(out):
         if _WRITER_INDEX.fullmatch(name):
@@ -401,8 +428,15 @@ def ingest(
     Args:
         inputs: a folder (see :func:`find_inputs`), a CSV/JSONL manifest (:func:`read_manifest`) or items.
         out: output folder; a rerun into it skips the inputs already in complete shards.
-        vae: folder of a diffusers ``AutoencoderKLWan`` (or the model).
-        text_encoder, tokenizer: umT5 encoder and tokenizer folders (or objects); None: no ``text.npy``.
+        vae: folder of a diffusers ``AutoencoderKLWan`` (or the model), or ``"tiny-random"``: a random-weight
+            tiny VAE (:mod:`~lightning_adaptiveload.data.demo`) to try the pipeline on a CPU without
+            downloads. Its shards are DEMO DATA, NOT FOR TRAINING: ``index.json``'s ``metadata["demo"]``
+            and each sample's ``demo: true`` say so, a warning is logged, and a folder of demo shards is
+            never mixed with real ones (a :class:`FileExistsError` names the folder). Pass small
+            ``buckets`` and ``max_frames`` with it (``demo.DEMO_BUCKETS``, ``demo.DEMO_MAX_FRAMES``).
+        text_encoder, tokenizer: umT5 encoder and tokenizer folders (or objects); None: no ``text.npy``
+            (captions are then kept only in each sample's ``.json``). ``text_encoder="tiny-random"``: a
+            random-weight tiny umT5 with its own tokenizer (demo data, as above).
         fps: target frame rate (None: the source's); a manifest's per-file ``fps`` wins.
         max_frames: at most this many frames per clip (then cut to 4k + 1); Wan 2.1 trains on 81.
         buckets: ``"wan480p"``, ``"HxW,HxW,..."``, a list of (h, w), or ``None`` / ``"native"``.
@@ -439,6 +473,34 @@ def ingest(
     bucket_list = parse_buckets(buckets)
     if max_frames < 1:
         raise ValueError(f"ingest: max_frames must be >= 1, got {max_frames}")
+    for what, value, expected in (
+        ("vae", vae, "a diffusers AutoencoderKLWan, e.g. <Wan2.1-T2V-1.3B-Diffusers>/vae"),
+        (
+            "text_encoder",
+            text_encoder,
+            "a transformers UMT5EncoderModel, e.g. <Wan2.1-T2V-1.3B-Diffusers>/text_encoder",
+        ),
+        ("tokenizer", tokenizer, "its tokenizer, e.g. <Wan2.1-T2V-1.3B-Diffusers>/tokenizer"),
+    ):
+        if isinstance(value, (str, os.PathLike)) and not is_demo_encoder(value) and not os.path.isdir(value):
+            raise FileNotFoundError(
+                f"ingest: {what} {os.fspath(value)!r} is not a folder; pass the folder of {expected} "
+                f"(docs/ingest.md says how to download it), or {DEMO_ENCODER!r} for a random-weight stand-in "
+                "to try the pipeline (demo data, not for training)"
+            )
+    demo = is_demo_encoder(vae) or is_demo_encoder(text_encoder)
+    _check_demo_folder(out, demo)
+    metadata: dict[str, Any] = {}
+    if demo:
+        os.makedirs(out, exist_ok=True)
+        metadata["demo"] = {
+            "note": DEMO_NOTE,
+            "vae": DEMO_ENCODER if is_demo_encoder(vae) else _describe_source(vae),
+            "text_encoder": DEMO_ENCODER if is_demo_encoder(text_encoder) else _describe_source(text_encoder),
+        }
+        with open(os.path.join(out, DEMO_MARKER), "w", encoding="utf-8") as f:
+            json.dump(metadata["demo"], f, indent=1)
+        _warn_demo(out)
     kwargs = dict(
         accelerator="auto",
         devices="auto",
@@ -449,10 +511,53 @@ def ingest(
         use_distributed_sampler=False,
     )
     kwargs.update(trainer_kwargs or {})
-    writer = ShardPredictionWriter(out, samples_per_shard, latent_dtype, on_error, progress)
+    writer = ShardPredictionWriter(out, samples_per_shard, latent_dtype, on_error, progress, metadata)
     trainer = pl.Trainer(callbacks=[writer, *callbacks], **kwargs)
     module = IngestModule(vae, text_encoder, tokenizer, dtype)
     module.items, module.out, module.num_workers = items, out, num_workers
     module.decode_args = (fps, max_frames, bucket_list)
     trainer.predict(module, return_predictions=False)
-    return {**writer.summary(), "already_done": module.already_done, "assigned": writer.total}
+    summary = {**writer.summary(), "already_done": module.already_done, "assigned": writer.total}
+    return {**summary, "demo": True} if demo else summary
+
+
+def _describe_source(value: Any) -> str | None:
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    return type(value).__name__
+
+
+def _check_demo_folder(out: str, demo: bool) -> None:
+    """Refuse to mix shards of the demo encoders and of real ones in one output folder.
+
+    A rerun into a folder resumes it: demo latents (random weights) beside real ones would make one data
+    set of two encoders, and nothing downstream could tell them apart by shape.
+    """
+    has_marker = os.path.exists(os.path.join(out, DEMO_MARKER))
+    shards = _complete_shards(out)
+    if demo and shards and not has_marker:
+        raise FileExistsError(
+            f"ingest: {out} already holds {len(shards)} shards encoded with a real VAE; demo shards "
+            "(random-weight encoders) must not be mixed into it. Pass another --out folder for the demo."
+        )
+    if not demo and has_marker:
+        raise FileExistsError(
+            f"ingest: {out} holds DEMO shards (written with the random-weight tiny encoders, see "
+            f"{DEMO_MARKER} there); real shards must not be mixed into it. Pass another --out folder, or "
+            "delete this one (it holds nothing worth keeping)."
+        )
+
+
+def _warn_demo(out: str) -> None:
+    """The loud warning of a demo ingest (once per node: every rank runs ``ingest``)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    bar = "!" * 100
+    log.warning(
+        "\n%s\n!! ingest with a RANDOM-WEIGHT demo encoder: the shards in %s are DEMO DATA, NOT FOR TRAINING.\n"
+        "!! They have the right shapes and go through every stage, but encode nothing a model can learn.\n"
+        "!! index.json's metadata says 'demo'. For real data pass Wan's VAE (docs/ingest.md).\n%s",
+        bar,
+        out,
+        bar,
+    )

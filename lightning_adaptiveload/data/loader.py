@@ -36,7 +36,7 @@ class PlannedShardDataset(IterableDataset):
     Args:
         index: the ``ShardIndex`` of the shards.
         batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
-        schedule: ``"independent"`` or ``"lockstep"``.
+        schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``).
         seed: shard-order seed.
         num_workers: DataLoader workers per rank the plan is made for.
         on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).

@@ -7,12 +7,19 @@ so that a loss curve says something about learning (``benchmarks/convergence.py`
 
 The settings are recorded in the index's metadata (``metadata["synthetic"]``), so that a second call
 with the same settings reuses the shards instead of writing them again.
+
+Only data this module wrote is ever replaced: a folder that holds anything else (real shards, an index
+without synthetic settings, other files) is refused with :class:`NotSyntheticDataError`, whatever
+``overwrite`` says. A write is announced (size, folder, free space) and shows a progress bar when it is
+over :data:`ANNOUNCE_BYTES`, and refused before it starts when the disk cannot hold it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,9 +35,47 @@ from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.writer import ShardWriter
 
-__all__ = ["write_synthetic_shards", "structured_latent", "CONTENTS"]
+__all__ = [
+    "ANNOUNCE_BYTES",
+    "CONTENTS",
+    "NotSyntheticDataError",
+    "estimate_synthetic_bytes",
+    "structured_latent",
+    "write_synthetic_shards",
+]
 
 CONTENTS = ("noise", "structured")
+
+# A write of more than this many bytes is announced (size, folder) and shows a progress bar even when
+# ``progress=False``: a recipe's synthetic block can ask for gigabytes (wan13b_480p_*: 7.5 GiB).
+ANNOUNCE_BYTES = 1 << 30
+
+# Written into the folder before the first shard: the folder is this module's, even if the write stops
+# before index.json exists (so a rerun replaces the partial write instead of refusing it as foreign data).
+MARKER_NAME = ".synthetic-settings.json"
+
+
+class NotSyntheticDataError(FileExistsError):
+    """The folder given to :func:`write_synthetic_shards` holds data it did not write (e.g. real shards).
+
+    Attributes:
+        directory: the folder.
+        found: what is there, in words (e.g. ``"an index without synthetic settings, 12 shard files ..."``).
+        advice: what to do (a caller that knows where the folder came from, such as a recipe, says more).
+    """
+
+    def __init__(self, directory: str, found: str, advice: str | None = None, context: str = "") -> None:
+        self.directory, self.found = directory, found
+        self.advice = advice or (
+            "to use the data there, do not ask for synthetic data; to write synthetic data, give an empty or "
+            "new folder"
+        )
+        super().__init__(
+            f"{directory} holds data that was not written as synthetic data: {found}.{context} Synthetic "
+            "shards never replace other data (not even with overwrite=True), so nothing was changed. What to "
+            f"do: {self.advice}"
+        )
+
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +151,19 @@ def write_synthetic_shards(
         dtype: float16 or float32 (numpy, torch or string).
         uneven: draw shard sizes in [s/2, 1.5 s] for ``samples_per_shard = s`` (deterministic).
         prefix: shard file prefix; key_prefix: sample keys are ``<key_prefix>NNNNNNNN``.
-        progress: tqdm bar over samples.
-        overwrite: replace existing shards written with other settings (else FileExistsError).
+        progress: tqdm bar over samples (always shown for a write over :data:`ANNOUNCE_BYTES`).
+        overwrite: replace synthetic shards written with other settings (else FileExistsError). Data that
+            this function did not write is never replaced (:class:`NotSyntheticDataError`).
         content: ``"noise"`` (i.i.d. N(0, 1) latents) or ``"structured"`` (learnable latents, see
             :func:`structured_latent`; recorded in the settings).
 
     Returns:
         The index of the shards (as saved in ``directory/index.json``).
+
+    Raises:
+        NotSyntheticDataError: ``directory`` holds data this function did not write.
+        FileExistsError: it holds synthetic shards of other settings and ``overwrite`` is False.
+        OSError: the disk holding ``directory`` has less free space than the write needs (checked first).
     """
     mix_obj = mix if isinstance(mix, Mix) else load_mix(mix)
     dt = _np_dtype(dtype)
@@ -138,17 +189,31 @@ def write_synthetic_shards(
         settings["content"] = content
     directory = os.path.abspath(os.fspath(directory))
     index_path = os.path.join(directory, INDEX_NAME)
+    foreign = _foreign_content(directory)
+    if foreign is not None:
+        raise NotSyntheticDataError(directory, foreign)
     if os.path.exists(index_path) and not overwrite:
-        return _reuse(directory, index_path, settings)
+        reused = _reuse(directory, index_path, settings)
+        if reused is not None:
+            return reused
+    # From here the folder is empty or holds only this module's shards (complete with other settings and
+    # overwrite=True, or a write that stopped early): they are replaced.
     rng = np.random.default_rng(seed)
     buckets = mix_obj.sample_buckets(rng, num_samples)
+    planned = _planned_bytes(mix_obj, buckets, text_range, text_dim, dt)
+    if planned > ANNOUNCE_BYTES:
+        _announce(directory, planned, num_samples, mix_obj.name)
+        progress = True
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, MARKER_NAME), "w", encoding="utf-8") as f:
+        json.dump(settings, f)
     with ShardWriter(
         directory,
         prefix=prefix,
         max_samples_per_shard=None,
         max_bytes=None,
         patch_size=DEFAULT_PATCH,  # load_mix guarantees even H and W
-        overwrite=overwrite,
+        overwrite=True,  # past the checks above: whatever is there is this module's own
         metadata={"synthetic": settings},
     ) as writer:
         _write_samples(
@@ -211,22 +276,138 @@ def _check_text(text_len_range: tuple[int, int] | None, text_dim: int) -> tuple[
     return lo, hi
 
 
-def _reuse(directory: str, index_path: str, settings: dict[str, Any]) -> ShardIndex:
-    """The existing index when it was written with the same settings and its shards are intact."""
+def _reuse(directory: str, index_path: str, settings: dict[str, Any]) -> ShardIndex | None:
+    """The existing index when it was written with the same settings and its shards are intact; None when
+    it is this module's own write with the same settings but damaged (it is then written again)."""
     try:
         old = ShardIndex.load(index_path)
     except (OSError, ValueError):
-        old = None
-    if (
-        old is not None
-        and old.metadata.get("synthetic") == settings
-        and all(os.path.exists(s.path) and os.path.getsize(s.path) == s.num_bytes for s in old.shards)
-    ):
-        log.info("reusing synthetic shards in %s (same settings)", directory)
-        return old
+        return None  # _foreign_content found the folder ours: a damaged index of ours is rewritten
+    previous = old.metadata.get("synthetic")
+    if previous == settings:
+        if all(os.path.exists(s.path) and os.path.getsize(s.path) == s.num_bytes for s in old.shards):
+            log.info("reusing synthetic shards in %s (same settings)", directory)
+            return old
+        log.warning("synthetic shards in %s are incomplete or changed: writing them again", directory)
+        return None
+    differ = sorted(k for k in {*settings, *(previous or {})} if (previous or {}).get(k) != settings.get(k))
+    shown = ", ".join(f"{k} {(previous or {}).get(k)!r} there, {settings.get(k)!r} now" for k in differ[:4])
     raise FileExistsError(
-        f"{directory} already holds an index of other data or other settings; pass overwrite=True to "
-        "replace it, or use another directory"
+        f"{directory} already holds synthetic shards written with other settings ({shown}); pass "
+        "overwrite=True to replace them (in a recipe: `overwrite: true` in data.init_args.synthetic), or "
+        "use another directory"
+    )
+
+
+def _index_metadata(directory: str) -> dict[str, Any] | None:
+    """The metadata of the folder's index (index.json, else index.npidx); None when there is none or it
+    cannot be read."""
+    path = os.path.join(directory, INDEX_NAME)
+    try:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f).get("metadata")
+            return meta if isinstance(meta, dict) else {}
+        binary = os.path.join(directory, "index.npidx")  # columnar.BINARY_INDEX_NAME
+        if os.path.exists(binary):
+            from lightning_adaptiveload.data.columnar import read_columns
+
+            return dict(read_columns(binary).metadata)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def _foreign_content(directory: str) -> str | None:
+    """What in ``directory`` this module did not write, in words; None when it is missing, empty or ours.
+
+    Ours: its index records synthetic settings, or the marker of a write that stopped early is there.
+    Anything else with a visible name (real shards, an index of other data, other files) is foreign.
+    """
+    if not os.path.exists(directory):
+        return None
+    if not os.path.isdir(directory):
+        return "it is a file, not a folder"
+    if os.path.exists(os.path.join(directory, MARKER_NAME)):
+        return None
+    meta = _index_metadata(directory)
+    if meta is not None and "synthetic" in meta:
+        return None
+    names = sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    if not names:
+        return None
+    tars = [n for n in names if n.endswith(".tar")]
+    what = []
+    if meta is not None:
+        what.append(f"an index without synthetic settings{' (of a demo ingest)' if meta.get('demo') else ''}")
+    elif any(n in (INDEX_NAME, "index.npidx") for n in names):
+        what.append("an index that cannot be read")
+    if tars:
+        what.append(
+            f"{len(tars)} shard file{'s' if len(tars) != 1 else ''} ({tars[0]}{', ...' if len(tars) > 1 else ''})"
+        )
+    others = [n for n in names if n not in tars and n not in (INDEX_NAME, "index.npidx")]
+    if others:
+        what.append(
+            f"{len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0]}{', ...' if len(others) > 1 else ''})"
+        )
+    return ", ".join(what)
+
+
+def estimate_synthetic_bytes(
+    mix: str | os.PathLike | Mix,
+    num_samples: int,
+    text_len_range: tuple[int, int] | None = (0, 16),
+    text_dim: int = 32,
+    dtype: Any = "float16",
+) -> int:
+    """The expected bytes on disk of :func:`write_synthetic_shards` with these settings (mix probabilities
+    and the mean text length; tar headers included), without writing anything."""
+    mix_obj = mix if isinstance(mix, Mix) else load_mix(mix)
+    dt = _np_dtype(dtype)
+    latent = sum(b.p * int(np.prod(b.latent_shape)) for b in mix_obj.buckets) * dt.itemsize
+    text = 0.0 if text_len_range is None else (sum(text_len_range) / 2) * text_dim * dt.itemsize
+    return int(num_samples * (latent + text + _SAMPLE_OVERHEAD_BYTES))
+
+
+# Tar headers and padding of a sample's 2-3 members, the .npy headers and the meta JSON (measured on the
+# tiny mix: 2.5 to 3.6 KiB a sample).
+_SAMPLE_OVERHEAD_BYTES = 3 * 1024
+
+
+def _planned_bytes(
+    mix: Mix, buckets: np.ndarray, text_range: tuple[int, int] | None, text_dim: int, dt: np.dtype
+) -> int:
+    """The bytes of the drawn buckets' latents, the mean text, and the per-sample overhead."""
+    sizes = np.array([int(np.prod(b.latent_shape)) for b in mix.buckets], dtype=np.int64)
+    latent = int(sizes[np.asarray(buckets, dtype=np.int64)].sum()) * dt.itemsize
+    text = 0.0 if text_range is None else (sum(text_range) / 2) * text_dim * dt.itemsize * len(buckets)
+    return int(latent + text + _SAMPLE_OVERHEAD_BYTES * len(buckets))
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _announce(directory: str, planned: int, num_samples: int, mix_name: str) -> None:
+    """Say how much is about to be written where; refuse when the disk cannot hold it."""
+    probe = directory
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "."
+    free = shutil.disk_usage(probe).free
+    if planned > free:
+        raise OSError(
+            f"synthetic data: {num_samples} samples of the {mix_name} mix need about {_gib(planned)} in "
+            f"{directory}, but that disk has {_gib(free)} free; lower num_samples, or write elsewhere"
+        )
+    log.warning(
+        "writing about %s of synthetic data (%d samples of the %s mix) to %s (%s free there); lower "
+        "num_samples for less (in a recipe: data.init_args.synthetic.num_samples)",
+        _gib(planned),
+        num_samples,
+        mix_name,
+        directory,
+        _gib(free),
     )
 
 

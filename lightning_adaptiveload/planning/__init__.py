@@ -1,5 +1,6 @@
 """Who computes what (pure, no Lightning): the cost model, the batch sizing rule and batching stage, the
-epoch planner (buckets, assignment, the independent and lockstep schedules, equal steps, resume)."""
+epoch planner (buckets, assignment, the independent, lockstep and packed schedules, equal steps, resume).
+Which schedule to use: ``docs/schedules.md``."""
 
 from __future__ import annotations
 

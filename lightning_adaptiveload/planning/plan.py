@@ -86,7 +86,8 @@ class EpochPlan:
             ids ascending). Independent mode: one read per piece, in order. Lockstep mode: per bucket, the
             runs of that bucket's samples in each shard, so that the stream can take the next samples of
             any bucket without buffering others; a shard is then opened once per bucket it holds (seeking
-            over the other members). A reader opens a read when a batch first needs it.
+            over the other members). Packed mode: per pack, the runs of its samples in each shard. A reader
+            opens a read when a batch first needs it.
         step_order: ``step_order[rank][k] = (worker, j)``: the batch the rank takes at step k.
         steps: steps per rank (the same for every rank).
         global_tokens: per step, the sum of the batch tokens over all ranks.

@@ -13,7 +13,9 @@ runs the steps in order; each lives in its own module:
 3. **Batches.** ``independent`` (:mod:`.independent`): each stream's batch list is the exact simulation
    of bucketing its samples in file order. ``lockstep`` (:mod:`.lockstep`): within each worker index,
    the R streams hold equal counts of every lockstep class and take, at every step, a batch of the same
-   class and size on every rank.
+   class and size on every rank. ``packed`` (:mod:`.packed`; :mod:`.packed_counts` for large epochs)
+   replaces steps 2 to 4: every rank takes one pack of samples of any shapes per step, and the packs of a
+   step cost the same. Which to use: ``docs/schedules.md``.
 4. **Equal steps** (:mod:`.equalise`, :mod:`.reshape`): every rank gets the same step count, by moving
    samples between ranks, splitting and packing batches, and (where nothing else works) empty batches.
    Lockstep with ``lockstep_tail="packed"`` (:mod:`.tail`) instead packs the samples of its unequal
@@ -133,7 +135,7 @@ def plan_epoch(
             excluded ones included, so that a resumed epoch keeps the cap). ``partial`` must be ``"emit"``.
         seed: shard-order seed (with ``epoch``).
         epoch: epoch number.
-        mode: ``"independent"`` or ``"lockstep"``.
+        mode: the schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``).
         exclude: sample refs ``(shard_id, sample_id)`` to leave out (already consumed), or
             ``{shard_id: sample_ids}``.
         max_buffered_samples: independent mode: samples a stream may hold decoded (in one worker) while
