@@ -441,10 +441,9 @@ def test_hostile_inputs_are_counted_skips_recorded_for_resume(tmp_path, vae_dir,
     Now each is a counted skip, recorded in the skip log and index.json's metadata; a rerun does not try
     them again, and a FIFO named like a shard in the output folder does not hang it.
     """
-    from PIL import Image
-
     from _hostile_media import gif_bomb, png_header_only
     from _hostile_media import write_video as write_odd_video
+    from PIL import Image
 
     src = tmp_path / "in"
     src.mkdir()
@@ -466,7 +465,12 @@ def test_hostile_inputs_are_counted_skips_recorded_for_resume(tmp_path, vae_dir,
     assert summary["written"] == 1
     assert summary["skipped"] == {"too_large": 2, "too_small": 1, "bad_caption": 1}, summary
     records = [json.loads(line) for line in open(out / "ingest-skipped-r000.jsonl")]
-    assert sorted(os.path.basename(r["path"]) for r in records) == ["bomb.gif", "bomb.png", "latin1.png", "tiny.mp4"]
+    assert sorted(os.path.basename(r["path"]) for r in records) == [
+        "bomb.gif",
+        "bomb.png",
+        "latin1.png",
+        "tiny.mp4",
+    ]
     assert all(os.path.basename(r["path"]).split(".")[0] in r["detail"] for r in records)
     index = ShardIndex.load(out / "index.json")
     assert index.num_samples == 1

@@ -20,10 +20,10 @@ import pytest
 av = pytest.importorskip("av")
 pytest.importorskip("PIL")
 
+from _hostile_media import gif_bomb, png_header_only, write_video  # noqa: E402
+
 from lightning_adaptiveload.data import media  # noqa: E402
 from lightning_adaptiveload.data.ingest import IngestDataset  # noqa: E402
-
-from _hostile_media import gif_bomb, png_header_only, write_video  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAN480P = media.parse_buckets("wan480p")
@@ -139,7 +139,11 @@ def test_captions_bad_in_every_way_mark_their_item_and_name_the_file(tmp_path):
     items = {os.path.basename(it.path): it for it in media.find_inputs(tmp_path)}
     assert time.perf_counter() - t0 < 2.0
     assert items["good.png"].caption == "a red cat" and items["good.png"].error is None
-    for name, words in (("latin1", "not UTF-8"), ("huge", "max_caption_bytes"), ("fifo", "not a regular file")):
+    for name, words in (
+        ("latin1", "not UTF-8"),
+        ("huge", "max_caption_bytes"),
+        ("fifo", "not a regular file"),
+    ):
         reason, detail = items[f"{name}.png"].error
         assert reason == "bad_caption" and f"{name}.txt" in detail and words in detail, detail
     # The dataset turns the marked item into a skip record, without decoding it.
@@ -151,7 +155,9 @@ def test_captions_bad_in_every_way_mark_their_item_and_name_the_file(tmp_path):
 # -- every per-file failure is a record --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("exc", [MemoryError("Unable to allocate 2.55 GiB"), ValueError("all input arrays"), KeyError("x")])
+@pytest.mark.parametrize(
+    "exc", [MemoryError("Unable to allocate 2.55 GiB"), ValueError("all input arrays"), KeyError("x")]
+)
 def test_any_exception_of_one_decode_is_that_files_record(tmp_path, monkeypatch, exc):
     def boom(*args, **kwargs):
         raise exc

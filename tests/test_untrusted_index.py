@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -97,7 +96,9 @@ def test_datamodule_epoch_refuses_a_lying_index(tmp_path):
 
     _shards(tmp_path, n_shards=2, per_shard=4, shape=(4, 4, 8, 8))
     _lie_about_shapes(tmp_path / "index.json", (4, 1, 2, 2))
-    dm = AdaptiveLoadDataModule(train_shards=str(tmp_path / "index.json"), max_tokens=64, num_workers=0, seed=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(tmp_path / "index.json"), max_tokens=64, num_workers=0, seed=0
+    )
     dm.setup("fit")
     with pytest.raises(ShardError, match=r"shape_mismatch"):
         for _ in dm.train_dataloader():
@@ -216,7 +217,14 @@ def test_binary_index_rewritten_in_place_while_loaded(tmp_path, how):
     other.save(tmp_path / "other.npidx")
     assert os.path.getsize(tmp_path / "other.npidx") == os.path.getsize(tmp_path / "index.npidx")
     out = subprocess.run(
-        [sys.executable, "-c", _REPLACE_RUNNER, str(tmp_path / "index.npidx"), str(tmp_path / "other.npidx"), how],
+        [
+            sys.executable,
+            "-c",
+            _REPLACE_RUNNER,
+            str(tmp_path / "index.npidx"),
+            str(tmp_path / "other.npidx"),
+            how,
+        ],
         env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
         text=True,
@@ -245,7 +253,6 @@ def test_spawned_worker_refuses_a_binary_index_changed_since_it_was_loaded(tmp_p
 
 def test_total_tokens_is_exact_beyond_int64(tmp_path):
     """Before: the `index` command printed -576460752303420698."""
-    from lightning_adaptiveload.cli.data import index_main
 
     big = (1, (1 << 31) - 1, (1 << 31) - 2, (1 << 31) - 2)
     index = _shards(tmp_path, n_shards=1, per_shard=8, shape=(4, 1, 2, 2))

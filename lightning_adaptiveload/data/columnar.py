@@ -226,7 +226,9 @@ def check_keys(blob: np.ndarray, offsets: np.ndarray) -> str | None:
 # Tabulation hashing of keys: one random 64-bit value per (position mod 64, byte), summed over the key's
 # bytes, mixed with its length. Vectorised over keys; equal hashes are confirmed on the bytes, so a
 # collision (crafted or not) costs time, never a wrong answer.
-_HASH_TABLE = np.random.default_rng(0x5EED_4E42).integers(0, 1 << 63, size=64 * 256, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_HASH_TABLE = np.random.default_rng(0x5EED_4E42).integers(
+    0, 1 << 63, size=64 * 256, dtype=np.uint64
+) * np.uint64(2) + np.uint64(1)
 _HASH_CHUNK = 1 << 24  # key bytes per step: bounds the temporaries to a few hundred MiB
 
 
@@ -432,7 +434,9 @@ def read_columns(source: str, data: bytes | np.ndarray | None = None) -> IndexCo
                     copy = bytearray(size)
                     got = f.readinto(copy)
                     if got != size:
-                        raise IndexProblem("magic", f"the file shrank while it was read ({got} of {size} bytes)")
+                        raise IndexProblem(
+                            "magic", f"the file shrank while it was read ({got} of {size} bytes)"
+                        )
                     digest = hashlib.blake2b(copy, digest_size=16).hexdigest()
                     buf = np.frombuffer(memoryview(copy).toreadonly(), dtype="|u1")
                 else:

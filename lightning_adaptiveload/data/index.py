@@ -298,7 +298,12 @@ class ShardIndex:
                 wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
                 message names the file and the entry.
         """
-        from lightning_adaptiveload.data.columnar import MAGIC, is_binary_index, read_columns, refuse_duplicate_keys
+        from lightning_adaptiveload.data.columnar import (
+            MAGIC,
+            is_binary_index,
+            read_columns,
+            refuse_duplicate_keys,
+        )
         from lightning_adaptiveload.data.compact import CompactIndex, resolve_paths
 
         text = os.fspath(path)

@@ -127,7 +127,10 @@ def done_keys(out: str | os.PathLike) -> set[str]:
     keys = set()
     for path in _complete_shards(os.fspath(out)):
         try:
-            with open_regular(path) as raw, tarfile.open(fileobj=raw, mode="r:", tarinfo=CheckedTarInfo) as tf:
+            with (
+                open_regular(path) as raw,
+                tarfile.open(fileobj=raw, mode="r:", tarinfo=CheckedTarInfo) as tf,
+            ):
                 for info in tf:
                     keys.add(info.name.split(".", 1)[0])
         except (tarfile.TarError, OSError, ValueError, EOFError) as err:

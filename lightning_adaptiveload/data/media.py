@@ -271,7 +271,9 @@ def read_manifest(path: str | os.PathLike, max_caption_bytes: int = MAX_CAPTION_
         with open_regular(path) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
             rows = _manifest_rows(f, path)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: the manifest is not UTF-8 ({err.reason} at byte {err.start} of a chunk)") from None
+        raise ValueError(
+            f"{path}: the manifest is not UTF-8 ({err.reason} at byte {err.start} of a chunk)"
+        ) from None
     items, seen = [], set()
     for n, row in rows:
         if not isinstance(row, dict) or not row.get("path"):
@@ -303,7 +305,10 @@ def read_manifest(path: str | os.PathLike, max_caption_bytes: int = MAX_CAPTION_
         caption = row.get("caption") or ""
         error = None
         if len(caption.encode("utf-8", "surrogatepass")) > max_caption_bytes:
-            error = ("bad_caption", f"{path}:{n}: the caption is longer than max_caption_bytes={max_caption_bytes}")
+            error = (
+                "bad_caption",
+                f"{path}:{n}: the caption is longer than max_caption_bytes={max_caption_bytes}",
+            )
             caption = ""
         items.append(IngestItem(path=os.path.abspath(file), key=key, caption=caption, fps=fps, error=error))
     return items
@@ -477,7 +482,9 @@ def _check_clip(path: str, width: int, height: int, frames: int, limits: DecodeL
         )
 
 
-def _plan_for(path: str, height: int, width: int, buckets: Sequence[tuple[int, int]] | None) -> dict[str, Any]:
+def _plan_for(
+    path: str, height: int, width: int, buckets: Sequence[tuple[int, int]] | None
+) -> dict[str, Any]:
     try:
         return size_plan(height, width, buckets)
     except ValueError as err:
@@ -601,7 +608,9 @@ def _decode_image(
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as err:
         raise InputError("unreadable", f"{path}: not a readable image ({err})") from None
     if rgb.shape[:2] != (height, width):
-        raise InputError("size_changed", f"{path}: declares {width}x{height} but decodes to {rgb.shape[1]}x{rgb.shape[0]}")
+        raise InputError(
+            "size_changed", f"{path}: declares {width}x{height} but decodes to {rgb.shape[1]}x{rgb.shape[0]}"
+        )
     return _frame_pixels(np.ascontiguousarray(rgb), plan)[:, None], [height, width], plan
 
 
@@ -636,7 +645,9 @@ def decode_input(
         src_fps, indices, fps = None, [0], None
     else:
         target = item.fps if item.fps is not None else target_fps
-        pixels, src_fps, indices, source_size, plan = _decode_video(item.path, target, max_frames, buckets, limits)
+        pixels, src_fps, indices, source_size, plan = _decode_video(
+            item.path, target, max_frames, buckets, limits
+        )
         fps = src_fps if target is None else min(src_fps, float(target))
     meta = {
         "source": item.path,

@@ -107,7 +107,9 @@ def iter_shard(
     expect_for = None
     if shapes is not None and keys is not None:
         if len(shapes) != len(keys) or (text_lengths is not None and len(text_lengths) != len(keys)):
-            raise ValueError(f"shard {read.label}: keys, shapes and text_lengths must have one entry per sample")
+            raise ValueError(
+                f"shard {read.label}: keys, shapes and text_lengths must have one entry per sample"
+            )
         expect_for = read.expectation(shapes, text_lengths)
     if read.remaining is not None and not read.remaining:
         return  # nothing selected
