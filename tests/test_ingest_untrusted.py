@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -221,3 +222,149 @@ def test_manifest_long_line_long_caption_and_bad_csv(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(OSError, match="not a regular file"):
         media.read_manifest(fifo)
+
+
+# -- fuzz ------------------------------------------------------------------------------------------
+
+_FIELD_VALUES = [
+    None,
+    "",
+    "a.mp4",
+    "../../evil",
+    "/abs/x.png",
+    "k",
+    "k.k",
+    "__k",
+    "a\x00b",
+    "\ud800",
+    0,
+    -1,
+    1.5,
+    "nan",
+    "inf",
+    "1e999",
+    True,
+    [],
+    {},
+    [[[]]],
+    "x" * 5000,
+    "caf\xe9",
+]
+
+
+def _mutate_manifest(rng, rows: list[dict], csv_: bool) -> bytes:
+    rows = [dict(r) for r in rows]
+    for _ in range(rng.choice([1, 2, 3])):
+        row = rng.choice(rows)
+        key = rng.choice(["path", "caption", "fps", "key", "extra"])
+        if rng.random() < 0.15:
+            row.pop(key, None)
+        else:
+            row[key] = rng.choice(_FIELD_VALUES)
+    if csv_:
+        lines = ["path,caption,fps,key"] + [
+            ",".join(str(r.get(k, "")).replace("\n", " ") for k in ("path", "caption", "fps", "key"))
+            for r in rows
+        ]
+        raw = ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
+    else:
+        raw = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    r = rng.random()
+    if r < 0.1:
+        depth = rng.choice([63, 65, 100_000])
+        raw += b"[" * depth + b"]" * depth + b"\n"
+    elif r < 0.2:
+        raw = raw[: rng.randrange(len(raw) + 1)]
+    elif r < 0.3:
+        pos = rng.randrange(len(raw) + 1)
+        raw = raw[:pos] + bytes([rng.randrange(256)]) + raw[pos:]
+    elif r < 0.33:
+        raw += b"x" * (media.MAX_MANIFEST_LINE + 2)
+    return raw
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_manifests(tmp_path):
+    """Mutated CSV and JSONL manifests: a ValueError naming the file and line, or items with valid keys."""
+    from lightning_adaptiveload.data.untrusted import key_problem
+
+    rows = [{"path": f"v{i}.mp4", "caption": "a red cat", "fps": 8, "key": f"k{i}"} for i in range(4)]
+    outcomes = {"refused": 0, "read": 0}
+    t0 = time.perf_counter()
+    for case in range(600):
+        rng = random.Random(6 * 10**6 + case)
+        csv_ = case % 2 == 0
+        path = tmp_path / ("m.csv" if csv_ else "m.jsonl")
+        path.write_bytes(_mutate_manifest(rng, rows, csv_))
+        try:
+            items = media.read_manifest(path)
+        except ValueError as err:
+            assert str(path) in str(err), (case, str(err))
+            outcomes["refused"] += 1
+            continue
+        except Exception as err:  # noqa: BLE001
+            raise AssertionError(f"manifest case {case}: {type(err).__name__}: {err}") from err
+        outcomes["read"] += 1
+        assert all(key_problem(it.key) is None for it in items), case
+        assert len({it.key for it in items}) == len(items), case
+        assert all(it.fps is None or (it.fps > 0 and it.fps < float("inf")) for it in items), case
+    assert time.perf_counter() - t0 < 60
+    assert outcomes["refused"] > 100 and outcomes["read"] > 100, outcomes
+
+
+def _seeds(tmp_path) -> dict[str, bytes]:
+    from PIL import Image
+
+    write_video(tmp_path / "seed.mp4", (32, 48), frames=6)
+    Image.fromarray(np.full((24, 40, 3), 90, np.uint8)).save(tmp_path / "seed.png")
+    Image.fromarray(np.full((24, 40, 3), 90, np.uint8)).save(tmp_path / "seed.jpg")
+    return {
+        ".mp4": (tmp_path / "seed.mp4").read_bytes(),
+        ".png": (tmp_path / "seed.png").read_bytes(),
+        ".jpg": (tmp_path / "seed.jpg").read_bytes(),
+        ".gif": gif_bomb(64, 48, 12),
+    }
+
+
+def _mutate_media(rng, raw: bytes) -> bytes:
+    raw = bytearray(raw)
+    r = rng.random()
+    if r < 0.4:
+        for _ in range(rng.choice([1, 4, 16])):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+    elif r < 0.6:
+        del raw[rng.randrange(len(raw)) :]
+    elif r < 0.8:  # a size field of the header (GIF screen, PNG IHDR) or any 4 bytes: huge values
+        pos = rng.choice([6, 16, 20, rng.randrange(max(1, len(raw) - 4))])
+        raw[pos : pos + 4] = rng.choice(
+            [b"\xff\xff\xff\x7f", b"\x00\x00\x00\x00", b"\x0f\xa0\x0f\xa0", b"\xff\xff\xff\xff"]
+        )
+    else:
+        pos = rng.randrange(len(raw))
+        raw[pos:pos] = raw[pos : pos + rng.choice([16, 512])] * rng.choice([2, 20])
+    return bytes(raw)
+
+
+@pytest.mark.timeout(180)
+def test_fuzz_media_files_are_records_never_exceptions(tmp_path):
+    """Mutated videos and images through the ingest dataset: a sample or a skip record with a known reason,
+    never an exception; the (few) decoded samples are bounded by the limits."""
+    seeds = _seeds(tmp_path)
+    limits = media.DecodeLimits(max_frame_pixels=1 << 22, max_clip_pixels=1 << 24)
+    outcomes: dict[str, int] = {}
+    t0 = time.perf_counter()
+    for case in range(160):
+        rng = random.Random(7 * 10**6 + case)
+        ext = rng.choice(sorted(seeds))
+        path = tmp_path / f"case{ext}"
+        path.write_bytes(_mutate_media(rng, seeds[ext]))
+        ds = IngestDataset([media.IngestItem(str(path), "k")], 8.0, 9, WAN480P, limits)
+        rec = ds[0]  # must not raise
+        if "error" in rec:
+            assert rec["error"] in media.INPUT_REASONS and str(path) in rec["detail"], (case, rec)
+            outcomes[rec["error"]] = outcomes.get(rec["error"], 0) + 1
+        else:
+            assert rec["pixels"].shape[0] == 3 and rec["pixels"].shape[1] <= 9, case
+            outcomes["ok"] = outcomes.get("ok", 0) + 1
+    assert time.perf_counter() - t0 < 60, outcomes
+    assert outcomes.get("ok", 0) > 10 and sum(v for k, v in outcomes.items() if k != "ok") > 30, outcomes

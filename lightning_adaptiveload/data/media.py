@@ -602,7 +602,7 @@ def _decode_image(
             width, height = img.size
             _check_frame(path, width, height, limits, "declares")
             plan = _plan_for(path, height, width, buckets)
-            rgb = np.asarray(img.convert("RGB"))
+            rgb = np.array(img.convert("RGB"))  # a writable copy: torch.from_numpy needs one
     except Image.DecompressionBombError as err:
         raise InputError("too_large", f"{path}: {err}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as err:
@@ -611,7 +611,7 @@ def _decode_image(
         raise InputError(
             "size_changed", f"{path}: declares {width}x{height} but decodes to {rgb.shape[1]}x{rgb.shape[0]}"
         )
-    return _frame_pixels(np.ascontiguousarray(rgb), plan)[:, None], [height, width], plan
+    return _frame_pixels(rgb, plan)[:, None], [height, width], plan
 
 
 def decode_input(
