@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+import lightning_adaptiveload
+
 av = pytest.importorskip("av")
 pytest.importorskip("PIL")
 
@@ -26,7 +28,8 @@ from _hostile_media import gif_bomb, png_header_only, write_video  # noqa: E402
 from lightning_adaptiveload.data import media  # noqa: E402
 from lightning_adaptiveload.data.ingest import IngestDataset  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The package under test (its folder goes on the subprocesses' PYTHONPATH).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightning_adaptiveload.__file__)))
 WAN480P = media.parse_buckets("wan480p")
 
 

@@ -13,10 +13,12 @@ import textwrap
 import numpy as np
 import pytest
 
+import lightning_adaptiveload
 from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
 from lightning_adaptiveload.data.compact import CompactIndex, load_checked_compact
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The package under test (its folder goes on the subprocesses' PYTHONPATH).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightning_adaptiveload.__file__)))
 
 
 def _shards(folder, n_shards=2, per_shard=4, shape=(16, 9, 16, 16), text=0, prefix="shard"):
