@@ -87,7 +87,7 @@ BINARY_INDEX_NAME = "index.npidx"
 ALIGN = 64
 MAX_HEADER_BYTES = 1 << 24  # counts, metadata and the array table; real headers are a few KiB
 # Indexes up to this size are read into private memory (a rewrite of the file cannot reach them); larger
-# ones are mapped (shared page cache). ~33 bytes a sample: 1 GiB is ~30 million samples. Settable.
+# ones are mapped (shared page cache). ~27 bytes a sample: 1 GiB is ~40 million samples. Settable.
 MAX_COPIED_INDEX_BYTES = 1 << 30
 _PREFIX = struct.Struct("<8sII")
 _CHUNK = 1 << 22  # samples per step of a chunked check: bounds the temporaries to a few tens of MiB
