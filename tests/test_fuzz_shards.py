@@ -621,7 +621,7 @@ def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
                 try:
                     index = CompactIndex.load(path)
                 except ShardError as err:
-                    assert err.reason in ("bad_index", "unsafe_index_path"), str(err)
+                    assert err.reason in ("bad_index", "unsafe_index_path", "duplicate_key"), str(err)
                     continue
                 loaded += 1
                 index_fingerprint(index)
@@ -629,18 +629,34 @@ def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
                     bucket_table(as_input(index), batcher.sizer, "skip")
                 except ShardError as err:
                     assert err.reason == "bad_index", str(err)
+                keys: list[str] = []
                 for sid in range(index.num_shards):
                     try:
                         info = index.shards[sid]
                     except ShardError as err:  # a key that breaks the key rules
                         assert err.reason == "bad_index", str(err)
                         continue
+                    keys += info.keys
                     for j in range(info.num_samples):
                         assert index.latent_shape((sid, j)) == info.latent_shapes[j]
+                assert len(keys) == len(set(keys)), "a loaded index lists a key twice"
         except Exception as err:
             raise AssertionError(f"binary index case {case}: {type(err).__name__}: {err}") from err
     # both outcomes occur: the mutations are neither all fatal nor all benign
     assert 0 < loaded < BINARY_INDEX_CASES
+    # Issue 42: a key copied over another (within a shard or across shards) is always refused.
+    head = json.loads(base[16 : 16 + int.from_bytes(base[12:16], "little")])
+    table = {row[0]: row for row in head["arrays"]}
+    blob_at = table["key_blob"][2]
+    for case in range(40):
+        rng = random.Random(3 * 10**6 + case)
+        i, j = rng.sample(range(7), 2)  # keys 'k0'..'k6', two bytes each
+        raw = bytearray(base)
+        raw[blob_at + 2 * j : blob_at + 2 * j + 2] = raw[blob_at + 2 * i : blob_at + 2 * i + 2]
+        path.write_bytes(bytes(raw))
+        with pytest.raises(ShardError) as info:
+            CompactIndex.load(path)
+        assert info.value.reason == "duplicate_key" and f"'k{i}'" in str(info.value), str(info.value)
 
 
 def test_the_watch_sees_a_file_outside_the_folder(tmp_path):

@@ -525,3 +525,58 @@ def test_training_on_demo_shards_warns(tmp_path):
     )  # fmt: skip
     with pytest.warns(UserWarning, match="DEMO DATA, NOT FOR TRAINING"):
         trainer.fit(VideoDiTModule(preset="tiny"), data)
+
+
+@pytest.mark.timeout(240)
+def test_hostile_inputs_are_counted_skips_recorded_for_resume(tmp_path, vae_dir, monkeypatch):
+    """Issue 42: each of these files used to end the run (or exhaust memory), even with on_error='skip'.
+
+    Now each is a counted skip, recorded in the skip log and index.json's metadata; a rerun does not try
+    them again, and a FIFO named like a shard in the output folder does not hang it.
+    """
+    from _hostile_media import gif_bomb, png_header_only
+    from _hostile_media import write_video as write_odd_video
+    from PIL import Image
+
+    src = tmp_path / "in"
+    src.mkdir()
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(src / "good.png")
+    (src / "bomb.gif").write_bytes(gif_bomb(4000, 4000, 81))
+    (src / "bomb.png").write_bytes(png_header_only(60000, 60000))
+    write_odd_video(src / "tiny.mp4", (1, 1))
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(src / "latin1.png")
+    (src / "latin1.txt").write_bytes("un caf\xe9".encode("latin-1"))
+    out = tmp_path / "out"
+    kw = dict(
+        fps=None,
+        buckets="native",
+        num_workers=0,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu", "devices": 1},
+    )
+    summary = ing.ingest(src, out, vae_dir, **kw)
+    assert summary["written"] == 1
+    assert summary["skipped"] == {"too_large": 2, "too_small": 1, "bad_caption": 1}, summary
+    records = [json.loads(line) for line in open(out / "ingest-skipped-r000.jsonl")]
+    assert sorted(os.path.basename(r["path"]) for r in records) == [
+        "bomb.gif",
+        "bomb.png",
+        "latin1.png",
+        "tiny.mp4",
+    ]
+    assert all(os.path.basename(r["path"]).split(".")[0] in r["detail"] for r in records)
+    index = ShardIndex.load(out / "index.json")
+    assert index.num_samples == 1
+    assert index.metadata["ingest_skipped"] == {"bad_caption": 1, "too_large": 2, "too_small": 1}
+    # A FIFO named like a complete shard: ignored (a read would block for ever).
+    os.mkfifo(out / "r000a009-000000.tar")
+    tried = []
+    real = ing.decode_input
+    monkeypatch.setattr(ing, "decode_input", lambda *a, **k: tried.append(a[0].path) or real(*a, **k))
+    again = ing.ingest(src, out, vae_dir, **kw)
+    assert again["written"] == 0 and again["skipped"] == {} and tried == []
+    assert again["already_done"] == 1 and again["already_skipped"] == 4 and again["assigned"] == 0
+    # Deleting the skip log retries them.
+    os.remove(out / "ingest-skipped-r000.jsonl")
+    third = ing.ingest(src, out, vae_dir, **kw)
+    assert third["assigned"] == 4 and sum(third["skipped"].values()) == 4

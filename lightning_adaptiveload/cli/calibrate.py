@@ -49,33 +49,108 @@ _MODEL_KEYS = (
 )
 
 
-def _recipe_defaults(path: str) -> dict[str, Any]:
-    """Settings from a recipe: model.init_args, trainer.precision and the synthetic data's mix."""
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML
+MAX_RECIPE_VALUES = 1 << 16  # values after aliases (*name) are expanded: a "billion laughs" has 9^9
+
+
+def _expanded_size(root: Any, limit: int) -> int | None:
+    """How many values ``root`` holds with shared references counted each time (as a printer or a copy
+    would walk them), or None beyond ``limit`` or when it holds itself. Linear in the distinct nodes."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if not isinstance(node, dict | list):
+            continue
+        children = list(node.values()) + list(node.keys()) if isinstance(node, dict) else node
+        if done:
+            open_.discard(id(node))
+            total = 1 + sum(sizes.get(id(c), 1) for c in children)
+            if total > limit:
+                return None
+            sizes[id(node)] = total
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_:
+            return None  # a node that contains itself (&a [*a])
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if isinstance(c, dict | list) and id(c) not in sizes)
+    return sizes.get(id(root), 1)
+
+
+def _load_recipe(path: str) -> Any:
+    """The recipe's YAML, read as untrusted text: a regular file of at most MAX_RECIPE_BYTES whose
+    values, aliases expanded, number at most MAX_RECIPE_VALUES (an alias bomb is small on disk and
+    explodes when printed or copied), nesting bounded."""
     import yaml
 
+    from lightning_adaptiveload.data.paths import open_regular
+
     try:
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
+        with open_regular(path) as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
     except OSError as err:
         raise ValueError(f"--recipe {path}: cannot read it ({err})") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise ValueError(f"--recipe {path}: larger than {MAX_RECIPE_BYTES} bytes; is it a recipe?")
+    try:
+        recipe = yaml.safe_load(raw)
     except yaml.YAMLError as err:
         raise ValueError(f"--recipe {path}: not valid YAML ({err})") from None
-    model = recipe.get("model") or {}
-    args = model.get("init_args", model) if isinstance(model, dict) else {}
+    except RecursionError:
+        raise ValueError(f"--recipe {path}: nested too deeply to be a recipe") from None
+    if _expanded_size(recipe, MAX_RECIPE_VALUES) is None:
+        raise ValueError(
+            f"--recipe {path}: its aliases (*name) expand to more than {MAX_RECIPE_VALUES} values, or a value "
+            "contains itself (an alias bomb?); write the values out"
+        )
+    return recipe
+
+
+def _mapping(value: Any, path: str, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"--recipe {path}: {where} must be a mapping (key: value lines), got a {type(value).__name__}"
+        )
+    return value
+
+
+def _recipe_defaults(path: str) -> dict[str, Any]:
+    """Settings from a recipe: model.init_args, trainer.precision and the synthetic data's mix.
+
+    Raises:
+        ValueError: naming the recipe and the part that is not what a recipe holds.
+    """
+    recipe = _mapping(_load_recipe(path), path, "the recipe")
+    model = _mapping(recipe.get("model"), path, "model")
+    args = _mapping(model.get("init_args", model), path, "model.init_args")
     out: dict[str, Any] = {}
     for key in _MODEL_KEYS:
         if key in args:
             out[key] = args[key]
-    data = recipe.get("data") or {}
-    data_args = data.get("init_args", data) if isinstance(data, dict) else {}
+    data = _mapping(recipe.get("data"), path, "data")
+    data_args = _mapping(data.get("init_args", data), path, "data.init_args")
     synthetic = data_args.get("synthetic") or {}
     if isinstance(synthetic, dict) and synthetic.get("mix"):
         out["mix"] = synthetic["mix"]
         text_range = synthetic.get("text_len_range")
         if isinstance(text_range, list | tuple) and len(text_range) == 2:
+            if not all(type(v) is int for v in text_range):
+                raise ValueError(
+                    f"--recipe {path}: data.init_args.synthetic.text_len_range must be two integers, got {text_range!r}"
+                )
             out["text_len"] = int(text_range[1])
-    precision = (recipe.get("trainer") or {}).get("precision")
+    precision = _mapping(recipe.get("trainer"), path, "trainer").get("precision")
     if precision is not None:
+        if not isinstance(precision, str | int):
+            raise ValueError(
+                f"--recipe {path}: trainer.precision must be a string, got {type(precision).__name__}"
+            )
         precision = str(precision)
         out["precision"] = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(precision, precision)
     return out

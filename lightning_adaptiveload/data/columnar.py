@@ -31,13 +31,23 @@ name                dtype      count     meaning
 ==================  =========  ========  =================================================
 
 Everything is checked on load as the JSON loader checks its fields (a hostile file cannot index out of
-range or allocate beyond its own size); sample keys follow the writer's key rules, checked per shard
-when a shard's keys are first read (:func:`check_keys`).
+range or allocate beyond its own size); every key is listed once (across and within shards, as in
+``index.json``); sample keys follow the writer's key rules, checked per shard when a shard's keys are
+first read (:func:`check_keys`).
+
+A file replaced while a job uses it. Rewriting a mapped file in place (``cp new old``) would change the
+checked arrays under the job, and truncating it kills the process with SIGBUS at the next access. So an
+index of at most :data:`MAX_COPIED_INDEX_BYTES` is read into private memory once (checked there, its
+BLAKE2b digest kept for the DataLoader workers that load it again); only a larger one is mapped, and a
+mapped index must be replaced by renaming a new file over it (as :func:`write_columns` does), never
+rewritten in place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import mmap
 import os
 import struct
@@ -51,14 +61,20 @@ from lightning_adaptiveload.data.format import REASONS, ShardError
 from lightning_adaptiveload.data.index_file import MAX_DIM, IndexProblem, describe
 from lightning_adaptiveload.data.untrusted import Refused, load_json
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ALIGN",
     "BINARY_INDEX_NAME",
     "BINARY_VERSION",
     "IndexColumns",
     "MAGIC",
+    "MAX_COPIED_INDEX_BYTES",
     "MAX_HEADER_BYTES",
     "check_keys",
+    "duplicate_key",
+    "key_hashes",
+    "refuse_duplicate_keys",
     "is_binary_index",
     "read_columns",
     "shape_id_dtype",
@@ -70,6 +86,9 @@ BINARY_VERSION = 1
 BINARY_INDEX_NAME = "index.npidx"
 ALIGN = 64
 MAX_HEADER_BYTES = 1 << 24  # counts, metadata and the array table; real headers are a few KiB
+# Indexes up to this size are read into private memory (a rewrite of the file cannot reach them); larger
+# ones are mapped (shared page cache). ~27 bytes a sample: 1 GiB is ~40 million samples. Settable.
+MAX_COPIED_INDEX_BYTES = 1 << 30
 _PREFIX = struct.Struct("<8sII")
 _CHUNK = 1 << 22  # samples per step of a chunked check: bounds the temporaries to a few tens of MiB
 
@@ -132,6 +151,7 @@ class IndexColumns:
     values_checked: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)  # the file, when mapped
+    digest: str | None = field(default=None, repr=False, compare=False)  # BLAKE2b of a copied file
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "mapping": None}  # an mmap does not pickle; the arrays are copied
@@ -201,6 +221,79 @@ def check_keys(blob: np.ndarray, offsets: np.ndarray) -> str | None:
     except UnicodeDecodeError as err:
         return f"the keys are not valid UTF-8 ({err.reason} at byte {err.start + lo})"
     return None
+
+
+# Tabulation hashing of keys: one random 64-bit value per (position mod 64, byte), summed over the key's
+# bytes, mixed with its length. Vectorised over keys; equal hashes are confirmed on the bytes, so a
+# collision (crafted or not) costs time, never a wrong answer.
+_HASH_TABLE = np.random.default_rng(0x5EED_4E42).integers(
+    0, 1 << 63, size=64 * 256, dtype=np.uint64
+) * np.uint64(2) + np.uint64(1)
+_HASH_CHUNK = 1 << 24  # key bytes per step: bounds the temporaries to a few hundred MiB
+
+
+def key_hashes(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """(n,) uint64: a hash of each key ``blob[offsets[i]:offsets[i+1]]`` (equal keys, equal hashes)."""
+    n = len(offsets) - 1
+    out = np.zeros(max(n, 0), dtype=np.uint64)
+    i = 0
+    with np.errstate(over="ignore"):
+        while i < n:
+            lo = int(offsets[i])
+            j = int(np.searchsorted(offsets, lo + _HASH_CHUNK, side="right")) - 1
+            j = min(max(j, i + 1), n)
+            hi = int(offsets[j])
+            if j == i + 1 and hi - lo > _HASH_CHUNK:  # one long key: its bytes in pieces
+                acc = np.uint64(0)
+                for a in range(lo, hi, _HASH_CHUNK):
+                    b = min(hi, a + _HASH_CHUNK)
+                    pos = (np.arange(a - lo, b - lo, dtype=np.int64) & 63) << 8
+                    acc += _HASH_TABLE[pos + blob[a:b]].sum(dtype=np.uint64)
+                out[i] = acc
+            else:
+                starts = np.asarray(offsets[i:j], dtype=np.int64) - lo
+                lens = np.diff(np.asarray(offsets[i : j + 1], dtype=np.int64))
+                width = int(lens[0])
+                if 0 < width <= 64 and (lens == width).all():  # keys of one length (the usual case)
+                    rows = blob[lo:hi].reshape(j - i, width)
+                    part = out[i:j]
+                    for c in range(width):
+                        part += _HASH_TABLE[(c << 8) + rows[:, c].astype(np.int64)]
+                    i = j
+                    continue
+                pos = np.arange(hi - lo, dtype=np.int64) - np.repeat(starts, lens)
+                contrib = _HASH_TABLE[((pos & 63) << 8) + blob[lo:hi]]
+                full = lens > 0
+                if contrib.size:
+                    out[i:j][full] = np.add.reduceat(contrib, starts[full])
+            i = j
+        lens_all = np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.uint64)
+        out ^= lens_all * np.uint64(0x9E3779B97F4A7C15)
+        out ^= out >> np.uint64(31)
+        out *= np.uint64(0xBF58476D1CE4E5B9)
+        out ^= out >> np.uint64(29)
+    return out
+
+
+def duplicate_key(blob: np.ndarray, offsets: np.ndarray) -> tuple[int, int] | None:
+    """The first key listed twice, as ``(first position, later position)``, or None when all are unique."""
+    n = len(offsets) - 1
+    if n < 2:
+        return None
+    hashes = key_hashes(blob, offsets)
+    ordered = np.sort(hashes)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if twice.size == 0:
+        return None
+    first: dict[bytes, int] = {}
+    found: tuple[int, int] | None = None
+    for pos in np.flatnonzero(np.isin(hashes, twice)).tolist():  # ascending: index order
+        key = blob[int(offsets[pos]) : int(offsets[pos + 1])].tobytes()
+        earlier = first.setdefault(key, pos)
+        if earlier != pos:
+            found = (earlier, pos)
+            break
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -305,41 +398,93 @@ def write_columns(
 
 
 def is_binary_index(path: str | os.PathLike) -> bool:
-    """True when the local file starts with :data:`MAGIC` (False for JSON, missing or unreadable files)."""
+    """True when the local file starts with :data:`MAGIC` (False for JSON, missing or unreadable files,
+    and anything but a regular file: a FIFO would block the read)."""
+    from lightning_adaptiveload.data.paths import open_regular
+
     try:
-        with open(os.fspath(path), "rb") as f:
+        with open_regular(os.fspath(path)) as f:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:
         return False
 
 
 def read_columns(source: str, data: bytes | np.ndarray | None = None) -> IndexColumns:
-    """Map (or take) a binary index and check every field.
+    """Read (or take) a binary index and check every field (keys unique: :func:`refuse_duplicate_keys`).
 
     Args:
-        source: the file, named in errors; mapped read-only when ``data`` is None.
+        source: the file, named in errors; read into private memory when ``data`` is None (mapped
+            read-only when larger than :data:`MAX_COPIED_INDEX_BYTES`; see the module docstring).
         data: the file's bytes when already read (a remote index), else None.
 
     Raises:
         ShardError: ``bad_index`` naming ``source``, the field and the value.
     """
+    from lightning_adaptiveload.data.paths import open_regular
+
     try:
+        mapping = None
+        digest = None
         if data is None:
-            size = os.path.getsize(source)
-            if size < _PREFIX.size:
-                raise IndexProblem("magic", f"the file is {size} bytes, too short for a binary index")
-            with open(source, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            buf = np.frombuffer(mapping, dtype="|u1")
+            with open_regular(source) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < _PREFIX.size:
+                    raise IndexProblem("magic", f"the file is {size} bytes, too short for a binary index")
+                if size <= MAX_COPIED_INDEX_BYTES:
+                    copy = bytearray(size)
+                    got = f.readinto(copy)
+                    if got != size:
+                        raise IndexProblem(
+                            "magic", f"the file shrank while it was read ({got} of {size} bytes)"
+                        )
+                    digest = hashlib.blake2b(copy, digest_size=16).hexdigest()
+                    buf = np.frombuffer(memoryview(copy).toreadonly(), dtype="|u1")
+                else:
+                    log.warning(
+                        "index %s is %d bytes, more than MAX_COPIED_INDEX_BYTES=%d: mapped, not copied; replace it "
+                        "only by renaming a new file over it, never by rewriting it in place",
+                        source,
+                        size,
+                        MAX_COPIED_INDEX_BYTES,
+                    )
+                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    buf = np.frombuffer(mapping, dtype="|u1")
         else:
-            mapping = None
             buf = np.frombuffer(data, dtype="|u1") if isinstance(data, bytes | bytearray) else data
         cols = _check(buf, lambda: _release(mapping))
-        cols.mapping = mapping
+        cols.mapping, cols.digest = mapping, digest
         cols.release_pages()
-        return cols
     except IndexProblem as err:
         raise ShardError(source, None, err.detail, reason=err.reason, member=err.where) from None
+    return cols
+
+
+def refuse_duplicate_keys(cols: IndexColumns, source: str) -> None:
+    """Raise ``duplicate_key`` (naming the key, both shards and ``source``) if a key is listed twice.
+
+    Run by every loader once the shard paths are resolved (so that the message names them as opened).
+    """
+    twice = duplicate_key(cols.key_blob, cols.key_offsets)
+    cols.release_pages()
+    if twice is None:
+        return
+    first, later = twice
+    s1, s2 = (int(np.searchsorted(cols.shard_offsets, p, side="right")) - 1 for p in twice)
+    key = cols.key_blob[int(cols.key_offsets[later]) : int(cols.key_offsets[later + 1])].tobytes()
+    name = key.decode("utf-8", "backslashreplace")
+    i1, i2 = first - int(cols.shard_offsets[s1]), later - int(cols.shard_offsets[s2])
+    if s1 == s2:
+        where = f"twice in this shard (shards[{s2}].keys[{i1}] and [{i2}])"
+    else:
+        where = f"also in shard {cols.paths[s1]} (shards[{s1}].keys[{i1}] and shards[{s2}].keys[{i2}])"
+    raise ShardError(
+        cols.paths[s2],
+        name,
+        f"key {name!r} is listed {where} by the index {source}; an index lists every key once",
+        reason="duplicate_key",
+        hint="rebuild the index from the shards (`lightning-adaptiveload index <shards> --rebuild`); keys must be "
+        "unique in a data set",
+    )
 
 
 def _header(buf: np.ndarray) -> tuple[dict[str, Any], int]:

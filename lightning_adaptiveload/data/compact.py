@@ -26,6 +26,7 @@ from lightning_adaptiveload.data.columnar import (
     decode_keys,
     is_binary_index,
     read_columns,
+    refuse_duplicate_keys,
     write_columns,
 )
 from lightning_adaptiveload.data.format import (
@@ -86,10 +87,11 @@ class CompactIndex:
         self._file_id: tuple[int, int] | None = None  # (size, mtime_ns) of the mapped file
 
     def __reduce__(self):
-        # A DataLoader worker started by spawn gets the index pickled: map the same file there rather
-        # than copy every array through the pipe (the file must be unchanged).
+        # A DataLoader worker started by spawn gets the index pickled: read (or map) the same file there
+        # rather than copy every array through the pipe; it must be the same file (same BLAKE2b digest
+        # for a copied index; same size and time for a mapped one).
         if self._file_id is not None and self.source is not None:
-            return (_remap, (self.source, self.columns.paths, self._file_id))
+            return (_remap, (self.source, self.columns.paths, self._file_id, self.columns.digest))
         return (CompactIndex, (self.columns, self.source))
 
     # -- what ShardIndex offers ---------------------------------------------------------------------------
@@ -193,11 +195,14 @@ class CompactIndex:
         return np.bincount(self.columns.shape_id, minlength=len(self._shape_tuples)).astype(np.int64)
 
     def total_tokens(self, patch_size: Sequence[int] = DEFAULT_PATCH) -> int:
-        """Sum over samples of T/pt * H/ph * W/pw."""
+        """Sum over samples of T/pt * H/ph * W/pw, in exact integers (dimensions up to 2^31 - 1 make
+        products far beyond int64)."""
         pt, ph, pw = patch_size
-        t = self.columns.shapes.astype(np.int64)
-        per = (t[:, 1] // pt) * (t[:, 2] // ph) * (t[:, 3] // pw)
-        return int((per * self.shape_counts()).sum())
+        counts = self.shape_counts().tolist()
+        return sum(
+            (t // pt) * (h // ph) * (w // pw) * n
+            for (_, t, h, w), n in zip(self.columns.shapes.tolist(), counts)
+        )
 
     def counts(self) -> dict[str, int]:
         """As :meth:`ShardIndex.counts`: skipped and ignored by reason, plus ``empty_shard``."""
@@ -319,7 +324,8 @@ class CompactIndex:
         Shard paths follow the rules of :meth:`ShardIndex.load <lightning_adaptiveload.data.index.ShardIndex.load>`.
 
         Raises:
-            ShardError: ``bad_index`` / ``unsafe_index_path`` naming the file and the field.
+            ShardError: ``bad_index`` / ``unsafe_index_path`` naming the file and the field;
+                ``duplicate_key`` for a key listed twice (across shards or within one).
         """
         from lightning_adaptiveload.data.index import ShardIndex
 
@@ -342,6 +348,7 @@ class CompactIndex:
                 )
             cols = read_columns(text, raw)
         cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
+        refuse_duplicate_keys(cols, text)
         index = cls(cols, source=text)
         index._file_id = file_id
         return index
@@ -352,17 +359,26 @@ def _file_id(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def _remap(source: str, paths: list[str], file_id: tuple[int, int]) -> CompactIndex:
-    """Unpickle a mapped :class:`CompactIndex`: map its file again (checked), keeping the resolved paths."""
-    if _file_id(source) != file_id:
-        raise ShardError(
-            source,
-            None,
-            "the index file changed after it was loaded (size or modification time differ)",
-            reason="bad_index",
-            hint="do not rewrite an index while a run uses it; restart the run to load the new one",
-        )
+def _changed(source: str, what: str) -> ShardError:
+    return ShardError(
+        source,
+        None,
+        f"the index file changed after it was loaded ({what} differ)",
+        reason="bad_index",
+        hint="do not rewrite an index while a run uses it; restart the run to load the new one",
+    )
+
+
+def _remap(
+    source: str, paths: list[str], file_id: tuple[int, int], digest: str | None = None
+) -> CompactIndex:
+    """Unpickle a :class:`CompactIndex` loaded from a file: read (or map) it again, checked, and refuse
+    it unless it is the same file (BLAKE2b digest of a copied index, size and time of a mapped one)."""
+    if digest is None and _file_id(source) != file_id:
+        raise _changed(source, "size or modification time")
     cols = read_columns(source)
+    if digest is not None and cols.digest != digest:
+        raise _changed(source, "its content's digests")
     cols.paths = list(paths)
     index = CompactIndex(cols, source=source)
     index._file_id = file_id

@@ -32,12 +32,13 @@ from lightning_adaptiveload.data.datamodule_inputs import (
 )
 from lightning_adaptiveload.data.index_agreement import check_indexes_agree
 from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset
-from lightning_adaptiveload.data.resume import STATE_VERSION, check_state_version, resume_plan
+from lightning_adaptiveload.data.resume import STATE_VERSION, check_state, digest_text, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan, batching_label
+from lightning_adaptiveload.planning.resume import consumed_digest
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
@@ -684,10 +685,24 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if ds is None or ds.plan is None or not self._segments:
             return {}
         mine = self._consumed_now() - self._segment_base
+        # This rank's part of the digest of the consumed samples (parts add up; see consumed_digest),
+        # gathered with the counts in the same collective, as two 32-bit halves (exact in float64).
+        part = consumed_digest(ds.plan, {ds.rank: mine}) if ds.plan.rank in (None, ds.rank) else None
+        digest: int | None
         if _dist.is_distributed() and ds.world_size > 1:
-            consumed = [int(r[0]) for r in _dist.all_gather_floats([float(mine)])]
+            rows = _dist.all_gather_floats(
+                [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
+            )
+            consumed = [int(r[0]) for r in rows]
+            digest = sum((int(r[1]) << 32) + int(r[2]) for r in rows) if part is not None else None
         else:
             consumed = [mine] * ds.world_size
+            if ds.world_size == 1:
+                digest = part
+            elif ds.plan.rank is None:  # a plan of every rank: all parts are here
+                digest = consumed_digest(ds.plan, dict(enumerate(consumed)))
+            else:  # other ranks' plans are elsewhere and no collective reaches them: not verifiable
+                digest = None
         if len(set(consumed)) > 1:
             log.warning(
                 "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
@@ -695,6 +710,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             )
         segments = [dict(s) for s in self._segments]
         segments[-1]["consumed"] = consumed
+        segments[-1]["digest"] = None if digest is None else digest_text(digest)
         return {
             "version": STATE_VERSION,
             "fingerprint": ds.fingerprint,
@@ -706,7 +722,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """Restore the position saved by :meth:`state_dict`; applied when that epoch's loader starts."""
         if not state_dict:
             return
-        check_state_version(state_dict)
+        check_state(state_dict)  # layout, types and bounds, now; the digest when the epoch is replayed
         self._resume = dict(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:

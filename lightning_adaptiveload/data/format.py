@@ -81,6 +81,8 @@ REASONS: dict[str, str] = {
     ".npy and metadata as .json, or use on_error='skip' to ignore such members",
     "stale_index": "the shard changed after it was indexed: rebuild the index "
     "(`lightning-adaptiveload index <shards> --rebuild`)",
+    "shape_mismatch": "the shard holds another shape than its index lists (the shard changed after it was "
+    "indexed, or the index was edited): rebuild the index (`lightning-adaptiveload index <shards> --rebuild`)",
     "unknown_extension": "members with other extensions are ignored",
     "non_file_member": "directories, links and other non-file members are ignored",
     "bad_member_name": "member names need a key and an extension ('<key>.<ext>'); others are ignored",

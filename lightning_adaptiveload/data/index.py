@@ -42,6 +42,7 @@ from lightning_adaptiveload.data.index_file import (
 from lightning_adaptiveload.data.indexing import (
     apply_patch_check,
     check_cross_duplicates,
+    first_duplicate,
     index_shards,
     report_skips,
 )
@@ -215,7 +216,8 @@ class ShardIndex:
         ``root=None`` local paths are taken as given, as there is no folder to stay in).
 
         Raises:
-            ShardError: ``bad_index`` or ``unsafe_index_path``, naming ``source`` and the entry.
+            ShardError: ``bad_index`` or ``unsafe_index_path``, naming ``source`` and the entry;
+                ``duplicate_key`` for a key listed twice (across shards or within one), naming both.
         """
         if "pipe" in {str(s).lower() for s in allow_schemes}:
             raise ValueError("allow_schemes cannot hold 'pipe': commands are never taken from an index")
@@ -242,6 +244,22 @@ class ShardIndex:
             ]
         except IndexProblem as err:
             raise ShardError(source, None, err.detail, reason=err.reason, member=err.where) from None
+        twice = first_duplicate(shards)
+        if twice is not None:  # the builder never writes one: a sample would be trained twice, or unreachable
+            key, s1, p1, s2, p2 = twice
+            where = (
+                f"twice in this shard (shards[{s2}].keys[{p1}] and [{p2}])"
+                if s1 == s2
+                else f"also in shard {shards[s1].path} (shards[{s1}].keys[{p1}] and shards[{s2}].keys[{p2}])"
+            )
+            raise ShardError(
+                shards[s2].path,
+                key,
+                f"key {key!r} is listed {where} by the index {source}; an index lists every key once",
+                reason="duplicate_key",
+                hint="rebuild the index from the shards (`lightning-adaptiveload index <shards> --rebuild`); keys "
+                "must be unique in a data set",
+            )
         return cls(
             shards=shards,
             patch_size=check_patch(patch),
@@ -280,7 +298,12 @@ class ShardIndex:
                 wrong types or values), ``unsafe_index_path`` for a path outside what is allowed; the
                 message names the file and the entry.
         """
-        from lightning_adaptiveload.data.columnar import MAGIC, is_binary_index, read_columns
+        from lightning_adaptiveload.data.columnar import (
+            MAGIC,
+            is_binary_index,
+            read_columns,
+            refuse_duplicate_keys,
+        )
         from lightning_adaptiveload.data.compact import CompactIndex, resolve_paths
 
         text = os.fspath(path)
@@ -293,6 +316,7 @@ class ShardIndex:
         if raw.startswith(MAGIC):
             cols = read_columns(text, raw)
             cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
+            refuse_duplicate_keys(cols, text)
             return CompactIndex(cols, source=text).to_shard_index()
         try:
             data = load_json(raw, finite=False)  # a 1e999 is then named by the field check

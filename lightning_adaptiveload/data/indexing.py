@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,14 @@ from lightning_adaptiveload.data.scan import (
 if TYPE_CHECKING:  # the index calls this module; only its type is needed here
     from lightning_adaptiveload.data.index import ShardIndex
 
-__all__ = ["apply_patch_check", "check_cross_duplicates", "index_shards", "iter_index_shards", "report_skips"]
+__all__ = [
+    "apply_patch_check",
+    "check_cross_duplicates",
+    "first_duplicate",
+    "index_shards",
+    "iter_index_shards",
+    "report_skips",
+]
 
 log = logging.getLogger(__name__)
 
@@ -191,18 +198,33 @@ def apply_patch_check(shards: list[ShardInfo], patch: PatchSize, on_error: str) 
 
 
 def check_cross_duplicates(shards: list[ShardInfo], on_error: str) -> None:
-    first: dict[str, int] = {}
+    """Keys listed twice, across shards or within one: raise, or keep the first and record the others."""
+    first: dict[str, tuple[int, int]] = {}
     for sid, s in enumerate(shards):
         details = {}
         for pos, key in enumerate(s.keys):
-            owner = first.setdefault(key, sid)
-            if owner != sid:
-                detail = f"key {key!r} is also in shard {shards[owner].path}"
+            owner, at = first.setdefault(key, (sid, pos))
+            if (owner, at) != (sid, pos):
+                if owner == sid:
+                    detail = f"key {key!r} is listed twice in this shard (samples {at} and {pos})"
+                else:
+                    detail = f"key {key!r} is also in shard {shards[owner].path}"
                 if on_error == "raise":
                     raise ShardError(s.path, key, detail, reason="duplicate_key")
                 details[pos] = detail
         if details:
             s.drop_samples(details.keys(), "duplicate_key", details)
+
+
+def first_duplicate(shards: Sequence[ShardInfo]) -> tuple[str, int, int, int, int] | None:
+    """The first key listed twice: ``(key, shard, position, later shard, later position)``, or None."""
+    first: dict[str, tuple[int, int]] = {}
+    for sid, s in enumerate(shards):
+        for pos, key in enumerate(s.keys):
+            owner = first.setdefault(key, (sid, pos))
+            if owner != (sid, pos):
+                return key, owner[0], owner[1], sid, pos
+    return None
 
 
 _MAX_LOGGED_SKIPS = 20

@@ -10,7 +10,12 @@ The pipeline, per input file::
 It runs as ``Trainer.predict`` (:func:`ingest`): the inputs still to do are split over the ranks,
 each rank's :class:`ShardPredictionWriter` writes its own shards, and rank 0 writes ``index.json`` for all
 of them at the end. A rerun skips every input whose sample is in a complete shard (shards are renamed into
-place only when complete, so a killed run leaves nothing half-written that counts as done).
+place only when complete, so a killed run leaves nothing half-written that counts as done), and every
+input an earlier run skipped (recorded in ``ingest-skipped-r<rank>.jsonl``: a file that failed to decode
+fails again; delete those files to retry).
+
+Inputs are untrusted: decoding is bounded by :class:`~lightning_adaptiveload.data.media.DecodeLimits`, and
+under ``on_error="skip"`` every per-file failure, whatever raised it, is a recorded, counted skip.
 
 The decode, frame and sizing functions are plain Python in :mod:`lightning_adaptiveload.data.media`
 (re-exported here); this module holds the Lightning parts: :class:`IngestModule`,
@@ -24,6 +29,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,6 +47,8 @@ from lightning_adaptiveload.data.demo import (
     tiny_random_vae,
 )
 from lightning_adaptiveload.data.media import (
+    INPUT_REASONS,
+    DecodeLimits,
     IngestItem,
     InputError,
     choose_bucket,
@@ -58,6 +66,7 @@ from lightning_adaptiveload.data.media import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DecodeLimits",
     "IngestItem",
     "IngestModule",
     "ShardPredictionWriter",
@@ -72,7 +81,9 @@ __all__ = [
     "read_manifest",
     "sample_frame_indices",
     "size_plan",
+    "skipped_inputs",
     "wan_frame_count",
+    "write_index",
 ]
 
 
@@ -86,23 +97,99 @@ _STALE_TMP = re.compile(r"\.r\d{3,}a\d{3,}-\d{6}\.tar\.\d+\.tmp")
 _WRITER_INDEX = re.compile(r"\.index-r\d{3,}a\d{3,}\.json")
 # In an output folder whose shards were encoded with the random-weight demo VAE (data/demo.py).
 DEMO_MARKER = "ingest-demo.json"
+_SKIP_LOG = re.compile(r"ingest-skipped-r(\d{3,})\.jsonl")
+MAX_SKIP_LOG_BYTES = 1 << 28  # one rank's skip log: ~300 bytes a record, so ~900k skipped inputs
+
+
+def _regular_files(out: str, pattern: re.Pattern) -> list[str]:
+    """Files of ``out`` whose names match ``pattern``; only regular files (a FIFO would block a read)."""
+    if not os.path.isdir(out):
+        return []
+    found = []
+    for name in sorted(os.listdir(out)):
+        if pattern.fullmatch(name):
+            path = os.path.join(out, name)
+            try:
+                regular = stat.S_ISREG(os.lstat(path).st_mode)
+            except OSError:
+                continue
+            if regular:
+                found.append(path)
+            else:
+                log.warning("ingest: %s is not a regular file (a FIFO, link or directory); ignored", path)
+    return found
 
 
 def _complete_shards(out: str) -> list[str]:
-    if not os.path.isdir(out):
-        return []
-    return sorted(os.path.join(out, n) for n in os.listdir(out) if _SHARD.fullmatch(n))
+    return _regular_files(out, _SHARD)
 
 
 def done_keys(out: str | os.PathLike) -> set[str]:
-    """Keys of the samples in the complete shards of ``out`` (read from tar headers only)."""
+    """Keys of the samples in the complete shards of ``out`` (read from tar headers only).
+
+    Raises:
+        ValueError: a complete shard that is not a readable tar, naming it (delete it: its inputs are
+            then encoded again).
+    """
     import tarfile
+
+    from lightning_adaptiveload.data.paths import open_regular
+    from lightning_adaptiveload.data.untrusted import CheckedTarInfo
 
     keys = set()
     for path in _complete_shards(os.fspath(out)):
-        with tarfile.open(path, "r:") as tf:
-            keys.update(name.split(".", 1)[0] for name in tf.getnames())
+        try:
+            with (
+                open_regular(path) as raw,
+                tarfile.open(fileobj=raw, mode="r:", tarinfo=CheckedTarInfo) as tf,
+            ):
+                for info in tf:
+                    keys.add(info.name.split(".", 1)[0])
+        except (tarfile.TarError, OSError, ValueError, EOFError) as err:
+            raise ValueError(
+                f"ingest: {path} is not a readable shard ({err}); delete it and rerun (its inputs are encoded again)"
+            ) from None
     return keys
+
+
+def skipped_inputs(out: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The inputs earlier runs skipped, from ``<out>/ingest-skipped-r*.jsonl``: key -> its record
+    (``key``, ``path``, ``error``, ``detail``). A rerun does not try them again.
+
+    The logs are read as untrusted: at most :data:`MAX_SKIP_LOG_BYTES` each, lines that do not parse or
+    whose key breaks the key rules are ignored with a warning (they are then retried).
+    """
+    from lightning_adaptiveload.data.paths import open_regular
+    from lightning_adaptiveload.data.untrusted import Refused, key_problem, load_json
+
+    records: dict[str, dict[str, Any]] = {}
+    for path in _regular_files(os.fspath(out), _SKIP_LOG):
+        with open_regular(path) as f:
+            raw = f.read(MAX_SKIP_LOG_BYTES + 1)
+        if len(raw) > MAX_SKIP_LOG_BYTES:
+            raise ValueError(
+                f"ingest: {path} is larger than {MAX_SKIP_LOG_BYTES} bytes; it is not a skip log ingest wrote: "
+                "move it away (its inputs are then tried again)"
+            )
+        bad = 0
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                rec = load_json(line)
+            except Refused:
+                rec = None
+            if (
+                not isinstance(rec, dict)
+                or key_problem(rec.get("key")) is not None
+                or not isinstance(rec.get("error"), str)
+            ):
+                bad += 1
+                continue
+            records.setdefault(rec["key"], rec)
+        if bad:
+            log.warning("ingest: %s: %d lines are not skip records; their inputs are tried again", path, bad)
+    return records
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,21 +199,41 @@ def done_keys(out: str | os.PathLike) -> set[str]:
 
 class IngestDataset(torch.utils.data.Dataset):
     """Decodes one input per item; a failure becomes an error record instead of an exception, so that a
-    corrupt file does not kill the data-loader workers (the writer counts it, or raises)."""
+    corrupt file does not kill the data-loader workers (the writer counts it, or raises).
 
-    def __init__(self, items: Sequence[IngestItem], fps: float | None, max_frames: int, buckets) -> None:
+    Every exception of one input's decode is its failure (a hostile file can make a decoder raise
+    anything); only the input's own record is affected.
+    """
+
+    def __init__(
+        self,
+        items: Sequence[IngestItem],
+        fps: float | None,
+        max_frames: int,
+        buckets,
+        limits: DecodeLimits | None = None,
+    ) -> None:
         self.items, self.fps, self.max_frames, self.buckets = list(items), fps, max_frames, buckets
+        self.limits = DecodeLimits() if limits is None else limits
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.items[i]
+        if item.error is not None:
+            return _error_record(item, *item.error)
         try:
-            pixels, meta = decode_input(item, self.fps, self.max_frames, self.buckets)
+            pixels, meta = decode_input(item, self.fps, self.max_frames, self.buckets, self.limits)
         except InputError as err:
-            return {"key": item.key, "path": item.path, "error": err.reason, "detail": str(err)}
+            return _error_record(item, err.reason, str(err))
+        except Exception as err:  # noqa: BLE001 - see the class docstring
+            return _error_record(item, "decode_error", f"{item.path}: {type(err).__name__}: {err}")
         return {"key": item.key, "path": item.path, "pixels": pixels, "meta": meta, "caption": item.caption}
+
+
+def _error_record(item: IngestItem, reason: str, detail: str) -> dict[str, Any]:
+    return {"key": item.key, "path": item.path, "error": reason, "detail": detail}
 
 
 def _first(batch: list[dict]) -> dict:
@@ -157,17 +264,20 @@ class IngestModule(pl.LightningModule):
         # Set by ingest(): what predict_dataloader splits over the ranks.
         self.items: list[IngestItem] = []
         self.out = ""
-        self.decode_args: tuple = (16.0, 81, None)
+        self.decode_args: tuple = (16.0, 81, None, None)
         self.num_workers = 0
         self.already_done = 0
+        self.already_skipped = 0
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        """This rank's share of the inputs not yet in a complete shard of ``out``.
+        """This rank's share of the inputs neither in a complete shard of ``out`` nor skipped before.
 
-        Every rank reads the done set from disk, then all wait at a barrier before any writes, so the
-        remaining inputs split the same way on every rank, whatever the world size of earlier runs.
+        Every rank reads the done and skipped sets from disk, then all wait at a barrier before any
+        writes, so the remaining inputs split the same way on every rank, whatever the world size of
+        earlier runs.
         """
         done = done_keys(self.out)
+        skipped = skipped_inputs(self.out).keys() - done
         if self.global_rank == 0:
             # Shards of killed runs left half-written under temp names: their samples are not done. No
             # rank writes before the barrier below, so none of these is in use.
@@ -175,8 +285,9 @@ class IngestModule(pl.LightningModule):
                 if _STALE_TMP.fullmatch(name):
                     os.remove(os.path.join(self.out, name))
         self.trainer.strategy.barrier("ingest_done_keys")
-        pending = [it for it in self.items if it.key not in done]
-        self.already_done = len(self.items) - len(pending)
+        pending = [it for it in self.items if it.key not in done and it.key not in skipped]
+        self.already_done = sum(it.key in done for it in self.items)
+        self.already_skipped = len(self.items) - len(pending) - self.already_done
         mine = pending[self.global_rank :: self.trainer.world_size]
         for cb in self.trainer.callbacks:
             if isinstance(cb, ShardPredictionWriter):
@@ -253,8 +364,8 @@ class ShardPredictionWriter(BasePredictionWriter):
         samples_per_shard: samples per shard (a shard is complete, and its samples count as done, only
             when it is full or the job ends).
         latent_dtype: ``"float16"`` (half the bytes) or ``"float32"``.
-        on_error: ``"skip"``: count the input and its reason (``ingest-skipped-r<rank>.jsonl``) and go
-            on; ``"raise"``: stop with an error naming the file.
+        on_error: ``"skip"``: count the input and its reason, record it in ``ingest-skipped-r<rank>.jsonl``
+            (a rerun does not try it again) and go on; ``"raise"``: stop with an error naming the file.
         progress: show a tqdm bar on rank 0 (samples, hours of video).
         metadata: stored in ``index.json``'s ``metadata`` (``ingest`` marks demo shards there).
     """
@@ -325,13 +436,16 @@ class ShardPredictionWriter(BasePredictionWriter):
     ) -> None:
         if "error" in prediction:
             if self.on_error == "raise":
+                hint = INPUT_REASONS.get(prediction["error"], "fix or remove the file")
                 raise RuntimeError(
-                    f"ingest: {prediction['detail']} (reason: {prediction['error']}); "
-                    "fix or remove the file, or run with on_error='skip'"
+                    f"ingest: {prediction['detail']} (reason: {prediction['error']}). What to do: {hint}; "
+                    "or run with on_error='skip'"
                 )
             self.skipped[prediction["error"]] = self.skipped.get(prediction["error"], 0) + 1
+            # Recorded at once (and flushed): a killed run must not try the file again either.
             with open(self._skip_log, "a", encoding="utf-8") as f:
                 f.write(json.dumps({k: prediction[k] for k in ("key", "path", "error", "detail")}) + "\n")
+                f.flush()
             log.warning("ingest: skipped %s", prediction["detail"])
         else:
             meta = prediction["meta"]
@@ -388,6 +502,9 @@ def write_index(out: str | os.PathLike, metadata: dict[str, Any] | None = None):
     writers' own indexes (``.index-r<rank>a<attempt>.json``, one per rank and run) are then removed:
     ``index.json`` holds their shards, and a rerun rebuilds it from the shards themselves. Call it when no
     writer is open (``ShardPredictionWriter`` calls it on rank 0 after every rank has closed its writer).
+
+    The inputs skipped by this and earlier runs are counted in its ``metadata["ingest_skipped"]``
+    (reason -> count; the records are in ``ingest-skipped-r<rank>.jsonl``).
     """
     from lightning_adaptiveload.data.index import ShardIndex
 
@@ -396,6 +513,13 @@ def write_index(out: str | os.PathLike, metadata: dict[str, Any] | None = None):
     # Every sample was checked finite by ShardWriter when it was written.
     index.values_checked = True
     index.metadata = dict(metadata or {})
+    done = {k for s in index.shards for k in s.keys}
+    counts: dict[str, int] = {}
+    for key, rec in skipped_inputs(out).items():
+        if key not in done:  # skipped once, written by a later retry: not a skip any more
+            counts[rec["error"]] = counts.get(rec["error"], 0) + 1
+    if counts:
+        index.metadata["ingest_skipped"] = dict(sorted(counts.items()))
     index.save(os.path.join(out, "index.json"))
     for name in os.listdir(out):
         if _WRITER_INDEX.fullmatch(name):
@@ -422,6 +546,7 @@ def ingest(
     trainer_kwargs: dict[str, Any] | None = None,
     callbacks: Iterable[pl.Callback] = (),
     progress: bool = True,
+    limits: DecodeLimits | None = None,
 ) -> dict[str, Any]:
     """Encode videos and images into latent shards under ``out`` with ``Trainer.predict``.
 
@@ -448,11 +573,17 @@ def ingest(
         trainer_kwargs: for ``lightning.Trainer`` (``accelerator``, ``devices``, ``num_nodes``, ``strategy``).
         callbacks: more callbacks for the Trainer.
         progress: show the progress bar on rank 0.
+        limits: caps on what one input may make the decoder allocate (:class:`DecodeLimits`; default:
+            its defaults). Captions beside files in a folder are read with its ``max_caption_bytes``.
 
     Returns:
         This rank's summary: ``written``, ``skipped`` (reason -> count), ``video_hours``, ``seconds``,
-        ``samples_per_s``, plus ``already_done`` (inputs skipped because they were written before) and
-        ``assigned`` (inputs this rank was given).
+        ``samples_per_s``, plus ``already_done`` (inputs skipped because they were written before),
+        ``already_skipped`` (inputs an earlier run skipped, not tried again) and ``assigned`` (inputs this
+        rank was given).
+
+    Raises:
+        ValueError: a manifest or item list that cannot be used (naming the file, line and rule).
     """
     import importlib.util
 
@@ -461,12 +592,22 @@ def ingest(
             raise ModuleNotFoundError(
                 f"ingest needs {package!r}, which is not installed; pip install 'lightning-adaptiveload[ingest]'"
             )
+    from lightning_adaptiveload.data.untrusted import key_problem
+
+    limits = DecodeLimits() if limits is None else limits
     out = os.path.abspath(os.fspath(out))
     if isinstance(inputs, (str, os.PathLike)):
         src = os.fspath(inputs)
-        items = find_inputs(src) if os.path.isdir(src) else read_manifest(src)
+        if os.path.isdir(src):
+            items = find_inputs(src, limits.max_caption_bytes)
+        else:
+            items = read_manifest(src, limits.max_caption_bytes)
     else:
         items = list(inputs)
+    for it in items:
+        rule = key_problem(it.key)
+        if rule is not None:  # refused now, not at the first shard write
+            raise ValueError(f"ingest: input {it.path}: key {it.key!r} {rule}")
     keys = [it.key for it in items]
     if len(set(keys)) != len(keys):
         raise ValueError("ingest: input keys are not unique; give each manifest row its own key")
@@ -515,9 +656,14 @@ def ingest(
     trainer = pl.Trainer(callbacks=[writer, *callbacks], **kwargs)
     module = IngestModule(vae, text_encoder, tokenizer, dtype)
     module.items, module.out, module.num_workers = items, out, num_workers
-    module.decode_args = (fps, max_frames, bucket_list)
+    module.decode_args = (fps, max_frames, bucket_list, limits)
     trainer.predict(module, return_predictions=False)
-    summary = {**writer.summary(), "already_done": module.already_done, "assigned": writer.total}
+    summary = {
+        **writer.summary(),
+        "already_done": module.already_done,
+        "already_skipped": module.already_skipped,
+        "assigned": writer.total,
+    }
     return {**summary, "demo": True} if demo else summary
 
 

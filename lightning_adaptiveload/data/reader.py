@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from lightning_adaptiveload.data.format import (
@@ -54,6 +54,8 @@ def iter_shard(
     keys: Sequence[str] | None = None,
     patch_size: Sequence[int] | None = DEFAULT_PATCH,
     max_member_bytes: int | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    text_lengths: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Stream one shard in file order and yield its decoded samples.
 
@@ -64,7 +66,10 @@ def iter_shard(
     Sample ids: pass the index's keys for this shard (``keys=index.shards[shard_id].keys``, or pass the
     :class:`ShardInfo` itself as ``path``); then sample ids are exactly the index's positions, samples the
     index left out are passed over unread and uncounted, and reading stops as soon as every wanted
-    sample was yielded. Without ``keys``, ids count the samples that pass this reader's checks in file
+    sample was yielded. Given a :class:`ShardInfo` (or ``shapes``), every sample read must have the
+    latent shape the index lists (and its text length, where the index lists one): the planner sized the
+    batches from them, so a sample that differs is ``shape_mismatch``, found from its ``.npy`` header
+    before its values are decoded. Without ``keys``, ids count the samples that pass this reader's checks in file
     order, which equals the index's numbering only when the index skipped nothing in this shard.
 
     Args:
@@ -79,6 +84,8 @@ def iter_shard(
         patch_size: (pt, ph, pw) the latent must be divisible by, or None.
         max_member_bytes: the largest member (bytes) read; a larger claim is refused
             (``member_too_large``) before anything is allocated. None: :data:`MAX_MEMBER_BYTES`.
+        shapes, text_lengths: the latent shapes and text lengths the index lists for ``keys`` (taken
+            from a :class:`ShardInfo` given as ``path``); None: not checked.
 
     Yields:
         ``{"__key__": str, "__shard__": str, "__ref__": (shard_id, sample_id),
@@ -89,11 +96,21 @@ def iter_shard(
         ShardError: under ``on_error="raise"``, naming the shard, key and problem.
     """
     if isinstance(path, ShardInfo):
-        keys = path.keys if keys is None else keys
+        if keys is None:
+            keys = path.keys
+            shapes = path.latent_shapes if shapes is None else shapes
+            text_lengths = path.text_lengths if text_lengths is None else text_lengths
         path = path.path
     check_on_error(on_error)
     patch = check_patch(patch_size)
     read = _ShardRead(norm_path(path), shard_id, select, keys, on_error, stats)
+    expect_for = None
+    if shapes is not None and keys is not None:
+        if len(shapes) != len(keys) or (text_lengths is not None and len(text_lengths) != len(keys)):
+            raise ValueError(
+                f"shard {read.label}: keys, shapes and text_lengths must have one entry per sample"
+            )
+        expect_for = read.expectation(shapes, text_lengths)
     if read.remaining is not None and not read.remaining:
         return  # nothing selected
     try:
@@ -106,7 +123,7 @@ def iter_shard(
         return
     src = open_source(read.label, raw)
     finished = False  # read to the end or to the last wanted sample, without an exception
-    scan = scan_shard(src, read.mode_for, patch, True, max_member_bytes)
+    scan = scan_shard(src, read.mode_for, patch, True, max_member_bytes, expect_for)
     try:
         for event in scan:
             sample = read.on_event(event)
@@ -159,6 +176,20 @@ class _ShardRead:
             sid = self.key_pos.get(key)
             return DATA if sid is not None and sid in self.remaining else SKIP  # type: ignore[operator]
         return DATA if self.wanted is None or self.count in self.wanted else HEADERS
+
+    def expectation(
+        self, shapes: Sequence[Sequence[int]], text_lengths: Sequence[int] | None
+    ) -> Callable[[str], tuple[tuple[int, ...], int] | None]:
+        """``expect_for`` of :func:`scan_shard`: the index's (shape, text length) of a key."""
+        key_pos = self.key_pos or {}
+
+        def expect_for(key: str) -> tuple[tuple[int, ...], int] | None:
+            sid = key_pos.get(key)
+            if sid is None:
+                return None
+            return tuple(shapes[sid]), int(text_lengths[sid]) if text_lengths is not None else 0
+
+        return expect_for
 
     def problem(self, reason: str, key: str | None, detail: str, member: str | None = None) -> None:
         if self.on_error == "raise":

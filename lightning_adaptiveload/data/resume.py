@@ -9,26 +9,144 @@ Lightning).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_adaptiveload.planning.plan import EpochPlan
-from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.resume import consumed_digest, consumed_refs, continue_plan
 
-__all__ = ["STATE_VERSION", "Resumed", "check_state_version", "resume_plan"]
+__all__ = [
+    "MAX_NUM_WORKERS",
+    "MAX_WORLD_SIZE",
+    "STATE_VERSION",
+    "ResumeStateError",
+    "Resumed",
+    "check_state",
+    "check_state_version",
+    "digest_text",
+    "resume_plan",
+]
 
-#: Version of ``AdaptiveLoadDataModule.state_dict()``'s layout.
-STATE_VERSION = 1
+log = logging.getLogger(__name__)
+
+#: Version of ``AdaptiveLoadDataModule.state_dict()``'s layout. 2 adds each segment's ``digest`` of the
+#: samples it consumed; version 1 states (no digest) are still read, unverified.
+STATE_VERSION = 2
+_READS = (1, 2)
+#: Bounds on a saved segment's settings: beyond them the replay would plan for a machine that does not
+#: exist (``world_size=10**9`` ran into MemoryError).
+MAX_WORLD_SIZE = 1 << 16
+MAX_NUM_WORKERS = 1 << 10
+_MAX_STREAMS = 1 << 18  # ranks x workers of one saved plan
+_MAX_SEGMENTS = 1 << 12  # resumes within one epoch
+_MAX_COUNT = 1 << 40  # batches consumed by one rank in one segment
+_KINDS = ("fresh", "continue", "replan")
+_WHAT_TO_DO = (
+    "What to do: resume from another checkpoint, or drop the datamodule's entry from the checkpoint to start "
+    "the epoch afresh"
+)
+
+
+class ResumeStateError(ValueError):
+    """A resume state that cannot be used; the message names the field, the rule and what to do."""
+
+
+def _bad(where: str, problem: str) -> ResumeStateError:
+    return ResumeStateError(f"AdaptiveLoadDataModule resume state: {where} {problem}. {_WHAT_TO_DO}")
+
+
+def _describe(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(where, f"is {_describe(value)}; expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def digest_text(value: int) -> str:
+    """A :func:`consumed_digest` as saved in the state: 16 hex digits."""
+    return f"{value & ((1 << 64) - 1):016x}"
+
+
+def check_state(state: Any) -> None:
+    """Check the layout, types and ranges of a saved resume state (``AdaptiveLoadDataModule.state_dict()``).
+
+    Raises:
+        ResumeStateError: (a ``ValueError``) naming the field (``segments[1].world_size``), its value and
+            the rule, and saying what to do.
+    """
+    if not isinstance(state, Mapping):
+        raise _bad("the state", f"is {_describe(state)}, not a dict")
+    if state.get("version") not in _READS or type(state.get("version")) is not int:
+        raise ResumeStateError(
+            f"AdaptiveLoadDataModule state version {state.get('version')!r} is not supported "
+            f"(this version reads {list(_READS)}); resume without the datamodule state or from a newer checkpoint"
+        )
+    if not isinstance(state.get("fingerprint"), str):
+        raise _bad("fingerprint", f"is {_describe(state.get('fingerprint'))}, not a string")
+    _int(state.get("epoch"), "epoch", 0, 1 << 40)
+    segments = state.get("segments")
+    if not isinstance(segments, list) or not 1 <= len(segments) <= _MAX_SEGMENTS:
+        raise _bad("segments", f"is {_describe(segments)}; expected a list of 1 to {_MAX_SEGMENTS} segments")
+    for i, seg in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(seg, Mapping):
+            raise _bad(where, f"is {_describe(seg)}, not a dict")
+        missing = [
+            k
+            for k in ("kind", "world_size", "num_workers", "seed", "mode", "batcher", "consumed")
+            if k not in seg
+        ]
+        if missing:
+            raise _bad(where, f"lacks {missing}")
+        if seg["kind"] not in _KINDS:
+            raise _bad(f"{where}.kind", f"is {_describe(seg['kind'])}; expected one of {list(_KINDS)}")
+        world = _int(seg["world_size"], f"{where}.world_size", 1, MAX_WORLD_SIZE)
+        workers = _int(seg["num_workers"], f"{where}.num_workers", 0, MAX_NUM_WORKERS)
+        if world * max(1, workers) > _MAX_STREAMS:
+            raise _bad(
+                where,
+                f"has {world} ranks x {workers} workers = {world * max(1, workers)} streams to replay; at most "
+                f"{_MAX_STREAMS}",
+            )
+        _int(seg["seed"], f"{where}.seed", -(1 << 63), (1 << 64) - 1)
+        if not isinstance(seg["mode"], str):
+            raise _bad(f"{where}.mode", f"is {_describe(seg['mode'])}, not a schedule name")
+        if not isinstance(seg["batcher"], Mapping):
+            raise _bad(f"{where}.batcher", f"is {_describe(seg['batcher'])}, not a dict")
+        if seg.get("max_buffered_samples") is not None:
+            _int(seg["max_buffered_samples"], f"{where}.max_buffered_samples", 0, _MAX_COUNT)
+        if seg.get("chunk_samples") is not None:
+            _int(seg["chunk_samples"], f"{where}.chunk_samples", 1, _MAX_COUNT)
+        tol = seg.get("lockstep_tolerance", 0.05)
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol >= 0):
+            raise _bad(f"{where}.lockstep_tolerance", f"is {_describe(tol)}; expected a finite number >= 0")
+        if seg.get("lockstep_tail") is not None and not isinstance(seg["lockstep_tail"], str):
+            raise _bad(f"{where}.lockstep_tail", f"is {_describe(seg['lockstep_tail'])}, not a string")
+        consumed = seg["consumed"]
+        if not isinstance(consumed, list) or len(consumed) != world:
+            raise _bad(
+                f"{where}.consumed",
+                f"is {_describe(consumed)}; expected a list of {world} batch counts (one per rank)",
+            )
+        for r, c in enumerate(consumed):
+            _int(c, f"{where}.consumed[{r}]", 0, _MAX_COUNT)
+        digest = seg.get("digest")
+        if digest is not None and not (
+            isinstance(digest, str) and len(digest) == 16 and all(ch in "0123456789abcdef" for ch in digest)
+        ):
+            raise _bad(f"{where}.digest", f"is {_describe(digest)}; expected 16 hex digits or null")
 
 
 def check_state_version(state: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` unless ``state`` has the layout this version reads."""
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(
-            f"AdaptiveLoadDataModule state version {state.get('version')!r} is not supported "
-            f"(expected {STATE_VERSION}); resume without the datamodule state or from a newer checkpoint"
-        )
+    """Raise ``ValueError`` unless ``state`` is a resume state this version reads (see :func:`check_state`)."""
+    check_state(state)
 
 
 @dataclass
@@ -59,8 +177,11 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
         state: ``AdaptiveLoadDataModule.state_dict()``'s dict.
 
     Raises:
+        ResumeStateError: a malformed state (:func:`check_state`), a segment that cannot be replayed, or
+            one whose replay consumed other samples than were consumed (its digest differs).
         ValueError: the state belongs to other shards (another index fingerprint).
     """
+    check_state(state)
     if state["fingerprint"] != ds.fingerprint:
         raise ValueError(
             "the checkpoint's data position belongs to other shards (index fingerprint "
@@ -69,17 +190,37 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
         )
     epoch = int(state["epoch"])
     segments = [dict(s) for s in state["segments"]]
+    if state["version"] < 2:
+        log.warning(
+            "resume state version %s holds no digest of the consumed samples: the replay is not verified",
+            state["version"],
+        )
     # Replay the epoch's segments to find what was consumed and the last plan.
     plan: EpochPlan | None = None
     gone: set[tuple[int, int]] = set()
     previous = 0
-    for seg in segments:
-        if seg["kind"] == "continue" and plan is not None:
-            plan = continue_plan(plan, previous, int(seg["num_workers"]))
-        else:
-            plan = ds.make_plan(epoch, seg, exclude=gone)
-        consumed = [int(x) for x in seg["consumed"]]
-        gone |= consumed_refs(plan, consumed)
+    for i, seg in enumerate(segments):
+        try:
+            if seg["kind"] == "continue" and plan is not None:
+                plan = continue_plan(plan, previous, int(seg["num_workers"]))
+            else:
+                plan = ds.make_plan(epoch, seg, exclude=gone)
+            consumed = [int(x) for x in seg["consumed"]]
+            part = consumed_refs(plan, consumed)
+        except (TypeError, ValueError, KeyError) as err:
+            raise _bad(f"segments[{i}]", f"cannot be replayed ({type(err).__name__}: {err})") from None
+        if seg.get("digest") is not None:
+            replayed = digest_text(consumed_digest(plan, dict(enumerate(consumed))))
+            if replayed != seg["digest"]:
+                raise ResumeStateError(
+                    f"AdaptiveLoadDataModule resume state: segments[{i}] consumed other samples than its replay "
+                    f"gives (digest {seg['digest']} saved, {replayed} replayed): the saved plan settings (seed "
+                    f"{seg['seed']}, schedule {seg['mode']!r}, batcher) or the planner changed since the "
+                    "checkpoint, so resuming would repeat some samples and skip others. What to do: resume with "
+                    "the version and settings that saved it, or drop the datamodule's entry from the checkpoint "
+                    "to start the epoch afresh"
+                )
+        gone |= part
         previous = consumed[0]
     assert plan is not None
     last = segments[-1]

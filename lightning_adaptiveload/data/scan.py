@@ -202,6 +202,7 @@ class Group:
     meta: Any = None
     problem: tuple[str, str] | None = None  # (reason, detail), the first one found
     problem_member: str | None = None  # the member it concerns, if one
+    expect: tuple[tuple[int, ...], int] | None = None  # (latent shape, text length) the index lists
 
     def fail(self, reason: str, detail: str, member: str | None = None) -> None:
         if self.problem is None:
@@ -306,6 +307,13 @@ def _finalize(group: Group, patch_size: PatchSize | None, check_values: bool) ->
             members[0] if members else None,
         )
         return
+    if group.expect is not None and group.expect[1] and text is None:
+        group.fail(
+            "shape_mismatch",
+            f"sample {group.key!r} has no '{TEXT_EXT}' member but the index lists {group.expect[1]} text tokens",
+            latent.member,
+        )
+        return
     for npy, ndim, layout in ((latent, 4, "(C, T, H, W)"), (text, 2, "(L, D_text)")):
         if npy is None:
             continue
@@ -350,6 +358,7 @@ class _ScanState:
     tf: tarfile.TarFile
     mode_for: Callable[[str], int]
     cap: int  # max_member_bytes
+    expect_for: Callable[[str], tuple[tuple[int, ...], int] | None] | None = None
     seen: set[str] = field(default_factory=set)
     group: Group | None = None
     last_offset: int = -1
@@ -362,11 +371,15 @@ def scan_shard(
     patch_size: PatchSize | None,
     check_values: bool,
     max_member_bytes: int | None = None,
+    expect_for: Callable[[str], tuple[tuple[int, ...], int] | None] | None = None,
 ) -> Iterator[Group | Ignored | ShardProblem]:
     """Stream one tar and yield its samples (checked) and what was ignored, in file order.
 
     ``mode_for(key)`` is asked when a sample starts: SKIP passes it over unread, HEADERS reads the
-    .npy headers and the json, DATA reads everything. Tar-level damage ends the scan with the open
+    .npy headers and the json, DATA reads everything. ``expect_for(key)``, if given, is the
+    ``(latent shape, text length)`` an index lists for the sample (or None): a latent of another shape,
+    or text of another length where the index lists one, fails the sample as ``shape_mismatch`` as soon
+    as its ``.npy`` header is parsed, before its values are checked or decoded. Tar-level damage ends the scan with the open
     sample failed as ``truncated_tar``/``corrupt_tar`` (or a ShardProblem when no sample is open).
     A member is read only after its claimed size was checked against ``max_member_bytes`` (default
     :data:`MAX_MEMBER_BYTES`) and, for local files, against the bytes the file holds.
@@ -377,7 +390,7 @@ def scan_shard(
         if problem is not None:
             yield problem
         return
-    state = _ScanState(src=src, tf=tf, mode_for=mode_for, cap=cap)
+    state = _ScanState(src=src, tf=tf, mode_for=mode_for, cap=cap, expect_for=expect_for)
     try:
         while (info := _next_member(tf)) is not None:
             tf.members = []  # tarfile would otherwise keep every TarInfo of the shard
@@ -464,6 +477,8 @@ def _member_events(
 def _start_group(state: _ScanState, key: str, member: str) -> Group:
     """A new sample, failed at once when its key breaks the key rules or was seen before."""
     group = Group(key=key, mode=state.mode_for(key))
+    if group.mode != SKIP and state.expect_for is not None:
+        group.expect = state.expect_for(key)
     rule = key_problem(key) if group.mode != SKIP else None
     if rule is not None:  # such a sample is never read, only reported
         group.fail("bad_key", f"member {member!r}: key {key!r} {rule}", member)
@@ -503,9 +518,29 @@ def _read_member(state: _ScanState, group: Group, info: tarfile.TarInfo, ext: st
             group.latent = npy
         else:
             group.text = npy
+        _check_expected(group, npy, ext)
     else:
         _read_json(src, state.tf, info, group)
     return False
+
+
+def _check_expected(group: Group, npy: Npy, ext: str) -> None:
+    """The index's shape against the ``.npy`` header just parsed (nothing decoded yet)."""
+    if group.expect is None:
+        return
+    shape, text_len = group.expect
+    if ext == LATENT_EXT and tuple(npy.shape) != tuple(shape):
+        group.fail(
+            "shape_mismatch",
+            f"{npy.member}: the latent is {list(npy.shape)} but the index lists {list(shape)}",
+            npy.member,
+        )
+    elif ext == TEXT_EXT and text_len and (len(npy.shape) != 2 or npy.shape[0] != text_len):
+        group.fail(
+            "shape_mismatch",
+            f"{npy.member}: the text states are {list(npy.shape)} but the index lists {text_len} tokens",
+            npy.member,
+        )
 
 
 def _read_json(

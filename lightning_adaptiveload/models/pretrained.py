@@ -15,13 +15,21 @@ Loading is strict: every parameter of the model must come from the checkpoint wi
 checkpoint may hold nothing else; the error names each offending tensor. Only the text-to-video
 architecture is supported: image-conditioned checkpoints (I2V / FLF2V, with ``img_emb`` / ``add_k_proj``
 tensors) are refused by name.
+
+A downloaded folder is untrusted input (threat model: ``docs/reliability.md``): ``config.json`` and the
+shard index are read with a size and nesting cap, every config value is type- and range-checked with the
+file named, and the model the config describes must fit in the bytes of the weight files (a
+``num_layers: 10**7`` would otherwise build for half a minute and run out of memory); shard files named
+by ``weight_map`` must lie inside the folder; tensors must be float32, bfloat16 or float16, finite, and
+representable in the model's dtype: nothing is cast silently.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +47,23 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
+MAX_JSON_BYTES = 1 << 24  # config.json and the shard index (a 14B model's index is ~100 KiB)
+# Dtypes a checkpoint tensor may have; each casts into a float model without surprise (float64 would
+# overflow bf16 / fp16: 1e300 became inf; integers and bools are not weights).
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (low, high) of each integer config value, by VideoDiTConfig field; far beyond any published model
+# (Wan 14B: dim 5120, 40 layers, 40 heads, ffn 13824).
+_INT_RANGES = {
+    "dim": (1, 1 << 16),
+    "num_heads": (1, 1 << 10),
+    "num_layers": (1, 1 << 10),
+    "ffn_dim": (1, 1 << 18),
+    "in_channels": (1, 1 << 10),
+    "out_channels": (1, 1 << 10),
+    "text_dim": (1, 1 << 16),
+    "freq_dim": (2, 1 << 16),
+}
+_MIN_BYTES_PER_PARAMETER = 2  # bf16 / fp16, the narrowest dtype of WEIGHT_DTYPES
 
 # diffusers name fragment -> Wan name fragment. Applied to whole dotted components (see
 # diffusers_to_wan_key); the order matters only in that longer prefixes come first.
@@ -103,11 +128,87 @@ def diffusers_to_wan_key(key: str) -> str | None:
 
 
 def _read_json(path: str) -> Any:
+    """A JSON file of the folder, read as untrusted: a regular file, at most MAX_JSON_BYTES, nesting
+    bounded (200,000 levels gave RecursionError), no NaN / Infinity."""
+    from lightning_adaptiveload.data.paths import open_regular
+    from lightning_adaptiveload.data.untrusted import Refused, load_json
+
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise PretrainedError(f"{path}: not valid JSON ({err}); re-download or fix the file") from None
+        with open_regular(path) as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as err:
+        raise PretrainedError(f"{path}: cannot read it ({err})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise PretrainedError(
+            f"{path}: larger than {MAX_JSON_BYTES} bytes; not a model's JSON file: re-download it"
+        )
+    try:
+        return load_json(raw)
+    except Refused as err:
+        raise PretrainedError(
+            f"{path}: not valid JSON: the file {err}; re-download or fix the file"
+        ) from None
+
+
+def _check_config_values(raw: Mapping[str, Any], file: str, names: Mapping[str, str]) -> None:
+    """Type and range of every value the config gives (by its name in the file), before any is used."""
+
+    def bad(name: str, value: Any, rule: str) -> PretrainedError:
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        return PretrainedError(f"{file}: {name}={text} {rule}; fix the value or re-download the config")
+
+    for ours, theirs in names.items():
+        value = raw.get(theirs)
+        if value is None:
+            continue
+        if ours in _INT_RANGES:
+            lo, hi = _INT_RANGES[ours]
+            if type(value) is not int or not lo <= value <= hi:
+                raise bad(theirs, value, f"must be an integer in [{lo}, {hi}]")
+        elif ours == "patch_size":
+            if not (
+                isinstance(value, list)
+                and len(value) == 3
+                and all(type(p) is int and 1 <= p <= 64 for p in value)
+            ):
+                raise bad(theirs, value, "must be a list of 3 integers in [1, 64]")
+        elif ours == "eps":
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and 0 < value < 1)
+            ):
+                raise bad(theirs, value, "must be a finite number in (0, 1)")
+        elif ours in ("qk_norm", "cross_attn_norm") and not isinstance(value, bool | str):
+            raise bad(theirs, value, "must be true, false or a norm's name")
+    for name in ("attention_head_dim",):
+        value = raw.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= 1 << 12):
+            raise bad(name, value, f"must be an integer in [1, {1 << 12}]")
+
+
+def _parameters_at_least(cfg: VideoDiTConfig) -> int:
+    """A lower bound of the model's parameter count: every block's attention (self and cross, q k v o of
+    dim x dim) and FFN (two dim x ffn_dim matrices)."""
+    return cfg.num_layers * (8 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.ffn_dim)
+
+
+def _check_fits_weights(cfg: VideoDiTConfig, file: str, folder: str) -> None:
+    """The model the config describes must fit in the folder's weight files (when it has some)."""
+    try:
+        files = _weight_files(folder)
+    except PretrainedError:
+        return  # no weights here: loading them, later, says what is missing
+    available = sum(os.path.getsize(f) for f in files)
+    need = _parameters_at_least(cfg) * _MIN_BYTES_PER_PARAMETER
+    if need > available:
+        raise PretrainedError(
+            f"{file}: describes a model of at least {_parameters_at_least(cfg):,} parameters ({cfg.num_layers} "
+            f"blocks of width {cfg.dim}, ffn {cfg.ffn_dim}), {need:,} bytes in half precision, but the weight "
+            f"files of {folder} hold {available:,} bytes: the config does not describe these weights; fix "
+            "num_layers / dim / ffn_dim or re-download the config"
+        )
 
 
 def _layout_of_config(raw: Mapping[str, Any], path: str) -> str:
@@ -144,6 +245,7 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
         raise PretrainedError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     layout = _layout_of_config(raw, file)
     fields: dict[str, Any] = {}
+    names: dict[str, str]
     if layout == "diffusers":
         for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
             if raw.get(key) is not None:
@@ -151,8 +253,6 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
                     f"{file}: {key}={raw[key]!r} marks an image-conditioned Wan model; VideoDiT implements "
                     "the text-to-video architecture only"
                 )
-        if "num_attention_heads" in raw and "attention_head_dim" in raw:
-            fields["dim"] = int(raw["num_attention_heads"]) * int(raw["attention_head_dim"])
         names = {
             "num_heads": "num_attention_heads",
             "num_layers": "num_layers",
@@ -165,6 +265,9 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
             "eps": "eps",
             "cross_attn_norm": "cross_attn_norm",
         }
+        _check_config_values(raw, file, {**names, "qk_norm": "qk_norm"})
+        if raw.get("num_attention_heads") is not None and raw.get("attention_head_dim") is not None:
+            fields["dim"] = raw["num_attention_heads"] * raw["attention_head_dim"]
         if "qk_norm" in raw:
             fields["qk_norm"] = raw["qk_norm"] is not None and raw["qk_norm"] is not False
     else:
@@ -175,7 +278,7 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
                 "('t2v', also used by Wan 2.2 'ti2v') only"
             )
         window = raw.get("window_size", [-1, -1])
-        if list(window) != [-1, -1]:
+        if window != [-1, -1] and window != (-1, -1):
             raise PretrainedError(
                 f"{file}: window_size={window!r}; VideoDiT implements global attention only ([-1, -1])"
             )
@@ -193,16 +296,23 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
             "qk_norm": "qk_norm",
             "cross_attn_norm": "cross_attn_norm",
         }
+        _check_config_values(raw, file, names)
     for ours, theirs in names.items():
         if theirs in raw and raw[theirs] is not None:
             fields[ours] = raw[theirs]
     if fields.get("out_channels") is None and "in_channels" in fields:
         fields["out_channels"] = fields["in_channels"]
+    if "dim" in fields and not 1 <= fields["dim"] <= _INT_RANGES["dim"][1]:
+        raise PretrainedError(
+            f"{file}: num_attention_heads x attention_head_dim = {fields['dim']} is over {_INT_RANGES['dim'][1]}"
+        )
     fields.update(overrides)
     try:
-        return VideoDiTConfig(**fields)
+        cfg = VideoDiTConfig(**fields)
     except (TypeError, ValueError) as err:
         raise PretrainedError(f"{file}: the config does not make a valid VideoDiTConfig: {err}") from None
+    _check_fits_weights(cfg, file, os.fspath(path))
+    return cfg
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -214,10 +324,11 @@ def _weight_files(folder: str) -> list[str]:
         )
     if indexes:
         index_path = os.path.join(folder, indexes[0])
-        weight_map = _read_json(index_path).get("weight_map")
+        data = _read_json(index_path)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise PretrainedError(f"{index_path}: no 'weight_map' object; re-download the index file")
-        files = sorted(set(weight_map.values()))
+        files = sorted({_shard_name(index_path, folder, k, v) for k, v in weight_map.items()})
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
             raise PretrainedError(
@@ -242,14 +353,49 @@ def _weight_files(folder: str) -> list[str]:
     return [os.path.join(folder, files[0])]
 
 
+def _shard_name(index_path: str, folder: str, tensor: Any, name: Any) -> str:
+    """A ``weight_map`` entry, checked: a relative ``.safetensors`` path that stays inside the folder.
+
+    Decided on the path as written (``../../outside/w.safetensors`` and absolute paths are refused); a
+    symbolic link inside the folder is followed (the Hugging Face cache links every file to a blob).
+    """
+    where = f"{index_path}: weight_map[{str(tensor)[:80]!r}] = {str(name)[:120]!r}"
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise PretrainedError(f"{where} is not a file name; re-download the index file")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        raise PretrainedError(f"{where} is an absolute path; shard files must be inside {folder}")
+    target = os.path.normpath(os.path.join(folder, name))
+    if os.path.commonpath([target, os.path.normpath(folder)]) != os.path.normpath(folder):
+        raise PretrainedError(f"{where} climbs out of {folder}; shard files must be inside the folder")
+    if not name.endswith(".safetensors"):
+        raise PretrainedError(f"{where} is not a .safetensors file (pickled checkpoints are never loaded)")
+    return name
+
+
+def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        if not stat.S_ISREG(os.stat(file).st_mode):
+            raise PretrainedError(f"{file}: not a regular file (a FIFO, device or directory)")
+        return load_file(file, device="cpu")
+    except PretrainedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+        raise PretrainedError(
+            f"{file}: not a readable safetensors file ({type(err).__name__}: {err}); re-download it"
+        ) from None
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder (or a single ``.safetensors`` file), as saved, on the CPU.
 
     Raises:
-        PretrainedError: no weights, a shard missing, or a tensor name present in two shards.
+        PretrainedError: no weights, a shard missing or outside the folder, a file that is not valid
+            safetensors (named), or a tensor name present in two shards.
     """
     try:
-        from safetensors.torch import load_file
+        import safetensors.torch  # noqa: F401
     except ModuleNotFoundError:  # pragma: no cover - safetensors ships with the base install
         raise PretrainedError("reading checkpoints needs safetensors: pip install safetensors") from None
     path = os.fspath(path)
@@ -262,7 +408,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file in files:
-        for key, value in load_file(file, device="cpu").items():
+        for key, value in _load_safetensors(file).items():
             if key in tensors:
                 raise PretrainedError(f"tensor {key!r} is in both {origin[key]} and {file}; fix the shards")
             tensors[key] = value
@@ -364,7 +510,7 @@ def pretrained_state_dict(model: VideoDiT, path: str | os.PathLike) -> dict[str,
         for k in sorted(set(own) & set(state))
         if tuple(state[k].shape) != tuple(own[k].shape)
     ]
-    problems = []
+    problems = _dtype_problems(state, own)
     if missing:
         problems.append(
             f"missing from the checkpoint ({len(missing)}): {missing[:6]}{'...' if len(missing) > 6 else ''}"
@@ -384,6 +530,41 @@ def pretrained_state_dict(model: VideoDiT, path: str | os.PathLike) -> dict[str,
             + ". Build the model from the folder's config (VideoDiT.from_pretrained) or fix the overrides"
         )
     return state
+
+
+def _dtype_problems(state: Mapping[str, torch.Tensor], own: Mapping[str, Any]) -> list[str]:
+    """Tensors that would change when cast into the model: a dtype not in WEIGHT_DTYPES, a value that
+    is NaN or Inf, or one beyond the model dtype's range. Nothing is cast silently."""
+    bad_dtype, non_finite, out_of_range = [], [], []
+    for k in sorted(state):
+        t = state[k]
+        if t.dtype not in WEIGHT_DTYPES:
+            bad_dtype.append(f"{k}: {str(t.dtype).removeprefix('torch.')}")
+            continue
+        if t.numel() == 0 or k not in own:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            non_finite.append(k)
+            continue
+        target = getattr(own[k], "dtype", t.dtype)
+        if target.is_floating_point and torch.finfo(target).max < torch.finfo(t.dtype).max:
+            if float(t.abs().max()) > torch.finfo(target).max:
+                out_of_range.append(
+                    f"{k}: |x| up to {float(t.abs().max()):.3g}, {target} holds {torch.finfo(target).max:.3g}"
+                )
+    problems = []
+    if bad_dtype:
+        problems.append(
+            f"tensors of a dtype other than float32/bfloat16/float16 ({len(bad_dtype)}): {bad_dtype[:6]}"
+            f"{'...' if len(bad_dtype) > 6 else ''}; weights are never cast from it silently: convert the checkpoint"
+        )
+    if non_finite:
+        problems.append(
+            f"tensors holding NaN or Inf ({len(non_finite)}): {non_finite[:6]}{'...' if len(non_finite) > 6 else ''}"
+        )
+    if out_of_range:
+        problems.append(f"values beyond the model's dtype ({len(out_of_range)}): {out_of_range[:3]}")
+    return problems
 
 
 def from_pretrained(

@@ -221,6 +221,22 @@ class ActivationMemory:
     token_block: float
     text_block: float
 
+    def __post_init__(self) -> None:
+        # Read from recipes (activation_memory:): a NaN base would make every budget comparison False.
+        if type(self.num_blocks) is not int or self.num_blocks < 1:
+            raise ValueError(f"activation_memory: num_blocks={self.num_blocks!r} must be a positive integer")
+        for name in list(self.__dataclass_fields__)[1:]:
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(
+                    f"activation_memory: {name}={value!r} must be a finite number >= 0; measure it with "
+                    "acceleration.probe_activation_memory (or `calibrate --checkpoint-blocks auto`)"
+                )
+
     def peak_bytes(self, batch: int, seq: int, text: int, checkpointed: int) -> float:
         """The modelled peak of one step (the formula in the class docstring)."""
         free = self.num_blocks - checkpointed
@@ -295,4 +311,13 @@ class ActivationMemory:
                 f"activation_memory: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; expected "
                 f"{sorted(names)}"
             )
-        return cls(int(values["num_blocks"]), *(float(values[k]) for k in list(cls.__dataclass_fields__)[1:]))
+        try:
+            num_blocks = values["num_blocks"]
+            num_blocks = (
+                int(num_blocks) if isinstance(num_blocks, float) and num_blocks.is_integer() else num_blocks
+            )
+            return cls(num_blocks, *(float(values[k]) for k in list(cls.__dataclass_fields__)[1:]))
+        except (TypeError, ValueError) as err:
+            if str(err).startswith("activation_memory"):
+                raise
+            raise ValueError(f"activation_memory: {err}; expected numbers for {sorted(names)}") from None

@@ -1,0 +1,315 @@
+"""A downloaded checkpoint folder as untrusted input (issue 42): shard paths, config values, dtypes, corrupt
+files. Each case is a ``PretrainedError`` naming the file, the key and the rule, in bounded time and memory;
+nothing outside the folder is opened. Plus a fuzz of mutated ``config.json`` files and weight maps."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from lightning_adaptiveload.models import VideoDiT, VideoDiTConfig
+from lightning_adaptiveload.models import pretrained as pre
+from lightning_adaptiveload.models.pretrained import PretrainedError, config_from_folder, load_pretrained
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+CFG = VideoDiTConfig.preset("tiny", num_layers=1)
+WAN_CONFIG = {
+    "_class_name": "WanModel",
+    "model_type": "t2v",
+    "dim": CFG.dim,
+    "num_heads": CFG.num_heads,
+    "num_layers": CFG.num_layers,
+    "ffn_dim": CFG.ffn_dim,
+    "in_dim": CFG.in_channels,
+    "out_dim": CFG.out_channels,
+    "text_dim": CFG.text_dim,
+    "freq_dim": CFG.freq_dim,
+    "eps": 1e-6,
+    "patch_size": [1, 2, 2],
+    "window_size": [-1, -1],
+    "qk_norm": True,
+    "cross_attn_norm": True,
+}
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.contiguous() for k, v in VideoDiT(CFG).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def state():
+    return _state()
+
+
+def _folder(path, state, config=WAN_CONFIG, sharded=False):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if sharded:
+        keys = sorted(state)
+        names = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2 :]}
+        for name, part in names.items():
+            safetensors_torch.save_file({k: state[k] for k in part}, str(path / name))
+        wm = {k: n for n, part in names.items() for k in part}
+        (path / f"{WEIGHTS}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    else:
+        safetensors_torch.save_file(state, str(path / WEIGHTS))
+    return path
+
+
+def test_a_valid_folder_loads(tmp_path, state):
+    for sharded in (False, True):
+        folder = _folder(tmp_path / str(sharded), state, sharded=sharded)
+        model = VideoDiT.from_pretrained(folder)
+        assert model.config == CFG
+        torch.testing.assert_close(
+            model.state_dict()["blocks.0.ffn.0.weight"], state["blocks.0.ffn.0.weight"]
+        )
+
+
+# -- shard paths ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entry", ["../../outside/w.safetensors", "ABSOLUTE", "sub/../../w.safetensors", "a.pth"]
+)
+def test_weight_map_cannot_name_files_outside_the_folder(tmp_path, state, monkeypatch, entry):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    safetensors_torch.save_file(state, str(outside / "w.safetensors"))  # a valid file: must never be opened
+    folder = _folder(tmp_path / "a" / "b", state, sharded=True)
+    index = folder / f"{WEIGHTS}.index.json"
+    data = json.loads(index.read_text())
+    name = str(outside / "w.safetensors") if entry == "ABSOLUTE" else entry
+    data["weight_map"]["blocks.0.ffn.0.weight"] = name
+    index.write_text(json.dumps(data))
+    opened = []
+    real = pre._load_safetensors
+    monkeypatch.setattr(pre, "_load_safetensors", lambda f: opened.append(f) or real(f))
+    with pytest.raises(PretrainedError) as err:
+        load_pretrained(VideoDiT(CFG), folder)
+    message = str(err.value)
+    assert str(index) in message and "weight_map['blocks.0.ffn.0.weight']" in message, message
+    assert any(w in message for w in ("climbs out of", "absolute path", "not a .safetensors file")), message
+    assert not any("outside" in f for f in opened)
+
+
+# -- config values ---------------------------------------------------------------------------------
+
+
+def _config_error(tmp_path, state, config_text: str) -> str:
+    folder = _folder(tmp_path / "f", state)
+    (folder / "config.json").write_text(config_text)
+    t0 = time.perf_counter()
+    with pytest.raises(PretrainedError) as err:
+        VideoDiT.from_pretrained(folder)
+    assert time.perf_counter() - t0 < 5.0
+    message = str(err.value)
+    assert str(folder / "config.json") in message, message
+    return message
+
+
+def test_config_nested_200000_deep(tmp_path, state):
+    """Before: RecursionError."""
+    message = _config_error(tmp_path, state, '{"a": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    assert "nests 200001 levels deep" in message
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        (
+            "num_layers",
+            10**7,
+            "num_layers=10000000 must be an integer in [1, 1024]",
+        ),  # before: 35 s, MemoryError
+        ("num_layers", 1000, "does not describe these weights"),  # in range, but 1000 blocks need 100 MB
+        ("dim", 4096, "does not describe these weights"),
+        ("num_layers", 2.0, "num_layers=2.0 must be an integer"),
+        ("num_heads", True, "num_heads=True must be an integer"),
+        ("eps", -1, "eps=-1 must be a finite number in (0, 1)"),
+        ("eps", "1e-6", "eps='1e-6' must be a finite number"),
+        ("patch_size", [1, 2], "patch_size=[1, 2] must be a list of 3 integers"),
+        ("qk_norm", 5, "qk_norm=5 must be true, false or a norm's name"),
+        ("window_size", 3, "window_size=3"),
+    ],
+)
+def test_config_values_are_type_and_range_checked(tmp_path, state, key, value, words):
+    message = _config_error(tmp_path, state, json.dumps({**WAN_CONFIG, key: value}))
+    assert words in message, message
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "1e999"])
+def test_config_eps_nan_is_refused(tmp_path, state, literal):
+    """Before: eps NaN was accepted (every norm's output NaN)."""
+    text = json.dumps({**WAN_CONFIG, "eps": 12345}).replace("12345", literal)
+    message = _config_error(tmp_path, state, text)
+    assert "not valid JSON" in message and (literal in message or "out of range" in message), message
+
+
+def test_diffusers_head_dim_product_is_bounded(tmp_path, state):
+    cfg = {
+        "_class_name": "WanTransformer3DModel",
+        "num_attention_heads": 1 << 10,
+        "attention_head_dim": 1 << 12,
+    }
+    message = _config_error(tmp_path, state, json.dumps(cfg))
+    assert "num_attention_heads x attention_head_dim = 4194304 is over 65536" in message
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, value, words",
+    [
+        (torch.int64, 1, "int64"),
+        (torch.bool, True, "bool"),
+        (torch.float64, 1e300, "float64"),  # before: cast to inf silently
+        (torch.float32, float("nan"), "NaN or Inf"),
+    ],
+)
+def test_tensor_dtypes_are_checked_not_cast(tmp_path, state, dtype, value, words):
+    bad = dict(state)
+    name = "blocks.0.ffn.0.weight"
+    bad[name] = torch.full_like(state[name], value, dtype=dtype)
+    folder = _folder(tmp_path / "f", bad)
+    with pytest.raises(PretrainedError) as err:
+        VideoDiT.from_pretrained(folder)
+    assert name in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_values_beyond_a_half_precision_model_are_refused(tmp_path, state):
+    big = dict(state)
+    big["blocks.0.ffn.0.weight"] = state["blocks.0.ffn.0.weight"] * 0 + 1e6
+    folder = _folder(tmp_path / "f", big)
+    with pytest.raises(PretrainedError, match=r"beyond the model's dtype.*blocks\.0\.ffn\.0\.weight"):
+        load_pretrained(VideoDiT(CFG).half(), folder)
+    load_pretrained(VideoDiT(CFG), folder)  # float32 holds it
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header"])
+def test_corrupt_safetensors_names_its_file(tmp_path, state, damage):
+    folder = _folder(tmp_path / "f", state)
+    path = folder / WEIGHTS
+    raw = path.read_bytes()
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "garbage":
+        raw = b"\xff" * 64
+    else:
+        raw = (10**12).to_bytes(8, "little") + raw[8:]  # a header claiming a terabyte
+    path.write_bytes(raw)
+    with pytest.raises(PretrainedError) as err:
+        load_pretrained(VideoDiT(CFG), folder)
+    assert str(path) in str(err.value) and "not a readable safetensors file" in str(err.value), str(err.value)
+
+
+# -- fuzz ------------------------------------------------------------------------------------------
+
+_VALUES = [
+    None,
+    0,
+    1,
+    2,
+    -1,
+    3,
+    8,
+    64,
+    10**7,
+    2**63,
+    1.5,
+    1e-6,
+    float("inf"),
+    True,
+    False,
+    "",
+    "x",
+    "t2v",
+    [],
+    [1, 2, 2],
+    [1, 2],
+    [-1, -1],
+    {},
+    {"a": [[[]]]},
+    "rms_norm_across_heads",
+]
+
+
+def _mutate_config(rng: random.Random, config: dict) -> str:
+    cfg = copy.deepcopy(config)
+    for _ in range(rng.choice([1, 2, 3])):
+        r = rng.random()
+        key = rng.choice(sorted(cfg) + ["num_attention_heads", "attention_head_dim", "extra"])
+        if r < 0.7:
+            cfg[key] = copy.deepcopy(rng.choice(_VALUES))
+        elif r < 0.8:
+            cfg.pop(key, None)
+        else:
+            depth = rng.choice([3, 70])
+            cfg[key] = json.loads("[" * depth + "]" * depth)
+    text = json.dumps(cfg, allow_nan=True)
+    r = rng.random()
+    if r < 0.1:
+        depth = rng.choice([63, 65, 100_000])
+        text = text[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}"
+    elif r < 0.2:
+        cut = rng.randrange(len(text))
+        text = text[:cut]
+    elif r < 0.25:
+        text = text.replace("1e-06", rng.choice(["NaN", "-Infinity", "1e999", "1e-400"]))
+    return text
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_pretrained_configs_and_weight_maps(tmp_path, state):
+    folder = _folder(tmp_path / "f", state, sharded=True)
+    index = folder / f"{WEIGHTS}.index.json"
+    base_index = json.loads(index.read_text())
+    outcomes: dict[str, int] = {}
+    t0 = time.perf_counter()
+    for case in range(400):
+        rng = random.Random(5 * 10**6 + case)
+        (folder / "config.json").write_text(_mutate_config(rng, WAN_CONFIG))
+        wm = copy.deepcopy(base_index)
+        if rng.random() < 0.3:
+            k = rng.choice(sorted(wm["weight_map"]))
+            wm["weight_map"][k] = rng.choice(
+                [
+                    "../x.safetensors",
+                    "/etc/passwd",
+                    "a.safetensors",
+                    "b.safetensors",
+                    "",
+                    5,
+                    None,
+                    "c.safetensors",
+                    "sub/../a.safetensors",
+                    "a.pth",
+                    "\x00.safetensors",
+                    "C:/w.safetensors",
+                ]
+            )
+        if rng.random() < 0.05:
+            wm = rng.choice([[], "x", {"weight_map": []}, {"weight_map": {}}])
+        index.write_text(json.dumps(wm))
+        try:
+            cfg = config_from_folder(folder)
+            assert cfg is not None
+            if rng.random() < 0.25 and pre._parameters_at_least(cfg) < 10**7:
+                load_pretrained(VideoDiT(cfg), folder)
+            outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+        except PretrainedError as err:
+            assert str(folder) in str(err), (case, str(err))
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+        except Exception as err:  # noqa: BLE001
+            raise AssertionError(f"pretrained case {case}: {type(err).__name__}: {err}") from err
+    assert time.perf_counter() - t0 < 60
+    assert outcomes.get("refused", 0) > 100 and outcomes.get("loaded", 0) > 20, outcomes
