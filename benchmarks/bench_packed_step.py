@@ -63,7 +63,9 @@ SHAPES = {
 
 
 @contextlib.contextmanager
-def packing_settings(segment_sum: str = "auto", force_segments: bool = False, segment_attention: str = "auto"):
+def packing_settings(
+    segment_sum: str = "auto", force_segments: bool = False, segment_attention: str = "auto"
+):
     """Set ``packing.SEGMENT_SUM``, ``FORCE_SEGMENTS`` and ``SEGMENT_ATTENTION`` for a variant, restored after."""
     saved = packing.SEGMENT_SUM, packing.FORCE_SEGMENTS, packing.SEGMENT_ATTENTION
     packing.SEGMENT_SUM, packing.FORCE_SEGMENTS = segment_sum, force_segments
@@ -294,7 +296,9 @@ def run(args) -> dict:
                     measure("clip", "pack-old", mode, ("clip", "pack"), old)
             elif case == "mix":
                 measure("mix", "pack", mode, ("mix", "pack"))
-                if mode == "eager":  # compiled packs run varlen (per-sample calls break the checkpointed graph)
+                if (
+                    mode == "eager"
+                ):  # compiled packs run varlen (per-sample calls break the checkpointed graph)
                     measure("mix", "pack-varlen", mode, ("mix", "pack"), varlen)
                 if (mode == "eager" or args.old_compiled) and not args.no_old:
                     measure("mix", "pack-old", mode, ("mix", "pack"), old)
