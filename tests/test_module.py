@@ -252,6 +252,47 @@ def test_empty_validation_batch_has_weight_zero():
     assert module.val_loss.compute().item() == pytest.approx(mse.item(), rel=1e-6)
 
 
+def _count_forwards(module: VideoDiTModule) -> list[int]:
+    calls: list[int] = []
+    module.model.register_forward_pre_hook(lambda m, args: calls.append(int(args[0].shape[0])))
+    return calls
+
+
+def test_every_batch_size_runs_as_many_forwards():
+    # Under FSDP each forward all-gathers with every rank, so a rank's count of forwards per evaluation
+    # step must not depend on its batch: an empty validation step ran none, predict one per sample.
+    module = VideoDiTModule()
+    module.configure_model()
+    module.log = lambda *a, **k: None
+    calls = _count_forwards(module)
+    times = len(module.hparams.val_timesteps)
+    for batch in (_batches(1, seed=0)[0], _empty_batch()):
+        calls.clear()
+        module.validation_step(batch, 0)
+        module.predict_step(batch, 0)
+        assert calls == [batch["batch_size"]] * (2 * times)
+
+
+def test_predict_scores_each_sample_as_in_a_batch_of_its_own():
+    module = VideoDiTModule()
+    module.configure_model()
+    with torch.no_grad():
+        module.model.head.head.weight.normal_(std=0.02)  # the zero head would predict 0 for any input
+    batch = _batches(1, seed=0)[0]
+    batch["text_mask"][1, 2:] = False  # samples with texts of different lengths
+    module.eval()
+    with torch.no_grad():
+        loss = module.predict_step(batch, 4)["loss"]
+        alone = []
+        for i in range(batch["batch_size"]):
+            one = {**batch, "num_tokens": None, "global_tokens": -1}
+            for k in ("latents", "text", "text_mask"):
+                one[k] = batch[k][i : i + 1]
+            alone.append(module._fixed_time_mse(one, 4)[0])
+    torch.testing.assert_close(loss, torch.stack(alone), rtol=1e-5, atol=1e-7)
+    assert len(set(loss.tolist())) == len(loss)
+
+
 @pytest.mark.timeout(180)
 def test_validation_loss_is_token_weighted_across_ranks(one_thread):
     """Two ranks with uneven batches (rank 0: one large batch; rank 1: three small ones and an empty one):

@@ -75,6 +75,31 @@ def test_own_wan_module_fits_validates_tests_and_predicts_under_ddp(tmp_path):
     assert len(keys) == len(expected) and sorted(keys) == sorted(expected)  # each sample once, both ranks
 
 
+@pytest.mark.timeout(300)
+def test_own_wan_module_fits_and_validates_under_fsdp2(tmp_path):
+    # The example shards itself under ModelParallelStrategy. One validation sample on two ranks: rank 1
+    # validates an empty step, and must still run the model (FSDP gathers in every forward) and weigh 0.
+    work = tmp_path / "mine"
+    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("runs", "data", "__pycache__"))
+    (work / "fsdp2.yaml").write_text(
+        "trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.ModelParallelStrategy\n"
+    )
+    fit = _run(
+        "fit",
+        work,
+        "--config=fsdp2.yaml",
+        "--data.init_args.synthetic.num_samples=12",
+        "--data.init_args.synthetic.samples_per_shard=6",
+        "--data.init_args.synthetic.val_num_samples=1",
+    )
+    assert fit.returncode == 0, fit.stderr[-4000:]
+    assert "compute time by fsdp2_post_backward" in fit.stdout + fit.stderr  # the monitor saw FSDP2
+    metrics = next((work / "runs" / "wan_flow" / "logs").rglob("metrics.csv"))
+    val = [float(r["val/loss"]) for r in csv.DictReader(open(metrics)) if r.get("val/loss")]
+    # The one sample's loss: self.log(sync_dist=True) with the empty step's batch size 0 gave inf.
+    assert len(val) == 1 and 0 < val[0] < 10
+
+
 class _CompiledMLP(L.LightningModule):
     """No flops_per_batch, no analytic flops, no Wan: the monitor's fallback counts on a meta copy."""
 

@@ -4,7 +4,9 @@ Nothing here subclasses the suite's ``VideoDiTModule``: the module reads the bat
 ``docs/data_path.md``, weights its loss with :func:`lightning_adaptiveload.token_weighted_loss`, draws
 noise from :func:`lightning_adaptiveload.rank_noise_generator`, fuses its norm + modulate sites with
 :class:`lightning_adaptiveload.FusedNormModulateMixin`, and takes packed batches (``runs_packed_batches``) by
-running a pack's samples one by one. Run it with ``wan_flow.yaml`` beside it (see ``docs/your_own_model.md``).
+running a pack's samples one by one. Under ``ModelParallelStrategy`` it shards the Wan with FSDP2
+(:func:`lightning_adaptiveload.models.sharding.shard_model`). Run it with ``wan_flow.yaml`` beside it (see
+``docs/your_own_model.md``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torchmetrics import MeanMetric
 
 from lightning_adaptiveload import FusedNormModulateMixin, rank_noise_generator, token_weighted_loss
+from lightning_adaptiveload.models.sharding import shard_model
 
 
 class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
@@ -49,6 +53,7 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         self.save_hyperparameters()
         self.transformer: torch.nn.Module | None = None
         self._noise: torch.Generator | None = None
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
 
     def configure_model(self) -> None:
         if self.transformer is not None:
@@ -70,13 +75,24 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         )
         if h.compile:
             self.transformer.compile()  # lazy: the mixin fuses first, the first forward compiles
+        trainer = self._trainer  # None when the module is used outside a Trainer (tests, notebooks)
+        if trainer is not None and type(trainer.strategy).__name__ == "ModelParallelStrategy":
+            # FSDP2: each block its own unit, then the root. Fuse first: fusion changes the modules that
+            # FSDP groups (the mixin's own fusion after this method then finds them fused).
+            self._fuse_after_configure_model()
+            shard_model(self.transformer, self.device_mesh, blocks=self.transformer.blocks)
 
     # -- the objective -----------------------------------------------------------------------------
 
     def _velocity_error(
         self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """(B,) summed squared error per sample, in tokens' units (divided by the elements per token)."""
+        """(B,) summed squared error per sample, in tokens' units (divided by the elements per token).
+
+        A batch of 0 samples (all skipped while reading, or a rank's padding step in evaluation) runs one
+        all-zero sample through the model instead and returns none of its error: so every parameter gets a
+        (zero) gradient and every rank runs the same forwards, as DDP and FSDP need; diffusers' Wan cannot
+        take 0 samples."""
         x0 = batch["latents"].float()
         b = x0.shape[0]
         if t is None or noise is None:
@@ -84,14 +100,17 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
                 self._noise = rank_noise_generator(x0.device, self.global_rank)
             t = torch.rand(b, generator=self._noise, device=x0.device)
             noise = torch.randn(x0.shape, generator=self._noise, device=x0.device)
-        tb = t.view(b, 1, 1, 1, 1)
-        x_t = (1 - tb) * x0 + tb * noise
         text = batch["text"]
+        if b == 0:
+            x0 = noise = x0.new_zeros(1, *x0.shape[1:])
+            t, text = x0.new_zeros(1), None
+        tb = t.view(-1, 1, 1, 1, 1)
+        x_t = (1 - tb) * x0 + tb * noise
         if text is None:  # no sample of this batch has a caption: an empty (all-zero) context
-            text = x0.new_zeros(b, 1, self.hparams.text_dim)
+            text = x0.new_zeros(x0.shape[0], 1, self.hparams.text_dim)
         pred = self.transformer(x_t, t * 1000, text.float(), return_dict=False)[0]
         elems_per_token = x0.shape[1] * 4  # channels x patch volume (1 * 2 * 2)
-        return (pred.float() - (noise - x0)).square().flatten(1).sum(1) / elems_per_token
+        return (pred.float() - (noise - x0)).square().flatten(1).sum(1)[:b] / elems_per_token
 
     def _pack_error(self, batch: dict) -> torch.Tensor:
         """(N,) errors of a pack's samples (``batch["latents"]``: a list of (C, T, H, W) of different shapes).
@@ -113,13 +132,13 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        if batch["batch_size"] == 0:
-            # Every sample of this batch was skipped while reading: a zero loss that still touches every
-            # parameter, so that DDP's gradient all-reduce runs as on the other ranks.
-            return sum(p.sum() for p in self.parameters()) * 0.0
+        # A batch whose samples were all skipped while reading has 0 samples: it runs through the model
+        # too (its error is 0), so that every parameter gets a gradient and the gradient reduction runs as
+        # on the other ranks, and under FSDP every rank takes part in each unit's all-gathers.
         err = (self._pack_error(batch) if batch.get("packed") else self._velocity_error(batch)).sum()
         loss = token_weighted_loss(err, batch["num_tokens"], batch["global_tokens"], self.trainer.world_size)
-        self.log("train/loss", err / batch["num_tokens"], prog_bar=True, batch_size=batch["batch_size"])
+        if batch["batch_size"]:
+            self.log("train/loss", err / batch["num_tokens"], prog_bar=True, batch_size=batch["batch_size"])
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=1)
         return loss
 
@@ -130,18 +149,23 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
         t = torch.full((x0.shape[0],), 0.5, device=x0.device)
         return self._velocity_error(batch, noise, t) / batch["seq_len"]  # (B,) per-token MSE
 
+    # An empty evaluation step (a rank with no sample left) runs the model too: under FSDP every forward
+    # gathers parameters with all ranks. The losses are token-weighted means over every rank's samples
+    # (MeanMetric reduces its sums over the ranks at the epoch's end; self.log(sync_dist=True) would
+    # average the ranks' means, and a rank that logs nothing would leave the others waiting).
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        if batch["batch_size"]:
-            mse = self._fixed_error(batch, batch_idx).mean()
-            self.log("val/loss", mse, sync_dist=True, batch_size=batch["batch_size"])
+        self._evaluate(self.val_loss, "val/loss", batch, batch_idx)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        if batch["batch_size"]:
-            mse = self._fixed_error(batch, batch_idx).mean()
-            self.log("test/loss", mse, sync_dist=True, batch_size=batch["batch_size"])
+        self._evaluate(self.test_loss, "test/loss", batch, batch_idx)
+
+    def _evaluate(self, metric: MeanMetric, name: str, batch: dict, batch_idx: int) -> None:
+        err = self._fixed_error(batch, batch_idx)  # (B,), 0 samples on an empty step
+        metric.update(err, weight=torch.full_like(err, batch["seq_len"]))
+        self.log(name, metric, on_epoch=True)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, Any]:
-        err = self._fixed_error(batch, batch_idx) if batch["batch_size"] else torch.zeros(0)
+        err = self._fixed_error(batch, batch_idx)
         return {"keys": list(batch["keys"]), "loss": err.tolist()}
 
     def configure_optimizers(self) -> dict:

@@ -31,6 +31,7 @@ normalised by its own global token count and Lightning averages the micro-batche
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import nullcontext
 from typing import Any, Literal
@@ -371,7 +372,6 @@ class VideoDiTModule(L.LightningModule):
         """
         if batch.get("packed"):  # the packed contract: a list of latents of any shapes
             return self._compute_loss_packed(batch, noise, t)
-        model = self._require_model()
         x0 = batch["latents"].float()
         b = x0.shape[0]
         cfg = self.model_config
@@ -401,18 +401,28 @@ class VideoDiTModule(L.LightningModule):
             )
         if noise is None:
             noise = torch.randn(x0.shape, generator=self._noise_gen(x0.device), device=x0.device)
-        t = t.to(device=x0.device, dtype=torch.float32)
-        tb = t.view(b, 1, 1, 1, 1)
-        x_t = (1.0 - tb) * x0 + tb * noise
-        target = noise - x0
-        pred = model(x_t, t * self.hparams.num_train_timesteps, batch.get("text"), batch.get("text_mask"))
-        token_sq_err_sum = (pred.float() - target).square().sum() / elems_per_token
+        token_sq_err_sum = self._sample_errors(batch, x0, noise, t).sum()
         world = self._world_size()
         global_tokens = self._global_tokens(batch, local_tokens, world)
         # max(.., 1): a step at which every rank's batch is empty contributes nothing.
         loss = token_sq_err_sum * (world / max(global_tokens, 1))
         # max(.., 1): a batch whose samples were all skipped at read time has no tokens (and adds nothing).
         return loss, (token_sq_err_sum / max(local_tokens, 1)).detach()
+
+    def _sample_errors(
+        self, batch: dict, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """(B,) fp32: each sample's squared velocity error summed over its tokens (over its elements, divided
+        by the elements per token). x0, noise (B, C, T, H, W) fp32; t (B,) in [0, 1]."""
+        b = x0.shape[0]
+        t = t.to(device=x0.device, dtype=torch.float32)
+        tb = t.view(b, 1, 1, 1, 1)
+        x_t = (1.0 - tb) * x0 + tb * noise
+        pred = self._require_model()(
+            x_t, t * self.hparams.num_train_timesteps, batch.get("text"), batch.get("text_mask")
+        )
+        elems_per_token = self.model_config.in_channels * self.model_config.patch_volume
+        return (pred.float() - (noise - x0)).square().flatten(1).sum(1) / elems_per_token
 
     def _compute_loss_packed(
         self, batch: dict, noise: list[torch.Tensor] | None, t: torch.Tensor | None
@@ -458,24 +468,9 @@ class VideoDiTModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        x0 = batch["latents"]
-        b = x0.shape[0]
-        tokens = int(x0.numel() // (self.model_config.in_channels * self.model_config.patch_volume))
-        if tokens == 0:
-            # An empty step (a rank with no validation sample left): weight 0, nothing to compute.
-            return self._log_val_loss(torch.zeros((), device=x0.device), tokens)
-        # Only this rank's mean is used: give the local token count, so that no collective runs here.
-        local = {**batch, "global_tokens": tokens}
-        # Fixed noise per (batch, time) so that validation losses are comparable across epochs.
-        gen = torch.Generator(device=x0.device)
-        losses = []
-        for i, tv in enumerate(self.hparams.val_timesteps):
-            gen.manual_seed(1_000_003 * batch_idx + i)
-            noise = torch.randn(x0.shape, generator=gen, device=x0.device)
-            t = torch.full((b,), float(tv), device=x0.device)
-            _, mse = self.compute_loss(local, noise=noise, t=t)
-            losses.append(mse)
-        mse = torch.stack(losses).mean()
+        # An empty step (a rank with no validation sample left) runs its zero samples through the model
+        # too: under FSDP every forward gathers parameters with all ranks. Its weight is 0.
+        mse, tokens = self._fixed_time_mse(batch, batch_idx)
         return self._log_val_loss(mse, tokens)
 
     def _log_val_loss(self, mse: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -485,7 +480,8 @@ class VideoDiTModule(L.LightningModule):
         return mse
 
     def _fixed_time_mse(self, batch: dict, batch_idx: int) -> tuple[torch.Tensor, int]:
-        """Per-token MSE of ``batch`` averaged over ``val_timesteps`` with fixed noise, and its tokens."""
+        """Per-token MSE of ``batch`` averaged over ``val_timesteps`` with fixed noise (per batch and time, so
+        that validation losses are comparable across epochs), and its tokens. 0 for an empty batch."""
         x0 = batch["latents"]
         tokens = int(x0.numel() // (self.model_config.in_channels * self.model_config.patch_volume))
         local = {**batch, "global_tokens": tokens}  # this rank's mean only: no collective
@@ -508,18 +504,22 @@ class VideoDiTModule(L.LightningModule):
         """Per-sample loss at the validation times: ``{"keys": [...], "loss": Tensor (B,)}``.
 
         A trained DiT is sampled by a diffusion sampler, not by one forward pass; prediction here scores
-        the samples (e.g. to find the hardest clips), with the fixed noise of validation.
+        the samples (e.g. to find the hardest clips), with the fixed noise of validation: every sample gets
+        the noise it would get in a batch of its own. One forward per time for the whole batch, so that every
+        rank runs as many forwards as the others whatever its batch size (FSDP gathers in each).
         """
-        keys = list(batch.get("keys", []))
-        losses = []
-        for i in range(int(batch["latents"].shape[0])):
-            one = {**batch, "latents": batch["latents"][i : i + 1], "num_tokens": None}
-            for k in ("text", "text_mask"):
-                if batch.get(k) is not None:
-                    one[k] = batch[k][i : i + 1]
-            losses.append(self._fixed_time_mse(one, batch_idx)[0])
-        loss = torch.stack(losses) if losses else torch.zeros(0)
-        return {"keys": keys, "loss": loss.detach().cpu()}
+        x0 = batch["latents"].float()
+        b = x0.shape[0]
+        tokens_per_sample = max(1, math.prod(x0.shape[2:]) // self.model_config.patch_volume)
+        gen = torch.Generator(device=x0.device)
+        losses = torch.zeros(b, device=x0.device)
+        for i, tv in enumerate(self.hparams.val_timesteps):
+            gen.manual_seed(1_000_003 * batch_idx + i)
+            noise = torch.randn((1, *x0.shape[1:]), generator=gen, device=x0.device).expand_as(x0)
+            t = torch.full((b,), float(tv), device=x0.device)
+            losses += self._sample_errors(batch, x0, noise, t) / tokens_per_sample
+        loss = losses / len(self.hparams.val_timesteps)
+        return {"keys": list(batch.get("keys", [])), "loss": loss.detach().cpu()}
 
     def _current_lr(self) -> float:
         if self._trainer is None or not self.trainer.optimizers:

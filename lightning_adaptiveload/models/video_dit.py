@@ -249,6 +249,10 @@ class DiTBlock(nn.Module):
         segments: _packing.PackSegments | None = None,
     ) -> torch.Tensor:
         mod = self.modulation.float() + e0  # (B, 6, D), or (B, S, 6, D) per token, or (N, 6, D) per sample
+        if context is None and self.training and torch.is_grad_enabled():
+            # No text: zero gradients for the cross-attention (see VideoDiT._keep_text_path), added here, in
+            # the block's own forward, where FSDP has gathered its parameters.
+            mod = mod + _zero_sum(self.norm3, self.cross_attn)
         if segments is None:
             # Per sample: six (B, 1, D) tables; per token: six (B, S, D) ones (the fused op's per-token layout).
             tables = mod.unbind(-2) if mod.dim() == 4 else mod.chunk(6, 1)
@@ -299,6 +303,13 @@ class Head(nn.Module):
         else:
             shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
         return self.head(self.norm(x, shift, scale))
+
+
+def _zero_sum(*modules: nn.Module) -> torch.Tensor | float:
+    """0 x the sum of the modules' trainable parameters (0-d, so adding it keeps the other operand's dtype):
+    an output plus this gives each parameter a zero gradient."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    return 0.0 * sum(p.sum() for p in params) if params else 0.0
 
 
 def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> int:
@@ -756,17 +767,12 @@ class VideoDiT(nn.Module):
 
     def _keep_text_path(self, out: torch.Tensor, ctx: torch.Tensor | None) -> torch.Tensor:
         if ctx is None and self.training and torch.is_grad_enabled():
-            # DDP expects a gradient for every parameter at every step; a batch without text would leave
-            # the text path out of the graph and hang the gradient all-reduce. A zero-weighted sum keeps it
-            # in (zero gradients) for the cost of one reduction per tensor.
-            out = out + 0.0 * sum(p.sum() for p in self._text_path_parameters()).to(out.dtype)
+            # DDP expects a gradient for every parameter at every step, and FSDP reduce-scatters those that
+            # have one (ranks that disagree fail); a batch without text would leave the text path out of the
+            # graph. A zero-weighted sum keeps it in (zero gradients) for one reduction per tensor: here the
+            # text embedding's, each block its cross-attention's (FSDP gathers a unit only in its forward).
+            out = out + _zero_sum(self.text_embedding)
         return out
-
-    def _text_path_parameters(self) -> list[nn.Parameter]:
-        params = list(self.text_embedding.parameters())
-        for block in self.blocks:
-            params += list(block.norm3.parameters()) + list(block.cross_attn.parameters())
-        return [p for p in params if p.requires_grad]
 
     # -- analytic cost -----------------------------------------------------------------------------
 
