@@ -376,7 +376,7 @@ class LoadBalanceMonitor(Callback):
                 "imbalance).",
             )
             return
-        timer = BucketTimer(self._clock, model.process_group)
+        timer = BucketTimer(self._clock, _dist.hook_process_group(model.process_group))
         try:
             model.register_comm_hook(timer, timed_allreduce_hook)
         except RuntimeError as err:  # a built-in (C++) hook was registered: the reducer takes only one
