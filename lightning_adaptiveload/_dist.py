@@ -7,6 +7,8 @@ environment variables: Lightning does not set ``RANK`` for the processes it spaw
 from __future__ import annotations
 
 import atexit
+import threading
+import time
 from typing import Any
 
 import torch
@@ -18,27 +20,63 @@ def is_distributed() -> bool:
 
 
 _EXIT_HOOK_REGISTERED = False
+# Local waits of the gloo teardown; neither sends anything to a peer. At exit: how long a rank waits for gloo's
+# worker threads to stop before it exits anyway (they stop at once unless a collective is still in flight,
+# which only a failed run leaves behind). After a collective: how long to wait for gloo to let go of its tensors.
+EXIT_JOIN_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 1.0
 
 
 def destroy_gloo_group_at_exit() -> None:
-    """Destroy the default process group when this process exits, if it is a gloo group (CPU DDP).
+    """Stop gloo's worker threads when this process exits, before the interpreter finalizes (CPU DDP).
 
-    A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active
-    exception") during interpreter finalization: gloo's worker threads still hold work objects whose
-    tensors need the GIL, which is being torn down (PyTorch's own fix, pytorch/pytorch#179291, was
-    abandoned). Lightning's ``ddp_spawn`` workers exit without destroying the group; an ``atexit`` handler
-    runs while the interpreter is still whole. Registered once per process; NCCL groups are left alone.
+    Why: a gloo worker thread finishes a collective, wakes the caller, and only then drops the work, and with
+    it the last reference to tensors whose Python objects the caller has already released, so it takes the GIL
+    to free them. If the main thread has meanwhile started interpreter finalization, CPython (3.11 here) ends
+    that thread with ``pthread_exit``; the unwind meets a ``noexcept`` C++ destructor and the process
+    aborts: SIGABRT, "terminate called without an active exception" (docs/ci_flake.md has the stacks). A rank
+    that exits a few milliseconds after its last collective (rank 1 after ``LoadBalanceMonitor``'s final
+    gather) can lose that race when the CPU is busy.
+
+    The fix: an ``atexit`` handler, which runs while the interpreter is still whole, destroys the default
+    group; with no other reference left, ``~ProcessGroupGloo`` joins the worker threads with the GIL released,
+    so a pending free completes first. It sends nothing to the peers and waits at most
+    ``EXIT_JOIN_TIMEOUT_S`` (see :func:`_destroy_gloo_group_at_exit`). The library keeps no reference of its
+    own to the default group (the monitor registers no DDP communication hook, whose state held one before).
+    Registered once per process; NCCL groups are left alone.
     """
     global _EXIT_HOOK_REGISTERED
-    if _EXIT_HOOK_REGISTERED or not is_distributed() or dist.get_backend() != "gloo":
+    if _EXIT_HOOK_REGISTERED or not _is_gloo():
         return
-    atexit.register(_destroy_gloo_group)
+    atexit.register(_destroy_gloo_group_at_exit)
     _EXIT_HOOK_REGISTERED = True
+
+
+def _is_gloo() -> bool:
+    return is_distributed() and dist.get_backend() == "gloo"
+
+
+def _destroy_gloo_group_at_exit() -> None:
+    """Destroy the gloo default group on a helper thread; wait for it at most ``EXIT_JOIN_TIMEOUT_S``.
+
+    The same on a clean end and on a failure, and never a message to a peer. After a clean end nothing is in
+    flight, so the worker threads stop as soon as they have dropped their last work. A failed rank may have
+    left a collective in flight that only a peer can finish (or end, by exiting); this rank then waits at most
+    the bound and exits without it, instead of waiting for that peer.
+    """
+    if not _is_gloo():
+        return  # destroyed already (destroy_gloo_group_now, or the program itself)
+    try:
+        helper = threading.Thread(target=_destroy_gloo_group, name="gloo-group-teardown", daemon=True)
+        helper.start()
+    except RuntimeError:  # no new thread at this point of the shutdown: destroying here could block
+        return
+    helper.join(EXIT_JOIN_TIMEOUT_S)
 
 
 def _destroy_gloo_group() -> None:
     try:
-        if is_distributed() and dist.get_backend() == "gloo":
+        if _is_gloo():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - at exit, a failed clean-up must not mask the exit status
         pass
@@ -50,9 +88,9 @@ def destroy_gloo_group_now() -> None:
     The ranks tear the group down together while the interpreter is whole, instead of one rank exiting
     (and closing its connections) while another still plans or reports; the exit handler of
     :func:`destroy_gloo_group_at_exit` then finds nothing left. The package's CLI calls this after every
-    subcommand, whatever the LightningModule.
+    subcommand (a clean end only: a failed subcommand never gets here), whatever the LightningModule.
     """
-    if not is_distributed() or dist.get_backend() != "gloo":
+    if not _is_gloo():
         return
     try:
         dist.barrier()
@@ -88,8 +126,28 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     world = dist.get_world_size()
     local = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     out = torch.empty((world, local.numel()), dtype=torch.float64, device=local.device)
-    dist.all_gather_into_tensor(out, local) if local.is_cuda else dist.all_gather(list(out.unbind(0)), local)
+    if local.is_cuda:
+        dist.all_gather_into_tensor(out, local)
+    else:
+        rows = list(out.unbind(0))
+        held = [local, *rows]
+        counts = [t._use_count() for t in held]
+        dist.all_gather(rows, local)
+        _wait_until_released(held, counts)
     return out.cpu().tolist()
+
+
+def _wait_until_released(tensors: list[torch.Tensor], counts: list[int]) -> None:
+    """Hold ``tensors`` until gloo's worker thread has dropped the finished collective's references to them.
+
+    Each tensor's use count is back to ``counts`` (taken before the collective) once the work is gone. Until
+    then the worker holds them, and if Python released them first, the worker would have to take the GIL to
+    free their Python objects, possibly as the interpreter finalizes (see
+    :func:`destroy_gloo_group_at_exit`). Local only: at most ``RELEASE_TIMEOUT_S``, the GIL released.
+    """
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    while any(t._use_count() > c for t, c in zip(tensors, counts)) and time.monotonic() < deadline:
+        time.sleep(1e-4)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
