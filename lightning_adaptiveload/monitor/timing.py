@@ -70,9 +70,11 @@ class BackwardTimer:
     ``sync_end - backward_end`` is the time this rank spent waiting for its peers plus the gradient
     collective's own tail: the wait, measured on the device, not derived from the other ranks' times.
 
-    An earlier version marked the last DDP gradient bucket in a communication hook. On GPUs under NCCL that
-    mark could not be trusted (the probe in ``benchmarks/monitor_truth.py`` and ``docs/monitor.md``
-    compare the two), and a hook excluded users' own communication hooks (compression, PowerSGD).
+    An earlier version marked the last DDP gradient bucket in a Python communication hook that recorded a
+    CUDA event. On GPUs under Lightning, with that hook registered, the fast ranks' backward kernels ended
+    only when the slowest rank's did, so every rank read about the slowest compute time (2 x H200: 2.74 s
+    against 1.58 s without it; ``benchmarks/monitor_truth.py``, ``docs/monitor.md``). No hook is
+    registered now, so users' own communication hooks (compression, PowerSGD) keep working too.
     """
 
     def __init__(self, clock: HostClock | CudaClock) -> None:
