@@ -131,9 +131,12 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     else:
         rows = list(out.unbind(0))
         held = [local, *rows]
-        counts = [t._use_count() for t in held]
+        # Tensor._use_count is private: where a torch lacks it, nothing is waited for (the exit handler's
+        # join still covers a clean end).
+        counts = [t._use_count() for t in held] if hasattr(local, "_use_count") else None
         dist.all_gather(rows, local)
-        _wait_until_released(held, counts)
+        if counts is not None:
+            _wait_until_released(held, counts)
     return out.cpu().tolist()
 
 
