@@ -347,25 +347,65 @@ class CostModel:
         """
         if len(packs) != len(seconds):
             raise ValueError(f"packs ({len(packs)}) and seconds ({len(seconds)}) must have equal length")
-        y = np.asarray(seconds, dtype=np.float64)
-        if y.ndim != 1 or not np.all(np.isfinite(y)) or np.any(y <= 0):
-            raise ValueError("seconds must be a 1-d list of positive finite times")
         lens = [np.asarray(p, dtype=np.float64) for p in packs]
         for k, p in enumerate(lens):
             if p.size == 0 or not np.all(np.isfinite(p)) or np.any(p <= 0):
                 raise ValueError(
                     f"packs[{k}] = {list(packs[k])!r} must hold at least one positive token count"
                 )
-        cols = {
-            "c0": np.ones_like(y),
-            "alpha": np.array([p.sum() for p in lens]),
-            "beta": np.array([(p * p).sum() for p in lens]),
-            "gamma": np.array([float(p.size) for p in lens]),
-        }
+        return cls.fit_pack_sums(
+            [p.size for p in lens],
+            [p.sum() for p in lens],
+            [(p * p).sum() for p in lens],
+            seconds,
+            fit_gamma=fit_gamma,
+        )
+
+    @classmethod
+    def fit_pack_sums(
+        cls,
+        counts: Sequence[float],
+        token_sums: Sequence[float],
+        square_sums: Sequence[float],
+        seconds: Sequence[float],
+        fit_gamma: bool = False,
+    ) -> CostModel:
+        """:meth:`fit_packs` from each step's sufficient statistics instead of its token counts.
+
+        The pack model is linear in three numbers per step: its sample count ``N``, ``sum S_i`` and
+        ``sum S_i^2``; this fits it to them, for measurements that record those and not the samples (a
+        LoadBalanceMonitor CSV gives ``N`` and ``sum S_i``; ``benchmarks/ddp_modes_report.py`` recovers
+        ``sum S_i^2`` from the planner's cost of the step). Same fit, constraints and ``fit_info`` as
+        :meth:`fit_packs`.
+
+        Args:
+            counts: samples per step ``N`` (>= 1).
+            token_sums: ``sum S_i`` per step (> 0).
+            square_sums: ``sum S_i^2`` per step (> 0).
+            seconds: measured step time (> 0).
+            fit_gamma: also fit the per-sample constant gamma.
+
+        Raises:
+            ValueError: mismatched lengths, non-positive or non-finite values, too few measurements, or no
+                solution with alpha + beta > 0.
+        """
+        y = np.asarray(seconds, dtype=np.float64)
+        n, s1, s2 = (np.asarray(v, dtype=np.float64) for v in (counts, token_sums, square_sums))
+        if y.ndim != 1 or not (y.shape == n.shape == s1.shape == s2.shape):
+            raise ValueError(
+                f"counts ({n.shape}), token_sums ({s1.shape}), square_sums ({s2.shape}) and seconds ({y.shape}) "
+                "must be 1-d of equal length"
+            )
+        if not np.all(np.isfinite(y)) or np.any(y <= 0):
+            raise ValueError("seconds must be a 1-d list of positive finite times")
+        for name, v in (("counts", n), ("token_sums", s1), ("square_sums", s2)):
+            if not np.all(np.isfinite(v)) or np.any(v <= 0):
+                raise ValueError(f"{name} must be positive and finite in every step")
+        cols = {"c0": np.ones_like(y), "alpha": s1, "beta": s2, "gamma": n}
         names = ["c0", "alpha", "beta"] + (["gamma"] if fit_gamma else [])
         if len(y) < len(names):
             raise ValueError(f"fit_packs needs at least {len(names)} measurements for {names}, got {len(y)}")
-        values = _nonneg_lstsq({n: cols[n] / y for n in names}, np.ones_like(y), free={"gamma"})
+        values = _nonneg_lstsq({k: cols[k] / y for k in names}, np.ones_like(y), free={"gamma"})
         if values.get("alpha", 0.0) + values.get("beta", 0.0) == 0:
             raise ValueError(
                 "fit_packs found no solution with alpha + beta > 0; check the timings (they should grow with "
@@ -378,7 +418,7 @@ class CostModel:
             gamma=values.get("gamma", 0.0),
             c0=values.get("c0", 0.0),
         )
-        pred = np.array([model.pack_cost(p) for p in lens])
+        pred = model.c0 + model.alpha * s1 + model.beta * s2 + model.gamma * n
         model.fit_info = _fit_info(pred, y)
         return model
 

@@ -327,8 +327,15 @@ def run_mode(
 def _replay_pack(
     refs: list[tuple[int, int]], index: Any, coster: BatchCoster, plan_cost: CostModel
 ) -> tuple[float, int, float]:
-    """One pack's replayed seconds (the pack cost model plus the step overhead), tokens and planned cost."""
-    times = coster.times if isinstance(coster.times, CostModel) else coster.times.fallback
+    """One pack's replayed seconds (the pack cost model plus the step overhead), tokens and planned cost.
+
+    A measured table prices packs with its :attr:`~StepTimeTable.pack_cost_model` (its pack model where it
+    has one, else its per-sample fit), counted as ``"pack"`` lookups."""
+    if isinstance(coster.times, CostModel):
+        times = coster.times
+    else:
+        times = coster.times.pack_cost_model
+        coster.times.lookups["pack"] = coster.times.lookups.get("pack", 0) + 1
     shapes = [index.shards[s].latent_shapes[i] for s, i in refs]
     toks = [coster.tokens((int(x[1]), int(x[2]), int(x[3]))) for x in shapes]
     return times.pack_cost(toks) + coster.overhead_s, sum(toks), plan_cost.pack_cost(toks)
@@ -336,7 +343,7 @@ def _replay_pack(
 
 def replay_packs(plan: Any, index: Any, coster: BatchCoster, plan_cost: CostModel) -> Replay:
     """:func:`replay_plan` for a packed plan: a pack's seconds are ``c0 + sum cost(S_i)`` of the pack cost
-    model (a measured table's packs are not measured: its fitted model stands in), plus the step overhead."""
+    model (a measured table's :attr:`~StepTimeTable.pack_cost_model`), plus the step overhead."""
     n, world = plan.steps, plan.world_size
     seconds, cost = np.zeros((n, world)), np.zeros((n, world))
     tokens = np.zeros((n, world), dtype=np.int64)

@@ -34,7 +34,8 @@ class StepTimeTable:
     it is scaled in proportion to B. A bucket missing from the table falls back to :attr:`fallback` (a
     quadratic cost model fitted to the table's per-sample times, times B). Both cases are counted in
     :attr:`lookups` so that the result can say how much of it rests on measurements. Peak memory, where
-    the trace has it, follows :meth:`batch_peak_gb`.
+    the trace has it, follows :meth:`batch_peak_gb`. A pack of mixed shapes is not a bucket: the simulator
+    prices it with :attr:`pack_cost_model` (``c0 + sum cost(S_i)``).
 
     Attributes:
         seconds: (T, H, W) of the latent -> {batch size: seconds of forward + backward}.
@@ -42,6 +43,9 @@ class StepTimeTable:
         source: where the numbers came from (file path or a description).
         patch_size: (pt, ph, pw) used to count tokens for the fallback fit.
         lookups: counts of ``"measured"``, ``"interpolated"``, ``"scaled"`` and ``"fallback"`` lookups.
+        pack_model: the pack cost model (seconds) that prices packs, e.g. fitted to measured packs
+            (:meth:`CostModel.fit_packs`) or from ``calibrate``; None: the per-sample :attr:`fallback`.
+        skipped_packs: rows of a monitor CSV left out because they were packs of mixed lengths.
     """
 
     seconds: dict[_THW, dict[int, float]]
@@ -49,6 +53,8 @@ class StepTimeTable:
     source: str = ""
     patch_size: tuple[int, int, int] = DEFAULT_PATCH
     lookups: dict[str, int] = field(default_factory=dict)
+    pack_model: CostModel | None = None
+    skipped_packs: int = 0
     _fallback: CostModel | None = field(default=None, repr=False)
     _mem_line: tuple[float, ...] | None = field(default=None, repr=False)
 
@@ -135,7 +141,10 @@ class StepTimeTable:
         sample (``seq_len``) and batch size. The median over rows of each (seq_len, B) becomes the entry
         of every latent shape in ``latent_shapes`` with that many tokens (the CSV does not record T, H, W;
         shapes with equal token counts cost the same). Steps during which FLOPs were counted, the first
-        ``warmup_steps`` steps of each file and rows without a time are left out.
+        ``warmup_steps`` steps of each file and rows without a time are left out, and so are packs of mixed
+        lengths (``num_tokens != seq_len * batch_size``, where the CSV has ``num_tokens``): their
+        ``seq_len`` is the longest sample's and their ``batch_size`` the sample count, which are not a
+        bucket's; price them with :attr:`pack_model` (counted in :attr:`skipped_packs`).
 
         Args:
             paths: one or more CSV files (e.g. the runs of several modes, for more (S, B) pairs).
@@ -153,6 +162,7 @@ class StepTimeTable:
         files = [os.fspath(paths)] if isinstance(paths, str | os.PathLike) else [os.fspath(p) for p in paths]
         by_key: dict[tuple[int, int], list[float]] = {}
         mem: dict[tuple[int, int], list[float]] = {}
+        skipped = 0
         for path in files:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"monitor CSV {path!r}: no such file (LoadBalanceMonitor writes it)")
@@ -179,6 +189,9 @@ class StepTimeTable:
                     continue
                 if step < first + warmup_steps or r.get("flops_counted") in ("1", "1.0") or not sec > 0:
                     continue
+                if r.get("num_tokens") not in (None, "") and int(float(r["num_tokens"])) != s_len * b:
+                    skipped += 1  # a pack of mixed lengths: not a bucket of (seq_len, batch_size)
+                    continue
                 by_key.setdefault((s_len, b), []).append(sec)
                 peak = r.get("peak_allocated_bytes")
                 if peak not in (None, ""):
@@ -202,7 +215,9 @@ class StepTimeTable:
                 f"monitor CSV(s) {files}: no measured sequence length {sorted({k[0] for k in by_key})} matches the "
                 f"given latent shapes under patch {list(patch)}"
             )
-        return cls(seconds=seconds, peak_gb=peak_gb, source=";".join(files), patch_size=patch)
+        return cls(
+            seconds=seconds, peak_gb=peak_gb, source=";".join(files), patch_size=patch, skipped_packs=skipped
+        )
 
     def _tokens(self, thw: _THW) -> int:
         return tokens_per_sample(thw, self.patch_size)
@@ -215,6 +230,11 @@ class StepTimeTable:
             distinct = len(set(s))
             self._fallback = CostModel.fit(s, y, kind="quadratic", batch_sizes=b, fit_gamma=distinct >= 3)
         return self._fallback
+
+    @property
+    def pack_cost_model(self) -> CostModel:
+        """The model that prices a pack: :attr:`pack_model` when given, else :attr:`fallback`."""
+        return self.pack_model if self.pack_model is not None else self.fallback
 
     def points(self) -> tuple[list[int], list[float], list[int]]:
         """Every measurement as (tokens per sample S, seconds, batch size B) lists, for fitting."""
@@ -304,6 +324,13 @@ class StepTimeTable:
                 f"{lk['fallback']} (shape, batch size) pairs were for buckets missing from the trace; they used the "
                 f"quadratic fit {self.fallback.describe()} s per sample"
             )
+        if lk.get("pack"):
+            how = (
+                f"the pack cost model {self.pack_model.describe()} s"
+                if self.pack_model is not None
+                else f"the per-sample fit {self.fallback.describe()} s (no pack model given)"
+            )
+            notes.append(f"{lk['pack']} packs were priced by {how}")
         if lk.get("interpolated") or lk.get("scaled"):
             notes.append(
                 f"batch sizes not measured in the trace were interpolated linearly in B "
@@ -330,6 +357,8 @@ class StepTimeTable:
                 for b, s in sorted(by_b.items())
             ],
             "lookups": dict(self.lookups),
+            "pack_model": None if self.pack_model is None else self.pack_model.to_dict(),
+            "skipped_packs": self.skipped_packs,
         }
 
 
