@@ -751,7 +751,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- the simulator's prediction for these settings
     notes: list[str] = list(meta.get("mismatches", []))
-    few = [f"{k} {v['summary']['steps_used']}" for k, v in per_mode.items() if v["summary"]["steps_used"] < 30]
+    notes += [
+        f"{k}: no config.yaml; its planning settings and cost model are taken as the recipes' defaults"
+        for k, v in per_mode.items()
+        if not v["config"]
+    ]
+    few = [
+        f"{k} {v['summary']['steps_used']}" for k, v in per_mode.items() if v["summary"]["steps_used"] < 30
+    ]
     if few:
         notes.append(f"fewer than 30 steps used ({', '.join(few)}): a smoke run, not a table")
     given = None
@@ -824,8 +831,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     sim_how = (
         f"SIMULATED (the simulator's planner and replay on the runs' data and settings, calibrated on this "
-        f"run's step times: bucketed steps by measured medians, packs by {pack_info.get('formula', 'the bucketed fit')} "
-        f"s [{pack_info['source']}; {pack_info['packs_measured']} packs measured"
+        f"run's step times: bucketed steps by measured medians, packs by "
+        f"{pack_info['formula'] + ' s' if 'formula' in pack_info else 'the bucketed steps per-sample fit'} "
+        f"[{pack_info['source']}; {pack_info['packs_measured']} packs measured"
         + (
             f", mean error {pack_info['mean_rel_error']:.1%}, max {pack_info['max_rel_error']:.1%}"
             if "mean_rel_error" in pack_info
