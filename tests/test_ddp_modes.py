@@ -314,6 +314,29 @@ def test_report_rows_measured_packs_priced_by_the_pack_model(bench, fabricated, 
     assert "issue36_targets" in data["checks"] and "sim_ratio_within_5pct" in data["checks"]
 
 
+def test_a_nan_loss_is_said_and_voids_the_targets(bench, fabricated, tmp_path, capsys):
+    # The 2 x H200 packed run of 2026-11-27 went NaN at step 3; the report had dropped the NaNs from its loss
+    # plot without a word and printed issue 36's targets as met.
+    _, report = bench
+    run, _ = fabricated
+    (metrics,) = (run / "packed").rglob("metrics.csv")
+    lines = metrics.read_text().splitlines()
+    lines[4:] = [f"{line.split(',')[0]},nan" for line in lines[4:]]
+    metrics.write_text("\n".join(lines) + "\n")
+    rc = report.main(
+        [str(run), "--results", str(tmp_path / "res"), "--img", str(tmp_path / "img"), "--simulate", ""]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "packed: the training loss is not finite from step 3" in text
+    (out,) = (tmp_path / "res").glob("ddp_modes_eager_w2_*.json")
+    data = json.loads(out.read_text())
+    assert data["modes"]["packed"]["loss_nonfinite_from_step"] == 3
+    assert data["modes"]["equal_tokens"]["loss_nonfinite_from_step"] is None
+    assert data["checks"]["issue36_targets_apply"] is False
+    assert "NOT its acceptance run: 2 GPUs, settings eager, packed's loss not finite" in text
+
+
 def test_square_sums_recover_a_pack_from_the_planner_cost(bench):
     _, report = bench
     packs = [[216, 24, 24], [120, 120], [72, 24, 24, 24, 24], [216]]

@@ -203,3 +203,65 @@ def test_a_pack_refuses_items_that_are_not_latents():
         model([torch.randn(1, 16, 1, 4, 4)], torch.rand(1))
     with pytest.raises(ValueError, match="timestep of shape"):
         model([torch.randn(16, 1, 4, 4)], torch.rand(2))
+
+
+class _VarlenLikeTheKernel(torch.autograd.Function):
+    """A stand-in for ``varlen_attn`` on CPU with the CUDA kernel's contract: keys outside every segment of
+    ``cu_k`` are never read, and their gradient is left unwritten (NaN here; uninitialised memory on the GPU,
+    which gave the 2 x H200 packed run of 2026-11-27 a NaN loss from the step after its first mixed pack)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k):
+        ctx.save_for_backward(q, k, v, cu_q, cu_k)
+        return _VarlenLikeTheKernel._attend(q, k, v, cu_q, cu_k)
+
+    @staticmethod
+    def _attend(q, k, v, cu_q, cu_k):
+        outs = []
+        for i in range(cu_q.numel() - 1):
+            qs = q[int(cu_q[i]) : int(cu_q[i + 1])].transpose(0, 1)
+            ks, vs = (x[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1) for x in (k, v))
+            if ks.shape[1] == 0:
+                outs.append(torch.zeros_like(qs).transpose(0, 1))
+                continue
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu_q, cu_k = ctx.saved_tensors
+        with torch.enable_grad():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = _VarlenLikeTheKernel._attend(qq, kk, vv, cu_q, cu_k)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad, allow_unused=True)
+        read = torch.zeros(k.shape[0], dtype=torch.bool)
+        read[: int(cu_k[-1])] = True
+        dk, dv = (torch.where(read[:, None, None], g, float("nan")) for g in (dk, dv))
+        return dq, dk, dv, None, None
+
+
+def test_a_mixed_pack_through_the_varlen_route_has_the_per_sample_gradients(monkeypatch):
+    # The varlen kernel only runs on CUDA; here a CPU stand-in with its contract runs in its place, so that the
+    # model's use of it (key order, padding keys, samples without text) is checked on CPU.
+    from lightning_adaptiveload.models import packing
+
+    monkeypatch.setattr(packing, "_varlen_applies", lambda q: True)
+    monkeypatch.setattr(packing, "varlen_applies_to", lambda device, dtype: True)
+    monkeypatch.setattr(packing, "SEGMENT_ATTENTION", "varlen")
+    monkeypatch.setattr(
+        packing,
+        "_varlen",
+        lambda q, k, v, cu_q, cu_k, max_q, max_k: _VarlenLikeTheKernel.apply(q, k, v, cu_q, cu_k),
+    )
+    model = _model()
+    latents, t, text, mask, noise = _inputs(model)
+    _, ref_err = _per_sample(model, latents, t, text, mask, noise)
+    ref_grads = torch.autograd.grad(ref_err, list(model.parameters()), allow_unused=True)
+    err, _ = flow_loss_packed(model, latents, t, noise, 1000, text, mask)
+    torch.testing.assert_close(err, ref_err, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(err, list(model.parameters()), allow_unused=True)
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        if r is None:
+            assert g is None or torch.count_nonzero(g) == 0, name
+            continue
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -197,6 +197,9 @@ class PackSegments:
             reads keys in this order up to ``text_cu[N]``. None where the varlen kernel cannot run.
         text_cu: int32 (N + 1,) or None: offsets of each sample's real text tokens in that order.
         text_max: the padded text length L (an upper bound of each sample's real text, as the kernel needs).
+        text_keys: bool (N * L,) or None: True at the first ``text_cu[N]`` positions of that order, the keys
+            the kernel reads. Its backward leaves the gradient of the other keys unwritten (uninitialised
+            memory, not zeros: issue 36, run 38), so :func:`segment_cross_attention` drops it through this mask.
         has_text: bool (S,) or None: whether the token's sample has any real text (a sample without text
             gets a zero cross-attention output, as in the bucketed path); None: all have.
     """
@@ -209,6 +212,7 @@ class PackSegments:
     text_cu: torch.Tensor | None = None
     text_max: int = 0
     has_text: torch.Tensor | None = None
+    text_keys: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -232,7 +236,7 @@ class PackSegments:
         device = torch.device(device)
         seg = segment_ids(lens, device)
         cu = cu_seqlens(lens, device)
-        text_order = text_cu = has_text = None
+        text_order = text_cu = has_text = text_keys = None
         if text_mask is not None:
             has_text = text_mask.any(dim=-1).index_select(0, seg)
         if varlen_text and text_len > 0:
@@ -245,7 +249,8 @@ class PackSegments:
                 # Real tokens first (stable: in order, sample by sample), then every padding position.
                 text_order = torch.argsort((~text_mask).flatten().to(torch.int8), stable=True)
             text_cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
-        return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text)
+            text_keys = torch.arange(n * text_len, device=device) < text_cu[-1]
+        return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text, text_keys)
 
     @property
     def num_samples(self) -> int:
@@ -493,6 +498,9 @@ def segment_cross_attention(
         h, d = k.shape[1], k.shape[3]
         # (N * L, H, d), each sample's real tokens first: the kernel reads keys [text_cu[i], text_cu[i+1]).
         kt, vt = (x.transpose(1, 2).reshape(-1, h, d).index_select(0, segments.text_order) for x in (k, v))
+        if segments.text_keys is not None:  # the padding keys' gradient is the kernel's garbage: keep it out
+            keys = segments.text_keys[:, None, None]
+            kt, vt = (torch.where(keys, x, x.detach()) for x in (kt, vt))
         out = _varlen(
             q[0].transpose(0, 1), kt, vt, segments.cu, segments.text_cu, segments.max_len, segments.text_max
         )
