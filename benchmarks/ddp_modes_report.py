@@ -384,6 +384,26 @@ def fit_pack_model(packs: dict[str, np.ndarray], given: Any = None) -> tuple[Any
     return model, info
 
 
+def bucketed_step_model(per_mode: dict[str, dict], warmup: int):
+    """``c0 + B*(alpha*S + beta*S^2)`` fitted to the bucketed steps of these modes (each rank's batch of B
+    samples of S tokens, its compute seconds): a step's fixed cost apart from its samples', so that it can
+    price a pack of any shapes (:meth:`CostModel.fit_pack_sums` with B, B*S and B*S^2)."""
+    from lightning_adaptiveload.planning.cost_model import CostModel
+
+    cols: dict[str, list] = {"n": [], "s1": [], "s2": [], "seconds": []}
+    for mode, m in per_mode.items():
+        ranks = m["ranks"]
+        keep = kept_steps(ranks, warmup)[:, None] & ~pack_rows(ranks, mode)
+        keep &= np.isfinite(ranks["compute_time_s"]) & (ranks["compute_time_s"] > 0)
+        b, seq = ranks["batch_size"][keep], ranks["seq_len"][keep]
+        cols["n"].append(b)
+        cols["s1"].append(b * seq)
+        cols["s2"].append(b * seq * seq)
+        cols["seconds"].append(ranks["compute_time_s"][keep])
+    n, s1, s2, y = (np.concatenate(cols[k]) if cols[k] else np.zeros(0) for k in ("n", "s1", "s2", "seconds"))
+    return CostModel.fit_pack_sums(n, s1, s2, y)
+
+
 # ---------------------------------------------------------------------------------------- the simulator
 
 
@@ -572,9 +592,13 @@ def _plots(per_mode: dict[str, dict], img_dir: str, tag: str) -> dict[str, str]:
     any_loss = False
     for m in modes:
         s, v = per_mode[m]["loss"]
+        bad = per_mode[m]["summary"].get("loss_nonfinite_from_step")
         if len(v):
             any_loss = True
-            ax.plot(s, v, color=_COLORS.get(m), lw=1, label=m)
+            label = m if bad is None else f"{m} (not finite from step {int(bad)})"
+            ax.plot(s, v, color=_COLORS.get(m), lw=1, label=label)
+            if bad is not None:  # where the curve ends: NaN or inf from here on
+                ax.plot([s[-1]], [v[-1]], "x", color=_COLORS.get(m), ms=8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("Loss (rectified flow), same data and seed")
@@ -733,6 +757,13 @@ def main(argv: list[str] | None = None) -> int:
         "instead of the fit to this run's packs",
     )
     ap.add_argument("--no-predict", action="store_true", help="skip the simulation of the runs' own settings")
+    ap.add_argument(
+        "--calibrate-on",
+        default=None,
+        help="comma-separated modes whose steps alone calibrate the simulation (an out-of-sample prediction of "
+        "the others); packs are then priced by the per-step model c0 + sum(alpha*S + beta*S^2) fitted to those "
+        "modes' bucketed steps unless packed is among them. Default: every mode",
+    )
     args = ap.parse_args(argv)
 
     meta = load_run_meta(args.run_dir)
@@ -795,7 +826,28 @@ def main(argv: list[str] | None = None) -> int:
     given = None
     if args.pack_cost_model:
         given = _load_cost_model(args.pack_cost_model)
-    pack_model, pack_info = fit_pack_model(pack_statistics(per_mode, args.warmup), given)
+    calib = list(per_mode)
+    if args.calibrate_on:
+        calib = [m.strip() for m in args.calibrate_on.split(",") if m.strip()]
+        unknown = [m for m in calib if m not in per_mode]
+        if unknown or not calib:
+            print(
+                f"error: --calibrate-on {args.calibrate_on!r}: {unknown or 'no mode'} not among the runs' modes "
+                f"{sorted(per_mode)}",
+                file=sys.stderr,
+            )
+            return 2
+        notes.append(
+            f"SIM. calibrated on {', '.join(calib)} only: for the other modes it is an out-of-sample prediction"
+        )
+        if given is None and "packed" not in calib:
+            given = bucketed_step_model({k: per_mode[k] for k in calib}, args.warmup)
+    pack_model, pack_info = fit_pack_model(
+        pack_statistics({k: per_mode[k] for k in calib}, args.warmup), given
+    )
+    if args.calibrate_on and given is not None and not args.pack_cost_model:
+        pack_info["source"] = f"the per-step model fitted to the bucketed steps of {', '.join(calib)}"
+        pack_info["packs_measured"] = 0
     if pack_info["sum_sq_estimated"]:
         notes.append(
             f"{pack_info['sum_sq_estimated']} packs' sum S^2 estimated (planner cost model not quadratic, or out "
@@ -804,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     table = None
     # The bucket table from the bucketed modes' steps (the packed run's steps are all packs, priced by the
     # pack model; lockstep's mixed tail packs are left out by the table itself).
-    csvs = [os.path.join(args.run_dir, m["summary"]["csv"]) for k, m in per_mode.items() if k != "packed"]
+    csvs = [os.path.join(args.run_dir, per_mode[k]["summary"]["csv"]) for k in calib if k != "packed"]
     csvs = csvs or [os.path.join(args.run_dir, per_mode["packed"]["summary"]["csv"])]
     try:
         table = calibrated_table(csvs, mix, args.warmup, pack_model)
@@ -861,8 +913,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     sim_how = (
-        f"SIMULATED (the simulator's planner and replay on the runs' data and settings, calibrated on this "
-        f"run's step times: bucketed steps by measured medians, packs by "
+        f"SIMULATED (the simulator's planner and replay on the runs' data and settings, calibrated on the "
+        f"step times of {', '.join(calib)}: bucketed steps by measured medians, packs by "
         f"{pack_info['formula'] + ' s' if 'formula' in pack_info else 'the bucketed steps per-sample fit'} "
         f"[{pack_info['source']}; {pack_info['packs_measured']} packs measured"
         + (

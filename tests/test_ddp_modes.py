@@ -337,6 +337,26 @@ def test_a_nan_loss_is_said_and_voids_the_targets(bench, fabricated, tmp_path, c
     assert "NOT its acceptance run: 2 GPUs, settings eager, packed's loss not finite" in text
 
 
+def test_calibrate_on_some_modes_predicts_the_others(bench, fabricated, tmp_path, capsys):
+    _, report = bench
+    run, _ = fabricated
+    common = [str(run), "--results", str(tmp_path / "res"), "--img", str(tmp_path / "img"), "--simulate", ""]
+    assert report.main([*common, "--calibrate-on", "equal_tokens,lockstep"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "SIM. calibrated on equal_tokens, lockstep only: for the other modes it is an out-of-sample" in text
+    )
+    (out,) = (tmp_path / "res").glob("ddp_modes_eager_w2_*.json")
+    data = json.loads(out.read_text())
+    pack = data["simulation_times"]["pack_model"]
+    assert pack["source"] == "the per-step model fitted to the bucketed steps of equal_tokens, lockstep"
+    # The fabricated packs cost 10% more than the bucketed steps' model: an out-of-sample prediction sees
+    # packed faster than measured, where the run's own pack fit matches it.
+    assert data["modes"]["packed"]["sim_tokens_per_s"] > 1.03 * data["modes"]["packed"]["tokens_per_s"]
+    assert report.main([*common, "--calibrate-on", "equal_tokens,nope"]) == 2
+    assert "not among the runs' modes" in capsys.readouterr().err
+
+
 def test_square_sums_recover_a_pack_from_the_planner_cost(bench):
     _, report = bench
     packs = [[216, 24, 24], [120, 120], [72, 24, 24, 24, 24], [216]]
