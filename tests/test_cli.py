@@ -352,3 +352,22 @@ def test_calibrate_on_cuda_measures_allocator_peaks(tmp_path):
     fitting = [p for p in result.probes if p.fits]
     assert fitting and all(p.peak is not None and p.peak <= 0.25 * 2**30 for p in fitting)
     assert result.cost_model.cost(225) > 0
+
+
+def test_calibrate_takes_a_packaged_recipe_by_name(monkeypatch):
+    # `fit --config quickstart` worked, `calibrate --recipe quickstart` said it could not read 'quickstart'.
+    from lightning_adaptiveload.cli import calibrate as cal
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_calibrate(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    with pytest.raises(Stop):
+        cal.main(["--recipe", "quickstart", "--device", "cpu", "--no-progress"])
+    assert seen["mix"] == "tiny"  # the quickstart's synthetic mix, read from the packaged recipe

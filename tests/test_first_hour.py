@@ -429,3 +429,30 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
     for doc in ("docs/recipes.md", "README.md"):
         text = " ".join((ROOT / doc).read_text().split())
         assert f"compute CV {run}" in text and f"against {base}" in text, (doc, run, base)
+
+
+def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
+    # "raise max_tokens to at least 216" named the first sample over the cap; following it failed again at a
+    # 225-token sample. The error now names the largest sample's count and how many are over the cap.
+    from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+    from lightning_adaptiveload.data.datamodule_inputs import check_oversize
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+
+    write_synthetic_shards(tmp_path, mix="tiny", num_samples=64, samples_per_shard=16, seed=0, progress=False)
+    index = ShardIndex.load(str(tmp_path / "index.json"))
+    shapes = [tuple(s) for shard in index.shards for s in shard.latent_shapes]
+    tokens = [s[1] * (s[2] // 2) * (s[3] // 2) for s in shapes]
+    cap = sorted(tokens)[len(tokens) // 2]
+    over = [s for s, t in zip(shapes, tokens) if t > cap]
+    with pytest.raises(ValueError) as err:
+        check_oversize(index, DualConstraintBatcher(max_tokens=cap, mode="equal_tokens"))
+    message = str(err.value)
+    assert f"raise max_tokens to at least {max(tokens)}," in message, message
+    assert f"{len(over)} sample(s) of {len(set(over))} shape(s) are over it" in message, message
+    # A compact (binary) index gives the same floor.
+    from lightning_adaptiveload.data.compact import CompactIndex
+
+    with pytest.raises(ValueError, match=f"at least {max(tokens)},"):
+        check_oversize(
+            CompactIndex.from_shard_index(index), DualConstraintBatcher(max_tokens=cap, mode="equal_tokens")
+        )

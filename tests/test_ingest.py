@@ -580,3 +580,27 @@ def test_hostile_inputs_are_counted_skips_recorded_for_resume(tmp_path, vae_dir,
     os.remove(out / "ingest-skipped-r000.jsonl")
     third = ing.ingest(src, out, vae_dir, **kw)
     assert third["assigned"] == 4 and sum(third["skipped"].values()) == 4
+
+
+def test_ingest_of_a_folder_without_inputs_says_so(tmp_path, capsys):
+    # It used to exit 0 with "written": 0 and no index.json, then suggest a training command that failed.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a video")
+    with pytest.raises(ValueError, match=r"no videos or images found under .*empty"):
+        ing.ingest(empty, tmp_path / "out", "tiny-random", progress=False)
+
+
+def test_ingest_where_every_input_fails_reports_it_and_writes_no_index(tmp_path, capsys):
+    # It used to crash at the end ("FileNotFoundError: no shard paths in []") without its summary.
+    src = tmp_path / "bad"
+    src.mkdir()
+    (src / "bad.mp4").write_bytes(b"not an mp4 at all")
+    out = tmp_path / "out"
+    assert _demo_cli(src, out) == 1
+    captured = capsys.readouterr()
+    assert '"written": 0' in captured.out
+    assert "no sample was written" in captured.err and "1 of 1 inputs were skipped" in captured.err
+    assert "DEMO shards" not in captured.err  # no training command for a folder without shards
+    assert not (out / "index.json").exists()
+    assert list(out.glob("ingest-skipped-r*.jsonl"))

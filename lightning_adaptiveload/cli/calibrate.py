@@ -249,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-adaptiveload calibrate``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
+        if args.recipe:  # a packaged recipe by name, as `fit --config quickstart` takes it
+            from lightning_adaptiveload.cli.fit import resolve_recipe
+
+            args.recipe = resolve_recipe(args.recipe)
         settings = _recipe_defaults(args.recipe) if args.recipe else {}
         for key in (*_MODEL_KEYS, "precision", "checkpoint_blocks"):
             value = getattr(args, key)

@@ -144,6 +144,14 @@ def main(argv: Sequence[str]) -> int:
         progress=not args.no_progress,
     )
     print(json.dumps({"out": args.out, **summary}))
+    if not os.path.exists(os.path.join(args.out, "index.json")):
+        skipped = sum(summary["skipped"].values())
+        print(
+            f"ingest: no sample was written to {args.out}, so it has no index.json: {skipped} of "
+            f"{summary['assigned']} inputs were skipped (reasons above; records in {args.out}/ingest-skipped-r*.jsonl)",
+            file=sys.stderr,
+        )
+        return 1
     if args.text_encoder is None and summary["written"]:
         print(
             "ingest: no --text-encoder: no text states were written (captions are kept in each sample's .json); "

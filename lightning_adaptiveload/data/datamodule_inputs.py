@@ -39,29 +39,40 @@ def check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
-    """Raise the batcher's oversize error for the first sample over ``max_tokens`` (``oversize="raise"``)."""
+    """Raise the batcher's oversize error (``oversize="raise"``) for the first sample over ``max_tokens``,
+    with how many are over it and the largest token count: the floor ``max_tokens`` must reach."""
     if batcher.oversize != "raise":
         return
+    first: tuple[Any, int, str] | None = None
+    largest, n_over, shapes_over = 0, 0, set()
     if hasattr(index, "shape_table"):  # a CompactIndex: each distinct shape once, named by its first use
         for row, shape in enumerate(index.shape_table.tolist()):
             s = tokens_per_sample(shape, batcher.patch_size)
             if s > batcher.max_tokens:
-                ref = index.first_use(row)
-                where = f"shard {index.paths[ref[0]]}, key {index.key(ref)!r}: "
-                raise ValueError(batcher.sizer.oversize_message(shape, s, where=where))
-        return
-    fits: set[tuple[int, ...]] = set()
-    for shard in index.shards:
-        for key, shape in zip(shard.keys, shard.latent_shapes):
-            if tuple(shape) in fits:
-                continue
-            s = tokens_per_sample(shape, batcher.patch_size)
-            if s <= batcher.max_tokens:
-                fits.add(tuple(shape))
-            else:
-                raise ValueError(
-                    batcher.sizer.oversize_message(shape, s, where=f"shard {shard.path}, key {key!r}: ")
-                )
+                shapes_over.add(tuple(shape))
+                largest = max(largest, s)
+                if first is None:
+                    ref = index.first_use(row)
+                    first = (shape, s, f"shard {index.paths[ref[0]]}, key {index.key(ref)!r}: ")
+        over = f"{len(shapes_over)} shape(s)"
+    else:
+        tokens: dict[tuple[int, ...], int] = {}
+        for shard in index.shards:
+            for key, shape in zip(shard.keys, shard.latent_shapes):
+                shape = tuple(shape)
+                s = tokens.get(shape)
+                if s is None:
+                    s = tokens[shape] = tokens_per_sample(shape, batcher.patch_size)
+                if s > batcher.max_tokens:
+                    n_over += 1
+                    shapes_over.add(shape)
+                    largest = max(largest, s)
+                    if first is None:
+                        first = (shape, s, f"shard {shard.path}, key {key!r}: ")
+        over = f"{n_over} sample(s) of {len(shapes_over)} shape(s)"
+    if first is not None:
+        shape, s, where = first
+        raise ValueError(batcher.sizer.oversize_message(shape, s, where=where, largest=largest, over=over))
 
 
 def is_binary_index_file(path: str) -> bool:

@@ -55,7 +55,9 @@ from lightning_adaptiveload.data.ingest_output import (  # noqa: F401  (done_key
     skipped_inputs,
 )
 from lightning_adaptiveload.data.media import (
+    IMAGE_EXTENSIONS,
     INPUT_REASONS,
+    VIDEO_EXTENSIONS,
     DecodeLimits,
     IngestItem,
     InputError,
@@ -382,7 +384,12 @@ class ShardPredictionWriter(BasePredictionWriter):
             self._bar.close()
         trainer.strategy.barrier("ingest_written")
         if trainer.global_rank == 0:
-            write_index(self.out, metadata=self.metadata)
+            if _complete_shards(self.out):
+                write_index(self.out, metadata=self.metadata)
+            else:  # every input skipped (or none assigned): nothing to index, no index.json
+                log.warning(
+                    "ingest: no sample was written to %s; no index.json (see the skipped inputs)", self.out
+                )
         trainer.strategy.barrier("ingest_indexed")
 
     def summary(self) -> dict[str, Any]:
@@ -503,8 +510,15 @@ def ingest(
         src = os.fspath(inputs)
         if os.path.isdir(src):
             items = find_inputs(src, limits.max_caption_bytes)
+            if not items:
+                raise ValueError(
+                    f"ingest: no videos or images found under {src} (looked for "
+                    f"{', '.join(VIDEO_EXTENSIONS + IMAGE_EXTENSIONS)}, in subfolders too)"
+                )
         else:
             items = read_manifest(src, limits.max_caption_bytes)
+            if not items:
+                raise ValueError(f"ingest: the manifest {src} lists no inputs")
     else:
         items = list(inputs)
     for it in items:

@@ -181,9 +181,22 @@ class BatchSizer:
         self.cost_model.check_positive(fitting)
         return min(self.cost_model.batch_cost(self.max_tokens // s, s) for s in fitting)
 
-    def oversize_message(self, latent_shape: Sequence[Any], seq_len: int, where: str = "") -> str:
-        """The error for a shape of ``seq_len`` tokens over ``max_tokens``; ``where`` names the sample."""
+    def oversize_message(
+        self,
+        latent_shape: Sequence[Any],
+        seq_len: int,
+        where: str = "",
+        largest: int | None = None,
+        over: str = "",
+    ) -> str:
+        """The error for a shape of ``seq_len`` tokens over ``max_tokens``; ``where`` names the sample.
+
+        ``largest``: the most tokens of any sample in the data (the floor ``max_tokens`` must reach; default
+        ``seq_len``); ``over``: how many are over the cap, in words (``"3 samples of 2 shapes"``)."""
+        floor = max(seq_len, largest or 0)
+        also = f" ({over} are over it; the largest has {floor} tokens)" if over else ""
         return (
-            f"{where}latent shape {list(latent_shape)} has {seq_len} tokens, more than max_tokens={self.max_tokens}; "
-            f"raise max_tokens to at least {seq_len}, or set oversize='skip' to leave such samples out (counted)"
+            f"{where}latent shape {list(latent_shape)} has {seq_len} tokens, more than max_tokens={self.max_tokens}"
+            f"{also}; raise max_tokens to at least {floor}, or set oversize='skip' to leave such samples out "
+            "(counted)"
         )
