@@ -371,3 +371,12 @@ def test_calibrate_takes_a_packaged_recipe_by_name(monkeypatch):
     with pytest.raises(Stop):
         cal.main(["--recipe", "quickstart", "--device", "cpu", "--no-progress"])
     assert seen["mix"] == "tiny"  # the quickstart's synthetic mix, read from the packaged recipe
+
+
+def test_a_recipe_name_typo_gets_a_suggestion(capsys):
+    from lightning_adaptiveload.cli import main as cli
+
+    assert cli.main(["fit", "--config", "quickstrat"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--config quickstrat: no such file and no packaged recipe of that name" in err
+    assert "did you mean 'quickstart'?" in err and len(err.splitlines()) == 1

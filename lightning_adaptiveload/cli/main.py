@@ -326,6 +326,28 @@ def _no_gpu_hint(argv: Sequence[str]) -> list[str]:
     return lines
 
 
+def _missing_recipe(argv: list[str]) -> str | None:
+    """The message for a ``--config`` that names neither a file nor a packaged recipe (a typo), or None.
+
+    A value with ``:``, ``{`` or a newline is inline YAML, which LightningCLI parses itself."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    values += [a[len("--config=") :] for a in argv if a.startswith("--config=")]
+    for value in values:
+        if os.path.exists(value) or any(c in value for c in ":{\n"):
+            continue
+        names = list(packaged_recipes())
+        base = os.path.basename(value)
+        near = difflib.get_close_matches(
+            base[: -len(".yaml")] if base.endswith(".yaml") else base, names, n=1
+        )
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return (
+            f"lightning-adaptiveload: --config {value}: no such file and no packaged recipe of that name; {hint}"
+            f"packaged recipes: {', '.join(names)}"
+        )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     import argparse
@@ -351,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning-adaptiveload: unknown command {argv[0]!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     argv = resolve_configs(argv)
+    missing = _missing_recipe(argv)
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     if from_command_line:
         # DDP re-launches sys.argv: the ranks it starts get the resolved recipe paths too.
         sys.argv[1:] = argv
