@@ -456,3 +456,25 @@ def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
         check_oversize(
             CompactIndex.from_shard_index(index), DualConstraintBatcher(max_tokens=cap, mode="equal_tokens")
         )
+
+
+def test_synthetic_data_written_into_a_new_folder_is_announced_first(tmp_path, caplog):
+    # A mistyped train_shards path filled up with generated data and trained (rc 0); only the last line said.
+    import logging
+
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+
+    folder = tmp_path / "data" / "nonexistent"
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(folder), max_tokens=900, num_workers=0,
+        synthetic={"mix": "tiny", "num_samples": 16, "samples_per_shard": 8},
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        dm.prepare_data()
+    said = [r.getMessage() for r in caplog.records if "holds no shards" in r.getMessage()]
+    assert len(said) == 1 and str(folder) in said[0] and "16 synthetic samples" in said[0], said
+    assert "data.synthetic to null" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        dm.prepare_data()  # the shards are there now: reused, nothing announced
+    assert not [r for r in caplog.records if "holds no shards" in r.getMessage()]

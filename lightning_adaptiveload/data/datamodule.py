@@ -265,8 +265,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """``write_synthetic_shards`` into ``shards``; data there that it did not write is never replaced."""
         from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
 
+        folder = self._synthetic_dir(shards)
+        if not os.path.exists(os.path.join(folder, "index.json")):
+            # Said before it happens: a mistyped train_shards path would otherwise fill up with generated data.
+            rank_zero_info(
+                f"[adaptiveload] {name}: {os.path.abspath(folder)} holds no shards; data.synthetic is set, so "
+                f"{settings.get('num_samples', '?')} synthetic samples (mix {settings.get('mix', '?')!r}) are "
+                "written there now. Set data.synthetic to null to train on real shards only."
+            )
         try:
-            write_synthetic_shards(self._synthetic_dir(shards), **settings)
+            write_synthetic_shards(folder, **settings)
         except NotSyntheticDataError as err:
             # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
             raise NotSyntheticDataError(
