@@ -510,17 +510,16 @@ def ingest(
         src = os.fspath(inputs)
         if os.path.isdir(src):
             items = find_inputs(src, limits.max_caption_bytes)
-            if not items:
-                raise ValueError(
-                    f"ingest: no videos or images found under {src} (looked for "
-                    f"{', '.join(VIDEO_EXTENSIONS + IMAGE_EXTENSIONS)}, in subfolders too)"
-                )
+            no_inputs = (
+                f"ingest: no videos or images found under {src} (looked for "
+                f"{', '.join(VIDEO_EXTENSIONS + IMAGE_EXTENSIONS)}, in subfolders too)"
+            )
         else:
             items = read_manifest(src, limits.max_caption_bytes)
-            if not items:
-                raise ValueError(f"ingest: the manifest {src} lists no inputs")
+            no_inputs = f"ingest: the manifest {src} lists no inputs"
     else:
         items = list(inputs)
+        no_inputs = "ingest: the list of inputs is empty"
     for it in items:
         rule = key_problem(it.key)
         if rule is not None:  # refused now, not at the first shard write
@@ -546,6 +545,8 @@ def ingest(
                 f"(docs/ingest.md says how to download it), or {DEMO_ENCODER!r} for a random-weight stand-in "
                 "to try the pipeline (demo data, not for training)"
             )
+    if not items:  # after the encoders' checks: a wrong --vae is named first
+        raise ValueError(no_inputs)
     demo = is_demo_encoder(vae) or is_demo_encoder(text_encoder)
     _check_demo_folder(out, demo)
     metadata: dict[str, Any] = {}
