@@ -163,6 +163,15 @@ def measure_pack(fwd, opt, shapes: tuple, cfg, text_len: int, dev, reps: int) ->
     }
 
 
+def add_speedups(result: dict, first: str) -> None:
+    """Each variant's epoch tokens/s over the first variant's (``speedup_vs_first``), where both exist."""
+    base = result["variants"].get(first, {}).get("epoch", {})
+    for entry in result["variants"].values():
+        ep = entry.get("epoch", {})
+        if "tokens_per_s" in ep and "tokens_per_s" in base:
+            ep["speedup_vs_first"] = ep["tokens_per_s"] / base["tokens_per_s"]
+
+
 def probe_memory(model, opt, fwd, cfg, timed, args, dev) -> dict:
     """Fit the model's ActivationMemory (``acceleration.probe_activation_memory``) on three of the epoch's
     batches: the longest B = 1 batch (a clip), the largest batch (images) and the shortest B = 1 batch, each
@@ -380,11 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    base = result["variants"].get(args.variants.split(",")[0], {}).get("epoch", {})
-    for entry in result["variants"].values():
-        ep = entry.get("epoch", {})
-        if "tokens_per_s" in ep and "tokens_per_s" in base:
-            ep["speedup_vs_first"] = ep["tokens_per_s"] / base["tokens_per_s"]
+    add_speedups(result, args.variants.split(",")[0])
     save()
     print(f"wrote {path}")
     return 0
@@ -539,11 +544,7 @@ def main_packed(args) -> int:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    base = result["variants"].get(args.variants.split(",")[0], {}).get("epoch", {})
-    for entry in result["variants"].values():
-        ep = entry.get("epoch", {})
-        if "tokens_per_s" in ep and "tokens_per_s" in base:
-            ep["speedup_vs_first"] = ep["tokens_per_s"] / base["tokens_per_s"]
+    add_speedups(result, args.variants.split(",")[0])
     save()
     print(f"wrote {path}")
     return 0
