@@ -151,7 +151,7 @@ def sdpa(
 
 # Query splits of a single sample's cross-attention (sdpa_split_queries): enough that the backward's thread
 # blocks (heads x blocks of 128 keys x splits) fill the GPU's SMs SPLIT_WAVES times over, at most SPLIT_MAX.
-# Measured in benchmarks/bench_attention.py --splits (docs/performance.md, run 28).
+# Measured in benchmarks/model/bench_attention.py --splits (docs/performance.md, run 28).
 SPLIT_WAVES = 3
 SPLIT_MAX = 16
 

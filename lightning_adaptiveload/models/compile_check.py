@@ -15,7 +15,7 @@ the settings you compile with (by default those of :func:`~lightning_adaptiveloa
     args, kwargs = capture_inputs(model.blocks[0], lambda: model(**batch))
     diffs = compare_compiled(model.blocks[0], args, kwargs, ignore=["k.bias"])
 
-``benchmarks/check_block_grads.py`` runs the check on one wan-1.3b block.
+``benchmarks/checks/check_block_grads.py`` runs the check on one wan-1.3b block.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ __all__ = [
 # step time. compile_blocks' safe_reductions fixes inductor's kernels too (run 22), but a block compiled by a
 # plain torch.compile keeps PyTorch's reductions: with every site on, it is right either way. RMSNorm + RoPE
 # alone tied with all sites over the epoch (run 23).
-# benchmarks/bench_step.py compares settings; a change recompiles.
+# benchmarks/model/bench_step.py compares settings; a change recompiles.
 ENABLED = {"rms_norm_rope": True, "rms_norm": True, "layer_norm": True}
 
 try:  # Triton comes with CUDA builds of PyTorch; CPU builds have none.
@@ -69,7 +69,7 @@ def _block_d(D: int) -> int:
     return triton.next_power_of_2(D)
 
 
-# Overrides of the launch heuristics ("programs", "block_m", "warps"), for benchmarks/bench_norm_kernels.py.
+# Overrides of the launch heuristics ("programs", "block_m", "warps"), for benchmarks/kernels/bench_norm_kernels.py.
 _TUNING: dict[str, int] = {}
 
 
