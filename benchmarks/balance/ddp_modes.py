@@ -17,7 +17,7 @@ Settings (``--settings``):
 
 - ``eager``: the recipes' settings as shipped (bf16-mixed autocast, fp32 weights, every block checkpointed,
   no compile, the fused norm-modulate op);
-- ``fast``: the fastest measured settings (``docs/recipes.md``; ``docs/performance.md`` runs 28-30), as
+- ``fast``: the fastest measured settings (``docs/recipes.md``; ``docs/lab_notebook.md`` runs 28-30), as
   command-line overrides: ``compile: true``, ``weight_dtype: bf16`` (bf16 weights, fp32 masters in
   ``MasterWeightAdamW``), ``checkpoint_policy: save_matmuls`` with ``checkpoint_blocks: auto`` and the
   activation memory model of ``benchmarks/model/gpu_fit_fast.sh`` (run 29's bf16 fit plus DDP's gradient

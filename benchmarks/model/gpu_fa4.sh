@@ -11,7 +11,7 @@
 # FA4 and its packages are not on the GPU image and the machine has no network. The wheels (flash-attn-4,
 # nvidia-cutlass-dsl with its cu13 libraries, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext), unpacked,
 # make a 69 MB xz archive: over one call's 64 MiB, so it travels in two halves (.fa4a, then .fa4b, see
-# docs/performance.md "Run 11") and is unpacked to $FA4_SITE. Made by:
+# docs/lab_notebook.md "Run 11") and is unpacked to $FA4_SITE. Made by:
 #   pip download --no-deps ... flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
 #     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
 #     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5; unzip each into site/; tar c site | xz -9e | split

@@ -5,7 +5,7 @@
 # others, e.g. compile+sac_auto, compile+sac15). MODE=busy instead times one image's step: the whole forward
 # compiled with each block a nested compile region and CUDA graphs, beside CUDA graphs per block
 # (MODE=busy+mix: both). MODE=profile profiles one clip's step per variant (PVARIANTS).
-# JSON + logs in $OUT. docs/performance.md, runs 7 and 8.
+# JSON + logs in $OUT. docs/lab_notebook.md, runs 7 and 8.
 GPU_JOB=step_auto; TOTAL=${TOTAL:-560}
 source "$(dirname "$0")/../_gpu_preamble.sh"
 left=$(seconds_left)

@@ -199,7 +199,8 @@ class PackSegments:
         text_max: the padded text length L (an upper bound of each sample's real text, as the kernel needs).
         text_keys: bool (N * L,) or None: True at the first ``text_cu[N]`` positions of that order, the keys
             the kernel reads. Its backward leaves the gradient of the other keys unwritten (uninitialised
-            memory, not zeros: issue 36, run 38), so :func:`segment_cross_attention` drops it through this mask.
+            memory, not zeros: a mixed pack's loss went NaN on 2 x H200), so
+            :func:`segment_cross_attention` drops it through this mask.
         has_text: bool (S,) or None: whether the token's sample has any real text (a sample without text
             gets a zero cross-attention output, as in the bucketed path); None: all have.
     """
