@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU scripts (gpu_step_*.sh): environment, $OUT, a clock, the device's name and the
+# Sourced by the one-call GPU scripts (benchmarks/*/gpu_*.sh): environment, $OUT, a clock, the device's name and the
 # fused op's build. After it: el (seconds since the start), seconds_left (of ${TOTAL:-560}).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -478,7 +478,7 @@ def test_diffusers_wan_gets_its_own_backend_setting_and_block_list():
 
 @pytest.mark.cuda
 def test_fa4_on_the_gpu_matches_cudnn_in_a_compiled_model():
-    # Runs where flash-attn-4 is installed on a GPU it supports (the H100 machine with benchmarks/gpu_fa4.sh's
+    # Runs where flash-attn-4 is installed on a GPU it supports (the H100 machine with benchmarks/model/gpu_fa4.sh's
     # packages); elsewhere it is skipped, not passed.
     if not attention.fa4_installed() or torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("needs flash-attn-4 on compute capability 9.x or 10.x")

@@ -1,11 +1,11 @@
-"""``benchmarks/bench_packed_step.py --quick`` runs on the CPU and writes its JSON (no timing is checked)."""
+"""``benchmarks/model/bench_packed_step.py --quick`` runs on the CPU and writes its JSON (no timing is checked)."""
 
 import json
 import os
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "model")
 
 
 @pytest.fixture

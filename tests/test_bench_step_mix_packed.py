@@ -1,11 +1,11 @@
-"""``benchmarks/bench_step_mix.py --schedule packed``: the packed epoch it times (planning only, no timing)."""
+"""``benchmarks/model/bench_step_mix.py --schedule packed``: the packed epoch it times (planning only, no timing)."""
 
 import collections
 import os
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "model")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``benchmarks/ddp_modes.py`` (commands of every mode and setting) and ``benchmarks/ddp_modes_report.py``
+"""``benchmarks/balance/ddp_modes.py`` (commands of every mode and setting) and ``benchmarks/balance/ddp_modes_report.py``
 (its tables from monitor CSVs, packs priced by the pack cost model), on CPU with fabricated runs."""
 
 import json
@@ -13,8 +13,8 @@ import pytest
 from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
-ROOT = os.path.dirname(os.path.abspath(BENCH))
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "balance")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(BENCH)))
 MODES = ("equal_tokens", "dual", "lockstep", "packed")
 
 # The fabricated runs: bucketed steps take TRUTH's time, packs 10% more (the packed path's own cost), every

@@ -1,6 +1,6 @@
 """The LoadBalanceMonitor against raw probes on 2 GPUs (NCCL): its per-rank compute time and wait are the truth.
 
-Runs ``benchmarks/monitor_truth.py`` under torchrun on 2 GPUs, ranks with deliberately different batches (one
+Runs ``benchmarks/balance/monitor_truth.py`` under torchrun on 2 GPUs, ranks with deliberately different batches (one
 clip each, of different lengths), and compares, per rank, the monitor's compute time (a Lightning run) with
 the same batch's compute time in a raw DDP loop (no Lightning; the end of the backward on CUDA events), and
 the monitor's straggler wait with the raw probe's. A smaller wan-1.3b (8 of its 30 blocks) keeps it near a
@@ -29,7 +29,7 @@ def test_monitor_matches_raw_probe_on_two_gpus(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1", PYTHONPATH=ROOT)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        os.path.join(ROOT, "benchmarks", "monitor_truth.py"),
+        os.path.join(ROOT, "benchmarks", "balance", "monitor_truth.py"),
         "--num-layers", "8", "--batches", "1x21,1x9", "--steps", "4", "--warmup", "2",
         "--raw", "solo,ddp", "--lightning", "50:none", "--out", str(tmp_path),
     ]  # fmt: skip

@@ -185,11 +185,11 @@ def test_on_the_gpu_a_compiled_norm_site_matches_eager(batch, kernels, feeds_mat
 def test_on_the_gpu_a_compiled_wan_block_at_one_clip_matches_eager(tmp_path, setting):
     """The case that inductor's own LayerNorm backward got wrong with torch 2.11 (the modulation's gradient
     at one 32,760-token sample): one wan-1.3b block, compiled as compile_blocks compiles it, against eager
-    mode (benchmarks/check_block_grads.py, about a minute on an H100). "default": the library's norm
+    mode (benchmarks/checks/check_block_grads.py, about a minute on an H100). "default": the library's norm
     kernels; "none": inductor's own norms, right only with compile_blocks' safe reductions (run 22)."""
     if not torch.cuda.is_available() or not HAS_TRITON:
         pytest.skip("needs a CUDA GPU and Triton")
-    script = os.path.join(os.path.dirname(HERE), "benchmarks", "check_block_grads.py")
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "checks", "check_block_grads.py")
     proc = subprocess.run(
         [sys.executable, script, "--settings", setting, "--out", str(tmp_path)],
         capture_output=True,

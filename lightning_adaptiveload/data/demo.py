@@ -4,7 +4,7 @@ NOT FOR TRAINING. The encoders here have Wan's architectures (diffusers' ``Autoe
 transformers' ``UMT5EncoderModel``) at a tiny width and **random weights**: their latents and text states
 have the right shapes and dtypes and flow through every stage (decode, size, encode, shards, index,
 training), but they encode nothing a model could learn from. They exist so that a newcomer can run the
-whole ingest path without downloading ~20 GB of weights, and so that tests and ``benchmarks/bench_ingest.py``
+whole ingest path without downloading ~20 GB of weights, and so that tests and ``benchmarks/data/bench_ingest.py``
 measure the pipeline's own overhead with one shared encoder.
 
 Shards written with them are marked: ``index.json``'s ``metadata["demo"]`` and each sample's ``demo: true``
@@ -52,7 +52,7 @@ DEMO_NOTE = (
 )
 
 # Small buckets and short clips keep the tiny VAE at a few seconds per clip on a CPU (it costs the same
-# per pixel as the tiny VAE of benchmarks/bench_ingest.py: 4.1 s for 17 x 128 x 224 on 2 busy cores).
+# per pixel as the tiny VAE of benchmarks/data/bench_ingest.py: 4.1 s for 17 x 128 x 224 on 2 busy cores).
 DEMO_BUCKETS = "128x224,224x128,176x176"
 DEMO_MAX_FRAMES = 17
 

@@ -14,7 +14,7 @@ A mix is a JSON file with a list of buckets; each bucket is one latent shape (C,
   and H x W in {8x12, 12x8, 10x10}, 24 to 225 tokens per sample.
 
 - ``native_480p``: native resolution, no classes: 1,024 shapes of continuous aspect ratio, area and
-  duration (``benchmarks/make_native_mix.py``), 768 to 32,634 tokens per sample.
+  duration (``benchmarks/data/make_native_mix.py``), 768 to 32,634 tokens per sample.
 
 ``mixes/README.md`` keeps the same provenance notes beside the files.
 

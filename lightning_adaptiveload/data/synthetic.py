@@ -3,7 +3,7 @@
 Two kinds of content: ``"noise"`` (the default) draws every latent element independently from N(0, 1),
 which exercises the data path but leaves a model nothing to learn beyond the noise statistics;
 ``"structured"`` draws latents from a low-dimensional, smooth distribution (:func:`structured_latent`),
-so that a loss curve says something about learning (``benchmarks/convergence.py``).
+so that a loss curve says something about learning (``benchmarks/balance/convergence.py``).
 
 The settings are recorded in the index's metadata (``metadata["synthetic"]``), so that a second call
 with the same settings reuses the shards instead of writing them again.

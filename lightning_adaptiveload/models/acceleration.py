@@ -4,11 +4,11 @@
   block (parameters are graph inputs), compile time is that of one block rather than the whole model,
   and the parts that change with the input's shape (RoPE tables, patchify) stay eager. Inductor's mix-order
   reductions are turned off (``safe_reductions``): with torch 2.10 and 2.11 they gave adaLN blocks wrong
-  modulation gradients (pytorch/pytorch#193061; ``docs/performance.md``, run 21). The fused
+  modulation gradients (pytorch/pytorch#193061; ``docs/lab_notebook.md``). The fused
   ``layer_norm_modulate`` op is a ``torch.library`` custom op, so it stays one node in the graph; but
   inductor cannot fuse the gated residual before it into it, and unfused it fuses LayerNorm, modulation and
   residual itself: on an H100, wan-1.3b's clip step is 1.2% faster with our op off inside compiled blocks
-  (``docs/performance.md``, run 8). :func:`compile_blocks` logs this when it finds fused sites.
+  (``docs/lab_notebook.md``). :func:`compile_blocks` logs this when it finds fused sites.
 - :func:`set_attention_backend`: the attention-kernel switch. On our model it sets the SDPA kernel order
   (:mod:`lightning_adaptiveload.models.attention`); on a diffusers model it uses diffusers' own setting
   (``ModelMixin.set_attention_backend``) with the matching name.
@@ -25,7 +25,7 @@ That bound holds for the traced graph (the CPU tests use the ``aot_eager`` backe
 GPU kernels, adds guards on the symbolic sizes of its own: 32-bit indexing (``4096 <= S``), alignment
 (``S % 8 == 0``) and fusion-size thresholds (``1536*S*B >= 5242880``). A length mix then compiles more
 graphs per mode: 8 (cuDNN attention) and 9 (FlashAttention-4) over the 12 shapes of a wan21_480p epoch on
-an H100 (``docs/performance.md``, run 11), while PyTorch's default recompile limit is 8 and, with
+an H100 (``docs/lab_notebook.md``), while PyTorch's default recompile limit is 8 and, with
 ``fullgraph=True``, the ninth raises ``FailOnRecompileLimitHit`` in the middle of training.
 :func:`compile_blocks` therefore raises ``torch._dynamo.config.recompile_limit`` to at least
 :data:`RECOMPILE_LIMIT` (never lowers it) and logs when it does.
@@ -144,7 +144,7 @@ def compile_blocks(
         _log.info(
             "compile_blocks: %d norm-modulate sites use the fused op; inside compiled blocks inductor fuses "
             "them with the gated residual when they are left unfused (wan-1.3b on an H100: 1.2%% faster per "
-            "step, docs/performance.md run 8)",
+            "step, docs/lab_notebook.md)",
             fused,
         )
     ensure_recompile_limit(RECOMPILE_LIMIT)
@@ -217,7 +217,7 @@ class GraphLog:
 # by #193103. Hit: the slices of one modulation table in chained adaLN norms (diffusers' Wan
 # scale_shift_table at any batch size; per-sample adaLN at batch 1). We measured it with torch 2.11 on an
 # H100: a compiled wan-1.3b block at one 32,760-token clip got modulation gradients 1.2 (relative) away from
-# eager mode's (docs/performance.md, run 21); with this setting, 3.3e-3, and the clip step as fast (run 22).
+# eager mode's (docs/lab_notebook.md); with this setting, 3.3e-3, and the clip step as fast.
 SAFE_REDUCTIONS = {"triton.mix_order_reduction": False}
 
 

@@ -27,15 +27,15 @@ Measured on one H100 (``benchmarks/results/bench_step_*``, ``bench_attention_*``
 forward + backward (1 x 12 x 32760 x 128, bf16) takes 37.6 ms on FlashAttention-4 through this switch
 (614 TFLOP/s), 42.6 ms on cuDNN (542), 69.8 ms on FlashAttention-2 and 165 ms on the memory-efficient
 kernel; wan-1.3b's compiled clip step is 11% faster with FlashAttention-4 than with cuDNN
-(``docs/performance.md``, runs 11 to 14). An explicit list enters ``sdpa_kernel`` at every call in eager
+(``docs/lab_notebook.md``). An explicit list enters ``sdpa_kernel`` at every call in eager
 mode (under ``torch.compile`` it is resolved while tracing, at no cost per call); an eager step with it was
-slower on the host (see ``docs/performance.md``), which is why the model's default is ``"default"``.
+slower on the host (see ``docs/lab_notebook.md``), which is why the model's default is ``"default"``.
 
 The cross-attention of one long sample to a short text has too little parallel work in the kernels'
 backward (one thread block per head and block of 128 keys); :func:`sdpa_split_queries` cuts the queries into
 ``splits`` samples that share the keys (the same result) and :func:`query_splits` picks the count for a GPU.
 :class:`~lightning_adaptiveload.models.VideoDiT` does it for batches of one sample on CUDA (8 for wan-1.3b on
-an H100: the clip's cross-attention backward 28 -> 13.4 ms per step; ``docs/performance.md``, run 28).
+an H100: the clip's cross-attention backward 28 -> 13.4 ms per step; ``docs/lab_notebook.md``).
 
 FlashAttention-3/4 plug in underneath the ``"flash"`` backend through ``torch.nn.attention``'s registry
 when their packages are installed; :func:`activate_flash_impl` does that and says why not when it cannot.
@@ -151,7 +151,7 @@ def sdpa(
 
 # Query splits of a single sample's cross-attention (sdpa_split_queries): enough that the backward's thread
 # blocks (heads x blocks of 128 keys x splits) fill the GPU's SMs SPLIT_WAVES times over, at most SPLIT_MAX.
-# Measured in benchmarks/bench_attention.py --splits (docs/performance.md, run 28).
+# Measured in benchmarks/model/bench_attention.py --splits on an H100 (docs/lab_notebook.md).
 SPLIT_WAVES = 3
 SPLIT_MAX = 16
 

@@ -2,7 +2,7 @@
 
 ``torch.compile`` can be wrong where eager mode is right, and a wrong gradient trains silently: with torch
 2.10 and 2.11, inductor's mix-order reductions gave adaLN blocks wrong modulation gradients
-(pytorch/pytorch#193061; ``docs/performance.md``, runs 21 and 22), which no loss curve shows at once.
+(pytorch/pytorch#193061; ``docs/lab_notebook.md``), which no loss curve shows at once.
 :func:`compare_compiled` runs a module eagerly and compiled on the same inputs, back-propagates the same
 output gradient through both, and reports, per output, input gradient and parameter gradient, the largest
 difference relative to the eager value's largest magnitude (:func:`relative_difference`). Under bf16
@@ -15,7 +15,7 @@ the settings you compile with (by default those of :func:`~lightning_adaptiveloa
     args, kwargs = capture_inputs(model.blocks[0], lambda: model(**batch))
     diffs = compare_compiled(model.blocks[0], args, kwargs, ignore=["k.bias"])
 
-``benchmarks/check_block_grads.py`` runs the check on one wan-1.3b block.
+``benchmarks/checks/check_block_grads.py`` runs the check on one wan-1.3b block.
 """
 
 from __future__ import annotations

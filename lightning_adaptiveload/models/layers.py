@@ -111,9 +111,10 @@ class MatmulBiasLinear(Linear):
     all tokens) into that kernel, which then mixes a pointwise pass with a reduction across tokens.
     ``bias_grad_by_matmul = False`` restores the plain Linear under compile too (benchmarks compare the two).
 
-    Measured on one H100 with wan-1.3b (``docs/performance.md``, runs 17 and 18): the FFN's first Linear
+    Measured on one H100 with wan-1.3b (``docs/lab_notebook.md``): the FFN's first Linear
     made this way ran the clip step in 1,662 against 1,666 ms (same process), and the epoch's batches of
-    images and short clips ran 12-28% faster than in run 14 (another machine, not a strict A/B). Every
+    images and short clips ran 12-28% faster than in an earlier epoch without it (another machine, not a
+    strict A/B). Every
     projection of the block made so ran the clip in 1,711 ms (another machine, 1.3% slower on the eager
     baseline), so :class:`~lightning_adaptiveload.models.VideoDiT` uses it for the FFN's first Linear only.
     """

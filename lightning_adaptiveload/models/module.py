@@ -119,7 +119,7 @@ class VideoDiTModule(L.LightningModule):
         weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
             fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.models.master_weights.MasterWeightAdamW`,
             one Triton kernel a step on CUDA). Compiled, ``"bf16"`` is the fastest measured setting
-            (``docs/performance.md``, runs 28-29); its peak memory is 2 bytes per parameter higher, so
+            (``docs/performance.md``, "Measured"); its peak memory is 2 bytes per parameter higher, so
             calibrate with it. Not under FSDP2.
         val_timesteps: fixed times at which validation measures the loss (with fixed noise).
         init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see

@@ -85,7 +85,7 @@ SEGMENT_SUMS = ("auto", "splits", "matmul", "index_add", "index")
 
 #: The segment sum :func:`segment_rows` uses; ``"auto"``: ``"splits"`` in eager mode, ``"matmul"`` inside
 #: ``torch.compile`` (where host offsets would bake the pack's composition into the graph). A setting for
-#: benchmarks (``benchmarks/bench_packed_step.py``); read at call time.
+#: benchmarks (``benchmarks/model/bench_packed_step.py``); read at call time.
 SEGMENT_SUM = "auto"
 
 SEGMENT_ATTENTIONS = ("auto", "varlen", "per_sample")
@@ -95,7 +95,7 @@ SEGMENT_ATTENTIONS = ("auto", "varlen", "per_sample")
 #: SDPA call, so through the fastest dense kernel the machine has; eager mode only), ``"auto"``:
 #: ``"per_sample"`` in eager mode, ``"varlen"`` inside ``torch.compile``. On one H200 (wan-1.3b, bf16,
 #: 2026-11-27) the 32,760-token clip forced through the mixed route took 4,024 ms with varlen and 2,943 ms
-#: per sample, against 2,850 ms bucketed. Read at call time (``benchmarks/bench_packed_step.py`` sets it).
+#: per sample, against 2,850 ms bucketed. Read at call time (``benchmarks/model/bench_packed_step.py`` sets it).
 SEGMENT_ATTENTION = "auto"
 
 #: Send every pack, equal lengths included, through the ``"segments"`` route (benchmarks only: with
@@ -199,7 +199,8 @@ class PackSegments:
         text_max: the padded text length L (an upper bound of each sample's real text, as the kernel needs).
         text_keys: bool (N * L,) or None: True at the first ``text_cu[N]`` positions of that order, the keys
             the kernel reads. Its backward leaves the gradient of the other keys unwritten (uninitialised
-            memory, not zeros: issue 36, run 38), so :func:`segment_cross_attention` drops it through this mask.
+            memory, not zeros: a mixed pack's loss went NaN on 2 x H200), so
+            :func:`segment_cross_attention` drops it through this mask.
         has_text: bool (S,) or None: whether the token's sample has any real text (a sample without text
             gets a zero cross-attention output, as in the bucketed path); None: all have.
     """

@@ -73,7 +73,7 @@ class BackwardTimer:
     An earlier version marked the last DDP gradient bucket in a Python communication hook that recorded a
     CUDA event. On GPUs under Lightning, with that hook registered, the fast ranks' backward kernels ended
     only when the slowest rank's did, so every rank read about the slowest compute time (2 x H200: 2.74 s
-    against 1.58 s without it; ``benchmarks/monitor_truth.py``, ``docs/monitor.md``). No hook is
+    against 1.58 s without it; ``benchmarks/balance/monitor_truth.py``, ``docs/monitor.md``). No hook is
     registered now, so users' own communication hooks (compression, PowerSGD) keep working too.
     """
 

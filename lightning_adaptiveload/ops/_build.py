@@ -46,7 +46,7 @@ __all__ = [
 _log = logging.getLogger("lightning_adaptiveload.ops")
 
 #: Files of the extension, relative to the csrc directory. Sources are compiled; headers only hashed. The
-#: kernel sources are shared with the benchmarks' build of tuning variants (benchmarks/modulate_variants.py).
+#: kernel sources are shared with the benchmarks' build of tuning variants (benchmarks/kernels/modulate_variants.py).
 KERNEL_SOURCES = (
     "ln_modulate.cu",
     "ln_modulate_bf16.cu",

@@ -40,7 +40,7 @@ BLOCK = 2048
 SEGMENT_ALIGN = 64
 WARPS = 8
 
-# Overrides of BLOCK and WARPS ("block", "warps") for plans made after they are set (benchmarks/bench_optimizer.py).
+# Overrides of BLOCK and WARPS ("block", "warps") for plans made after they are set (benchmarks/model/bench_optimizer.py).
 _TUNING: dict[str, int] = {}
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

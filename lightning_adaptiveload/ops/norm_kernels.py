@@ -6,11 +6,11 @@ mix a reduction along each row with one down each column: a LayerNorm backward w
 (adaLN's ``1 + scale``) sums over all tokens for the modulation's gradient, and the q/k RMSNorm with RoPE
 does the same for its weight. With torch 2.11 on an H100, inductor's kernels for the LayerNorm case gave a
 wan-1.3b block wrong modulation gradients at one 32,760-token sample (right at two samples and at short
-sequences; ``docs/performance.md``, run 21): PyTorch's bug pytorch/pytorch#193061 in its mix-order
+sequences; ``docs/lab_notebook.md``): PyTorch's bug pytorch/pytorch#193061 in its mix-order
 reductions. The kernels here make one pass over the rows, with the column sums kept in registers per
 program and added up by a small reduction after; they match eager mode there, with or without those
-reductions (``acceleration.SAFE_REDUCTIONS`` alone also fixes inductor's kernels: run 22).
-Speed (runs 21-23): a tie with inductor's norms over one clip's compiled step and over the epoch.
+reductions (``acceleration.SAFE_REDUCTIONS`` alone also fixes inductor's kernels, checked on an H100).
+Speed (H100): a tie with inductor's norms over one clip's compiled step and over the epoch.
 
 - :func:`layer_norm_affine`: ``LN(x) * mult + add`` (``mult``, ``add`` per sample (B, 1, D) or shared
   (1, 1, D)). Forward in plain PyTorch, so that inductor keeps fusing it; backward one Triton kernel
@@ -42,11 +42,11 @@ __all__ = [
 # self-attention's q and k), "rms_norm" (the cross-attention's q and k) and "layer_norm" (the adaLN sites
 # and the cross-attention's LayerNorm). All on: with inductor's own LayerNorm backward, torch 2.11 gave a
 # compiled wan-1.3b block wrong gradients for the modulation (scale, shift) at one 32,760-token sample
-# (docs/performance.md, run 21; pytorch/pytorch#193061); these kernels match eager mode there, at the same
-# step time. compile_blocks' safe_reductions fixes inductor's kernels too (run 22), but a block compiled by a
-# plain torch.compile keeps PyTorch's reductions: with every site on, it is right either way. RMSNorm + RoPE
-# alone tied with all sites over the epoch (run 23).
-# benchmarks/bench_step.py compares settings; a change recompiles.
+# (docs/lab_notebook.md; pytorch/pytorch#193061); these kernels match eager mode there, at the same
+# step time. compile_blocks' safe_reductions fixes inductor's kernels too (checked on an H100), but a block
+# compiled by a plain torch.compile keeps PyTorch's reductions: with every site on, it is right either way.
+# RMSNorm + RoPE alone tied with all sites over a wan21_480p epoch on an H100.
+# benchmarks/model/bench_step.py compares settings; a change recompiles.
 ENABLED = {"rms_norm_rope": True, "rms_norm": True, "layer_norm": True}
 
 try:  # Triton comes with CUDA builds of PyTorch; CPU builds have none.
@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-# Programs per launch to aim for: every SM of an H100 (132) eight times over (run 19's sweep).
+# Programs per launch to aim for: every SM of an H100 (132) eight times over (chosen from a sweep of launch
+# sizes on an H100).
 _TARGET_PROGRAMS = 1056
 
 
@@ -69,7 +70,7 @@ def _block_d(D: int) -> int:
     return triton.next_power_of_2(D)
 
 
-# Overrides of the launch heuristics ("programs", "block_m", "warps"), for benchmarks/bench_norm_kernels.py.
+# Overrides of the launch heuristics ("programs", "block_m", "warps"), for benchmarks/kernels/bench_norm_kernels.py.
 _TUNING: dict[str, int] = {}
 
 

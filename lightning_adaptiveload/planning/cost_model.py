@@ -374,7 +374,7 @@ class CostModel:
 
         The pack model is linear in three numbers per step: its sample count ``N``, ``sum S_i`` and
         ``sum S_i^2``; this fits it to them, for measurements that record those and not the samples (a
-        LoadBalanceMonitor CSV gives ``N`` and ``sum S_i``; ``benchmarks/ddp_modes_report.py`` recovers
+        LoadBalanceMonitor CSV gives ``N`` and ``sum S_i``; ``benchmarks/balance/ddp_modes_report.py`` recovers
         ``sum S_i^2`` from the planner's cost of the step). Same fit, constraints and ``fit_info`` as
         :meth:`fit_packs`.
 

@@ -335,7 +335,7 @@ class StepTimeTable:
             notes.append(
                 f"batch sizes not measured in the trace were interpolated linearly in B "
                 f"({lk.get('interpolated', 0)} shape/B pairs) or scaled in proportion to B ({lk.get('scaled', 0)}); "
-                "measure them (benchmarks/gpu_trace_wan13b.py takes B=1 and the equal-token B) to rely on them"
+                "measure them (benchmarks/balance/gpu_trace_wan13b.py takes B=1 and the equal-token B) to rely on them"
             )
         return notes
 

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One device call (at most TOTAL = 560 s of its 600) on a machine of 4 GPUs (NGPU=2: the first 2 of them):
+# the real DDP comparison of the schedules with benchmarks/balance/ddp_modes.py (equal_tokens, dual, lockstep,
+# packed; wan-1.3b, 480p, the same max_tokens 32,760 in every mode), then benchmarks/balance/ddp_modes_report.py
+# (measured beside the simulator's prediction for the same settings), then the run folder as one tarball.
+#
+#   SETTINGS  eager (the recipes': compile off, fp32 weights, every block checkpointed) or fast (compile,
+#             bf16 weights with MasterWeightAdamW, save_matmuls with checkpoint_blocks auto, attention auto)
+#   NGPU      4 (default) or 2
+#   MODES     comma-separated, default all four; split them over calls for more steps per mode
+#   STEPS     optimizer steps per mode; default: as many as fit in what is left after the build and the data,
+#             estimated at 3.2 s a step eager and 2.1 s fast (a 32,760-token step, all-reduce and optimizer
+#             included) plus, per mode, 45 s of start-up (105 s fast: the first compile) and 20 s for the end
+#             of fit; at least 10. trainer.max_time ends each mode in its share of the call in any case
+#   SAMPLES   synthetic samples (768, ~4 GB); keep it the same for every call of one table
+#   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory_budget_gib=64)
+#   TOTAL     seconds this script may take (560)
+#
+# It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
+# to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
+# written again identically when not. A warm machine also keeps the run folder, so the second call of a
+# split reports on both calls' modes; the tarballs of several calls extract into one folder for the report
+# on the union (docs/load_balance_report.md, "Real DDP").
+#
+# Comes back in $OUT (7 files, flat): ddp_modes_<tag>.log, ddp_modes_<tag>.tgz (the run folder: every mode's
+# monitor CSVs and JSON, metrics.csv, config.yaml, the full fit log, runs_*.json, data_index.json, the
+# report), and the report's ddp_modes_<tag>_<date>.json and ddp_<tag>_{cv,step_time,loss,throughput}.png.
+# Needs .whl carried (webdataset, braceexpand, jsonargparse and what it needs): see the docs.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+el() { echo "[$(($(date +%s) - T0)) s]"; }
+SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
+MODES=${MODES:-equal_tokens,dual,lockstep,packed}
+left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
+case "$SETTINGS" in eager|fast) ;; *) echo "SETTINGS must be eager or fast, got $SETTINGS"; exit 2 ;; esac
+OUT=${OUT:-/tmp/gpu_ddp_modes}; mkdir -p "$OUT"
+TAG=${SETTINGS}_w${NGPU}
+[ "$MODES" = equal_tokens,dual,lockstep,packed ] || TAG=${TAG}_${MODES//,/-}
+LOG="$OUT/ddp_modes_${TAG}.log"
+exec > >(tee -a "$LOG") 2>&1
+RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}; mkdir -p "$RUN"
+FILTER='UserWarning|warnings.warn|return Variable|AccumulateGrad|_pytree|it/s\]$|sample/s\]$|^\s*$'
+
+# The plan of the call: fixed costs, then per mode its start-up and 10 steps at least.
+nmodes=$(echo "$MODES" | tr ',' '\n' | grep -c .)
+if [ "$SETTINGS" = eager ]; then step_ms=3200; start_s=45; build_s=40; else step_ms=2100; start_s=105; build_s=0; fi
+END_S=20     # the end of a fit (the monitor's files and plots, the processes' exit): ddp_modes.py's margin
+REPORT_S=40  # the report, the tarball and the copies
+shards_s=75; ls /tmp/adaptiveload_ddp_modes_shards/wan21_480p_n${SAMPLES}_seed0_*/index.json > /dev/null 2>&1 && shards_s=10
+need=$(( 10 + build_s + shards_s + REPORT_S + nmodes * (start_s + END_S + 30) ))
+echo "== ddp_modes: settings $SETTINGS, $NGPU GPUs, modes $MODES, tag $TAG; needs >= $need s of $TOTAL $(el)"
+if [ "$need" -gt "$TOTAL" ]; then
+  echo "does not fit: $nmodes mode(s) need $need s for 30 s of steps each; split MODES over calls, e.g."
+  echo "  MODES=equal_tokens,lockstep SETTINGS=$SETTINGS NGPU=$NGPU bash $0, then MODES=dual,packed"
+  exit 3
+fi
+
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl \
+    || { echo "pip install of .whl failed"; exit 1; }
+  export PYTHONPATH="$HOME/site:$PWD"
+else
+  echo "warning: no .whl/ carried; LightningCLI needs jsonargparse and the data path webdataset"
+  export PYTHONPATH="$PWD"
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+have=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+[ "$have" -ge "$NGPU" ] || { echo "NGPU=$NGPU but this machine has $have GPUs"; exit 2; }
+
+if [ "$SETTINGS" = eager ]; then  # the fast settings leave the fused op out (compiled blocks)
+  echo "== build-ops $(el)"; timeout 150 python3 -m lightning_adaptiveload build-ops 2>&1 | tail -2
+fi
+echo "== shards $(el)"
+python3 benchmarks/balance/ddp_modes.py --shards-only --samples "$SAMPLES" --devices "$NGPU" --out "$RUN" 2>&1 \
+  | grep -Ev "$FILTER" | tail -3
+
+budget=$(( $(left) - REPORT_S ))
+if [ -z "${STEPS:-}" ]; then
+  STEPS=$(( (budget - nmodes * (start_s + END_S)) * 1000 / (nmodes * step_ms) ))
+  [ "$STEPS" -ge 10 ] || STEPS=10
+fi
+echo "== $nmodes mode(s), $STEPS steps each, $budget s for the runs $(el)"
+[ "$STEPS" -ge 30 ] || echo "note: fewer than 30 steps per mode is a smoke run; split MODES over calls for the table"
+FIT_LOG="$RUN/fit_${TAG}.log"
+sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
+python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU" --modes "$MODES" --steps "$STEPS" \
+  --samples "$SAMPLES" --out "$RUN" --time-budget-s "$budget" "${sets[@]}" > "$FIT_LOG" 2>&1
+echo "ddp_modes rc=$? $(el)"
+grep -Ev "$FILTER" "$FIT_LOG" | tail -120
+echo "== report $(el)"
+rm -rf "$RUN/report"
+timeout $(( $(left) - 15 )) python3 benchmarks/balance/ddp_modes_report.py "$RUN" --results "$RUN/report" --img "$RUN/report" \
+  --tag "$TAG" --simulate 8,16 2>&1 | tail -60
+echo "== tarball $(el)"
+tar czf "$OUT/ddp_modes_${TAG}.tgz" -C "$RUN_BASE" "$(basename "$RUN")"
+for f in "$RUN"/report/ddp_modes_"${TAG}"_*.json "$RUN"/report/ddp_"${TAG}"_*.png; do
+  [ -f "$f" ] && cp "$f" "$OUT/"
+done
+ls -la "$OUT"
+echo "== done $(el)"
