@@ -51,3 +51,38 @@ def test_monitor_matches_raw_probe_on_two_gpus(tmp_path):
     # The reported wait agrees with the raw probe's within 2 points, and with the monitor's own measured wait.
     assert run["monitor_straggler_wait"] == pytest.approx(summary["raw_ddp_straggler_wait"], abs=0.02)
     assert run["monitor_measured_straggler_wait"] == pytest.approx(run["monitor_straggler_wait"], abs=0.02)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(900)
+def test_monitor_under_fsdp2_matches_each_batch_alone_on_two_gpus(tmp_path):
+    """FSDP2 (``ModelParallelStrategy``): the monitor takes the all-gather waits off each rank's compute time."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1", PYTHONPATH=ROOT)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        os.path.join(ROOT, "benchmarks", "balance", "monitor_truth.py"), "--strategy", "fsdp2",
+        "--num-layers", "8", "--batches", "1x21,1x9", "--steps", "4", "--warmup", "2",
+        "--lightning", "50:none", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "monitor_truth_*_w2_fsdp2.json"))
+    summary = json.load(open(path))["summary"]
+    run = summary["lightning_log50_none"]
+    assert run["timing_method"] == "fsdp2_post_backward"
+    ranks = summary["ranks"]
+    slow = max(range(2), key=lambda r: ranks[r]["solo_compute_s"])
+    # The cost of the sharded communication, from the rank that waits for nobody (fsdp2 - solo) / solo.
+    interference = max(ranks[slow]["interference_s"], 0.0) / ranks[slow]["solo_compute_s"]
+    for raw, mon in zip(ranks, run["ranks"]):
+        # Each rank's compute time is its own batch's (alone on its GPU), within 5% plus that interference.
+        assert abs(mon["monitor_compute_s"] - raw["solo_compute_s"]) <= (0.05 + interference) * raw[
+            "solo_compute_s"
+        ], (raw, mon, interference)
+    # The fast rank's all-gather waits are not in its compute time, and the wait is the batches' own.
+    assert run["ranks"][1 - slow]["monitor_compute_s"] < 0.8 * run["ranks"][slow]["monitor_compute_s"]
+    assert run["monitor_straggler_wait"] == pytest.approx(
+        summary["raw_solo_straggler_wait"], abs=0.02 + interference
+    )

@@ -190,9 +190,77 @@ def build_module(args: argparse.Namespace):
     )
 
 
+def _raw_steps(args, device, step_fn, clock: Clock, holder: list) -> list[dict]:
+    """``warmup + steps`` steps of ``step_fn(marks)``, every rank starting each step together; marks resolved."""
+    rows = []
+    for step in range(args.warmup + args.steps):
+        marks = StepMarks(clock)
+        holder[0] = marks
+        dist.barrier()  # every variant's step starts together (outside the timed region)
+        marks.mark("start")
+        step_fn(marks)
+        marks.mark("end")
+        clock.sync()
+        row = marks.resolve()
+        row["step"] = step
+        rows.append(row)
+    holder[0] = None
+    return rows
+
+
+def _loss_backward(loss_fn, batch, device, marks: StepMarks) -> None:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = loss_fn(batch)
+    hook_backward_end(loss, marks)
+    loss.backward()
+    marks.mark("after_backward")
+
+
+def run_raw_fsdp2(args, device, batch, rank) -> dict[str, list[dict]]:
+    """Under FSDP2 there is no ``no_sync`` that removes the all-gathers, so each batch's own time comes from
+    the whole, unsharded model on the rank alone (``solo``: no collective at all, every rank on its own GPU at
+    the same time), and ``fsdp2`` is the same batch through ``fully_shard`` (per block, then the root; the
+    recipes' mixed precision) with a plain loop. Its compute time (start -> end of the backward) holds the
+    all-gather waits of a fast rank; on the slowest rank, which waits for nobody, ``fsdp2 - solo`` is the
+    cost of the sharded communication: the interference figure under FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_adaptiveload.models.sharding import default_mp_policy, shard_model
+
+    out: dict[str, list[dict]] = {}
+    clock = Clock(device)
+    holder: list = [None]
+    for variant in [v for v in args.raw.split(",") if v]:
+        if variant not in ("solo", "fsdp2"):
+            raise SystemExit(f"--raw {variant!r}: under --strategy fsdp2 the raw variants are solo and fsdp2")
+        module = build_module(args)
+        module.configure_model()
+        module = module.to(device)
+        if variant == "fsdp2":
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            shard_model(module.model, mesh, default_mp_policy(device.type), reshard_after_forward=True)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
+        loss_fn = LossOf(module)
+
+        def step_fn(marks: StepMarks) -> None:
+            _loss_backward(loss_fn, batch, device, marks)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[variant] = _raw_steps(args, device, step_fn, clock, holder)
+        if rank == 0:
+            print(f"raw {variant}: {len(out[variant])} steps", flush=True)
+        del module, opt, loss_fn
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def run_raw(args, device, batch, rank) -> dict[str, list[dict]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if args.strategy == "fsdp2":
+        return run_raw_fsdp2(args, device, batch, rank)
     module = build_module(args)
     module.configure_model()  # Lightning calls this hook; the raw loop builds the network itself
     module = module.to(device)
@@ -282,6 +350,8 @@ def run_lightning(args, device, batch, rank, world, log_every: int, hook: str, o
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp = trainer.strategy.model
+            if hook != "none" and args.strategy != "ddp":
+                raise SystemExit(f"--lightning ...:{hook}: communication hooks are DDP's; use :none with fsdp2")
 
             def timed_hook(state, bucket):
                 if self.marks is not None:
@@ -326,11 +396,17 @@ def run_lightning(args, device, batch, rank, world, log_every: int, hook: str, o
     module = build_module(args)
     probe = Probe()
     monitor = LoadBalanceMonitor(dirpath=outdir, print_summary=False, plots=False)
+    if args.strategy == "fsdp2":  # the wan14b recipe's strategy: the module shards itself in configure_model
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = DDPStrategy(gradient_as_bucket_view=True)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=world,
         num_nodes=1,
-        strategy=DDPStrategy(gradient_as_bucket_view=True),
+        strategy=strategy,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
         max_steps=args.warmup + args.steps,
         max_epochs=1,
@@ -395,7 +471,8 @@ def summarize(res: dict, world: int, warmup: int) -> dict:
             row[f"{variant}_sync_wait_s"] = med(
                 [dict(x, sw=x["after_backward_s"] - x["backward_end_s"]) for x in rows], "sw", warmup
             )
-        row["interference_s"] = row.get("ddp_compute_s", math.nan) - row.get("solo_compute_s", math.nan)
+        shared = "fsdp2" if "fsdp2" in raw else "ddp"
+        row["interference_s"] = row.get(f"{shared}_compute_s", math.nan) - row.get("solo_compute_s", math.nan)
         table["ranks"].append(row)
     for variant in raw:
         table[f"raw_{variant}_straggler_wait"] = wait_share(
@@ -412,6 +489,8 @@ def summarize(res: dict, world: int, warmup: int) -> dict:
                     "monitor_compute_s": med(mrows, "compute_time_s", warmup),
                     "monitor_sync_wait_s": med(mrows, "sync_wait_s", warmup),
                     "monitor_step_s": med(mrows, "step_time_s", warmup),
+                    "monitor_over_solo": med(mrows, "compute_time_s", warmup)
+                    / table["ranks"][r].get("solo_compute_s", math.nan),
                     "old_comm_hook_s": med(prows, "comm_hook_last_bucket_s", warmup),
                     "probe_before_backward_s": med(prows, "before_backward_s", warmup),
                     "probe_last_grad_s": med(prows, "last_grad_s", warmup),
@@ -447,7 +526,7 @@ def print_table(t: dict, world: int) -> None:
         )
         for k in lt_names:
             y = t[k]["ranks"][r]
-            line += f" {y['monitor_compute_s']:.3f} {y['monitor_sync_wait_s']:.3f} |"
+            line += f" {y['monitor_compute_s']:.3f} {y['monitor_sync_wait_s']:.3f} (x{y['monitor_over_solo']:.3f} solo) |"
         print(line)
     print("straggler wait: " + ", ".join(f"raw {v} {t[f'raw_{v}_straggler_wait']:.4f}" for v in raw_names))
     for k in lt_names:
@@ -460,6 +539,10 @@ def print_table(t: dict, world: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+
+
+RAW_DDP = "solo,ddp,ddp_pyhook"
+LIGHTNING_DDP = "50:none,50:python,1:none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,13 +559,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
         "--lightning",
-        default="50:none,50:python,1:none",
+        default=LIGHTNING_DDP,
         help="Lightning runs, LOG_EVERY:HOOK each: the monitor's log_every_n_steps, and the DDP communication hook"
         " the probe registers (none; python: the stock Python all-reduce hook re-marking the last bucket, as"
         " the old monitor did; builtin: the C++ all-reduce hook)",
     )
     ap.add_argument(
-        "--raw", default="solo,ddp,ddp_pyhook", help="raw DDP variants, in order (ddp_pyhook last)"
+        "--raw", default=RAW_DDP, help="raw DDP variants, in order (ddp_pyhook last)"
+    )
+    ap.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=("ddp", "fsdp2"),
+        help="ddp (raw: solo = no_sync, ddp, ddp_pyhook; Lightning: DDPStrategy) or fsdp2 (raw: solo = the whole"
+        " model alone on each rank, fsdp2 = fully_shard per block; Lightning: ModelParallelStrategy, the module"
+        " sharding itself; --raw defaults to solo,fsdp2 and --lightning to 50:none,1:none)",
     )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument(
@@ -493,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.strategy == "fsdp2":
+        if args.raw == RAW_DDP:
+            args.raw = "solo,fsdp2"
+        if args.lightning == LIGHTNING_DDP:
+            args.lightning = "50:none,1:none"
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend)
@@ -516,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         le, _, hook = item.partition(":")
         hook = hook or "none"
         name = f"lightning_log{le}_{hook}"
-        outdir = os.path.join(args.out, f"w{world}_{name}{args.tag}")
+        outdir = os.path.join(args.out, f"w{world}_{args.strategy}_{name}{args.tag}")
         lt = run_lightning(args, device, batch, rank, world, int(le), hook, outdir)
         if rank == 0:
             lt["monitor_rows"] = read_monitor_csv(os.path.join(outdir, "load_balance_ranks.csv"))
@@ -545,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - t0,
         }
         slug = name.lower().replace(" ", "-")
-        path = os.path.join(args.out, f"monitor_truth_{slug}_w{world}{args.tag}.json")
+        strat = "" if args.strategy == "ddp" else f"_{args.strategy}"
+        path = os.path.join(args.out, f"monitor_truth_{slug}_w{world}{strat}{args.tag}.json")
         with open(path, "w") as f:
             json.dump(payload, f, indent=1, default=float)
         print_table(table, world)
