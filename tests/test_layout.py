@@ -332,3 +332,18 @@ def test_the_checks_catch_a_cycle_and_a_wrong_way_import(tmp_path):
     ]
     allowed = {("lightning_adaptiveload.planning.a", "lightning_adaptiveload.monitor.b"): "test"}
     assert wrong_way_imports(g, allowed) == []
+
+
+def test_moved_modules_keep_their_old_paths_for_one_release():
+    from lightning_adaptiveload import stats
+    from lightning_adaptiveload.models import memory
+    from lightning_adaptiveload.monitor import stats as old_stats
+    from lightning_adaptiveload.tools import memory as old_memory
+
+    assert set(old_stats.__all__) == set(stats.__all__) and old_stats.straggler_wait is stats.straggler_wait
+    assert (
+        set(old_memory.__all__) == set(memory.__all__)
+        and old_memory.estimate_memory is memory.estimate_memory
+    )
+    assert lightning_adaptiveload.estimate_memory is memory.estimate_memory
+    assert lightning_adaptiveload.tools.estimate_memory is memory.estimate_memory
