@@ -97,8 +97,7 @@ class LoadBalanceMonitor(Callback):
         flops_fn: ``flops_fn(batch) -> float``, the training FLOPs (forward + backward) of one batch on this
             rank. Default: ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
             ``3 * model.flops(batch_size, seq_len, text_len)`` of the first submodule that has an analytic
-            forward ``flops`` method, else :func:`~lightning_adaptiveload.monitor.flops.wan_flops_per_batch` for a
-            diffusers ``WanTransformer3DModel`` inside the module, else ``FlopCounterMode`` counting
+            forward ``flops`` method, else ``FlopCounterMode`` counting
             ``training_step`` on a meta-device copy of the module once per distinct batch shape (times 3;
             :func:`~lightning_adaptiveload.monitor.flops.meta_training_flops`). The module that trains is never run
             under a FLOP counter (that would stop ``torch.compile`` from compiling it). When no way works,
