@@ -132,9 +132,6 @@ KNOWN_CYCLES = {
         "plan_packed dispatches to plan_on_counts, which reuses packed's helpers; issue 39 item 2 (schedules as "
         "objects) moves the dispatch"
     ),
-    ("lightning_adaptiveload.data.compact", "lightning_adaptiveload.data.index"): (
-        "ShardIndex reads and writes the binary index through CompactIndex, which converts to ShardIndex"
-    ),
 }
 
 

@@ -3,7 +3,7 @@ DataModule that adapts it to Lightning.
 
 Pure (no Lightning): ``format`` (names, limits, REASONS, ShardError, ShardInfo), ``paths``, ``npy``,
 ``scan`` (the checking tar scan), ``reader`` (iter_shard), ``index_file`` / ``index`` / ``indexing``
-(ShardIndex), ``columnar`` / ``key_columns`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``media`` / ``media_encode`` / ``demo`` (ingest's pure half; its random-weight stand-ins), ``collate`` / ``packed_collate`` (the batch dicts), ``stream`` (a plan's
+(ShardIndex), ``columnar`` / ``key_columns`` / ``index_columns`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``media`` / ``media_encode`` / ``demo`` (ingest's pure half; its random-weight stand-ins), ``collate`` / ``packed_collate`` (the batch dicts), ``stream`` (a plan's
 stream into batches), ``loader`` (PlannedShardDataset, PlannedDataLoader), ``resume``,
 ``index_agreement``. Lightning adapters: ``datamodule``, ``ingest``.
 """
