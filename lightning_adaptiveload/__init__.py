@@ -13,7 +13,7 @@ _EXPORTS = {
     "CostModel": "planning.cost_model",
     "DualConstraintBatcher": "planning.batching",
     "tokens_per_sample": "planning.sizing",
-    "collate": "planning.batching",
+    "collate": "data.collate",
     "plan_epoch": "planning.planner",
     "EpochPlan": "planning.plan",
     "ShardIndex": "data.index",
@@ -46,10 +46,10 @@ _EXPORTS = {
     "token_weighted_loss": "models.loss",
     "global_token_count": "models.loss",
     "rank_noise_generator": "models.loss",
-    "wan_flops_per_batch": "monitor.flops",
+    "wan_flops_per_batch": "models.wan_flops",
     "apply_sample_transform": "data.stream",
     "shard_model": "models.sharding",
-    "estimate_memory": "tools.memory",
+    "estimate_memory": "models.memory",
 }
 # `simulate()` lives in `lightning_adaptiveload.tools.simulate`; it is not re-exported here because the
 # submodule of the same name would shadow it once imported.

@@ -169,3 +169,40 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+# -- strategies: which ones synchronise gradients (by class name, so no strategy module is imported) -----
+
+
+class UnsupportedStrategyError(RuntimeError):
+    """A strategy under which training would not synchronise gradients (or that the module cannot use)."""
+
+
+def _names(strategy: Any) -> set[str]:
+    # By class name along the MRO, so that subclasses count and no strategy module needs importing.
+    return {cls.__name__ for cls in type(strategy).__mro__}
+
+
+def check_sharded(strategy: Any, model: torch.nn.Module) -> None:
+    """Refuse a ``ModelParallelStrategy`` run whose model was not parallelised in ``configure_model``.
+
+    Lightning's ``ModelParallelStrategy`` leaves all parallelisation to the module: a module that applies
+    neither ``fully_shard`` nor tensor parallelism trains a separate model on every rank, silently. Called
+    by the monitor at the start of training, for any LightningModule.
+
+    Raises:
+        UnsupportedStrategyError: several processes, ``ModelParallelStrategy``, and no parameter is a
+            DTensor (nothing is sharded or replicated by FSDP2 / tensor parallelism).
+    """
+    if "ModelParallelStrategy" not in _names(strategy) or int(getattr(strategy, "world_size", 1)) <= 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return
+    raise UnsupportedStrategyError(
+        f"{type(model).__name__} runs under {type(strategy).__name__} on {strategy.world_size} processes but its "
+        "configure_model() applies no parallelism (no parameter is a DTensor), so no gradient would be "
+        "synchronised and every rank would train its own model. Shard it there, e.g. "
+        "lightning_adaptiveload.models.sharding.shard_model(self.model, self.device_mesh), or use strategy: ddp"
+    )

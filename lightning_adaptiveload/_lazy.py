@@ -1,7 +1,7 @@
 """Lazy re-exports for package ``__init__`` modules.
 
 A package re-exports its public names without importing the modules that define them, so importing a
-pure submodule (``lightning_adaptiveload.monitor.stats``) never pulls in Lightning through its package.
+pure submodule (``lightning_adaptiveload.stats``) never pulls in Lightning through its package.
 """
 
 from __future__ import annotations

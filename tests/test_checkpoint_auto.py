@@ -15,7 +15,7 @@ from lightning_adaptiveload.models.acceleration import (
     compile_blocks,
     probe_activation_memory,
 )
-from lightning_adaptiveload.tools.memory import ActivationMemory, MemoryPoint, blocks_to_checkpoint
+from lightning_adaptiveload.models.memory import ActivationMemory, MemoryPoint, blocks_to_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_acceleration import _CFG, _grads, _inputs, _model  # noqa: E402

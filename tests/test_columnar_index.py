@@ -208,6 +208,23 @@ def test_damaged_binary_index_names_the_field(tmp_path, damage, field):
     assert str(path) in str(err.value)
 
 
+def test_shard_index_from_columns_is_the_compact_index_as_lists(tmp_path):
+    index = _index(tmp_path)
+    path = tmp_path / "index.npidx"
+    index.save(path)
+    columns = CompactIndex.load(path).columns
+    expect = index.to_dict()
+    assert ShardIndex.from_columns(columns, str(path)).to_dict() == expect == ShardIndex.load(path).to_dict()
+    assert ShardIndex.from_columns(columns).source is None
+    _, _, offset, _ = _array_at(path, "key_blob")
+    raw = bytearray(path.read_bytes())
+    raw[offset + 2] = ord("/")  # in the first key of shard 0
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=r"shards\[0\].keys") as err:
+        ShardIndex.from_columns(read_columns(str(path)), str(path))
+    assert str(path) in str(err.value) and err.value.reason == "bad_index"
+
+
 def test_bad_key_bytes_are_refused_when_the_shard_is_read(tmp_path):
     path = tmp_path / "index.npidx"
     _index(tmp_path).save(path)

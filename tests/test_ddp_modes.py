@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
 
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "balance")

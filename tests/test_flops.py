@@ -12,12 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_adaptiveload import global_token_count, rank_noise_generator, token_weighted_loss
-from lightning_adaptiveload.monitor.flops import (
-    find_wan_config,
-    meta_copy,
-    meta_training_flops,
-    wan_flops_per_batch,
-)
+from lightning_adaptiveload.models.wan_flops import find_wan_config, wan_flops_per_batch
+from lightning_adaptiveload.monitor.flops import BatchFlops, meta_copy, meta_training_flops
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _tiny_models import tiny_wan  # noqa: E402
@@ -103,6 +99,15 @@ def test_meta_count_of_a_fused_wan_equals_the_wan_formula():
     batch = {"latents": torch.randn(2, 4, 3, 4, 6), "text": torch.randn(2, 5, 16)}
     assert meta_training_flops(module, batch) == wan_flops_per_batch(module.wan.config, batch)
     assert module.device.type == "cpu"
+
+
+def test_the_monitor_counts_a_wan_without_flops_per_batch_on_the_meta_copy():
+    # The monitor knows no model: a module holding a diffusers Wan and no flops_per_batch is counted on the
+    # meta copy (the same figure as the Wan formula, above); with flops_per_batch it is the module's.
+    warnings = []
+    assert BatchFlops(_FusedWanStep(), None, True, lambda *a: warnings.append(a)).source == "flop_counter"
+    assert BatchFlops(_FusedWanStep(), None, False, lambda *a: warnings.append(a)).source is None
+    assert len(warnings) == 1 and "wan_flops_per_batch" in warnings[0][1]
 
 
 class _ReadsTrainer(_Step):

@@ -89,3 +89,258 @@ def test_folder_exports_resolve():
         package = importlib.import_module(f"lightning_adaptiveload.{folder}")
         for name in getattr(package, "__all__", []):
             assert getattr(package, name) is not None, f"{folder}.{name}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Imports point one way (docs/architecture.md, "Layers"). Read from the source with `ast`, so a wrong-way
+# import inside a function counts as much as one at the top of a module.
+
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+PACKAGE = "lightning_adaptiveload"
+
+# Lower layers first. A module may import its own folder and any lower layer, not a folder of its own
+# layer: the monitor knows no model (it gets FLOPs from the module or a callable). `tools` may import any
+# folder but `cli`; `cli` is imported by nothing but `__main__`. The top-level leaves: `stats` (the balance
+# statistics), `_dist`, `_lazy`.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("", "_lazy", "_dist", "stats"),
+    ("planning",),
+    ("data",),
+    ("ops",),
+    ("models", "fusion", "monitor"),
+    ("tools",),
+    ("cli",),
+    ("__main__",),
+)
+
+# (importer, imported) -> why. Each must still exist (test_allowed_back_edges_are_used).
+ALLOWED_BACK_EDGES = {
+    (
+        "lightning_adaptiveload.planning.batching",
+        "lightning_adaptiveload.data.collate",
+    ): "DualConstraintBatcher.__call__, the WebDataset stage, emits collated torch batches (imported when called)",
+}
+
+
+# Import circles left, each with the reason; test_no_import_cycles wants exactly these.
+KNOWN_CYCLES = {
+    ("lightning_adaptiveload.planning.packed", "lightning_adaptiveload.planning.packed_counts"): (
+        "plan_packed dispatches to plan_on_counts, which reuses packed's helpers; issue 39 item 2 (schedules as "
+        "objects) moves the dispatch"
+    ),
+}
+
+
+def _unit(module: str) -> str:
+    """The folder (or top-level module) a module belongs to: ``a.planning.x`` -> ``planning``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(module: str) -> int:
+    unit = _unit(module)
+    for i, units in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"{module}: its folder {unit!r} has no layer in tests/test_layout.py LAYERS; add it")
+
+
+def _module_names(root: Path, package: str) -> dict[str, Path]:
+    names = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def import_graph(root: Path, package: str = PACKAGE) -> dict[str, dict[str, set[str]]]:
+    """Per module of ``package`` under ``root``: the package's modules it imports, by kind.
+
+    Kinds: ``"top"`` (run when the module is imported), ``"lazy"`` (inside a function), ``"typing"``
+    (under ``if TYPE_CHECKING:``, never run). ``from pkg.a import b`` names the submodule ``pkg.a.b`` when
+    there is one, else ``pkg.a``.
+    """
+    modules = _module_names(root, package)
+
+    def targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if node.level:
+            base = name.split(".") if is_package else name.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix for a in node.names]
+
+    graph: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        kinds: dict[str, set[str]] = {"top": set(), "lazy": set(), "typing": set()}
+
+        def visit(node: ast.AST, kind: str, name: str = name, path: Path = path, kinds=kinds) -> None:
+            for child in ast.iter_child_nodes(node):
+                sub = kind
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind == "top":
+                    sub = "lazy"
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    sub = "typing"
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for target in targets(name, path.name == "__init__.py", child):
+                        if target == package or target.startswith(package + "."):
+                            kinds[sub].add(target)
+                        else:
+                            kinds[sub].add("<external>:" + target)
+                visit(child, sub)
+
+        visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), "top")
+        graph[name] = kinds
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, set[str]]], kinds=("top", "lazy")) -> list[list[str]]:
+    """Strongly connected groups of more than one module over the imports of ``kinds`` (Tarjan)."""
+    edges = {m: sorted(t for k in kinds for t in g[k] if t in graph and t != m) for m, g in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return sorted(cycles)
+
+
+def wrong_way_imports(graph: dict[str, dict[str, set[str]]], allowed=()) -> list[str]:
+    """``importer -> imported (layers i < j)`` for every import, of any kind, of a higher layer's module."""
+    bad = []
+    for module, kinds in sorted(graph.items()):
+        for kind, found in kinds.items():
+            for target in sorted(found):
+                if target.startswith("<external>") or target not in graph:
+                    continue
+                if _unit(target) == _unit(module) or (module, target) in allowed:
+                    continue
+                if _layer(target) >= _layer(module):
+                    bad.append(f"{module} -> {target} ({kind}; layers {_layer(module)} -> {_layer(target)})")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, dict[str, set[str]]]:
+    return import_graph(Path(lightning_adaptiveload.__file__).parent.parent)
+
+
+def test_no_import_cycles(graph):
+    assert len(graph) > 100  # the walk found the package
+    assert {tuple(c) for c in import_cycles(graph)} == set(KNOWN_CYCLES)
+
+
+def test_imports_point_one_way(graph):
+    assert wrong_way_imports(graph, ALLOWED_BACK_EDGES) == []
+
+
+def test_allowed_back_edges_are_used(graph):
+    for importer, imported in ALLOWED_BACK_EDGES:
+        assert any(imported in found for found in graph[importer].values()), (importer, imported)
+
+
+def test_planning_and_stats_import_neither_torch_nor_lightning(graph):
+    forbidden = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
+    for module, kinds in graph.items():
+        if _unit(module) not in ("planning", "stats"):
+            continue
+        externals = {t.split(":", 1)[1].split(".")[0] for k in ("top", "lazy") for t in kinds[k] if ":" in t}
+        assert not externals & set(forbidden), (module, sorted(externals & set(forbidden)))
+    # stats is a leaf: it imports nothing of the package
+    assert not any(t.startswith(PACKAGE) for k in graph["lightning_adaptiveload.stats"].values() for t in k)
+
+
+def test_planning_imports_without_torch():
+    # At run time too: with torch blocked, every planning module (and stats) imports.
+    names = [m for m in _all_modules() if _unit(m) in ("planning", "stats")]
+    code = _BLOCKED_IMPORT.replace('("lightning", "pytorch_lightning", "lightning_fabric")', '("torch",)')
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(names)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1])["failed"] == {}
+    assert len(names) > 15, names
+
+
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_the_checks_catch_a_cycle_and_a_wrong_way_import(tmp_path):
+    # The checks above would pass vacuously if the graph missed imports: they must see these.
+    root = _fake_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "planning/__init__.py": "",
+            "planning/a.py": "def f():\n    from lightning_adaptiveload.monitor import b\n",
+            "planning/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+            "monitor/__init__.py": "",
+            "monitor/b.py": "from lightning_adaptiveload.planning.a import f\nimport torch\n",
+        },
+    )
+    g = import_graph(root)
+    assert g["lightning_adaptiveload.planning.a"]["lazy"] == {"lightning_adaptiveload.monitor.b"}
+    assert g["lightning_adaptiveload.planning.c"]["typing"] == {"lightning_adaptiveload.planning.a"}
+    assert import_cycles(g) == [["lightning_adaptiveload.monitor.b", "lightning_adaptiveload.planning.a"]]
+    assert wrong_way_imports(g) == [
+        "lightning_adaptiveload.planning.a -> lightning_adaptiveload.monitor.b (lazy; layers 1 -> 4)"
+    ]
+    allowed = {("lightning_adaptiveload.planning.a", "lightning_adaptiveload.monitor.b"): "test"}
+    assert wrong_way_imports(g, allowed) == []
+
+
+def test_moved_modules_keep_their_old_paths_for_one_release():
+    from lightning_adaptiveload import stats
+    from lightning_adaptiveload.models import memory
+    from lightning_adaptiveload.monitor import stats as old_stats
+    from lightning_adaptiveload.tools import memory as old_memory
+
+    assert set(old_stats.__all__) == set(stats.__all__) and old_stats.straggler_wait is stats.straggler_wait
+    assert (
+        set(old_memory.__all__) == set(memory.__all__)
+        and old_memory.estimate_memory is memory.estimate_memory
+    )
+    assert lightning_adaptiveload.estimate_memory is memory.estimate_memory
+    assert lightning_adaptiveload.tools.estimate_memory is memory.estimate_memory

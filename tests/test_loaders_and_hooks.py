@@ -13,12 +13,12 @@ from lightning.pytorch.utilities.data import _update_dataloader
 
 from lightning_adaptiveload.cli.data import index_main
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+from lightning_adaptiveload.data.collate import collate
 from lightning_adaptiveload.data.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.planning.batching import collate
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""The memory planner's arithmetic (lightning_adaptiveload.tools.memory): pure, milliseconds."""
+"""The memory planner's arithmetic (lightning_adaptiveload.models.memory): pure, milliseconds."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_adaptiveload.tools.memory import GB, activation_bytes_per_token, estimate_memory
+from lightning_adaptiveload.models.memory import GB, activation_bytes_per_token, estimate_memory
 
 
 def test_ddp_state_is_twenty_bytes_per_parameter_on_every_gpu():

@@ -11,8 +11,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import _dist, stats
 from lightning_adaptiveload.monitor import steps as monitor_mod
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 
@@ -394,11 +393,13 @@ def test_summary_says_where_the_flops_came_from_or_that_they_were_not_counted():
     from lightning_adaptiveload.monitor.report import format_summary
 
     meta = {"num_steps": 3, "world_size": 2, "device": "cpu", "timing_method": "step"}
-    for source in ("wan_config", None):
+    for source in ("flops_per_batch", None):
         text = format_summary({"meta": {**meta, "flops_source": source}, "overall": {}, "table": {}})
         first = text.splitlines()[0]
         assert "None" not in first  # "FLOPs by None" before
-        assert first.endswith("FLOPs by wan_config" if source else "FLOPs not counted (no TFLOP/s or MFU)")
+        assert first.endswith(
+            "FLOPs by flops_per_batch" if source else "FLOPs not counted (no TFLOP/s or MFU)"
+        )
 
 
 def test_batches_without_work_keys_warn_and_do_not_crash(tmp_path):

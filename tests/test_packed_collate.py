@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from lightning_adaptiveload.data.packed_collate import collate_packed
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.packed_collate import collate_packed
 
 
 def _sample(key, shape, text_len):

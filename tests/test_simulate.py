@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.cli.simulate import main
 from lightning_adaptiveload.data import ShardIndex, ShardInfo
-from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.tools.replay import balance_metrics

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import stats
 
 
 def test_cv_hand_computed():
@@ -189,7 +189,9 @@ def test_stats_does_not_import_lightning():
     import subprocess
     import sys
 
-    code = "import sys, lightning_adaptiveload.monitor.stats; print('lightning' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import sys, lightning_adaptiveload.stats; print('lightning' in sys.modules, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[0] == "False"
 

@@ -173,9 +173,9 @@ def test_check_cross_duplicates_catches_a_key_twice_in_one_shard(tmp_path):
 
 
 def test_key_hashes_and_duplicates_on_odd_keys():
-    from lightning_adaptiveload.data import columnar
+    from lightning_adaptiveload.data import columnar, key_columns
 
-    keys = [b"a", b"", b"ab", b"ba", b"x" * (columnar._HASH_CHUNK + 5), b"\xc3\xa9", b"b" + b"a"]
+    keys = [b"a", b"", b"ab", b"ba", b"x" * (key_columns._HASH_CHUNK + 5), b"\xc3\xa9", b"b" + b"a"]
     off = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum([len(k) for k in keys], out=off[1:])
     blob = np.frombuffer(b"".join(keys), dtype=np.uint8)

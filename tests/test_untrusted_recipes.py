@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightning_adaptiveload.cli.calibrate import _recipe_defaults
-from lightning_adaptiveload.tools.memory import ActivationMemory
+from lightning_adaptiveload.models.memory import ActivationMemory
 
 _BOMB = "\n".join(
     [

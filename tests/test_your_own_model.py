@@ -43,7 +43,7 @@ def test_own_wan_module_fits_validates_tests_and_predicts_under_ddp(tmp_path):
     fit = _run("fit", work, *small, "--trainer.log_every_n_steps=1")
     assert fit.returncode == 0, fit.stderr[-4000:]
     out = fit.stdout + fit.stderr
-    assert "FLOPs by wan_config" in out  # the monitor knew the Wan's FLOPs without running a counter
+    assert "FLOPs by flops_per_batch" in out  # the module gives the Wan's FLOPs: no counter runs
     # The example runs packs (lockstep's packed tail): no warning that it does not, at every run.
     assert "runs_packed_batches" not in out and "packed tail steps" in out
     assert "fused" in out.lower() or "WanTransformerBlock" in out  # the mixin's report
@@ -192,7 +192,7 @@ def _example_module():
 
 
 def test_example_module_runs_a_pack_as_its_samples():
-    from lightning_adaptiveload.planning.packed_collate import collate_packed
+    from lightning_adaptiveload.data.packed_collate import collate_packed
 
     module = _example_module()
     assert module.runs_packed_batches is True
@@ -237,4 +237,4 @@ def test_example_module_fits_the_packed_schedule(tmp_path):
     trainer.fit(_example_module(), datamodule=dm)
     assert trainer.global_step == dm.epoch_report["steps"] > 0
     steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
-    assert monitor.summary["meta"]["flops_source"] == "wan_config" and all(s["flops"] > 0 for s in steps)
+    assert monitor.summary["meta"]["flops_source"] == "flops_per_batch" and all(s["flops"] > 0 for s in steps)

@@ -14,7 +14,7 @@ FLOPs were counted or ``torch.compile`` compiled (their times are inflated).
 - compute CV across ranks per step (mean, p95), imbalance ``max / mean - 1``;
 - the straggler wait two ways: ``straggler_wait`` ``sum (max - mean) / sum max`` of the ranks' own compute
   times (to the end of each rank's backward), and ``measured_straggler_wait`` from each rank's measured
-  ``sync_wait_s`` (:func:`lightning_adaptiveload.monitor.stats.measured_wait_rows`); the two must agree;
+  ``sync_wait_s`` (:func:`lightning_adaptiveload.stats.measured_wait_rows`); the two must agree;
 - memory: the peak allocated over (rank, step) as a share of the device, and the paper's "peak VRAM
   utilisation efficiency" ``mean / max`` of the per-step peaks.
 
@@ -257,7 +257,7 @@ def square_sums(ranks: dict[str, np.ndarray], plan_cost) -> tuple[np.ndarray, np
 def measured_wait(sync_wait: np.ndarray, compute: np.ndarray) -> float:
     """``measured_straggler_wait`` over these steps: each rank's measured wait less the step's least,
     over the slowest compute, time-weighted as the monitor does; nan without a measured step."""
-    from lightning_adaptiveload.monitor import stats
+    from lightning_adaptiveload import stats
 
     if sync_wait.size == 0:
         return math.nan
@@ -283,7 +283,7 @@ def mode_summary(
     ranks: dict[str, np.ndarray], warmup: int, device_total: float | None, mode: str = ""
 ) -> dict[str, Any]:
     """Measured figures of one mode (see the module docstring), over :func:`kept_steps`."""
-    from lightning_adaptiveload.monitor import stats
+    from lightning_adaptiveload import stats
 
     keep = kept_steps(ranks, warmup)
     comp = ranks["compute_time_s"][keep]
@@ -446,7 +446,7 @@ def predict_mode(
     warmup: int,
 ) -> dict[str, Any]:
     """The simulator's figures for one measured mode, over the same steps (see the module docstring)."""
-    from lightning_adaptiveload.monitor import stats
+    from lightning_adaptiveload import stats
     from lightning_adaptiveload.tools.replay import run_mode
     from lightning_adaptiveload.tools.step_times import BatchCoster
 
@@ -549,7 +549,7 @@ def _plots(per_mode: dict[str, dict], img_dir: str, tag: str) -> dict[str, str]:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from lightning_adaptiveload.monitor import stats
+    from lightning_adaptiveload import stats
 
     os.makedirs(img_dir, exist_ok=True)
     stem = f"ddp_{tag}_" if tag else "ddp_"

@@ -74,8 +74,8 @@ def parse_batches(spec: str, world: int) -> list[tuple[int, int]]:
 
 
 def make_batch(b: int, frames: int, args: argparse.Namespace, global_tokens: int, seed: int) -> dict:
-    """A batch of the data module's contract (``planning.batching.collate``) of ``b`` random latents."""
-    from lightning_adaptiveload.planning.batching import collate
+    """A batch of the data module's contract (``data.collate.collate``) of ``b`` random latents."""
+    from lightning_adaptiveload.data.collate import collate
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -453,7 +453,7 @@ def med(rows: list[dict], key: str, warmup: int) -> float:
 
 
 def wait_share(compute: list[float]) -> float:
-    from lightning_adaptiveload.monitor import stats
+    from lightning_adaptiveload import stats
 
     return stats.straggler_wait(compute)
 

@@ -6,7 +6,7 @@ Run by ``benchmarks/fsdp/gpu_fsdp_h200.sh`` (one GPU) and ``benchmarks/fsdp/gpu_
     torchrun --nproc_per_node=N benchmarks/fsdp/fsdp_gpu.py parity --out DIR
     torchrun --nproc_per_node=N benchmarks/fsdp/fsdp_gpu.py train --preset wan-14b --tokens 75600 --steps 4 --out DIR
 
-``train --auto``: picks, with the memory planner (``tools/memory.py``), wan-14b with CPU offload when the
+``train --auto``: picks, with the memory planner (``models/memory.py``), wan-14b with CPU offload when the
 host holds its sharded state, else the wan-14b-wide model with the most blocks that fits (``--layers``
 overrides). Writes ``fsdp_<what>_<device>_<world>.json`` under ``--out``; asserts no time.
 """
@@ -25,11 +25,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_adaptiveload.fusion import fuse_norm_modulate  # noqa: E402
+from lightning_adaptiveload.models.memory import activation_bytes_per_token, estimate_memory  # noqa: E402
 from lightning_adaptiveload.models.sharding import default_mp_policy, load_full_state_dict, shard_model  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
 from lightning_adaptiveload.ops import fused_op_status  # noqa: E402
-from lightning_adaptiveload.tools.memory import activation_bytes_per_token, estimate_memory  # noqa: E402
 
 
 def _setup() -> tuple[int, int, torch.device]:

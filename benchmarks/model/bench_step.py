@@ -561,7 +561,7 @@ def add_common_args(ap: argparse.ArgumentParser, reps: int) -> None:
 def device_setup(args: argparse.Namespace):
     """(device, model config, device name, dense bf16 peak FLOP/s or None, file-name tag); makes ``--out``."""
     from lightning_adaptiveload.models.video_dit import VideoDiTConfig
-    from lightning_adaptiveload.monitor.stats import PEAK_FLOPS
+    from lightning_adaptiveload.stats import PEAK_FLOPS
 
     logging_setup()
     dev = torch.device(args.device)

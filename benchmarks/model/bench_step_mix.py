@@ -51,8 +51,8 @@ from bench_step import (  # noqa: E402
     step_inputs,
 )
 
+from lightning_adaptiveload.models.memory import AUTO_BUDGET_FRACTION, ActivationMemory  # noqa: E402
 from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
-from lightning_adaptiveload.tools.memory import AUTO_BUDGET_FRACTION, ActivationMemory  # noqa: E402
 
 
 def epoch_steps(

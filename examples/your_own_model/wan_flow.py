@@ -20,7 +20,12 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torchmetrics import MeanMetric
 
-from lightning_adaptiveload import FusedNormModulateMixin, rank_noise_generator, token_weighted_loss
+from lightning_adaptiveload import (
+    FusedNormModulateMixin,
+    rank_noise_generator,
+    token_weighted_loss,
+    wan_flops_per_batch,
+)
 from lightning_adaptiveload.models.sharding import shard_model
 
 
@@ -81,6 +86,10 @@ class WanFlowModule(FusedNormModulateMixin, L.LightningModule):
             # FSDP groups (the mixin's own fusion after this method then finds them fused).
             self._fuse_after_configure_model()
             shard_model(self.transformer, self.device_mesh, blocks=self.transformer.blocks)
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Training FLOPs of ``batch`` (the LoadBalanceMonitor's TFLOP/s and MFU): the Wan formula."""
+        return wan_flops_per_batch(self.transformer.config, batch)
 
     # -- the objective -----------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ DataModule that adapts it to Lightning.
 
 Pure (no Lightning): ``format`` (names, limits, REASONS, ShardError, ShardInfo), ``paths``, ``npy``,
 ``scan`` (the checking tar scan), ``reader`` (iter_shard), ``index_file`` / ``index`` / ``indexing``
-(ShardIndex), ``columnar`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``media`` / ``demo`` (ingest's pure half; its random-weight stand-ins), ``stream`` (a plan's
+(ShardIndex), ``columnar`` / ``key_columns`` / ``index_columns`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``media`` / ``media_encode`` / ``demo`` (ingest's pure half; its random-weight stand-ins), ``collate`` / ``packed_collate`` (the batch dicts), ``stream`` (a plan's
 stream into batches), ``loader`` (PlannedShardDataset, PlannedDataLoader), ``resume``,
 ``index_agreement``. Lightning adapters: ``datamodule``, ``ingest``.
 """
@@ -28,6 +28,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "ShardInfo": "format",
         "ShardWriter": "writer",
         "apply_sample_transform": "stream",
+        "collate_packed": "packed_collate",
         "available_mixes": "mixes",
         "expand_paths": "paths",
         "iter_shard": "reader",

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -22,12 +21,10 @@ from lightning_adaptiveload.data.columnar import (
     MAGIC,
     IndexColumns,
     check_keys,
-    columns_from_lists,
     decode_keys,
     is_binary_index,
     read_columns,
     refuse_duplicate_keys,
-    write_columns,
 )
 from lightning_adaptiveload.data.format import (
     DEFAULT_PATCH,
@@ -38,12 +35,16 @@ from lightning_adaptiveload.data.format import (
     check_patch,
     divisibility_problem,
 )
+from lightning_adaptiveload.data.index import ShardIndex
+from lightning_adaptiveload.data.index_columns import (
+    checked_keys,
+    columns_of,
+    resolve_paths,
+    shard_info,
+    write_index,
+)
 from lightning_adaptiveload.data.index_file import read_index_bytes
 from lightning_adaptiveload.data.paths import is_url, norm_path
-from lightning_adaptiveload.data.untrusted import Refused, check_index_path
-
-if TYPE_CHECKING:
-    from lightning_adaptiveload.data.index import ShardIndex
 
 __all__ = ["CompactIndex", "load_checked_compact", "load_index"]
 
@@ -119,33 +120,16 @@ class CompactIndex:
         if not -c.num_shards <= shard < c.num_shards:
             raise IndexError(f"shard {shard} out of range ({c.num_shards} shards)")
         shard %= max(c.num_shards, 1)
-        a, b = int(c.shard_offsets[shard]), int(c.shard_offsets[shard + 1])
-        return ShardInfo(
-            path=c.paths[shard],
-            keys=self._keys(shard),
-            latent_shapes=[self._shape_tuples[i] for i in c.shape_id[a:b].tolist()],  # type: ignore[misc]
-            text_lengths=c.text_len[a:b].tolist(),
-            num_bytes=int(c.shard_bytes[shard]),
-            skipped=[dict(e) for e in c.skipped.get(shard, [])],
-            ignored=dict(c.ignored.get(shard, {})),
-        )
+        return shard_info(c, shard, self._shape_tuples, self._keys(shard))
 
     def _keys(self, shard: int) -> list[str]:
         c = self.columns
-        a, b = int(c.shard_offsets[shard]), int(c.shard_offsets[shard + 1])
-        off = c.key_offsets[a : b + 1]
         if not self._keys_checked[shard]:
-            problem = check_keys(c.key_blob, off)
-            if problem is not None:
-                raise ShardError(
-                    self.source or "<columns>",
-                    None,
-                    f"shard {shard}: {problem}",
-                    reason="bad_index",
-                    member=f"shards[{shard}].keys",
-                )
+            keys = checked_keys(c, shard, self.source or "<columns>")
             self._keys_checked[shard] = True
-        return decode_keys(c.key_blob, off)
+            return keys
+        a, b = int(c.shard_offsets[shard]), int(c.shard_offsets[shard + 1])
+        return decode_keys(c.key_blob, c.key_offsets[a : b + 1])
 
     def key(self, ref: tuple[int, int]) -> str:
         """The key of the sample ``ref = (shard_id, sample_id)``."""
@@ -264,25 +248,10 @@ class CompactIndex:
     @classmethod
     def from_shard_index(cls, index: ShardIndex) -> CompactIndex:
         """The columns of a ``ShardIndex`` (lossless: keys, shapes, text lengths, sizes, records)."""
-        shards = index.shards
-        cols = columns_from_lists(
-            [s.path for s in shards],
-            (s.keys for s in shards),
-            (s.latent_shapes for s in shards),
-            (s.text_lengths for s in shards),
-        )
-        cols.shard_bytes = np.array([s.num_bytes for s in shards], dtype="<i8")
-        cols.skipped = {i: [dict(e) for e in s.skipped] for i, s in enumerate(shards) if s.skipped}
-        cols.ignored = {i: dict(s.ignored) for i, s in enumerate(shards) if s.ignored}
-        cols.patch_size = index.patch_size
-        cols.values_checked = index.values_checked
-        cols.metadata = dict(index.metadata)
-        return cls(cols, source=index.source)
+        return cls(columns_of(index), source=index.source)
 
     def to_shard_index(self) -> ShardIndex:
         """The same index as a ``ShardIndex`` of per-sample lists (every key checked)."""
-        from lightning_adaptiveload.data.index import ShardIndex
-
         return ShardIndex(
             shards=[self.shard_info(i) for i in range(self.num_shards)],
             patch_size=self.patch_size,
@@ -297,17 +266,7 @@ class CompactIndex:
         Returns:
             The absolute path written.
         """
-        path = os.path.abspath(os.fspath(path))
-        folder = os.path.dirname(path)
-        paths = []
-        for p in self.columns.paths:
-            if not is_url(p):
-                rel = os.path.relpath(p, folder)
-                if not rel.startswith(os.pardir):
-                    p = rel.replace(os.sep, "/")
-            paths.append(p)
-        cols = IndexColumns(**{**vars(self.columns), "paths": paths, "mapping": None})
-        write_columns(path, cols, progress)
+        path = write_index(self.columns, path, progress)
         self.source = path
         return path
 
@@ -327,8 +286,6 @@ class CompactIndex:
             ShardError: ``bad_index`` / ``unsafe_index_path`` naming the file and the field;
                 ``duplicate_key`` for a key listed twice (across shards or within one).
         """
-        from lightning_adaptiveload.data.index import ShardIndex
-
         text = os.fspath(path)
         local = not is_url(text)
         if local:
@@ -385,40 +342,11 @@ def _remap(
     return index
 
 
-def index_root(source: str) -> str:
-    """The folder relative shard paths of the index at ``source`` resolve against."""
-    if not is_url(source):
-        return os.path.dirname(source)
-    if urllib.parse.urlparse(source).scheme in urllib.parse.uses_relative:
-        return source.rsplit("/", 1)[0] + "/"
-    return os.getcwd()  # e.g. an index read through a pipe: has no folder
-
-
-def resolve_paths(
-    paths: list[str], source: str, allow_schemes: Collection[str], allow_outside: bool
-) -> list[str]:
-    """Shard paths as written -> absolute paths or URLs, each checked like an ``index.json`` entry's."""
-    if "pipe" in {str(s).lower() for s in allow_schemes}:
-        raise ValueError("allow_schemes cannot hold 'pipe': commands are never taken from an index")
-    root = index_root(source)
-    out = []
-    for i, p in enumerate(paths):
-        try:
-            out.append(check_index_path(p, root, allow_schemes=allow_schemes, allow_outside=allow_outside))
-        except Refused as err:
-            raise ShardError(
-                source, None, str(err), reason=err.reason or "bad_index", member=f"shards[{i}].path"
-            ) from None
-    return out
-
-
 def load_index(
     path: str | os.PathLike, *, allow_schemes: Collection[str] = (), allow_outside: bool = False
 ) -> CompactIndex | ShardIndex:
     """The index at ``path`` as it is stored: a :class:`CompactIndex` for a binary index, else a
     ``ShardIndex`` (told by the file's first bytes, not its name)."""
-    from lightning_adaptiveload.data.index import ShardIndex
-
     text = os.fspath(path)
     if not is_url(text) and is_binary_index(norm_path(text)):
         return CompactIndex.load(text, allow_schemes=allow_schemes, allow_outside=allow_outside)

@@ -103,7 +103,7 @@ def tiny_random_text_encoder(seed: int = 0, dim: int = TINY_TEXT_DIM):
 
     Returns:
         ``(text_encoder, tokenizer)``: a transformers ``UMT5EncoderModel`` (float32, CPU, eval mode) and a
-        ``PreTrainedTokenizerFast``, as :func:`~lightning_adaptiveload.data.media.encode_text` takes them.
+        ``PreTrainedTokenizerFast``, as :func:`~lightning_adaptiveload.data.media_encode.encode_text` takes them.
     """
     import tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel

@@ -30,6 +30,13 @@ from lightning_adaptiveload.data.format import (
     check_patch,
     patch_tokens,
 )
+from lightning_adaptiveload.data.index_columns import (
+    checked_keys,
+    columns_of,
+    resolve_paths,
+    shard_info,
+    write_index,
+)
 from lightning_adaptiveload.data.index_file import (
     MAX_DIM,
     IndexProblem,
@@ -170,9 +177,7 @@ class ShardIndex:
         if format not in (None, "json", "binary"):
             raise ValueError(f"format must be 'json', 'binary' or None, got {format!r}")
         if format == "binary" or (format is None and os.fspath(path).endswith(".npidx")):
-            from lightning_adaptiveload.data.compact import CompactIndex
-
-            self.source = CompactIndex.from_shard_index(self).save(path)
+            self.source = write_index(columns_of(self), path)
             return self.source
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
@@ -269,6 +274,23 @@ class ShardIndex:
         )
 
     @classmethod
+    def from_columns(cls, columns: Any, source: str | None = None) -> ShardIndex:
+        """The index held by a binary index's columns (:class:`~.columnar.IndexColumns`, paths resolved),
+        as per-sample lists, every key checked; ``source`` names the file in errors."""
+        shapes = [tuple(r) for r in columns.shapes.tolist()]
+        where = source or "<columns>"
+        return cls(
+            shards=[
+                shard_info(columns, i, shapes, checked_keys(columns, i, where))
+                for i in range(columns.num_shards)
+            ],
+            patch_size=columns.patch_size,
+            values_checked=columns.values_checked,
+            metadata=dict(columns.metadata),
+            source=source,
+        )
+
+    @classmethod
     def load(
         cls,
         path: str | os.PathLike,
@@ -304,20 +326,21 @@ class ShardIndex:
             read_columns,
             refuse_duplicate_keys,
         )
-        from lightning_adaptiveload.data.compact import CompactIndex, resolve_paths
 
         text = os.fspath(path)
         if not is_url(text):
             text = norm_path(text)
             if is_binary_index(text):  # told by the magic bytes, not the name
-                trust = {"allow_schemes": allow_schemes, "allow_outside": allow_outside}
-                return CompactIndex.load(text, **trust).to_shard_index()
+                cols = read_columns(text)
+                cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
+                refuse_duplicate_keys(cols, text)
+                return cls.from_columns(cols, text)
         raw = read_index_bytes(text, untrusted.MAX_INDEX_BYTES)
         if raw.startswith(MAGIC):
             cols = read_columns(text, raw)
             cols.paths = resolve_paths(cols.paths, text, allow_schemes, allow_outside)
             refuse_duplicate_keys(cols, text)
-            return CompactIndex(cols, source=text).to_shard_index()
+            return cls.from_columns(cols, text)
         try:
             data = load_json(raw, finite=False)  # a 1e999 is then named by the field check
         except Refused as err:

@@ -63,8 +63,6 @@ from lightning_adaptiveload.data.media import (
     InputError,
     choose_bucket,
     decode_input,
-    encode_text,
-    encode_video,
     find_inputs,
     parse_buckets,
     read_manifest,
@@ -72,6 +70,7 @@ from lightning_adaptiveload.data.media import (
     size_plan,
     wan_frame_count,
 )
+from lightning_adaptiveload.data.media_encode import encode_text, encode_video
 
 log = logging.getLogger(__name__)
 

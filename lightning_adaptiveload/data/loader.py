@@ -49,7 +49,7 @@ class PlannedShardDataset(IterableDataset):
         underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
         sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
             collation (see :func:`apply_sample_transform`); None: none.
-        text_pad_to: pad text to this many states in every batch (see :func:`~.batching.collate`).
+        text_pad_to: pad text to this many states in every batch (see :func:`~.collate.collate`).
         chunk_samples: plan an epoch of more samples in segments of about this many (see
             :func:`plan_epoch`); None: at once. Part of the saved plan settings, so a resume re-plans alike.
         plan_processes: plan that many segments at a time in spawned processes (see :func:`plan_epoch`).

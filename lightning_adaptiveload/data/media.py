@@ -1,4 +1,4 @@
-"""Videos and images to pixels and latents, without Lightning: inputs, frame sampling, sizing, decoding, encoding.
+"""Videos and images to pixels, without Lightning: inputs, frame sampling, sizing, decoding.
 
 Frame sampling. With source rate ``f_src`` and target rate ``f`` (at most ``f_src``: frames are never
 duplicated), target frame ``i`` is source frame ``round(i * f_src / f)`` (0-based decode order), for as
@@ -18,6 +18,7 @@ from the header), and each kept frame is resized to its bucket as soon as it is 
 follows the output, not the source. Captions are read with a size cap. Every failure is an
 :class:`InputError` whose message names the file and the rule (threat model: ``docs/reliability.md``).
 
+Encoding the pixels is :mod:`~lightning_adaptiveload.data.media_encode`.
 :mod:`lightning_adaptiveload.data.ingest` runs all of it as ``Trainer.predict``.
 """
 
@@ -50,8 +51,6 @@ __all__ = [
     "InputError",
     "choose_bucket",
     "decode_input",
-    "encode_text",
-    "encode_video",
     "find_inputs",
     "parse_buckets",
     "read_caption",
@@ -659,56 +658,3 @@ def decode_input(
         **plan,
     }
     return pixels, meta
-
-
-# --------------------------------------------------------------------------------------------------
-# Encoding
-# --------------------------------------------------------------------------------------------------
-
-
-def latent_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std), each (1, C, 1, 1, 1) float32, from the VAE config's ``latents_mean``/``latents_std``.
-
-    Raises:
-        ValueError: the config lacks them (not a Wan VAE).
-    """
-    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
-    if mean is None or std is None:
-        raise ValueError(
-            "the VAE config has no latents_mean / latents_std; ingest needs Wan's AutoencoderKLWan config"
-        )
-    return (
-        torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1, 1),
-        torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1, 1),
-    )
-
-
-@torch.no_grad()
-def encode_video(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """Wan-normalised latents of a clip: ``(posterior mode - latents_mean) / latents_std``.
-
-    The posterior's mode (not a sample) is what Wan's own ``WanVAE.encode`` returns, and the
-    normalisation is the inverse of what diffusers' Wan pipelines apply before decoding.
-
-    Args:
-        vae: a diffusers ``AutoencoderKLWan``.
-        pixels: (B, 3, T, H, W) in [-1, 1], T = 4k + 1, H and W multiples of 8.
-
-    Returns:
-        (B, z_dim, 1 + (T - 1) / 4, H / 8, W / 8) float32.
-    """
-    param = next(vae.parameters())
-    z = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
-    mean, std = latent_stats(vae)
-    return (z - mean.to(z.device)) / std.to(z.device)
-
-
-@torch.no_grad()
-def encode_text(tokenizer, text_encoder, caption: str, max_length: int = TEXT_MAX_LENGTH) -> torch.Tensor:
-    """umT5 states of the caption's real tokens (Wan trims padding): (L, D) float32, L <= ``max_length``."""
-    tokens = tokenizer(caption, truncation=True, max_length=max_length, return_tensors="pt")
-    device = next(text_encoder.parameters()).device
-    out = text_encoder(
-        input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device)
-    ).last_hidden_state
-    return out[0].float()

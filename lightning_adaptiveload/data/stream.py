@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from lightning_adaptiveload.data.collate import collate
 from lightning_adaptiveload.data.format import MEMBER_REASONS
+from lightning_adaptiveload.data.packed_collate import collate_packed
 from lightning_adaptiveload.data.reader import iter_shard
-from lightning_adaptiveload.planning.batching import DualConstraintBatcher, collate
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.packed_collate import collate_packed
 from lightning_adaptiveload.planning.plan import EpochPlan
 
 __all__ = ["apply_sample_transform", "empty_batch", "stream_batches"]
@@ -68,7 +69,7 @@ def apply_sample_transform(
     Raises:
         ValueError: the transform returned no dict, or a latent of another shape (names the key).
     """
-    from lightning_adaptiveload.planning.batching import sample_fields
+    from lightning_adaptiveload.data.collate import sample_fields
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     key, latent, text, meta, ref = sample_fields(sample)
@@ -116,7 +117,7 @@ def stream_batches(
         on_error, max_member_bytes: passed to ``iter_shard``.
         sample_transform: ``f(sample) -> sample`` run on every decoded sample (see
             :func:`apply_sample_transform`), or None.
-        text_pad_to: see :func:`~lightning_adaptiveload.planning.batching.collate`.
+        text_pad_to: see :func:`~lightning_adaptiveload.data.collate.collate`.
 
     Yields:
         ``collate``'s batch dict (or :func:`empty_batch` when every member was skipped) plus ``"step"``

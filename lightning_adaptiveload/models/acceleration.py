@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from lightning_adaptiveload.models import attention as _attention
-from lightning_adaptiveload.tools.memory import ActivationMemory, MemoryPoint, blocks_to_checkpoint
+from lightning_adaptiveload.models.memory import ActivationMemory, MemoryPoint, blocks_to_checkpoint
 
 _log = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ def probe_activation_memory(
     policy: str = "save_attention",
     counts: Sequence[int] | None = None,
 ) -> tuple[ActivationMemory, list[MemoryPoint]]:
-    """Measure training steps and fit the :class:`~lightning_adaptiveload.tools.memory.ActivationMemory`
+    """Measure training steps and fit the :class:`~lightning_adaptiveload.models.memory.ActivationMemory`
     that ``VideoDiT.set_activation_checkpointing(num_blocks="auto")`` chooses with.
 
     Args:

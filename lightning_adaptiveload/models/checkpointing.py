@@ -3,7 +3,7 @@ blocks are checkpointed.
 
 ``VideoDiT.set_activation_checkpointing`` chooses a policy and a count of blocks, spread evenly over the depth
 (:func:`spread`); with ``num_blocks="auto"`` the count is chosen per batch from a fitted
-:class:`lightning_adaptiveload.tools.memory.ActivationMemory` and a memory budget. Each block applies its own
+:class:`lightning_adaptiveload.models.memory.ActivationMemory` and a memory budget. Each block applies its own
 policy inside its forward, so a compiled block includes its checkpoint.
 """
 

@@ -180,7 +180,7 @@ class VideoDiTModule(L.LightningModule):
                 "checkpoint_blocks as a count"
             )
         if activation_memory is not None:
-            from lightning_adaptiveload.tools.memory import ActivationMemory
+            from lightning_adaptiveload.models.memory import ActivationMemory
 
             ActivationMemory.from_dict(activation_memory)  # names a missing or unknown key now, not at fit
         if weight_dtype not in ("fp32", "bf16"):
@@ -263,7 +263,7 @@ class VideoDiTModule(L.LightningModule):
         if self.hparams.get("checkpoint_blocks") == "auto":
             if not torch.cuda.is_available():
                 raise ValueError('VideoDiTModule: checkpoint_blocks="auto" off CUDA needs memory_budget_gib')
-            from lightning_adaptiveload.tools.memory import AUTO_BUDGET_FRACTION
+            from lightning_adaptiveload.models.memory import AUTO_BUDGET_FRACTION
 
             return (
                 AUTO_BUDGET_FRACTION

@@ -31,11 +31,14 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
+from lightning_adaptiveload.models.config import VideoDiTConfig
+
+if TYPE_CHECKING:
+    from lightning_adaptiveload.models.video_dit import VideoDiT
 
 __all__ = [
     "PretrainedError",
@@ -565,29 +568,3 @@ def _dtype_problems(state: Mapping[str, torch.Tensor], own: Mapping[str, Any]) -
     if out_of_range:
         problems.append(f"values beyond the model's dtype ({len(out_of_range)}): {out_of_range[:3]}")
     return problems
-
-
-def from_pretrained(
-    path: str | os.PathLike, config: VideoDiTConfig | None = None, **overrides: Any
-) -> VideoDiT:
-    """A :class:`VideoDiT` built from ``<path>/config.json`` (or ``config``) with the folder's weights.
-
-    Args:
-        path: a Wan 2.1 transformer folder in Wan's or diffusers' layout (see the module docstring).
-        config: the configuration to use when the folder has no ``config.json``; with one, its fields win
-            unless overridden.
-        **overrides: fields of :class:`VideoDiTConfig` to replace (non-architectural ones, such as
-            ``eps``; architectural ones make loading fail by name).
-
-    Raises:
-        PretrainedError: no config anywhere, or the weights do not fit (see :func:`load_pretrained`).
-    """
-    cfg = config_from_folder(path, **overrides)
-    if cfg is None:
-        if config is None:
-            raise PretrainedError(
-                f"{os.fspath(path)} has no {CONFIG_NAME}; pass config=VideoDiTConfig.preset(...) to say "
-                "which architecture the weights are"
-            )
-        cfg = VideoDiTConfig(**{**config.__dict__, **overrides})
-    return load_pretrained(VideoDiT(cfg), path)

@@ -5,8 +5,8 @@ The rule: a run of several processes must synchronise gradients. DDP (and its sp
 DeepSpeed), FSDP (v1, ``FSDPStrategy``) and ``ModelParallelStrategy`` with the model sharded by FSDP2 do;
 any other strategy of more than one process is refused before the first step, naming the strategy and
 what to use instead. ``ModelParallelStrategy`` itself synchronises nothing: the module must shard itself
-in ``configure_model``, which :func:`shard_module_model` does for ours (and :func:`check_sharded` checks
-for anyone's, after the strategy's setup).
+in ``configure_model``, which :func:`shard_module_model` does for ours (and :func:`~lightning_adaptiveload._dist.check_sharded`
+checks for anyone's, after the strategy's setup).
 """
 
 from __future__ import annotations
@@ -16,17 +16,9 @@ from typing import Any
 import torch
 
 from lightning_adaptiveload import _dist
+from lightning_adaptiveload._dist import UnsupportedStrategyError, _names, check_sharded
 
 __all__ = ["UnsupportedStrategyError", "check_sharded", "check_strategy", "shard_module_model"]
-
-
-class UnsupportedStrategyError(RuntimeError):
-    """A strategy under which training would not synchronise gradients (or that the module cannot use)."""
-
-
-def _names(strategy: Any) -> set[str]:
-    # By class name along the MRO, so that subclasses count and no strategy module needs importing.
-    return {cls.__name__ for cls in type(strategy).__mro__}
 
 
 def check_strategy(strategy: Any | None, module: Any) -> str | None:
@@ -74,31 +66,6 @@ def check_strategy(strategy: Any | None, module: Any) -> str | None:
         "model's gradients (each rank would train its own model); use strategy: ddp (replicated), "
         "lightning.pytorch.strategies.ModelParallelStrategy (sharded with FSDP2; the module shards itself) or "
         "fsdp"
-    )
-
-
-def check_sharded(strategy: Any, model: torch.nn.Module) -> None:
-    """Refuse a ``ModelParallelStrategy`` run whose model was not parallelised in ``configure_model``.
-
-    Lightning's ``ModelParallelStrategy`` leaves all parallelisation to the module: a module that applies
-    neither ``fully_shard`` nor tensor parallelism trains a separate model on every rank, silently. Called
-    by the monitor at the start of training, for any LightningModule.
-
-    Raises:
-        UnsupportedStrategyError: several processes, ``ModelParallelStrategy``, and no parameter is a
-            DTensor (nothing is sharded or replicated by FSDP2 / tensor parallelism).
-    """
-    if "ModelParallelStrategy" not in _names(strategy) or int(getattr(strategy, "world_size", 1)) <= 1:
-        return
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return
-    raise UnsupportedStrategyError(
-        f"{type(model).__name__} runs under {type(strategy).__name__} on {strategy.world_size} processes but its "
-        "configure_model() applies no parallelism (no parameter is a DTensor), so no gradient would be "
-        "synchronised and every rank would train its own model. Shard it there, e.g. "
-        "lightning_adaptiveload.models.sharding.shard_model(self.model, self.device_mesh), or use strategy: ddp"
     )
 
 

@@ -39,6 +39,7 @@ mixed ones as one token sequence whose blocks, attention layers and head get ``s
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import Any
 
@@ -300,11 +301,36 @@ class VideoDiT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, config: VideoDiTConfig | None = None, **overrides: Any) -> VideoDiT:
-        """A model with a Wan 2.1 checkpoint folder's config and weights (Wan's or diffusers' layout);
-        see :func:`lightning_adaptiveload.models.pretrained.from_pretrained`."""
-        from lightning_adaptiveload.models.pretrained import from_pretrained
+        """A model built from ``<path>/config.json`` (or ``config``) with the folder's weights: a Wan 2.1
+        transformer folder in Wan's or diffusers' layout (:mod:`lightning_adaptiveload.models.pretrained`).
 
-        return from_pretrained(path, config, **overrides)
+        Args:
+            path: the folder.
+            config: the configuration to use when the folder has no ``config.json``; with one, its fields
+                win unless overridden.
+            **overrides: fields of :class:`VideoDiTConfig` to replace (non-architectural ones, such as
+                ``eps``; architectural ones make loading fail by name).
+
+        Raises:
+            PretrainedError: no config anywhere, or the weights do not fit (see
+                :func:`~lightning_adaptiveload.models.pretrained.load_pretrained`).
+        """
+        from lightning_adaptiveload.models.pretrained import (
+            CONFIG_NAME,
+            PretrainedError,
+            config_from_folder,
+            load_pretrained,
+        )
+
+        cfg = config_from_folder(path, **overrides)
+        if cfg is None:
+            if config is None:
+                raise PretrainedError(
+                    f"{os.fspath(path)} has no {CONFIG_NAME}; pass config=VideoDiTConfig.preset(...) to say "
+                    "which architecture the weights are"
+                )
+            cfg = VideoDiTConfig(**{**config.__dict__, **overrides})
+        return load_pretrained(cls(cfg), path)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -337,7 +363,7 @@ class VideoDiT(nn.Module):
                 recomputes fewer blocks than a batch of many images of the same tokens. A compiled block
                 then has a graph with and one without its checkpoint. A batch predicted over the budget
                 even with every block checkpointed runs with every block checkpointed, with one warning.
-            memory: for ``"auto"``: a :class:`lightning_adaptiveload.tools.memory.ActivationMemory` (or
+            memory: for ``"auto"``: a :class:`lightning_adaptiveload.models.memory.ActivationMemory` (or
                 its ``to_dict()`` mapping), e.g. from
                 :func:`lightning_adaptiveload.models.acceleration.probe_activation_memory`.
             budget_bytes: for ``"auto"``: the memory one step may use.
@@ -351,7 +377,7 @@ class VideoDiT(nn.Module):
         self._auto_checkpointing = None
         self.last_checkpointed_blocks = None
         if num_blocks == "auto" and enabled:
-            from lightning_adaptiveload.tools.memory import ActivationMemory
+            from lightning_adaptiveload.models.memory import ActivationMemory
 
             if memory is None or budget_bytes is None:
                 raise ValueError(

@@ -7,7 +7,7 @@ Lightning's :class:`~lightning.pytorch.callbacks.ThroughputMonitor` times rank 0
 and :class:`~lightning.pytorch.callbacks.DeviceStatsMonitor` reads rank 0's memory: on a job whose ranks get
 different work, both report the average rank and hide the straggler that everyone waits for. This callback
 measures every rank, gathers the measurements in one small collective per logged step, and logs the
-balance statistics of :mod:`lightning_adaptiveload.monitor.stats`. See ``docs/monitor.md``.
+balance statistics of :mod:`lightning_adaptiveload.stats`. See ``docs/monitor.md``.
 
 This module holds the Lightning hooks only: the clocks and the DDP hook are in
 :mod:`~lightning_adaptiveload.monitor.timing`, the per-step table in :mod:`~lightning_adaptiveload.monitor.steps`,
@@ -29,8 +29,8 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import report, stats
+from lightning_adaptiveload import _dist, stats
+from lightning_adaptiveload.monitor import report
 from lightning_adaptiveload.monitor import steps as step_table
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
@@ -72,9 +72,9 @@ class LoadBalanceMonitor(Callback):
     ``compute_cv``, ``compute_imbalance`` (of the cost estimates), ``token_cv``, ``step_time_cv`` (of the
     ranks' compute times), ``imbalance`` (``max / mean - 1`` of compute times), ``straggler_wait``
     (the share of the window's compute time spent waiting for the slowest rank: ``sum(max - mean) /
-    sum(max)`` over its steps, :func:`lightning_adaptiveload.monitor.stats.straggler_wait`),
+    sum(max)`` over its steps, :func:`lightning_adaptiveload.stats.straggler_wait`),
     ``measured_straggler_wait`` (the same share from each rank's measured wait,
-    :func:`~lightning_adaptiveload.monitor.stats.measured_wait_rows`: a check of the first), ``step_wait_mean``
+    :func:`~lightning_adaptiveload.stats.measured_wait_rows`: a check of the first), ``step_wait_mean``
     (the per-step ``1 - mean / max``, averaged over steps unweighted), ``tokens_per_s`` and
     ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
     ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
@@ -97,15 +97,14 @@ class LoadBalanceMonitor(Callback):
         flops_fn: ``flops_fn(batch) -> float``, the training FLOPs (forward + backward) of one batch on this
             rank. Default: ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
             ``3 * model.flops(batch_size, seq_len, text_len)`` of the first submodule that has an analytic
-            forward ``flops`` method, else :func:`~lightning_adaptiveload.monitor.flops.wan_flops_per_batch` for a
-            diffusers ``WanTransformer3DModel`` inside the module, else ``FlopCounterMode`` counting
+            forward ``flops`` method, else ``FlopCounterMode`` counting
             ``training_step`` on a meta-device copy of the module once per distinct batch shape (times 3;
             :func:`~lightning_adaptiveload.monitor.flops.meta_training_flops`). The module that trains is never run
             under a FLOP counter (that would stop ``torch.compile`` from compiling it). When no way works,
             a warning says so once and TFLOP/s and MFU are not logged.
         count_flops: set ``False`` to disable the meta-copy count (no TFLOP/s or MFU then, unless one of
             the analytic ways applies).
-        peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.monitor.stats.peak_flops`
+        peak_flops: dense peak FLOP/s of one device; default: :func:`lightning_adaptiveload.stats.peak_flops`
             from the device name and the trainer's precision (``None`` on CPU: no MFU).
         write_files: write the CSV and JSON files.
         plots: write the PNG plots (matplotlib, Agg).
@@ -393,10 +392,9 @@ class LoadBalanceMonitor(Callback):
             return
         if self._world == 1:
             return
-        from lightning_adaptiveload.models.strategies import check_sharded
         from lightning_adaptiveload.monitor import fsdp_timing
 
-        check_sharded(trainer.strategy, model)
+        _dist.check_sharded(trainer.strategy, model)
         self._fsdp_timer = fsdp_timing.install_fsdp2_timer(self._clock, model)
         if self._fsdp_timer is not None:
             self._timing_method = "fsdp2_post_backward"

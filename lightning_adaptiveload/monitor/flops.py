@@ -1,12 +1,9 @@
 """Model FLOPs of a training step without touching the model that trains.
 
-Two ways, in the order :class:`~lightning_adaptiveload.LoadBalanceMonitor` tries them after a user's own
-``flops_per_batch``:
+The monitor knows no model: it takes a user's ``flops_fn(batch)``, the module's own ``flops_per_batch``
+(for a diffusers Wan, :func:`~lightning_adaptiveload.models.wan_flops.wan_flops_per_batch` gives it), or an
+analytic ``flops`` method; else:
 
-- **Analytic, for diffusers' Wan** (:func:`wan_flops_per_batch`): ``WanTransformer3DModel`` has the block
-  structure of :class:`~lightning_adaptiveload.models.VideoDiT` (patch embedding, time and text
-  embeddings, blocks of self-attention, cross-attention and FFN, a linear head), so its FLOPs are
-  :func:`~lightning_adaptiveload.models.video_dit.forward_flops` of its config: one formula for both.
 - **Counted on a meta-device copy** (:func:`meta_training_flops`): ``FlopCounterMode`` runs over a copy of
   the LightningModule whose parameters are meta tensors (no memory, no arithmetic). Counting on the module
   that trains is what this avoids: in torch 2.13 a compiled module first called under ``FlopCounterMode``
@@ -16,7 +13,7 @@ Two ways, in the order :class:`~lightning_adaptiveload.LoadBalanceMonitor` tries
 ``flops_per_batch`` or analytic ``flops`` first) and gives each batch's FLOPs; the callback only calls it.
 
 Training FLOPs are 3x the forward (forward + backward, model FLOPs: activation recomputation is not
-counted), the convention of :func:`lightning_adaptiveload.monitor.stats.mfu`.
+counted), the convention of :func:`lightning_adaptiveload.stats.mfu`.
 """
 
 from __future__ import annotations
@@ -26,100 +23,19 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
 import torch
 
+from lightning_adaptiveload.stats import TRAINING_FLOPS_PER_FORWARD
+
 __all__ = [
     "TRAINING_FLOPS_PER_FORWARD",
-    "wan_flops_per_batch",
-    "find_wan_config",
     "meta_copy",
     "meta_training_flops",
     "BatchFlops",
 ]
-
-# forward + backward (the backward costs two forwards: gradients of the inputs and of the weights)
-TRAINING_FLOPS_PER_FORWARD = 3.0
-
-
-def _wan_as_video_dit(config: Any) -> SimpleNamespace:
-    """The fields of :func:`forward_flops` from a diffusers ``WanTransformer3DModel`` config."""
-    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-    patch = tuple(int(p) for p in get("patch_size", (1, 2, 2)))
-    in_channels = int(get("in_channels", 16))
-    return SimpleNamespace(
-        dim=int(get("num_attention_heads")) * int(get("attention_head_dim")),
-        ffn_dim=int(get("ffn_dim")),
-        num_layers=int(get("num_layers")),
-        patch_volume=math.prod(patch),
-        patch_size=patch,
-        in_channels=in_channels,
-        out_channels=int(get("out_channels", None) or in_channels),
-        freq_dim=int(get("freq_dim", 256)),
-        text_dim=int(get("text_dim", 4096)),
-    )
-
-
-def wan_flops_per_batch(config: Any, batch: Mapping[str, Any]) -> float:
-    """Training FLOPs (3x forward) of one batch through a diffusers ``WanTransformer3DModel``.
-
-    Counts the matmuls at 2 FLOPs per multiply-add with the formula of
-    :func:`~lightning_adaptiveload.models.video_dit.forward_flops` (self-attention with its ``S^2`` term,
-    cross-attention over the batch's padded text length, FFN, embeddings, head); norms, RoPE and
-    activations are left out. The image branch of Wan's image-to-video variant is not counted.
-
-    Args:
-        config: the model's ``config`` (a diffusers ``FrozenDict`` or any mapping / object with
-            ``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``ffn_dim``, ``patch_size``,
-            ``in_channels``, ``out_channels``, ``freq_dim``, ``text_dim``).
-        batch: a batch of the data path: ``latents`` (B, C, T, H, W), ``text`` (B, L, D) or None; or a
-            pack (``docs/data_path.md``, "Packed batches"): ``latents`` a list of (C, T_i, H_i, W_i), ``text``
-            (N, L, D) or None, counted as its samples one by one, each with the pack's padded text length L
-            (what a model without varlen attention runs, e.g. ``examples/your_own_model``).
-
-    Returns:
-        FLOPs of forward + backward of the batch on this rank.
-
-    Example::
-
-        def flops_per_batch(self, batch):  # on your LightningModule
-            return wan_flops_per_batch(self.transformer.config, batch)
-    """
-    from lightning_adaptiveload.models.video_dit import forward_flops
-
-    cfg = _wan_as_video_dit(config)
-    pt, ph, pw = cfg.patch_size
-    text = batch.get("text")
-    text_len = 0 if text is None else int(text.shape[1])
-    latents = batch["latents"]
-    if isinstance(latents, (list, tuple)):  # a pack: samples of different shapes
-        grids = [tuple(int(v) for v in x.shape[-3:]) for x in latents]
-    else:
-        b, _, t, h, w = latents.shape
-        grids = [(int(t), int(h), int(w))] * int(b)
-    counts: dict[tuple[int, int, int], int] = {}
-    for grid in grids:
-        counts[grid] = counts.get(grid, 0) + 1
-    forward = sum(
-        n * forward_flops(cfg, (t // pt) * (h // ph) * (w // pw), text_len)  # type: ignore[arg-type]
-        for (t, h, w), n in counts.items()
-    )
-    return TRAINING_FLOPS_PER_FORWARD * forward
-
-
-def find_wan_config(module: torch.nn.Module) -> Any:
-    """The config of the first diffusers ``WanTransformer3DModel`` inside ``module``, or None.
-
-    Matched by class name (also for subclasses) so that diffusers need not be imported here.
-    """
-    for sub in module.modules():
-        names = {cls.__name__ for cls in type(sub).__mro__}
-        if "WanTransformer3DModel" in names and getattr(sub, "config", None) is not None:
-            return sub.config
-    return None
 
 
 def _to_meta(value: Any) -> Any:
@@ -266,9 +182,8 @@ class BatchFlops:
 
     In order: the user's ``flops_fn(batch)``; the module's ``flops_per_batch`` (method or value); the
     analytic ``flops(batch_size, seq_len, text_len)`` of the first (sub)module that has one, times 3;
-    :func:`wan_flops_per_batch` for a diffusers Wan inside the module; else, with ``count_flops``,
-    :func:`meta_training_flops` once per distinct batch shape (:meth:`before_step`). When no way works,
-    ``warn`` is called once and every batch gives ``nan``.
+    else, with ``count_flops``, :func:`meta_training_flops` once per distinct batch shape
+    (:meth:`before_step`). When no way works, ``warn`` is called once and every batch gives ``nan``.
 
     Args:
         pl_module: the LightningModule (or any module with ``training_step``).
@@ -277,7 +192,7 @@ class BatchFlops:
         warn: ``warn(key, message)``, e.g. a rank-zero warning issued once per key.
 
     Attributes:
-        source: ``"flops_fn"``, ``"flops_per_batch"``, ``"analytic"``, ``"wan_config"``, ``"flop_counter"``
+        source: ``"flops_fn"``, ``"flops_per_batch"``, ``"analytic"``, ``"flop_counter"``
             or None (unknown).
     """
 
@@ -309,10 +224,7 @@ class BatchFlops:
                 self._analytic = module
                 self.source = "analytic"
                 return
-        self._analytic = find_wan_config(pl_module)
-        if self._analytic is not None:
-            self.source = "wan_config"
-        elif count_flops:
+        if count_flops:
             self.source = "flop_counter"  # FlopCounterMode on a meta copy
         else:
             self._unknown("count_flops=False")
@@ -324,7 +236,7 @@ class BatchFlops:
             f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
             "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
             "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
-            "`lightning_adaptiveload.monitor.flops.wan_flops_per_batch(config, batch)`.",
+            "`lightning_adaptiveload.wan_flops_per_batch(config, batch)`.",
         )
 
     def before_step(self, pl_module: Any, batch: Any, batch_idx: int) -> bool:
@@ -358,8 +270,6 @@ class BatchFlops:
             if args not in self._cache:
                 self._cache[args] = TRAINING_FLOPS_PER_FORWARD * float(self._analytic.flops(*args))
             return self._cache[args]
-        if self.source == "wan_config":
-            return wan_flops_per_batch(self._analytic, batch)
         # flop_counter: counted on the meta copy at the batch start
         return self._cache.get(self._step_key, math.nan)
 

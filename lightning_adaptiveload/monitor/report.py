@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.monitor.steps import FIELDS, FLAG_COUNTED, FLAG_HOOK, GIB, STEP_COLUMNS
 
 __all__ = [

@@ -3,7 +3,7 @@
 Owns the layout of the record every rank sends per step (:data:`FIELDS`), the check that the ranks' blocks
 line up (:func:`split_blocks`), the statistics across ranks of every step (:func:`step_table`), and what a
 logging window or the whole run reports from that table (:func:`window_metrics`, :func:`summarize_table`).
-Plain numpy: every formula is a call into :mod:`lightning_adaptiveload.monitor.stats`.
+Plain numpy: every formula is a call into :mod:`lightning_adaptiveload.stats`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import stats
 
 __all__ = [
     "FIELDS",

@@ -17,8 +17,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "LOCKSTEP_TAILS": "tail",
         "PlanError": "plan",
         "SCHEDULES": "plan",
-        "collate": "batching",
-        "collate_packed": "packed_collate",
         "consumed_refs": "resume",
         "continue_plan": "resume",
         "index_fingerprint": "inputs",

@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor.stats import balance_rows, summarize_steps
 from lightning_adaptiveload.planning.assign import exclusions
 from lightning_adaptiveload.planning.inputs import Bucket, PlanInput
 from lightning_adaptiveload.planning.lockstep import lockstep_classes
 from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, Ref, Stream, underfull_message
+from lightning_adaptiveload.stats import balance_rows, summarize_steps
 
 __all__ = ["local_plan", "plan_segments", "segment_count", "split_shards"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor.stats import balance_rows, summarize_steps
+from lightning_adaptiveload.stats import balance_rows, summarize_steps
 
 __all__ = ["ZERO_COUNTERS", "bucket_dicts", "packed_plan", "packed_report", "rank_correlation"]
 

@@ -101,14 +101,14 @@ class EpochPlan:
             unequal_steps (the same count in any mode), lockstep_classes, moved_samples, moved_batches,
             shard_splits, reads, max_buffered_samples, max_compute, est_compute_cv (mean over steps of the
             CV of the batch costs across ranks), est_straggler_wait
-            (:func:`~lightning_adaptiveload.monitor.stats.straggler_wait` over the steps: share of the summed
+            (:func:`~lightning_adaptiveload.stats.straggler_wait` over the steps: share of the summed
             step time spent waiting for the slowest rank, by the cost model; ``est_wait_share`` is its old
             name), samples_per_rank, plan_seconds. :func:`~.resume.continue_plan` adds resumed_at_step.
             Lockstep mode adds lockstep_tail (the setting), packed_tail_steps (steps of packs at the end,
             see :mod:`.tail`), packed_tail_samples, tail_fill_mean (mean tokens / max_tokens of the tail
             packs; 0 without a tail).
         pack_batches: ``pack_batches[(rank, worker)][j]``: whether batch j is a pack (samples of any shapes,
-            collated by :func:`~.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
+            collated by :func:`~lightning_adaptiveload.data.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
             batch is a pack, unless ``mode == "packed"`` (every batch is). Use :meth:`is_pack`.
     """
 

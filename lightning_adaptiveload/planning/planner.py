@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_adaptiveload.monitor.stats import balance_summary
 from lightning_adaptiveload.planning.assign import assign, exclusions, read_id_arrays, reads_of, shard_pieces
 from lightning_adaptiveload.planning.batch_arrays import BatchArrays
 from lightning_adaptiveload.planning.chunked import local_plan, plan_segments, segment_count
@@ -62,6 +61,7 @@ from lightning_adaptiveload.planning.plan import (
     underfull_message,
 )
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS, packed_tail, tail_reads
+from lightning_adaptiveload.stats import balance_summary
 
 if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher

@@ -329,7 +329,7 @@ def calibrate(
             master-weight optimizer (2 more bytes per parameter than fp32 weights) and writes
             ``weight_dtype: bf16`` into the fragment.
         checkpoint_blocks: ``"auto"``: after the memory search (every block checkpointed), fit the
-            :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` on three batches at
+            :class:`~lightning_adaptiveload.models.memory.ActivationMemory` on three batches at
             ``max_tokens`` (:meth:`Bench.activation_memory`), time with the count chosen per batch, and
             write ``checkpoint_blocks: auto``, ``activation_memory`` and ``memory_budget_gib`` into the
             fragment's ``model.init_args``. Needs ``activation_checkpointing``.

@@ -174,7 +174,7 @@ class Bench:
             _release(self.device)
 
     def activation_memory(self, policy: str, batches: Sequence[tuple[Sequence[int], int]]):
-        """Fit the model's :class:`~lightning_adaptiveload.tools.memory.ActivationMemory` (for
+        """Fit the model's :class:`~lightning_adaptiveload.models.memory.ActivationMemory` (for
         ``checkpoint_blocks="auto"``) from :meth:`peak_bytes` at each (latent shape (C, T, H, W), batch
         size), with every block and with half of them checkpointed under ``policy``. Returns (memory,
         points)."""

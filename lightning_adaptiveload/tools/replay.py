@@ -4,7 +4,7 @@ Owns the configurations (:data:`MODES`: schedule and batcher mode), the populati
 (:func:`mix_population`: a mix's exact proportions; :func:`bucket_shares`), the replay of an
 :class:`~lightning_adaptiveload.planning.planner.EpochPlan` into per-(step, rank) times
 (:func:`replay_plan`), the balance figures of a replay (:func:`balance_metrics`, every formula from
-:mod:`lightning_adaptiveload.monitor.stats`) and the break points of the ``max_compute`` search
+:mod:`lightning_adaptiveload.stats`) and the break points of the ``max_compute`` search
 (:func:`budget_candidates`). Plain Python and numpy; no Lightning.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.data.mixes import Mix
-from lightning_adaptiveload.monitor import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.step_times import BatchCoster, StepTimeTable, tokens_per_sample
 
@@ -38,6 +38,10 @@ __all__ = [
 ]
 
 # configuration name -> (schedule passed to plan_epoch, batcher mode)
+# The lockstep schedule's target for step-time CV and straggler wait (issue 7), checked and reported by
+# simulate and drawn in its plots (never asserted).
+TARGET_LOCKSTEP = 0.02
+
 MODES: dict[str, tuple[str, str]] = {
     "equal_tokens": ("independent", "equal_tokens"),
     "dual": ("independent", "dual"),
@@ -61,8 +65,8 @@ def balance_metrics(
 ) -> dict[str, float]:
     """Balance, throughput and memory statistics of per-rank step times.
 
-    The balance figures are :func:`lightning_adaptiveload.monitor.stats.balance_summary` of ``rank_seconds``
-    (:data:`~lightning_adaptiveload.monitor.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
+    The balance figures are :func:`lightning_adaptiveload.stats.balance_summary` of ``rank_seconds``
+    (:data:`~lightning_adaptiveload.stats.BALANCE_FIGURES`: the names the monitor's summary uses).
 
     Args:
         rank_seconds: float array (steps, world): each rank's compute time of each step, seconds.

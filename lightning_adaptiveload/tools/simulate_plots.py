@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lightning_adaptiveload.monitor.report import new_figure, save_figure
-from lightning_adaptiveload.tools.replay import MODES
-from lightning_adaptiveload.tools.simulate import TARGET_LOCKSTEP
+from lightning_adaptiveload.tools.replay import MODES, TARGET_LOCKSTEP
 
 if TYPE_CHECKING:
     from lightning_adaptiveload.tools.simulate import SimulationResult

@@ -1,6 +1,6 @@
 """The batch of the ``packed`` schedule: one pack of samples of any shapes (the packed batch contract).
 
-The bucketed contract (:func:`~.batching.collate`) stacks samples of one shape; a pack cannot be
+The bucketed contract (:func:`~.collate.collate`) stacks samples of one shape; a pack cannot be
 stacked, so its latents stay a list and the offsets of each sample in the packed token sequence travel
 with it. ``docs/data_path.md`` ("Packed batches") documents every key. Text keeps the bucketed layout
 (zero padded per sample, with a mask), plus each sample's own length and offsets for varlen kernels.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_adaptiveload.planning.batching import collate
+from lightning_adaptiveload.data.collate import collate
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -30,7 +30,7 @@ def collate_packed(
     """Collate one pack: samples of any latent shapes (one channel count C).
 
     Args:
-        samples: decoded samples as for :func:`~.batching.collate`.
+        samples: decoded samples as for :func:`~.collate.collate`.
         patch_size: (pt, ph, pw) for the token counts.
         cost_model: for ``"cost"`` (``c0 + sum cost(S_i)``); :meth:`CostModel.default` when None.
         global_tokens: tokens of this step summed over all ranks, or -1.

@@ -1,0 +1,133 @@
+"""The key column of the binary index (:mod:`~lightning_adaptiveload.data.columnar`): sample keys as one
+UTF-8 blob and offsets, decoded, checked against the writer's key rules in bytes, and searched for
+duplicates by hashing, all without a Python string per key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_keys", "decode_keys", "duplicate_key", "key_hashes"]
+
+# Bytes a key may not hold: '/', '\\', '.', control characters (the writer's key rules, in bytes).
+_BAD_KEY_BYTE = np.zeros(256, dtype=bool)
+_BAD_KEY_BYTE[list(range(0x20)) + [0x7F, ord("/"), ord("\\"), ord(".")]] = True
+
+
+def decode_keys(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    """Keys ``blob[offsets[i]:offsets[i+1]]`` as strings (ASCII keys are cut from one decoded string)."""
+    if len(offsets) < 2:
+        return []
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    raw = blob[lo:hi].tobytes()
+    text = raw.decode("utf-8")
+    rel = (np.asarray(offsets, dtype=np.int64) - lo).tolist()
+    source: Any = text if len(text) == len(raw) else raw
+    keys = [source[rel[i] : rel[i + 1]] for i in range(len(rel) - 1)]
+    return keys if source is text else [k.decode("utf-8") for k in keys]
+
+
+def check_keys(blob: np.ndarray, offsets: np.ndarray) -> str | None:
+    """Which key of ``blob`` (cut at ``offsets``) breaks the writer's key rules, as a sentence, or None.
+
+    The rules of :func:`~lightning_adaptiveload.data.untrusted.key_problem` in bytes: non-empty, valid
+    UTF-8, no '/', '\\\\', '.' or control character, no leading '__'. Vectorised over the keys.
+    """
+    if len(offsets) < 2:
+        return None
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    part = blob[lo:hi]
+    lens = np.diff(offsets)
+    if lens.size and lens.min() < 1:
+        return f"key #{int(np.argmin(lens))} is empty"
+    bad = _BAD_KEY_BYTE[part]
+    if bad.any():
+        pos = int(np.argmax(bad)) + lo
+        k = int(np.searchsorted(offsets, pos, side="right")) - 1
+        return f"key #{k} holds the byte 0x{int(blob[pos]):02x} ('/', '\\', '.' and control characters are refused)"
+    starts = offsets[:-1] - lo
+    long_ = lens >= 2
+    dunder = long_ & (part[np.minimum(starts, max(len(part) - 1, 0))] == 0x5F)
+    dunder &= part[np.minimum(starts + 1, max(len(part) - 1, 0))] == 0x5F
+    if dunder.any():
+        return f"key #{int(np.argmax(dunder))} starts with '__', which is reserved"
+    try:
+        decode_keys(blob, offsets)
+    except UnicodeDecodeError as err:
+        return f"the keys are not valid UTF-8 ({err.reason} at byte {err.start + lo})"
+    return None
+
+
+# Tabulation hashing of keys: one random 64-bit value per (position mod 64, byte), summed over the key's
+# bytes, mixed with its length. Vectorised over keys; equal hashes are confirmed on the bytes, so a
+# collision (crafted or not) costs time, never a wrong answer.
+_HASH_TABLE = np.random.default_rng(0x5EED_4E42).integers(
+    0, 1 << 63, size=64 * 256, dtype=np.uint64
+) * np.uint64(2) + np.uint64(1)
+_HASH_CHUNK = 1 << 24  # key bytes per step: bounds the temporaries to a few hundred MiB
+
+
+def key_hashes(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """(n,) uint64: a hash of each key ``blob[offsets[i]:offsets[i+1]]`` (equal keys, equal hashes)."""
+    n = len(offsets) - 1
+    out = np.zeros(max(n, 0), dtype=np.uint64)
+    i = 0
+    with np.errstate(over="ignore"):
+        while i < n:
+            lo = int(offsets[i])
+            j = int(np.searchsorted(offsets, lo + _HASH_CHUNK, side="right")) - 1
+            j = min(max(j, i + 1), n)
+            hi = int(offsets[j])
+            if j == i + 1 and hi - lo > _HASH_CHUNK:  # one long key: its bytes in pieces
+                acc = np.uint64(0)
+                for a in range(lo, hi, _HASH_CHUNK):
+                    b = min(hi, a + _HASH_CHUNK)
+                    pos = (np.arange(a - lo, b - lo, dtype=np.int64) & 63) << 8
+                    acc += _HASH_TABLE[pos + blob[a:b]].sum(dtype=np.uint64)
+                out[i] = acc
+            else:
+                starts = np.asarray(offsets[i:j], dtype=np.int64) - lo
+                lens = np.diff(np.asarray(offsets[i : j + 1], dtype=np.int64))
+                width = int(lens[0])
+                if 0 < width <= 64 and (lens == width).all():  # keys of one length (the usual case)
+                    rows = blob[lo:hi].reshape(j - i, width)
+                    part = out[i:j]
+                    for c in range(width):
+                        part += _HASH_TABLE[(c << 8) + rows[:, c].astype(np.int64)]
+                    i = j
+                    continue
+                pos = np.arange(hi - lo, dtype=np.int64) - np.repeat(starts, lens)
+                contrib = _HASH_TABLE[((pos & 63) << 8) + blob[lo:hi]]
+                full = lens > 0
+                if contrib.size:
+                    out[i:j][full] = np.add.reduceat(contrib, starts[full])
+            i = j
+        lens_all = np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.uint64)
+        out ^= lens_all * np.uint64(0x9E3779B97F4A7C15)
+        out ^= out >> np.uint64(31)
+        out *= np.uint64(0xBF58476D1CE4E5B9)
+        out ^= out >> np.uint64(29)
+    return out
+
+
+def duplicate_key(blob: np.ndarray, offsets: np.ndarray) -> tuple[int, int] | None:
+    """The first key listed twice, as ``(first position, later position)``, or None when all are unique."""
+    n = len(offsets) - 1
+    if n < 2:
+        return None
+    hashes = key_hashes(blob, offsets)
+    ordered = np.sort(hashes)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if twice.size == 0:
+        return None
+    first: dict[bytes, int] = {}
+    found: tuple[int, int] | None = None
+    for pos in np.flatnonzero(np.isin(hashes, twice)).tolist():  # ascending: index order
+        key = blob[int(offsets[pos]) : int(offsets[pos + 1])].tobytes()
+        earlier = first.setdefault(key, pos)
+        if earlier != pos:
+            found = (earlier, pos)
+            break
+    return found
