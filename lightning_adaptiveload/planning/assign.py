@@ -9,6 +9,7 @@ would differ by more than 5% or there are fewer pieces than bins. Python and Num
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ def shard_pieces(
             a, b = fast.offsets[sid], fast.offsets[sid + 1]
             if b > a:
                 ids = np.arange(b - a, dtype=np.int64)
-                cost = sum(fast.weights[a:b])  # the same Python sum, in the same order, as below
+                cost = math.fsum(fast.weights[a:b])  # the same exactly rounded sum as below
                 pieces.append(Piece(sid, position[sid], list(range(b - a)), fast.buckets[a:b], cost, ids))
             continue
         if arrays is None:
@@ -106,8 +107,10 @@ def shard_pieces(
             ids = np.flatnonzero(keep)
             kept_bk = bk[ids]
         if len(ids):
-            # Python's sum over the weights in sample order, as before (its float rounding is part of the plan).
-            cost = sum(weight[kept_bk].tolist())
+            # The exactly rounded sum (math.fsum), not Python's sum(): its rounding is part of the plan (the
+            # LPT orders pieces by cost), and sum() of floats rounds differently from Python 3.12 on, so ranks
+            # or a resumed run on another Python would plan another epoch.
+            cost = math.fsum(weight[kept_bk].tolist())
             pieces.append(
                 Piece(sid, position[sid], ids.tolist(), kept_bk.tolist(), cost, ids.astype(np.int64))
             )
@@ -159,7 +162,7 @@ def _split_piece(piece: Piece, cost_of: list[float]) -> tuple[Piece, Piece]:
         (piece.ids[:half], piece.buckets[:half], None if arr is None else arr[:half]),
         (piece.ids[half:], piece.buckets[half:], None if arr is None else arr[half:]),
     ):
-        parts.append(Piece(piece.shard, piece.order, ids, bk, sum(cost_of[b] for b in bk), a))
+        parts.append(Piece(piece.shard, piece.order, ids, bk, math.fsum(cost_of[b] for b in bk), a))
     return parts[0], parts[1]
 
 
@@ -177,7 +180,7 @@ def assign(
     cap = world * workers * _MAX_PIECES_PER_STREAM
     while True:
         per_bin, loads = _lpt(pieces, bins)
-        mean = sum(loads) / bins
+        mean = math.fsum(loads) / bins
         want = len(pieces) < bins or (mean > 0 and max(loads) > (1 + _BALANCE_TOLERANCE) * mean)
         splittable = [p for p in pieces if len(p.ids) > 1]
         if not want or not splittable or len(pieces) >= cap:
