@@ -236,10 +236,13 @@ def test_refitter_refits_its_window_and_restores_from_its_state():
     result = refitter.refit(LINEAR, epoch=0, step=24)
     assert result.status == "fitted" and refitter.window_rows == 0
     assert rel(refitter.model.beta, 2e-5) < 1e-6
-    again = CostRefitter(RefitConfig())
+    refitter.add_steps(steps[:5])  # a window in progress at the checkpoint
+    again = CostRefitter(RefitConfig(warmup_steps_per_class=0))
     again.load_state_dict(refitter.state_dict())
+    assert again.window_rows == refitter.window_rows == 10
+    assert again.refit(LINEAR, 1, 29).model == refitter.refit(LINEAR, 1, 29).model
     assert again.model == refitter.model and again.history == refitter.history
-    assert len(again.state_dict()["measurements"]["seconds"]) == 48
+    assert len(again.state_dict()["measurements"]["seconds"]) == 10
     with pytest.raises(ValueError, match="cost refit state has version 7"):
         again.load_state_dict({**refitter.state_dict(), "version": 7})
 

@@ -238,7 +238,13 @@ class LoadBalanceMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {} if self._refitter is None else {"cost_refit": self._refitter.state_dict()}
+        """The cost refit's state (``{}`` with ``refit=False``). Gathers the buffered steps first, so that the
+        window is saved whole: a collective, which every rank runs when Lightning saves a checkpoint."""
+        if self._refitter is None:
+            return {}
+        if self._pending and self._trainer is not None:
+            self._flush(self._trainer, self._trainer.lightning_module, log=False)
+        return {"cost_refit": self._refitter.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

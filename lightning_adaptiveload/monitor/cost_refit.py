@@ -146,11 +146,16 @@ class CostRefitter:
         return result
 
     def state_dict(self) -> dict[str, Any]:
-        """The learned model, the measurements of its last refit and the refit history (plain values)."""
+        """The learned model, the measurements of its last refit, the window gathered since (so that a run
+        resumed mid-epoch refits from the same rows; its last ``max_saved_steps`` rows) and the refit history
+        (plain values, for any checkpoint loader)."""
+        window = StepMeasurements.concat(self._window)
+        keep = self.config.max_saved_steps
         return {
             "version": STATE_VERSION,
             "model": None if self.model is None else self.model.to_dict(),
             "measurements": self._last.to_dict(),
+            "window": window.take(np.arange(max(0, len(window) - keep), len(window))).to_dict(),
             "seen": [[r, c, n] for (r, c), n in sorted(self._seen.items())],
             "history": list(self.history),
         }
@@ -171,4 +176,4 @@ class CostRefitter:
         self._last = StepMeasurements.from_dict(state["measurements"])
         self._seen = {(int(r), str(c)): int(n) for r, c, n in state.get("seen", [])}
         self.history = list(state.get("history", []))
-        self._window = []
+        self._window = [StepMeasurements.from_dict(state["window"])] if "window" in state else []

@@ -61,7 +61,8 @@ class RefitConfig:
         min_points_per_term: kept rows needed per fitted term (3 terms: c0, alpha, beta).
         max_change: the largest factor by which one refit may change the cost of a step relative to the
             others (the shape of the model; its unit may change freely). Beyond it the change is clamped.
-        max_saved_steps: the most rows of measurements kept in a checkpoint (the last ones).
+        max_saved_steps: the most rows (rank-steps) of measurements kept in a checkpoint, for the last refit's
+            and for the window since (the last ones of each).
     """
 
     every_n_steps: int | None = None
@@ -71,7 +72,7 @@ class RefitConfig:
     max_outlier_rounds: int = 5
     min_points_per_term: int = 4
     max_change: float = 10.0
-    max_saved_steps: int = 20_000
+    max_saved_steps: int = 100_000
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and int(self.every_n_steps) < 1:
