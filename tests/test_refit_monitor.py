@@ -130,3 +130,27 @@ def test_numeric_cap_logs_the_refit_without_applying_it(tmp_path):
     assert not line["applied"] and "max_compute=300.0" in line["not_applied_because"]
     assert [e for e in dm.events if e[0] == "model"] == []
     assert np.isfinite(line["error"]["all"]["mean"])
+
+
+def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.synthetic import write_synthetic_shards
+    from lightning_adaptiveload.planning.inputs import distinct_shapes
+
+    write_synthetic_shards(str(tmp_path), mix="tiny", num_samples=64, samples_per_shard=16, seed=1, progress=False)
+    dm = AdaptiveLoadDataModule(str(tmp_path), max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0})
+    dm.setup("fit")
+    before = dm.train_dataset.make_plan(0)
+    dm.set_cost_model(TRUE.to_dict())
+    assert dm.batcher.cost_model == TRUE and dm.train_dataset.batcher is dm.batcher
+    shapes = distinct_shapes(dm.train_index)
+    expected = DualConstraintBatcher(max_tokens=512, cost_model=TRUE).resolve_max_compute(shapes)
+    assert dm.batcher.max_compute == pytest.approx(expected)
+    after = dm.train_dataset.make_plan(0)
+    assert after.report["batches"] != before.report["batches"]  # the new costs size the batches
+    assert dm.train_dataset.plan_settings()["batcher"]["cost_model"] == TRUE.to_dict()  # saved for a resume
+    fixed = AdaptiveLoadDataModule(
+        str(tmp_path), max_tokens=512, num_workers=0, max_compute=300.0, cost_model={"kind": "power", "p": 1.0}
+    )
+    with pytest.raises(ValueError, match="max_compute=300.0 is in the unit of the current cost model"):
+        fixed.set_cost_model(TRUE)
