@@ -286,3 +286,50 @@ def test_manual_clock_moves_only_when_told():
     assert clock.seconds(a, clock.mark()) == 1.5 and clock.seconds(a, a) == 0.0
     with pytest.raises(ValueError, match="seconds must be >= 0"):
         clock.advance(-1.0)
+
+
+def _ranks_csv(tmp_path, classes) -> str:
+    from lightning_adaptiveload.monitor import report
+
+    path = str(tmp_path / "load_balance_ranks.csv")
+    report.write_ranks_header(path)
+    steps = _gathered([[(b, s, TRUE.batch_cost(b, s), FLAG_HOOK)] * 2 for b, s in classes])
+    b, s = steps[:, :, FIELD_INDEX["batch_size"]], steps[:, :, FIELD_INDEX["seq_len"]]
+    steps[:, :, FIELD_INDEX["token_sq_sum"]] = b * s * s
+    report.append_rank_rows(path, steps)
+    return path
+
+
+def test_a_run_is_replayed_from_its_ranks_csv(tmp_path):
+    from lightning_adaptiveload.monitor.cost_refit import format_refit, measurements_from_ranks_csv
+
+    classes = [(b, s) for s in (24, 72, 120, 225) for b in (1, 3, 6)] * 2
+    m = measurements_from_ranks_csv(_ranks_csv(tmp_path, classes), warmup_steps_per_class=1)
+    assert len(m) == 48 and m.warmup.sum() == 2 * 4  # the first step of each class on each rank
+    result = refit_cost_model(LINEAR, m, RefitConfig())
+    assert rel(result.model.c0, 0.4) < 1e-6
+    text = format_refit(result)
+    assert "cost model refit: fitted" in text and text.index("S=24") < text.index("S=225")
+    with pytest.raises(ValueError, match="missing column\\(s\\) \\['compute_time_s'"):
+        (tmp_path / "bad.csv").write_text("rank,batch_idx,batch_size,num_tokens,seq_len\n0,0,1,24,24\n")
+        measurements_from_ranks_csv(tmp_path / "bad.csv")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        measurements_from_ranks_csv(tmp_path / "none.csv")
+
+
+def test_simulate_replay_command(tmp_path, capsys):
+    import json
+
+    from lightning_adaptiveload.cli.simulate import main
+
+    classes = [(b, s) for s in (24, 72, 120, 225) for b in (1, 3, 6)] * 2
+    path = _ranks_csv(tmp_path, classes)
+    start = tmp_path / "linear.json"
+    start.write_text(json.dumps(LINEAR.to_dict()))
+    assert main(["--replay", path, "--times", str(start), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "before: 1*S + 0*S^2 + 0" in printed and "replay.json" in printed
+    saved = json.load(open(tmp_path / "out" / "replay.json"))
+    assert saved["status"] == "fitted" and saved["prior"] == LINEAR.to_dict()
+    assert main(["--replay", path, "--times", "trace.jsonl", "--out", str(tmp_path / "out")]) == 2
+    assert "give the starting cost model as a JSON file" in capsys.readouterr().err

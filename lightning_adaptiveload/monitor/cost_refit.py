@@ -10,7 +10,9 @@ hooks call it (``docs/closed_loop.md``).
 
 from __future__ import annotations
 
+import csv
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +28,15 @@ from lightning_adaptiveload.planning.refit import (
     refit_cost_model,
 )
 
-__all__ = ["CostRefitter", "measurements_from_steps", "apply_to_datamodule", "refit_metrics", "STATE_VERSION"]
+__all__ = [
+    "CostRefitter",
+    "measurements_from_steps",
+    "measurements_from_ranks_csv",
+    "apply_to_datamodule",
+    "refit_metrics",
+    "format_refit",
+    "STATE_VERSION",
+]
 
 STATE_VERSION = 1
 
@@ -64,6 +74,78 @@ def measurements_from_steps(steps: np.ndarray) -> StepMeasurements:
         seconds=col("compute_time_s"),
         warmup=warm.astype(np.float64),
     )
+
+
+def measurements_from_ranks_csv(path: str | os.PathLike, warmup_steps_per_class: int = 1) -> StepMeasurements:
+    """A run's steps read back from the monitor's ``load_balance_ranks.csv``, for a replay of the refit.
+
+    The CSV has no pack flag: a row whose ``num_tokens`` differs from ``seq_len * batch_size`` is a pack, and
+    one without ``token_sq_sum`` (files written before that column) is left out when it is a pack. Rows with
+    ``flops_counted`` set are warm-up, and so are the first ``warmup_steps_per_class`` steps of each rank and
+    shape class (:func:`~lightning_adaptiveload.planning.refit.mark_warmup`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a column the refit needs is missing (names the file and the columns).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"monitor CSV {path!r}: no such file (LoadBalanceMonitor writes it)")
+    need = {"rank", "batch_idx", "batch_size", "num_tokens", "seq_len", "compute_time_s"}
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = sorted(need - set(reader.fieldnames or ()))
+        if missing:
+            raise ValueError(
+                f"monitor CSV {path}: missing column(s) {missing}; expected LoadBalanceMonitor's load_balance_ranks.csv"
+            )
+        rows = list(reader)
+
+    def num(row: Mapping[str, str], key: str) -> float:
+        value = row.get(key)
+        try:
+            return float(value) if value not in (None, "") else math.nan
+        except ValueError:
+            return math.nan
+
+    cols: dict[str, list[float]] = {c: [] for c in ("rank", "batch_idx", "count", "token_sum", "square_sum", "seq_len", "packed", "seconds", "warmup")}
+    for row in rows:
+        b, s, tokens = num(row, "batch_size"), num(row, "seq_len"), num(row, "num_tokens")
+        packed = math.isfinite(tokens) and tokens != b * s
+        square = num(row, "token_sq_sum")
+        if not math.isfinite(square) and not packed:
+            square = b * s * s
+        cols["rank"].append(num(row, "rank"))
+        cols["batch_idx"].append(num(row, "batch_idx"))
+        cols["count"].append(b)
+        cols["token_sum"].append(tokens)
+        cols["square_sum"].append(square)
+        cols["seq_len"].append(s)
+        cols["packed"].append(float(packed))
+        cols["seconds"].append(num(row, "compute_time_s"))
+        cols["warmup"].append(float(row.get("flops_counted") in ("1", "1.0")))
+    rows_m, _ = mark_warmup(StepMeasurements(**cols), warmup_steps_per_class)
+    return rows_m
+
+
+def format_refit(result: RefitResult) -> str:
+    """A refit as a short table: the terms before and after, and the errors per shape class (percent)."""
+    lines = [
+        f"cost model refit: {result.status}" + (f" ({result.reason})" if result.reason else ""),
+        f"  before: {result.prior.describe()}",
+        f"  after:  {result.model.describe()}" + (" (clamped)" if result.clamped else ""),
+        f"  steps: {result.points_used} used, {result.points_rejected} outliers, {result.points_warmup} warm-up; "
+        f"shape change {result.change:.3g}x",
+        f"  {'class':<12}{'steps':>7}{'before mean':>13}{'before max':>12}{'after mean':>12}{'after max':>11}",
+    ]
+    for cls, err in result.error.items():
+        prior = result.prior_error.get(cls, {})
+        lines.append(
+            f"  {cls:<12}{err['n']:>7}{100 * prior.get('mean', math.nan):>12.2f}%{100 * prior.get('max', math.nan):>11.2f}%"
+            f"{100 * err['mean']:>11.2f}%{100 * err['max']:>10.2f}%"
+        )
+    lines.append("  (before: the starting model after its best common scale, i.e. the error of its shape)")
+    return "\n".join(lines)
 
 
 def apply_to_datamodule(datamodule: Any, model: CostModel) -> str:

@@ -420,13 +420,20 @@ def _clamp(prior: CostModel, new: CostModel, rows: StepMeasurements, max_change:
     return CostModel(kind="quadratic", **blend), True, change
 
 
+def _class_order(cls: str) -> tuple[int, float, str]:
+    """Bucketed classes by token count, then packs, then anything else."""
+    if cls.startswith("S="):
+        return (0, float(cls[2:]), cls)
+    return (1 if cls == "pack" else 2, 0.0, cls)
+
+
 def _errors(pred: np.ndarray, y: np.ndarray, classes: np.ndarray) -> dict[str, dict[str, float]]:
     """Per shape class and overall (``"all"``): rows, mean and worst relative error |pred - y| / y."""
     out: dict[str, dict[str, float]] = {}
     if len(y) == 0:
         return out
     rel = np.abs(pred - y) / y
-    for cls in sorted(set(classes.tolist())):
+    for cls in sorted(set(classes.tolist()), key=_class_order):
         sel = classes == cls
         out[cls] = {"n": int(sel.sum()), "mean": float(rel[sel].mean()), "max": float(rel[sel].max())}
     out["all"] = {"n": int(len(y)), "mean": float(rel.mean()), "max": float(rel.max())}
