@@ -129,6 +129,15 @@ def test_numeric_cap_logs_the_refit_without_applying_it(tmp_path):
     line = json.loads(open(tmp_path / "cost_refit.jsonl").read().splitlines()[-1])
     assert not line["applied"] and "max_compute=300.0" in line["not_applied_because"]
     assert [e for e in dm.events if e[0] == "model"] == []
+    # A model that was not applied is not applied on resume either (a regression test).
+    monitor = LoadBalanceMonitor(refit=True)
+    monitor._trainer = type("T", (), {"datamodule": Recording()})()
+    state = _fit(tmp_path / "again", 1, {"warmup_steps_per_class": 0}, dm=dm)[1].state_dict()
+    assert state["cost_refit"]["applied"] is False
+    monitor.load_state_dict(state)
+    assert monitor._trainer.datamodule.events == []
+    monitor.load_state_dict({**state, "cost_refit": {**state["cost_refit"], "applied": True}})
+    assert [kind for kind, _ in monitor._trainer.datamodule.events] == ["model"]
     assert np.isfinite(line["error"]["all"]["mean"])
 
 

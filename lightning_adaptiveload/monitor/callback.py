@@ -252,7 +252,7 @@ class LoadBalanceMonitor(Callback):
             return
         self._refitter.load_state_dict(state_dict["cost_refit"])
         # Lightning restores callbacks after `setup` and before the first epoch is planned.
-        if self._refitter.model is not None and self._trainer is not None:
+        if self._refitter.model is not None and self._refitter.applied and self._trainer is not None:
             self._apply(self._trainer, self._refitter.model)
 
     @override
@@ -558,15 +558,17 @@ class LoadBalanceMonitor(Callback):
         prior = getattr(batcher, "cost_model", None) or self._refitter.model or CostModel.default()
         result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step))
         if not self._timing_exact:
-            applied = "the compute times include waits inside the step (see the warning above): logged only"
+            why_not = "the compute times include waits inside the step (see the warning above): logged only"
         elif result.status == "kept":
-            applied = "nothing to apply: " + result.reason
+            why_not = "nothing to apply: " + result.reason
         else:
-            applied = self._apply(trainer, result.model)
-        self._refitter.history[-1]["applied"] = applied == ""
-        self._refitter.history[-1]["not_applied_because"] = applied
-        if applied and result.status != "kept" and datamodule is not None:
-            self._warn_once("refit_" + applied[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {applied}")
+            why_not = self._apply(trainer, result.model)
+        if result.status != "kept":  # a kept prior is what the data module plans with already
+            self._refitter.applied = why_not == ""
+        self._refitter.history[-1]["applied"] = why_not == ""
+        self._refitter.history[-1]["not_applied_because"] = why_not
+        if why_not and result.status != "kept" and datamodule is not None:
+            self._warn_once("refit_" + why_not[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}")
         try:
             pl_module.log_dict({self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1)
         except Exception as err:  # noqa: BLE001 - a hook where Lightning refuses logging: the file still has it

@@ -193,12 +193,14 @@ class CostRefitter:
 
     Attributes:
         model: the learned model (None before the first refit or restore).
+        applied: whether ``model`` was handed to the data module (a restored model is handed over only then).
         history: every refit's :meth:`RefitResult.to_dict`, with the ``epoch`` and ``step`` it ran at.
     """
 
     def __init__(self, config: RefitConfig) -> None:
         self.config = config
         self.model: CostModel | None = None
+        self.applied = False
         self.history: list[dict[str, Any]] = []
         self._window: list[StepMeasurements] = []
         self._seen: dict[tuple[int, str], int] = {}
@@ -236,6 +238,7 @@ class CostRefitter:
         return {
             "version": STATE_VERSION,
             "model": None if self.model is None else self.model.to_dict(),
+            "applied": self.applied,
             "measurements": self._last.to_dict(),
             "window": window.take(np.arange(max(0, len(window) - keep), len(window))).to_dict(),
             "seen": [[r, c, n] for (r, c), n in sorted(self._seen.items())],
@@ -255,6 +258,7 @@ class CostRefitter:
             )
         model = state.get("model")
         self.model = None if model is None else CostModel.from_dict(model)
+        self.applied = bool(state.get("applied", False))
         self._last = StepMeasurements.from_dict(state["measurements"])
         self._seen = {(int(r), str(c)): int(n) for r, c, n in state.get("seen", [])}
         self.history = list(state.get("history", []))
