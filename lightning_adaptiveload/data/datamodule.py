@@ -661,23 +661,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         return dict(self.train_dataset.report) if self.train_dataset is not None else {}
 
     def set_cost_model(self, cost_model: Any) -> None:
-        """Plan the next training epoch (and evaluation plans made after this) with ``cost_model``.
-
-        The closed loop calls it (``LoadBalanceMonitor(refit=...)``, ``docs/closed_loop.md``) with the model
-        refitted from the run; the epoch that is running keeps its plan. A ``max_compute="auto"`` cap is
-        resolved again from the training index's shapes with the new model.
-
-        Args:
-            cost_model: a :class:`~lightning_adaptiveload.planning.cost_model.CostModel` or its dict.
+        """Plan the next training epoch with ``cost_model`` (a ``CostModel`` or its dict; the running epoch keeps
+        its plan); an ``"auto"`` cap is resolved again. The closed loop calls it (``docs/closed_loop.md``).
 
         Raises:
-            ValueError: ``max_compute`` is a number (it is in the starting model's unit).
+            ValueError: ``max_compute`` is a number (in the starting model's unit).
         """
-        from lightning_adaptiveload.planning.cost_model import CostModel
-
-        model = CostModel.from_dict(cost_model)
         shapes = distinct_shapes(self.train_index) if self.train_index is not None else []
-        self.batcher.set_cost_model(model, shapes)
+        self.batcher.set_cost_model(cost_model, shapes)
 
     # -- resume ----------------------------------------------------------------------------------------
 
