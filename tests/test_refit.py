@@ -91,6 +91,7 @@ def test_without_outlier_rejection_the_outliers_bias_the_fit():
     data = packs(300, outlier_every=7)
     robust = refit_cost_model(LINEAR, data, RefitConfig()).model
     plain = refit_cost_model(LINEAR, data, RefitConfig(max_outlier_rounds=1, outlier_threshold=1e9)).model
+
     def worst(m: CostModel) -> float:
         return max(rel(m.c0, 0.4), rel(m.alpha, 1e-3), rel(m.beta, 2e-5))
 
@@ -114,7 +115,9 @@ def test_one_shape_class_only_fits_the_priors_scale():
     result = refit_cost_model(prior, buckets([(4, 100)] * 20), RefitConfig())
     assert result.status == "scaled" and "tell c0, alpha and beta apart" in result.reason
     k = result.model.alpha / prior.alpha
-    assert result.model.beta / prior.beta == pytest.approx(k) and result.model.c0 / prior.c0 == pytest.approx(k)
+    assert result.model.beta / prior.beta == pytest.approx(k) and result.model.c0 / prior.c0 == pytest.approx(
+        k
+    )
     assert result.model.batch_cost(4, 100) == pytest.approx(TRUE.batch_cost(4, 100))
 
 
@@ -128,7 +131,9 @@ def test_too_few_steps_keep_the_prior_and_say_why():
 
 def test_warmup_rows_are_left_out():
     data = packs(60, noise=0.0)
-    slow = StepMeasurements(**{**data.__dict__, "seconds": data.seconds * np.where(np.arange(60) < 6, 50.0, 1.0)})
+    slow = StepMeasurements(
+        **{**data.__dict__, "seconds": data.seconds * np.where(np.arange(60) < 6, 50.0, 1.0)}
+    )
     flagged, _ = mark_warmup(slow, steps_per_class=3)  # 2 ranks x 3 first packs
     result = refit_cost_model(LINEAR, flagged, RefitConfig())
     assert result.points_warmup == 6 and result.points_rejected == 0
@@ -174,7 +179,12 @@ def test_config_validates_and_reads_a_dict():
     assert RefitConfig.from_dict({"max_change": 3.0}).max_change == 3.0
     with pytest.raises(ValueError, match="unknown keys \\['max_chnage'\\]"):
         RefitConfig.from_dict({"max_chnage": 3.0})
-    for bad in ({"max_change": 1.0}, {"every_n_steps": 0}, {"min_points_per_term": 0}, {"outlier_threshold": 0}):
+    for bad in (
+        {"max_change": 1.0},
+        {"every_n_steps": 0},
+        {"min_points_per_term": 0},
+        {"outlier_threshold": 0},
+    ):
         with pytest.raises(ValueError, match="RefitConfig"):
             RefitConfig(**bad)
 
@@ -219,10 +229,20 @@ def _gathered(batches: list[list[tuple[int, int, float, int]]]) -> np.ndarray:
 
 def test_measurements_from_steps_flags_warmup_and_untimed_rows():
     hook = FLAG_HOOK
-    steps = _gathered([[(2, 10, 1.0, hook | FLAG_COUNTED), (1, 20, 2.0, hook)], [(3, 5, 1.5, 0), (1, 8, 1.0, hook | FLAG_PACKED)]])
+    steps = _gathered(
+        [
+            [(2, 10, 1.0, hook | FLAG_COUNTED), (1, 20, 2.0, hook)],
+            [(3, 5, 1.5, 0), (1, 8, 1.0, hook | FLAG_PACKED)],
+        ]
+    )
     m = measurements_from_steps(steps)
     assert m.rank.tolist() == [0, 1, 0, 1] and m.batch_idx.tolist() == [0, 0, 1, 1]
-    assert m.warmup.tolist() == [1, 0, 1, 0]  # FLOPs counted; compute not timed to the backward's end (2 ranks)
+    assert m.warmup.tolist() == [
+        1,
+        0,
+        1,
+        0,
+    ]  # FLOPs counted; compute not timed to the backward's end (2 ranks)
     assert m.square_sum[:3].tolist() == [200.0, 400.0, 75.0]  # B * S^2 for a bucketed batch
     assert np.isnan(m.square_sum[3]) and m.packed.tolist() == [0, 0, 0, 1]  # a pack must say its sum
 

@@ -53,7 +53,11 @@ def _wait(rows: list[list[dict]], epoch: int) -> float:
 
 
 def _close(fitted: dict, rtol: float) -> list[str]:
-    return [f"{t}: {fitted.get(t, 0.0)!r} vs {TRUE[t]!r}" for t in ("c0", "alpha", "beta") if abs(fitted.get(t, 0.0) / TRUE[t] - 1) > rtol]
+    return [
+        f"{t}: {fitted.get(t, 0.0)!r} vs {TRUE[t]!r}"
+        for t in ("c0", "alpha", "beta")
+        if abs(fitted.get(t, 0.0) / TRUE[t] - 1) > rtol
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +95,9 @@ def test_fitted_terms_within_5_percent_and_equal_on_every_rank(runs, name):
     models = _planned_model(rows, 1)
     assert models[0] == models[1]  # bit for bit: the same gathered rows, the same fit
     assert not _close(models[0], 0.05), _close(models[0], 0.05)
-    refits = [json.loads(line) for line in open(os.path.join(runs["out"], f"{name}-monitor", "cost_refit.jsonl"))]
+    refits = [
+        json.loads(line) for line in open(os.path.join(runs["out"], f"{name}-monitor", "cost_refit.jsonl"))
+    ]
     assert [r["epoch"] for r in refits] == [0, 1]
     first = refits[0]
     assert first["status"] == "fitted" and first["applied"] and not first["clamped"]

@@ -24,7 +24,13 @@ SHAPES = [(b, s) for s in (24, 72, 120, 225) for b in (1, 3, 6)] * 2
 class Batches(IterableDataset):
     def __iter__(self):
         for b, s in SHAPES:
-            yield {"latents": torch.ones(b, 4), "seq_len": s, "batch_size": b, "num_tokens": b * s, "cost": 1.0}
+            yield {
+                "latents": torch.ones(b, 4),
+                "seq_len": s,
+                "batch_size": b,
+                "num_tokens": b * s,
+                "cost": 1.0,
+            }
 
 
 class Timed(L.LightningModule):
@@ -123,7 +129,9 @@ def test_bad_refit_setting_is_named():
 
 def test_numeric_cap_logs_the_refit_without_applying_it(tmp_path):
     dm = Recording()
-    dm.batcher = DualConstraintBatcher(max_tokens=512, max_compute=300.0, cost_model={"kind": "power", "p": 1.5})
+    dm.batcher = DualConstraintBatcher(
+        max_tokens=512, max_compute=300.0, cost_model={"kind": "power", "p": 1.5}
+    )
     with pytest.warns(UserWarning, match="max_compute=300.0 is a number"):
         _fit(tmp_path, 1, {"warmup_steps_per_class": 0}, dm=dm)
     line = json.loads(open(tmp_path / "cost_refit.jsonl").read().splitlines()[-1])
@@ -146,8 +154,12 @@ def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
     from lightning_adaptiveload.data.synthetic import write_synthetic_shards
     from lightning_adaptiveload.planning.inputs import distinct_shapes
 
-    write_synthetic_shards(str(tmp_path), mix="tiny", num_samples=64, samples_per_shard=16, seed=1, progress=False)
-    dm = AdaptiveLoadDataModule(str(tmp_path), max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0})
+    write_synthetic_shards(
+        str(tmp_path), mix="tiny", num_samples=64, samples_per_shard=16, seed=1, progress=False
+    )
+    dm = AdaptiveLoadDataModule(
+        str(tmp_path), max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0}
+    )
     dm.setup("fit")
     before = dm.train_dataset.make_plan(0)
     dm.set_cost_model(TRUE.to_dict())
@@ -159,7 +171,11 @@ def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
     assert after.report["batches"] != before.report["batches"]  # the new costs size the batches
     assert dm.train_dataset.plan_settings()["batcher"]["cost_model"] == TRUE.to_dict()  # saved for a resume
     fixed = AdaptiveLoadDataModule(
-        str(tmp_path), max_tokens=512, num_workers=0, max_compute=300.0, cost_model={"kind": "power", "p": 1.0}
+        str(tmp_path),
+        max_tokens=512,
+        num_workers=0,
+        max_compute=300.0,
+        cost_model={"kind": "power", "p": 1.0},
     )
     with pytest.raises(ValueError, match="max_compute=300.0 is in the unit of the current cost model"):
         fixed.set_cost_model(TRUE)

@@ -451,6 +451,7 @@ class LoadBalanceMonitor(Callback):
         self._timing_exact = True
         if isinstance(model, DistributedDataParallel):
             if getattr(model, "_comm_hooks", None):
+                self._timing_exact = False  # the refit is logged only: the times may hold the wait
                 self._warn_once(
                     "python_hook",
                     "LoadBalanceMonitor: a Python DDP communication hook is registered. On GPUs, under Lightning, "
@@ -568,13 +569,17 @@ class LoadBalanceMonitor(Callback):
         self._refitter.history[-1]["applied"] = why_not == ""
         self._refitter.history[-1]["not_applied_because"] = why_not
         if why_not and result.status != "kept" and datamodule is not None:
-            self._warn_once("refit_" + why_not[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}")
+            self._warn_once(
+                "refit_" + why_not[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}"
+            )
         try:
             pl_module.log_dict({self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1)
         except Exception as err:  # noqa: BLE001 - a hook where Lightning refuses logging: the file still has it
             self._warn_once("refit_log", f"LoadBalanceMonitor: the refit could not be logged here ({err})")
         if self._rank == 0 and self._outdir is not None and self.write_files:
-            report.append_json_line(os.path.join(self._outdir, "cost_refit.jsonl"), self._refitter.history[-1])
+            report.append_json_line(
+                os.path.join(self._outdir, "cost_refit.jsonl"), self._refitter.history[-1]
+            )
 
     def _apply(self, trainer: pl.Trainer, model: Any) -> str:
         return apply_to_datamodule(getattr(trainer, "datamodule", None), model)

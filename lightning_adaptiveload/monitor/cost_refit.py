@@ -108,7 +108,20 @@ def measurements_from_ranks_csv(path: str | os.PathLike, warmup_steps_per_class:
         except ValueError:
             return math.nan
 
-    cols: dict[str, list[float]] = {c: [] for c in ("rank", "batch_idx", "count", "token_sum", "square_sum", "seq_len", "packed", "seconds", "warmup")}
+    cols: dict[str, list[float]] = {
+        c: []
+        for c in (
+            "rank",
+            "batch_idx",
+            "count",
+            "token_sum",
+            "square_sum",
+            "seq_len",
+            "packed",
+            "seconds",
+            "warmup",
+        )
+    }
     for row in rows:
         b, s, tokens = num(row, "batch_size"), num(row, "seq_len"), num(row, "num_tokens")
         packed = math.isfinite(tokens) and tokens != b * s
@@ -157,7 +170,9 @@ def apply_to_datamodule(datamodule: Any, model: CostModel) -> str:
     """
     setter = getattr(datamodule, "set_cost_model", None)
     if setter is None:
-        return f"the data module ({type(datamodule).__name__}) has no set_cost_model: the refit is logged only"
+        return (
+            f"the data module ({type(datamodule).__name__}) has no set_cost_model: the refit is logged only"
+        )
     batcher = getattr(datamodule, "batcher", None)
     if batcher is not None and not getattr(batcher, "cap_follows_cost_model", True):
         return (

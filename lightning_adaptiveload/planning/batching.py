@@ -262,7 +262,9 @@ class DualConstraintBatcher:
         model) or ``equal_tokens`` mode (no compute cap); False for a number in the current model's unit."""
         return self.mode != "dual" or self._auto
 
-    def set_cost_model(self, cost_model: CostModel | Mapping[str, Any], latent_shapes: Iterable[Sequence[int]]) -> None:
+    def set_cost_model(
+        self, cost_model: CostModel | Mapping[str, Any], latent_shapes: Iterable[Sequence[int]]
+    ) -> None:
         """Plan with ``cost_model`` from now on; an ``"auto"`` cap is resolved again from ``latent_shapes``.
 
         Raises:

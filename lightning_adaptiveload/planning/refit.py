@@ -37,7 +37,14 @@ import numpy as np
 
 from lightning_adaptiveload.planning.cost_model import CostModel
 
-__all__ = ["RefitConfig", "StepMeasurements", "RefitResult", "mark_warmup", "refit_cost_model", "shape_classes"]
+__all__ = [
+    "RefitConfig",
+    "StepMeasurements",
+    "RefitResult",
+    "mark_warmup",
+    "refit_cost_model",
+    "shape_classes",
+]
 
 _TERMS = ("c0", "alpha", "beta")
 _MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution times this is its standard deviation
@@ -172,7 +179,9 @@ class StepMeasurements:
     def from_dict(cls, data: Mapping[str, Any]) -> StepMeasurements:
         missing = [c for c in _COLUMNS if c not in data]
         if missing:
-            raise ValueError(f"StepMeasurements.from_dict: missing columns {missing} (expected {list(_COLUMNS)})")
+            raise ValueError(
+                f"StepMeasurements.from_dict: missing columns {missing} (expected {list(_COLUMNS)})"
+            )
         return cls(*(data[c] for c in _COLUMNS))
 
 
@@ -180,7 +189,8 @@ def shape_classes(m: StepMeasurements) -> list[str]:
     """The shape class of every row: ``"pack"`` for a pack, ``"S=<tokens>"`` for a bucketed batch
     (``"unknown"`` for a batch that did not say its length)."""
     return [
-        "pack" if p else (f"S={int(s)}" if math.isfinite(s) else "unknown") for p, s in zip(m.packed, m.seq_len)
+        "pack" if p else (f"S={int(s)}" if math.isfinite(s) else "unknown")
+        for p, s in zip(m.packed, m.seq_len)
     ]
 
 
@@ -392,7 +402,9 @@ def _scaled(model: CostModel, k: float) -> CostModel:
     )
 
 
-def _clamp(prior: CostModel, new: CostModel, rows: StepMeasurements, max_change: float) -> tuple[CostModel, bool, float]:
+def _clamp(
+    prior: CostModel, new: CostModel, rows: StepMeasurements, max_change: float
+) -> tuple[CostModel, bool, float]:
     """Limit how far ``new`` moves the relative costs of ``rows`` from ``prior``'s (see the module docstring)."""
     if len(rows) == 0:
         return new, False, 1.0
