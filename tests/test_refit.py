@@ -149,6 +149,29 @@ def test_mark_warmup_counts_per_rank_and_class_across_windows():
     assert shape_classes(rest) == ["S=72", "S=24"]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 1000), st.integers(0, 3), st.integers(1, 60))
+def test_mark_warmup_matches_a_row_by_row_reference(seed, k, n):
+    rng = np.random.default_rng(seed)
+    data = packs(n, seed=seed)
+    data = StepMeasurements(
+        **{
+            **data.__dict__,
+            "packed": rng.integers(0, 2, n),
+            "rank": rng.integers(0, 3, n),
+            "seq_len": rng.choice(LENGTHS, n),
+        }
+    )
+    seen = {(0, "pack"): int(rng.integers(0, 3)), (1, "S=72"): 1}
+    got, counts = mark_warmup(data, k, seen)
+    expected, ref = [], dict(seen)
+    for rank, cls in zip(got.rank, shape_classes(got)):  # got is in batch order already
+        key = (int(rank), cls)
+        expected.append(1.0 if ref.get(key, 0) < k else 0.0)
+        ref[key] = ref.get(key, 0) + 1
+    assert got.warmup.tolist() == expected and counts == ref
+
+
 def test_a_large_change_is_clamped_and_reported():
     result = refit_cost_model(LINEAR, packs(200, noise=0.0), RefitConfig(max_change=1.2))
     assert result.clamped and result.change > 1.2

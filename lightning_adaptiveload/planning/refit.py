@@ -185,13 +185,29 @@ class StepMeasurements:
         return cls(*(data[c] for c in _COLUMNS))
 
 
+_PACK, _UNKNOWN = -1.0, -2.0  # class codes besides a bucketed batch's token count
+
+
+def _class_codes(m: StepMeasurements) -> np.ndarray:
+    """Per row: S of a bucketed batch, -1 for a pack, -2 for a batch without a length (float64)."""
+    finite = np.isfinite(m.seq_len)
+    length = np.floor(np.where(finite, m.seq_len, 0.0))
+    return np.where(m.packed != 0, _PACK, np.where(finite, length, _UNKNOWN))
+
+
+def _class_name(code: float) -> str:
+    return "pack" if code == _PACK else ("unknown" if code == _UNKNOWN else f"S={int(code)}")
+
+
+def _class_order(code: float) -> tuple[int, float]:
+    """Bucketed classes by token count, then packs, then batches without a length."""
+    return (0, code) if code >= 0 else ((1, 0.0) if code == _PACK else (2, 0.0))
+
+
 def shape_classes(m: StepMeasurements) -> list[str]:
     """The shape class of every row: ``"pack"`` for a pack, ``"S=<tokens>"`` for a bucketed batch
     (``"unknown"`` for a batch that did not say its length)."""
-    return [
-        "pack" if p else (f"S={int(s)}" if math.isfinite(s) else "unknown")
-        for p, s in zip(m.packed, m.seq_len)
-    ]
+    return [_class_name(c) for c in _class_codes(m)]
 
 
 def mark_warmup(
@@ -209,13 +225,22 @@ def mark_warmup(
     """
     m = m.sorted()
     counts = dict(seen or {})
-    warm = m.warmup.copy()
-    for i, cls in enumerate(shape_classes(m)):
-        key = (int(m.rank[i]), cls)
-        k = counts.get(key, 0)
-        if k < steps_per_class:
-            warm[i] = 1.0
-        counts[key] = k + 1
+    if len(m) == 0:
+        return m, counts
+    # Vectorised over rows (a window holds ranks x steps of them); Python loops over the (rank, class) keys.
+    keys, inverse, per_key = np.unique(
+        np.stack([m.rank, _class_codes(m)], axis=1), axis=0, return_inverse=True, return_counts=True
+    )
+    inverse = inverse.reshape(-1)
+    names = [(int(r), _class_name(c)) for r, c in keys]
+    before = np.array([counts.get(k, 0) for k in names], dtype=np.int64)
+    grouped = np.argsort(inverse, kind="stable")  # rows of each key together, in batch order
+    starts = np.cumsum(per_key) - per_key
+    occurrence = np.empty(len(m), dtype=np.int64)
+    occurrence[grouped] = np.arange(len(m)) - np.repeat(starts, per_key)
+    warm = np.where(occurrence + before[inverse] < steps_per_class, 1.0, m.warmup)
+    for k, n_before, n in zip(names, before, per_key):
+        counts[k] = int(n_before + n)
     return StepMeasurements(*(warm if c == "warmup" else getattr(m, c) for c in _COLUMNS)), counts
 
 
@@ -317,7 +342,7 @@ def refit_cost_model(prior: CostModel, measurements: StepMeasurements, config: R
     model, clamped, change = _clamp(prior, model, rows.take(kept), config.max_change)
     if status == "kept":
         model = prior
-    classes = np.array(shape_classes(rows), dtype=object)
+    classes = _class_codes(rows)
     pred = _predict(model, rows)
     scale = _best_scale(prior_pred[kept], y[kept])
     return RefitResult(
@@ -432,21 +457,18 @@ def _clamp(
     return CostModel(kind="quadratic", **blend), True, change
 
 
-def _class_order(cls: str) -> tuple[int, float, str]:
-    """Bucketed classes by token count, then packs, then anything else."""
-    if cls.startswith("S="):
-        return (0, float(cls[2:]), cls)
-    return (1 if cls == "pack" else 2, 0.0, cls)
-
-
 def _errors(pred: np.ndarray, y: np.ndarray, classes: np.ndarray) -> dict[str, dict[str, float]]:
     """Per shape class and overall (``"all"``): rows, mean and worst relative error |pred - y| / y."""
     out: dict[str, dict[str, float]] = {}
     if len(y) == 0:
         return out
     rel = np.abs(pred - y) / y
-    for cls in sorted(set(classes.tolist()), key=_class_order):
-        sel = classes == cls
-        out[cls] = {"n": int(sel.sum()), "mean": float(rel[sel].mean()), "max": float(rel[sel].max())}
+    for code in sorted(np.unique(classes).tolist(), key=_class_order):
+        sel = classes == code
+        out[_class_name(code)] = {
+            "n": int(sel.sum()),
+            "mean": float(rel[sel].mean()),
+            "max": float(rel[sel].max()),
+        }
     out["all"] = {"n": int(len(y)), "mean": float(rel.mean()), "max": float(rel.max())}
     return out
