@@ -118,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar=("PT", "PH", "PW"),
         help="the model's patch size, for the token counts (default: 1 2 2)",
     )
+    ap.add_argument(
+        "--replay",
+        default=None,
+        metavar="CSV",
+        help="replay a run's own load_balance_ranks.csv (LoadBalanceMonitor): report the starting cost model's "
+        "error on its steps (--times: a cost-model JSON; default: the built-in one) and the refit "
+        "(docs/closed_loop.md); writes replay.json to --out and plans nothing",
+    )
     ap.add_argument("--out", default="simulate_out", help="folder for simulate.json and PNG plots")
     ap.add_argument("--no-plots", action="store_true", help="write simulate.json only")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -193,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Prints the table, writes ``simulate.json`` and PNGs to ``--out``; returns 0, or 2 on bad input.
     """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.replay is not None:
+        return _replay(args.replay, args.times, args.out)
     source = args.index if args.index is not None else (args.mix or "wan21_480p")
     try:
         names = _configurations(args.modes, args.schedules)
@@ -237,6 +247,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in result.notes:
         print(f"  note: {note}")
     print(f"wrote {os.path.join(args.out, 'simulate.json')}" + ("" if args.no_plots else " and PNG plots"))
+    return 0
+
+
+def _replay(csv_path: str, times: str | None, out: str) -> int:
+    """The refit of a run's own steps: the starting model's error on them, the refit's terms and error."""
+    import json
+
+    from lightning_adaptiveload.monitor.cost_refit import format_refit, measurements_from_ranks_csv
+    from lightning_adaptiveload.monitor.report import write_json
+    from lightning_adaptiveload.planning.cost_model import CostModel
+    from lightning_adaptiveload.planning.refit import RefitConfig, refit_cost_model
+
+    try:
+        if times is not None and not times.endswith(".json"):
+            raise ValueError(f"--times {times!r}: with --replay, give the starting cost model as a JSON file")
+        if times is not None:
+            with open(times, encoding="utf-8") as f:
+                prior = CostModel.from_dict(json.load(f))
+        else:
+            prior = CostModel.default()
+        result = refit_cost_model(prior, measurements_from_ranks_csv(csv_path), RefitConfig())
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_refit(result))
+    os.makedirs(out, exist_ok=True)
+    print(f"wrote {write_json(os.path.join(out, 'replay.json'), {'replay': csv_path, **result.to_dict()})}")
     return 0
 
 

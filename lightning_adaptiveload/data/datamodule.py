@@ -660,6 +660,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """The current (or last) training epoch's report; empty before the first epoch."""
         return dict(self.train_dataset.report) if self.train_dataset is not None else {}
 
+    def set_cost_model(self, cost_model: Any) -> None:
+        """Plan the next training epoch with ``cost_model`` (a ``CostModel`` or its dict; the running epoch keeps
+        its plan); an ``"auto"`` cap is resolved again. The closed loop calls it (``docs/closed_loop.md``).
+
+        Raises:
+            ValueError: ``max_compute`` is a number (in the starting model's unit).
+        """
+        shapes = distinct_shapes(self.train_index) if self.train_index is not None else []
+        self.batcher.set_cost_model(cost_model, shapes)
+
     # -- resume ----------------------------------------------------------------------------------------
 
     def _consumed_now(self) -> int:

@@ -40,7 +40,7 @@ def collate_packed(
         ``{"packed": True, "latents": list of N Tensors (C, T_i, H_i, W_i), "latent_shapes": int64 (N, 4),
         "seq_lens": int64 (N,), "cu_seqlens": int32 (N + 1,), "text": (N, L_max, D) | None, "text_mask":
         bool (N, L_max) | None, "text_lens": int64 (N,), "text_cu_seqlens": int32 (N + 1,), "keys", "meta",
-        "seq_len": the longest S_i, "batch_size": N, "num_tokens": sum S_i, "cost": float,
+        "seq_len": the longest S_i, "batch_size": N, "num_tokens": sum S_i, "token_sq_sum": sum S_i^2, "cost": float,
         "global_tokens": int}``. Per-sample timesteps are drawn by the training step, one per sample.
 
     Raises:
@@ -105,6 +105,7 @@ def collate_packed(
         "seq_len": max(seq_lens),
         "batch_size": len(samples),
         "num_tokens": int(sum(seq_lens)),
+        "token_sq_sum": int(sum(s * s for s in seq_lens)),
         "cost": float(model.pack_cost(seq_lens)),
         "global_tokens": int(global_tokens),
     }

@@ -1,6 +1,7 @@
 """Load-balance measurement: statistics (``stats``, pure), the per-step table (``steps``, pure), result files
 (``report``, pure, shared with the simulator), clocks (``timing``), FLOPs (``flops``) and the
-LoadBalanceMonitor callback (``callback``, the only module here that imports Lightning)."""
+LoadBalanceMonitor callback (``callback``, the only module here that imports Lightning) with its cost-model refit
+(``cost_refit``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "LoadBalanceMonitor": "callback",
         "BatchFlops": "flops",
         "HostClock": "timing",
+        "ManualClock": "timing",
+        "CostRefitter": "cost_refit",
         "CudaClock": "timing",
         "BackwardTimer": "timing",
         "split_blocks": "steps",

@@ -32,14 +32,18 @@ from typing_extensions import override
 from lightning_adaptiveload import _dist, stats
 from lightning_adaptiveload.monitor import report
 from lightning_adaptiveload.monitor import steps as step_table
+from lightning_adaptiveload.monitor.cost_refit import CostRefitter, apply_to_datamodule, refit_metrics
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
     CudaClock,
     HostClock,
+    ManualClock,
     PendingStep,
     dynamo_frames,
 )
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.refit import RefitConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -90,6 +94,14 @@ class LoadBalanceMonitor(Callback):
     load imbalance. The summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps) and
     ``steps_compiling``.
 
+    **Closed loop** (``refit``, on by default; ``docs/closed_loop.md``): at the end of every training epoch
+    (and every ``every_n_steps``) the cost model is refitted from every rank's gathered steps
+    (:func:`~lightning_adaptiveload.planning.refit.refit_cost_model`, identically on every rank) and handed
+    to the data module, whose next epoch is planned with it (an ``AdaptiveLoadDataModule`` with
+    ``max_compute="auto"``; otherwise the refit is logged only). Its terms and error are logged under
+    ``prefix + "refit/"`` and appended to ``cost_refit.jsonl``; the learned model and its measurements are
+    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them.
+
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
             ``default_root_dir`` without a logger).
@@ -111,6 +123,11 @@ class LoadBalanceMonitor(Callback):
         print_summary: print the summary table on rank 0 at the end of fit.
         max_buffered_steps: flush (gather) at least every this many batches even when nothing is logged
             (``log_every_n_steps=0``), to bound the buffer.
+        refit: refit the cost model from the run (``True``: :class:`RefitConfig` defaults; a
+            :class:`RefitConfig` or its dict; ``False``: off).
+        clock: the clock the steps are timed with; None: CUDA events on GPU, the host clock on CPU. A
+            :class:`~lightning_adaptiveload.monitor.timing.ManualClock` replaces the measured time by a known
+            one (tests, simulations).
 
     Raises:
         ValueError: on a bad argument.
@@ -135,6 +152,8 @@ class LoadBalanceMonitor(Callback):
         plots: bool = True,
         print_summary: bool = True,
         max_buffered_steps: int = 1000,
+        refit: bool | RefitConfig | Mapping[str, Any] = True,
+        clock: HostClock | ManualClock | None = None,
     ) -> None:
         super().__init__()
         if max_buffered_steps < 1:
@@ -156,6 +175,17 @@ class LoadBalanceMonitor(Callback):
         self.plots = plots
         self.print_summary = print_summary
         self.max_buffered_steps = max_buffered_steps
+        if isinstance(refit, Mapping):
+            refit = RefitConfig.from_dict(refit)
+        if not isinstance(refit, bool | RefitConfig):
+            raise ValueError(
+                f"LoadBalanceMonitor: refit must be True, False, a RefitConfig or its dict, got {refit!r}"
+            )
+        self.refit = refit
+        # Outside _reset: the learned model outlives on_train_start (a checkpoint restores it before).
+        self._refitter = CostRefitter(RefitConfig() if refit is True else refit) if refit else None
+        self._fixed_clock = clock
+        self._trainer: Any = None  # set in setup: load_state_dict hands a restored model to its data module
         self.summary: dict[str, Any] = {}
         self._reset()
 
@@ -169,6 +199,8 @@ class LoadBalanceMonitor(Callback):
         self._timer: BackwardTimer | None = None
         self._fsdp_timer: Any = None  # FSDP2: FsdpStepTimer, whose all-gather waits come off the compute time
         self._timing_method = "step"
+        self._timing_exact = True  # False where compute times include waits the monitor cannot bracket
+        self._refit_step = -1  # the optimizer step of the last every_n_steps refit
         self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
         self._frames_at_start = 0  # dynamo's compiled-frame count at the step start
@@ -200,6 +232,29 @@ class LoadBalanceMonitor(Callback):
     # ------------------------------------------------------------------ hooks
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The cost refit's state (``{}`` with ``refit=False``). Gathers the buffered steps first, so that the
+        window is saved whole: a collective, which every rank runs when Lightning saves a checkpoint."""
+        if self._refitter is None:
+            return {}
+        if self._pending and self._trainer is not None:
+            self._flush(self._trainer, self._trainer.lightning_module, log=False)
+        return {"cost_refit": self._refitter.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._refitter is None or "cost_refit" not in state_dict:
+            return
+        self._refitter.load_state_dict(state_dict["cost_refit"])
+        # Lightning restores callbacks after `setup` and before the first epoch is planned.
+        if self._refitter.model is not None and self._refitter.applied and self._trainer is not None:
+            self._apply(self._trainer, self._refitter.model)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         # The monitor gathers over gloo on CPU DDP; a user's own module registers no clean-up for its group.
@@ -213,6 +268,8 @@ class LoadBalanceMonitor(Callback):
         else:
             self._clock = HostClock()
             self._device_name = self._device.type
+        if self._fixed_clock is not None:
+            self._clock = self._fixed_clock
         self._peak = self._resolve_peak(trainer)
         # The memory cap per rank and step, for the per-step fill (packed steps fill it; buckets do not).
         batcher = getattr(getattr(trainer, "datamodule", None), "batcher", None)
@@ -266,6 +323,8 @@ class LoadBalanceMonitor(Callback):
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
         if dynamo_frames() != self._frames_at_start:
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
+        if isinstance(batch, Mapping) and batch.get("packed"):
+            flags |= step_table.FLAG_PACKED
         backward_end = sync_end = fsdp = None
         if self._timer is not None:
             self._timer.active = False
@@ -308,6 +367,16 @@ class LoadBalanceMonitor(Callback):
             self._flush(trainer, pl_module, log=True)
         elif len(self._pending) >= self.max_buffered_steps:
             self._flush(trainer, pl_module, log=False)
+        every = self._refitter.config.every_n_steps if self._refitter is not None else None
+        step = int(trainer.global_step)
+        if every and step % every == 0 and step != self._refit_step:  # once per optimizer step
+            self._refit_step = step
+            self._refit(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._refitter is not None:
+            self._refit(trainer, pl_module)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -378,8 +447,10 @@ class LoadBalanceMonitor(Callback):
         model = trainer.strategy.model
         self._timer = BackwardTimer(self._clock)
         self._timing_method = "backward_end"
+        self._timing_exact = True
         if isinstance(model, DistributedDataParallel):
             if getattr(model, "_comm_hooks", None):
+                self._timing_exact = False  # the refit is logged only: the times may hold the wait
                 self._warn_once(
                     "python_hook",
                     "LoadBalanceMonitor: a Python DDP communication hook is registered. On GPUs, under Lightning, "
@@ -399,6 +470,7 @@ class LoadBalanceMonitor(Callback):
         if self._fsdp_timer is not None:
             self._timing_method = "fsdp2_post_backward"
             return
+        self._timing_exact = False
         self._warn_once(
             "gathers",
             f"LoadBalanceMonitor: under {type(trainer.strategy).__name__} the ranks may also wait for each other "
@@ -409,7 +481,7 @@ class LoadBalanceMonitor(Callback):
 
     # ------------------------------------------------------------------ per-step helpers
 
-    def _work(self, batch: Any) -> tuple[float, float, float, float]:
+    def _work(self, batch: Any) -> tuple[float, ...]:
         if not isinstance(batch, Mapping):
             self._warn_once(
                 "work",
@@ -417,7 +489,7 @@ class LoadBalanceMonitor(Callback):
                 f"{list(_WORK_KEYS)}; compute_cv, token_cv and tokens/s are not logged. Batches of "
                 "AdaptiveLoadDataModule carry them; add them in `on_after_batch_transfer` for other data.",
             )
-            return (math.nan,) * 4
+            return (math.nan,) * 5
         missing = [k for k in _WORK_KEYS if k not in batch]
         if missing:
             self._warn_once(
@@ -425,7 +497,10 @@ class LoadBalanceMonitor(Callback):
                 f"LoadBalanceMonitor: the batch has no key(s) {missing} (keys: {sorted(map(str, batch))}); the "
                 "statistics that need them are not logged. Add them in `on_after_batch_transfer`.",
             )
-        return tuple(_as_float(batch.get(k)) for k in _WORK_KEYS)  # type: ignore[return-value]
+        work = tuple(_as_float(batch.get(k)) for k in _WORK_KEYS)
+        # sum S_i^2, for the cost refit: a pack says it; a bucketed batch is B samples of S tokens.
+        square = _as_float(batch.get("token_sq_sum")) if "token_sq_sum" in batch else work[2] * work[3] ** 2
+        return (*work, square)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
         # Same rule as Lightning's ThroughputMonitor: Lightning's own logging cadence, at optimizer steps only
@@ -456,6 +531,8 @@ class LoadBalanceMonitor(Callback):
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
         table = step_table.step_table(steps, self._peaks_flops, self._totals, self._max_tokens)
+        if self._refitter is not None:
+            self._refitter.add_steps(steps)
         if self._rank == 0:
             self._record(steps, table)
         if log:
@@ -467,6 +544,43 @@ class LoadBalanceMonitor(Callback):
                     on_epoch=False,
                     batch_size=1,
                 )
+
+    def _refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Gather what is buffered, refit the cost model on every rank, hand it to the data module and log it."""
+        assert self._refitter is not None
+        if self._pending:
+            self._flush(trainer, pl_module, log=False)  # every rank runs the same steps: all flush here
+        if self._refitter.window_rows == 0:
+            return
+        datamodule = getattr(trainer, "datamodule", None)
+        batcher = getattr(datamodule, "batcher", None)
+        prior = getattr(batcher, "cost_model", None) or self._refitter.model or CostModel.default()
+        result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step))
+        if not self._timing_exact:
+            why_not = "the compute times include waits inside the step (see the warning above): logged only"
+        elif result.status == "kept":
+            why_not = "nothing to apply: " + result.reason
+        else:
+            why_not = self._apply(trainer, result.model)
+        if result.status != "kept":  # a kept prior is what the data module plans with already
+            self._refitter.applied = why_not == ""
+        self._refitter.history[-1]["applied"] = why_not == ""
+        self._refitter.history[-1]["not_applied_because"] = why_not
+        if why_not and result.status != "kept" and datamodule is not None:
+            self._warn_once(
+                "refit_" + why_not[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}"
+            )
+        try:
+            pl_module.log_dict({self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1)
+        except Exception as err:  # noqa: BLE001 - a hook where Lightning refuses logging: the file still has it
+            self._warn_once("refit_log", f"LoadBalanceMonitor: the refit could not be logged here ({err})")
+        if self._rank == 0 and self._outdir is not None and self.write_files:
+            report.append_json_line(
+                os.path.join(self._outdir, "cost_refit.jsonl"), self._refitter.history[-1]
+            )
+
+    def _apply(self, trainer: pl.Trainer, model: Any) -> str:
+        return apply_to_datamodule(getattr(trainer, "datamodule", None), model)
 
     def _record(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> None:
         """Rank 0 keeps the per-step table and, for the plots, per-rank compute time and peak memory."""

@@ -75,6 +75,13 @@ def write_json(path: str | os.PathLike, payload: Any) -> str:
     return path
 
 
+def append_json_line(path: str | os.PathLike, payload: Any) -> str:
+    """Append ``payload`` (made JSON-able by :func:`jsonable`) as one line of the JSON-lines file ``path``."""
+    with open(path, "a") as f:
+        f.write(json.dumps(jsonable(payload)) + "\n")
+    return os.fspath(path)
+
+
 def machine_info() -> dict[str, Any]:
     """The machine a result was computed on: CPU model, core count, platform, Python (for result files)."""
     cpu = platform.processor() or ""

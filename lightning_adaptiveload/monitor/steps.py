@@ -23,6 +23,7 @@ __all__ = [
     "FLAG_COUNTED",
     "FLAG_HOOK",
     "FLAG_COMPILED",
+    "FLAG_PACKED",
     "STEP_COLUMNS",
     "MAX_PLOTTED_RANKS",
     "GIB",
@@ -49,6 +50,7 @@ FIELDS = (
     "num_tokens",  # batch["num_tokens"]
     "batch_size",  # batch["batch_size"]
     "seq_len",  # batch["seq_len"]
+    "token_sq_sum",  # sum of S_i^2 over the batch's samples (batch["token_sq_sum"] of a pack, else B * S^2)
     "flops",  # model FLOPs of forward + backward (3x forward)
     "compute_time_s",  # the rank's own compute: step start -> end of its backward (or the whole step)
     "sync_wait_s",  # end of its backward -> end of its gradient synchronisation, measured (nan: not timed)
@@ -61,7 +63,7 @@ FIELDS = (
     "ooms",  # cumulative out-of-memory errors
     "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
     # it: its times are inflated); bit 1: compute timed to the end of the backward; bit 2: torch.compile
-    # compiled in it
+    # compiled in it; bit 3: the batch was a pack of mixed shapes (batch["packed"])
 )
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -69,6 +71,7 @@ HEADER = ("num_steps", "peak_flops", "device_total_bytes")  # per-rank block hea
 FLAG_COUNTED = 1
 FLAG_HOOK = 2
 FLAG_COMPILED = 4
+FLAG_PACKED = 8
 
 # Columns of the per-step table (load_balance_steps.csv, the "steps" of load_balance.json).
 STEP_COLUMNS = (

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostClock", "CudaClock", "BackwardTimer", "PendingStep", "dynamo_frames"]
+__all__ = ["HostClock", "ManualClock", "CudaClock", "BackwardTimer", "PendingStep", "dynamo_frames"]
 
 
 class HostClock:
@@ -24,6 +24,33 @@ class HostClock:
 
     def mark(self) -> float:
         return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+    def wait(self, mark: Any) -> None:
+        pass
+
+
+class ManualClock:
+    """A clock that moves only when told: a mark is the seconds :meth:`advance` has added so far.
+
+    For tests and simulations that replace the measured time by a known one: pass it as
+    ``LoadBalanceMonitor(clock=...)`` and advance it inside ``training_step`` by the step's true cost (the
+    compute time is then exactly that cost, and the wait for other ranks 0).
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` (>= 0)."""
+        if not seconds >= 0:
+            raise ValueError(f"ManualClock.advance: seconds must be >= 0, got {seconds!r}")
+        self.now += float(seconds)
+
+    def mark(self) -> float:
+        return self.now
 
     def seconds(self, start: Any, end: Any) -> float:
         return float(end - start)
@@ -77,7 +104,7 @@ class BackwardTimer:
     registered now, so users' own communication hooks (compression, PowerSGD) keep working too.
     """
 
-    def __init__(self, clock: HostClock | CudaClock) -> None:
+    def __init__(self, clock: HostClock | ManualClock | CudaClock) -> None:
         self.clock = clock
         self.active = False
         self.backward_end: Any = None
@@ -121,7 +148,7 @@ class PendingStep:
 
     batch_idx: int
     step: int
-    work: tuple[float, float, float, float]
+    work: tuple[float, ...]
     flops: float
     start: Any
     end: Any

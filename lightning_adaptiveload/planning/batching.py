@@ -149,6 +149,30 @@ class DualConstraintBatcher:
         """True while ``max_compute="auto"`` waits for :meth:`resolve_max_compute`."""
         return self.mode == "dual" and self.max_compute is None
 
+    @property
+    def cap_follows_cost_model(self) -> bool:
+        """Whether another cost model keeps the compute cap meaningful: ``"auto"`` (re-resolved from the new
+        model) or ``equal_tokens`` mode (no compute cap); False for a number in the current model's unit."""
+        return self.mode != "dual" or self._auto
+
+    def set_cost_model(
+        self, cost_model: CostModel | Mapping[str, Any], latent_shapes: Iterable[Sequence[int]]
+    ) -> None:
+        """Plan with ``cost_model`` from now on; an ``"auto"`` cap is resolved again from ``latent_shapes``.
+
+        Raises:
+            ValueError: the compute cap is a number (in the old model's unit; :attr:`cap_follows_cost_model`).
+        """
+        if not self.cap_follows_cost_model:
+            raise ValueError(
+                f"max_compute={self.max_compute!r} is in the unit of the current cost model; a new cost model would "
+                "change its meaning. Use max_compute='auto' to change the cost model during training"
+            )
+        self._sizer = replace(self._sizer, cost_model=CostModel.from_dict(cost_model), max_compute=None)
+        self._explicit_cost_model = True
+        if self.mode == "dual":
+            self.resolve_max_compute(latent_shapes)
+
     def config(self) -> dict[str, Any]:
         """Settings that rebuild this batcher (``DualConstraintBatcher(**config)``), with the resolved cap."""
         return {

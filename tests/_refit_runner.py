@@ -1,0 +1,147 @@
+"""One rank of a CPU DDP run whose step times come from a known cost function (launched by tests/test_refit_ddp.py).
+
+The module advances the LoadBalanceMonitor's :class:`ManualClock` by the TRUE cost of each batch
+(``c0 + sum(alpha*S_i + beta*S_i^2)``, times a deterministic +-2% per batch and x3 for about one batch in 23:
+noise and outliers for the refit to see through), so the monitor measures exactly that. Usage::
+
+    python tests/_refit_runner.py CONFIG.json
+
+CONFIG: {"data", "out", "world", "true": CostModel dict, "runs": [{"name", "schedule", "max_epochs",
+"max_tokens", "cost_model": dict, "refit": bool, "ckpt": bool, "resume": path | null}]}. Per rank and run it
+writes ``<out>/<name>.rank<r>.jsonl``: one line per training step (epoch, step, keys, true cost) and one per
+epoch start (``{"epoch_start": e, "model": the data module's cost model}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+# The checkout this file is in, ahead of any installed copy of the package (a subprocess's sys.path[0] is
+# tests/, so it would otherwise import whichever lightning_adaptiveload is installed).
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
+from _ddp_data_runner import launch  # noqa: E402,F401 - launch is re-exported for the test
+
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.monitor.timing import ManualClock  # noqa: E402
+from lightning_adaptiveload.planning.cost_model import CostModel  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def batch_lengths(batch: dict) -> list[int]:
+    """The token counts of the batch's samples (a pack's ``seq_lens``, else B copies of ``seq_len``)."""
+    if batch.get("packed"):
+        return [int(s) for s in batch["seq_lens"].tolist()]
+    return [int(batch["seq_len"])] * int(batch["batch_size"])
+
+
+def true_seconds(true: CostModel, batch: dict) -> float:
+    """The injected step time: the true cost with deterministic noise and outliers keyed by the batch's keys."""
+    h = zlib.crc32("|".join(batch["keys"]).encode())
+    noise = 1.0 + 0.02 * ((h % 2001) / 1000.0 - 1.0)
+    outlier = 3.0 if (h >> 11) % 23 == 0 else 1.0
+    return true.pack_cost(batch_lengths(batch)) * noise * outlier
+
+
+class TrueCostModule(pl.LightningModule):
+    """A one-parameter model whose step takes the true cost of its batch on the monitor's clock."""
+
+    runs_packed_batches = True
+
+    def __init__(self, path: str, clock: ManualClock, true: CostModel) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.path, self.clock, self.true = path, clock, true
+
+    def training_step(self, batch, batch_idx):
+        lens = batch_lengths(batch)
+        self.clock.advance(true_seconds(self.true, batch))
+        row = {
+            "epoch": int(self.current_epoch),
+            "global_step": int(self.global_step),
+            "step": int(batch["step"]),
+            "keys": list(batch["keys"]),
+            "true_cost": self.true.pack_cost(lens),
+            "planned_cost": float(batch["cost"]),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        x = torch.stack([t.float().mean() for t in batch["latents"]]).mean()
+        return (self.w * x - 1.0).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class ModelRecorder(Callback):
+    """Writes the data module's cost model at every epoch start: the model the epoch was planned with."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        with open(self.path, "a") as f:
+            model = trainer.datamodule.batcher.cost_model.to_dict()
+            f.write(json.dumps({"epoch_start": int(trainer.current_epoch), "model": model}) + "\n")
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank = int(os.environ["LOCAL_RANK"])
+    true = CostModel.from_dict(cfg["true"])
+    for run in cfg["runs"]:
+        path = os.path.join(cfg["out"], f"{run['name']}.rank{rank}.jsonl")
+        dm = AdaptiveLoadDataModule(
+            train_shards=cfg["data"],
+            max_tokens=run.get("max_tokens", 512),
+            schedule=run["schedule"],
+            num_workers=0,
+            cost_model=run["cost_model"],
+        )
+        clock = ManualClock()
+        monitor = LoadBalanceMonitor(
+            dirpath=os.path.join(cfg["out"], run["name"] + "-monitor"),
+            refit=run.get("refit", True),
+            clock=clock,
+            count_flops=False,  # the FLOP count runs training_step on a meta copy: it would write rows too
+            plots=False,
+            print_summary=False,
+        )
+        callbacks: list[Callback] = [monitor, ModelRecorder(path)]
+        if run.get("ckpt"):
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=os.path.join(cfg["out"], run["name"] + "-ckpt"),
+                    every_n_epochs=1,
+                    save_top_k=-1,
+                    filename="epoch{epoch}",
+                    auto_insert_metric_name=False,
+                )
+            )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=int(cfg["world"]),
+            strategy=DDPStrategy(process_group_backend="gloo"),
+            max_epochs=run["max_epochs"],
+            logger=False,
+            enable_checkpointing=bool(run.get("ckpt")),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            log_every_n_steps=5,
+            callbacks=callbacks,
+        )
+        trainer.fit(TrueCostModule(path, clock, true), datamodule=dm, ckpt_path=run.get("resume"))
+
+
+if __name__ == "__main__":
+    main()
