@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -288,6 +290,25 @@ def test_refitter_refits_its_window_and_restores_from_its_state():
     assert len(again.state_dict()["measurements"]["seconds"]) == 10
     with pytest.raises(ValueError, match="cost refit state has version 7"):
         again.load_state_dict({**refitter.state_dict(), "version": 7})
+
+
+def test_refitter_keeps_the_agreed_result_not_its_own():
+    """Across ranks every refitter keeps what ``agree`` returns (rank 0's fit, broadcast by the monitor),
+    even where this rank's own fit rounded otherwise."""
+    classes = [(b, s) for s in (24, 72, 120, 225) for b in (1, 3, 6)]
+    steps = _gathered([[(b, s, TRUE.batch_cost(b, s), FLAG_HOOK)] * 2 for b, s in classes * 2])
+    rank0, rank1 = (CostRefitter(RefitConfig(warmup_steps_per_class=0)) for _ in range(2))
+    rank0.add_steps(steps)
+    rank1.add_steps(steps)
+    from_rank0 = rank0.refit(LINEAR, epoch=0, step=24)
+
+    def agree(own):
+        assert own.model == from_rank0.model  # the same rows fit the same here; elsewhere they may not
+        return dataclasses.replace(from_rank0, model=dataclasses.replace(from_rank0.model, beta=3e-5))
+
+    kept = rank1.refit(LINEAR, epoch=0, step=24, agree=agree)
+    assert kept.model.beta == rank1.model.beta == 3e-5
+    assert rank1.history[-1]["model"]["beta"] == 3e-5
 
 
 class _DataModule:

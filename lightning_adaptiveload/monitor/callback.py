@@ -555,7 +555,13 @@ class LoadBalanceMonitor(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         batcher = getattr(datamodule, "batcher", None)
         prior = getattr(batcher, "cost_model", None) or self._refitter.model or CostModel.default()
-        result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step))
+        agree = None
+        if self._world > 1:  # rank 0's fit on every rank: the next plans must agree bit for bit
+
+            def agree(result: Any) -> Any:
+                return trainer.strategy.broadcast(result, src=0)
+
+        result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step), agree)
         if not self._timing_exact:
             why_not = "the compute times include waits inside the step (see the warning above): logged only"
         elif result.status == "kept":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -233,11 +233,25 @@ class CostRefitter:
         )
         self._window.append(rows)
 
-    def refit(self, prior: CostModel, epoch: int, step: int) -> RefitResult:
-        """Refit on the window's rows, starting from ``prior``; the window then starts empty."""
+    def refit(
+        self,
+        prior: CostModel,
+        epoch: int,
+        step: int,
+        agree: Callable[[RefitResult], RefitResult] | None = None,
+    ) -> RefitResult:
+        """Refit on the window's rows, starting from ``prior``; the window then starts empty.
+
+        ``agree``: given this rank's result, returns the one every rank keeps (the monitor passes a broadcast
+        of rank 0's). Every rank fits the same rows in the same order, but an SVD, ``exp``/``log`` and least
+        squares may round differently on another CPU or BLAS build, and the plans of the next epoch must
+        agree bit for bit across ranks.
+        """
         window = StepMeasurements.concat(self._window)
         self._window = []
         result = refit_cost_model(prior, window, self.config)
+        if agree is not None:
+            result = agree(result)
         self.model = result.model
         keep = self.config.max_saved_steps
         self._last = window.take(np.arange(max(0, len(window) - keep), len(window)))
