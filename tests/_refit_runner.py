@@ -110,7 +110,9 @@ def main() -> None:
         clock = ManualClock()
         monitor = LoadBalanceMonitor(
             dirpath=os.path.join(cfg["out"], run["name"] + "-monitor"),
-            refit=run.get("refit", True),
+            # Lockstep plans bucketed batches in mode "dual" here, where applying a refit resizes batches:
+            # an opt-in (packs are sized by max_tokens alone, so the packed run needs none).
+            refit=run.get("refit", {"resize_batches": True}),
             clock=clock,
             count_flops=False,  # the FLOP count runs training_step on a meta copy: it would write rows too
             plots=False,

@@ -322,7 +322,14 @@ class _DataModule:
 
 def test_apply_to_datamodule_only_where_the_cap_follows_the_model():
     auto = _DataModule(DualConstraintBatcher(max_tokens=512))
-    assert apply_to_datamodule(auto, TRUE) == "" and auto.models == [TRUE]
+    # In mode "dual" the model sizes the batches: applied only on request (resize_batches).
+    assert "resize_batches" in apply_to_datamodule(auto, TRUE) and auto.models == []
+    assert apply_to_datamodule(auto, TRUE, resize_batches=True) == "" and auto.models == [TRUE]
+    packs = _DataModule(DualConstraintBatcher(max_tokens=512))
+    packs.schedule = "packed"  # packs are sized by max_tokens alone: applied by default
+    assert apply_to_datamodule(packs, TRUE) == "" and packs.models == [TRUE]
+    tokens = _DataModule(DualConstraintBatcher(max_tokens=512, mode="equal_tokens"))
+    assert apply_to_datamodule(tokens, TRUE) == "" and tokens.models == [TRUE]
     fixed = _DataModule(DualConstraintBatcher(max_tokens=512, max_compute=300.0, cost_model=LINEAR.to_dict()))
     assert "max_compute=300.0" in apply_to_datamodule(fixed, TRUE) and fixed.models == []
     assert "has no set_cost_model" in apply_to_datamodule(object(), TRUE)

@@ -54,7 +54,9 @@ class Recording(L.LightningDataModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.batcher = DualConstraintBatcher(max_tokens=512)
+        # equal_tokens: the model balances but does not size the batches, so a refit is applied by default
+        # (mode "dual" needs resize_batches: test_dual_mode_applies_the_refit_only_with_resize_batches).
+        self.batcher = DualConstraintBatcher(max_tokens=512, mode="equal_tokens")
         self.events: list = []
 
     def set_cost_model(self, model: CostModel) -> None:
@@ -147,6 +149,17 @@ def test_numeric_cap_logs_the_refit_without_applying_it(tmp_path):
     monitor.load_state_dict({**state, "cost_refit": {**state["cost_refit"], "applied": True}})
     assert [kind for kind, _ in monitor._trainer.datamodule.events] == ["model"]
     assert np.isfinite(line["error"]["all"]["mean"])
+
+
+def test_dual_mode_applies_the_refit_only_with_resize_batches(tmp_path, caplog):
+    dm = Recording()
+    dm.batcher = DualConstraintBatcher(max_tokens=512)  # mode "dual", max_compute "auto"
+    _fit(tmp_path / "default", 1, {"warmup_steps_per_class": 0}, dm=dm)
+    line = json.loads(open(tmp_path / "default" / "cost_refit.jsonl").read().splitlines()[-1])
+    assert not line["applied"] and "resize_batches" in line["not_applied_because"]
+    assert [e for e in dm.events if e[0] == "model"] == []
+    _fit(tmp_path / "resize", 1, {"warmup_steps_per_class": 0, "resize_batches": True}, dm=dm)
+    assert [e[0] for e in dm.events if e[0] == "model"] == ["model"]
 
 
 def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_adaptiveload import _dist, stats
 from lightning_adaptiveload.monitor import report
 from lightning_adaptiveload.monitor import steps as step_table
-from lightning_adaptiveload.monitor.cost_refit import CostRefitter, apply_to_datamodule, refit_metrics
+from lightning_adaptiveload.monitor.cost_refit import RESIZE_OPT_IN, CostRefitter, apply_to_datamodule, refit_metrics
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
@@ -348,6 +348,7 @@ class LoadBalanceMonitor(Callback):
             PendingStep(
                 batch_idx=int(trainer.fit_loop.total_batch_idx),
                 step=int(trainer.global_step),
+                epoch=int(trainer.current_epoch),
                 work=self._work(batch),
                 flops=self._flops(pl_module, batch) if self._flops is not None else math.nan,
                 start=self._start,
@@ -573,11 +574,19 @@ class LoadBalanceMonitor(Callback):
         self._refitter.history[-1]["applied"] = why_not == ""
         self._refitter.history[-1]["not_applied_because"] = why_not
         if why_not and result.status != "kept" and datamodule is not None:
-            self._warn_once(
-                "refit_" + why_not[:40], f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}"
-            )
+            message = f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}"
+            if RESIZE_OPT_IN in why_not:  # the default in dual mode, not a problem: said once, as information
+                if "refit_resize" not in self._warned:
+                    self._warned.add("refit_resize")
+                    rank_zero_info(message)
+            else:
+                self._warn_once("refit_" + why_not[:40], message)
         try:
-            pl_module.log_dict({self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1)
+            # The values are the same on every rank (rank 0's fit); sync_dist only spares the user Lightning's
+            # epoch-level warning, one per key, at a few scalars' all-reduce per refit.
+            pl_module.log_dict(
+                {self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1, sync_dist=True
+            )
         except Exception as err:  # noqa: BLE001 - a hook where Lightning refuses logging: the file still has it
             self._warn_once("refit_log", f"LoadBalanceMonitor: the refit could not be logged here ({err})")
         if self._rank == 0 and self._outdir is not None and self.write_files:
@@ -586,7 +595,8 @@ class LoadBalanceMonitor(Callback):
             )
 
     def _apply(self, trainer: pl.Trainer, model: Any) -> str:
-        return apply_to_datamodule(getattr(trainer, "datamodule", None), model)
+        resize = self._refitter is not None and self._refitter.config.resize_batches
+        return apply_to_datamodule(getattr(trainer, "datamodule", None), model, resize)
 
     def _record(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> None:
         """Rank 0 keeps the per-step table and, for the plots, per-rank compute time and peak memory."""

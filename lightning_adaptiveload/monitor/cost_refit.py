@@ -161,12 +161,20 @@ def format_refit(result: RefitResult) -> str:
     return "\n".join(lines)
 
 
-def apply_to_datamodule(datamodule: Any, model: CostModel) -> str:
+RESIZE_OPT_IN = "resize_batches"
+
+
+def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool = False) -> str:
     """Give ``model`` to the data module so that its next epoch is planned with it.
 
+    Args:
+        datamodule: the trainer's data module (``AdaptiveLoadDataModule`` takes a cost model).
+        model: the refit model.
+        resize_batches: apply it also where the model sizes the batches (``mode="dual"``, bucketed schedules).
+
     Returns:
-        ``""`` when applied, else why not (no data module that takes a cost model, or a numeric
-        ``max_compute`` in the old model's unit).
+        ``""`` when applied, else why not (no data module that takes a cost model, a numeric ``max_compute``
+        in the old model's unit, or batch sizes the model would change without ``resize_batches``).
     """
     setter = getattr(datamodule, "set_cost_model", None)
     if setter is None:
@@ -178,6 +186,13 @@ def apply_to_datamodule(datamodule: Any, model: CostModel) -> str:
         return (
             f"max_compute={batcher.max_compute!r} is a number in the starting cost model's unit; a refit model "
             "would change its meaning, so it is logged only. Use max_compute='auto' to plan with the refit model"
+        )
+    sizes = batcher is not None and getattr(batcher, "mode", None) == "dual"
+    if sizes and not resize_batches and getattr(datamodule, "schedule", None) != "packed":
+        return (
+            'in mode "dual" the cost model sizes the batches, and a refit would change the long samples\' batch '
+            f"sizes between epochs; it is logged only (LoadBalanceMonitor(refit={{'{RESIZE_OPT_IN}': True}}) "
+            "applies it)"
         )
     setter(model)
     return ""

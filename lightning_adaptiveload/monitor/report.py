@@ -39,6 +39,7 @@ _INT_COLUMNS = frozenset(
     (
         "batch_idx",
         "step",
+        "epoch",
         "num_tokens",
         "batch_size",
         "seq_len",

@@ -46,6 +46,7 @@ GIB = float(1 << 30)
 FIELDS = (
     "batch_idx",  # trainer.fit_loop.total_batch_idx of the batch: the same on every rank (checked)
     "step",  # trainer.global_step after the batch
+    "epoch",  # trainer.current_epoch of the batch
     "cost",  # batch["cost"]: cost-model estimate of the batch
     "num_tokens",  # batch["num_tokens"]
     "batch_size",  # batch["batch_size"]

@@ -148,6 +148,7 @@ class PendingStep:
 
     batch_idx: int
     step: int
+    epoch: int
     work: tuple[float, ...]
     flops: float
     start: Any
@@ -179,6 +180,7 @@ class PendingStep:
         return [
             float(self.batch_idx),
             float(self.step),
+            float(self.epoch),
             *self.work,
             self.flops,
             compute,

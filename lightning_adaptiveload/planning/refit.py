@@ -70,6 +70,10 @@ class RefitConfig:
             others (the shape of the model; its unit may change freely). Beyond it the change is clamped.
         max_saved_steps: the most rows (rank-steps) of measurements kept in a checkpoint, for the last refit's
             and for the window since (the last ones of each).
+        resize_batches: also apply the refit where the cost model sizes the batches (``mode="dual"`` with
+            ``max_compute="auto"``): the batch sizes of the long samples then change between epochs, which
+            changes what the optimizer sees. False (default): there the refit is logged only; where the model
+            only balances (``equal_tokens`` batches, the packed schedule's packs) it is applied.
     """
 
     every_n_steps: int | None = None
@@ -80,6 +84,7 @@ class RefitConfig:
     min_points_per_term: int = 4
     max_change: float = 10.0
     max_saved_steps: int = 100_000
+    resize_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and int(self.every_n_steps) < 1:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call (a machine of 4 GPUs; NGPU=2 for the first two), issue 41's GPU check. NOT RUN YET.
+# The packed schedule (SCHEDULE=lockstep for the other) for two epochs of SAMPLES synthetic wan21_480p
+# samples, wan-1.3b, the recipes' eager settings, planned from CostModel.default() (the recipes' cost_model:
+# null: a fit of one H100), so on H200s the starting model is another GPU's. Twice: the monitor's cost refit
+# on (the default: refitted at the end of epoch 1, epoch 2 planned with it) and off (the control: both epochs
+# with the starting model). Then benchmarks/balance/closed_loop_report.py: each epoch's straggler wait, and
+# the refit's error beside the starting model's. Comes back in $OUT: closed_loop.log, closed_loop.json,
+# closed_loop.tgz (both runs' monitor files and configs). Carry .whl (see docs/load_balance_report.md).
+#   NGPU=4 SAMPLES=160 SCHEDULE=packed TOTAL=560 bash benchmarks/balance/gpu_closed_loop.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+el() { echo "[$(($(date +%s) - T0)) s]"; }
+NGPU=${NGPU:-4}; SAMPLES=${SAMPLES:-160}; SCHEDULE=${SCHEDULE:-packed}; TOTAL=${TOTAL:-560}
+left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
+OUT=${OUT:-/tmp/gpu_closed_loop}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/closed_loop.log") 2>&1
+case "$SCHEDULE" in packed|lockstep) ;; *) echo "SCHEDULE must be packed or lockstep"; exit 2 ;; esac
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl \
+    || { echo "pip install of .whl failed"; exit 1; }
+  export PYTHONPATH="$HOME/site:$PWD"
+else
+  echo "warning: no .whl/ carried; LightningCLI needs jsonargparse and the data path webdataset"; export PYTHONPATH="$PWD"
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+RUN=/tmp/closed_loop; rm -rf "$RUN"; mkdir -p "$RUN"
+python3 benchmarks/balance/ddp_modes.py --shards-only --samples "$SAMPLES" --devices "$NGPU" --out "$RUN" 2>&1 | tail -2
+MON='lightning_adaptiveload.monitor.callback.LoadBalanceMonitor'
+for variant in on off; do
+  [ "$variant" = on ] && budget=$(( ($(left) - 40) / 2 )) || budget=$(( $(left) - 40 ))
+  refit=true; [ "$variant" = off ] && refit=false
+  echo "== refit $variant: $SCHEDULE, 2 epochs, $budget s $(el)"
+  python3 benchmarks/balance/ddp_modes.py --modes "$SCHEDULE" --devices "$NGPU" --samples "$SAMPLES" --steps 100000 \
+    --out "$RUN/$variant" --time-budget-s "$budget" --set trainer.max_epochs=2 \
+    --set "trainer.callbacks=[{\"class_path\": \"$MON\", \"init_args\": {\"refit\": $refit}}]" \
+    > "$RUN/fit_$variant.log" 2>&1
+  echo "rc=$? $(el)"; grep -E "epoch [0-9]+:|refit|Time limit|max_epochs|Error|error" "$RUN/fit_$variant.log" | tail -12
+done
+python3 benchmarks/balance/closed_loop_report.py "refit_on=$RUN/on/$SCHEDULE" "refit_off=$RUN/off/$SCHEDULE" \
+  --out "$OUT/closed_loop.json"
+tar czf "$OUT/closed_loop.tgz" -C /tmp --exclude='*.ckpt' closed_loop
+ls -la "$OUT"; echo "== done $(el)"
