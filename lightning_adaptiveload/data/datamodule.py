@@ -686,7 +686,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         Returns:
             ``{"version", "fingerprint", "epoch", "segments": [{"kind", "world_size", "num_workers",
             "seed", "mode", "batcher", "max_buffered_samples", "lockstep_tolerance", "consumed":
-            [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
+            [per rank], "digest", "digests": [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
             ``Trainer.save_checkpoint`` does).
         """
         ds = self.train_dataset
@@ -702,15 +702,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
             )
             consumed = [int(r[0]) for r in rows]
-            digest = sum((int(r[1]) << 32) + int(r[2]) for r in rows) if part is not None else None
+            parts = [(int(r[1]) << 32) + int(r[2]) if part is not None else None for r in rows]
         else:
             consumed = [mine] * ds.world_size
-            if ds.world_size == 1:
-                digest = part
-            elif ds.plan.rank is None:  # a plan of every rank: all parts are here
-                digest = consumed_digest(ds.plan, dict(enumerate(consumed)))
-            else:  # other ranks' plans are elsewhere and no collective reaches them: not verifiable
-                digest = None
+            if ds.plan.rank is None:  # a plan of every rank: all parts are here
+                parts = [consumed_digest(ds.plan, {r: c}) for r, c in enumerate(consumed)]
+            else:  # other ranks' plans are elsewhere and no collective reaches them: only this rank's part
+                parts = [part if r == ds.rank else None for r in range(ds.world_size)]
+        digest = sum(parts) if None not in parts else None  # type: ignore[arg-type]
         if len(set(consumed)) > 1:
             log.warning(
                 "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
@@ -719,6 +718,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         segments = [dict(s) for s in self._segments]
         segments[-1]["consumed"] = consumed
         segments[-1]["digest"] = None if digest is None else digest_text(digest)
+        segments[-1]["digests"] = [None if d is None else digest_text(d) for d in parts]
         return {
             "version": STATE_VERSION,
             "fingerprint": ds.fingerprint,
@@ -734,11 +734,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._resume = dict(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
-        resumed = resume_plan(ds, state)  # replays every rank's plans: it needs what all consumed
+        resumed = resume_plan(ds, state)  # this rank's plan at its position, or the rest replanned
         self._segments = resumed.segments
         self._segment_base = resumed.segment_base
         rank_zero_info(
-            f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples "
+            f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples"
+            f"{' on this rank' if resumed.kind == 'continue' else ''} "
             f"({resumed.kind}: world size {ds.world_size}, {ds.num_workers} workers, {resumed.plan.steps} steps left)"
         )
         return local_plan(resumed.plan, ds.rank) if resumed.plan.rank is None else resumed.plan
