@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_adaptiveload.data.stream import stream_batches
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import distinct_shapes, index_fingerprint
-from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
@@ -75,8 +75,8 @@ class PlannedShardDataset(IterableDataset):
         plan_processes: int = 1,
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
         if lockstep_tail not in LOCKSTEP_TAILS:
             raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         self.max_member_bytes = max_member_bytes
