@@ -223,9 +223,9 @@ def _plan_auto(
     may_pack = kw["lockstep_tail"] == "packed" and int(world) > 1
     if wait <= AUTO_MAX_WAIT or not may_pack:
         why = (
-            f"lockstep's estimated straggler wait {wait:.1%} is within {AUTO_MAX_WAIT:.0%}"
+            f"lockstep's estimated straggler wait {wait:.2%} is within {AUTO_MAX_WAIT:.0%}"
             if wait <= AUTO_MAX_WAIT
-            else f"lockstep's estimated straggler wait is {wait:.1%}, above {AUTO_MAX_WAIT:.0%}, but the model "
+            else f"lockstep's estimated straggler wait is {wait:.2%}, above {AUTO_MAX_WAIT:.0%}, but the model "
             "does not run packs (lockstep_tail='bucketed')"
             if int(world) > 1
             else "one rank: nothing to wait for"
@@ -238,7 +238,7 @@ def _plan_auto(
         choice = {
             "chose": "packed",
             "lockstep_wait": wait,
-            "why": f"lockstep's estimated straggler wait is {wait:.1%}, above {AUTO_MAX_WAIT:.0%} (a mix "
+            "why": f"lockstep's estimated straggler wait is {wait:.2%}, above {AUTO_MAX_WAIT:.0%} (a mix "
             "without length classes): packed balances every step",
             "lockstep_plan_seconds": lockstep_seconds,
         }
