@@ -159,7 +159,10 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1, help="plan_epoch(plan_processes=...)")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per point; the fastest is fitted")
     ap.add_argument(
-        "--resume-at", type=float, default=0.0, help="also time a restart after this share of the epoch; 0: no"
+        "--resume-at",
+        type=float,
+        default=0.0,
+        help="also time a restart after this share of the epoch; 0: no",
     )
     ap.add_argument(
         "--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream"

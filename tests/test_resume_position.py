@@ -101,8 +101,12 @@ def test_consumed_mask_excludes_as_the_refs_do(shards, schedule):
     for r, k in enumerate([2, 1, 3]):
         mark_consumed(mask, plan, r, 0, k)
     assert {(s, i) for s, ids in mask.items() for i in ids} == refs
-    a = plan_epoch(index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=refs, underfull="pad")
-    b = plan_epoch(index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=mask, underfull="pad")
+    a = plan_epoch(
+        index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=refs, underfull="pad"
+    )
+    b = plan_epoch(
+        index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=mask, underfull="pad"
+    )
     assert a.streams == b.streams and a.step_order == b.step_order and a.report["excluded"] == len(refs)
 
 
@@ -170,7 +174,9 @@ def test_a_continuation_checks_its_own_part_of_the_digest(shards, monkeypatch):
     take(dm, 1, monkeypatch, 0, world)  # rank 0's part is intact
     dm = make_dm(shards, monkeypatch, 1, world, 0, "lockstep")
     dm.load_state_dict(copy.deepcopy(state))
-    with pytest.raises(ResumeStateError, match=r"segments\[0\] consumed other samples.*0000000000000000 saved"):
+    with pytest.raises(
+        ResumeStateError, match=r"segments\[0\] consumed other samples.*0000000000000000 saved"
+    ):
         take(dm, 1, monkeypatch, 1, world)
 
 

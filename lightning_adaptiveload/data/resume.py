@@ -139,12 +139,15 @@ def check_state(state: Any) -> None:
         for r, c in enumerate(consumed):
             _int(c, f"{where}.consumed[{r}]", 0, _MAX_COUNT)
         if not _is_digest(seg.get("digest")):
-            raise _bad(f"{where}.digest", f"is {_describe(seg.get('digest'))}; expected 16 hex digits or null")
+            raise _bad(
+                f"{where}.digest", f"is {_describe(seg.get('digest'))}; expected 16 hex digits or null"
+            )
         digests = seg.get("digests")
         if digests is not None:
             if not isinstance(digests, list) or len(digests) != world:
                 raise _bad(
-                    f"{where}.digests", f"is {_describe(digests)}; expected a list of {world} digests or nulls"
+                    f"{where}.digests",
+                    f"is {_describe(digests)}; expected a list of {world} digests or nulls",
                 )
             for r, d in enumerate(digests):
                 if not _is_digest(d):
@@ -277,7 +280,9 @@ def _continue_at_position(ds: Any, epoch: int, segments: list[dict[str, Any]]) -
     for i, seg in enumerate(segments):
         k = int(seg["consumed"][0])
         if done + k > plan.steps:
-            raise _bad(f"segments[{i}].consumed", f"is {k} steps after {done}, but the epoch has {plan.steps}")
+            raise _bad(
+                f"segments[{i}].consumed", f"is {k} steps after {done}, but the epoch has {plan.steps}"
+            )
         saved = (seg.get("digests") or [None] * (rank + 1))[rank]
         if saved is not None:
             replayed = digest_text(_part(plan, rank, done, done + k))
@@ -312,7 +317,8 @@ def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[E
             plan = _plan_of(ds, epoch, i, segments[base], r, base_gone or None)
             if not start + k <= plan.steps:
                 raise _bad(
-                    f"segments[{i}].consumed[{r}]", f"is {k} steps after {start}, but the plan has {plan.steps}"
+                    f"segments[{i}].consumed[{r}]",
+                    f"is {k} steps after {start}, but the plan has {plan.steps}",
                 )
             part = _part(plan, r, start, start + k)
             total += part

@@ -36,7 +36,9 @@ class ConsumedMask(Mapping):
     def __init__(self, shard_offsets: Sequence[int] | np.ndarray) -> None:
         self.offsets = np.asarray(shard_offsets, dtype=np.int64)
         if self.offsets.ndim != 1 or len(self.offsets) < 1 or (np.diff(self.offsets) < 0).any():
-            raise ValueError("ConsumedMask: shard_offsets must be a non-decreasing 1-d sequence, one per shard + 1")
+            raise ValueError(
+                "ConsumedMask: shard_offsets must be a non-decreasing 1-d sequence, one per shard + 1"
+            )
         self.flags = np.zeros(int(self.offsets[-1]), dtype=bool)
         self._counts: np.ndarray | None = None
 
@@ -60,7 +62,9 @@ class ConsumedMask(Mapping):
         a, b = int(self.offsets[shard]), int(self.offsets[shard + 1])
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= b - a):
-            raise ValueError(f"ConsumedMask.mark: shard {shard} has {b - a} samples, got ids up to {ids.max()}")
+            raise ValueError(
+                f"ConsumedMask.mark: shard {shard} has {b - a} samples, got ids up to {ids.max()}"
+            )
         self.flags[a + ids] = True
         self._counts = None
 
