@@ -7,11 +7,17 @@ generator of ``bench_index_scale.py``) is written once; then, per schedule, a fr
 times and its peak resident memory (VmHWM, imports included; the imports alone are reported apart; with
 ``--processes`` > 1 also the largest planning process's peak, which VmHWM does not count). With
 ``--repeats`` N, N fresh processes run per point; the fastest is fitted and all are kept.
+With ``--resume-at F`` (issue 40) a further fresh process per point restarts the epoch after a fraction F
+of its steps on every rank, as a failed job resumes: it loads the index and resumes rank ``--rank``'s
+position (``data.resume.resume_plan``: that rank's plan, continued at its position), timed and measured
+the same way (rows with ``"case": "resume"``). ``--world`` takes a list: every world size is run.
 A straight line and a power law are fitted per schedule to extrapolate to 100M samples; both are written,
 with the points, to ``benchmarks/results/plan_scale_<cpu>_<date>.json``. Never asserts a time. Run::
 
     python benchmarks/bench_plan_scale.py                         # 1M, 2M, 5M, 10M (packed: 1M, 2M)
     python benchmarks/bench_plan_scale.py --sizes "" --packed-sizes 1e6,1e7,2e7,5e7,1e8 --rank 0 --repeats 3
+    python benchmarks/bench_plan_scale.py --sizes 1e8 --packed-sizes 1e8 --world 1024 --rank 0 --repeats 3 \
+        --chunk 10000000 --resume-at 0.5                         # issue 40: 100M samples on 1,024 ranks
     python benchmarks/bench_plan_scale.py --sizes 1e5 --packed-sizes 1e5   # smoke test
 """
 
@@ -67,6 +73,47 @@ print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": plan.steps, "segm
                   "largest_child_peak_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
+# A restart at a fraction of the epoch: the index loaded, this rank's position resumed (positional resume).
+_RESUME = r"""
+import json, resource, sys, time
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                yield line.split(":")[0], int(line.split()[1]) / 1024
+from lightning_adaptiveload.data.compact import CompactIndex
+from lightning_adaptiveload.data.loader import PlannedShardDataset
+from lightning_adaptiveload.data.resume import STATE_VERSION, resume_plan
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+before = dict(hwm())
+path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+chunk, rank, done = int(sys.argv[5]) or None, max(0, int(sys.argv[6])), int(sys.argv[7])
+t = time.perf_counter()
+index = CompactIndex.load(path)
+load_s = time.perf_counter() - t
+t = time.perf_counter()
+batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
+ds = PlannedShardDataset(index, batcher, schedule=mode, seed=0, num_workers=workers, chunk_samples=chunk)
+ds.rank, ds.world_size = rank, world
+state = {"version": STATE_VERSION, "fingerprint": ds.fingerprint, "epoch": 0,
+         "segments": [{"kind": "fresh", **ds.plan_settings(), "consumed": [done] * world}]}
+resumed = resume_plan(ds, state)
+plan_s = time.perf_counter() - t
+after = dict(hwm())
+print(json.dumps({"load_s": load_s, "plan_s": plan_s, "steps": resumed.plan.steps, "resumed_at_step": done,
+                  "resume_kind": resumed.kind, "imports_mib": before["VmRSS"], "peak_mib": after["VmHWM"],
+                  "rss_after_mib": after["VmRSS"]}))
+"""
+
+
+def _fastest(cmd: list[str], repeats: int) -> tuple[dict, list[dict]]:
+    """The fastest of ``repeats`` fresh processes (a shared machine only ever adds time), and all."""
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return min(runs, key=lambda r: r["load_s"] + r["plan_s"]), runs
+
 
 def _fits(xs: np.ndarray, ys: np.ndarray, at: float = 1e8) -> dict:
     if len(xs) < 2:
@@ -80,20 +127,48 @@ def _fits(xs: np.ndarray, ys: np.ndarray, at: float = 1e8) -> dict:
     }
 
 
+def _point(path: str, n: int, mode: str, world: int, args: argparse.Namespace) -> list[dict]:
+    """The plan (and with ``--resume-at``, the restart) of one size, schedule and world size."""
+    common = [path, mode, str(world), str(args.workers), str(args.chunk), str(args.rank)]
+    best, runs = _fastest([sys.executable, "-c", _ONE, *common, str(args.processes)], args.repeats)
+    rows = [{"samples": n, "mode": mode, "world_size": world, "case": "plan", **best}]
+    if args.resume_at:
+        done = int(best["steps"] * args.resume_at)
+        again, more = _fastest([sys.executable, "-c", _RESUME, *common, str(done)], args.repeats)
+        rows.append({"samples": n, "mode": mode, "world_size": world, "case": "resume", **again})
+        runs += more
+    for row, group in zip(rows, (runs[: args.repeats], runs[args.repeats :])):
+        if args.repeats > 1:
+            row["all_load_plus_plan_s"] = [r["load_s"] + r["plan_s"] for r in group]
+        print(
+            f"{mode:12s} {n:>11,d} x {world:5d} ranks {row['case']:6s}  load {row['load_s']:6.2f} s  "
+            f"plan {row['plan_s']:7.2f} s  peak {row['peak_mib']:7.0f} MiB (imports {row['imports_mib']:.0f})",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1e6,2e6,5e6,1e7", help="samples, for independent and lockstep")
     ap.add_argument("--packed-sizes", default="1e6,2e6", help="samples, for packed")
-    ap.add_argument("--world", type=int, default=64)
+    ap.add_argument("--world", default="64", help="world sizes, comma-separated (1024: issue 40)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="")
     ap.add_argument("--chunk", type=int, default=0, help="plan_epoch(chunk_samples=...); 0: at once")
     ap.add_argument("--processes", type=int, default=1, help="plan_epoch(plan_processes=...)")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per point; the fastest is fitted")
     ap.add_argument(
+        "--resume-at",
+        type=float,
+        default=0.0,
+        help="also time a restart after this share of the epoch; 0: no",
+    )
+    ap.add_argument(
         "--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream"
     )
     args = ap.parse_args()
+    worlds = [int(w) for w in str(args.world).split(",") if w]
     sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
     packed_sizes = {int(float(x)) for x in args.packed_sizes.split(",") if x}
     bucketed_sizes = {int(float(x)) for x in args.sizes.split(",") if x}
@@ -102,40 +177,15 @@ def main() -> None:
         for n in sizes:
             path = os.path.join(tmp, f"index_{n}.npidx")
             write_columns(path, synthetic_columns(n, seed=1))
-            for mode in ("independent", "lockstep", "packed"):
-                if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
-                    continue
-                cmd = [
-                    sys.executable,
-                    "-c",
-                    _ONE,
-                    path,
-                    mode,
-                    str(args.world),
-                    str(args.workers),
-                    str(args.chunk),
-                    str(args.rank),
-                    str(args.processes),
-                ]
-                runs = []
-                for _ in range(args.repeats):
-                    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                # The fastest of the fresh processes (a shared machine only ever adds time); all are kept.
-                best = min(runs, key=lambda r: r["load_s"] + r["plan_s"])
-                row = {"samples": n, "mode": mode, **best}
-                if args.repeats > 1:
-                    row["all_load_plus_plan_s"] = [r["load_s"] + r["plan_s"] for r in runs]
-                rows.append(row)
-                print(
-                    f"{mode:12s} {n:>10,d}  load {row['load_s']:6.2f} s  plan {row['plan_s']:7.2f} s  "
-                    f"peak {row['peak_mib']:7.0f} MiB (imports {row['imports_mib']:.0f})",
-                    flush=True,
-                )
+            for world in worlds:
+                for mode in ("independent", "lockstep", "packed"):
+                    if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
+                        continue
+                    rows += _point(path, n, mode, world, args)
             os.unlink(path)
     fits = {}
     for mode in ("independent", "lockstep", "packed"):
-        sel = [r for r in rows if r["mode"] == mode]
+        sel = [r for r in rows if r["mode"] == mode and r["case"] == "plan" and r["world_size"] == worlds[-1]]
         xs = np.array([r["samples"] for r in sel], dtype=np.float64)
         fits[mode] = {
             "load_plus_plan_s": _fits(xs, np.array([r["load_s"] + r["plan_s"] for r in sel])),
@@ -148,7 +198,8 @@ def main() -> None:
         "settings": {
             "mix": "wan21_480p",
             "samples_per_shard": 1000,
-            "world_size": args.world,
+            "world_size": worlds,
+            "resume_at": args.resume_at or None,
             "num_workers": args.workers,
             "max_tokens": 65520,
             "index": "binary (index.npidx), CompactIndex.load in a fresh process",
@@ -166,6 +217,7 @@ def main() -> None:
     )
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+    print(f"fits: world size {worlds[-1]}")
     for mode, fit in fits.items():
         t, m = fit["load_plus_plan_s"], fit["peak_mib"]
         if t:

@@ -106,6 +106,20 @@ def test_an_old_json_index_still_loads(tmp_path):
     assert compact.key((0, 1)) == "x1" and compact.latent_shape((0, 1)) == (4, 3, 2, 2)
 
 
+def test_fingerprint_releases_mapped_pages_as_it_goes(tmp_path, monkeypatch):
+    """Issue 40: the fingerprint's pass over a 100M index's keys held all of their pages until its end."""
+    from lightning_adaptiveload.planning import inputs
+
+    index = _index(tmp_path)
+    index.save(tmp_path / "index.npidx")
+    compact = CompactIndex.load(tmp_path / "index.npidx")
+    fp = index_fingerprint(compact)
+    calls = []
+    monkeypatch.setattr(inputs, "_FP_CHUNK", 2)
+    monkeypatch.setattr(compact, "release_pages", lambda: calls.append(1), raising=False)
+    assert index_fingerprint(compact) == fp and len(calls) > 2
+
+
 def test_fingerprint_is_the_same_from_json_and_binary_and_sees_changes(tmp_path):
     index = _index(tmp_path)
     index.save(tmp_path / "index.json")

@@ -107,11 +107,11 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
 
     index = ShardIndex.load(os.path.join(data, "index.json"))
 
-    def dataset(world: int, workers: int) -> PlannedShardDataset:
+    def dataset(world: int, workers: int, rank: int = 0) -> PlannedShardDataset:
         ds = PlannedShardDataset(
             index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep", num_workers=workers
         )
-        ds.rank, ds.world_size = 0, world
+        ds.rank, ds.world_size = rank, world
         return ds
 
     first = dataset(2, 0)
@@ -130,16 +130,18 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
             ref for r in range(2) for w, j in plan.step_order[r][:done] for ref in plan.streams[(r, w)][j]
         }
         for world, workers, kind in ((2, 3, "continue"), (3, 1, "replan")):
-            resumed = resume_plan(dataset(world, workers), state)
-            assert resumed.kind == kind
-            rest = resumed.plan
-            assert all(len(o) == rest.steps for o in rest.step_order)
-            left = [ref for v in rest.streams.values() for bt in v for ref in bt]
+            left = []
+            for r in range(world):  # each rank resumes its own rank-local plan
+                resumed = resume_plan(dataset(world, workers, r), state)
+                assert resumed.kind == kind
+                rest = resumed.plan
+                assert rest.rank == r and len(rest.step_order[r]) == rest.steps
+                left += [ref for v in rest.streams.values() for bt in v for ref in bt]
+                if kind == "continue":  # the tail is still packs, at the same steps
+                    for k in range(rest.steps):
+                        w, j = rest.step_order[r][k]
+                        assert rest.is_pack((r, w), j) == (done + k >= first_pack)
             assert sorted(keys[x] for x in list(gone) + left) == sorted(_keys(data))  # exactly once
-            if kind == "continue":  # the tail is still packs, at the same steps
-                for k in range(rest.steps):
-                    w, j = rest.step_order[0][k]
-                    assert rest.is_pack((0, w), j) == (done + k >= first_pack)
 
 
 def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(data):

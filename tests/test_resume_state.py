@@ -56,7 +56,8 @@ def saved(shards):
 
 def test_state_holds_a_digest_the_resume_verifies(shards, saved, monkeypatch):
     state, first = saved
-    assert state["version"] == 2 and len(state["segments"][0]["digest"]) == 16
+    assert state["version"] == 3 and len(state["segments"][0]["digest"]) == 16
+    assert state["segments"][0]["digests"] == [state["segments"][0]["digest"]]  # one rank: its part is all
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(copy.deepcopy(state))
     rest = take(dm, None)

@@ -1,5 +1,8 @@
 """Soak: many short epochs of real CPU DDP (gloo), with and without a kill + resume, 0 and 2 workers.
 
+Schedules: independent, lockstep with its bucketed tail, lockstep with its packed tail (a module that runs
+packs) and packed (issue 40).
+
 Every epoch must see every sample exactly once and every rank the same number of steps; nothing may hang
 (every launch has a timeout). The default run keeps a short version; the long one (2 and 4 processes, 60
 epochs each) is marked ``slow``:
@@ -20,6 +23,8 @@ from _ddp_data_runner import launch, read_records  # noqa: E402
 from _fixtures import assert_each_key_once, epoch_rows, index_keys, resumed_run, uneven_shards  # noqa: E402
 
 SIZES = [13, 2, 9, 17, 5, 11, 3, 8]  # uneven, 68 samples
+# (schedule, whether the module runs packs): lockstep's bucketed tail, its packed tail, and packed.
+SCHEDULES = [("independent", False), ("lockstep", False), ("lockstep", True), ("packed", True)]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +44,9 @@ def _check(rows_by_rank: list[list[dict]], keys: list[str], epochs: int, label: 
 def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: float) -> None:
     keys = index_keys(shards)
     runs = []
-    for schedule in ("independent", "lockstep"):
+    for schedule, packs in SCHEDULES:
         for workers in (0, 2):
-            name = f"{schedule}-w{workers}-r{world}"
+            name = f"{schedule}{'-packs' if packs else ''}-w{workers}-r{world}"
             run = {
                 "name": name,
                 "schedule": schedule,
@@ -49,6 +54,8 @@ def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: 
                 "max_epochs": epochs,
                 "max_tokens": 1024,
                 "seed": world,
+                # The module runs packs: lockstep then plans its packed tail (the packed schedule needs it).
+                "runs_packs": packs,
             }
             if resume:  # crash two steps after a checkpoint about halfway through the run
                 run.update(ckpt_every=max(3, epochs * 2), kill_at=max(3, epochs * 2) + 2)
@@ -56,7 +63,9 @@ def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: 
     launch({"data": shards, "out": out, "world": world, "runs": runs}, out, timeout=timeout)
     if not resume:
         for run in runs:
-            _check(read_records(out, run["name"], world), keys, epochs, run["name"])
+            rows = read_records(out, run["name"], world)
+            _check(rows, keys, epochs, run["name"])
+            _check_packs(rows, run)
         return
     resumed = []
     for run in runs:
@@ -72,11 +81,24 @@ def soak(shards: str, out: str, world: int, epochs: int, resume: bool, timeout: 
             [r for r in before[x] if r["global_step"] < run["ckpt_every"]] + after[x] for x in range(world)
         ]
         _check(rows, keys, epochs, run["name"] + " (killed and resumed)")
+        _check_packs([after[x] for x in range(world)], run)
 
 
-@pytest.mark.timeout(400)
+def _check_packs(rows_by_rank: list[list[dict]], run: dict) -> None:
+    """Packs where the schedule makes them: every step of the packed schedule, some steps of lockstep's
+    packed tail, none otherwise (so that each run covers what it names)."""
+    packed = [r["packed"] for rows in rows_by_rank for r in rows]
+    if run["schedule"] == "packed":
+        assert all(packed), run["name"]
+    elif run["runs_packs"]:
+        assert any(packed) and not all(packed), f"{run['name']}: no packed tail step"
+    else:
+        assert not any(packed), run["name"]
+
+
+@pytest.mark.timeout(800)
 def test_soak_short_two_ranks_with_resume(shards, tmp_path):
-    soak(shards, str(tmp_path), world=2, epochs=4, resume=True, timeout=180)
+    soak(shards, str(tmp_path), world=2, epochs=4, resume=True, timeout=360)
 
 
 @pytest.mark.slow

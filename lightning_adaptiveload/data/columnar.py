@@ -345,7 +345,7 @@ def refuse_duplicate_keys(cols: IndexColumns, source: str) -> None:
 
     Run by every loader once the shard paths are resolved (so that the message names them as opened).
     """
-    twice = duplicate_key(cols.key_blob, cols.key_offsets)
+    twice = duplicate_key(cols.key_blob, cols.key_offsets, cols.release_pages)
     cols.release_pages()
     if twice is None:
         return

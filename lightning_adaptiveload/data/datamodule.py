@@ -37,7 +37,7 @@ from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
-from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan, batching_label
+from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan, batching_label
 from lightning_adaptiveload.planning.resume import consumed_digest
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
@@ -85,7 +85,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         schedule: ``"independent"`` (each rank batches its own samples), ``"lockstep"`` (all ranks
             take the same bucket class and batch size at every step) or ``"packed"`` (each rank takes one
             pack of samples of any shapes per step, the packs of a step of equal cost; the module must run
-            packs, ``runs_packed_batches = True``). Which to use: ``docs/schedules.md``.
+            packs, ``runs_packed_batches = True``), or ``"auto"`` (lockstep, or packed where lockstep's
+            estimated straggler wait exceeds 2% and the module runs packs; the epoch line says which and
+            why). Which to use: ``docs/schedules.md``.
         lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
             (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
             says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
@@ -174,8 +176,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         if val_underfull not in ("pad", "error"):
             raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
         if sample_transform is not None and not callable(sample_transform):
             raise ValueError(f"sample_transform must be callable(sample) -> sample, got {sample_transform!r}")
         if text_pad_to is not None and int(text_pad_to) < 1:
@@ -420,7 +422,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def _train_lockstep_tail(self) -> str:
         """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
-        if self.lockstep_tail != "packed" or self.schedule != "lockstep":
+        if self.lockstep_tail != "packed" or self.schedule not in ("lockstep", "auto"):
             return self.lockstep_tail
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is None or getattr(module, "runs_packed_batches", False):
@@ -627,6 +629,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 )
                 + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"
             )
+            auto = rep.get("schedule_auto")
+            if auto:
+                rank_zero_info(f"[adaptiveload] schedule 'auto' chose {auto['chose']}: {auto['why']}")
 
     def _finish_restarted_epoch(self) -> None:
         """The checkpoint was saved after the epoch's last batch: let Lightning end the epoch normally.
@@ -696,7 +701,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         Returns:
             ``{"version", "fingerprint", "epoch", "segments": [{"kind", "world_size", "num_workers",
             "seed", "mode", "batcher", "max_buffered_samples", "lockstep_tolerance", "consumed":
-            [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
+            [per rank], "digest", "digests": [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
             ``Trainer.save_checkpoint`` does).
         """
         ds = self.train_dataset
@@ -712,15 +717,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
             )
             consumed = [int(r[0]) for r in rows]
-            digest = sum((int(r[1]) << 32) + int(r[2]) for r in rows) if part is not None else None
+            parts = [(int(r[1]) << 32) + int(r[2]) if part is not None else None for r in rows]
         else:
             consumed = [mine] * ds.world_size
-            if ds.world_size == 1:
-                digest = part
-            elif ds.plan.rank is None:  # a plan of every rank: all parts are here
-                digest = consumed_digest(ds.plan, dict(enumerate(consumed)))
-            else:  # other ranks' plans are elsewhere and no collective reaches them: not verifiable
-                digest = None
+            if ds.plan.rank is None:  # a plan of every rank: all parts are here
+                parts = [consumed_digest(ds.plan, {r: c}) for r, c in enumerate(consumed)]
+            else:  # other ranks' plans are elsewhere and no collective reaches them: only this rank's part
+                parts = [part if r == ds.rank else None for r in range(ds.world_size)]
+        digest = sum(parts) if None not in parts else None  # type: ignore[arg-type]
         if len(set(consumed)) > 1:
             log.warning(
                 "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
@@ -729,6 +733,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         segments = [dict(s) for s in self._segments]
         segments[-1]["consumed"] = consumed
         segments[-1]["digest"] = None if digest is None else digest_text(digest)
+        segments[-1]["digests"] = [None if d is None else digest_text(d) for d in parts]
         return {
             "version": STATE_VERSION,
             "fingerprint": ds.fingerprint,
@@ -744,11 +749,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._resume = dict(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
-        resumed = resume_plan(ds, state)  # replays every rank's plans: it needs what all consumed
+        resumed = resume_plan(ds, state)  # this rank's plan at its position, or the rest replanned
         self._segments = resumed.segments
         self._segment_base = resumed.segment_base
         rank_zero_info(
-            f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples "
+            f"[adaptiveload] resuming epoch {state['epoch']} after {resumed.consumed_samples} consumed samples"
+            f"{' on this rank' if resumed.kind == 'continue' else ''} "
             f"({resumed.kind}: world size {ds.world_size}, {ds.num_workers} workers, {resumed.plan.steps} steps left)"
         )
         return local_plan(resumed.plan, ds.rank) if resumed.plan.rank is None else resumed.plan

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_adaptiveload.data.stream import stream_batches
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import distinct_shapes, index_fingerprint
-from lightning_adaptiveload.planning.plan import SCHEDULES, EpochPlan
+from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
@@ -75,8 +75,8 @@ class PlannedShardDataset(IterableDataset):
         plan_processes: int = 1,
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
         if lockstep_tail not in LOCKSTEP_TAILS:
             raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
         self.max_member_bytes = max_member_bytes
@@ -122,10 +122,16 @@ class PlannedShardDataset(IterableDataset):
         }
 
     def make_plan(
-        self, epoch: int, settings: Mapping[str, Any] | None = None, exclude: Any = None, local: bool = False
+        self,
+        epoch: int,
+        settings: Mapping[str, Any] | None = None,
+        exclude: Any = None,
+        local: bool = False,
+        rank: int | None = None,
     ) -> EpochPlan:
         """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``; ``local``:
-        only this rank's streams (what training needs; a resume's replay needs every rank's)."""
+        only this rank's streams (what training needs); ``rank``: only that rank's streams (a resume's
+        replay of another world size plans each old rank in turn)."""
         s = dict(self.plan_settings() if settings is None else settings)
         batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
         return plan_epoch(
@@ -145,7 +151,7 @@ class PlannedShardDataset(IterableDataset):
             underfull="pad" if exclude else self.underfull,
             # Saved before chunked planning existed: those epochs were planned at once.
             chunk_samples=s.get("chunk_samples"),
-            rank=self.rank if local else None,
+            rank=rank if rank is not None else (self.rank if local else None),
             progress=self.plan_progress,
             plan_processes=self.plan_processes,
         )

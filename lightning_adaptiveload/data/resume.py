@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_adaptiveload.planning.plan import EpochPlan
-from lightning_adaptiveload.planning.resume import consumed_digest, consumed_refs, continue_plan
+from lightning_adaptiveload.planning.resume import ConsumedMask, consumed_digest, continue_plan, mark_consumed
 
 __all__ = [
     "MAX_NUM_WORKERS",
@@ -33,9 +33,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Version of ``AdaptiveLoadDataModule.state_dict()``'s layout. 2 adds each segment's ``digest`` of the
-#: samples it consumed; version 1 states (no digest) are still read, unverified.
-STATE_VERSION = 2
-_READS = (1, 2)
+#: samples it consumed; 3 adds ``digests``, each rank's part of it (so that a rank resuming at its position
+#: checks its own part without the other ranks' plans). Versions 1 (no digest) and 2 are still read.
+STATE_VERSION = 3
+_READS = (1, 2, 3)
 #: Bounds on a saved segment's settings: beyond them the replay would plan for a machine that does not
 #: exist (``world_size=10**9`` ran into MemoryError).
 MAX_WORLD_SIZE = 1 << 16
@@ -137,11 +138,26 @@ def check_state(state: Any) -> None:
             )
         for r, c in enumerate(consumed):
             _int(c, f"{where}.consumed[{r}]", 0, _MAX_COUNT)
-        digest = seg.get("digest")
-        if digest is not None and not (
-            isinstance(digest, str) and len(digest) == 16 and all(ch in "0123456789abcdef" for ch in digest)
-        ):
-            raise _bad(f"{where}.digest", f"is {_describe(digest)}; expected 16 hex digits or null")
+        if not _is_digest(seg.get("digest")):
+            raise _bad(
+                f"{where}.digest", f"is {_describe(seg.get('digest'))}; expected 16 hex digits or null"
+            )
+        digests = seg.get("digests")
+        if digests is not None:
+            if not isinstance(digests, list) or len(digests) != world:
+                raise _bad(
+                    f"{where}.digests",
+                    f"is {_describe(digests)}; expected a list of {world} digests or nulls",
+                )
+            for r, d in enumerate(digests):
+                if not _is_digest(d):
+                    raise _bad(f"{where}.digests[{r}]", f"is {_describe(d)}; expected 16 hex digits or null")
+
+
+def _is_digest(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, str) and len(value) == 16 and all(ch in "0123456789abcdef" for ch in value)
+    )
 
 
 def check_state_version(state: Mapping[str, Any]) -> None:
@@ -154,11 +170,13 @@ class Resumed:
     """The rest of a resumed epoch.
 
     Attributes:
-        plan: the plan of the batches still to run on every rank.
+        plan: the plan of the batches still to run on this rank (``plan.rank``: a rank-local plan).
         segments: the saved segments plus the new one (its ``consumed`` still None).
         segment_base: batches consumed before the new segment (the fit loop's restored count).
-        kind: ``"continue"`` (the last plan, continued) or ``"replan"`` (the rest planned afresh).
-        consumed_samples: samples consumed before the new segment.
+        kind: ``"continue"`` (the last plan, continued at its position) or ``"replan"`` (the rest planned
+            afresh).
+        consumed_samples: samples consumed before the new segment, on every rank (``"replan"``) or on this
+            rank (``"continue"``: the other ranks' plans are never made).
     """
 
     plan: EpochPlan
@@ -169,11 +187,20 @@ class Resumed:
 
 
 def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
-    """Replay the saved segments of ``state["epoch"]`` and plan what is left of it.
+    """Plan what is left of ``state["epoch"]`` for this rank (``ds.rank``).
+
+    Where every segment of the epoch ran on this world size and ended with every rank at the same step
+    (a fresh plan, continued, maybe with other worker counts), the rest is this rank's own plan continued
+    at its position: the cost of a fresh epoch start (one rank-local plan), whatever the world size. Else
+    (another world size now, ranks stopped at different steps, or the epoch was replanned before) the
+    consumed samples are found by replaying each saved rank's own plan in turn, one flag per sample
+    (:class:`~lightning_adaptiveload.planning.resume.ConsumedMask`), and the rest is planned afresh
+    without them: the memory of one rank-local plan and one byte per sample, the time of one rank-local
+    plan per saved rank.
 
     Args:
         ds: the :class:`~lightning_adaptiveload.data.loader.PlannedShardDataset` to resume (its
-            ``world_size`` and ``num_workers`` are the new run's).
+            ``rank``, ``world_size`` and ``num_workers`` are the new run's).
         state: ``AdaptiveLoadDataModule.state_dict()``'s dict.
 
     Raises:
@@ -188,54 +215,117 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
             f"{state['fingerprint']} vs {ds.fingerprint} now): resume with the same shards, or drop the "
             "datamodule state from the checkpoint to start the epoch afresh"
         )
-    epoch = int(state["epoch"])
     segments = [dict(s) for s in state["segments"]]
     if state["version"] < 2:
         log.warning(
             "resume state version %s holds no digest of the consumed samples: the replay is not verified",
             state["version"],
         )
-    # Replay the epoch's segments to find what was consumed and the last plan.
-    plan: EpochPlan | None = None
-    gone: set[tuple[int, int]] = set()
-    previous = 0
-    for i, seg in enumerate(segments):
-        try:
-            if seg["kind"] == "continue" and plan is not None:
-                plan = continue_plan(plan, previous, int(seg["num_workers"]))
-            else:
-                plan = ds.make_plan(epoch, seg, exclude=gone)
-            consumed = [int(x) for x in seg["consumed"]]
-            part = consumed_refs(plan, consumed)
-        except (TypeError, ValueError, KeyError) as err:
-            raise _bad(f"segments[{i}]", f"cannot be replayed ({type(err).__name__}: {err})") from None
-        if seg.get("digest") is not None:
-            replayed = digest_text(consumed_digest(plan, dict(enumerate(consumed))))
-            if replayed != seg["digest"]:
-                raise ResumeStateError(
-                    f"AdaptiveLoadDataModule resume state: segments[{i}] consumed other samples than its replay "
-                    f"gives (digest {seg['digest']} saved, {replayed} replayed): the saved plan settings (seed "
-                    f"{seg['seed']}, schedule {seg['mode']!r}, batcher) or the planner changed since the "
-                    "checkpoint, so resuming would repeat some samples and skip others. What to do: resume with "
-                    "the version and settings that saved it, or drop the datamodule's entry from the checkpoint "
-                    "to start the epoch afresh"
-                )
-        gone |= part
-        previous = consumed[0]
-    assert plan is not None
-    last = segments[-1]
-    same_ranks = plan.world_size == ds.world_size and len(set(last["consumed"])) == 1
-    if same_ranks:
-        new_plan = continue_plan(plan, int(last["consumed"][0]), ds.num_workers)
+    if _continues(segments, ds.world_size):
+        plan, consumed_samples = _continue_at_position(ds, int(state["epoch"]), segments)
         kind = "continue"
     else:
-        new_plan = ds.make_plan(epoch, exclude=gone)
+        plan, consumed_samples = _replan_rest(ds, int(state["epoch"]), segments)
         kind = "replan"
     return Resumed(
-        plan=new_plan,
+        plan=plan,
         segments=segments + [{"kind": kind, **ds.plan_settings(), "consumed": None}],
         # Lightning restores its processed-batch count to the total consumed so far (equal on all ranks).
         segment_base=sum(max(int(x) for x in s["consumed"]) for s in segments),
         kind=kind,
-        consumed_samples=len(gone),
+        consumed_samples=consumed_samples,
     )
+
+
+def _continues(segments: list[dict[str, Any]], world: int) -> bool:
+    """Whether the epoch is its first plan, continued: every segment on ``world`` ranks, each ending with
+    every rank at the same step, every segment after the first a continuation."""
+    return all(
+        int(seg["world_size"]) == world
+        and len(set(seg["consumed"])) == 1
+        and (seg["kind"] == "continue" if i else seg["kind"] != "continue")
+        for i, seg in enumerate(segments)
+    ) and not any(seg["kind"] == "replan" for seg in segments)
+
+
+def _digest_error(i: int, seg: Mapping[str, Any], saved: str, replayed: str) -> ResumeStateError:
+    return ResumeStateError(
+        f"AdaptiveLoadDataModule resume state: segments[{i}] consumed other samples than its replay "
+        f"gives (digest {saved} saved, {replayed} replayed): the saved plan settings (seed "
+        f"{seg['seed']}, schedule {seg['mode']!r}, batcher) or the planner changed since the "
+        "checkpoint, so resuming would repeat some samples and skip others. What to do: resume with "
+        "the version and settings that saved it, or drop the datamodule's entry from the checkpoint "
+        "to start the epoch afresh"
+    )
+
+
+def _part(plan: EpochPlan, rank: int, start: int, stop: int) -> int:
+    """The digest of ``rank``'s steps ``start <= k < stop`` in ``plan`` (digests are additive mod 2^64)."""
+    return consumed_digest(plan, {rank: stop}) - consumed_digest(plan, {rank: start})
+
+
+def _plan_of(ds: Any, epoch: int, i: int, seg: Mapping[str, Any], rank: int, exclude: Any) -> EpochPlan:
+    try:
+        return ds.make_plan(epoch, seg, exclude=exclude, rank=rank)
+    except (TypeError, ValueError, KeyError) as err:
+        raise _bad(f"segments[{i}]", f"cannot be replayed ({type(err).__name__}: {err})") from None
+
+
+def _continue_at_position(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[EpochPlan, int]:
+    """This rank's plan of the epoch's first segment, continued after the steps every segment consumed;
+    each segment's saved digest of this rank's part is checked (version 3 states save one per rank)."""
+    rank = int(ds.rank)
+    plan = _plan_of(ds, epoch, 0, segments[0], rank, None)
+    done = 0
+    for i, seg in enumerate(segments):
+        k = int(seg["consumed"][0])
+        if done + k > plan.steps:
+            raise _bad(
+                f"segments[{i}].consumed", f"is {k} steps after {done}, but the epoch has {plan.steps}"
+            )
+        saved = (seg.get("digests") or [None] * (rank + 1))[rank]
+        if saved is not None:
+            replayed = digest_text(_part(plan, rank, done, done + k))
+            if replayed != saved:
+                raise _digest_error(i, seg, saved, replayed)
+        elif seg.get("digest") is not None and int(seg["world_size"]) == 1:
+            replayed = digest_text(_part(plan, rank, done, done + k))
+            if replayed != seg["digest"]:
+                raise _digest_error(i, seg, seg["digest"], replayed)
+        done += k
+    consumed = sum(len(plan.streams[(rank, w)][j]) for w, j in plan.step_order[rank][:done])
+    return continue_plan(plan, done, ds.num_workers), consumed
+
+
+def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[EpochPlan, int]:
+    """Replay every saved rank's plan of every segment, one rank at a time, flagging what it consumed;
+    then plan the rest for this rank without those samples."""
+    gone = ConsumedMask.of_index(ds.index)
+    base_gone = gone.copy()  # what was consumed before the plan the current segment continues
+    base = 0
+    for i, seg in enumerate(segments):
+        if seg["kind"] != "continue" or i == 0:
+            base, base_gone = i, gone.copy()
+        elif int(seg["world_size"]) != int(segments[base]["world_size"]):
+            raise _bad(f"segments[{i}]", "continues a plan of another world size")
+        consumed = [int(x) for x in seg["consumed"]]
+        total = 0
+        digests = seg.get("digests")
+        for r, k in enumerate(consumed):
+            # Where this rank's plan of the base segment stood when segment i began.
+            start = sum(int(segments[j]["consumed"][r]) for j in range(base, i))
+            plan = _plan_of(ds, epoch, i, segments[base], r, base_gone or None)
+            if not start + k <= plan.steps:
+                raise _bad(
+                    f"segments[{i}].consumed[{r}]",
+                    f"is {k} steps after {start}, but the plan has {plan.steps}",
+                )
+            part = _part(plan, r, start, start + k)
+            total += part
+            if digests is not None and digests[r] is not None and digest_text(part) != digests[r]:
+                raise _digest_error(i, seg, digests[r], digest_text(part))
+            mark_consumed(gone, plan, r, start, start + k)
+            del plan
+        if seg.get("digest") is not None and digest_text(total) != seg["digest"]:
+            raise _digest_error(i, seg, seg["digest"], digest_text(total))
+    return ds.make_plan(epoch, exclude=gone or None, local=True), gone.total()

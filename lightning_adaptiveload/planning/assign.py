@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.planning.plan import Read, Stream
+from lightning_adaptiveload.planning.resume import ConsumedMask
 
 __all__ = ["Piece", "assign", "exclusions", "read_id_arrays", "reads_of", "shard_pieces"]
 
@@ -44,6 +45,8 @@ def exclusions(exclude: Any) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
     if exclude is None:
         return out
+    if isinstance(exclude, ConsumedMask):  # already {shard: ids}, one flag per sample
+        return exclude  # type: ignore[return-value]
     if isinstance(exclude, Mapping):
         for shard, ids in exclude.items():
             out.setdefault(int(shard), set()).update(int(i) for i in ids)

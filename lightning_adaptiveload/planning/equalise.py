@@ -305,6 +305,10 @@ class _Mover:
         self.counts = counts
         self.moves = moves
         self.bounds = bounds
+        # Every slot's least and most as arrays (kept equal to ``bounds`` by _refresh): the scans of run()
+        # then cost one NumPy pass, not a Python loop over every slot per move (1,024 ranks).
+        self._least = np.array([b.least for b in bounds], dtype=np.int64)
+        self._most = np.array([b.most for b in bounds], dtype=np.int64)
         self.target = target
         self.slot_of = {st: i for i, slot in enumerate(slots) for st in slot}
         self._spots: dict[Stream, dict[int, list[int]]] = {}
@@ -313,14 +317,14 @@ class _Mover:
         self._tails: dict[tuple[Stream, bool], dict[int, int]] = {}
 
     def run(self) -> None:
-        bounds, n_slots = self.bounds, len(self.slots)
-        while True:
-            heavy = [i for i in range(n_slots) if bounds[i].least > self.target]
-            short = [i for i in range(n_slots) if bounds[i].most < self.target]
-            if heavy:
-                self._relieve(max(heavy, key=lambda i: (bounds[i].least - self.target, -i)))
+        least, most = self._least, self._most
+        while len(least):
+            # The heaviest slot above the target (the first of equals), else the first below it.
+            if least.max() > self.target:
+                self._relieve(int(np.argmax(least)))
                 continue
-            if short and self._fill(short[0]):
+            short = most < self.target
+            if short.any() and self._fill(int(np.argmax(short))):
                 continue
             break
 
@@ -332,16 +336,16 @@ class _Mover:
         if self._pack(g):
             return
         # ... else as a new batch to the slot with the fewest batches
-        q = min(range(len(self.slots)), key=lambda i: (bounds[i].least, i))
+        q = int(np.argmin(self._least))  # the fewest batches (the first of equals)
         if bounds[q].least >= self.target:
             # No slot can take a batch: make room by packing another slot's partial batches, or settle for
             # more steps.
             if not any(self._pack(i) for i in range(len(self.slots)) if i != g):
-                self.target = max(x.least for x in bounds)
+                self.target = int(self._least.max())
             return
         pick = self._pick(g)
         if pick is None:
-            self.target = max(x.least for x in bounds)  # nothing the giver may move: settle for more steps
+            self.target = int(self._least.max())  # nothing the giver may move: settle for more steps
             return
         self._give(g, q, *pick)
 
@@ -362,7 +366,7 @@ class _Mover:
         """Slot ``q`` has fewer samples than the target: give it samples from the slot with the most to
         spare. False if no slot can."""
         bounds = self.bounds
-        g = max(range(len(self.slots)), key=lambda i: (bounds[i].most, -i))
+        g = int(np.argmax(self._most))  # the most samples (the first of equals)
         spare = bounds[g].most - self.target
         if spare <= 0:
             return False
@@ -408,6 +412,7 @@ class _Mover:
     def _refresh(self, *slots: int) -> None:
         for i in slots:
             self.bounds[i] = _bounds(self.sim, self.slots[i], self.sizes)
+            self._least[i], self._most[i] = self.bounds[i].least, self.bounds[i].most
 
     def _give(self, g: int, q: int, st_g: Stream, bucket: int, k: int, partial_only: bool) -> None:
         """Move ``k`` samples of ``bucket`` from stream ``st_g`` (of slot ``g``) to slot ``q``'s shortest

@@ -44,6 +44,7 @@ from lightning_adaptiveload.planning.packed_report import (
     rank_correlation,
 )
 from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_costs, pack_sums
+from lightning_adaptiveload.planning.resume import ConsumedMask
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
@@ -410,7 +411,8 @@ def plan_packed(
     from lightning_adaptiveload.planning.plan import PlanError, underfull_message
 
     n = int(data.arrays.shard_offsets[-1]) if data.arrays is not None else sum(map(len, data.shapes))
-    if n - sum(map(len, exclude.values())) > packed_counts.TEMPLATE_SAMPLES:
+    n_gone = exclude.total() if isinstance(exclude, ConsumedMask) else sum(map(len, exclude.values()))
+    if n - n_gone > packed_counts.TEMPLATE_SAMPLES:
         return packed_counts.plan_on_counts(
             data, world, num_workers, batcher, seed, epoch, exclude, underfull, t0, rank, step_costs
         )  # fmt: skip

@@ -41,6 +41,7 @@ import numpy as np
 from lightning_adaptiveload.planning.packed import _TARGET_FILL, hash_seed, pack_steps, shard_read_order
 from lightning_adaptiveload.planning.packed_report import bucket_dicts, packed_plan, packed_report
 from lightning_adaptiveload.planning.packing_kernels import pack_costs, pack_sums
+from lightning_adaptiveload.planning.resume import ConsumedMask
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 __all__ = ["TEMPLATE_SAMPLES", "CountPlan", "plan_counts", "plan_on_counts", "resolve_slots"]
@@ -416,7 +417,9 @@ def plan_on_counts(
     shapes, shape_ids, offsets = index.arrays()
     per_shape = np.bincount(shape_ids, minlength=len(shapes)).astype(np.int64)
     gone = np.zeros(len(shapes), dtype=np.int64)
-    for s, ids in exclude.items():
+    if isinstance(exclude, ConsumedMask):  # one flag per sample in index order
+        gone += np.bincount(shape_ids[exclude.flags], minlength=len(shapes))
+    for s, ids in () if isinstance(exclude, ConsumedMask) else exclude.items():
         if ids:
             pos = int(offsets[s]) + np.fromiter(ids, dtype=np.int64, count=len(ids))
             gone += np.bincount(shape_ids[pos], minlength=len(shapes))
@@ -453,9 +456,7 @@ def plan_on_counts(
     order = shard_read_order(len(offsets) - 1, seed, epoch)  # the exact planner's read order
     v = np.concatenate([x[1] for x in slots])
     ordinal = np.concatenate([x[2] for x in slots])
-    shard, ids, reads = resolve_slots(
-        cp, value_of_shape, shape_ids, offsets, order, {s: i for s, i in exclude.items() if i}, v, ordinal
-    )
+    shard, ids, reads = resolve_slots(cp, value_of_shape, shape_ids, offsets, order, exclude, v, ordinal)
     layout = _Streams({}, {}, {}, {})
     at = 0
     smallest = int(np.argmin(seq_len)) if len(seq_len) else 0

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "AUTO_MAX_WAIT",
     "SCHEDULES",
+    "SCHEDULE_CHOICES",
     "Batch",
     "EpochPlan",
     "PlanError",
@@ -24,7 +26,14 @@ __all__ = [
 Ref = tuple[int, int]  # a sample: (shard id, sample id)
 Stream = tuple[int, int]  # (rank, worker)
 Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream reads of one shard
+#: The schedules a plan is made with (``plan.mode``); see ``docs/schedules.md``.
 SCHEDULES = ("independent", "lockstep", "packed")
+#: The schedules a setting may name: :data:`SCHEDULES` or ``"auto"`` (lockstep, or packed where lockstep's
+#: estimated straggler wait exceeds :data:`AUTO_MAX_WAIT`; :func:`~.planner.plan_epoch`).
+SCHEDULE_CHOICES = (*SCHEDULES, "auto")
+#: ``schedule="auto"``: the largest estimated straggler wait (share of the step time) lockstep may have
+#: before the epoch is planned packed instead (where the model runs packs).
+AUTO_MAX_WAIT = 0.02
 
 
 def batching_label(schedule: str, mode: str) -> str:

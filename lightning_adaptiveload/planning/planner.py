@@ -51,7 +51,8 @@ from lightning_adaptiveload.planning.inputs import Bucket, as_input, bucket_tabl
 from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_classes
 from lightning_adaptiveload.planning.lockstep_local import LocalLockstep, lockstep_local
 from lightning_adaptiveload.planning.plan import (
-    SCHEDULES,
+    AUTO_MAX_WAIT,
+    SCHEDULE_CHOICES,
     Batch,
     EpochPlan,
     PlanError,
@@ -135,7 +136,10 @@ def plan_epoch(
             excluded ones included, so that a resumed epoch keeps the cap). ``partial`` must be ``"emit"``.
         seed: shard-order seed (with ``epoch``).
         epoch: epoch number.
-        mode: the schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``).
+        mode: the schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``); or
+            ``"auto"``: lockstep, unless its estimated straggler wait exceeds :data:`~.plan.AUTO_MAX_WAIT`
+            and ``lockstep_tail="packed"`` (the model runs packs), then packed (a mix with no length
+            classes, every sample its own shape); ``report["schedule_auto"]`` says which and why.
         exclude: sample refs ``(shard_id, sample_id)`` to leave out (already consumed), or
             ``{shard_id: sample_ids}``.
         max_buffered_samples: independent mode: samples a stream may hold decoded (in one worker) while
@@ -179,6 +183,13 @@ def plan_epoch(
     """
     t0 = time.perf_counter()
     _check_settings(mode, underfull, world_size, num_workers, batcher)
+    if mode == "auto":
+        return _plan_auto(
+            index_or_shapes, world_size, num_workers, batcher, seed, epoch,
+            dict(exclude=exclude, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
+                 underfull=underfull, lockstep_tail=lockstep_tail, rank=rank, chunk_samples=chunk_samples,
+                 progress=progress, keep_step_costs=keep_step_costs, plan_processes=plan_processes),
+        )  # fmt: skip
     if lockstep_tail not in LOCKSTEP_TAILS:
         raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
     world, workers = int(world_size), max(1, int(num_workers))
@@ -200,6 +211,39 @@ def plan_epoch(
     if not keep_step_costs:
         plan.step_costs = None
     return plan if rank is None or plan.rank is not None else local_plan(plan, int(rank))
+
+
+def _plan_auto(
+    data: Any, world: int, num_workers: int, batcher: Any, seed: int, epoch: int, kw: dict[str, Any]
+) -> EpochPlan:
+    """``mode="auto"``: the lockstep plan, or the packed one where lockstep's estimated straggler wait
+    exceeds :data:`~.plan.AUTO_MAX_WAIT` and packs may run (``lockstep_tail="packed"``)."""
+    plan = plan_epoch(data, world, num_workers, batcher, seed, epoch, mode="lockstep", **kw)
+    wait = float(plan.report["est_straggler_wait"])
+    may_pack = kw["lockstep_tail"] == "packed" and int(world) > 1
+    if wait <= AUTO_MAX_WAIT or not may_pack:
+        why = (
+            f"lockstep's estimated straggler wait {wait:.2%} is within {AUTO_MAX_WAIT:.0%}"
+            if wait <= AUTO_MAX_WAIT
+            else f"lockstep's estimated straggler wait is {wait:.2%}, above {AUTO_MAX_WAIT:.0%}, but the model "
+            "does not run packs (lockstep_tail='bucketed')"
+            if int(world) > 1
+            else "one rank: nothing to wait for"
+        )
+        choice = {"chose": "lockstep", "lockstep_wait": wait, "why": why}
+    else:
+        lockstep_seconds = plan.report["plan_seconds"]
+        del plan
+        plan = plan_epoch(data, world, num_workers, batcher, seed, epoch, mode="packed", **kw)
+        choice = {
+            "chose": "packed",
+            "lockstep_wait": wait,
+            "why": f"lockstep's estimated straggler wait is {wait:.2%}, above {AUTO_MAX_WAIT:.0%} (a mix "
+            "without length classes): packed balances every step",
+            "lockstep_plan_seconds": lockstep_seconds,
+        }
+    plan.report["schedule_auto"] = choice
+    return plan
 
 
 def _num_samples(data: Any) -> int:
@@ -406,8 +450,8 @@ def _report(
 
 
 def _check_settings(mode: str, underfull: str, world_size: int, num_workers: int, batcher: Any) -> None:
-    if mode not in SCHEDULES:
-        raise ValueError(f"mode (schedule) must be one of {SCHEDULES}, got {mode!r}")
+    if mode not in SCHEDULE_CHOICES:
+        raise ValueError(f"mode (schedule) must be one of {SCHEDULE_CHOICES}, got {mode!r}")
     if underfull not in ("error", "pad"):
         raise ValueError(f"underfull must be 'error' or 'pad', got {underfull!r}")
     if int(world_size) < 1 or int(num_workers) < 0:

@@ -4,18 +4,114 @@ number of DataLoader workers.
 :func:`consumed_refs` gives the samples in the steps each rank took; passed as ``exclude`` to
 :func:`~.planner.plan_epoch` they let the rest of an epoch be planned for another number of ranks.
 :func:`continue_plan` continues a plan for the same ranks with another number of workers, batch for
-batch. Pure Python.
+batch. :class:`ConsumedMask` holds consumed samples as one flag per sample of the index (a resume of
+100M samples holds 100 MB, not a Python tuple per sample) and passes as ``exclude``; :func:`mark_consumed`
+marks the samples of a range of one rank's steps in it. Pure Python and NumPy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from lightning_adaptiveload.planning.plan import EpochPlan, Read, Ref, Stream
 
-__all__ = ["consumed_digest", "consumed_refs", "continue_plan"]
+__all__ = ["ConsumedMask", "consumed_digest", "consumed_refs", "continue_plan", "mark_consumed"]
+
+
+class ConsumedMask(Mapping):
+    """Consumed samples, one flag per sample of the index, read as ``{shard_id: sample_ids}``.
+
+    A :class:`~collections.abc.Mapping` from each shard with a consumed sample to the set of its consumed
+    sample ids (built on access, one shard at a time), so that it passes as ``exclude`` to
+    :func:`~.planner.plan_epoch` (and a chunked or counted plan) like a dict of sets, in memory of one byte
+    per sample of the index.
+
+    Args:
+        shard_offsets: (shards + 1,) each shard's first position in index order and the sample count last.
+    """
+
+    def __init__(self, shard_offsets: Sequence[int] | np.ndarray) -> None:
+        self.offsets = np.asarray(shard_offsets, dtype=np.int64)
+        if self.offsets.ndim != 1 or len(self.offsets) < 1 or (np.diff(self.offsets) < 0).any():
+            raise ValueError(
+                "ConsumedMask: shard_offsets must be a non-decreasing 1-d sequence, one per shard + 1"
+            )
+        self.flags = np.zeros(int(self.offsets[-1]), dtype=bool)
+        self._counts: np.ndarray | None = None
+
+    @classmethod
+    def of_index(cls, index_or_shapes: Any) -> ConsumedMask:
+        """An empty mask for a ``ShardIndex``, ``CompactIndex`` or per-shard lists of shapes."""
+        from lightning_adaptiveload.planning.inputs import as_input
+
+        data = as_input(index_or_shapes)
+        if data.arrays is not None:
+            return cls(data.arrays.shard_offsets)
+        return cls(np.r_[0, np.cumsum([len(row) for row in data.shapes])])
+
+    def copy(self) -> ConsumedMask:
+        out = ConsumedMask(self.offsets)
+        out.flags[:] = self.flags
+        return out
+
+    def mark(self, shard: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Flag samples ``ids`` of ``shard`` consumed."""
+        a, b = int(self.offsets[shard]), int(self.offsets[shard + 1])
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= b - a):
+            raise ValueError(
+                f"ConsumedMask.mark: shard {shard} has {b - a} samples, got ids up to {ids.max()}"
+            )
+        self.flags[a + ids] = True
+        self._counts = None
+
+    def total(self) -> int:
+        """How many samples are flagged."""
+        return int(self.flags.sum())
+
+    def _shard_counts(self) -> np.ndarray:
+        if self._counts is None:
+            cum = np.r_[0, np.cumsum(self.flags, dtype=np.int64)]
+            self._counts = cum[self.offsets[1:]] - cum[self.offsets[:-1]]
+        return self._counts
+
+    def __getitem__(self, shard: int) -> set[int]:
+        s = int(shard)
+        if not 0 <= s < len(self.offsets) - 1 or not self._shard_counts()[s]:
+            raise KeyError(shard)
+        a, b = int(self.offsets[s]), int(self.offsets[s + 1])
+        return set(np.flatnonzero(self.flags[a:b]).tolist())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._shard_counts()).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._shard_counts()))
+
+    def __contains__(self, shard: object) -> bool:
+        try:
+            s = int(shard)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            return False
+        return 0 <= s < len(self.offsets) - 1 and bool(self._shard_counts()[s])
+
+
+def mark_consumed(mask: ConsumedMask, plan: EpochPlan, rank: int, start: int, stop: int) -> None:
+    """Flag in ``mask`` the samples of steps ``start <= k < stop`` of ``rank`` in ``plan`` (which holds that
+    rank's streams: a plan of every rank or that rank's rank-local plan)."""
+    if (plan.rank is not None and int(rank) != plan.rank) or not 0 <= int(rank) < plan.world_size:
+        raise ValueError(f"mark_consumed: the plan holds no streams of rank {rank}")
+    if not 0 <= int(start) <= int(stop) <= plan.steps:
+        raise ValueError(f"mark_consumed: steps {start}..{stop} are outside 0..{plan.steps} of this plan")
+    per_shard: dict[int, list[int]] = {}
+    for w, j in plan.step_order[int(rank)][int(start) : int(stop)]:
+        for shard, i in plan.streams[(int(rank), w)][j]:
+            per_shard.setdefault(shard, []).append(i)
+    for shard, ids in per_shard.items():
+        mask.mark(shard, ids)
 
 
 def consumed_refs(plan: EpochPlan, steps_per_rank: Sequence[int] | int) -> set[Ref]:
