@@ -188,9 +188,9 @@ def test_key_hashes_and_duplicates_on_odd_keys():
 def test_key_hashes_release_the_pages_read_as_they_go(monkeypatch):
     """Issue 40: at 100M keys the duplicate check held every mapped key page and two hash arrays (4.6 GB of
     a 100M index's load); it now releases the pages while it hashes and sorts the hashes in place."""
-    from lightning_adaptiveload.data import columnar
+    from lightning_adaptiveload.data import columnar, key_columns
 
-    monkeypatch.setattr(columnar, "_HASH_CHUNK", 8)  # many chunks of a small index
+    monkeypatch.setattr(key_columns, "_HASH_CHUNK", 8)  # many chunks of a small index
     keys = [f"k{i:05d}".encode() for i in range(200)] + [b"k00007"]
     off = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum([len(k) for k in keys], out=off[1:])
