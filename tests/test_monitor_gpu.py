@@ -53,7 +53,6 @@ def test_monitor_matches_raw_probe_on_two_gpus(tmp_path):
     assert run["monitor_measured_straggler_wait"] == pytest.approx(run["monitor_straggler_wait"], abs=0.02)
 
 
-
 def _monitor_truth():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "balance"))
     try:
@@ -84,7 +83,11 @@ def test_monitor_under_fsdp2_matches_each_batch_alone_on_two_gpus(tmp_path):
 
 
 RECORDED_FSDP2 = os.path.join(
-    ROOT, "benchmarks", "results", "monitor_truth_fsdp2_h200x2_2026-11-27", "monitor_truth_nvidia-h200_w2_fsdp2.json"
+    ROOT,
+    "benchmarks",
+    "results",
+    "monitor_truth_fsdp2_h200x2_2026-11-27",
+    "monitor_truth_nvidia-h200_w2_fsdp2.json",
 )
 
 

@@ -48,7 +48,9 @@ def epoch_tables(path: str) -> list[dict[str, np.ndarray]]:
     need = {"rank", "step", "epoch", "compute_time_s", "sync_wait_s"}
     missing = sorted(need - set(rows[0]))
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; expected LoadBalanceMonitor's load_balance_ranks.csv")
+        raise ValueError(
+            f"{path}: missing column(s) {missing}; expected LoadBalanceMonitor's load_balance_ranks.csv"
+        )
     world = 1 + max(int(r["rank"]) for r in rows)
     by_step: dict[int, dict[int, dict[str, str]]] = {}
     for r in rows:
@@ -102,9 +104,21 @@ def run_summary(run_dir: str, warmup: int) -> dict[str, Any]:
                 out["refits"].append(
                     {
                         k: r.get(k)
-                        for k in ("epoch", "step", "status", "reason", "clamped", "change", "applied", "terms")
+                        for k in (
+                            "epoch",
+                            "step",
+                            "status",
+                            "reason",
+                            "clamped",
+                            "change",
+                            "applied",
+                            "terms",
+                        )
                     }
-                    | {"error": (r.get("error") or {}).get("all"), "prior_error": (r.get("prior_error") or {}).get("all")}
+                    | {
+                        "error": (r.get("error") or {}).get("all"),
+                        "prior_error": (r.get("prior_error") or {}).get("all"),
+                    }
                 )
     return out
 
@@ -149,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         info = find_one(path, "load_balance.json")
         if info:
             with open(info, encoding="utf-8") as f:
-                result["runs"][label]["device"] = ((json.load(f).get("summary") or {}).get("meta") or {}).get("device")
+                result["runs"][label]["device"] = ((json.load(f).get("summary") or {}).get("meta") or {}).get(
+                    "device"
+                )
     print_table(result)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -242,7 +242,7 @@ def run_raw_fsdp2(args, device, batch, rank) -> dict[str, list[dict]]:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
         loss_fn = LossOf(module)
 
-        def step_fn(marks: StepMarks) -> None:
+        def step_fn(marks: StepMarks, opt: Any = opt, loss_fn: Any = loss_fn) -> None:
             _loss_backward(loss_fn, batch, device, marks)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -351,7 +351,9 @@ def run_lightning(args, device, batch, rank, world, log_every: int, hook: str, o
 
             ddp = trainer.strategy.model
             if hook != "none" and args.strategy != "ddp":
-                raise SystemExit(f"--lightning ...:{hook}: communication hooks are DDP's; use :none with fsdp2")
+                raise SystemExit(
+                    f"--lightning ...:{hook}: communication hooks are DDP's; use :none with fsdp2"
+                )
 
             def timed_hook(state, bucket):
                 if self.marks is not None:
@@ -541,7 +543,9 @@ def fsdp2_verdict(t: dict, name: str = "lightning_log50_none") -> list[str]:
     comm = max(ranks[slow]["interference_s"], 0.0) / solo[slow]
     bad = []
     if abs(mon[slow] - solo[slow]) > (0.05 + comm) * solo[slow]:
-        bad.append(f"slowest rank {slow}: monitor {mon[slow]:.3f} s vs solo {solo[slow]:.3f} s (+{comm:.1%} comm)")
+        bad.append(
+            f"slowest rank {slow}: monitor {mon[slow]:.3f} s vs solo {solo[slow]:.3f} s (+{comm:.1%} comm)"
+        )
     over = 0.0
     for r in range(world):
         if r == slow:
@@ -609,9 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         " the probe registers (none; python: the stock Python all-reduce hook re-marking the last bucket, as"
         " the old monitor did; builtin: the C++ all-reduce hook)",
     )
-    ap.add_argument(
-        "--raw", default=RAW_DDP, help="raw DDP variants, in order (ddp_pyhook last)"
-    )
+    ap.add_argument("--raw", default=RAW_DDP, help="raw DDP variants, in order (ddp_pyhook last)")
     ap.add_argument(
         "--strategy",
         default="ddp",
@@ -693,7 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         print_table(table, world)
         if args.strategy == "fsdp2":
             for k in [k for k in table if k.startswith("lightning")]:
-                print(f"{k}: FSDP2 checks " + ("met" if not fsdp2_verdict(table, k) else str(fsdp2_verdict(table, k))))
+                print(
+                    f"{k}: FSDP2 checks "
+                    + ("met" if not fsdp2_verdict(table, k) else str(fsdp2_verdict(table, k)))
+                )
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()

@@ -29,16 +29,16 @@ from lightning_adaptiveload.data.datamodule_inputs import (
     check_oversize,
     check_synthetic,
     index_folder,
+    write_synthetic_into,
 )
 from lightning_adaptiveload.data.index_agreement import check_indexes_agree
-from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset
-from lightning_adaptiveload.data.resume import STATE_VERSION, check_state, digest_text, resume_plan
+from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset, PlanProgressBar
+from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan, batching_label
-from lightning_adaptiveload.planning.resume import consumed_digest
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
@@ -251,43 +251,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     # -- data preparation ------------------------------------------------------------------------------
 
-    def _synthetic_dir(self, shards: str | list[str]) -> str:
-        if (
-            not isinstance(shards, str)
-            or any(ch in shards for ch in "{*?[")
-            or shards.endswith((".tar", ".json"))
-        ):
-            raise ValueError(
-                f"synthetic data needs the shard location as one directory, got {shards!r}; "
-                "pass e.g. train_shards='data/train' (the shards and index.json are written there)"
-            )
-        return shards
-
-    def _write_synthetic(self, name: str, shards: Any, settings: dict[str, Any]) -> None:
-        """``write_synthetic_shards`` into ``shards``; data there that it did not write is never replaced."""
-        from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
-
-        folder = self._synthetic_dir(shards)
-        if not os.path.exists(os.path.join(folder, "index.json")):
-            # Said before it happens: a mistyped train_shards path would otherwise fill up with generated data.
-            rank_zero_info(
-                f"[adaptiveload] {name}: {os.path.abspath(folder)} holds no shards; data.synthetic is set, so "
-                f"{settings.get('num_samples', '?')} synthetic samples (mix {settings.get('mix', '?')!r}) are "
-                "written there now. Set data.synthetic to null to train on real shards only."
-            )
-        try:
-            write_synthetic_shards(folder, **settings)
-        except NotSyntheticDataError as err:
-            # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
-            raise NotSyntheticDataError(
-                err.directory,
-                err.found,
-                context=f" It is {name}, and data.synthetic is set: synthetic shards would be written there.",
-                advice=f"to train on the data in {name}={shards!r}, remove the `synthetic:` block from the recipe "
-                "(data.init_args.synthetic; on the command line: --data.init_args.synthetic=null); for "
-                f"synthetic data, point {name} at an empty or new folder",
-            ) from None
-
     def prepare_data(self) -> None:
         """Generate synthetic shards when ``synthetic`` is set, and write ``index.json`` if missing.
 
@@ -301,13 +264,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             val_n = settings.pop("val_num_samples", None)
             # A bar only for a large write (write_synthetic_shards announces and shows one over 1 GiB).
             settings.setdefault("progress", False)
-            self._write_synthetic("train_shards", self.train_shards, settings)
+            write_synthetic_into("train_shards", self.train_shards, settings, rank_zero_info)
             if self.val_shards is not None:
                 n = int(val_n) if val_n is not None else max(8, int(settings.get("num_samples", 256)) // 8)
                 val_settings = {**settings, "num_samples": n, "seed": int(settings.get("seed", 0)) + 1}
                 if isinstance(val_settings.get("samples_per_shard"), list):
                     val_settings["samples_per_shard"] = max(1, n // 4)
-                self._write_synthetic("val_shards", self.val_shards, val_settings)
+                write_synthetic_into("val_shards", self.val_shards, val_settings, rank_zero_info)
         stage = getattr(getattr(self.trainer, "state", None), "fn", None)
         extra = {"test": self.test_shards, "predict": self.predict_shards}
         # Test and predict data are indexed only for their own stage (they may not exist while training).
@@ -595,7 +558,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         assert ds is not None
         rank, world = _dist.rank_and_world(self.trainer)
         ds.rank, ds.world_size = rank, world
-        ds.plan_progress = _PlanBar() if rank == 0 else None
+        ds.plan_progress = PlanProgressBar() if rank == 0 else None
         epoch = self._current_epoch()
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) == epoch:
@@ -707,39 +670,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         ds = self.train_dataset
         if ds is None or ds.plan is None or not self._segments:
             return {}
-        mine = self._consumed_now() - self._segment_base
-        # This rank's part of the digest of the consumed samples (parts add up; see consumed_digest),
-        # gathered with the counts in the same collective, as two 32-bit halves (exact in float64).
-        part = consumed_digest(ds.plan, {ds.rank: mine}) if ds.plan.rank in (None, ds.rank) else None
-        digest: int | None
-        if _dist.is_distributed() and ds.world_size > 1:
-            rows = _dist.all_gather_floats(
-                [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
-            )
-            consumed = [int(r[0]) for r in rows]
-            parts = [(int(r[1]) << 32) + int(r[2]) if part is not None else None for r in rows]
-        else:
-            consumed = [mine] * ds.world_size
-            if ds.plan.rank is None:  # a plan of every rank: all parts are here
-                parts = [consumed_digest(ds.plan, {r: c}) for r, c in enumerate(consumed)]
-            else:  # other ranks' plans are elsewhere and no collective reaches them: only this rank's part
-                parts = [part if r == ds.rank else None for r in range(ds.world_size)]
-        digest = sum(parts) if None not in parts else None  # type: ignore[arg-type]
-        if len(set(consumed)) > 1:
-            log.warning(
-                "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
-                consumed,
-            )
-        segments = [dict(s) for s in self._segments]
-        segments[-1]["consumed"] = consumed
-        segments[-1]["digest"] = None if digest is None else digest_text(digest)
-        segments[-1]["digests"] = [None if d is None else digest_text(d) for d in parts]
-        return {
-            "version": STATE_VERSION,
-            "fingerprint": ds.fingerprint,
-            "epoch": ds.epoch,
-            "segments": segments,
-        }
+        return position_state(ds, self._segments, self._consumed_now() - self._segment_base)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position saved by :meth:`state_dict`; applied when that epoch's loader starts."""
@@ -758,20 +689,3 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             f"({resumed.kind}: world size {ds.world_size}, {ds.num_workers} workers, {resumed.plan.steps} steps left)"
         )
         return local_plan(resumed.plan, ds.rank) if resumed.plan.rank is None else resumed.plan
-
-
-class _PlanBar:
-    """A progress bar (rank 0) over the segments of a chunked epoch plan, opened at the first segment."""
-
-    def __init__(self) -> None:
-        self._bar: Any = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self._bar is None:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc="[adaptiveload] planning the epoch", unit="segment")
-        self._bar.update(done - self._bar.n)
-        if done >= total:
-            self._bar.close()
-            self._bar = None

@@ -1,18 +1,26 @@
-"""Checks and lookups behind ``AdaptiveLoadDataModule``'s arguments: the ``synthetic`` settings, oversize
-samples, and where an index lies (a binary index file or folder, the one local folder of the shards).
+"""Checks and lookups behind ``AdaptiveLoadDataModule``'s arguments: the ``synthetic`` settings and writing
+them, oversize samples, and where an index lies (a binary index file or folder, the one local folder of the shards).
 Pure (no Lightning): :mod:`lightning_adaptiveload.data.datamodule` adapts them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-__all__ = ["binary_index_of", "check_oversize", "check_synthetic", "index_folder", "is_binary_index_file"]
+__all__ = [
+    "binary_index_of",
+    "check_oversize",
+    "check_synthetic",
+    "index_folder",
+    "is_binary_index_file",
+    "synthetic_folder",
+    "write_synthetic_into",
+]
 
 _SYNTHETIC_EXTRA = ("val_num_samples",)
 # write_synthetic_shards arguments the DataModule sets itself.
@@ -105,3 +113,46 @@ def index_folder(shards: str | list[str]) -> str | None:
     if len(folders) != 1 or any("://" in p or p.startswith("pipe:") for p in paths):
         return None
     return folders.pop()
+
+
+def synthetic_folder(shards: Any) -> str:
+    """The one directory synthetic shards are written into, or a ``ValueError`` that says what to pass."""
+    if (
+        not isinstance(shards, str)
+        or any(ch in shards for ch in "{*?[")
+        or shards.endswith((".tar", ".json"))
+    ):
+        raise ValueError(
+            f"synthetic data needs the shard location as one directory, got {shards!r}; "
+            "pass e.g. train_shards='data/train' (the shards and index.json are written there)"
+        )
+    return shards
+
+
+def write_synthetic_into(
+    name: str, shards: Any, settings: dict[str, Any], announce: Callable[[str], None]
+) -> None:
+    """``write_synthetic_shards`` into ``shards`` (the argument ``name``); data there that it did not write is
+    never replaced. ``announce`` says it before writing into a folder that holds no shards."""
+    from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
+
+    folder = synthetic_folder(shards)
+    if not os.path.exists(os.path.join(folder, "index.json")):
+        # Said before it happens: a mistyped train_shards path would otherwise fill up with generated data.
+        announce(
+            f"[adaptiveload] {name}: {os.path.abspath(folder)} holds no shards; data.synthetic is set, so "
+            f"{settings.get('num_samples', '?')} synthetic samples (mix {settings.get('mix', '?')!r}) are "
+            "written there now. Set data.synthetic to null to train on real shards only."
+        )
+    try:
+        write_synthetic_shards(folder, **settings)
+    except NotSyntheticDataError as err:
+        # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
+        raise NotSyntheticDataError(
+            err.directory,
+            err.found,
+            context=f" It is {name}, and data.synthetic is set: synthetic shards would be written there.",
+            advice=f"to train on the data in {name}={shards!r}, remove the `synthetic:` block from the recipe "
+            "(data.init_args.synthetic; on the command line: --data.init_args.synthetic=null); for "
+            f"synthetic data, point {name} at an empty or new folder",
+        ) from None

@@ -19,7 +19,7 @@ from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
 
-__all__ = ["PlannedDataLoader", "PlannedShardDataset"]
+__all__ = ["PlanProgressBar", "PlannedDataLoader", "PlannedShardDataset"]
 
 
 def _identity(batch: Any) -> Any:
@@ -318,3 +318,20 @@ class PlannedDataLoader(DataLoader):
             self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
         # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
         return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+
+
+class PlanProgressBar:
+    """A progress bar (rank 0) over the segments of a chunked epoch plan, opened at the first segment."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="[adaptiveload] planning the epoch", unit="segment")
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
+            self._bar = None

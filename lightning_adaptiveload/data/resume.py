@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_adaptiveload import _dist
 from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.planning.resume import ConsumedMask, consumed_digest, continue_plan, mark_consumed
 
@@ -27,6 +28,7 @@ __all__ = [
     "check_state",
     "check_state_version",
     "digest_text",
+    "position_state",
     "resume_plan",
 ]
 
@@ -329,3 +331,43 @@ def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[E
         if seg.get("digest") is not None and digest_text(total) != seg["digest"]:
             raise _digest_error(i, seg, seg["digest"], digest_text(total))
     return ds.make_plan(epoch, exclude=gone or None, local=True), gone.total()
+
+
+def position_state(ds: Any, segments: list[dict[str, Any]], mine: int) -> dict[str, Any]:
+    """``AdaptiveLoadDataModule.state_dict``'s value: the epoch's segments with the last one's consumed counts
+    and digests. ``ds``: the training dataset (its plan, rank, world size, epoch, fingerprint); ``mine``: the
+    batches this rank consumed in the last segment. Gathers every rank's count and digest part (a collective
+    where a process group is up: every rank must call it).
+    """
+    # This rank's part of the digest of the consumed samples (parts add up; see consumed_digest),
+    # gathered with the counts in the same collective, as two 32-bit halves (exact in float64).
+    part = consumed_digest(ds.plan, {ds.rank: mine}) if ds.plan.rank in (None, ds.rank) else None
+    digest: int | None
+    if _dist.is_distributed() and ds.world_size > 1:
+        rows = _dist.all_gather_floats(
+            [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
+        )
+        consumed = [int(r[0]) for r in rows]
+        parts = [(int(r[1]) << 32) + int(r[2]) if part is not None else None for r in rows]
+    else:
+        consumed = [mine] * ds.world_size
+        if ds.plan.rank is None:  # a plan of every rank: all parts are here
+            parts = [consumed_digest(ds.plan, {r: c}) for r, c in enumerate(consumed)]
+        else:  # other ranks' plans are elsewhere and no collective reaches them: only this rank's part
+            parts = [part if r == ds.rank else None for r in range(ds.world_size)]
+    digest = sum(parts) if None not in parts else None  # type: ignore[arg-type]
+    if len(set(consumed)) > 1:
+        log.warning(
+            "ranks consumed different numbers of batches this epoch (%s); resume re-plans the rest",
+            consumed,
+        )
+    segments = [dict(s) for s in segments]
+    segments[-1]["consumed"] = consumed
+    segments[-1]["digest"] = None if digest is None else digest_text(digest)
+    segments[-1]["digests"] = [None if d is None else digest_text(d) for d in parts]
+    return {
+        "version": STATE_VERSION,
+        "fingerprint": ds.fingerprint,
+        "epoch": ds.epoch,
+        "segments": segments,
+    }

@@ -32,7 +32,12 @@ from typing_extensions import override
 from lightning_adaptiveload import _dist, stats
 from lightning_adaptiveload.monitor import report
 from lightning_adaptiveload.monitor import steps as step_table
-from lightning_adaptiveload.monitor.cost_refit import RESIZE_OPT_IN, CostRefitter, apply_to_datamodule, refit_metrics
+from lightning_adaptiveload.monitor.cost_refit import (
+    RESIZE_OPT_IN,
+    CostRefitter,
+    apply_to_datamodule,
+    refit_metrics,
+)
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
