@@ -106,3 +106,56 @@ def test_validation_batches_keep_their_cap_when_training_is_matched(conv, train,
     assert dm.train_dataset.batcher.max_tokens == 600
     assert dm.val_dataset.batcher.max_tokens == 1024
     assert dm.batcher.max_tokens == 600  # the training batcher is put back
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
+MATCHED = os.path.join(RESULTS, "convergence_matched_cpu_2026-11-27.json")
+UNMATCHED = os.path.join(RESULTS, "convergence_cpu_2026-11-23.json")
+
+
+def _packed_only(path):
+    import json
+
+    with open(path) as f:
+        result = json.load(f)
+    result["runs"] = [r for r in result["runs"] if r["schedule"] == "packed"]
+    result["settings"]["schedules"] = ["packed"]
+    return result
+
+
+def test_reused_runs_are_the_runs_a_fresh_matched_run_made(conv):
+    """The recorded matched run trained all three schedules; its independent and lockstep runs (same cap
+    as the unmatched run) equal the unmatched run's, which is what lets ``--reuse`` skip them."""
+    import json
+
+    with open(MATCHED) as f:
+        full = json.load(f)
+    merged = _packed_only(MATCHED)
+    conv.merge_reused(merged, UNMATCHED)
+    assert merged["settings"]["schedules"] == ["independent", "lockstep", "packed"]
+    assert merged["settings"]["max_tokens_per_schedule"]["independent"] == 1024
+    for schedule in ("independent", "lockstep"):
+        fresh = {
+            r["seed"]: [e["val_loss"] for e in r["epochs"]] for r in full["runs"] if r["schedule"] == schedule
+        }
+        reused = [r for r in merged["runs"] if r["schedule"] == schedule]
+        assert [r["seed"] for r in reused] == full["settings"]["seeds"]
+        assert all(r["reused_from"].endswith("convergence_cpu_2026-11-23.json") for r in reused)
+        got = {r["seed"]: [e["val_loss"] for e in r["epochs"]] for r in reused}
+        assert got.keys() == fresh.keys()
+        for seed, curve in fresh.items():  # float32 rounding: equal to ~1e-7
+            assert got[seed] == pytest.approx(curve, abs=1e-6)
+    paired = conv.summarise(merged["runs"])["packed"]["paired_final_minus_independent"]
+    want = full["summary"]["packed"]["paired_final_minus_independent"]
+    assert paired["per_seed"] == pytest.approx(want["per_seed"], abs=1e-6)
+
+
+def test_reuse_refuses_a_result_with_other_settings(conv):
+    merged = _packed_only(MATCHED)
+    merged["settings"]["epochs"] = 3
+    with pytest.raises(ValueError, match="'epochs'"):
+        conv.merge_reused(merged, UNMATCHED)
+    merged = _packed_only(MATCHED)
+    merged["settings"]["seeds"] = [0, 9]
+    with pytest.raises(ValueError, match=r"seeds \[9\]"):
+        conv.merge_reused(merged, UNMATCHED)

@@ -495,6 +495,11 @@ def main() -> None:
         "--match-epochs", type=int, default=None, help="epochs planned per seed to match (default: --epochs)"
     )
     parser.add_argument("--match-min-tokens", type=int, default=256, help="lowest packed max_tokens tried")
+    parser.add_argument(
+        "--reuse",
+        default=None,
+        help="an earlier result with the same settings: take its runs of the schedules not in --schedules",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--devices", type=int, default=1, help="processes per run (>1: DDP over gloo)")
@@ -510,6 +515,8 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
+        if args.reuse:
+            merge_reused(result, args.reuse)
         result["summary"] = summarise(result["runs"])
         write_and_report(result, args.out or args.from_json, args.plot)
         return
@@ -542,9 +549,10 @@ def main() -> None:
                 flush=True,
             )
             runs.append(run)
+    schedules = args.schedules.split(",")
     result = {
         "settings": {
-            "schedules": args.schedules.split(","),
+            "schedules": schedules,
             "seeds": args.seeds,
             "epochs": args.epochs,
             "num_samples": args.num_samples,
@@ -582,7 +590,66 @@ def main() -> None:
         "summary": summarise(runs),
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
+    if args.reuse:
+        merge_reused(result, args.reuse)
+        result["summary"] = summarise(result["runs"])
     write_and_report(result, out, args.plot)
+
+
+# The settings a reused run must share with this invocation (besides the seed).
+_REUSE_KEYS = (
+    "epochs",
+    "num_samples",
+    "val_samples",
+    "mix",
+    "content",
+    "max_tokens",
+    "lr",
+    "warmup_steps",
+    "devices",
+)
+
+
+def merge_reused(result: dict, path: str) -> None:
+    """Add to ``result`` the runs of ``path`` (an earlier result) for the schedules it did not run and the
+    seeds it ran, each marked ``"reused_from"``: a schedule whose cap and settings are unchanged need not be
+    trained again (a run is deterministic for its seed up to float32 rounding: its val/loss curve agrees to ~1e-7).
+
+    Raises:
+        ValueError: the earlier result was made with other settings (names the key), or lacks a seed.
+    """
+    with open(path) as f:
+        earlier = json.load(f)
+    st = result["settings"]
+    for key in _REUSE_KEYS:
+        if st.get(key) != earlier["settings"].get(key):
+            raise ValueError(
+                f"--reuse {path}: its settings[{key!r}] is {earlier['settings'].get(key)!r}, this run's is "
+                f"{st.get(key)!r}; reuse only a result made with the same settings"
+            )
+    reused = []
+    for schedule in SCHEDULES:
+        if schedule in st["schedules"]:
+            continue
+        have = {r["seed"]: r for r in earlier["runs"] if r["schedule"] == schedule}
+        if not have:
+            continue
+        missing = sorted(set(st["seeds"]) - set(have))
+        if missing:
+            raise ValueError(
+                f"--reuse {path}: no {schedule} run for seeds {missing}; run them or drop the seeds"
+            )
+        cap = (
+            earlier["settings"]
+            .get("max_tokens_per_schedule", {})
+            .get(schedule, earlier["settings"]["max_tokens"])
+        )
+        for seed in st["seeds"]:
+            reused.append({**have[seed], "max_tokens": cap, "reused_from": os.path.relpath(path, ROOT)})
+        st.setdefault("max_tokens_per_schedule", {})[schedule] = cap
+    result["runs"] = reused + result["runs"]
+    st["schedules"] = [s for s in SCHEDULES if any(r["schedule"] == s for r in result["runs"])]
+    st["reused_runs_from"] = os.path.relpath(path, ROOT)
 
 
 def write_and_report(result: dict, out: str, plot_path: str | None) -> None:
