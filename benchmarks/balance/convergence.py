@@ -21,6 +21,16 @@ The data are ``content="structured"`` synthetic latents (see
 channel subspace, partly shared by all shapes and partly owned by each frame count, plus a little noise.
 i.i.d. noise latents would leave a model almost nothing to learn.
 
+Matched tokens per step (``--match-tokens``). At one ``max_tokens`` packs fill ~97% of it and bucketed
+batches ~82%, so ``packed`` takes fewer, larger steps (every schedule sees the same tokens per epoch).
+With ``--match-tokens`` the epochs are planned first, from the index alone, with the training dataset's
+own ``make_plan``: ``independent`` and ``lockstep`` keep ``--max-tokens``, and ``packed``'s
+``max_tokens`` (the only knob that sets its step size) is bisected until its mean tokens per step over the
+planned epochs of every seed meets ``independent``'s. Equal tokens per epoch and equal tokens per step
+mean equal steps per epoch. Validation keeps ``--max-tokens`` for every schedule (the same validation
+batches and noise). The result records every schedule's cap and its planned and achieved tokens per
+step.
+
 With one process (the default) ``independent`` and ``lockstep`` both form single-shape batches (a bucketed
 batch is one tensor); only across ranks does an ``independent`` step mix classes. ``--devices 2`` runs
 DDP with 2 gloo processes per run (``ddp_spawn``, one thread each).
@@ -29,6 +39,7 @@ Usage::
 
     python benchmarks/balance/convergence.py                       # 3 schedules x seeds 0,1,2: ~12 min on 2 shared cores
     python benchmarks/balance/convergence.py --epochs 2 --seeds 0  # a quick look (~30 s)
+    python benchmarks/balance/convergence.py --match-tokens --seeds 0 1 2 3 4  # equal tokens per step
     python benchmarks/balance/convergence.py --from-json RESULT.json  # re-summarise and re-plot, no training
 
 Writes ``benchmarks/results/convergence_cpu_<date>.json`` (settings, machine, every run's per-epoch curve,
@@ -38,6 +49,7 @@ summary per schedule) and ``docs/img/convergence_cpu.png``. Results: ``docs/conv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -54,6 +66,7 @@ import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
 from lightning_adaptiveload.data import write_synthetic_shards
+from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
@@ -129,6 +142,25 @@ class _Curve(pl.Callback):
                 json.dump(self.epochs, f)
 
 
+class _ValidationAtCap(AdaptiveLoadDataModule):
+    """The data module with validation batched at ``val_max_tokens`` whatever the training cap: with
+    ``--match-tokens`` packed trains at a lower ``max_tokens``, and its validation batches (hence the fixed
+    noise drawn per validation batch) must stay those of the other schedules for the paired comparison."""
+
+    def __init__(self, *, val_max_tokens: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._val_batcher = DualConstraintBatcher(val_max_tokens, mode="equal_tokens")
+
+    def _dataset(self, index, schedule, fixed_epoch=None):
+        if fixed_epoch is None:  # training
+            return super()._dataset(index, schedule, fixed_epoch)
+        train_batcher, self.batcher = self.batcher, self._val_batcher
+        try:
+            return super()._dataset(index, schedule, fixed_epoch)
+        finally:
+            self.batcher = train_batcher
+
+
 def make_data(workdir: str, num_samples: int, val_samples: int, mix: str, content: str) -> tuple[str, str]:
     """Training and validation shards, written once and reused by every run (no text states: synthetic
     text would be noise unrelated to the latents)."""
@@ -139,17 +171,120 @@ def make_data(workdir: str, num_samples: int, val_samples: int, mix: str, conten
     return train, val
 
 
-def run_one(schedule: str, seed: int, args: argparse.Namespace, train: str, val: str, workdir: str) -> dict:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanProbe:
+    """Which plans a tokens-per-step measurement covers.
+
+    Attributes:
+        world_size: ranks per run (a global step holds one batch per rank).
+        seeds: the plans' seeds (the runs' seeds).
+        epochs: epochs ``0 .. epochs - 1`` planned per seed.
+    """
+
+    world_size: int
+    seeds: tuple[int, ...]
+    epochs: int
+
+
+def planned_tokens_per_step(train: str, schedule: str, max_tokens: int, probe: PlanProbe) -> dict:
+    """Mean tokens per optimizer step (summed over ranks) and steps per epoch of ``schedule`` at
+    ``max_tokens``, from the epoch plans alone (no training): the plans the training runs will follow,
+    made by the training dataset's own ``make_plan`` with its settings.
+
+    Returns ``{"max_tokens", "tokens_per_step", "steps_per_epoch", "tokens_per_epoch"}`` (means over the
+    probe's seeds and epochs; tokens per step is total tokens over total steps).
+    """
+    dm = AdaptiveLoadDataModule(
+        train_shards=train, max_tokens=max_tokens, mode="equal_tokens", schedule=schedule, num_workers=0
+    )
+    dm.setup("fit")
+    ds = dm.train_dataset
+    base = ds.plan_settings()
+    steps = tokens = 0
+    for seed in probe.seeds:
+        for epoch in range(probe.epochs):
+            plan = ds.make_plan(epoch, settings={**base, "world_size": probe.world_size, "seed": seed})
+            steps += plan.steps
+            tokens += sum(plan.global_tokens)
+    n = len(probe.seeds) * probe.epochs
+    return {
+        "max_tokens": max_tokens,
+        "tokens_per_step": tokens / steps,
+        "steps_per_epoch": steps / n,
+        "tokens_per_epoch": tokens / n,
+    }
+
+
+def match_max_tokens(
+    train: str, schedule: str, target: float, probe: PlanProbe, bounds: tuple[int, int]
+) -> dict:
+    """The ``max_tokens`` in ``bounds`` (inclusive) at which ``schedule``'s planned mean tokens per step is
+    closest to ``target``: a bisection on the planned tokens per step (which grows with ``max_tokens``;
+    packs fill to the cap), then the closest of the last bracket. Returns
+    :func:`planned_tokens_per_step`'s dict for that value plus ``"relative_gap"`` (achieved / target - 1).
+
+    Raises:
+        ValueError: ``bounds`` is empty or its lower end is below 1.
+    """
+    lo, hi = bounds
+    if not 1 <= lo <= hi:
+        raise ValueError(
+            f"max_tokens bounds must satisfy 1 <= low <= high, got {bounds}: pass e.g. (256, 1024)"
+        )
+    seen: dict[int, dict] = {}
+
+    def at(m: int) -> dict:
+        if m not in seen:
+            seen[m] = planned_tokens_per_step(train, schedule, m, probe)
+        return seen[m]
+
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if at(mid)["tokens_per_step"] < target:
+            lo = mid
+        else:
+            hi = mid
+    best = min((at(lo), at(hi)), key=lambda r: abs(r["tokens_per_step"] - target))
+    return {**best, "relative_gap": best["tokens_per_step"] / target - 1.0}
+
+
+def matched_max_tokens(train: str, args: argparse.Namespace) -> tuple[dict[str, int], dict]:
+    """Per schedule, the ``max_tokens`` of its runs and the planned tokens per step at it.
+
+    Unmatched (``--match-tokens`` off): ``--max-tokens`` for every schedule. Matched: ``independent`` and
+    ``lockstep`` keep ``--max-tokens`` (their bucketed batch sizes ``floor(max_tokens / S)`` move in
+    steps of whole samples), and ``packed``'s cap, the only knob that sets its step size, is lowered until
+    its planned mean tokens per step meets ``independent``'s.
+    """
+    probe = PlanProbe(world_size=args.devices, seeds=tuple(args.seeds), epochs=args.match_epochs)
+    caps = {s: args.max_tokens for s in args.schedules.split(",")}
+    planned = {s: planned_tokens_per_step(train, s, caps[s], probe) for s in caps if s != "packed"}
+    if args.match_tokens and "packed" in caps:
+        reference = planned.get("independent") or planned_tokens_per_step(
+            train, "independent", args.max_tokens, probe
+        )
+        bounds = (args.match_min_tokens, args.max_tokens)
+        planned["packed"] = match_max_tokens(train, "packed", reference["tokens_per_step"], probe, bounds)
+        caps["packed"] = planned["packed"]["max_tokens"]
+    elif "packed" in caps:
+        planned["packed"] = planned_tokens_per_step(train, "packed", caps["packed"], probe)
+    return caps, {"probe": dataclasses.asdict(probe), "per_schedule": planned}
+
+
+def run_one(
+    schedule: str, seed: int, args: argparse.Namespace, train: str, val: str, workdir: str, max_tokens: int
+) -> dict:
     """One training run; returns its per-epoch curve, its initial val/loss and its wall time."""
     pl.seed_everything(seed, workers=True, verbose=False)
     model = VideoDiTModule(preset="tiny", lr=args.lr, warmup_steps=args.warmup_steps, shift=1.0)
     # Built here, under the seed, whatever the process count: ddp_spawn copies these weights to its
     # workers and back.
     model.configure_model()
-    dm = AdaptiveLoadDataModule(
+    dm = _ValidationAtCap(
+        val_max_tokens=args.max_tokens,
         train_shards=train,
         val_shards=val,
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         mode="equal_tokens",
         schedule=schedule,
         num_workers=0,
@@ -181,6 +316,7 @@ def run_one(schedule: str, seed: int, args: argparse.Namespace, train: str, val:
     return {
         "schedule": schedule,
         "seed": seed,
+        "max_tokens": max_tokens,
         "initial_val_loss": float(initial),
         "epochs": epochs,
         "seconds": round(time.perf_counter() - t0, 2),
@@ -219,6 +355,10 @@ def summarise(runs: list[dict]) -> dict:
             "tokens_per_step_mean": statistics.fmean(
                 ep["tokens"] / ep["steps"] for r in rs for ep in r["epochs"]
             ),
+            "tokens_per_epoch": sorted({ep["tokens"] for r in rs for ep in r["epochs"]}),
+            "global_step_per_epoch_mean": [
+                statistics.fmean(r["epochs"][e]["global_step"] for r in rs) for e in range(n_epochs)
+            ],
             "mixed_class_steps_share": statistics.fmean(
                 ep["mixed_steps"] / ep["steps"] for r in rs for ep in r["epochs"]
             ),
@@ -253,7 +393,8 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    """Mean val/loss per epoch per schedule with a min-max band over seeds (and each seed thin)."""
+    """Mean val/loss per schedule against epochs (and tokens seen) and against optimizer steps, with a
+    min-max band over seeds, and the paired differences from ``independent`` per epoch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -261,33 +402,51 @@ def plot(result: dict, path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     colors = {"independent": "tab:gray", "lockstep": "tab:blue", "packed": "tab:orange"}
-    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, (ax, sx, dx) = plt.subplots(1, 3, figsize=(17, 4.6))
+    st = result["settings"]
+    caps = st.get("max_tokens_per_schedule") or {}
     for schedule, s in result["summary"].items():
         rows = s["val_loss_per_epoch"][1:]  # epoch 0 (before training, ~1.9) would flatten the curves
         x = [r["epoch"] for r in rows]
-        ax.plot(
-            x,
-            [r["mean"] for r in rows],
-            "-o",
-            ms=3,
-            color=colors[schedule],
-            label=f"{schedule} ({'/'.join(map(str, s['steps_per_epoch']))} steps/epoch)",
+        tps = s["tokens_per_step_mean"]
+        label = (
+            f"{schedule} (max_tokens {caps.get(schedule, st['max_tokens'])}, "
+            f"{'/'.join(map(str, s['steps_per_epoch']))} steps/epoch, {tps:.0f} tokens/step)"
         )
-        ax.fill_between(
-            x, [r["min"] for r in rows], [r["max"] for r in rows], color=colors[schedule], alpha=0.18, lw=0
-        )
-    st = result["settings"]
-    first = next(iter(result["summary"].values()))["val_loss_per_epoch"][0]["mean"]
-    ax.set_xlabel(f"epochs trained (every sample once per epoch; before training: {first:.2f})")
+        for axis, xs in ((ax, x), (sx, s.get("global_step_per_epoch_mean", x))):
+            axis.plot(xs, [r["mean"] for r in rows], "-o", ms=3, color=colors[schedule], label=label)
+            axis.fill_between(
+                xs,
+                [r["min"] for r in rows],
+                [r["max"] for r in rows],
+                color=colors[schedule],
+                alpha=0.18,
+                lw=0,
+            )
+    first = next(iter(result["summary"].values()))
+    tokens_per_epoch = first.get("tokens_per_epoch", [0])[0]
+    start = first["val_loss_per_epoch"][0]["mean"]
+    ax.set_xlabel(f"epochs trained (every sample once per epoch; before training: {start:.2f})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if tokens_per_epoch:
+        top = ax.secondary_xaxis(
+            "top", functions=(lambda e: e * tokens_per_epoch / 1e6, lambda t: t * 1e6 / tokens_per_epoch)
+        )
+        top.set_xlabel(
+            f"tokens seen (millions; {tokens_per_epoch:,} per epoch in every schedule)", fontsize=8
+        )
     ax.set_ylabel("val/loss (token-weighted flow-matching MSE)")
+    matched = "matched tokens/step" if st.get("match_tokens") else "one max_tokens for all (unmatched)"
     ax.set_title(
-        f"tiny VideoDiT, CPU, {st['devices']} process(es), {st['num_samples']} {st['content']} samples, "
-        f"seeds {','.join(map(str, st['seeds']))}: mean, min-max band",
+        f"tiny VideoDiT, CPU, {st['devices']} process(es), {matched}, seeds {','.join(map(str, st['seeds']))}",
         fontsize=9,
+        pad=30 if tokens_per_epoch else None,
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    sx.set_xlabel("optimizer steps")
+    sx.set_title("the same curves against optimizer steps: mean, min-max band", fontsize=9)
+    for axis in (ax, sx):
+        axis.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     dx.axhline(0.0, color=colors["independent"], lw=1)
     for schedule, s in result["summary"].items():
         rows = s.get("paired_minus_independent_per_epoch")
@@ -327,6 +486,20 @@ def main() -> None:
     parser.add_argument("--mix", default="tiny")
     parser.add_argument("--content", default="structured", choices=["structured", "noise"])
     parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--match-tokens",
+        action="store_true",
+        help="lower packed's max_tokens until its planned mean tokens per step meets independent's",
+    )
+    parser.add_argument(
+        "--match-epochs", type=int, default=None, help="epochs planned per seed to match (default: --epochs)"
+    )
+    parser.add_argument("--match-min-tokens", type=int, default=256, help="lowest packed max_tokens tried")
+    parser.add_argument(
+        "--reuse",
+        default=None,
+        help="an earlier result with the same settings: take its runs of the schedules not in --schedules",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--devices", type=int, default=1, help="processes per run (>1: DDP over gloo)")
@@ -342,6 +515,8 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
+        if args.reuse:
+            merge_reused(result, args.reuse)
         result["summary"] = summarise(result["runs"])
         write_and_report(result, args.out or args.from_json, args.plot)
         return
@@ -355,10 +530,18 @@ def main() -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="convergence_")
     t0 = time.perf_counter()
     train, val = make_data(workdir, args.num_samples, args.val_samples, args.mix, args.content)
+    args.match_epochs = args.match_epochs or args.epochs
+    caps, planned = matched_max_tokens(train, args)
+    for schedule, p in planned["per_schedule"].items():
+        print(
+            f"{schedule:12s} max_tokens {caps[schedule]}: planned {p['tokens_per_step']:.1f} tokens/step, "
+            f"{p['steps_per_epoch']:.1f} steps/epoch",
+            flush=True,
+        )
     runs = []
     for seed in args.seeds:
         for schedule in args.schedules.split(","):
-            run = run_one(schedule, seed, args, train, val, workdir)
+            run = run_one(schedule, seed, args, train, val, workdir, caps[schedule])
             last = run["epochs"][-1]
             print(
                 f"{schedule:12s} seed {seed}: val/loss {run['initial_val_loss']:.4f} -> {last['val_loss']:.4f} "
@@ -366,9 +549,10 @@ def main() -> None:
                 flush=True,
             )
             runs.append(run)
+    schedules = args.schedules.split(",")
     result = {
         "settings": {
-            "schedules": args.schedules.split(","),
+            "schedules": schedules,
             "seeds": args.seeds,
             "epochs": args.epochs,
             "num_samples": args.num_samples,
@@ -377,6 +561,9 @@ def main() -> None:
             "content": args.content,
             "text": None,
             "max_tokens": args.max_tokens,
+            "match_tokens": args.match_tokens,
+            "max_tokens_per_schedule": caps,
+            "val_max_tokens": args.max_tokens,
             "mode": "equal_tokens",
             "model": "tiny",
             "optimizer": "AdamW",
@@ -398,11 +585,71 @@ def main() -> None:
             "python": platform.python_version(),
         },
         "date": today,
+        "planned": planned,
         "runs": runs,
         "summary": summarise(runs),
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
+    if args.reuse:
+        merge_reused(result, args.reuse)
+        result["summary"] = summarise(result["runs"])
     write_and_report(result, out, args.plot)
+
+
+# The settings a reused run must share with this invocation (besides the seed).
+_REUSE_KEYS = (
+    "epochs",
+    "num_samples",
+    "val_samples",
+    "mix",
+    "content",
+    "max_tokens",
+    "lr",
+    "warmup_steps",
+    "devices",
+)
+
+
+def merge_reused(result: dict, path: str) -> None:
+    """Add to ``result`` the runs of ``path`` (an earlier result) for the schedules it did not run and the
+    seeds it ran, each marked ``"reused_from"``: a schedule whose cap and settings are unchanged need not be
+    trained again (a run is deterministic for its seed up to float32 rounding: its val/loss curve agrees to ~1e-7).
+
+    Raises:
+        ValueError: the earlier result was made with other settings (names the key), or lacks a seed.
+    """
+    with open(path) as f:
+        earlier = json.load(f)
+    st = result["settings"]
+    for key in _REUSE_KEYS:
+        if st.get(key) != earlier["settings"].get(key):
+            raise ValueError(
+                f"--reuse {path}: its settings[{key!r}] is {earlier['settings'].get(key)!r}, this run's is "
+                f"{st.get(key)!r}; reuse only a result made with the same settings"
+            )
+    reused = []
+    for schedule in SCHEDULES:
+        if schedule in st["schedules"]:
+            continue
+        have = {r["seed"]: r for r in earlier["runs"] if r["schedule"] == schedule}
+        if not have:
+            continue
+        missing = sorted(set(st["seeds"]) - set(have))
+        if missing:
+            raise ValueError(
+                f"--reuse {path}: no {schedule} run for seeds {missing}; run them or drop the seeds"
+            )
+        cap = (
+            earlier["settings"]
+            .get("max_tokens_per_schedule", {})
+            .get(schedule, earlier["settings"]["max_tokens"])
+        )
+        for seed in st["seeds"]:
+            reused.append({**have[seed], "max_tokens": cap, "reused_from": os.path.relpath(path, ROOT)})
+        st.setdefault("max_tokens_per_schedule", {})[schedule] = cap
+    result["runs"] = reused + result["runs"]
+    st["schedules"] = [s for s in SCHEDULES if any(r["schedule"] == s for r in result["runs"])]
+    st["reused_runs_from"] = os.path.relpath(path, ROOT)
 
 
 def write_and_report(result: dict, out: str, plot_path: str | None) -> None:
