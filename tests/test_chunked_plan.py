@@ -15,6 +15,7 @@ from lightning_adaptiveload.planning.chunked import segment_count, split_shards
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
 
@@ -110,8 +111,8 @@ def test_segment_count_keeps_every_stream_fed():
     assert segment_count(10_000, 1_000, 8, 2) == 10
     # 16 samples per stream at least: 10,000 samples on 64 x 4 streams give 2 segments, not 10
     assert segment_count(10_000, 1_000, 64, 4) == 2
-    with pytest.raises(ValueError, match="chunk_samples"):
-        segment_count(10_000, 0, 8, 2)
+    with pytest.raises(ValueError, match="chunk_samples"):  # refused where the settings are built
+        PlanSettings(chunk_samples=0)
 
 
 def test_rank_local_plan_refuses_consumed_refs_and_bad_rank():
