@@ -46,9 +46,13 @@ def _entry_points(field: str, dm_arg: str, value: object):
     yield "PlanSettings", lambda: PlanSettings(**{field: value})
     yield "AdaptiveLoadDataModule", lambda: AdaptiveLoadDataModule(train_shards="unused", **{dm_arg: value})
     legacy = {"mode" if field == "schedule" else field: value}
-    yield "plan_epoch (legacy keywords)", lambda: plan_epoch(SHAPES, 2, 0, DualConstraintBatcher(400), 0, 0, **legacy)
-    yield "PlannedShardDataset (legacy keywords)", lambda: PlannedShardDataset(
-        SHAPES, DualConstraintBatcher(400), **{field: value}
+    yield (
+        "plan_epoch (legacy keywords)",
+        lambda: plan_epoch(SHAPES, 2, 0, DualConstraintBatcher(400), 0, 0, **legacy),
+    )
+    yield (
+        "PlannedShardDataset (legacy keywords)",
+        lambda: PlannedShardDataset(SHAPES, DualConstraintBatcher(400), **{field: value}),
     )
 
 
@@ -90,7 +94,9 @@ def test_saved_settings_of_older_checkpoints():
     """A resume re-plans with the saved settings; older checkpoints lack the packed tail and chunking."""
     old = {"mode": "lockstep", "max_buffered_samples": None, "lockstep_tolerance": 0.1}
     s = PlanSettings.from_saved(old, underfull="pad")
-    assert s == PlanSettings(schedule="lockstep", lockstep_tolerance=0.1, lockstep_tail="bucketed", underfull="pad")
+    assert s == PlanSettings(
+        schedule="lockstep", lockstep_tolerance=0.1, lockstep_tail="bucketed", underfull="pad"
+    )
 
 
 def test_the_chain_takes_at_most_twelve_parameters():
@@ -114,7 +120,10 @@ def test_legacy_keywords_plan_alike_with_a_deprecation_warning():
             plan_epoch(SHAPES, 2, 1, b, 3, 1, max_tokens=3)
     with pytest.warns(DeprecationWarning, match="PlannedShardDataset"):
         ds = PlannedShardDataset(SHAPES, b, schedule="lockstep", lockstep_tail="bucketed")
-    assert ds.settings == PlanSettings(schedule="lockstep", lockstep_tail="bucketed") and ds.schedule == "lockstep"
+    assert (
+        ds.settings == PlanSettings(schedule="lockstep", lockstep_tail="bucketed")
+        and ds.schedule == "lockstep"
+    )
 
 
 def test_the_dataset_plans_with_its_settings_and_saves_them():
@@ -123,7 +132,11 @@ def test_the_dataset_plans_with_its_settings_and_saves_them():
     ds = PlannedShardDataset(SHAPES, b, s, seed=3, num_workers=1)
     ds.world_size = 2
     saved = ds.plan_settings()
-    assert saved["mode"] == "lockstep" and saved["lockstep_tolerance"] == 0.1 and saved["lockstep_tail"] == "bucketed"
+    assert (
+        saved["mode"] == "lockstep"
+        and saved["lockstep_tolerance"] == 0.1
+        and saved["lockstep_tail"] == "bucketed"
+    )
     plan = ds.make_plan(1)
     assert plan.streams == plan_epoch(SHAPES, 2, 1, b, 3, 1, s).streams
 
@@ -143,3 +156,38 @@ def test_the_datamodule_builds_its_settings_once():
         schedule="independent", chunk_samples=None, underfull="error"
     )
     assert dm.schedule == "lockstep" and dm.lockstep_tail == "bucketed"
+
+
+def test_plans_through_settings_match_the_pinned_digests():
+    """The pinned digests (``tests/data/plan_digests.json``, computed before PlanSettings) hold for plans made
+    with ``settings=PlanSettings(...)``, as ``test_plan_identity`` checks them for the flat keywords."""
+    import json
+    import random
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _plan_cases import FIELDS, case_key, cases, digest_plan, make_batcher, make_index
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "plan_digests.json")) as f:
+        expected = json.load(f)
+    picked = cases(quick=True)
+    assert {c["mode"] for c in picked} == {"independent", "lockstep", "packed"}
+    for c in picked:
+        index = make_index(c["mix"], c["n"], c["seed"] * 1000 + c["variant"])
+        exclude = None
+        if c["resume"]:
+            rng = random.Random(c["variant"])
+            exclude = [(s, i) for s, sh in enumerate(index) for i in range(len(sh)) if rng.random() < 0.3]
+        b = make_batcher(c["mix"], c["mode"], c["variant"])
+        bound = c["bound"]
+        if bound is not None:
+            b.resolve_max_compute(s for shard in index for s in shard)
+            bound *= max(b.batch_size(s) for shard in index for s in shard)
+        s = PlanSettings(
+            schedule=c["mode"], max_buffered_samples=bound, underfull="pad", lockstep_tail=c["tail"]
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # the new form warns of nothing
+            plan = plan_epoch(index, c["world"], c["workers"], b, c["seed"], c["epoch"], s, exclude=exclude)
+        got, want = digest_plan(plan), expected[case_key(c)]
+        assert [f for f in FIELDS if got[f] != want[f]] == [], case_key(c)

@@ -161,7 +161,9 @@ def test_replay_errors_name_the_segment(shards, saved, monkeypatch):
     state["segments"][0]["mode"] = "sideways"
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(state)
-    with pytest.raises(ResumeStateError, match=r"segments\[0\] cannot be replayed \(ValueError: schedule must be one of"):
+    with pytest.raises(
+        ResumeStateError, match=r"segments\[0\] cannot be replayed \(ValueError: schedule must be one of"
+    ):
         take(dm, 1)
     state["segments"][0]["mode"] = saved[0]["segments"][0]["mode"]
     state["segments"][0]["batcher"] = {"max_tokenz": 5}

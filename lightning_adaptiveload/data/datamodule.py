@@ -436,7 +436,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 check_oversize(index, batcher)
                 batcher.resolve_max_compute(distinct_shapes(index))
 
-    def _dataset(self, index: Any, settings: PlanSettings, fixed_epoch: int | None = None) -> PlannedShardDataset:
+    def _dataset(
+        self, index: Any, settings: PlanSettings, fixed_epoch: int | None = None
+    ) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
         check_oversize(index, self.batcher)

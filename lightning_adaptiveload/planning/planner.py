@@ -197,7 +197,9 @@ def plan_epoch(
         raise ValueError(f"rank must be in 0..{world - 1} for world size {world}, got {rank!r}")
     mode = settings.schedule
     # The packed schedule plans a large epoch on counts, in bounded memory: it needs no segments.
-    groups = 1 if mode == "packed" else segment_count(_num_samples(data), settings.chunk_samples, world, workers)
+    groups = (
+        1 if mode == "packed" else segment_count(_num_samples(data), settings.chunk_samples, world, workers)
+    )
     if groups > 1:
         return plan_segments(
             data, world, num_workers, batcher, seed, epoch, settings,
@@ -243,7 +245,9 @@ def _plan_auto(
 ) -> EpochPlan:
     """``schedule="auto"``: the lockstep plan, or the packed one where lockstep's estimated straggler wait
     exceeds :data:`~.plan.AUTO_MAX_WAIT` and packs may run (``lockstep_tail="packed"``)."""
-    plan = plan_epoch(data, world, num_workers, batcher, seed, epoch, settings.replace(schedule="lockstep"), **kw)
+    plan = plan_epoch(
+        data, world, num_workers, batcher, seed, epoch, settings.replace(schedule="lockstep"), **kw
+    )
     wait = float(plan.report["est_straggler_wait"])
     may_pack = settings.lockstep_tail == "packed" and int(world) > 1
     if wait <= AUTO_MAX_WAIT or not may_pack:
