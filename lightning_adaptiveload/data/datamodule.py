@@ -133,6 +133,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
             ``docs/data_path.md``).
+        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`,
+            built (and so checked) from the arguments above in ``__init__``.
+        eval_plan_settings: the validation, test and predict splits' (one fixed independent plan, planned
+            at once, ``underfull=val_underfull``).
 
     The batches are dicts (``docs/architecture.md``): latents (B, C, T, H, W), text (B, L, D) | None,
     text_mask, keys, meta, seq_len, batch_size, num_tokens, cost, global_tokens, plus ``step`` (the plan

@@ -111,7 +111,8 @@ class PlannedShardDataset(IterableDataset):
     # -- planning (main process) -----------------------------------------------------------------------
 
     def plan_settings(self) -> dict[str, Any]:
-        """What a fresh plan of an epoch depends on besides the index (saved with resume state)."""
+        """What a fresh plan of an epoch depends on besides the index, as saved with resume state (the
+        checkpoint's form, kept as it was: ``"mode"`` is :attr:`settings`' ``schedule``)."""
         return {
             "world_size": self.world_size,
             "num_workers": self.num_workers,
@@ -132,7 +133,8 @@ class PlannedShardDataset(IterableDataset):
         local: bool = False,
         rank: int | None = None,
     ) -> EpochPlan:
-        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``; ``local``:
+        """Plan ``epoch`` with ``settings`` (a dict saved by :meth:`plan_settings`, read back by
+        :meth:`PlanSettings.from_saved`; default: the current ones) leaving out ``exclude``; ``local``:
         only this rank's streams (what training needs); ``rank``: only that rank's streams (a resume's
         replay of another world size plans each old rank in turn)."""
         s = self.plan_settings() if settings is None else settings
