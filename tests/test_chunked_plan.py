@@ -87,8 +87,10 @@ def test_at_most_chunk_samples_plans_exactly_as_at_once():
     n = len(all_refs(index))
     for mode in ("independent", "lockstep", "packed"):
         batcher = _batcher(random.Random(1), mode)
-        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode)
-        same = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode, chunk_samples=n)
+        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode))
+        same = plan_epoch(
+            index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=n)
+        )
         assert same.streams == whole.streams and same.global_tokens == whole.global_tokens
         assert "segments" not in same.report
 
@@ -119,7 +121,9 @@ def test_rank_local_plan_refuses_consumed_refs_and_bad_rank():
     rng = random.Random(0)
     index = random_index(rng, 10, 40)
     batcher = _batcher(rng, "lockstep")
-    local = plan_epoch(index, 3, 1, batcher, seed=0, epoch=0, mode="lockstep", rank=1)
+    local = plan_epoch(
+        index, 3, 1, batcher, seed=0, epoch=0, rank=1, settings=PlanSettings(schedule="lockstep")
+    )
     with pytest.raises(ValueError, match="every rank"):
         consumed_refs(local, 1)
     with pytest.raises(ValueError, match="rank must be in 0..2"):
@@ -131,7 +135,7 @@ def test_progress_is_called_once_per_segment():
     index = random_index(rng, 30, 60)
     seen = []
     plan = plan_epoch(
-        index, 2, 1, _batcher(rng, "independent"), seed=0, epoch=0, chunk_samples=200,
+        index, 2, 1, _batcher(rng, "independent"), seed=0, epoch=0, settings=PlanSettings(chunk_samples=200),
         progress=lambda done, total: seen.append((done, total)),
     )  # fmt: skip
     groups = plan.report["segments"]
@@ -166,8 +170,10 @@ def test_chunked_streams_read_about_one_batch_ahead(mode):
         rng = random.Random(seed)
         index = random_index(rng, 25, 60)
         batcher = _batcher(rng, mode)
-        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode)
-        plan = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode, chunk_samples=150)
+        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode))
+        plan = plan_epoch(
+            index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=150)
+        )
         assert plan.report["segments"] > 1
         largest = max(len(b) for v in plan.streams.values() for b in v)
         before = max(_read_ahead(whole.reads[st], whole.streams[st]) for st in whole.streams)
