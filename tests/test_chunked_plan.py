@@ -45,7 +45,7 @@ def test_chunked_plan_keeps_every_guarantee(seed, world, workers, mode, tail, re
     refs = all_refs(index)
     exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
     chunk = rng.randint(60, 250)
-    kw = dict(mode=mode, exclude=exclude, lockstep_tail=tail, chunk_samples=chunk)
+    kw = dict(settings=PlanSettings(schedule=mode, lockstep_tail=tail, chunk_samples=chunk), exclude=exclude)
     plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, **kw)
     # (The packed schedule plans large epochs on counts and never in segments.)
     groups = 1 if mode == "packed" else segment_count(len(refs), chunk, world, max(1, workers))
@@ -187,9 +187,9 @@ def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
     rng = random.Random(11)
     index = random_index(rng, 30, 60)
     batcher = _batcher(rng, mode)
-    kw = dict(mode=mode, chunk_samples=250)
-    one = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, **kw)
-    pool = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, plan_processes=2, **kw)
+    s = PlanSettings(schedule=mode, chunk_samples=250)
+    one = plan_epoch(index, 3, 2, batcher, 4, 2, s, rank=1)
+    pool = plan_epoch(index, 3, 2, batcher, 4, 2, s.replace(plan_processes=2), rank=1)
     assert one.report["segments"] > 2
     assert pool.streams == one.streams and pool.reads == one.reads and pool.global_tokens == one.global_tokens
     assert timeless_report(pool.report) == timeless_report(one.report)
@@ -213,8 +213,10 @@ def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(
     batcher = _batcher(rng, "lockstep")
     refs = all_refs(index)
     exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
-    kw = dict(mode="lockstep", exclude=exclude, lockstep_tail="packed", lockstep_tolerance=tolerance,
-              keep_step_costs=True)  # fmt: skip
+    s = PlanSettings(
+        schedule="lockstep", lockstep_tail="packed", lockstep_tolerance=tolerance, keep_step_costs=True
+    )
+    kw = dict(settings=s, exclude=exclude)
     plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, **kw)
     for r in range(world):
         local = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, rank=r, **kw)

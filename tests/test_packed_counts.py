@@ -59,7 +59,7 @@ def test_property_count_plans_keep_every_guarantee(
     refs = _refs(index)
     exclude = set(rng.sample(sorted(refs), rng.randint(0, len(refs) // 3))) if resumed else set()
     data = _compact(index) if compact else index
-    kw = dict(mode="packed", exclude=exclude)
+    kw = dict(settings=PlanSettings(schedule="packed"), exclude=exclude)
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", template):
         plan = plan_epoch(data, world, workers, batcher, seed=seed, epoch=1, **kw)
         assert ("planned_on_counts" in plan.report) == (len(refs - exclude) > template)
