@@ -204,6 +204,7 @@ def plan_breakdown(n: int, folder: str) -> dict:
 
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     path = os.path.join(folder, f"plan_{n}.npidx")
     write_columns(path, synthetic_columns(n, seed=1))
@@ -214,7 +215,7 @@ def plan_breakdown(n: int, folder: str) -> dict:
         prof = cProfile.Profile()
         t = time.perf_counter()
         prof.enable()
-        plan = plan_epoch(index, 64, 2, batcher, seed=0, epoch=0, mode=mode)
+        plan = plan_epoch(index, 64, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
         prof.disable()
         wall = time.perf_counter() - t
         stats = pstats.Stats(prof)
@@ -227,7 +228,9 @@ def plan_breakdown(n: int, folder: str) -> dict:
             "top_cumulative_s": [[name, round(c, 3)] for c, name in top],
         }
         t = time.perf_counter()
-        plan_epoch(index, 64, 2, DualConstraintBatcher(75600), seed=0, epoch=0, mode=mode)
+        plan_epoch(
+            index, 64, 2, DualConstraintBatcher(75600), seed=0, epoch=0, settings=PlanSettings(schedule=mode)
+        )
         out[mode]["wall_s"] = time.perf_counter() - t
     os.unlink(path)
     return out

@@ -50,6 +50,7 @@ def hwm():
 from lightning_adaptiveload.data.compact import CompactIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.settings import PlanSettings
 before = dict(hwm())
 path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 chunk, rank = int(sys.argv[5]) or None, (None if int(sys.argv[6]) < 0 else int(sys.argv[6]))
@@ -59,8 +60,8 @@ index = CompactIndex.load(path)
 load_s = time.perf_counter() - t
 batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
 t = time.perf_counter()
-plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=mode, chunk_samples=chunk, rank=rank,
-                  plan_processes=procs)
+plan = plan_epoch(index, world, workers, batcher, 0, 0,
+                  PlanSettings(schedule=mode, chunk_samples=chunk, plan_processes=procs), rank=rank)
 plan_s = time.perf_counter() - t
 after = dict(hwm())
 rep = plan.report
@@ -85,6 +86,7 @@ from lightning_adaptiveload.data.compact import CompactIndex
 from lightning_adaptiveload.data.loader import PlannedShardDataset
 from lightning_adaptiveload.data.resume import STATE_VERSION, resume_plan
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.settings import PlanSettings
 before = dict(hwm())
 path, mode, world, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 chunk, rank, done = int(sys.argv[5]) or None, max(0, int(sys.argv[6])), int(sys.argv[7])
@@ -93,7 +95,7 @@ index = CompactIndex.load(path)
 load_s = time.perf_counter() - t
 t = time.perf_counter()
 batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
-ds = PlannedShardDataset(index, batcher, schedule=mode, seed=0, num_workers=workers, chunk_samples=chunk)
+ds = PlannedShardDataset(index, batcher, PlanSettings(schedule=mode, chunk_samples=chunk), seed=0, num_workers=workers)
 ds.rank, ds.world_size = rank, world
 state = {"version": STATE_VERSION, "fingerprint": ds.fingerprint, "epoch": 0,
          "segments": [{"kind": "fresh", **ds.plan_settings(), "consumed": [done] * world}]}

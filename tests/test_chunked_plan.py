@@ -15,6 +15,7 @@ from lightning_adaptiveload.planning.chunked import segment_count, split_shards
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
 
@@ -44,7 +45,7 @@ def test_chunked_plan_keeps_every_guarantee(seed, world, workers, mode, tail, re
     refs = all_refs(index)
     exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
     chunk = rng.randint(60, 250)
-    kw = dict(mode=mode, exclude=exclude, lockstep_tail=tail, chunk_samples=chunk)
+    kw = dict(settings=PlanSettings(schedule=mode, lockstep_tail=tail, chunk_samples=chunk), exclude=exclude)
     plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, **kw)
     # (The packed schedule plans large epochs on counts and never in segments.)
     groups = 1 if mode == "packed" else segment_count(len(refs), chunk, world, max(1, workers))
@@ -86,8 +87,10 @@ def test_at_most_chunk_samples_plans_exactly_as_at_once():
     n = len(all_refs(index))
     for mode in ("independent", "lockstep", "packed"):
         batcher = _batcher(random.Random(1), mode)
-        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode)
-        same = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, mode=mode, chunk_samples=n)
+        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode))
+        same = plan_epoch(
+            index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=n)
+        )
         assert same.streams == whole.streams and same.global_tokens == whole.global_tokens
         assert "segments" not in same.report
 
@@ -110,15 +113,17 @@ def test_segment_count_keeps_every_stream_fed():
     assert segment_count(10_000, 1_000, 8, 2) == 10
     # 16 samples per stream at least: 10,000 samples on 64 x 4 streams give 2 segments, not 10
     assert segment_count(10_000, 1_000, 64, 4) == 2
-    with pytest.raises(ValueError, match="chunk_samples"):
-        segment_count(10_000, 0, 8, 2)
+    with pytest.raises(ValueError, match="chunk_samples"):  # refused where the settings are built
+        PlanSettings(chunk_samples=0)
 
 
 def test_rank_local_plan_refuses_consumed_refs_and_bad_rank():
     rng = random.Random(0)
     index = random_index(rng, 10, 40)
     batcher = _batcher(rng, "lockstep")
-    local = plan_epoch(index, 3, 1, batcher, seed=0, epoch=0, mode="lockstep", rank=1)
+    local = plan_epoch(
+        index, 3, 1, batcher, seed=0, epoch=0, rank=1, settings=PlanSettings(schedule="lockstep")
+    )
     with pytest.raises(ValueError, match="every rank"):
         consumed_refs(local, 1)
     with pytest.raises(ValueError, match="rank must be in 0..2"):
@@ -130,7 +135,7 @@ def test_progress_is_called_once_per_segment():
     index = random_index(rng, 30, 60)
     seen = []
     plan = plan_epoch(
-        index, 2, 1, _batcher(rng, "independent"), seed=0, epoch=0, chunk_samples=200,
+        index, 2, 1, _batcher(rng, "independent"), seed=0, epoch=0, settings=PlanSettings(chunk_samples=200),
         progress=lambda done, total: seen.append((done, total)),
     )  # fmt: skip
     groups = plan.report["segments"]
@@ -165,8 +170,10 @@ def test_chunked_streams_read_about_one_batch_ahead(mode):
         rng = random.Random(seed)
         index = random_index(rng, 25, 60)
         batcher = _batcher(rng, mode)
-        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode)
-        plan = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, mode=mode, chunk_samples=150)
+        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode))
+        plan = plan_epoch(
+            index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=150)
+        )
         assert plan.report["segments"] > 1
         largest = max(len(b) for v in plan.streams.values() for b in v)
         before = max(_read_ahead(whole.reads[st], whole.streams[st]) for st in whole.streams)
@@ -180,9 +187,9 @@ def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
     rng = random.Random(11)
     index = random_index(rng, 30, 60)
     batcher = _batcher(rng, mode)
-    kw = dict(mode=mode, chunk_samples=250)
-    one = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, **kw)
-    pool = plan_epoch(index, 3, 2, batcher, seed=4, epoch=2, rank=1, plan_processes=2, **kw)
+    s = PlanSettings(schedule=mode, chunk_samples=250)
+    one = plan_epoch(index, 3, 2, batcher, 4, 2, s, rank=1)
+    pool = plan_epoch(index, 3, 2, batcher, 4, 2, s.replace(plan_processes=2), rank=1)
     assert one.report["segments"] > 2
     assert pool.streams == one.streams and pool.reads == one.reads and pool.global_tokens == one.global_tokens
     assert timeless_report(pool.report) == timeless_report(one.report)
@@ -206,8 +213,10 @@ def test_rank_local_lockstep_on_arrays_equals_the_plan_of_every_stream(
     batcher = _batcher(rng, "lockstep")
     refs = all_refs(index)
     exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
-    kw = dict(mode="lockstep", exclude=exclude, lockstep_tail="packed", lockstep_tolerance=tolerance,
-              keep_step_costs=True)  # fmt: skip
+    s = PlanSettings(
+        schedule="lockstep", lockstep_tail="packed", lockstep_tolerance=tolerance, keep_step_costs=True
+    )
+    kw = dict(settings=s, exclude=exclude)
     plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, **kw)
     for r in range(world):
         local = plan_epoch(index, world, workers, batcher, seed=seed, epoch=3, rank=r, **kw)

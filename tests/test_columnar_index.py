@@ -18,6 +18,7 @@ from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 SHAPES = [(16, 1, 8, 12), (16, 5, 8, 12), (16, 9, 12, 8), (16, 3, 8, 8)]
 
@@ -144,7 +145,9 @@ def test_plan_from_binary_index_equals_plan_from_json(tmp_path, mode):
     index.save(tmp_path / "index.npidx")
     plans = []
     for loaded in (ShardIndex.load(tmp_path / "index.json"), CompactIndex.load(tmp_path / "index.npidx")):
-        plan = plan_epoch(loaded, 2, 2, DualConstraintBatcher(400), seed=3, epoch=1, mode=mode)
+        plan = plan_epoch(
+            loaded, 2, 2, DualConstraintBatcher(400), seed=3, epoch=1, settings=PlanSettings(schedule=mode)
+        )
         fields = vars(plan).copy()
         fields["report"] = timeless_report(plan.report)
         plans.append(fields)
@@ -395,7 +398,17 @@ def test_rank_local_plan_with_exclusions_from_binary_index_equals_plan_from_json
     plans = []
     for loaded in (ShardIndex.load(tmp_path / "index.json"), CompactIndex.load(tmp_path / "index.npidx")):
         batcher = DualConstraintBatcher(150, oversize="skip")  # (16, 9, 12, 8): 216 tokens, skipped
-        plan = plan_epoch(loaded, 3, 2, batcher, seed=5, epoch=2, mode=mode, exclude=exclude, rank=1)
+        plan = plan_epoch(
+            loaded,
+            3,
+            2,
+            batcher,
+            seed=5,
+            epoch=2,
+            exclude=exclude,
+            rank=1,
+            settings=PlanSettings(schedule=mode),
+        )
         fields = vars(plan).copy()
         fields["report"] = timeless_report(plan.report)
         plans.append(fields)

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_adaptiveload import stats
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "balance")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(BENCH)))
@@ -168,7 +169,9 @@ def _fabricate(run, index, mode, steps_wanted=None):
 
     schedule, batching = SIM_MODES[mode]
     batcher = make_batcher(batching, MAX_TOKENS, "auto", PLAN_COST, (1, 2, 2))
-    plan = plan_epoch(index, WORLD, WORKERS, batcher, 0, 0, mode=schedule, lockstep_tail="packed")
+    plan = plan_epoch(
+        index, WORLD, WORKERS, batcher, 0, 0, settings=PlanSettings(schedule=schedule, lockstep_tail="packed")
+    )
     steps = plan.steps if steps_wanted is None else min(steps_wanted, plan.steps)
     folder = run / mode / "lightning_logs" / "version_0"
     folder.mkdir(parents=True)
@@ -424,15 +427,15 @@ def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, 
             make_batcher(batching, MAX_TOKENS, "auto", PLAN_COST, (1, 2, 2)),
             0,
             epoch,
-            mode=schedule,
+            settings=PlanSettings(schedule=schedule),
         )
         for rank in range(WORLD):
             ds = PlannedShardDataset(
                 index,
                 make_batcher(batching, MAX_TOKENS, "auto", PLAN_COST, (1, 2, 2)),
-                schedule=schedule,
                 num_workers=WORKERS,
-                chunk_samples=500_000,  # the DataModule's default plan_chunk_samples
+                # chunk_samples: the DataModule's default plan_chunk_samples
+                settings=PlanSettings(schedule=schedule, chunk_samples=500_000),
             )
             ds.rank, ds.world_size = rank, WORLD
             plan = ds.make_plan(epoch, local=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_adaptiveload.cli import main as cli
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml")
@@ -421,7 +422,7 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 
     def cv(schedule: str, **batcher) -> str:
         plan = plan_epoch(index, world, data["num_workers"], DualConstraintBatcher(**batcher), data["seed"], epoch,
-                          mode=schedule)  # fmt: skip
+                          PlanSettings(schedule=schedule))  # fmt: skip
         return f"{plan.report['est_compute_cv']:.3f}"
 
     run = cv(data["schedule"], **caps)

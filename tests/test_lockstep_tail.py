@@ -16,6 +16,7 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # no
 from lightning_adaptiveload.planning.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan  # noqa: E402
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 # Dozens of length classes: 16 latent lengths in three aspects.
 MANY = [(4, t, h, w) for t in range(1, 17) for h, w in ((4, 6), (6, 4), (4, 4))]
@@ -34,9 +35,15 @@ def batcher() -> DualConstraintBatcher:
 def test_many_class_mix_ends_in_packed_steps_exactly_once_equal_steps(world, workers):
     index, b = many_class_index(0, n_shards=24, size=80), batcher()
     bucketed = plan_epoch(
-        index, world, workers, b, seed=1, epoch=0, mode="lockstep", lockstep_tail="bucketed"
+        index,
+        world,
+        workers,
+        b,
+        seed=1,
+        epoch=0,
+        settings=PlanSettings(schedule="lockstep", lockstep_tail="bucketed"),
     )
-    packed = plan_epoch(index, world, workers, b, seed=1, epoch=0, mode="lockstep")
+    packed = plan_epoch(index, world, workers, b, seed=1, epoch=0, settings=PlanSettings(schedule="lockstep"))
     check_plan(bucketed, index, b)
     check_plan(packed, index, b)  # exactly once, equal steps, every step all packs or none
     assert bucketed.report["lockstep_tail_steps"] > 0, "the mix must have a lockstep tail to test"
@@ -51,7 +58,7 @@ def test_many_class_mix_ends_in_packed_steps_exactly_once_equal_steps(world, wor
 
 def test_packs_are_marked_and_lockstep_batches_kept_homogeneous():
     index, b = many_class_index(3), batcher()
-    plan = plan_epoch(index, 4, 2, b, seed=0, epoch=0, mode="lockstep")
+    plan = plan_epoch(index, 4, 2, b, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep"))
     n_packs = 0
     for st, batches in plan.streams.items():
         assert len(plan.pack_batches[st]) == len(batches)
@@ -73,19 +80,23 @@ def test_packs_are_marked_and_lockstep_batches_kept_homogeneous():
 
 def test_one_rank_or_bucketed_tail_has_no_packs_and_bad_option_is_refused():
     index, b = many_class_index(1), batcher()
-    one = plan_epoch(index, 1, 2, b, seed=0, epoch=0, mode="lockstep")
+    one = plan_epoch(index, 1, 2, b, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep"))
     assert one.report["packed_tail_steps"] == 0 and one.pack_batches == {}
-    old = plan_epoch(index, 4, 2, b, seed=0, epoch=0, mode="lockstep", lockstep_tail="bucketed")
+    old = plan_epoch(
+        index, 4, 2, b, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep", lockstep_tail="bucketed")
+    )
     assert old.pack_batches == {} and not any(
         old.is_pack(st, j) for st, v in old.streams.items() for j in range(len(v))
     )
     with pytest.raises(ValueError, match="lockstep_tail"):
-        plan_epoch(index, 4, 2, b, seed=0, epoch=0, mode="lockstep", lockstep_tail="pack")
+        plan_epoch(
+            index, 4, 2, b, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep", lockstep_tail="pack")
+        )
 
 
 def test_resume_a_mixed_plan_across_worker_counts_and_world_sizes():
     index, b = many_class_index(5), batcher()
-    plan = plan_epoch(index, 4, 2, b, seed=2, epoch=1, mode="lockstep")
+    plan = plan_epoch(index, 4, 2, b, seed=2, epoch=1, settings=PlanSettings(schedule="lockstep"))
     first_pack = min(
         k for k in range(plan.steps) if plan.is_pack((0, plan.step_order[0][k][0]), plan.step_order[0][k][1])
     )
@@ -103,7 +114,14 @@ def test_resume_a_mixed_plan_across_worker_counts_and_world_sizes():
         gone = consumed_refs(plan, done)
         for world in (3, 6):
             other = plan_epoch(
-                index, world, 1, b, seed=2, epoch=1, mode="lockstep", exclude=gone, underfull="pad"
+                index,
+                world,
+                1,
+                b,
+                seed=2,
+                epoch=1,
+                exclude=gone,
+                settings=PlanSettings(schedule="lockstep", underfull="pad"),
             )
             check_plan(other, index, b, gone)
             assert sorted(gone | {ref for v in other.streams.values() for bt in v for ref in bt}) == all_refs(

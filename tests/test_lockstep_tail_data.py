@@ -15,6 +15,7 @@ from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.loader import PlannedShardDataset
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
@@ -43,7 +44,9 @@ def test_loader_collates_packs_and_bucketed_batches_each_their_way(data):
     index = ShardIndex.load(os.path.join(data, "index.json"))
     taken, kinds = [], {True: 0, False: 0}
     for rank in range(2):
-        ds = PlannedShardDataset(index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep")
+        ds = PlannedShardDataset(
+            index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep")
+        )
         ds.rank, ds.world_size = rank, 2
         plan = ds.begin_epoch(0)
         assert plan.report["packed_tail_steps"] >= 1
@@ -109,7 +112,10 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
 
     def dataset(world: int, workers: int, rank: int = 0) -> PlannedShardDataset:
         ds = PlannedShardDataset(
-            index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep", num_workers=workers
+            index,
+            DualConstraintBatcher(MAX_TOKENS),
+            num_workers=workers,
+            settings=PlanSettings(schedule="lockstep"),
         )
         ds.rank, ds.world_size = rank, world
         return ds
@@ -146,7 +152,9 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
 
 def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(data):
     index = ShardIndex.load(os.path.join(data, "index.json"))
-    ds = PlannedShardDataset(index, DualConstraintBatcher(MAX_TOKENS), schedule="lockstep")
+    ds = PlannedShardDataset(
+        index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep")
+    )
     ds.rank, ds.world_size = 0, 2
     old = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
     assert ds.make_plan(0, old).report["packed_tail_steps"] == 0

@@ -24,6 +24,7 @@ from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.packed_counts import plan_counts
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
 
@@ -58,7 +59,7 @@ def test_property_count_plans_keep_every_guarantee(
     refs = _refs(index)
     exclude = set(rng.sample(sorted(refs), rng.randint(0, len(refs) // 3))) if resumed else set()
     data = _compact(index) if compact else index
-    kw = dict(mode="packed", exclude=exclude)
+    kw = dict(settings=PlanSettings(schedule="packed"), exclude=exclude)
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", template):
         plan = plan_epoch(data, world, workers, batcher, seed=seed, epoch=1, **kw)
         assert ("planned_on_counts" in plan.report) == (len(refs - exclude) > template)
@@ -95,7 +96,14 @@ def test_property_count_plans_keep_every_guarantee(
         world2 = rng.randint(1, 9)
         if len(refs - gone) >= world2:
             again = plan_epoch(
-                data, world2, workers, batcher, seed=seed, epoch=1, mode="packed", exclude=gone
+                data,
+                world2,
+                workers,
+                batcher,
+                seed=seed,
+                epoch=1,
+                exclude=gone,
+                settings=PlanSettings(schedule="packed"),
             )
             _check(again, index, max_tokens, refs - gone)
 
@@ -103,9 +111,11 @@ def test_property_count_plans_keep_every_guarantee(
 def test_count_plan_balances_and_fills_like_the_exact_planner():
     index = mix_index(12_000)
     batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
-    exact = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed").report
+    exact = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="packed")).report
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 1_500):
-        rep = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed").report
+        rep = plan_epoch(
+            index, 8, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="packed")
+        ).report
     assert rep["planned_on_counts"]["copies"][0] > 1  # the template was copied
     assert rep["est_compute_cv"] < 0.01 and rep["est_straggler_wait"] < 0.01
     assert rep["fill_mean"] > exact["fill_mean"] - 0.01
@@ -147,7 +157,13 @@ def test_count_path_oversize_raises_naming_the_sample_or_skips(compact):
             ValueError, match=r"s?1(\.tar)?, sample #5: latent shape \[16, 9, 40, 40\] has 3600 tokens"
         ):
             plan_epoch(
-                data, 2, 0, DualConstraintBatcher(900, cost_model=COST), seed=0, epoch=0, mode="packed"
+                data,
+                2,
+                0,
+                DualConstraintBatcher(900, cost_model=COST),
+                seed=0,
+                epoch=0,
+                settings=PlanSettings(schedule="packed"),
             )
         plan = plan_epoch(
             data,
@@ -156,7 +172,7 @@ def test_count_path_oversize_raises_naming_the_sample_or_skips(compact):
             DualConstraintBatcher(900, cost_model=COST, oversize="skip"),
             seed=0,
             epoch=0,
-            mode="packed",
+            settings=PlanSettings(schedule="packed"),
         )
     assert plan.report["skipped"] == {"oversize": 1} and plan.report["samples"] == 65
     assert "planned_on_counts" in plan.report
@@ -167,6 +183,8 @@ def test_packed_plans_ignore_chunk_samples():
     index = _index(rng, 20, 40)
     batcher = DualConstraintBatcher(400, mode="equal_tokens", cost_model=COST)
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 50):
-        whole = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, mode="packed")
-        chunked = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, mode="packed", chunk_samples=60)
+        whole = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule="packed"))
+        chunked = plan_epoch(
+            index, 3, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule="packed", chunk_samples=60)
+        )
     assert chunked.streams == whole.streams and "segments" not in chunked.report

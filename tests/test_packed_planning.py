@@ -14,6 +14,7 @@ from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.packed import rank_correlation
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.settings import PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 # (C, T, H, W) latents of the tiny mix's kind: 24 to 225 tokens under patch (1, 2, 2).
@@ -64,9 +65,27 @@ def test_property_packed_exactly_once_equal_steps_and_resume(seed, n_shards, wor
     if len(refs) < world:
         return
     exclude = set(rng.sample(sorted(refs), rng.randint(0, len(refs) - world))) if resumed else set()
-    plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, mode="packed", exclude=exclude)
+    plan = plan_epoch(
+        index,
+        world,
+        workers,
+        batcher,
+        seed=seed,
+        epoch=1,
+        exclude=exclude,
+        settings=PlanSettings(schedule="packed"),
+    )
     _check(plan, index, max_tokens, refs - exclude)
-    twin = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, mode="packed", exclude=exclude)
+    twin = plan_epoch(
+        index,
+        world,
+        workers,
+        batcher,
+        seed=seed,
+        epoch=1,
+        exclude=exclude,
+        settings=PlanSettings(schedule="packed"),
+    )
     assert twin.streams == plan.streams and twin.step_order == plan.step_order, "deterministic from the index"
     # Resume with another worker count: the same packs at the same steps.
     done = rng.randint(0, plan.steps)
@@ -78,7 +97,16 @@ def test_property_packed_exactly_once_equal_steps_and_resume(seed, n_shards, wor
     gone = exclude | consumed_refs(plan, done)
     world2 = rng.randint(1, 12)
     if len(refs - gone) >= world2:
-        again = plan_epoch(index, world2, workers, batcher, seed=seed, epoch=1, mode="packed", exclude=gone)
+        again = plan_epoch(
+            index,
+            world2,
+            workers,
+            batcher,
+            seed=seed,
+            epoch=1,
+            exclude=gone,
+            settings=PlanSettings(schedule="packed"),
+        )
         _check(again, index, max_tokens, refs - gone)
 
 
@@ -92,7 +120,7 @@ def mix_index(samples: int, seed: int = 0) -> list[list]:
 def test_packed_balances_fills_and_stays_shuffled():
     index = mix_index(6000)
     batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
-    plan = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, mode="packed")
+    plan = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
     rep = plan.report
     assert rep["est_compute_cv"] < 0.01 and rep["est_straggler_wait"] < 0.01
     assert rep["fill_mean"] > 0.9
@@ -124,8 +152,8 @@ def test_packed_oversize_raises_or_skips():
     index = [[(16, 9, 10, 10), (16, 1, 8, 12)], [(16, 1, 10, 10)]]  # 225, 24 and 25 tokens
     strict = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST)
     with pytest.raises(ValueError, match="shard 0, sample #0.*225 tokens"):
-        plan_epoch(index, 1, 0, strict, seed=0, epoch=0, mode="packed")
+        plan_epoch(index, 1, 0, strict, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
     lenient = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST, oversize="skip")
-    plan = plan_epoch(index, 1, 0, lenient, seed=0, epoch=0, mode="packed")
+    plan = plan_epoch(index, 1, 0, lenient, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
     assert plan.report["skipped"] == {"oversize": 1}
     assert sorted(ref for b in plan.rank_batches(0) for ref in b) == [(0, 1), (1, 0)]

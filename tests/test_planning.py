@@ -12,6 +12,7 @@ from lightning_adaptiveload.planning.inputs import index_fingerprint
 from lightning_adaptiveload.planning.plan import PlanError
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
+from lightning_adaptiveload.planning.settings import PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
@@ -111,7 +112,14 @@ def test_property_exactly_once_equal_steps_constraints(
         return
     epoch = rng.randint(0, 3)
     plan = plan_epoch(
-        index, world, workers, batcher, seed=seed, epoch=epoch, mode=mode, exclude=exclude, lockstep_tail=tail
+        index,
+        world,
+        workers,
+        batcher,
+        seed=seed,
+        epoch=epoch,
+        exclude=exclude,
+        settings=PlanSettings(schedule=mode, lockstep_tail=tail),
     )
     check_plan(plan, index, batcher, exclude)
     # resume with another worker count: the rest of the epoch, batch for batch, equal steps
@@ -141,7 +149,9 @@ def test_lockstep_with_balanced_data_has_no_tail_steps():
     index = [rng.sample(composition, len(composition)) for _ in range(12)]  # same multiset per shard
     batcher = DualConstraintBatcher(400)
     for world, workers in ((2, 0), (3, 2), (4, 3)):
-        plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode="lockstep")
+        plan = plan_epoch(
+            index, world, workers, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep")
+        )
         check_plan(plan, index, batcher)
         assert plan.report["lockstep_tail_steps"] == 0
         assert plan.report["est_compute_cv"] < 0.05
@@ -151,11 +161,11 @@ def test_lockstep_balances_unbalanced_shards_by_moving_samples():
     # rank-worth of images vs rank-worth of long clips: independent mode is unequal at almost every step
     index = [[SHAPES[0]] * 40, [SHAPES[9]] * 40, [SHAPES[9]] * 40]  # one rank gets the images
     batcher = DualConstraintBatcher(400)
-    lock = plan_epoch(index, 2, 0, batcher, seed=0, epoch=0, mode="lockstep")
+    lock = plan_epoch(index, 2, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="lockstep"))
     check_plan(lock, index, batcher)
     assert lock.report["moved_samples"] > 0
     assert lock.report["lockstep_tail_steps"] <= 2
-    indep = plan_epoch(index, 2, 0, batcher, seed=3, epoch=0, mode="independent")
+    indep = plan_epoch(index, 2, 0, batcher, seed=3, epoch=0, settings=PlanSettings(schedule="independent"))
     check_plan(indep, index, batcher)
     assert indep.report["est_wait_share"] >= lock.report["est_wait_share"]
 
@@ -164,10 +174,10 @@ def test_plan_is_deterministic_and_epochs_differ():
     rng = random.Random(2)
     index = random_index(rng, 12, 30)
     batcher = DualConstraintBatcher(300)
-    a = plan_epoch(index, 3, 2, batcher, seed=5, epoch=1, mode="lockstep")
-    b = plan_epoch(index, 3, 2, batcher, seed=5, epoch=1, mode="lockstep")
+    a = plan_epoch(index, 3, 2, batcher, seed=5, epoch=1, settings=PlanSettings(schedule="lockstep"))
+    b = plan_epoch(index, 3, 2, batcher, seed=5, epoch=1, settings=PlanSettings(schedule="lockstep"))
     assert a.streams == b.streams and a.global_tokens == b.global_tokens
-    c = plan_epoch(index, 3, 2, batcher, seed=5, epoch=2, mode="lockstep")
+    c = plan_epoch(index, 3, 2, batcher, seed=5, epoch=2, settings=PlanSettings(schedule="lockstep"))
     assert c.streams != a.streams
     assert index_fingerprint(index) == index_fingerprint([list(s) for s in index])
     assert index_fingerprint(index) != index_fingerprint(index[:-1])
@@ -223,7 +233,7 @@ def test_continue_plan_keeps_the_uninterrupted_order():
     index = random_index(rng, 10, 30)
     batcher = DualConstraintBatcher(300)
     for mode in ("independent", "lockstep"):
-        plan = plan_epoch(index, 2, 2, batcher, seed=1, epoch=0, mode=mode)
+        plan = plan_epoch(index, 2, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule=mode))
         for workers in (0, 1, 3):
             cont = continue_plan(plan, 5, workers)
             assert cont.steps == plan.steps - 5 and cont.global_tokens == plan.global_tokens[5:]
@@ -263,11 +273,21 @@ def test_infeasible_world_size_raises_clear_error():
 def test_settings_validation():
     index = [[SHAPES[0]] * 10]
     with pytest.raises(ValueError, match="max_buffered_samples=2"):
-        plan_epoch(index, 1, 0, DualConstraintBatcher(300), seed=0, epoch=0, max_buffered_samples=2)
+        plan_epoch(
+            index,
+            1,
+            0,
+            DualConstraintBatcher(300),
+            seed=0,
+            epoch=0,
+            settings=PlanSettings(max_buffered_samples=2),
+        )
     with pytest.raises(ValueError, match="partial='emit'"):
         plan_epoch(index, 1, 0, DualConstraintBatcher(300, partial="carry"), seed=0, epoch=0)
     with pytest.raises(ValueError, match="schedule"):
-        plan_epoch(index, 1, 0, DualConstraintBatcher(300), seed=0, epoch=0, mode="fast")
+        plan_epoch(
+            index, 1, 0, DualConstraintBatcher(300), seed=0, epoch=0, settings=PlanSettings(schedule="fast")
+        )
     with pytest.raises(TypeError, match="ShardIndex"):
         plan_epoch(5, 1, 0, DualConstraintBatcher(300), seed=0, epoch=0)
 
@@ -275,7 +295,7 @@ def test_settings_validation():
 def test_buffer_bound_forces_early_partial_batches_in_independent_mode():
     index = [[SHAPES[i % 3] for i in range(150)]]  # three image buckets, B = 50, 50, 75 at 300 tokens
     batcher = DualConstraintBatcher(300, mode="equal_tokens")
-    plan = plan_epoch(index, 1, 0, batcher, seed=0, epoch=0, max_buffered_samples=75)
+    plan = plan_epoch(index, 1, 0, batcher, seed=0, epoch=0, settings=PlanSettings(max_buffered_samples=75))
     check_plan(plan, index, batcher)
     assert plan.report["bound_partial_batches"] >= 1
     assert max(len(b) for b in plan.streams[(0, 0)]) <= 75
@@ -290,7 +310,7 @@ def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
     shapes = [s.latent_shapes for s in index.shards]
     for mode in ("independent", "lockstep"):
         batcher = DualConstraintBatcher(32760, mode="equal_tokens")
-        plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, mode=mode)
+        plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
         check_plan(plan, shapes, batcher)
         assert plan.report["empty_batches"] == 0
 
@@ -334,10 +354,12 @@ def test_fewer_samples_than_ranks_pads_with_empty_batches_or_raises():
     ):
         plan_epoch(index, 4, 0, batcher, seed=0, epoch=0)
     for mode in ("independent", "lockstep"):
-        plan = plan_epoch(index, 4, 2, batcher, seed=0, epoch=0, mode=mode, underfull="pad")
+        plan = plan_epoch(
+            index, 4, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode, underfull="pad")
+        )
         check_plan(plan, index, batcher)
         assert plan.steps == 1 and plan.report["empty_batches"] == 2
         assert sorted(plan.report["samples_per_rank"]) == [0, 0, 1, 1]
         assert plan.global_tokens == [2 * 9 * 2 * 3]  # two samples of 9 x 2 x 3 tokens
     with pytest.raises(ValueError, match="underfull"):
-        plan_epoch(index, 4, 0, batcher, seed=0, epoch=0, underfull="skip")
+        plan_epoch(index, 4, 0, batcher, seed=0, epoch=0, settings=PlanSettings(underfull="skip"))

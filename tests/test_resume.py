@@ -23,6 +23,7 @@ from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # no
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 SIZES = [21, 4, 15, 9, 30, 7, 12, 18]
 
@@ -168,7 +169,13 @@ def test_resume_rejects_other_data(shards, tmp_path, monkeypatch):
 def _epoch_steps(data: str, world: int, workers: int, schedule: str, epoch: int) -> int:
     index = ShardIndex.load(os.path.join(data, "index.json"))
     return plan_epoch(
-        index, world, workers, DualConstraintBatcher(512), seed=0, epoch=epoch, mode=schedule
+        index,
+        world,
+        workers,
+        DualConstraintBatcher(512),
+        seed=0,
+        epoch=epoch,
+        settings=PlanSettings(schedule=schedule),
     ).steps
 
 

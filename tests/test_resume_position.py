@@ -23,6 +23,7 @@ from lightning_adaptiveload.data.resume import ResumeStateError, digest_text  # 
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
 from lightning_adaptiveload.planning.resume import ConsumedMask, consumed_refs, mark_consumed  # noqa: E402
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 SIZES = [21, 4, 15, 9, 30, 7, 12, 18]  # 116 samples
 
@@ -95,17 +96,31 @@ def test_consumed_mask_reads_as_a_dict_of_sets():
 def test_consumed_mask_excludes_as_the_refs_do(shards, schedule):
     index = ShardIndex.load(os.path.join(shards, "index.json"))
     batcher = DualConstraintBatcher(512)
-    plan = plan_epoch(index, 3, 2, batcher, 7, 0, mode=schedule)
+    plan = plan_epoch(index, 3, 2, batcher, 7, 0, settings=PlanSettings(schedule=schedule))
     refs = consumed_refs(plan, [2, 1, 3])
     mask = ConsumedMask.of_index(index)
     for r, k in enumerate([2, 1, 3]):
         mark_consumed(mask, plan, r, 0, k)
     assert {(s, i) for s, ids in mask.items() for i in ids} == refs
     a = plan_epoch(
-        index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=refs, underfull="pad"
+        index,
+        2,
+        1,
+        DualConstraintBatcher(512),
+        7,
+        0,
+        exclude=refs,
+        settings=PlanSettings(schedule=schedule, underfull="pad"),
     )
     b = plan_epoch(
-        index, 2, 1, DualConstraintBatcher(512), 7, 0, mode=schedule, exclude=mask, underfull="pad"
+        index,
+        2,
+        1,
+        DualConstraintBatcher(512),
+        7,
+        0,
+        exclude=mask,
+        settings=PlanSettings(schedule=schedule, underfull="pad"),
     )
     assert a.streams == b.streams and a.step_order == b.step_order and a.report["excluded"] == len(refs)
 
@@ -115,14 +130,34 @@ def test_consumed_mask_excludes_from_a_plan_on_counts(shards, monkeypatch):
 
     monkeypatch.setattr(packed_counts, "TEMPLATE_SAMPLES", 30)
     index = ShardIndex.load(os.path.join(shards, "index.json"))
-    plan = plan_epoch(index, 2, 0, DualConstraintBatcher(512), 7, 0, mode="packed")
+    plan = plan_epoch(index, 2, 0, DualConstraintBatcher(512), 7, 0, settings=PlanSettings(schedule="packed"))
     assert plan.report["planned_on_counts"]
     refs = consumed_refs(plan, 2)
     mask = ConsumedMask.of_index(index)
     for r in range(2):
         mark_consumed(mask, plan, r, 0, 2)
-    a = plan_epoch(index, 2, 0, DualConstraintBatcher(512), 7, 0, mode="packed", exclude=refs, rank=1)
-    b = plan_epoch(index, 2, 0, DualConstraintBatcher(512), 7, 0, mode="packed", exclude=mask, rank=1)
+    a = plan_epoch(
+        index,
+        2,
+        0,
+        DualConstraintBatcher(512),
+        7,
+        0,
+        exclude=refs,
+        rank=1,
+        settings=PlanSettings(schedule="packed"),
+    )
+    b = plan_epoch(
+        index,
+        2,
+        0,
+        DualConstraintBatcher(512),
+        7,
+        0,
+        exclude=mask,
+        rank=1,
+        settings=PlanSettings(schedule="packed"),
+    )
     assert a.streams == b.streams and a.report["excluded"] == b.report["excluded"] == len(refs)
 
 

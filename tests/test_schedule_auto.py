@@ -19,6 +19,7 @@ from lightning_adaptiveload.data.mixes import load_mix  # noqa: E402
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.plan import AUTO_MAX_WAIT  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 
 def _native(n: int, seed: int = 1) -> list[list[tuple[int, ...]]]:
@@ -30,7 +31,16 @@ def _native(n: int, seed: int = 1) -> list[list[tuple[int, ...]]]:
 
 def _plan(data, world, mode, tail="packed"):
     batcher = DualConstraintBatcher(65520, max_compute="auto", partial="emit")
-    return plan_epoch(data, world, 2, batcher, seed=0, epoch=0, mode=mode, lockstep_tail=tail, rank=0)
+    return plan_epoch(
+        data,
+        world,
+        2,
+        batcher,
+        seed=0,
+        epoch=0,
+        rank=0,
+        settings=PlanSettings(schedule=mode, lockstep_tail=tail),
+    )
 
 
 def test_auto_picks_packed_where_lockstep_waits_and_says_so(monkeypatch):

@@ -48,17 +48,19 @@ def test_one_validation_sample_on_two_ranks_pads_a_zero_weight_step(data, tmp_pa
 def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     index = ShardIndex.load(os.path.join(data["val"], "index.json"))
-    ds = PlannedShardDataset(index, DualConstraintBatcher(512), underfull="error")
+    ds = PlannedShardDataset(index, DualConstraintBatcher(512), PlanSettings(underfull="error"))
     ds.world_size = 2
     with pytest.raises(
         PlanError, match=r"world size 2: 1 samples in 1 shards leave 1 rank\(s\) without any sample"
     ):
         ds.begin_epoch(0)
-    ds.underfull = "pad"
+    ds = PlannedShardDataset(index, DualConstraintBatcher(512), PlanSettings(underfull="pad"))
+    ds.world_size = 2
     assert ds.begin_epoch(0).report["empty_batches"] == 1
-    with pytest.raises(ValueError, match="val_underfull must be 'pad' or 'error', got 'skip'"):
+    with pytest.raises(ValueError, match=r"underfull must be one of \('error', 'pad'\), got 'skip'"):
         AdaptiveLoadDataModule(train_shards=data["train"], val_underfull="skip")
 
 

@@ -42,6 +42,7 @@ from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.settings import PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 
@@ -159,7 +160,7 @@ def bench_plan(mix: Mix, sizes: list[tuple[int, int, int]], max_tokens: int) -> 
         for schedule in ("independent", "lockstep"):
             batcher = DualConstraintBatcher(max_tokens)
             t0 = time.perf_counter()
-            plan = plan_epoch(index, world, workers, batcher, seed=0, epoch=0, mode=schedule)
+            plan = plan_epoch(index, world, workers, batcher, 0, 0, PlanSettings(schedule=schedule))
             seconds = time.perf_counter() - t0
             rep = plan.report
             out.append(
@@ -224,7 +225,9 @@ def bench_step_overhead(mix: Mix, n: int) -> dict:
     stream_mod.collate = lambda members, *a, **k: {"n": len(members)}
     try:
         for schedule in ("independent", "lockstep"):
-            ds = dmod.PlannedShardDataset(_Index(), DualConstraintBatcher(32760), schedule=schedule)
+            ds = dmod.PlannedShardDataset(
+                _Index(), DualConstraintBatcher(32760), PlanSettings(schedule=schedule)
+            )
             ds.begin_epoch(0)
             t0 = time.perf_counter()
             steps = sum(1 for _ in ds._stream(ds.plan, (0, 0)))

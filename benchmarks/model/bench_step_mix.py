@@ -62,13 +62,22 @@ def epoch_steps(
     from lightning_adaptiveload.data.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     mix = load_mix(mix_name)
     shapes = [tuple(bk.latent_shape) for bk in mix.buckets]
     flat = [shapes[i] for i in mix.sample_buckets(np.random.default_rng(seed), samples)]
     index = [flat[i : i + 100] for i in range(0, len(flat), 100)]
     batcher = DualConstraintBatcher(max_tokens, max_compute="auto", partial="emit")
-    plan = plan_epoch(index, world, 0, batcher, seed=seed, epoch=0, mode="lockstep", lockstep_tail="bucketed")
+    plan = plan_epoch(
+        index,
+        world,
+        0,
+        batcher,
+        seed=seed,
+        epoch=0,
+        settings=PlanSettings(schedule="lockstep", lockstep_tail="bucketed"),
+    )
     steps: collections.Counter = collections.Counter()
     for k in range(plan.steps):
         b, refs = plan.step_batch(0, k)
@@ -82,13 +91,14 @@ def epoch_packs(mix_name: str, max_tokens: int, world: int, samples: int, seed: 
     from lightning_adaptiveload.data.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     mix = load_mix(mix_name)
     shapes = [tuple(bk.latent_shape) for bk in mix.buckets]
     flat = [shapes[i] for i in mix.sample_buckets(np.random.default_rng(seed), samples)]
     index = [flat[i : i + 100] for i in range(0, len(flat), 100)]
     batcher = DualConstraintBatcher(max_tokens, mode="equal_tokens")
-    plan = plan_epoch(index, world, 0, batcher, seed=seed, epoch=0, mode="packed")
+    plan = plan_epoch(index, world, 0, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule="packed"))
     return [tuple(tuple(index[s][i]) for s, i in refs) for refs in plan.rank_batches(0) if refs]
 
 

@@ -19,6 +19,7 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import PlanError
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4))]
 WEIGHTS = [8, 8, 4, 2, 2, 1, 2, 2, 1, 6, 6, 3]
@@ -67,7 +68,7 @@ def run_case(case: dict) -> str | int:
             batcher,
             seed=case["seed"],
             epoch=0,
-            mode=case["mode"],
+            settings=PlanSettings(schedule=case["mode"]),
         )
     except PlanError as err:
         return str(err)
@@ -84,7 +85,7 @@ def wan_case() -> str | None:
     for mode in ("independent", "lockstep"):
         batcher = DualConstraintBatcher(32760, mode="equal_tokens")
         try:
-            plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, mode=mode)
+            plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
             _check(plan, 1024)
         except PlanError as err:
             out.append(f"{mode}: {err}")

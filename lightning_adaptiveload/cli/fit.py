@@ -227,6 +227,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.plan import batching_label
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     world = int(getattr(trainer, "world_size", 1))
     workers = int(getattr(datamodule, "num_workers", 0))
@@ -236,7 +237,7 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
 
     def plan(mode: str, schedule: str) -> Any:
         b = DualConstraintBatcher.from_config({**batcher.config(), "mode": mode})
-        return plan_epoch(index, world, workers, b, seed, epoch, mode=schedule).report
+        return plan_epoch(index, world, workers, b, seed, epoch, PlanSettings(schedule=schedule)).report
 
     this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
     line = (

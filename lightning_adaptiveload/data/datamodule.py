@@ -38,8 +38,8 @@ from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
-from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan, batching_label
-from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
+from lightning_adaptiveload.planning.plan import EpochPlan, batching_label
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 __all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
 
@@ -133,6 +133,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
             ``docs/data_path.md``).
+        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`,
+            built (and so checked) from the arguments above in ``__init__``.
+        eval_plan_settings: the validation, test and predict splits' (one fixed independent plan, planned
+            at once, ``underfull=val_underfull``).
 
     The batches are dicts (``docs/architecture.md``): latents (B, C, T, H, W), text (B, L, D) | None,
     text_mask, keys, meta, seq_len, batch_size, num_tokens, cost, global_tokens, plus ``step`` (the plan
@@ -172,12 +176,19 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         plan_processes: int = 1,
     ) -> None:
         super().__init__()
-        if lockstep_tail not in LOCKSTEP_TAILS:
-            raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
-        if val_underfull not in ("pad", "error"):
-            raise ValueError(f"val_underfull must be 'pad' or 'error', got {val_underfull!r}")
-        if schedule not in SCHEDULE_CHOICES:
-            raise ValueError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
+        # The plan settings, checked now (PlanSettings is where they are checked): the training split's, and
+        # the evaluation splits' (one fixed independent plan, padded or refused where underfull, at once).
+        self.plan_settings = PlanSettings(
+            schedule=schedule,  # type: ignore[arg-type]
+            lockstep_tolerance=lockstep_tolerance,
+            lockstep_tail=lockstep_tail,  # type: ignore[arg-type]
+            max_buffered_samples=max_buffered_samples,
+            chunk_samples=plan_chunk_samples,
+            plan_processes=plan_processes,
+        )
+        self.eval_plan_settings = self.plan_settings.replace(
+            schedule="independent", underfull=val_underfull, chunk_samples=None
+        )
         if sample_transform is not None and not callable(sample_transform):
             raise ValueError(f"sample_transform must be callable(sample) -> sample, got {sample_transform!r}")
         if text_pad_to is not None and int(text_pad_to) < 1:
@@ -188,10 +199,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(num_workers) < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if plan_chunk_samples is not None and int(plan_chunk_samples) < 1:
-            raise ValueError(
-                f"plan_chunk_samples must be a positive number of samples or None, got {plan_chunk_samples!r}"
-            )
         self.save_hyperparameters(ignore=["sample_transform"])
         self.train_shards = train_shards
         self.val_shards = val_shards
@@ -201,16 +208,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.text_pad_to = None if text_pad_to is None else int(text_pad_to)
         self.num_workers = int(num_workers)
         self.seed = int(seed)
-        self.schedule = schedule
         self.on_error = on_error
         self.synthetic = check_synthetic(synthetic) if synthetic else None
-        self.max_buffered_samples = max_buffered_samples
-        self.lockstep_tolerance = float(lockstep_tolerance)
-        self.lockstep_tail = lockstep_tail
-        self.plan_chunk_samples = None if plan_chunk_samples is None else int(plan_chunk_samples)
-        if int(plan_processes) < 1:
-            raise ValueError(f"plan_processes must be >= 1, got {plan_processes!r}")
-        self.plan_processes = int(plan_processes)
         self.pin_memory = bool(pin_memory)
         self.max_member_bytes = max_member_bytes
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
@@ -219,7 +218,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             "allow_outside": bool(index_allow_outside),
             "max_member_bytes": max_member_bytes,
         }
-        self.val_underfull = val_underfull
         self.patch_size = tuple(int(x) for x in patch_size)
         # Validates the batcher settings now, before any data is touched.
         self.batcher = DualConstraintBatcher(
@@ -248,6 +246,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             # ``val_dataloader`` is overridden, and an empty one warns that its length is zero on every
             # run; the base class's hook on the instance reads as "not overridden".
             self.val_dataloader = pl.LightningDataModule.val_dataloader.__get__(self)  # type: ignore[method-assign]
+
+    @property
+    def schedule(self) -> str:
+        """The training split's schedule (``plan_settings.schedule``)."""
+        return self.plan_settings.schedule
+
+    @property
+    def lockstep_tail(self) -> str:
+        """The lockstep tail asked for (``plan_settings.lockstep_tail``; see :meth:`_train_lockstep_tail`)."""
+        return self.plan_settings.lockstep_tail
 
     # -- data preparation ------------------------------------------------------------------------------
 
@@ -304,23 +312,20 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = self._load_index(self.train_shards, rank)
-            self.train_dataset = self._dataset(self.train_index, self.schedule)
-            self.train_dataset.lockstep_tail = self._train_lockstep_tail()
+            train = self.plan_settings.replace(lockstep_tail=self._train_lockstep_tail())
+            self.train_dataset = self._dataset(self.train_index, train)
             loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = self._load_index(self.val_shards, rank)
-            self.val_dataset = self._dataset(self.val_index, "independent", fixed_epoch=0)
+            self.val_dataset = self._dataset(self.val_index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("validation", self.val_shards, self.val_index))
-            self.val_dataset.underfull = self.val_underfull
         if self.test_shards is not None and self.test_dataset is None and stage in (None, "test"):
             index = self._load_index(self.test_shards, rank)
-            self.test_dataset = self._dataset(index, "independent", fixed_epoch=0)
-            self.test_dataset.underfull = self.val_underfull
+            self.test_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("test", self.test_shards, index))
         if self.predict_shards is not None and self.predict_dataset is None and stage in (None, "predict"):
             index = self._load_index(self.predict_shards, rank)
-            self.predict_dataset = self._dataset(index, "independent", fixed_epoch=0)
-            self.predict_dataset.underfull = self.val_underfull
+            self.predict_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("predict", self.predict_shards, index))
         for ds in (self.train_dataset, self.val_dataset, self.test_dataset, self.predict_dataset):
             if ds is not None:
@@ -435,7 +440,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 check_oversize(index, batcher)
                 batcher.resolve_max_compute(distinct_shapes(index))
 
-    def _dataset(self, index: Any, schedule: str, fixed_epoch: int | None = None) -> PlannedShardDataset:
+    def _dataset(
+        self, index: Any, settings: PlanSettings, fixed_epoch: int | None = None
+    ) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
         check_oversize(index, self.batcher)
@@ -443,18 +450,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         return PlannedShardDataset(
             index,
             self.batcher,
-            schedule=schedule,
+            settings,
             seed=self.seed,
             num_workers=self.num_workers,
             on_error=self.on_error,
-            max_buffered_samples=self.max_buffered_samples,
-            lockstep_tolerance=self.lockstep_tolerance,
             fixed_epoch=fixed_epoch,
             max_member_bytes=self.max_member_bytes,
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
-            chunk_samples=self.plan_chunk_samples if training else None,
-            plan_processes=self.plan_processes,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------

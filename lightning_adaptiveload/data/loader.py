@@ -7,6 +7,7 @@ each worker, streams that worker's batches (:func:`~lightning_adaptiveload.data.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -15,9 +16,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_adaptiveload.data.stream import stream_batches
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import distinct_shapes, index_fingerprint
-from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES, EpochPlan
+from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
-from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 __all__ = ["PlanProgressBar", "PlannedDataLoader", "PlannedShardDataset"]
 
@@ -36,65 +37,62 @@ class PlannedShardDataset(IterableDataset):
     Args:
         index: the ``ShardIndex`` of the shards.
         batcher: batch sizes (its ``"auto"`` cap is resolved from the index here).
-        schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``).
+        settings: how each epoch is planned (:class:`~lightning_adaptiveload.planning.settings.PlanSettings`:
+            schedule, lockstep tolerance and tail, buffer bound, ``underfull``, ``chunk_samples`` (part of
+            the saved plan settings, so a resume re-plans alike), ``plan_processes``); None: the defaults.
         seed: shard-order seed.
         num_workers: DataLoader workers per rank the plan is made for.
         on_error: ``"raise"`` or ``"skip"`` for samples that fail when read (see ``iter_shard``).
-        max_buffered_samples: see :func:`plan_epoch`.
-        lockstep_tolerance: see :func:`plan_epoch`.
-        lockstep_tail: ``"packed"`` or ``"bucketed"``, see :func:`plan_epoch` (the packed tail needs a
-            model that runs packs).
         fixed_epoch: plan this epoch number every time (validation), or None.
         max_member_bytes: the largest shard member read (see ``iter_shard``); None: the default.
-        underfull: ``"error"`` or ``"pad"``: when some rank can get no sample (see :func:`plan_epoch`).
         sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
             collation (see :func:`apply_sample_transform`); None: none.
         text_pad_to: pad text to this many states in every batch (see :func:`~.collate.collate`).
-        chunk_samples: plan an epoch of more samples in segments of about this many (see
-            :func:`plan_epoch`); None: at once. Part of the saved plan settings, so a resume re-plans alike.
-        plan_processes: plan that many segments at a time in spawned processes (see :func:`plan_epoch`).
+        legacy: deprecated: the settings as flat keywords (``schedule=``, ``lockstep_tail=``,
+            ``underfull=``, ``max_buffered_samples=``, ``lockstep_tolerance=``, ``chunk_samples=``,
+            ``plan_processes=``), accepted for one release with a ``DeprecationWarning``.
     """
 
     def __init__(
         self,
         index: Any,
         batcher: DualConstraintBatcher,
-        schedule: str = "independent",
+        settings: PlanSettings | None = None,
+        *,
         seed: int = 0,
         num_workers: int = 0,
         on_error: str = "raise",
-        max_buffered_samples: int | None = None,
-        lockstep_tolerance: float = 0.05,
         fixed_epoch: int | None = None,
         max_member_bytes: int | None = None,
-        underfull: str = "error",
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
-        lockstep_tail: str = "packed",
-        chunk_samples: int | None = None,
-        plan_processes: int = 1,
+        **legacy: Any,
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULE_CHOICES:
-            raise ValueError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
-        if lockstep_tail not in LOCKSTEP_TAILS:
-            raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
+        if legacy:
+            if settings is not None:
+                raise TypeError(
+                    f"PlannedShardDataset takes its plan settings either as settings=PlanSettings(...) or as the "
+                    f"deprecated flat keywords, not both; move {sorted(legacy)} into the PlanSettings"
+                )
+            warnings.warn(
+                "PlannedShardDataset's flat plan-setting keywords (schedule=, lockstep_tail=, underfull=, ...) are "
+                "deprecated and will be removed in the next release: pass settings=PlanSettings(...) "
+                "(lightning_adaptiveload.planning.settings)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            settings = PlanSettings.from_legacy(legacy)
+        self.settings = PlanSettings() if settings is None else settings
         self.max_member_bytes = max_member_bytes
         self.index = index
         self.batcher = batcher
-        self.schedule = schedule
         self.seed = int(seed)
         self.num_workers = int(num_workers)
         self.on_error = on_error
-        self.max_buffered_samples = max_buffered_samples
-        self.lockstep_tolerance = float(lockstep_tolerance)
-        self.lockstep_tail = lockstep_tail
         self.fixed_epoch = fixed_epoch
-        self.underfull = underfull
         self.sample_transform = sample_transform
         self.text_pad_to = text_pad_to
-        self.chunk_samples = None if chunk_samples is None else int(chunk_samples)
-        self.plan_processes = int(plan_processes)
         # Called with (segments planned, segments) while a chunked epoch is planned (the DataModule shows a
         # bar on rank 0); None: quiet.
         self.plan_progress: Callable[[int, int], None] | None = None
@@ -105,20 +103,26 @@ class PlannedShardDataset(IterableDataset):
         self.fingerprint = index_fingerprint(index)
         batcher.resolve_max_compute(distinct_shapes(index))
 
+    @property
+    def schedule(self) -> str:
+        """The schedule of :attr:`settings`."""
+        return self.settings.schedule
+
     # -- planning (main process) -----------------------------------------------------------------------
 
     def plan_settings(self) -> dict[str, Any]:
-        """What a fresh plan of an epoch depends on besides the index (saved with resume state)."""
+        """What a fresh plan of an epoch depends on besides the index, as saved with resume state (the
+        checkpoint's form, kept as it was: ``"mode"`` is :attr:`settings`' ``schedule``)."""
         return {
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "seed": self.seed,
-            "mode": self.schedule,
+            "mode": self.settings.schedule,
             "batcher": self.batcher.config(),
-            "max_buffered_samples": self.max_buffered_samples,
-            "lockstep_tolerance": self.lockstep_tolerance,
-            "lockstep_tail": self.lockstep_tail,
-            "chunk_samples": self.chunk_samples,
+            "max_buffered_samples": self.settings.max_buffered_samples,
+            "lockstep_tolerance": self.settings.lockstep_tolerance,
+            "lockstep_tail": self.settings.lockstep_tail,
+            "chunk_samples": self.settings.chunk_samples,
         }
 
     def make_plan(
@@ -129,11 +133,18 @@ class PlannedShardDataset(IterableDataset):
         local: bool = False,
         rank: int | None = None,
     ) -> EpochPlan:
-        """Plan ``epoch`` with ``settings`` (default: the current ones) leaving out ``exclude``; ``local``:
+        """Plan ``epoch`` with ``settings`` (a dict saved by :meth:`plan_settings`, read back by
+        :meth:`PlanSettings.from_saved`; default: the current ones) leaving out ``exclude``; ``local``:
         only this rank's streams (what training needs); ``rank``: only that rank's streams (a resume's
         replay of another world size plans each old rank in turn)."""
-        s = dict(self.plan_settings() if settings is None else settings)
+        s = self.plan_settings() if settings is None else settings
         batcher = self.batcher if settings is None else DualConstraintBatcher.from_config(s["batcher"])
+        plan = PlanSettings.from_saved(
+            s,
+            # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
+            underfull="pad" if exclude else self.settings.underfull,
+            plan_processes=self.settings.plan_processes,
+        )
         return plan_epoch(
             self.index,
             s["world_size"],
@@ -141,19 +152,10 @@ class PlannedShardDataset(IterableDataset):
             batcher,
             s["seed"],
             epoch,
-            mode=s["mode"],
+            plan,
             exclude=exclude,
-            max_buffered_samples=s["max_buffered_samples"],
-            lockstep_tolerance=s["lockstep_tolerance"],
-            # Saved before the packed tail existed: those epochs were planned with bucketed tails.
-            lockstep_tail=s.get("lockstep_tail", "bucketed"),
-            # The rest of a resumed epoch may hold fewer samples than ranks: pad it rather than fail.
-            underfull="pad" if exclude else self.underfull,
-            # Saved before chunked planning existed: those epochs were planned at once.
-            chunk_samples=s.get("chunk_samples"),
             rank=rank if rank is not None else (self.rank if local else None),
             progress=self.plan_progress,
-            plan_processes=self.plan_processes,
         )
 
     def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:

@@ -16,6 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "EpochPlan": "plan",
         "LOCKSTEP_TAILS": "tail",
         "PlanError": "plan",
+        "PlanSettings": "settings",
         "SCHEDULES": "plan",
         "consumed_refs": "resume",
         "continue_plan": "resume",

@@ -38,6 +38,7 @@ from lightning_adaptiveload.planning.assign import exclusions
 from lightning_adaptiveload.planning.inputs import Bucket, PlanInput
 from lightning_adaptiveload.planning.lockstep import lockstep_classes
 from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, Ref, Stream, underfull_message
+from lightning_adaptiveload.planning.settings import PlanSettings
 from lightning_adaptiveload.stats import balance_rows, summarize_steps
 
 __all__ = ["local_plan", "plan_segments", "segment_count", "split_shards"]
@@ -58,8 +59,6 @@ def segment_count(n_samples: int, chunk_samples: int | None, world: int, workers
     segment would hold under 16 samples per stream; 1 (one plan of everything) for ``chunk_samples=None``."""
     if chunk_samples is None or n_samples <= 0:
         return 1
-    if int(chunk_samples) < 1:
-        raise ValueError(f"chunk_samples must be a positive number of samples or None, got {chunk_samples!r}")
     want = -(-int(n_samples) // int(chunk_samples))
     most = max(1, int(n_samples) // (_MIN_PER_STREAM * world * max(1, workers)))
     return max(1, min(want, most))
@@ -141,29 +140,29 @@ def plan_segments(
     batcher: Any,
     seed: int,
     epoch: int,
-    mode: str,
+    settings: PlanSettings,
+    *,
     exclude: Any,
-    underfull: str,
     rank: int | None,
     groups: int,
     plan_one: Callable[..., EpochPlan],
     progress: Callable[[int, int], None] | None,
-    processes: int = 1,
-    **settings: Any,
 ) -> EpochPlan:
     """Plan the epoch in ``groups`` segments with ``plan_one`` (the exact planner) and join them.
 
     Args:
         data: the planner's input (all shards).
-        world, num_workers, batcher, seed, epoch, mode, underfull: as :func:`~.planner.plan_epoch`.
+        world, num_workers, batcher, seed, epoch: as :func:`~.planner.plan_epoch`.
+        settings: the epoch's settings. Every segment is planned with them but ``underfull="pad"`` (the
+            whole epoch is checked against ``settings.underfull``), at once (no ``chunk_samples``), here,
+            and keeping its step costs; ``settings.plan_processes`` segments are planned at a time in
+            spawned processes (1: here, one after the other; the plan is the same, each process holds one
+            segment's working set and its own imports).
         exclude: refs or ``{shard_id: sample_ids}`` to leave out.
         rank: keep only this rank's streams (None: every stream).
         groups: segments (>= 2).
         plan_one: ``plan_epoch``, called once per segment on the segment's shards.
         progress: called with (segments planned, groups) after each segment.
-        processes: plan this many segments at a time in spawned processes (1: here, one after the other).
-            The plan is the same; each process holds one segment's working set and its own imports.
-        settings: the other keyword arguments of ``plan_epoch`` (passed to every segment).
     """
     t0 = time.perf_counter()
     workers = max(1, int(num_workers))
@@ -189,8 +188,9 @@ def plan_segments(
         )
         for g, shards in enumerate(parts)
     ]
-    job = _Job(world, int(num_workers), seg_batcher, int(epoch), mode, rank, plan_one, settings)
-    for g, (seg, rows) in enumerate(_planned(data, tasks, job, processes)):
+    segment = settings.replace(underfull="pad", chunk_samples=None, plan_processes=1, keep_step_costs=True)
+    job = _Job(world, int(num_workers), seg_batcher, int(epoch), rank, plan_one, segment)
+    for g, (seg, rows) in enumerate(_planned(data, tasks, job, settings.plan_processes)):
         shards = parts[g]
         to_global = [_global_bucket(b, global_id, bucket_dicts) for b in seg.buckets]
         _keep(seg, kept, ranks, workers, offset, shards.tolist(), to_global)
@@ -202,12 +202,13 @@ def plan_segments(
         del seg
         if progress is not None:
             progress(g + 1, groups)
+    mode = settings.schedule
     if mode != "packed":
-        _global_classes(bucket_dicts, float(settings.get("lockstep_tolerance", 0.05)))
+        _global_classes(bucket_dicts, settings.lockstep_tolerance)
     report = _merge_reports(reports, balance, len({d["lockstep_class"] for d in bucket_dicts}))
     report.update(segments=groups, segment_steps=[int(r["steps"]) for r in reports])
     per_rank = report.get("samples_per_rank", [])
-    if underfull == "error" and report["samples"] and per_rank and min(per_rank) == 0:
+    if settings.underfull == "error" and report["samples"] and per_rank and min(per_rank) == 0:
         raise PlanError(underfull_message(world, workers, len(data.shapes), report["samples"], per_rank))
     plan = EpochPlan(
         world_size=world,
@@ -241,10 +242,9 @@ class _Job:
     num_workers: int
     batcher: Any
     epoch: int
-    mode: str
     rank: int | None
     plan_one: Callable[..., EpochPlan]
-    settings: dict[str, Any]
+    settings: PlanSettings  # every segment's
 
 
 def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -> tuple[EpochPlan, Any]:
@@ -258,11 +258,9 @@ def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -
         job.batcher,
         seed,
         job.epoch,
-        mode=job.mode,
+        job.settings,
         exclude=excl or None,
-        underfull="pad",  # the whole epoch is checked against ``underfull``
         rank=job.rank,
-        **job.settings,
     )
     rows = None
     if seg.steps:

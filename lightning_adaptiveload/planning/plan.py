@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
+
+from lightning_adaptiveload.planning.settings import Schedule
 
 __all__ = [
     "AUTO_MAX_WAIT",
@@ -30,7 +32,7 @@ Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream 
 SCHEDULES = ("independent", "lockstep", "packed")
 #: The schedules a setting may name: :data:`SCHEDULES` or ``"auto"`` (lockstep, or packed where lockstep's
 #: estimated straggler wait exceeds :data:`AUTO_MAX_WAIT`; :func:`~.planner.plan_epoch`).
-SCHEDULE_CHOICES = (*SCHEDULES, "auto")
+SCHEDULE_CHOICES: tuple[str, ...] = get_args(Schedule)
 #: ``schedule="auto"``: the largest estimated straggler wait (share of the step time) lockstep may have
 #: before the epoch is planned packed instead (where the model runs packs).
 AUTO_MAX_WAIT = 0.02

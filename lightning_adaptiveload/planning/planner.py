@@ -36,6 +36,7 @@ import gc
 import itertools
 import operator
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,6 @@ from lightning_adaptiveload.planning.lockstep import lockstep_batches, lockstep_
 from lightning_adaptiveload.planning.lockstep_local import LocalLockstep, lockstep_local
 from lightning_adaptiveload.planning.plan import (
     AUTO_MAX_WAIT,
-    SCHEDULE_CHOICES,
     Batch,
     EpochPlan,
     PlanError,
@@ -61,13 +61,14 @@ from lightning_adaptiveload.planning.plan import (
     Stream,
     underfull_message,
 )
-from lightning_adaptiveload.planning.tail import LOCKSTEP_TAILS, packed_tail, tail_reads
+from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.planning.tail import packed_tail, tail_reads
 from lightning_adaptiveload.stats import balance_summary
 
 if TYPE_CHECKING:  # the batcher module imports torch; the planner needs only its sizing rule
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
-__all__ = ["plan_epoch"]
+__all__ = ["PlanSettings", "plan_epoch"]
 
 # Batch fields read with C-level maps (once per batch of every stream).
 _REFS = operator.attrgetter("refs")
@@ -113,17 +114,12 @@ def plan_epoch(
     batcher: DualConstraintBatcher,
     seed: int,
     epoch: int,
-    mode: str = "independent",
+    settings: PlanSettings | None = None,
+    *,
     exclude: Iterable[Ref] | Mapping[int, Collection[int]] | None = None,
-    max_buffered_samples: int | None = None,
-    lockstep_tolerance: float = 0.05,
-    underfull: str = "error",
-    lockstep_tail: str = "packed",
     rank: int | None = None,
-    chunk_samples: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    keep_step_costs: bool = False,
-    plan_processes: int = 1,
+    **legacy: Any,
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -136,42 +132,50 @@ def plan_epoch(
             excluded ones included, so that a resumed epoch keeps the cap). ``partial`` must be ``"emit"``.
         seed: shard-order seed (with ``epoch``).
         epoch: epoch number.
-        mode: the schedule: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``); or
-            ``"auto"``: lockstep, unless its estimated straggler wait exceeds :data:`~.plan.AUTO_MAX_WAIT`
-            and ``lockstep_tail="packed"`` (the model runs packs), then packed (a mix with no length
-            classes, every sample its own shape); ``report["schedule_auto"]`` says which and why.
+        settings: how the epoch is planned (:class:`~.settings.PlanSettings`: the schedule, the lockstep
+            tolerance and tail, the buffer bound, ``underfull``, segments and processes); None: the
+            defaults. What each setting does:
+
+            * ``schedule``: ``"independent"``, ``"lockstep"`` or ``"packed"`` (``docs/schedules.md``); or
+              ``"auto"``: lockstep, unless its estimated straggler wait exceeds
+              :data:`~.plan.AUTO_MAX_WAIT` and ``lockstep_tail="packed"`` (the model runs packs), then
+              packed (a mix with no length classes, every sample its own shape);
+              ``report["schedule_auto"]`` says which and why.
+            * ``max_buffered_samples``: independent: samples a stream may hold decoded (in one worker)
+              while its buckets fill; at the bound the fullest pending bucket is emitted early. None:
+              ``max(64, 4 * largest batch size)``; must be at least the largest batch size. (Lockstep
+              streams read per bucket and hold only the batch being assembled.)
+            * ``lockstep_tolerance``: relative cost tolerance that groups buckets into one lockstep class.
+            * ``underfull``: what to do when some rank can get no sample at all (fewer samples than ranks,
+              e.g. a tiny validation set): ``"error"`` raises :class:`PlanError`; ``"pad"`` gives such
+              ranks empty batches (``batch_size == 0``: zero-weight steps, which the token-weighted loss
+              and metrics ignore). Where every rank can get a sample, the epoch is always planned; a few
+              empty batches are still added where no common count of non-empty batches exists (say 5
+              one-sample batches on 2 ranks), counted in ``report["empty_batches"]``.
+            * ``lockstep_tail``: lockstep, where the classes stop lining up across ranks (the end of an
+              epoch on a mix of many length classes): ``"packed"`` re-plans the samples of every unequal
+              batch, from all ranks, into tail steps of one balanced pack per rank (:mod:`.tail`; the
+              batches are marked in ``plan.pack_batches``, and the model must run packs:
+              ``docs/data_path.md``); ``"bucketed"`` keeps them as unequal bucketed batches.
+            * ``chunk_samples``: None: plan the epoch at once. A number: an epoch of more samples is
+              planned in segments of about that many samples, one after the other (:mod:`.chunked`: the
+              memory of one segment at a time, exactly once and equal steps by construction, each segment
+              with its own tail); at most that many samples plan exactly as with None. Ignored by the
+              packed schedule, which plans an epoch of more than :data:`~.packed_counts.TEMPLATE_SAMPLES`
+              samples on counts (:mod:`.packed_counts`), rank-locally and in bounded memory.
+            * ``plan_processes``: a chunked plan's segments are planned this many at a time in spawned
+              processes (the same plan; each process holds one segment's working set).
+            * ``keep_step_costs``: keep ``plan.step_costs`` (every rank's estimated batch cost per step).
         exclude: sample refs ``(shard_id, sample_id)`` to leave out (already consumed), or
             ``{shard_id: sample_ids}``.
-        max_buffered_samples: independent mode: samples a stream may hold decoded (in one worker) while
-            its buckets fill; at the bound the fullest pending bucket is emitted early. None:
-            ``max(64, 4 * largest batch size)``; must be at least the largest batch size. (Lockstep streams
-            read per bucket and hold only the batch being assembled.)
-        lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
-        underfull: what to do when some rank can get no sample at all (fewer samples than ranks, e.g. a
-            tiny validation set): ``"error"`` raises :class:`PlanError`; ``"pad"`` gives such ranks empty
-            batches (``batch_size == 0``: zero-weight steps, which the token-weighted loss and metrics
-            ignore). Where every rank can get a sample, the epoch is always planned; a few empty batches
-            are still added where no common count of non-empty batches exists (say 5 one-sample batches on
-            2 ranks), counted in ``report["empty_batches"]``.
-        lockstep_tail: lockstep mode, where the classes stop lining up across ranks (the end of an epoch
-            on a mix of many length classes): ``"packed"`` re-plans the samples of every unequal batch,
-            from all ranks, into tail steps of one balanced pack per rank (:mod:`.tail`; the batches are
-            marked in ``plan.pack_batches``, and the model must run packs: ``docs/data_path.md``);
-            ``"bucketed"`` keeps them as unequal bucketed batches. Ignored by the other schedules.
         rank: None (default): the plan holds every stream. A rank: a *rank-local* plan holding only that
             rank's streams, reads and step order (``plan.rank``); its steps, global tokens and report are
             those of the plan of every stream. What a training rank needs; :func:`~.resume.consumed_refs`
             needs a plan of every rank.
-        chunk_samples: None (default): plan the epoch at once. A number: an epoch of more samples is planned
-            in segments of about that many samples, one after the other (:mod:`.chunked`: the memory of
-            one segment at a time, exactly once and equal steps by construction, each segment with its own
-            tail); at most that many samples plan exactly as with None. Ignored by the packed schedule,
-            which plans an epoch of more than :data:`~.packed_counts.TEMPLATE_SAMPLES` samples on counts
-            (:mod:`.packed_counts`), rank-locally and in bounded memory, without segments.
         progress: called with (segments planned, segments) after each segment of a chunked plan.
-        keep_step_costs: keep ``plan.step_costs`` (every rank's estimated batch cost at every step).
-        plan_processes: a chunked plan's segments are planned this many at a time in spawned processes
-            (the same plan; each process holds one segment's working set). 1: one after the other, here.
+        legacy: deprecated: the settings as flat keywords (``mode=`` for ``schedule``,
+            ``max_buffered_samples=``, ...), accepted for one release with a ``DeprecationWarning``; not
+            together with ``settings``.
 
     Returns:
         The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
@@ -182,45 +186,70 @@ def plan_epoch(
         ValueError: bad settings, an oversize sample under ``oversize="raise"``, mixed C in a bucket.
     """
     t0 = time.perf_counter()
-    _check_settings(mode, underfull, world_size, num_workers, batcher)
-    if mode == "auto":
-        return _plan_auto(
-            index_or_shapes, world_size, num_workers, batcher, seed, epoch,
-            dict(exclude=exclude, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
-                 underfull=underfull, lockstep_tail=lockstep_tail, rank=rank, chunk_samples=chunk_samples,
-                 progress=progress, keep_step_costs=keep_step_costs, plan_processes=plan_processes),
-        )  # fmt: skip
-    if lockstep_tail not in LOCKSTEP_TAILS:
-        raise ValueError(f"lockstep_tail must be one of {LOCKSTEP_TAILS}, got {lockstep_tail!r}")
+    settings = _settings(settings, legacy)
+    _check_run(world_size, num_workers, batcher)
+    if settings.schedule == "auto":
+        return _plan_auto(index_or_shapes, world_size, num_workers, batcher, seed, epoch, settings,
+                          dict(exclude=exclude, rank=rank, progress=progress))  # fmt: skip
     world, workers = int(world_size), max(1, int(num_workers))
     data = as_input(index_or_shapes)
     if rank is not None and not 0 <= int(rank) < world:
         raise ValueError(f"rank must be in 0..{world - 1} for world size {world}, got {rank!r}")
+    mode = settings.schedule
     # The packed schedule plans a large epoch on counts, in bounded memory: it needs no segments.
-    groups = 1 if mode == "packed" else segment_count(_num_samples(data), chunk_samples, world, workers)
+    groups = (
+        1 if mode == "packed" else segment_count(_num_samples(data), settings.chunk_samples, world, workers)
+    )
     if groups > 1:
         return plan_segments(
-            data, world, num_workers, batcher, seed, epoch, mode, exclude, underfull, rank, groups, plan_epoch,
-            progress, plan_processes, max_buffered_samples=max_buffered_samples, lockstep_tolerance=lockstep_tolerance,
-            lockstep_tail=lockstep_tail, keep_step_costs=True,
+            data, world, num_workers, batcher, seed, epoch, settings,
+            exclude=exclude, rank=rank, groups=groups, plan_one=plan_epoch, progress=progress,
         )  # fmt: skip
     plan = _plan_whole(
-        data, world, num_workers, batcher, seed, epoch, mode, exclude, max_buffered_samples, lockstep_tolerance,
-        underfull, lockstep_tail, t0, None if rank is None else int(rank), keep_step_costs,
+        data, world, num_workers, batcher, seed, epoch, settings, exclude, t0, None if rank is None else int(rank)
     )  # fmt: skip
-    if not keep_step_costs:
+    if not settings.keep_step_costs:
         plan.step_costs = None
     return plan if rank is None or plan.rank is not None else local_plan(plan, int(rank))
 
 
+def _settings(settings: PlanSettings | None, legacy: Mapping[str, Any]) -> PlanSettings:
+    """``settings``, or (deprecated) the settings built from ``plan_epoch``'s old flat keywords."""
+    if not legacy:
+        return PlanSettings() if settings is None else settings
+    if settings is not None:
+        raise TypeError(
+            f"plan_epoch takes its settings either as settings=PlanSettings(...) or as the deprecated flat "
+            f"keywords, not both; move {sorted(legacy)} into the PlanSettings"
+        )
+    warnings.warn(
+        "plan_epoch's flat setting keywords (mode=, max_buffered_samples=, lockstep_tolerance=, underfull=, "
+        "lockstep_tail=, chunk_samples=, keep_step_costs=, plan_processes=) are deprecated and will be removed "
+        "in the next release: pass settings=PlanSettings(schedule=..., ...) "
+        "(lightning_adaptiveload.planning.settings)",
+        DeprecationWarning,
+        stacklevel=4,  # the caller of plan_epoch (through _gc_paused)
+    )
+    return PlanSettings.from_legacy(legacy)
+
+
 def _plan_auto(
-    data: Any, world: int, num_workers: int, batcher: Any, seed: int, epoch: int, kw: dict[str, Any]
+    data: Any,
+    world: int,
+    num_workers: int,
+    batcher: Any,
+    seed: int,
+    epoch: int,
+    settings: PlanSettings,
+    kw: dict[str, Any],
 ) -> EpochPlan:
-    """``mode="auto"``: the lockstep plan, or the packed one where lockstep's estimated straggler wait
+    """``schedule="auto"``: the lockstep plan, or the packed one where lockstep's estimated straggler wait
     exceeds :data:`~.plan.AUTO_MAX_WAIT` and packs may run (``lockstep_tail="packed"``)."""
-    plan = plan_epoch(data, world, num_workers, batcher, seed, epoch, mode="lockstep", **kw)
+    plan = plan_epoch(
+        data, world, num_workers, batcher, seed, epoch, settings.replace(schedule="lockstep"), **kw
+    )
     wait = float(plan.report["est_straggler_wait"])
-    may_pack = kw["lockstep_tail"] == "packed" and int(world) > 1
+    may_pack = settings.lockstep_tail == "packed" and int(world) > 1
     if wait <= AUTO_MAX_WAIT or not may_pack:
         why = (
             f"lockstep's estimated straggler wait {wait:.2%} is within {AUTO_MAX_WAIT:.0%}"
@@ -234,7 +263,9 @@ def _plan_auto(
     else:
         lockstep_seconds = plan.report["plan_seconds"]
         del plan
-        plan = plan_epoch(data, world, num_workers, batcher, seed, epoch, mode="packed", **kw)
+        plan = plan_epoch(
+            data, world, num_workers, batcher, seed, epoch, settings.replace(schedule="packed"), **kw
+        )
         choice = {
             "chose": "packed",
             "lockstep_wait": wait,
@@ -259,35 +290,30 @@ def _plan_whole(
     batcher: DualConstraintBatcher,
     seed: int,
     epoch: int,
-    mode: str,
+    settings: PlanSettings,
     exclude: Any,
-    max_buffered_samples: int | None,
-    lockstep_tolerance: float,
-    underfull: str,
-    lockstep_tail: str,
     t0: float,
     keep: int | None = None,
-    keep_step_costs: bool = True,
 ) -> EpochPlan:
     """One plan of the whole epoch (the body of :func:`plan_epoch`): every stream, or with ``keep`` set,
     possibly only that rank's streams (the lockstep schedule with its packed tail plans rank-locally on
     arrays; :mod:`.lockstep_local`). The global parts are the same either way."""
     workers = max(1, int(num_workers))
+    mode, lockstep_tail, underfull = settings.schedule, settings.lockstep_tail, settings.underfull
     if mode == "packed":  # one pack of any shapes per rank and step: see planning/packed.py
         from lightning_adaptiveload.planning.packed import plan_packed
 
         return plan_packed(
-            data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0, keep, keep_step_costs
+            data, world, num_workers, batcher, seed, epoch, exclusions(exclude), underfull, t0, keep,
+            settings.keep_step_costs,
         )  # fmt: skip
     batcher.resolve_max_compute(distinct_shapes(data))
     table = bucket_table(data, batcher.sizer, batcher.oversize)
     buckets = table.buckets
     sizes = [bk.batch_size for bk in buckets]
     cost_of = [bk.cost for bk in buckets]
-    bound = buffer_bound(max_buffered_samples, sizes, buckets)
-    if not 0 <= float(lockstep_tolerance) < 1:
-        raise ValueError(f"lockstep_tolerance must be in [0, 1), got {lockstep_tolerance!r}")
-    class_of, class_size = lockstep_classes(buckets, float(lockstep_tolerance))
+    bound = buffer_bound(settings.max_buffered_samples, sizes, buckets)
+    class_of, class_size = lockstep_classes(buckets, settings.lockstep_tolerance)
     # Load of a sample for the assignment. Independent mode: its share of a batch (1/B), so that ranks get
     # near-equal step counts and few batches must be split. Lockstep: its cost (class counts are then
     # equalised by moving samples, which also equalises the steps).
@@ -449,11 +475,8 @@ def _report(
     }
 
 
-def _check_settings(mode: str, underfull: str, world_size: int, num_workers: int, batcher: Any) -> None:
-    if mode not in SCHEDULE_CHOICES:
-        raise ValueError(f"mode (schedule) must be one of {SCHEDULE_CHOICES}, got {mode!r}")
-    if underfull not in ("error", "pad"):
-        raise ValueError(f"underfull must be 'error' or 'pad', got {underfull!r}")
+def _check_run(world_size: int, num_workers: int, batcher: Any) -> None:
+    """What ``plan_epoch`` checks besides its :class:`~.settings.PlanSettings` (checked when built)."""
     if int(world_size) < 1 or int(num_workers) < 0:
         raise ValueError(f"world_size must be >= 1 and num_workers >= 0, got {world_size} and {num_workers}")
     if batcher.partial != "emit":

@@ -19,19 +19,20 @@ Python and NumPy: no Lightning, no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
 from lightning_adaptiveload.planning.packed import hash_seed, pack_steps
 from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
+from lightning_adaptiveload.planning.settings import LockstepTail
 
 __all__ = ["LOCKSTEP_TAILS", "packed_tail", "tail_reads"]
 
 #: What a lockstep epoch does where its classes stop lining up across ranks: ``"packed"`` (tail steps of
 #: packs, needs a model that runs packs) or ``"bucketed"`` (unequal bucketed batches, then the equal-steps
 #: pass splits, moves and pads them).
-LOCKSTEP_TAILS = ("packed", "bucketed")
+LOCKSTEP_TAILS: tuple[str, ...] = get_args(LockstepTail)  # the choices of PlanSettings.lockstep_tail
 
 
 def packed_tail(

@@ -271,12 +271,12 @@ def run_mode(
         plus ``samples``, ``max_compute``, the first-90% figures and the plan's report.
     """
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     schedule, batching = MODES[mode]
     batcher = make_batcher(batching, max_tokens, max_compute, plan_cost, patch)
-    plan = plan_epoch(
-        index, world, num_workers, batcher, seed, epoch, mode=schedule, **dict(plan_options or {})
-    )
+    settings = PlanSettings(schedule=schedule, **dict(plan_options or {}))
+    plan = plan_epoch(index, world, num_workers, batcher, seed, epoch, settings)
     if plan.mode == "packed":
         rep = replay_packs(plan, index, coster, plan_cost)
     else:

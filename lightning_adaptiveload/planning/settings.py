@@ -1,0 +1,138 @@
+"""The settings an epoch is planned with: one frozen, keyword-only value, validated once, passed whole.
+
+:class:`PlanSettings` is what the DataModule builds from its arguments, what
+:class:`~lightning_adaptiveload.data.loader.PlannedShardDataset` holds, and what
+:func:`~.planner.plan_epoch`, :func:`~.chunked.plan_segments` and the planner's steps read. Every check
+of these settings is in :meth:`PlanSettings.__post_init__` and nowhere else: a bad value is refused where
+the value is built, with the same message whichever layer it came through.
+
+What a plan also depends on but is not a setting stays an argument of :func:`~.planner.plan_epoch`: the
+index, the world size and workers, the batcher, the seed and epoch, the samples to leave out, the rank
+to keep and the progress callback.
+
+Pure Python (no Lightning, no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+__all__ = ["LockstepTail", "PlanSettings", "Schedule", "Underfull"]
+
+#: The schedule an epoch is planned with (``docs/schedules.md``); ``"auto"``: lockstep, or packed where
+#: lockstep's estimated straggler wait exceeds :data:`~.plan.AUTO_MAX_WAIT` and the model runs packs.
+Schedule = Literal["independent", "lockstep", "packed", "auto"]
+#: The end of a lockstep epoch: ``"packed"`` (balanced packs, the model must run packs) or ``"bucketed"``.
+LockstepTail = Literal["packed", "bucketed"]
+#: Where some rank can get no sample: ``"error"`` raises, ``"pad"`` gives it empty batches.
+Underfull = Literal["error", "pad"]
+
+_CHOICES = {"schedule": Schedule, "lockstep_tail": LockstepTail, "underfull": Underfull}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """How an epoch is planned (everything but the index, the ranks, the batcher, the seed and the epoch).
+
+    Raises:
+        ValueError: in ``__post_init__``, for any value out of its range, naming the setting, the value
+            and what to pass instead.
+    """
+
+    schedule: Schedule = "independent"
+    """``"independent"``, ``"lockstep"``, ``"packed"`` or ``"auto"`` (``docs/schedules.md``). Plans and
+    reports call it ``mode`` (``EpochPlan.mode``, ``report["mode"]``)."""
+
+    lockstep_tolerance: float = 0.05
+    """Relative cost tolerance, in [0, 1), that groups buckets into one lockstep class."""
+
+    lockstep_tail: LockstepTail = "packed"
+    """Lockstep: ``"packed"`` re-plans the samples of the unequal batches at the end of the epoch into
+    balanced packs (the model must run packs), ``"bucketed"`` keeps them as unequal bucketed batches.
+    Ignored by the other schedules."""
+
+    max_buffered_samples: int | None = None
+    """Independent: the samples a stream may hold decoded while its buckets fill (at least the largest
+    batch size, checked against the batcher when the epoch is planned). None: ``max(64, 4 * largest
+    batch size)``."""
+
+    underfull: Underfull = "error"
+    """Where some rank can get no sample: ``"error"`` raises ``PlanError``, ``"pad"`` gives it empty
+    batches."""
+
+    chunk_samples: int | None = None
+    """An epoch of more samples is planned in segments of about this many (:mod:`.chunked`); None: at
+    once. Ignored by the packed schedule."""
+
+    plan_processes: int = 1
+    """A chunked epoch's segments are planned this many at a time in spawned processes; 1: here."""
+
+    keep_step_costs: bool = False
+    """Keep ``plan.step_costs`` (every rank's estimated batch cost at every step)."""
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in get_args(choices):
+                raise ValueError(f"{name} must be one of {get_args(choices)}, got {value!r}")
+        tolerance = _number(self.lockstep_tolerance, "lockstep_tolerance", float)
+        if not 0 <= tolerance < 1:
+            raise ValueError(f"lockstep_tolerance must be in [0, 1), got {self.lockstep_tolerance!r}")
+        for name in ("max_buffered_samples", "chunk_samples"):
+            value = getattr(self, name)
+            if value is not None and _number(value, name, int) < 1:
+                raise ValueError(f"{name} must be a positive number of samples or None, got {value!r}")
+        processes = _number(self.plan_processes, "plan_processes", int)
+        if processes < 1:
+            raise ValueError(f"plan_processes must be >= 1, got {self.plan_processes!r}")
+        # Stored as the types the planner computes with (a YAML "0.1" or a NumPy integer arrives as is).
+        object.__setattr__(self, "lockstep_tolerance", tolerance)
+        object.__setattr__(self, "plan_processes", processes)
+        object.__setattr__(self, "keep_step_costs", bool(self.keep_step_costs))
+        for name in ("max_buffered_samples", "chunk_samples"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+
+    def replace(self, **changes: Any) -> PlanSettings:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_legacy(cls, legacy: Mapping[str, Any], **given: Any) -> PlanSettings:
+        """Settings from the flat keywords :func:`~.planner.plan_epoch` and the dataset took before
+        :class:`PlanSettings` (``mode`` is ``schedule``); ``given`` are defaults the caller sets."""
+        kw = {**given, **legacy}
+        if "mode" in kw:
+            kw["schedule"] = kw.pop("mode")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown plan setting(s) {unknown}: the settings are {sorted(names)}")
+        return cls(**kw)
+
+    @classmethod
+    def from_saved(cls, saved: Mapping[str, Any], **given: Any) -> PlanSettings:
+        """The settings of a plan saved with resume state (the dataset's ``plan_settings()`` dict);
+        ``given``: what the saved dict does not hold (``underfull``, ``plan_processes``)."""
+        return cls(
+            schedule=saved["mode"],
+            max_buffered_samples=saved.get("max_buffered_samples"),
+            lockstep_tolerance=saved.get("lockstep_tolerance", 0.05),
+            # Saved before the packed tail existed: those epochs were planned with bucketed tails.
+            lockstep_tail=saved.get("lockstep_tail", "bucketed"),
+            # Saved before chunked planning existed: those epochs were planned at once.
+            chunk_samples=saved.get("chunk_samples"),
+            **given,
+        )
+
+
+def _number(value: Any, name: str, kind: type) -> Any:
+    """``value`` as ``kind`` (int or float), or a ValueError naming the setting."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
