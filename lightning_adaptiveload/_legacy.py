@@ -26,6 +26,7 @@ def settings_from_legacy(
     *,
     caller: str,
     required: Mapping[str, Any] | None = None,
+    nested: Mapping[str, type] | None = None,
     stacklevel: int = 3,
 ) -> T:
     """The settings object of a call: ``settings`` itself, or one built from the deprecated flat keywords.
@@ -36,13 +37,17 @@ def settings_from_legacy(
         legacy: the ``**legacy`` keywords of the call; each must be a field of ``cls``.
         caller: the function's name, for the messages.
         required: fields given as ordinary arguments of the function (not deprecated), merged in.
+        nested: field name -> settings class of a nested group; a flat keyword that is a field of that class
+            goes into it (``calibrate(warmup=1, device="cpu")`` -> ``CalibrateSettings(warmup=1,
+            training=CalibratedTraining(device="cpu"))``).
         stacklevel: the warning's stack level (3: the caller of the function that calls this).
 
     Raises:
         TypeError: a keyword that is no field of ``cls`` (the closest field is suggested), or both
             ``settings`` and flat keywords.
     """
-    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    groups = {name: [f.name for f in dataclasses.fields(sub)] for name, sub in (nested or {}).items()}
+    fields = [f.name for f in dataclasses.fields(cls)] + [k for sub in groups.values() for k in sub]  # type: ignore[arg-type]
     unknown = [k for k in legacy if k not in fields]
     if unknown:
         key = unknown[0]
@@ -66,4 +71,9 @@ def settings_from_legacy(
         DeprecationWarning,
         stacklevel=stacklevel,
     )
-    return cls(**{**dict(required or {}), **legacy})
+    top = {k: v for k, v in legacy.items() if not any(k in sub for sub in groups.values())}
+    for name, sub_fields in groups.items():
+        inner = {k: v for k, v in legacy.items() if k in sub_fields}
+        if inner:
+            top[name] = nested[name](**inner)  # type: ignore[index]
+    return cls(**{**dict(required or {}), **top})
