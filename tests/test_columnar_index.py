@@ -360,7 +360,10 @@ def test_simulate_takes_a_binary_index_path_or_a_compact_index(tmp_path):
             out.append(r)
         return out
 
-    rows = [comparable(simulate(src, settings, times=cm, progress=False).rows) for src in (index, path, CompactIndex.load(path))]
+    rows = [
+        comparable(simulate(src, settings, times=cm, progress=False).rows)
+        for src in (index, path, CompactIndex.load(path))
+    ]
     assert rows[0] == rows[1] == rows[2] and rows[0][0]["samples"] == index.num_samples
 
 

@@ -376,7 +376,9 @@ def test_simulate_flat_keywords_still_work_warn_once_and_give_the_same_result():
     assert len(deprecations) == 1 and "SimulateSettings(" in str(deprecations[0].message)
     assert deprecations[0].filename == __file__  # points at the caller
     for row in old.rows + new.rows:
-        row["plan_report"].pop("plan_seconds")  # the planner's wall time, the one figure that is not the plan's
+        row["plan_report"].pop(
+            "plan_seconds"
+        )  # the planner's wall time, the one figure that is not the plan's
     assert json.dumps(old.to_dict()["results"]) == json.dumps(new.to_dict()["results"])
     with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
         simulate("tiny", progress=False, max_token=450)
