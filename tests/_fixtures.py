@@ -10,13 +10,16 @@ import collections
 import os
 
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 
 def uneven_shards(tmp_path_factory, name: str, sizes: list[int], seed: int) -> str:
     """A folder of synthetic ``tiny``-mix shards with these shard sizes; returns its path."""
     d = str(tmp_path_factory.mktemp(name))
     write_synthetic_shards(
-        d, mix="tiny", num_samples=sum(sizes), samples_per_shard=sizes, seed=seed, progress=False
+        d,
+        settings=SyntheticShards(mix="tiny", num_samples=sum(sizes), samples_per_shard=sizes, seed=seed),
+        progress=False,
     )
     return d
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_adaptiveload.data.collate import collate
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
@@ -196,7 +197,9 @@ def test_batcher_is_a_webdataset_pipeline_stage(tmp_path):
     from lightning_adaptiveload.data import write_synthetic_shards
 
     index = write_synthetic_shards(
-        str(tmp_path), mix="tiny", num_samples=60, samples_per_shard=20, seed=1, progress=False
+        str(tmp_path),
+        settings=SyntheticShards(mix="tiny", num_samples=60, samples_per_shard=20, seed=1),
+        progress=False,
     )
     urls = [s.path for s in index.shards]
     batcher = DualConstraintBatcher(512, mode="dual")

@@ -13,6 +13,11 @@ from lightning_adaptiveload.tools.calibrate_packs import (
     fit_pack_terms,
     time_packs,
 )
+from lightning_adaptiveload.tools.calibrate_settings import (
+    CalibratedTraining,
+    CalibrateSettings,
+    MemorySearch,
+)
 
 # Wan 2.1 1.3B on an H100 in round numbers (seconds): a per-step constant, a linear and an attention term.
 C0, ALPHA, BETA = 0.35, 3.2e-5, 1.4e-9
@@ -115,10 +120,11 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
     from lightning_adaptiveload.planning.cost_model import CostModel
 
     timer = SyntheticTimer(2e-3, 1e-5, 4e-8, noise=0.02)
-    result = calibrate(
-        preset="tiny", mix="tiny", num_shapes=3, device="cpu", max_tokens=900, warmup=1, repeats=3,
-        progress=False, timer=timer,
+    settings = CalibrateSettings(
+        mix="tiny", num_shapes=3, warmup=1, repeats=3, training=CalibratedTraining(device="cpu"),
+        memory=MemorySearch(max_tokens=900),
     )  # fmt: skip
+    result = calibrate("tiny", settings=settings, progress=False, timer=timer)
     paths = {p.path for p in result.points}
     assert paths == {"bucketed", "packed"}
     assert {p.name for p in result.points if p.path == "bucketed"} == {"single sample"}

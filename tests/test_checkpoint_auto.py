@@ -337,15 +337,23 @@ def test_calibrate_fits_auto_checkpointing_into_the_fragment():
     import yaml
 
     from lightning_adaptiveload.tools.calibrate import calibrate
+    from lightning_adaptiveload.tools.calibrate_settings import (
+        CalibratedTraining,
+        CalibrateSettings,
+        MemorySearch,
+    )
 
     # Step time linear in the tokens (a time per sample that does not grow with its length has no fit with
     # alpha, beta >= 0 and alpha + beta > 0; whether lstsq's rounding found one depended on the BLAS).
-    result = calibrate(
-        preset="tiny", mix="tiny", num_shapes=3, device="cpu", max_tokens=900, warmup=1, repeats=1,
-        progress=False, timer=lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes), packs=False,
-        memory_budget_gb=8.0,
-        activation_checkpointing=True, checkpoint_policy="save_matmuls", checkpoint_blocks="auto",
+    settings = CalibrateSettings(
+        mix="tiny", num_shapes=3, warmup=1, repeats=1, packs=False,
+        training=CalibratedTraining(
+            device="cpu", activation_checkpointing=True, checkpoint_policy="save_matmuls", checkpoint_blocks="auto"
+        ),
+        memory=MemorySearch(max_tokens=900, memory_budget_gb=8.0),
     )  # fmt: skip
+    timer = lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes)  # noqa: E731
+    result = calibrate("tiny", settings=settings, progress=False, timer=timer)
     args = yaml.safe_load(result.to_yaml())["model"]["init_args"]
     assert args["checkpoint_blocks"] == "auto" and args["checkpoint_policy"] == "save_matmuls"
     assert args["memory_budget_gib"] == 8.0
@@ -377,15 +385,25 @@ def test_a_compiled_calibration_sets_compile_and_weight_dtype_in_the_fragment():
     import yaml
 
     from lightning_adaptiveload.tools.calibrate import calibrate
+    from lightning_adaptiveload.tools.calibrate_settings import (
+        CalibratedTraining,
+        CalibrateSettings,
+        MemorySearch,
+    )
 
-    kwargs = dict(
-        preset="tiny", mix="tiny", num_shapes=3, device="cpu", max_tokens=900, warmup=1, repeats=1,
-        progress=False, timer=lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes), packs=False,
-    )  # fmt: skip
-    fragment = yaml.safe_load(calibrate(compile=True, **kwargs).to_yaml())
-    assert fragment["model"]["init_args"] == {"compile": True}  # the budget was measured compiled
-    both = yaml.safe_load(calibrate(compile=True, weight_dtype="bf16", **kwargs).to_yaml())
+    def fragment(**training):
+        settings = CalibrateSettings(
+            mix="tiny", num_shapes=3, warmup=1, repeats=1, packs=False,
+            training=CalibratedTraining(device="cpu", **training), memory=MemorySearch(max_tokens=900),
+        )  # fmt: skip
+        timer = lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes)  # noqa: E731
+        return yaml.safe_load(calibrate("tiny", settings=settings, progress=False, timer=timer).to_yaml())
+
+    assert fragment(compile=True)["model"]["init_args"] == {
+        "compile": True
+    }  # the budget was measured compiled
+    both = fragment(compile=True, weight_dtype="bf16")
     assert both["model"]["init_args"] == {"compile": True, "weight_dtype": "bf16"}
-    assert "model" not in yaml.safe_load(calibrate(**kwargs).to_yaml())
+    assert "model" not in fragment()
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
-        calibrate(preset="tiny", mix="tiny", device="cpu", max_tokens=900, checkpoint_blocks="auto")
+        CalibratedTraining(device="cpu", checkpoint_blocks="auto")

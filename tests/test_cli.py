@@ -16,6 +16,11 @@ import yaml
 from lightning_adaptiveload.cli import main as cli
 from lightning_adaptiveload.cli.calibrate import main as calibrate_main
 from lightning_adaptiveload.tools.calibrate import calibrate
+from lightning_adaptiveload.tools.calibrate_settings import (
+    CalibratedTraining,
+    CalibrateSettings,
+    MemorySearch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "*.yaml")))
@@ -198,19 +203,15 @@ def test_repeated_run_overwrites_the_saved_config(tmp_path, monkeypatch, one_thr
 # ------------------------------------------------------------------------------------------------ calibrate
 
 
-def _tiny_calibration(tmp_path, **kwargs):
-    options = dict(
-        preset="tiny",
-        mix="tiny",
-        num_shapes=3,
-        device="cpu",
-        memory_budget_gb=0.02,
-        warmup=1,
-        repeats=2,
-        progress=False,
-    )
+def _tiny_calibration(tmp_path, memory_budget_gb=0.02, max_tokens=None, **kwargs):
+    options = dict(mix="tiny", num_shapes=3, warmup=1, repeats=2)
     options.update(kwargs)
-    return calibrate(**options)
+    settings = CalibrateSettings(
+        **options,
+        training=CalibratedTraining(device="cpu"),
+        memory=MemorySearch(memory_budget_gb=memory_budget_gb, max_tokens=max_tokens),
+    )
+    return calibrate("tiny", settings=settings, progress=False)
 
 
 @pytest.mark.timeout(240)
@@ -339,10 +340,11 @@ def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_calibrate_on_cuda_measures_allocator_peaks(tmp_path):
-    result = calibrate(
-        preset="tiny", mix="tiny", num_shapes=3, device="cuda", memory_budget_gb=0.25, max_batch=64, warmup=1,
-        repeats=3, progress=False,
+    settings = CalibrateSettings(
+        mix="tiny", num_shapes=3, warmup=1, repeats=3, training=CalibratedTraining(device="cuda"),
+        memory=MemorySearch(memory_budget_gb=0.25, max_batch=64),
     )  # fmt: skip
+    result = calibrate("tiny", settings=settings, progress=False)
     assert result.info["precision"] == "bf16-mixed" and "CUDA allocator" in result.info["memory"]
     assert all(p.peak is None or p.peak > 0 for p in result.probes)
     # The budget is a whole batch of the longest shape (225 tokens), or, when the shortest shape (24 tokens)
@@ -363,14 +365,15 @@ def test_calibrate_takes_a_packaged_recipe_by_name(monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake_calibrate(**kwargs):
-        seen.update(kwargs)
+    def fake_calibrate(preset, model_overrides, settings, **kwargs):
+        seen.update(preset=preset, settings=settings, **kwargs)
         raise Stop
 
     monkeypatch.setattr(cal, "calibrate", fake_calibrate)
     with pytest.raises(Stop):
         cal.main(["--recipe", "quickstart", "--device", "cpu", "--no-progress"])
-    assert seen["mix"] == "tiny"  # the quickstart's synthetic mix, read from the packaged recipe
+    assert seen["settings"].mix == "tiny"  # the quickstart's synthetic mix, read from the packaged recipe
+    assert seen["settings"].training.device == "cpu" and seen["preset"] == "tiny"
 
 
 def test_a_recipe_name_typo_gets_a_suggestion(capsys):

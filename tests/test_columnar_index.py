@@ -348,11 +348,12 @@ def test_a_pickled_compact_index_maps_its_file_again(tmp_path):
 def test_simulate_takes_a_binary_index_path_or_a_compact_index(tmp_path):
     from lightning_adaptiveload.planning.cost_model import CostModel
     from lightning_adaptiveload.tools.simulate import simulate
+    from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
     index = _index(tmp_path, n_shards=8, per_shard=20)
     path = index.save(tmp_path / "index.npidx")
     cm = CostModel(kind="quadratic", alpha=1e-3, beta=1e-6)
-    kw = dict(world_sizes=[2], max_tokens=400, times=cm, recommend=False, progress=False)
+    settings = SimulateSettings(world_sizes=[2], max_tokens=400, recommend=False)
 
     def comparable(rows):  # wall time aside; NaN (no figure) as None, so that equal rows compare equal
         out = []
@@ -362,7 +363,10 @@ def test_simulate_takes_a_binary_index_path_or_a_compact_index(tmp_path):
             out.append(r)
         return out
 
-    rows = [comparable(simulate(src, **kw).rows) for src in (index, path, CompactIndex.load(path))]
+    rows = [
+        comparable(simulate(src, settings, times=cm, progress=False).rows)
+        for src in (index, path, CompactIndex.load(path))
+    ]
     assert rows[0] == rows[1] == rows[2] and rows[0][0]["samples"] == index.num_samples
 
 

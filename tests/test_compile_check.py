@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_adaptiveload.models import compile_check
 from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS
-from lightning_adaptiveload.models.compile_check import capture_inputs, compare_compiled, relative_difference
+from lightning_adaptiveload.models.compile_check import (
+    CompileSettings,
+    capture_inputs,
+    compare_compiled,
+    relative_difference,
+)
 from lightning_adaptiveload.models.layers import rope_3d
 from lightning_adaptiveload.models.video_dit import DiTBlock, VideoDiTConfig
 
@@ -43,7 +51,11 @@ def test_relative_difference():
 def test_a_traced_block_matches_eager_and_every_gradient_is_named():
     block, inputs = _block_inputs()
     diffs = compare_compiled(
-        block, kwargs=inputs, backend="aot_eager", autocast_dtype=None, ignore=["k.bias"]
+        block,
+        settings=CompileSettings(backend="aot_eager"),
+        kwargs=inputs,
+        autocast_dtype=None,
+        ignore=["k.bias"],
     )
     params = {n for n, p in block.named_parameters() if not n.endswith("k.bias")}
     assert set(diffs) == {"out", "x", "e0"} | params
@@ -73,7 +85,9 @@ def test_a_wrong_compiled_gradient_is_reported():
     torch.manual_seed(0)
     module = _WrongWhenCompiled()
     x = torch.randn(5, 4, requires_grad=True)
-    diffs = compare_compiled(module, (x, 2.0, "text"), backend="aot_eager", autocast_dtype=None)
+    diffs = compare_compiled(
+        module, (x, 2.0, "text"), settings=CompileSettings(backend="aot_eager"), autocast_dtype=None
+    )
     assert set(diffs) == {"out", "args[0]", "lin.weight", "lin.bias", "unused"}
     assert diffs["out"] < 1e-6  # the forward is right...
     assert diffs["lin.weight"] > 0.2 and diffs["lin.bias"] > 0.2  # ...its gradients are not
@@ -91,7 +105,9 @@ def test_options_follow_compile_blocks(monkeypatch):
     monkeypatch.setattr(compile_check.torch, "compile", fake_compile)
     module = nn.Linear(3, 2)
     x = torch.randn(4, 3, requires_grad=True)
-    diffs = compare_compiled(module, (x,), options={"triton.tile_reductions": True}, autocast_dtype=None)
+    diffs = compare_compiled(
+        module, (x,), settings=CompileSettings(options={"triton.tile_reductions": True}), autocast_dtype=None
+    )
     assert max(diffs.values()) == 0.0
     assert seen["fullgraph"] is True and seen["dynamic"] is True and seen["backend"] == "inductor"
     import torch._inductor.config as inductor_config
@@ -99,7 +115,7 @@ def test_options_follow_compile_blocks(monkeypatch):
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         assert seen["options"] == dict(SAFE_REDUCTIONS, **{"triton.tile_reductions": True})
     seen.clear()
-    compare_compiled(module, (x,), safe_reductions=False, autocast_dtype=None)
+    compare_compiled(module, (x,), settings=CompileSettings(safe_reductions=False), autocast_dtype=None)
     assert seen["options"] is None
 
 
@@ -110,7 +126,10 @@ def test_a_module_that_returns_no_tensor_is_named():
 
     with pytest.raises(TypeError, match="compare_compiled: Bad returned dict"):
         compare_compiled(
-            Bad(), (torch.randn(2, requires_grad=True),), backend="aot_eager", autocast_dtype=None
+            Bad(),
+            (torch.randn(2, requires_grad=True),),
+            settings=CompileSettings(backend="aot_eager"),
+            autocast_dtype=None,
         )
 
 
@@ -118,7 +137,9 @@ def test_a_given_output_gradient_is_used_and_autocast_runs_on_cpu():
     block, inputs = _block_inputs(B=1)
     S = inputs["x"].shape[1]
     dy = torch.randn(1, S, block.self_attn.q.in_features)
-    diffs = compare_compiled(block, kwargs=inputs, grad_output=dy, backend="aot_eager", ignore=["k.bias"])
+    diffs = compare_compiled(
+        block, settings=CompileSettings(backend="aot_eager"), kwargs=inputs, grad_output=dy, ignore=["k.bias"]
+    )
     assert max(diffs.values()) < 3e-2  # bf16 autocast on CPU: rounding only
 
 
@@ -131,7 +152,9 @@ def test_inputs_captured_from_our_model_check_its_block():
     args, kwargs = capture_inputs(model.blocks[1], lambda: model(x, t, ctx, None))
     assert args[0].requires_grad and args[0].grad_fn is None  # a leaf copy of the hidden states
     assert args[0].shape == (2, 16, model.config.dim)
-    diffs = compare_compiled(model.blocks[1], args, kwargs, backend="aot_eager", autocast_dtype=None)
+    diffs = compare_compiled(
+        model.blocks[1], args, kwargs, settings=CompileSettings(backend="aot_eager"), autocast_dtype=None
+    )
     assert "args[0]" in diffs and "args[1]" in diffs  # the hidden states and the time embedding
     assert max(diffs.values()) < 1e-4
     with pytest.raises(RuntimeError, match="never called the DiTBlock"):
@@ -153,7 +176,62 @@ def test_inputs_captured_from_diffusers_wan_check_its_block():
         ),
     )
     diffs = compare_compiled(
-        model.blocks[0], args, kwargs, backend="aot_eager", autocast_dtype=None, ignore=["k.bias"]
+        model.blocks[0],
+        args,
+        kwargs,
+        settings=CompileSettings(backend="aot_eager"),
+        autocast_dtype=None,
+        ignore=["k.bias"],
     )
     assert "scale_shift_table" in diffs  # the shared modulation table that pytorch/pytorch#193061 hit
     assert max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+
+
+# ------------------------------------------------------------------------------------------- CompileSettings
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dynamic="yes"), "dynamic"),
+        (dict(backend=""), "backend"),
+        (dict(mode="fastest"), "mode"),
+        (dict(options={1: True}), "options"),
+    ],
+)
+def test_compile_settings_reject_each_bad_value_once(kwargs, field):
+    with pytest.raises(ValueError, match=field) as err:
+        CompileSettings(**kwargs)
+    assert err.traceback[-1].name == "__post_init__"  # the one error site
+    assert repr(next(iter(kwargs.values()))) in str(err.value)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=field):
+        compare_compiled(nn.Linear(2, 2), (torch.randn(1, 2),), autocast_dtype=None, **kwargs)
+
+
+def test_compile_settings_are_frozen_and_keyword_only():
+    settings = CompileSettings(options={"a": 1})
+    assert settings.options == {"a": 1} and settings.backend == "inductor" and settings.dynamic is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.backend = "eager"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CompileSettings(True)  # type: ignore[misc]
+
+
+def test_the_flat_compile_keywords_still_work_warn_once_and_give_the_same_result():
+    torch.manual_seed(0)
+    module = _WrongWhenCompiled()
+    x = torch.randn(5, 4, requires_grad=True)
+    new = compare_compiled(
+        module, (x, 2.0), settings=CompileSettings(backend="aot_eager"), autocast_dtype=None
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = compare_compiled(module, (x, 2.0), backend="aot_eager", autocast_dtype=None)
+    deprecations = [
+        w for w in caught if issubclass(w.category, DeprecationWarning) and "flat keywords" in str(w.message)
+    ]
+    assert len(deprecations) == 1 and "CompileSettings(" in str(deprecations[0].message)
+    assert deprecations[0].filename == __file__
+    assert old == new and new["lin.weight"] > 0.2
+    with pytest.raises(TypeError, match="did you mean 'backend'"):
+        compare_compiled(module, (x, 2.0), backnd="aot_eager")

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from lightning_adaptiveload.data.synthetic import SyntheticShards
+
 BALANCE = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "balance")
 
 
@@ -27,7 +29,9 @@ def train(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("train")
     write_synthetic_shards(
-        d, mix="tiny", num_samples=96, samples_per_shard=16, text_len_range=None, progress=False
+        d,
+        settings=SyntheticShards(mix="tiny", num_samples=96, samples_per_shard=16, text_len_range=None),
+        progress=False,
     )
     return str(d)
 

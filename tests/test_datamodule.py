@@ -16,6 +16,7 @@ from lightning_adaptiveload.data.datamodule import (
     PlannedDataLoader,
     PlannedShardDataset,
 )
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -24,7 +25,9 @@ from lightning_adaptiveload.planning.sizing import tokens_per_sample
 def data(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("dm"))
     write_synthetic_shards(
-        d, mix="tiny", num_samples=90, samples_per_shard=[30, 7, 25, 28], seed=2, progress=False
+        d,
+        settings=SyntheticShards(mix="tiny", num_samples=90, samples_per_shard=[30, 7, 25, 28], seed=2),
+        progress=False,
     )
     return d
 
@@ -156,7 +159,7 @@ def _poison(path: str, key: str) -> None:
 def poisoned(tmp_path) -> tuple[str, str]:
     d = str(tmp_path / "poisoned")
     index = write_synthetic_shards(
-        d, mix="tiny", num_samples=40, samples_per_shard=20, seed=4, progress=False
+        d, settings=SyntheticShards(mix="tiny", num_samples=40, samples_per_shard=20, seed=4), progress=False
     )
     key = index.shards[1].keys[3]
     _poison(index.shards[1].path, key)
@@ -240,7 +243,7 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     it as lost; the refused member is counted apart."""
     d = str(tmp_path / "pickled")
     index = write_synthetic_shards(
-        d, mix="tiny", num_samples=24, samples_per_shard=12, seed=3, progress=False
+        d, settings=SyntheticShards(mix="tiny", num_samples=24, samples_per_shard=12, seed=3), progress=False
     )
     key = index.shards[0].keys[2]
     _add_pickle_member(index.shards[0].path, key)
@@ -284,7 +287,11 @@ def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
     from lightning_adaptiveload.data.compact import CompactIndex
 
     folder = tmp_path / "d"
-    write_synthetic_shards(folder, mix="tiny", num_samples=12, samples_per_shard=6, seed=1, progress=False)
+    write_synthetic_shards(
+        folder,
+        settings=SyntheticShards(mix="tiny", num_samples=12, samples_per_shard=6, seed=1),
+        progress=False,
+    )
     ShardIndex.load(folder / "index.json").save(folder / "index.npidx")
     os.unlink(folder / "index.json")
     dm = AdaptiveLoadDataModule(train_shards=str(folder), max_tokens=600, num_workers=0)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_adaptiveload.cli import main as cli
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.settings import PlanSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,7 +213,11 @@ def test_oversize_in_a_library_fit_is_the_error_raised(tmp_path):
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
-    write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
+    write_synthetic_shards(
+        tmp_path / "train",
+        settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8),
+        progress=False,
+    )
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=100, mode="equal_tokens", num_workers=0)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -230,7 +235,11 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
-    write_synthetic_shards(tmp_path / "train", "tiny", num_samples=16, samples_per_shard=8, progress=False)
+    write_synthetic_shards(
+        tmp_path / "train",
+        settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8),
+        progress=False,
+    )
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=1024, num_workers=0)
     assert not is_overridden("val_dataloader", data)
     with_val = AdaptiveLoadDataModule(
@@ -389,7 +398,9 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(t
     assert label == batching_label("packed", "equal_tokens") and "mode dual" not in label
     assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
 
-    write_synthetic_shards(tmp_path / "d", num_samples=24, samples_per_shard=12, progress=False)
+    write_synthetic_shards(
+        tmp_path / "d", settings=SyntheticShards(num_samples=24, samples_per_shard=12), progress=False
+    )
     dm = AdaptiveLoadDataModule(
         train_shards=str(tmp_path / "d"), max_tokens=512, schedule="packed", num_workers=0
     )
@@ -408,14 +419,14 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
     # last epoch. Plan what the quickstart's line plans, from the recipe itself, and find it in the docs.
     import yaml
 
-    from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+    from lightning_adaptiveload.data import ShardIndex, SyntheticShards, write_synthetic_shards
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
 
     recipe = yaml.safe_load(open(QUICKSTART))
     data, trainer = recipe["data"]["init_args"], recipe["trainer"]
     synthetic = {k: v for k, v in data["synthetic"].items() if k != "val_num_samples"}
-    write_synthetic_shards(tmp_path, **synthetic, progress=False)
+    write_synthetic_shards(tmp_path, SyntheticShards(**synthetic), progress=False)
     index = ShardIndex.load(str(tmp_path / "index.json"))
     world, epoch = int(trainer["devices"]), int(trainer["max_epochs"]) - 1
     caps = {"max_tokens": data["max_tokens"], "max_compute": data.get("max_compute"), "mode": data["mode"]}
@@ -435,11 +446,15 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
     # "raise max_tokens to at least 216" named the first sample over the cap; following it failed again at a
     # 225-token sample. The error now names the largest sample's count and how many are over the cap.
-    from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+    from lightning_adaptiveload.data import ShardIndex, SyntheticShards, write_synthetic_shards
     from lightning_adaptiveload.data.datamodule_inputs import check_oversize
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
-    write_synthetic_shards(tmp_path, mix="tiny", num_samples=64, samples_per_shard=16, seed=0, progress=False)
+    write_synthetic_shards(
+        tmp_path,
+        settings=SyntheticShards(mix="tiny", num_samples=64, samples_per_shard=16, seed=0),
+        progress=False,
+    )
     index = ShardIndex.load(str(tmp_path / "index.json"))
     shapes = [tuple(s) for shard in index.shards for s in shard.latent_shapes]
     tokens = [s[1] * (s[2] // 2) * (s[3] // 2) for s in shapes]

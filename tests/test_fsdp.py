@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
 
 from lightning_adaptiveload.data import write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig  # noqa: E402
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -33,7 +34,9 @@ def setup(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fsdp")
     data = str(root / "shards")
     write_synthetic_shards(
-        data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
+        data,
+        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
+        progress=False,
     )
     weights = root / "weights"
     weights.mkdir()

@@ -21,6 +21,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from lightning_adaptiveload.data import ShardIndex, iter_shard  # noqa: E402
 from lightning_adaptiveload.data import ingest as ing  # noqa: E402
+from lightning_adaptiveload.data.ingest_settings import IngestSettings  # noqa: E402
 
 Z = 4  # latent channels of the tiny VAE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,13 +206,15 @@ def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_d
         src,
         out,
         vae_dir,
+        settings=IngestSettings(
+            fps=8.0,
+            max_frames=9,
+            buckets="32x48,32x32",
+            samples_per_shard=2,
+            latent_dtype="float32",
+            num_workers=0,
+        ),
         text_encoder=text_dirs,
-        fps=8.0,
-        max_frames=9,
-        buckets="32x48,32x32",
-        samples_per_shard=2,
-        latent_dtype="float32",
-        num_workers=0,
         progress=False,
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
@@ -241,10 +244,7 @@ def test_ingest_writes_shards_text_and_reports_corrupt(tmp_path, vae_dir, text_d
         src,
         out,
         vae_dir,
-        fps=8.0,
-        max_frames=9,
-        buckets="32x48,32x32",
-        num_workers=0,
+        settings=IngestSettings(fps=8.0, max_frames=9, buckets="32x48,32x32", num_workers=0),
         progress=False,
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
@@ -263,8 +263,7 @@ def test_ingest_on_error_raise_names_the_file(tmp_path, vae_dir):
             src,
             tmp_path / "out",
             vae_dir,
-            on_error="raise",
-            num_workers=0,
+            settings=IngestSettings(on_error="raise", num_workers=0),
             progress=False,
             trainer_kwargs={"accelerator": "cpu", "devices": 1},
         )
@@ -387,10 +386,7 @@ def test_two_process_ingest_killed_then_resumed_writes_every_input_once(tmp_path
         src,
         out,
         vae_dir,
-        fps=8.0,
-        max_frames=5,
-        buckets="32x48,32x32",
-        num_workers=0,
+        settings=IngestSettings(fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0),
         progress=False,
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
@@ -410,10 +406,7 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
         src,
         out,
         vae_dir,
-        fps=8.0,
-        max_frames=9,
-        buckets="32x48,32x32",
-        num_workers=0,
+        settings=IngestSettings(fps=8.0, max_frames=9, buckets="32x48,32x32", num_workers=0),
         progress=False,
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
@@ -489,7 +482,10 @@ def test_demo_and_real_shards_never_share_a_folder(tmp_path, vae_dir, capsys):
 
     src = tmp_path / "videos"
     write_demo_clips(src, count=1, image=False)
-    kw = dict(fps=8.0, max_frames=5, buckets="32x48,48x32,32x32", num_workers=0, progress=False)
+    kw = dict(
+        settings=IngestSettings(fps=8.0, max_frames=5, buckets="32x48,48x32,32x32", num_workers=0),
+        progress=False,
+    )
     kw["trainer_kwargs"] = {"accelerator": "cpu", "devices": 1}
     ing.ingest(src, tmp_path / "demo", "tiny-random", **kw)
     with pytest.raises(FileExistsError, match="holds DEMO shards"):
@@ -514,10 +510,7 @@ def test_training_on_demo_shards_warns(tmp_path):
 
     src = _dataset(tmp_path / "in", n_videos=2, corrupt=False)
     out = tmp_path / "train"
-    ing.ingest(
-        src, out, "tiny-random", fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0, progress=False,
-        trainer_kwargs={"accelerator": "cpu", "devices": 1},
-    )  # fmt: skip
+    ing.ingest(src, out, "tiny-random", settings=IngestSettings(fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0), progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})  # fmt: skip
     data = AdaptiveLoadDataModule(train_shards=str(out), max_tokens=1024, num_workers=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -548,9 +541,7 @@ def test_hostile_inputs_are_counted_skips_recorded_for_resume(tmp_path, vae_dir,
     (src / "latin1.txt").write_bytes("un caf\xe9".encode("latin-1"))
     out = tmp_path / "out"
     kw = dict(
-        fps=None,
-        buckets="native",
-        num_workers=0,
+        settings=IngestSettings(fps=None, buckets="native", num_workers=0),
         progress=False,
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
@@ -604,3 +595,27 @@ def test_ingest_where_every_input_fails_reports_it_and_writes_no_index(tmp_path,
     assert "DEMO shards" not in captured.err  # no training command for a folder without shards
     assert not (out / "index.json").exists()
     assert list(out.glob("ingest-skipped-r*.jsonl"))
+
+
+def test_the_flat_keywords_of_ingest_still_work_warn_once_and_write_the_same_shards(tmp_path):
+    import warnings
+
+    from lightning_adaptiveload.data.demo import write_demo_clips
+
+    src = tmp_path / "videos"
+    write_demo_clips(src, count=1, image=True)
+    common = dict(trainer_kwargs={"accelerator": "cpu", "devices": 1}, progress=False)
+    flat = dict(fps=8.0, max_frames=5, buckets="32x48,48x32,32x32", num_workers=0, samples_per_shard=1)
+    new = ing.ingest(src, tmp_path / "new", "tiny-random", settings=IngestSettings(**flat), **common)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = ing.ingest(src, tmp_path / "old", "tiny-random", **flat, **common)
+    deprecations = [
+        w for w in caught if issubclass(w.category, DeprecationWarning) and "flat keywords" in str(w.message)
+    ]
+    assert len(deprecations) == 1 and "IngestSettings(" in str(deprecations[0].message)
+    assert deprecations[0].filename == __file__
+    assert (old["written"], old["skipped"]) == (new["written"], new["skipped"]) and new["written"] == 2
+    a, b = ShardIndex.load(tmp_path / "old" / "index.json"), ShardIndex.load(tmp_path / "new" / "index.json")
+    assert [s.keys for s in a.shards] == [s.keys for s in b.shards]
+    assert [s.latent_shapes for s in a.shards] == [s.latent_shapes for s in b.shards]

@@ -19,6 +19,7 @@ from lightning_adaptiveload.data.datamodule import (
     PlannedDataLoader,
     PlannedShardDataset,
 )
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,9 @@ def data(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hooks"))
     write_synthetic_shards(
         d,
-        mix="tiny",
-        num_samples=40,
-        samples_per_shard=[15, 25],
-        seed=3,
-        text_len_range=(1, 6),
+        settings=SyntheticShards(
+            mix="tiny", num_samples=40, samples_per_shard=[15, 25], seed=3, text_len_range=(1, 6)
+        ),
         progress=False,
     )
     return d
@@ -218,10 +217,12 @@ def test_text_pad_to_gives_one_text_length(data):
 
 def test_synth_after_index_reuses_the_data(tmp_path):
     d = str(tmp_path / "syn")
-    settings = dict(mix="tiny", num_samples=12, samples_per_shard=6, seed=0, progress=False)
-    write_synthetic_shards(d, **settings)
+    settings = SyntheticShards(mix="tiny", num_samples=12, samples_per_shard=6, seed=0)
+    write_synthetic_shards(d, settings, progress=False)
     assert index_main([d, "--rebuild", "--no-progress"]) == 0
-    again = write_synthetic_shards(d, **settings)  # raised "already holds an index of other data" before
+    again = write_synthetic_shards(
+        d, settings, progress=False
+    )  # raised "already holds an index of other data" before
     assert again.metadata.get("synthetic") and again.num_samples == 12
 
 

@@ -22,6 +22,8 @@ from _ddp_data_runner import launch, read_records  # noqa: E402
 from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
 from _recording import fit_two_ranks  # noqa: E402
 
+from lightning_adaptiveload.data.synthetic import SyntheticShards
+
 SIZES = [9, 3, 7, 5, 8]
 MAX_TOKENS = 768
 
@@ -31,7 +33,9 @@ def data(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("tail-shards"))
     # seed 0: the lockstep epoch at 2 ranks has a packed tail step (asserted below, not assumed)
     write_synthetic_shards(
-        d, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=0, progress=False
+        d,
+        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=0),
+        progress=False,
     )
     return d
 

@@ -17,6 +17,8 @@ from lightning_adaptiveload.models.module import VideoDiTModule
 sys.path.insert(0, os.path.dirname(__file__))
 from _recording import fit_two_ranks  # noqa: E402
 
+from lightning_adaptiveload.data.synthetic import SyntheticShards
+
 SIZES = [9, 3, 7, 5]
 MAX_TOKENS = 768
 
@@ -24,7 +26,9 @@ MAX_TOKENS = 768
 def test_packed_fit_two_ranks(tmp_path):
     data = str(tmp_path / "shards")
     write_synthetic_shards(
-        data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
+        data,
+        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
+        progress=False,
     )
     base = str(tmp_path / "rec.rank{}.jsonl")
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
@@ -66,7 +70,9 @@ class _SaysNoPacks(_NoPacks):
 def _shards(tmp_path) -> str:
     data = str(tmp_path / "shards")
     write_synthetic_shards(
-        data, mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5, progress=False
+        data,
+        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
+        progress=False,
     )
     return data
 

@@ -24,7 +24,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _fixtures import assert_each_key_once, index_keys  # noqa: E402
 from _refit_runner import launch  # noqa: E402
 
-from lightning_adaptiveload.data.synthetic import write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data.synthetic import (
+    SyntheticShards,
+    write_synthetic_shards,  # noqa: E402
+)
 from lightning_adaptiveload.monitor import stats  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "_refit_runner.py")
@@ -63,7 +66,11 @@ def _close(fitted: dict, rtol: float) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     data = str(tmp_path_factory.mktemp("refit-shards"))
-    write_synthetic_shards(data, mix="tiny", num_samples=480, samples_per_shard=40, seed=5, progress=False)
+    write_synthetic_shards(
+        data,
+        settings=SyntheticShards(mix="tiny", num_samples=480, samples_per_shard=40, seed=5),
+        progress=False,
+    )
     out = str(tmp_path_factory.mktemp("refit-out"))
     first = [
         {"name": "lockstep", "schedule": "lockstep", "max_epochs": 2, "cost_model": LINEAR, "ckpt": True},

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 from lightning_adaptiveload.monitor.timing import ManualClock
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -168,7 +169,9 @@ def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
     from lightning_adaptiveload.planning.inputs import distinct_shapes
 
     write_synthetic_shards(
-        str(tmp_path), mix="tiny", num_samples=64, samples_per_shard=16, seed=1, progress=False
+        str(tmp_path),
+        settings=SyntheticShards(mix="tiny", num_samples=64, samples_per_shard=16, seed=1),
+        progress=False,
     )
     dm = AdaptiveLoadDataModule(
         str(tmp_path), max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0}

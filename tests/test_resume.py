@@ -21,6 +21,7 @@ from _fixtures import assert_each_key_once, index_keys, resumed_run, uneven_shar
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher  # noqa: E402
 from lightning_adaptiveload.planning.planner import plan_epoch  # noqa: E402
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -157,7 +158,11 @@ def test_resume_rejects_other_data(shards, tmp_path, monkeypatch):
     take(dm, 1, monkeypatch, 0, 1)
     state = dm.state_dict()
     other = str(tmp_path / "other")
-    write_synthetic_shards(other, mix="tiny", num_samples=40, samples_per_shard=10, seed=1, progress=False)
+    write_synthetic_shards(
+        other,
+        settings=SyntheticShards(mix="tiny", num_samples=40, samples_per_shard=10, seed=1),
+        progress=False,
+    )
     dm2 = make_dm(other, 0, 1, 0, "independent", monkeypatch)
     dm2.load_state_dict(state)
     with pytest.raises(ValueError, match="fingerprint"):

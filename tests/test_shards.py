@@ -26,6 +26,7 @@ from lightning_adaptiveload.data import (
 from lightning_adaptiveload.data import indexing as indexing_mod
 from lightning_adaptiveload.data import reader as reader_mod
 from lightning_adaptiveload.data.mixes import available_mixes, load_mix
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 GNU_TAR = shutil.which("tar")
 
@@ -545,10 +546,11 @@ def test_iter_shard_handles_fortran_and_big_endian_npy(tmp_path):
 
 
 def test_synthetic_shards_are_deterministic_and_follow_the_mix(tmp_path):
-    kwargs = dict(num_samples=40, samples_per_shard=16, progress=False)
-    a = write_synthetic_shards(tmp_path / "a", "tiny", seed=3, **kwargs)
-    b = write_synthetic_shards(tmp_path / "b", "tiny", seed=3, **kwargs)
-    c = write_synthetic_shards(tmp_path / "c", "tiny", seed=4, **kwargs)
+    def write(folder, seed):
+        settings = SyntheticShards(mix="tiny", num_samples=40, samples_per_shard=16, seed=seed)
+        return write_synthetic_shards(tmp_path / folder, settings, progress=False)
+
+    a, b, c = write("a", 3), write("b", 3), write("c", 4)
     assert [s.num_samples for s in a.shards] == [16, 16, 8]
     assert [_sha(p) for p in a.paths] == [_sha(p) for p in b.paths]
     assert [_sha(p) for p in a.paths] != [_sha(p) for p in c.paths]
@@ -565,35 +567,45 @@ def test_synthetic_shards_are_deterministic_and_follow_the_mix(tmp_path):
 def test_synthetic_shard_sizes_uneven_and_explicit(tmp_path):
     uneven = write_synthetic_shards(
         tmp_path / "u",
-        num_samples=60,
-        samples_per_shard=10,
-        uneven=True,
-        seed=1,
+        settings=SyntheticShards(
+            num_samples=60, samples_per_shard=10, uneven=True, seed=1, text_len_range=None
+        ),
         progress=False,
-        text_len_range=None,
     )
     sizes = [s.num_samples for s in uneven.shards]
     assert sum(sizes) == 60 and len(set(sizes)) > 1 and all(1 <= s <= 15 for s in sizes)
     assert all(t == 0 for s in uneven.shards for t in s.text_lengths)
     explicit = write_synthetic_shards(
-        tmp_path / "e", num_samples=6, samples_per_shard=[1, 5], progress=False, dtype=torch.float32
+        tmp_path / "e",
+        settings=SyntheticShards(num_samples=6, samples_per_shard=[1, 5], dtype=torch.float32),
+        progress=False,
     )
     assert [s.num_samples for s in explicit.shards] == [1, 5]
     assert _read_all(explicit)[0]["latent"].dtype == torch.float32
     with pytest.raises(ValueError, match="sum to num_samples"):
-        write_synthetic_shards(tmp_path / "x", num_samples=6, samples_per_shard=[1, 4], progress=False)
+        write_synthetic_shards(
+            tmp_path / "x", settings=SyntheticShards(num_samples=6, samples_per_shard=[1, 4]), progress=False
+        )
 
 
 def test_synthetic_shards_reuse_or_refuse_existing(tmp_path):
-    first = write_synthetic_shards(tmp_path, num_samples=8, samples_per_shard=4, progress=False)
+    first = write_synthetic_shards(
+        tmp_path, settings=SyntheticShards(num_samples=8, samples_per_shard=4), progress=False
+    )
     stamp = [os.stat(p).st_mtime_ns for p in first.paths]
-    again = write_synthetic_shards(tmp_path, num_samples=8, samples_per_shard=4, progress=False)
+    again = write_synthetic_shards(
+        tmp_path, settings=SyntheticShards(num_samples=8, samples_per_shard=4), progress=False
+    )
     assert again.to_dict() == first.to_dict()
     assert [os.stat(p).st_mtime_ns for p in first.paths] == stamp  # nothing rewritten
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        write_synthetic_shards(tmp_path, num_samples=8, samples_per_shard=4, seed=1, progress=False)
+        write_synthetic_shards(
+            tmp_path, settings=SyntheticShards(num_samples=8, samples_per_shard=4, seed=1), progress=False
+        )
     other = write_synthetic_shards(
-        tmp_path, num_samples=8, samples_per_shard=4, seed=1, progress=False, overwrite=True
+        tmp_path,
+        settings=SyntheticShards(num_samples=8, samples_per_shard=4, seed=1, overwrite=True),
+        progress=False,
     )
     assert [_sha(p) for p in other.paths] != []
 

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import os
+import warnings
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -15,9 +17,10 @@ from lightning_adaptiveload.cli.simulate import main
 from lightning_adaptiveload.data import ShardIndex, ShardInfo
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
-from lightning_adaptiveload.tools.replay import balance_metrics
+from lightning_adaptiveload.tools.replay import MODES, balance_metrics
 from lightning_adaptiveload.tools.replay import replay_plan as _replay
 from lightning_adaptiveload.tools.simulate import simulate
+from lightning_adaptiveload.tools.simulate_settings import SimulateMode, SimulateSettings
 from lightning_adaptiveload.tools.step_times import BatchCoster as _Coster
 from lightning_adaptiveload.tools.step_times import StepTimeTable
 
@@ -233,10 +236,7 @@ def test_replay_rejects_unequal_step_counts():
 def test_simulate_tiny_mix_end_to_end(tmp_path):
     result = simulate(
         "tiny",
-        world_sizes=[4],
-        max_tokens=450,
-        min_steps_per_rank=24,
-        max_candidates=4,
+        SimulateSettings(world_sizes=[4], max_tokens=450, min_steps_per_rank=24, max_candidates=4),
         progress=False,
         out_dir=tmp_path,
     )
@@ -276,9 +276,9 @@ def test_simulate_tiny_mix_end_to_end(tmp_path):
 
 
 def test_simulate_is_deterministic():
-    kw = dict(world_sizes=[2], max_tokens=450, min_steps_per_rank=8, recommend=False, progress=False)
-    a = simulate("tiny", **kw)
-    b = simulate("tiny", **kw)
+    settings = SimulateSettings(world_sizes=[2], max_tokens=450, min_steps_per_rank=8, recommend=False)
+    a = simulate("tiny", settings, progress=False)
+    b = simulate("tiny", settings, progress=False)
     assert [r["wait_share"] for r in a.rows] == [r["wait_share"] for r in b.rows]
 
 
@@ -294,7 +294,8 @@ def test_simulate_real_index_is_planned_as_is():
         )
     index = ShardIndex(shards=shards)
     cm = CostModel(kind="quadratic", alpha=1e-3, beta=1e-6)
-    result = simulate(index, world_sizes=[2], max_tokens=240, times=cm, recommend=False, progress=False)
+    settings = SimulateSettings(world_sizes=[2], max_tokens=240, recommend=False)
+    result = simulate(index, settings, times=cm, progress=False)
     for r in result.rows:
         assert r["samples"] == index.num_samples == r["population_samples"]
 
@@ -311,12 +312,8 @@ def test_simulate_with_trace_and_given_p(tmp_path):
     _write_trace(path, recs)
     result = simulate(
         "tiny",
-        world_sizes=[2],
-        max_tokens=450,
+        SimulateSettings(world_sizes=[2], max_tokens=450, p=2.0, min_steps_per_rank=8, recommend=False),
         times=str(path),
-        p=2.0,
-        min_steps_per_rank=8,
-        recommend=False,
         progress=False,
     )
     assert result.meta["plan_cost_model"] == {"kind": "power", "p": 2.0, "scale": 1.0}
@@ -328,16 +325,65 @@ def test_simulate_with_trace_and_given_p(tmp_path):
     [
         (dict(world_sizes=[1]), "world_sizes"),
         (dict(world_sizes=[2048]), "world_sizes"),
-        (dict(modes=["nope"]), "unknown mode"),
+        (dict(modes=["nope"]), "modes: unknown mode"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=100), "max_tokens=100"),  # the longest tiny bucket has 225 tokens
+        (dict(max_tokens=2.5), "max_tokens"),
         (dict(max_compute="fast"), "max_compute"),
+        (dict(max_compute=-1.0), "max_compute"),
         (dict(step_overhead_s=-1.0), "step_overhead_s"),
+        (dict(patch_size=(1, 2)), "patch_size"),
+        (dict(min_steps_per_rank=0), "min_steps_per_rank"),
+        (dict(shards_per_stream=0), "shards_per_stream"),
+        (dict(max_candidates=0), "max_candidates"),
+        (dict(num_workers=-1), "num_workers"),
+        (dict(p=0.0), "p must be"),
     ],
 )
-def test_simulate_rejects_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_simulate_settings_reject_each_bad_value_once(kwargs, match):
+    # The one place a bad setting is rejected: SimulateSettings.__post_init__ (simulate() has no check of its own).
+    with pytest.raises(ValueError, match=match) as err:
+        SimulateSettings(**kwargs)
+    assert err.traceback[-1].name == "__post_init__"
+    assert repr(next(iter(kwargs.values()))) in str(err.value) or "unknown mode" in str(err.value)
+    # The deprecated flat keywords reach the same check (and warn first).
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=match):
         simulate("tiny", progress=False, **kwargs)
+
+
+def test_simulate_rejects_a_bucket_longer_than_max_tokens():
+    with pytest.raises(ValueError, match="max_tokens=100"):  # the longest tiny bucket has 225 tokens
+        simulate("tiny", SimulateSettings(max_tokens=100), progress=False)
+
+
+def test_simulate_settings_are_frozen_keyword_only_and_normalised():
+    settings = SimulateSettings(world_sizes=[8, 2, 8], modes=["lockstep", "dual"], patch_size=[1, 2, 2])
+    assert settings.world_sizes == (2, 8) and settings.patch_size == (1, 2, 2)
+    assert settings.modes_to_run == ["equal_tokens", "lockstep", "dual"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_tokens = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SimulateSettings([2])  # type: ignore[misc]  # keyword-only
+    assert set(get_args(SimulateMode)) == set(MODES)  # the Literal lists exactly the simulator's modes
+
+
+def test_simulate_flat_keywords_still_work_warn_once_and_give_the_same_result():
+    kw = dict(world_sizes=[2], max_tokens=450, min_steps_per_rank=8, recommend=False)
+    new = simulate("tiny", SimulateSettings(**kw), progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = simulate("tiny", progress=False, **kw)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(deprecations) == 1 and "SimulateSettings(" in str(deprecations[0].message)
+    assert deprecations[0].filename == __file__  # points at the caller
+    for row in old.rows + new.rows:
+        row["plan_report"].pop(
+            "plan_seconds"
+        )  # the planner's wall time, the one figure that is not the plan's
+    assert json.dumps(old.to_dict()["results"]) == json.dumps(new.to_dict()["results"])
+    with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
+        simulate("tiny", progress=False, max_token=450)
+    with pytest.raises(TypeError, match="not both"):
+        simulate("tiny", SimulateSettings(**kw), progress=False, seed=1)
 
 
 # --------------------------------------------------------------------------------------------- the CLI
@@ -399,10 +445,10 @@ def test_cli_runs_every_schedule_with_every_mode(tmp_path, capsys, schedules, mo
 
 
 def test_table_splits_schedule_and_mode_and_gives_the_budget_unit():
-    result = simulate(
-        "tiny", world_sizes=[2], modes=["dual", "packed"], max_tokens=450, min_steps_per_rank=8,
-        max_candidates=2, progress=False,
-    )  # fmt: skip
+    settings = SimulateSettings(
+        world_sizes=[2], modes=["dual", "packed"], max_tokens=450, min_steps_per_rank=8, max_candidates=2
+    )
+    result = simulate("tiny", settings, progress=False)
     lines = result.table().splitlines()
     head = lines[0].split()
     assert head[:5] == ["config", "schedule", "mode", "ranks", "steps"]
@@ -412,8 +458,13 @@ def test_table_splits_schedule_and_mode_and_gives_the_budget_unit():
     assert rows["packed"][1:3] == ["packed", "-"]  # the packed schedule has no batcher mode
     assert "seconds per batch" in lines[-1] and "cost_model" in lines[-1]
     assert result.meta["max_compute_unit"].startswith("seconds per batch")
-    given_p = simulate("tiny", world_sizes=[2], modes=["dual"], max_tokens=450, p=1.5, min_steps_per_rank=8,
-                       max_candidates=2, progress=False)  # fmt: skip
+    given_p = simulate(
+        "tiny",
+        SimulateSettings(
+            world_sizes=[2], modes=["dual"], max_tokens=450, p=1.5, min_steps_per_rank=8, max_candidates=2
+        ),
+        progress=False,
+    )
     assert "[token^p]" in given_p.table().splitlines()[0]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.data import write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import structured_latent
+from lightning_adaptiveload.data.synthetic import SyntheticShards, structured_latent
 
 
 def _draw(shape, n, seed=0):
@@ -56,16 +56,28 @@ def test_images_and_clips_share_two_directions_and_own_two():
 
 def test_write_structured_shards_records_content_and_default_does_not(tmp_path):
     idx = write_synthetic_shards(
-        tmp_path / "s", "tiny", num_samples=6, samples_per_shard=3, content="structured", progress=False
+        tmp_path / "s",
+        settings=SyntheticShards(mix="tiny", num_samples=6, samples_per_shard=3, content="structured"),
+        progress=False,
     )
     assert idx.metadata["synthetic"]["content"] == "structured"
     again = write_synthetic_shards(
-        tmp_path / "s", "tiny", num_samples=6, samples_per_shard=3, content="structured", progress=False
+        tmp_path / "s",
+        settings=SyntheticShards(mix="tiny", num_samples=6, samples_per_shard=3, content="structured"),
+        progress=False,
     )
     assert again.metadata == idx.metadata  # reused, not rewritten
     with pytest.raises(FileExistsError):
-        write_synthetic_shards(tmp_path / "s", "tiny", num_samples=6, samples_per_shard=3, progress=False)
-    plain = write_synthetic_shards(tmp_path / "n", "tiny", num_samples=6, samples_per_shard=3, progress=False)
+        write_synthetic_shards(
+            tmp_path / "s",
+            settings=SyntheticShards(mix="tiny", num_samples=6, samples_per_shard=3),
+            progress=False,
+        )
+    plain = write_synthetic_shards(
+        tmp_path / "n",
+        settings=SyntheticShards(mix="tiny", num_samples=6, samples_per_shard=3),
+        progress=False,
+    )
     # Shards written before the option existed keep matching their settings.
     assert "content" not in plain.metadata["synthetic"]
     with open(os.path.join(tmp_path / "n", "index.json")) as f:
@@ -74,7 +86,9 @@ def test_write_structured_shards_records_content_and_default_does_not(tmp_path):
 
 def test_unknown_content_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="content must be one of .*'waves'"):
-        write_synthetic_shards(tmp_path, "tiny", num_samples=2, content="waves", progress=False)
+        write_synthetic_shards(
+            tmp_path, settings=SyntheticShards(mix="tiny", num_samples=2, content="waves"), progress=False
+        )
 
 
 def test_datamodule_accepts_content_in_synthetic_settings(tmp_path):

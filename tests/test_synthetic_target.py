@@ -18,6 +18,7 @@ from lightning_adaptiveload.data import synthetic as syn
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.synthetic import (
     NotSyntheticDataError,
+    SyntheticShards,
     estimate_synthetic_bytes,
     write_synthetic_shards,
 )
@@ -63,37 +64,44 @@ def test_shards_without_an_index_or_other_files_are_not_synthetic_either(tmp_pat
     os.remove(folder / "index.json")  # shards of the user's own, not yet indexed
     with pytest.raises(NotSyntheticDataError, match=r"2 shard files \(shard-000000.tar, ...\)"):
         write_synthetic_shards(
-            folder, progress=False, overwrite=True, **{k: v for k, v in SMALL.items() if k != "mix"}
+            folder,
+            SyntheticShards(**{k: v for k, v in SMALL.items() if k != "mix"}, overwrite=True),
+            progress=False,
         )
     other = tmp_path / "notes"
     other.mkdir()
     (other / "README.txt").write_text("my data goes here")
     with pytest.raises(NotSyntheticDataError, match=r"1 other entry \(README.txt\)"):
-        write_synthetic_shards(other, progress=False, num_samples=4)
+        write_synthetic_shards(other, settings=SyntheticShards(num_samples=4), progress=False)
     assert (other / "README.txt").read_text() == "my data goes here"
 
 
 def test_own_synthetic_data_is_still_reused_or_replaced(tmp_path):
-    first = write_synthetic_shards(tmp_path, progress=False, **SMALL)
-    assert write_synthetic_shards(tmp_path, progress=False, **SMALL).to_dict() == first.to_dict()
+    first = write_synthetic_shards(tmp_path, SyntheticShards(**SMALL), progress=False)
+    assert (
+        write_synthetic_shards(tmp_path, SyntheticShards(**SMALL), progress=False).to_dict()
+        == first.to_dict()
+    )
     with pytest.raises(FileExistsError, match="overwrite=True") as err:
-        write_synthetic_shards(tmp_path, progress=False, **{**SMALL, "num_samples": 12})
+        write_synthetic_shards(tmp_path, SyntheticShards(**{**SMALL, "num_samples": 12}), progress=False)
     assert "num_samples 8 there, 12 now" in str(err.value)
     assert not isinstance(err.value, NotSyntheticDataError)
-    again = write_synthetic_shards(tmp_path, progress=False, overwrite=True, **{**SMALL, "num_samples": 12})
+    again = write_synthetic_shards(
+        tmp_path, SyntheticShards(**{**SMALL, "num_samples": 12}, overwrite=True), progress=False
+    )
     assert again.num_samples == 12
 
 
 def test_a_write_that_stopped_early_is_written_again_not_refused(tmp_path):
-    write_synthetic_shards(tmp_path, progress=False, **SMALL)
+    write_synthetic_shards(tmp_path, SyntheticShards(**SMALL), progress=False)
     os.remove(tmp_path / "index.json")  # as if killed before the index: complete shards, the marker
-    index = write_synthetic_shards(tmp_path, progress=False, **SMALL)
+    index = write_synthetic_shards(tmp_path, SyntheticShards(**SMALL), progress=False)
     assert index.num_samples == 8 and (tmp_path / "index.json").exists()
     # Same settings, a shard truncated since: written again.
     with open(index.shards[0].path, "r+b") as f:
         f.truncate(100)
     assert (
-        write_synthetic_shards(tmp_path, progress=False, **SMALL).shards[0].num_bytes
+        write_synthetic_shards(tmp_path, SyntheticShards(**SMALL), progress=False).shards[0].num_bytes
         == index.shards[0].num_bytes
     )
 
@@ -114,14 +122,16 @@ def test_large_write_is_announced_with_size_folder_and_a_bar(tmp_path, monkeypat
     monkeypatch.setattr(syn, "tqdm", Bar)
     monkeypatch.setattr(syn, "ANNOUNCE_BYTES", 100_000)  # the tiny mix: ~22 KiB a sample
     with caplog.at_level(logging.WARNING, logger=syn.__name__):
-        write_synthetic_shards(tmp_path / "big", progress=False, **{**SMALL, "num_samples": 16})
+        write_synthetic_shards(
+            tmp_path / "big", SyntheticShards(**{**SMALL, "num_samples": 16}), progress=False
+        )
     announced = [r.getMessage() for r in caplog.records if "writing about" in r.getMessage()]
     assert len(announced) == 1 and str(tmp_path / "big") in announced[0] and "GiB" in announced[0]
     assert "16 samples of the tiny mix" in announced[0] and "free there" in announced[0]
     assert bars == [False]  # the bar is shown although progress=False
     caplog.clear()
     bars.clear()
-    write_synthetic_shards(tmp_path / "small", progress=False, **{**SMALL, "num_samples": 2})
+    write_synthetic_shards(tmp_path / "small", SyntheticShards(**{**SMALL, "num_samples": 2}), progress=False)
     assert bars == [True] and not [r for r in caplog.records if "writing about" in r.getMessage()]
 
 
@@ -129,13 +139,13 @@ def test_write_larger_than_the_free_disk_is_refused_before_anything_is_written(t
     monkeypatch.setattr(syn, "ANNOUNCE_BYTES", 0)
     monkeypatch.setattr(syn.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(OSError, match=r"need about .* GiB in .*, but that disk has 0.0 GiB free"):
-        write_synthetic_shards(tmp_path / "out", progress=False, **SMALL)
+        write_synthetic_shards(tmp_path / "out", SyntheticShards(**SMALL), progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_size_estimate_matches_what_is_written(tmp_path):
     index = write_synthetic_shards(
-        tmp_path, progress=False, mix="tiny", num_samples=256, samples_per_shard=64
+        tmp_path, settings=SyntheticShards(mix="tiny", num_samples=256, samples_per_shard=64), progress=False
     )
     written = sum(s.num_bytes for s in index.shards)
     assert 0.85 < estimate_synthetic_bytes("tiny", 256) / written < 1.15

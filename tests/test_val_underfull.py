@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch  # noqa: E402
 
 from lightning_adaptiveload.data import ShardIndex, iter_shard, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.plan import PlanError  # noqa: E402
 
 RUNNER = os.path.join(os.path.dirname(__file__), "_ddp_val_runner.py")
@@ -24,8 +25,14 @@ RUNNER = os.path.join(os.path.dirname(__file__), "_ddp_val_runner.py")
 def data(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("underfull")
     train, val = str(root / "train"), str(root / "val")
-    write_synthetic_shards(train, mix="tiny", num_samples=8, samples_per_shard=4, seed=0, progress=False)
-    write_synthetic_shards(val, mix="tiny", num_samples=1, samples_per_shard=1, seed=1, progress=False)
+    write_synthetic_shards(
+        train,
+        settings=SyntheticShards(mix="tiny", num_samples=8, samples_per_shard=4, seed=0),
+        progress=False,
+    )
+    write_synthetic_shards(
+        val, settings=SyntheticShards(mix="tiny", num_samples=1, samples_per_shard=1, seed=1), progress=False
+    )
     return {"train": train, "val": val}
 
 

@@ -16,6 +16,8 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_adaptiveload.data.synthetic import SyntheticShards
+
 pytest.importorskip("diffusers")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +170,9 @@ def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(EXAMPLE))
-    write_synthetic_shards(tmp_path / "d", num_samples=4, samples_per_shard=4, progress=False)
+    write_synthetic_shards(
+        tmp_path / "d", settings=SyntheticShards(num_samples=4, samples_per_shard=4), progress=False
+    )
     base = ["--trainer.logger=false", "--trainer.callbacks=[]", f"--data.train_shards={tmp_path / 'd'}"]
     # A module that is no VideoDiTModule, named in the recipe ("does not correspond to a subclass" before).
     built = cli.build_cli(["--model=wan_flow.WanFlowModule", *base], run=False)
@@ -223,10 +227,7 @@ def test_example_module_fits_the_packed_schedule(tmp_path):
     from lightning_adaptiveload.data import write_synthetic_shards
 
     data = tmp_path / "d"
-    write_synthetic_shards(
-        data, mix="tiny", num_samples=16, samples_per_shard=8, text_len_range=(1, 12), text_dim=16,
-        progress=False,
-    )  # fmt: skip
+    write_synthetic_shards(data, settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8, text_len_range=(1, 12), text_dim=16), progress=False)  # fmt: skip
     dm = AdaptiveLoadDataModule(train_shards=str(data), max_tokens=512, schedule="packed", num_workers=0,
                                 text_pad_to=12)  # fmt: skip
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from lightning_adaptiveload.monitor.report import jsonable
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -112,27 +113,31 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         result = simulate(
             mix,
-            world_sizes=sizes,
-            modes=modes,
-            max_tokens=args.max_tokens,
+            settings=SimulateSettings(
+                world_sizes=sizes,
+                modes=modes,
+                max_tokens=args.max_tokens,
+                min_steps_per_rank=args.min_steps_per_rank,
+                max_candidates=args.candidates,
+                seed=args.seed,
+            ),
             times=trace,
-            min_steps_per_rank=args.min_steps_per_rank,
-            max_candidates=args.candidates,
-            seed=args.seed,
         )
         if args.lockstep_buffer:
             # The planner's per-stream buffer bound decides whether lockstep stays aligned at many ranks:
             # simulate lockstep once more with a larger bound, as a row of its own.
             extra = simulate(
                 mix,
-                world_sizes=sizes,
-                modes=["lockstep"],
-                max_tokens=args.max_tokens,
+                settings=SimulateSettings(
+                    world_sizes=sizes,
+                    modes=["lockstep"],
+                    max_tokens=args.max_tokens,
+                    min_steps_per_rank=args.min_steps_per_rank,
+                    recommend=False,
+                    seed=args.seed,
+                    plan_options={"max_buffered_samples": args.lockstep_buffer},
+                ),
                 times=trace,
-                min_steps_per_rank=args.min_steps_per_rank,
-                recommend=False,
-                seed=args.seed,
-                plan_options={"max_buffered_samples": args.lockstep_buffer},
             )
             label = f"lockstep_buffer{args.lockstep_buffer}"
             for row in extra.rows:
@@ -180,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             big = simulate(
                 mix,
-                world_sizes=[args.large],
-                modes=modes,
-                max_tokens=args.max_tokens,
+                settings=SimulateSettings(
+                    world_sizes=[args.large],
+                    modes=modes,
+                    max_tokens=args.max_tokens,
+                    min_steps_per_rank=args.large_steps,
+                    recommend=False,
+                    seed=args.seed,
+                ),
                 times=trace,
-                min_steps_per_rank=args.large_steps,
-                recommend=False,
-                seed=args.seed,
                 progress=False,
             )
             large = {

@@ -31,6 +31,7 @@ from bench_packed_balance import TRACE, trace_pack_model  # noqa: E402
 
 from lightning_adaptiveload.data.mixes import Bucket, Mix  # noqa: E402
 from lightning_adaptiveload.tools.simulate import simulate  # noqa: E402
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings  # noqa: E402
 
 CONFIGS = [  # (mix, max_tokens)
     ("wan21_480p", 32760),
@@ -116,14 +117,16 @@ def main() -> None:
                 t0 = time.perf_counter()
                 res = simulate(
                     source,
-                    world_sizes=[world],
-                    modes=["lockstep"],
-                    max_tokens=max_tokens,
+                    settings=SimulateSettings(
+                        world_sizes=[world],
+                        modes=["lockstep"],
+                        max_tokens=max_tokens,
+                        recommend=False,
+                        min_steps_per_rank=args.steps,
+                        plan_options={"lockstep_tail": tail},
+                    ),
                     times=times,
                     plan_cost_model=plan_cost,
-                    recommend=False,
-                    min_steps_per_rank=args.steps,
-                    plan_options={"lockstep_tail": tail},
                     plots=False,
                     progress=False,
                 )

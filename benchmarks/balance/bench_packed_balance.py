@@ -19,6 +19,7 @@ import time
 
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.simulate import simulate
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 TRACE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -65,13 +66,15 @@ def main() -> None:
             t0 = time.perf_counter()
             res = simulate(
                 mix,
-                world_sizes=[world],
-                modes=modes,
-                max_tokens=max_tokens,
+                settings=SimulateSettings(
+                    world_sizes=[world],
+                    modes=modes,
+                    max_tokens=max_tokens,
+                    recommend=False,
+                    min_steps_per_rank=args.steps,
+                ),
                 times=model,
                 plan_cost_model=model,
-                recommend=False,
-                min_steps_per_rank=args.steps,
                 plots=False,
                 progress=False,
             )

@@ -65,7 +65,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
-from lightning_adaptiveload.data import write_synthetic_shards
+from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -165,9 +165,9 @@ def make_data(workdir: str, num_samples: int, val_samples: int, mix: str, conten
     """Training and validation shards, written once and reused by every run (no text states: synthetic
     text would be noise unrelated to the latents)."""
     train, val = os.path.join(workdir, "train"), os.path.join(workdir, "val")
-    common = dict(mix=mix, samples_per_shard=32, text_len_range=None, content=content, progress=False)
-    write_synthetic_shards(train, num_samples=num_samples, seed=0, **common)
-    write_synthetic_shards(val, num_samples=val_samples, seed=1, **common)
+    common = dict(mix=mix, samples_per_shard=32, text_len_range=None, content=content)
+    write_synthetic_shards(train, SyntheticShards(num_samples=num_samples, seed=0, **common), progress=False)
+    write_synthetic_shards(val, SyntheticShards(num_samples=val_samples, seed=1, **common), progress=False)
     return train, val
 
 

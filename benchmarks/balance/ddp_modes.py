@@ -154,12 +154,14 @@ def shard_dir(base: str, mix: str, samples: int, seed: int, text_dim: int) -> st
 def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: int) -> tuple[str, bool]:
     """Write the synthetic shards, or reuse them when ``data_dir`` holds the same ones; deterministic for a
     seed. Returns ``(index path, reused)``."""
-    from lightning_adaptiveload.data import write_synthetic_shards
+    import dataclasses
+
+    from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
     from lightning_adaptiveload.data.synthetic import NotSyntheticDataError
 
     index_path = os.path.join(data_dir, "index.json")
     before = os.path.getmtime(index_path) if os.path.isfile(index_path) else None
-    kwargs = dict(
+    settings = SyntheticShards(
         mix=mix,
         num_samples=num_samples,
         samples_per_shard=16,
@@ -167,15 +169,14 @@ def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: 
         text_len_range=TEXT_LEN_RANGE,
         text_dim=text_dim,
         dtype="float16",
-        progress=True,
     )
     try:
-        index = write_synthetic_shards(data_dir, overwrite=False, **kwargs)
+        index = write_synthetic_shards(data_dir, settings, progress=True)
     except NotSyntheticDataError:
         raise
     except FileExistsError:
         # Shards of other settings in this folder (only a hand-given --data can hold them): replace them.
-        index = write_synthetic_shards(data_dir, overwrite=True, **kwargs)
+        index = write_synthetic_shards(data_dir, dataclasses.replace(settings, overwrite=True), progress=True)
     path = index.source or index_path
     reused = before is not None and os.path.getmtime(path) == before
     return path, reused

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.monitor.report import jsonable
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -508,11 +509,10 @@ def simulate_more_ranks(
 
     result = simulate(
         load_mix(mix_name),
-        world_sizes=sizes,
-        modes=modes,
-        max_tokens=max_tokens,
+        settings=SimulateSettings(
+            world_sizes=sizes, modes=modes, max_tokens=max_tokens, min_steps_per_rank=steps_per_rank
+        ),
         times=table,
-        min_steps_per_rank=steps_per_rank,
         progress=False,
     )
     print(f"\nSIMULATED: more ranks, step times calibrated on this run ({mix_name} population):")

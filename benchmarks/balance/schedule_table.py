@@ -27,6 +27,7 @@ import time
 from lightning_adaptiveload.monitor.report import jsonable
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.simulate import simulate
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 TRACE = os.path.join(HERE, "results", "trace_wan13b_h100_2026-11-23.jsonl")
@@ -109,13 +110,15 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         res = simulate(
             args.mix,
-            world_sizes=[args.world],
-            modes=args.schedules.split(","),
-            max_tokens=max_tokens,
+            settings=SimulateSettings(
+                world_sizes=[args.world],
+                modes=args.schedules.split(","),
+                max_tokens=max_tokens,
+                recommend=False,
+                min_steps_per_rank=args.steps,
+            ),
             times=model if args.times == "pack" else TRACE,
             plan_cost_model=model if args.plan == "pack" else None,
-            recommend=False,
-            min_steps_per_rank=args.steps,
             plots=False,
             progress=False,
         )

@@ -27,7 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _common import add_out_arg, device_tag, write_json  # noqa: E402
 
 from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS  # noqa: E402
-from lightning_adaptiveload.models.compile_check import compare_compiled  # noqa: E402
+from lightning_adaptiveload.models.compile_check import (
+    CompileSettings,
+    compare_compiled,  # noqa: E402
+)
 from lightning_adaptiveload.models.layers import rope_3d  # noqa: E402
 from lightning_adaptiveload.models.video_dit import DiTBlock, VideoDiTConfig  # noqa: E402
 from lightning_adaptiveload.ops import norm_kernels  # noqa: E402
@@ -86,9 +89,8 @@ def main() -> None:
         # The keys' bias: zero gradient in theory (softmax ignores a shift shared by all keys).
         diffs = compare_compiled(
             block,
+            settings=CompileSettings(options=extra or None, safe_reductions=not args.torch_defaults),
             kwargs=inputs,
-            options=extra or None,
-            safe_reductions=not args.torch_defaults,
             ignore=["k.bias"],
         )
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:6]

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _common import add_out_arg, device_tag, diffusers_wan, write_json  # noqa: E402
 
 from lightning_adaptiveload.models.acceleration import SAFE_REDUCTIONS  # noqa: E402
-from lightning_adaptiveload.models.compile_check import capture_inputs, compare_compiled  # noqa: E402
+from lightning_adaptiveload.models.compile_check import CompileSettings, capture_inputs, compare_compiled  # noqa: E402
 from lightning_adaptiveload.models.video_dit import VideoDiTConfig  # noqa: E402
 
 
@@ -76,7 +76,11 @@ def main() -> None:
     for label in args.settings.split(","):
         torch._dynamo.reset()
         diffs = compare_compiled(
-            block, block_args, block_kwargs, safe_reductions=label == "safe", ignore=["k.bias"]
+            block,
+            block_args,
+            block_kwargs,
+            settings=CompileSettings(safe_reductions=label == "safe"),
+            ignore=["k.bias"],
         )
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:6]
         print(f"{label:6s} worst: " + ", ".join(f"{k} {v:.1e}" for k, v in worst), flush=True)

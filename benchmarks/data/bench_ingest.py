@@ -41,6 +41,7 @@ from _common import cpu_name
 
 from lightning_adaptiveload.data import ingest as ing
 from lightning_adaptiveload.data.demo import DEMO_ENCODER, TINY_VAE_CONFIG, tiny_random_vae, write_demo_clips
+from lightning_adaptiveload.data.ingest_settings import IngestSettings
 from lightning_adaptiveload.monitor.report import jsonable
 
 
@@ -139,10 +140,7 @@ def main() -> None:
             small,
             os.path.join(tmp, "out"),
             DEMO_ENCODER,
-            fps=16.0,
-            max_frames=17,
-            buckets="128x224",
-            num_workers=1,
+            settings=IngestSettings(fps=16.0, max_frames=17, buckets="128x224", num_workers=1),
             progress=False,
             trainer_kwargs={"accelerator": "cpu", "devices": 1},
         )

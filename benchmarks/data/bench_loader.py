@@ -40,6 +40,7 @@ from _common import cpu_name
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"writing {n} synthetic {mix.name} samples ...", flush=True)
         index = write_synthetic_shards(
-            tmp, mix=mix, num_samples=n, samples_per_shard=max(4, n // 8), seed=0, progress=False
+            tmp,
+            settings=SyntheticShards(mix=mix, num_samples=n, samples_per_shard=max(4, n // 8), seed=0),
+            progress=False,
         )
         result["shard_bytes"] = sum(s.num_bytes for s in index.shards)
         result["loader"] = []

@@ -7,6 +7,7 @@ its YAML fragment (to stdout or ``--out``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,6 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_adaptiveload.tools.calibrate import PRECISIONS, calibrate, shape_for_seq_len
+from lightning_adaptiveload.tools.calibrate_settings import (
+    CalibratedTraining,
+    CalibrateSettings,
+    MemorySearch,
+)
 
 __all__ = ["main"]
 
@@ -47,6 +53,8 @@ _MODEL_KEYS = (
     "weight_dtype",
     "checkpoint_policy",
 )
+# The recipe's and the flags' settings of the measured step (CalibratedTraining's fields).
+_TRAINING_KEYS = frozenset(f.name for f in dataclasses.fields(CalibratedTraining))
 
 
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML
@@ -267,26 +275,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             cfg = VideoDiTConfig.preset(settings["preset"], **(settings.get("model_overrides") or {}))
             shapes = [shape_for_seq_len(s, cfg.in_channels, cfg.patch_size) for s in args.seq_lens]
-        result = calibrate(
+        training = CalibratedTraining(
+            **{k: settings.pop(k) for k in list(settings) if k in _TRAINING_KEYS},
+            device=args.device,
+            ddp=args.ddp,
+        )
+        memory = MemorySearch(
+            vram_fraction=args.vram_fraction,
+            memory_budget_gb=args.memory_budget_gb,
+            max_tokens=args.max_tokens,
+            max_batch=args.max_batch,
+        )
+        measured = CalibrateSettings(
             shapes=shapes,
             mix=args.mix or (recipe_mix if shapes is None and not args.seq_lens else None),
             num_shapes=args.num_shapes,
             batch_sizes=args.batch_sizes,
             text_len=args.text_len if args.text_len is not None else recipe_text_len,
-            device=args.device,
-            vram_fraction=args.vram_fraction,
-            memory_budget_gb=args.memory_budget_gb,
-            max_tokens=args.max_tokens,
-            max_batch=args.max_batch,
-            ddp=args.ddp,
             warmup=args.warmup,
             repeats=args.repeats,
             kind=args.kind,
             max_compute=args.max_compute,
             seed=args.seed,
-            progress=not args.no_progress,
             packs=args.packs,
-            **settings,
+            training=training,
+            memory=memory,
+        )
+        result = calibrate(
+            settings.pop("preset"),
+            settings.pop("model_overrides", None),
+            measured,
+            progress=not args.no_progress,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

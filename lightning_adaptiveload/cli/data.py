@@ -24,7 +24,7 @@ from lightning_adaptiveload.data.format import (
 from lightning_adaptiveload.data.index import ShardIndex
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.data.paths import is_url
-from lightning_adaptiveload.data.synthetic import write_synthetic_shards
+from lightning_adaptiveload.data.synthetic import SyntheticShards, write_synthetic_shards
 
 __all__ = ["convert_index_main", "index_main", "synth_main"]
 
@@ -107,19 +107,18 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     args = synth_parser().parse_args(argv)
     try:
         mix = load_mix(args.mix)
-        index = write_synthetic_shards(
-            args.out,
-            mix,
-            args.num_samples,
-            args.samples_per_shard,
-            args.seed,
+        settings = SyntheticShards(
+            mix=mix,
+            num_samples=args.num_samples,
+            samples_per_shard=args.samples_per_shard,
+            seed=args.seed,
             text_len_range=None if args.no_text else tuple(args.text_len),
             text_dim=args.text_dim,
             dtype=args.dtype,
             uneven=args.uneven,
-            progress=not args.no_progress,
             overwrite=args.overwrite,
         )
+        index = write_synthetic_shards(args.out, settings, progress=not args.no_progress)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

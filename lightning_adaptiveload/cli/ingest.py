@@ -119,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from lightning_adaptiveload.data.ingest import ingest
+    from lightning_adaptiveload.data.ingest import IngestSettings, ingest
 
     devices: Any = args.devices
     if devices != "auto":
@@ -130,14 +130,16 @@ def main(argv: Sequence[str]) -> int:
         args.vae,
         text_encoder=args.text_encoder,
         tokenizer=args.tokenizer,
-        fps=args.fps or None,
-        max_frames=args.max_frames,
-        buckets=args.buckets,
-        samples_per_shard=args.samples_per_shard,
-        latent_dtype=args.latent_dtype,
-        on_error=args.on_error,
-        num_workers=args.num_workers,
-        dtype=args.dtype,
+        settings=IngestSettings(
+            fps=args.fps or None,
+            max_frames=args.max_frames,
+            buckets=args.buckets,
+            samples_per_shard=args.samples_per_shard,
+            latent_dtype=args.latent_dtype,
+            on_error=args.on_error,
+            num_workers=args.num_workers,
+            dtype=args.dtype,
+        ),
         trainer_kwargs=dict(
             accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes, strategy=args.strategy
         ),

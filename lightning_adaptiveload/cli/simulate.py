@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_adaptiveload.planning.plan import batching_label
 from lightning_adaptiveload.tools.simulate import DEFAULT_MODES, DEFAULT_WORLD_SIZES, MODES, simulate
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 from lightning_adaptiveload.tools.step_times import DEFAULT_PATCH
 
 __all__ = ["main"]
@@ -208,13 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = _configurations(args.modes, args.schedules)
         for line in _describe(names, args.times):
             print(line)
-        result = simulate(
-            source,
+        settings = SimulateSettings(
             world_sizes=args.world_sizes,
             modes=names,
             max_tokens=args.max_tokens,
             max_compute=args.max_compute,
-            times=args.times,
             p=args.p,
             recommend=not args.no_recommend,
             max_candidates=args.candidates,
@@ -234,6 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             step_overhead_s=args.step_overhead_ms / 1e3,
             patch_size=args.patch_size,
+        )
+        result = simulate(
+            source,
+            settings,
+            times=args.times,
             out_dir=args.out,
             plots=not args.no_plots,
             progress=not args.no_progress,

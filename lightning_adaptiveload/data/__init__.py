@@ -36,5 +36,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "load_mix": "mixes",
         "stream_batches": "stream",
         "write_synthetic_shards": "synthetic",
+        "SyntheticShards": "synthetic",
     },
 )

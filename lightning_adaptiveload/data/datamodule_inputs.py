@@ -23,19 +23,21 @@ __all__ = [
 ]
 
 _SYNTHETIC_EXTRA = ("val_num_samples",)
-# write_synthetic_shards arguments the DataModule sets itself.
-_SYNTHETIC_FIXED = ("directory", "progress")
 
 
 def check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``synthetic`` settings, with unknown keys refused now (not when ``prepare_data`` runs)."""
+    """The ``synthetic`` settings, with unknown keys refused now (not when ``prepare_data`` runs).
+
+    The keys are the fields of :class:`~lightning_adaptiveload.data.synthetic.SyntheticShards` and
+    ``val_num_samples``; ``progress`` is the DataModule's own. Their values are checked by ``SyntheticShards``
+    when the shards are written.
+    """
+    import dataclasses
     import difflib
-    import inspect
 
-    from lightning_adaptiveload.data.synthetic import write_synthetic_shards
+    from lightning_adaptiveload.data.synthetic import SyntheticShards
 
-    params = inspect.signature(write_synthetic_shards).parameters
-    valid = [n for n in params if n not in _SYNTHETIC_FIXED] + list(_SYNTHETIC_EXTRA)
+    valid = [f.name for f in dataclasses.fields(SyntheticShards)] + list(_SYNTHETIC_EXTRA)
     for key in synthetic:
         if key not in valid:
             near = difflib.get_close_matches(str(key), valid, n=1)
@@ -134,7 +136,11 @@ def write_synthetic_into(
 ) -> None:
     """``write_synthetic_shards`` into ``shards`` (the argument ``name``); data there that it did not write is
     never replaced. ``announce`` says it before writing into a folder that holds no shards."""
-    from lightning_adaptiveload.data.synthetic import NotSyntheticDataError, write_synthetic_shards
+    from lightning_adaptiveload.data.synthetic import (
+        NotSyntheticDataError,
+        SyntheticShards,
+        write_synthetic_shards,
+    )
 
     folder = synthetic_folder(shards)
     if not os.path.exists(os.path.join(folder, "index.json")):
@@ -145,7 +151,9 @@ def write_synthetic_into(
             "written there now. Set data.synthetic to null to train on real shards only."
         )
     try:
-        write_synthetic_shards(folder, **settings)
+        values = dict(settings)
+        progress = bool(values.pop("progress", False))
+        write_synthetic_shards(folder, SyntheticShards(**values), progress=progress)
     except NotSyntheticDataError as err:
         # The usual cause: a recipe's `synthetic:` block left in after pointing it at real shards.
         raise NotSyntheticDataError(

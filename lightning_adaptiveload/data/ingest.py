@@ -54,6 +54,7 @@ from lightning_adaptiveload.data.ingest_output import (  # noqa: F401  (done_key
     done_keys,
     skipped_inputs,
 )
+from lightning_adaptiveload.data.ingest_settings import IngestSettings
 from lightning_adaptiveload.data.media import (
     IMAGE_EXTENSIONS,
     INPUT_REASONS,
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DecodeLimits",
     "IngestItem",
+    "IngestSettings",
     "IngestModule",
     "ShardPredictionWriter",
     "choose_bucket",
@@ -444,18 +446,12 @@ def ingest(
     *,
     text_encoder=None,
     tokenizer=None,
-    fps: float | None = 16.0,
-    max_frames: int = 81,
-    buckets: str | Sequence[Sequence[int]] | None = "wan480p",
-    samples_per_shard: int = 100,
-    latent_dtype: str = "float16",
-    on_error: str = "skip",
-    num_workers: int = 2,
-    dtype: str = "float32",
+    settings: IngestSettings | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
     callbacks: Iterable[pl.Callback] = (),
     progress: bool = True,
     limits: DecodeLimits | None = None,
+    **legacy: Any,
 ) -> dict[str, Any]:
     """Encode videos and images into latent shards under ``out`` with ``Trainer.predict``.
 
@@ -471,19 +467,15 @@ def ingest(
         text_encoder, tokenizer: umT5 encoder and tokenizer folders (or objects); None: no ``text.npy``
             (captions are then kept only in each sample's ``.json``). ``text_encoder="tiny-random"``: a
             random-weight tiny umT5 with its own tokenizer (demo data, as above).
-        fps: target frame rate (None: the source's); a manifest's per-file ``fps`` wins.
-        max_frames: at most this many frames per clip (then cut to 4k + 1); Wan 2.1 trains on 81.
-        buckets: ``"wan480p"``, ``"HxW,HxW,..."``, a list of (h, w), or ``None`` / ``"native"``.
-        samples_per_shard: samples per shard.
-        latent_dtype: ``"float16"`` or ``"float32"`` for the stored arrays.
-        on_error: ``"skip"`` (count failed inputs with their reason) or ``"raise"``.
-        num_workers: data-loader processes decoding inputs, per rank.
-        dtype: encoder compute dtype.
+        settings: frame rate, frames, buckets, shard size, dtypes, error policy and decode workers (an
+            :class:`~lightning_adaptiveload.data.ingest_settings.IngestSettings`; its fields are documented
+            there); None: its defaults.
         trainer_kwargs: for ``lightning.Trainer`` (``accelerator``, ``devices``, ``num_nodes``, ``strategy``).
         callbacks: more callbacks for the Trainer.
         progress: show the progress bar on rank 0.
         limits: caps on what one input may make the decoder allocate (:class:`DecodeLimits`; default:
             its defaults). Captions beside files in a folder are read with its ``max_caption_bytes``.
+        **legacy: deprecated: the fields of ``IngestSettings`` as flat keywords (one release; warns).
 
     Returns:
         This rank's summary: ``written``, ``skipped`` (reason -> count), ``video_hours``, ``seconds``,
@@ -496,6 +488,9 @@ def ingest(
     """
     import importlib.util
 
+    from lightning_adaptiveload._legacy import settings_from_legacy
+
+    cfg = settings_from_legacy(IngestSettings, settings, legacy, caller="ingest")  # checked before any I/O
     for module, package in (("av", "av"), ("PIL", "pillow"), ("diffusers", "diffusers")):
         if importlib.util.find_spec(module) is None:
             raise ModuleNotFoundError(
@@ -526,9 +521,7 @@ def ingest(
     keys = [it.key for it in items]
     if len(set(keys)) != len(keys):
         raise ValueError("ingest: input keys are not unique; give each manifest row its own key")
-    bucket_list = parse_buckets(buckets)
-    if max_frames < 1:
-        raise ValueError(f"ingest: max_frames must be >= 1, got {max_frames}")
+    bucket_list = parse_buckets(cfg.buckets)  # checked by IngestSettings
     for what, value, expected in (
         ("vae", vae, "a diffusers AutoencoderKLWan, e.g. <Wan2.1-T2V-1.3B-Diffusers>/vae"),
         (
@@ -569,11 +562,13 @@ def ingest(
         use_distributed_sampler=False,
     )
     kwargs.update(trainer_kwargs or {})
-    writer = ShardPredictionWriter(out, samples_per_shard, latent_dtype, on_error, progress, metadata)
+    writer = ShardPredictionWriter(
+        out, cfg.samples_per_shard, cfg.latent_dtype, cfg.on_error, progress, metadata
+    )
     trainer = pl.Trainer(callbacks=[writer, *callbacks], **kwargs)
-    module = IngestModule(vae, text_encoder, tokenizer, dtype)
-    module.items, module.out, module.num_workers = items, out, num_workers
-    module.decode_args = (fps, max_frames, bucket_list, limits)
+    module = IngestModule(vae, text_encoder, tokenizer, cfg.dtype)
+    module.items, module.out, module.num_workers = items, out, cfg.num_workers
+    module.decode_args = (cfg.fps, cfg.max_frames, bucket_list, limits)
     trainer.predict(module, return_predictions=False)
     summary = {
         **writer.summary(),

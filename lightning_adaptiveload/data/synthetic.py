@@ -21,12 +21,14 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from lightning_adaptiveload._legacy import settings_from_legacy
 from lightning_adaptiveload.data.format import (
     DEFAULT_PATCH,
     INDEX_NAME,
@@ -39,12 +41,15 @@ __all__ = [
     "ANNOUNCE_BYTES",
     "CONTENTS",
     "NotSyntheticDataError",
+    "SyntheticShards",
     "estimate_synthetic_bytes",
     "structured_latent",
     "write_synthetic_shards",
 ]
 
-CONTENTS = ("noise", "structured")
+#: What the latents hold: ``"noise"`` (i.i.d. N(0, 1)) or ``"structured"`` (learnable, :func:`structured_latent`).
+Content = Literal["noise", "structured"]
+CONTENTS: tuple[str, ...] = get_args(Content)
 
 # A write of more than this many bytes is announced (size, folder) and shows a progress bar even when
 # ``progress=False``: a recipe's synthetic block can ask for gigabytes (wan13b_480p_*: 7.5 GiB).
@@ -95,15 +100,9 @@ def _np_dtype(dtype: Any) -> np.dtype:
 def _shard_sizes(
     num_samples: int, samples_per_shard: int | Sequence[int], uneven: bool, seed: int
 ) -> list[int]:
+    """The shard sizes (``samples_per_shard`` was checked by :class:`SyntheticShards`)."""
     if not isinstance(samples_per_shard, int):
-        sizes = [int(s) for s in samples_per_shard]
-        if sum(sizes) != num_samples or any(s < 1 for s in sizes):
-            raise ValueError(
-                f"samples_per_shard {sizes} must be positive and sum to num_samples={num_samples}"
-            )
-        return sizes
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        return [int(v) for v in samples_per_shard]
     sizes = []
     rng = np.random.default_rng([seed, 1])  # its own stream: sizes never change the sample contents
     left = num_samples
@@ -118,22 +117,78 @@ def _shard_sizes(
     return sizes
 
 
+@dataclass(frozen=True, kw_only=True)
+class SyntheticShards:
+    """What :func:`write_synthetic_shards` writes; also the keys of a recipe's ``data.init_args.synthetic``
+    block (with ``val_num_samples``, the DataModule's own). Validated once, here.
+
+    Raises:
+        ValueError: a bad value; the message names the field and the value.
+    """
+
+    mix: str | os.PathLike | Mix = "tiny"
+    """A packaged mix name, a mix file path, or a :class:`~lightning_adaptiveload.data.mixes.Mix`."""
+
+    num_samples: int = 256
+    """Samples to write, >= 1."""
+
+    samples_per_shard: int | Sequence[int] = 64
+    """Samples per shard, or the list of shard sizes (positive, summing to ``num_samples``)."""
+
+    seed: int = 0
+    """Seeds the bucket draws, latents, text lengths and states, and uneven shard sizes."""
+
+    text_len_range: tuple[int, int] | None = (0, 16)
+    """(min, max) text length L, inclusive; L = 0 writes no text member; None: no text at all."""
+
+    text_dim: int = 32
+    """D_text of the text states, >= 1."""
+
+    dtype: Any = "float16"
+    """float16 or float32 (numpy, torch or string); stored as its numpy name."""
+
+    uneven: bool = False
+    """Draw shard sizes in [s/2, 1.5 s] for ``samples_per_shard = s`` (deterministic)."""
+
+    prefix: str = "shard"
+    """Shard file prefix."""
+
+    key_prefix: str = "sample"
+    """Sample keys are ``<key_prefix>NNNNNNNN``."""
+
+    overwrite: bool = False
+    """Replace synthetic shards written with other settings (else FileExistsError). Data that
+    :func:`write_synthetic_shards` did not write is never replaced."""
+
+    content: Content = "noise"
+    """``"noise"`` (i.i.d. N(0, 1) latents) or ``"structured"`` (learnable latents, :func:`structured_latent`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _np_dtype(self.dtype).name)
+        if not isinstance(self.num_samples, int | np.integer) or self.num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
+        sps = self.samples_per_shard
+        if isinstance(sps, int | np.integer):
+            if sps < 1:
+                raise ValueError(f"samples_per_shard must be >= 1, got {sps!r}")
+        else:
+            sizes = [int(v) for v in sps]
+            if sum(sizes) != self.num_samples or any(v < 1 for v in sizes):
+                raise ValueError(
+                    f"samples_per_shard {sizes} must be positive and sum to num_samples={self.num_samples}"
+                )
+            object.__setattr__(self, "samples_per_shard", sizes)
+        object.__setattr__(self, "text_len_range", _check_text(self.text_len_range, self.text_dim))
+        if self.content not in CONTENTS:
+            raise ValueError(f"content must be one of {CONTENTS}, got {self.content!r}")
+
+
 def write_synthetic_shards(
     directory: str | os.PathLike,
-    mix: str | os.PathLike | Mix = "tiny",
-    num_samples: int = 256,
-    samples_per_shard: int | Sequence[int] = 64,
-    seed: int = 0,
-    text_len_range: tuple[int, int] | None = (0, 16),
-    text_dim: int = 32,
-    dtype: Any = "float16",
-    progress: bool = True,
+    settings: SyntheticShards | None = None,
     *,
-    uneven: bool = False,
-    prefix: str = "shard",
-    key_prefix: str = "sample",
-    overwrite: bool = False,
-    content: str = "noise",
+    progress: bool = True,
+    **legacy: Any,
 ) -> ShardIndex:
     """Write shards of random latents whose shapes follow a length mix; deterministic for a seed.
 
@@ -142,20 +197,11 @@ def write_synthetic_shards(
 
     Args:
         directory: where the shards and ``index.json`` go.
-        mix: a packaged mix name, a mix file path, or a :class:`Mix`.
-        num_samples: samples to write.
-        samples_per_shard: samples per shard, or the list of shard sizes (summing to ``num_samples``).
-        seed: seeds the bucket draws, latents, text lengths and states, and uneven shard sizes.
-        text_len_range: (min, max) text length L, inclusive; L = 0 writes no text member; None for none.
-        text_dim: D_text of the text states.
-        dtype: float16 or float32 (numpy, torch or string).
-        uneven: draw shard sizes in [s/2, 1.5 s] for ``samples_per_shard = s`` (deterministic).
-        prefix: shard file prefix; key_prefix: sample keys are ``<key_prefix>NNNNNNNN``.
+        settings: what to write (a :class:`SyntheticShards`; its fields are documented there); None: its
+            defaults.
         progress: tqdm bar over samples (always shown for a write over :data:`ANNOUNCE_BYTES`).
-        overwrite: replace synthetic shards written with other settings (else FileExistsError). Data that
-            this function did not write is never replaced (:class:`NotSyntheticDataError`).
-        content: ``"noise"`` (i.i.d. N(0, 1) latents) or ``"structured"`` (learnable latents, see
-            :func:`structured_latent`; recorded in the settings).
+        **legacy: deprecated: the fields of ``SyntheticShards`` as flat keywords (one release; warns). A mix
+            given as the second positional argument (the old signature) counts as ``mix=``.
 
     Returns:
         The index of the shards (as saved in ``directory/index.json``).
@@ -165,15 +211,16 @@ def write_synthetic_shards(
         FileExistsError: it holds synthetic shards of other settings and ``overwrite`` is False.
         OSError: the disk holding ``directory`` has less free space than the write needs (checked first).
     """
-    mix_obj = mix if isinstance(mix, Mix) else load_mix(mix)
-    dt = _np_dtype(dtype)
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    text_range = _check_text(text_len_range, text_dim)
-    if content not in CONTENTS:
-        raise ValueError(f"content must be one of {CONTENTS}, got {content!r}")
-    sizes = _shard_sizes(num_samples, samples_per_shard, uneven, seed)
-    settings = {
+    if settings is not None and not isinstance(settings, SyntheticShards):
+        legacy = {"mix": settings, **legacy}  # the old signature's positional mix
+        settings = None
+    cfg = settings_from_legacy(SyntheticShards, settings, legacy, caller="write_synthetic_shards")
+    mix_obj = cfg.mix if isinstance(cfg.mix, Mix) else load_mix(cfg.mix)
+    dt = np.dtype(cfg.dtype)
+    num_samples, seed, text_range, text_dim = cfg.num_samples, cfg.seed, cfg.text_len_range, cfg.text_dim
+    prefix, key_prefix, content = cfg.prefix, cfg.key_prefix, cfg.content
+    sizes = _shard_sizes(num_samples, cfg.samples_per_shard, cfg.uneven, seed)
+    record = {
         "mix": mix_obj.name,
         "buckets": [[list(b.latent_shape), b.p] for b in mix_obj.buckets],
         "num_samples": num_samples,
@@ -186,14 +233,14 @@ def write_synthetic_shards(
         "key_prefix": key_prefix,
     }
     if content != "noise":  # recorded only when set: shards written before the option still reuse
-        settings["content"] = content
+        record["content"] = content
     directory = os.path.abspath(os.fspath(directory))
     index_path = os.path.join(directory, INDEX_NAME)
     foreign = _foreign_content(directory)
     if foreign is not None:
         raise NotSyntheticDataError(directory, foreign)
-    if os.path.exists(index_path) and not overwrite:
-        reused = _reuse(directory, index_path, settings)
+    if os.path.exists(index_path) and not cfg.overwrite:
+        reused = _reuse(directory, index_path, record)
         if reused is not None:
             return reused
     # From here the folder is empty or holds only this module's shards (complete with other settings and
@@ -206,7 +253,7 @@ def write_synthetic_shards(
         progress = True
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, MARKER_NAME), "w", encoding="utf-8") as f:
-        json.dump(settings, f)
+        json.dump(record, f)
     with ShardWriter(
         directory,
         prefix=prefix,
@@ -214,7 +261,7 @@ def write_synthetic_shards(
         max_bytes=None,
         patch_size=DEFAULT_PATCH,  # load_mix guarantees even H and W
         overwrite=True,  # past the checks above: whatever is there is this module's own
-        metadata={"synthetic": settings},
+        metadata={"synthetic": record},
     ) as writer:
         _write_samples(
             writer,

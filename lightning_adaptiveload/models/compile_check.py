@@ -14,6 +14,7 @@ the settings you compile with (by default those of :func:`~lightning_adaptiveloa
 
     args, kwargs = capture_inputs(model.blocks[0], lambda: model(**batch))
     diffs = compare_compiled(model.blocks[0], args, kwargs, ignore=["k.bias"])
+    diffs = compare_compiled(model.blocks[0], args, kwargs, settings=CompileSettings(mode="max-autotune"))
 
 ``benchmarks/checks/check_block_grads.py`` runs the check on one wan-1.3b block.
 """
@@ -22,11 +23,63 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-__all__ = ["capture_inputs", "compare_compiled", "relative_difference"]
+__all__ = ["CompileSettings", "capture_inputs", "compare_compiled", "relative_difference"]
+
+#: ``torch.compile``'s modes (None: its default).
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileSettings:
+    """How :func:`compare_compiled` compiles: the arguments of
+    :func:`~lightning_adaptiveload.models.acceleration.compile_blocks`, whose defaults these are.
+
+    Raises:
+        ValueError: a bad value; the message names the field and the value.
+    """
+
+    dynamic: bool | None = True
+    """Passed to ``torch.compile``: True traces symbolic sizes, False specialises, None decides itself."""
+
+    fullgraph: bool = True
+    """Passed to ``torch.compile``: a graph break is an error."""
+
+    backend: str = "inductor"
+    """``torch.compile``'s backend (``"inductor"``; ``"aot_eager"`` to test the autograd tracing alone)."""
+
+    mode: CompileMode | None = None
+    """``torch.compile``'s mode; None: its default."""
+
+    options: Mapping[str, Any] | None = None
+    """Inductor options (``{"triton.tile_reductions": True}``); they win over ``mode`` and ``safe_reductions``."""
+
+    safe_reductions: bool = True
+    """Turn inductor's mix-order reductions off (they gave adaLN blocks wrong gradients in torch 2.10-2.11)."""
+
+    def __post_init__(self) -> None:
+        if self.dynamic not in (True, False, None):
+            raise ValueError(f"CompileSettings: dynamic must be True, False or None, got {self.dynamic!r}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(
+                f"CompileSettings: backend must be a torch.compile backend name such as 'inductor', "
+                f"got {self.backend!r}"
+            )
+        if self.mode is not None and self.mode not in get_args(CompileMode):
+            raise ValueError(
+                f"CompileSettings: mode must be one of {get_args(CompileMode)} or None, got {self.mode!r}"
+            )
+        if self.options is not None:
+            if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
+                raise ValueError(
+                    f"CompileSettings: options must map inductor option names to values, got {self.options!r}"
+                )
+            object.__setattr__(self, "options", dict(self.options))
 
 
 def relative_difference(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -43,14 +96,10 @@ def compare_compiled(
     *,
     grad_output: torch.Tensor | None = None,
     autocast_dtype: torch.dtype | None = torch.bfloat16,
-    dynamic: bool | None = True,
-    fullgraph: bool = True,
-    backend: str = "inductor",
-    mode: str | None = None,
-    options: dict | None = None,
-    safe_reductions: bool = True,
+    settings: CompileSettings | None = None,
     ignore: Iterable[str] = (),
     seed: int = 0,
+    **legacy: Any,
 ) -> dict[str, float]:
     """Relative differences between ``module`` compiled and eager: forward, then backward of one gradient.
 
@@ -64,12 +113,12 @@ def compare_compiled(
         grad_output: the output's gradient; None draws a standard normal one (seeded by ``seed``). The
             output is the module's return value, or its first element if that is a tuple or list.
         autocast_dtype: run both under ``torch.autocast`` of the inputs' device with this dtype (None: off).
-        dynamic, fullgraph, backend, mode, options, safe_reductions: how to compile, as in
-            :func:`~lightning_adaptiveload.models.acceleration.compile_blocks`, whose defaults these are
-            (``safe_reductions`` turns inductor's mix-order reductions off).
+        settings: how to compile (a :class:`CompileSettings`); None: the defaults of
+            :func:`~lightning_adaptiveload.models.acceleration.compile_blocks`.
         ignore: name endings of parameters to leave out, for gradients that are zero in theory and rounding
             in practice (a key projection's bias: softmax ignores a shift shared by all keys; ``"k.bias"``).
         seed: for ``grad_output``.
+        **legacy: deprecated: the fields of ``CompileSettings`` as flat keywords (one release; warns).
 
     Returns:
         ``{"out": ..., "args[0]": ..., "<kwarg>": ..., "<parameter name>": ...}``: each a
@@ -79,8 +128,10 @@ def compare_compiled(
     Raises:
         TypeError: the module returned no tensor (nor a tuple or list starting with one).
     """
+    from lightning_adaptiveload._legacy import settings_from_legacy
     from lightning_adaptiveload.models.acceleration import _inductor_settings
 
+    cfg = settings_from_legacy(CompileSettings, settings, legacy, caller="compare_compiled")
     kwargs = dict(kwargs or {})
     ignore = tuple(ignore)
     leaves = [(f"args[{i}]", a) for i, a in enumerate(args) if _is_leaf_input(a)]
@@ -120,10 +171,16 @@ def compare_compiled(
         return got
 
     eager = run(module)
-    mode, options = _inductor_settings(backend, mode, options, safe_reductions)
+    options = dict(cfg.options) if cfg.options is not None else None
+    mode, options = _inductor_settings(cfg.backend, cfg.mode, options, cfg.safe_reductions)
     compiled = run(
         torch.compile(
-            module, dynamic=dynamic, fullgraph=fullgraph, backend=backend, mode=mode, options=options
+            module,
+            dynamic=cfg.dynamic,
+            fullgraph=cfg.fullgraph,
+            backend=cfg.backend,
+            mode=mode,
+            options=options,
         )
     )
     diffs = {}

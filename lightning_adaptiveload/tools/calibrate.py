@@ -42,15 +42,30 @@ import math
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from lightning_adaptiveload._legacy import settings_from_legacy
 from lightning_adaptiveload.tools.calibrate_bench import Bench, auto_checkpointing, physical_memory
+from lightning_adaptiveload.tools.calibrate_settings import (
+    CalibratedTraining,
+    CalibrateSettings,
+    MemorySearch,
+    Precision,
+)
 
-__all__ = ["PRECISIONS", "CalibrationResult", "calibrate", "shape_for_seq_len"]
+__all__ = [
+    "PRECISIONS",
+    "CalibratedTraining",
+    "CalibrateSettings",
+    "CalibrationResult",
+    "MemorySearch",
+    "calibrate",
+    "shape_for_seq_len",
+]
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = get_args(Precision)
 _GIB = 1024**3
 
 
@@ -286,91 +301,65 @@ def _largest_fitting_batch(
 def calibrate(
     preset: str = "wan-1.3b",
     model_overrides: dict[str, Any] | None = None,
+    settings: CalibrateSettings | None = None,
     *,
-    shapes: Sequence[Sequence[int]] | None = None,
-    mix: str | None = None,
-    num_shapes: int = 6,
-    batch_sizes: Sequence[int] | None = None,
-    precision: str | None = None,
-    activation_checkpointing: bool = False,
-    compile: bool = False,
-    weight_dtype: str = "fp32",
-    checkpoint_policy: str = "full",
-    checkpoint_blocks: str | None = None,
-    text_len: int | None = None,
-    device: str | None = None,
-    vram_fraction: float = 0.9,
-    memory_budget_gb: float | None = None,
-    max_tokens: int | None = None,
-    max_batch: int = 256,
-    ddp: bool | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-    kind: str = "quadratic",
-    max_compute: str = "resolve",
-    seed: int = 0,
     progress: bool = True,
-    packs: bool = True,
     timer: Callable[[list[tuple[int, int, int, int]]], float | None] | None = None,
+    **legacy: Any,
 ) -> CalibrationResult:
     """Measure the model, fit the cost model and find the token budget; see the module docstring.
 
     Args:
         preset, model_overrides: the model (``VideoDiTConfig.preset(preset, **model_overrides)``).
-        shapes: latent shapes (C, T, H, W) to measure; or ``mix``: a length mix whose bucket shapes are used.
-        num_shapes: how many distinct token counts to measure, spread over the range (<= 0: all).
-        batch_sizes: batch sizes to time at every shape; None: 1 and the budget's batch size at that shape.
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``; None: bf16-mixed on
-            CUDA, 32-true on CPU.
-        activation_checkpointing, compile, checkpoint_policy: as in :class:`VideoDiTModule`. With
-            ``compile``, the fragment also sets ``model.init_args.compile: true``: its budget and memory
-            model were measured on the compiled step, and an eager step of the same policy can peak higher.
-        weight_dtype: as in :class:`VideoDiTModule`: ``"bf16"`` measures bf16 parameters with the fp32
-            master-weight optimizer (2 more bytes per parameter than fp32 weights) and writes
-            ``weight_dtype: bf16`` into the fragment.
-        checkpoint_blocks: ``"auto"``: after the memory search (every block checkpointed), fit the
-            :class:`~lightning_adaptiveload.models.memory.ActivationMemory` on three batches at
-            ``max_tokens`` (:meth:`Bench.activation_memory`), time with the count chosen per batch, and
-            write ``checkpoint_blocks: auto``, ``activation_memory`` and ``memory_budget_gib`` into the
-            fragment's ``model.init_args``. Needs ``activation_checkpointing``.
-        text_len: padded text length of the timed batches; None: 512 for a 4096-wide text encoder (Wan's
-            umT5 length), else 16.
-        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``; None: CUDA when available.
-        vram_fraction: share of the device memory the peak may use.
-        memory_budget_gb: the budget in GiB instead of ``vram_fraction`` x device memory (on CPU the
-            default is ``vram_fraction`` x physical memory).
-        max_tokens: skip the memory search and use this budget.
-        max_batch: largest batch size the search tries.
-        ddp: count DDP's fp32 gradient buckets (4 bytes per parameter) in the peak; None: on with CUDA.
-        warmup, repeats: untimed and timed runs per point.
-        kind: cost model form, ``"quadratic"`` or ``"power"``.
-        max_compute: ``"resolve"`` writes the number the batcher's ``"auto"`` rule gives on the measured
-            shapes; ``"auto"`` writes ``auto`` (resolved from the training data's shapes instead).
-        seed: seeds the random inputs.
+        settings: what to measure and fit (a
+            :class:`~lightning_adaptiveload.tools.calibrate_settings.CalibrateSettings`, with the measured step's
+            ``training`` and the budget's ``memory`` search); the fields are documented there.
         progress: show progress bars (stderr).
-        packs: time single samples and the designed packs (:func:`~.calibrate_packs.design_packs`) at
-            ``max_tokens`` and fit ``c0``, alpha, beta to all of them (quadratic ``kind`` only); with
-            ``batch_sizes`` None only B = 1 is timed through the bucketed forward (the packs cover the rest).
         timer: seconds of one step of the given latent shapes (None: out of memory), used instead of running
             the model for every timing; for tests and for timings taken elsewhere. The memory search
-            still runs the model (skip it with ``max_tokens``).
+            still runs the model (skip it with ``settings.memory.max_tokens``).
+        **legacy: deprecated: the fields of ``CalibrateSettings``, ``CalibratedTraining`` and ``MemorySearch``
+            as flat keywords (one release; warns).
 
     Returns:
         A :class:`CalibrationResult`; ``.to_yaml()`` is the fragment.
 
     Raises:
-        ValueError: bad arguments, or even one sample of the longest shape does not fit the budget.
+        ValueError: no CUDA for a CUDA device, a shape the model cannot take, or even one sample of the
+            longest shape does not fit the budget (bad settings are rejected by the settings classes).
     """
     from lightning_adaptiveload.models.module import VideoDiTModule
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-    dev, precision, ddp = _check_arguments(
-        device, precision, vram_fraction, warmup, repeats, max_compute, ddp
+    cfg_all = settings_from_legacy(
+        CalibrateSettings,
+        settings,
+        legacy,
+        caller="calibrate",
+        nested={"training": CalibratedTraining, "memory": MemorySearch},
     )
-    if checkpoint_blocks not in (None, "auto"):
-        raise ValueError(f"calibrate: checkpoint_blocks must be None or 'auto', got {checkpoint_blocks!r}")
-    if checkpoint_blocks == "auto" and not activation_checkpointing:
-        raise ValueError("calibrate: checkpoint_blocks='auto' needs activation_checkpointing=True")
+    run, mem = cfg_all.training, cfg_all.memory
+    shapes, mix, num_shapes, batch_sizes = (
+        cfg_all.shapes,
+        cfg_all.mix,
+        cfg_all.num_shapes,
+        cfg_all.batch_sizes,
+    )
+    text_len, warmup, repeats, seed = cfg_all.text_len, cfg_all.warmup, cfg_all.repeats, cfg_all.seed
+    kind, max_compute, packs = cfg_all.kind, cfg_all.max_compute, cfg_all.packs
+    activation_checkpointing, compile, weight_dtype = (
+        run.activation_checkpointing,
+        run.compile,
+        run.weight_dtype,
+    )
+    checkpoint_policy, checkpoint_blocks = run.checkpoint_policy, run.checkpoint_blocks
+    vram_fraction, memory_budget_gb, max_tokens, max_batch = (
+        mem.vram_fraction,
+        mem.memory_budget_gb,
+        mem.max_tokens,
+        mem.max_batch,
+    )
+    dev, precision, ddp = _resolve_device(run.device, run.precision, run.ddp)
     module = VideoDiTModule(
         preset=preset,
         model_overrides=model_overrides,
@@ -468,30 +457,17 @@ def calibrate(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_arguments(
-    device: str | None,
-    precision: str | None,
-    vram_fraction: float,
-    warmup: int,
-    repeats: int,
-    max_compute: str,
-    ddp: bool | None,
+def _resolve_device(
+    device: str | None, precision: str | None, ddp: bool | None
 ) -> tuple[torch.device, str, bool]:
-    """Validate the arguments; return the device, the precision and ``ddp`` with their defaults filled in."""
+    """The device, the precision and ``ddp`` with their defaults filled in (the values were checked by
+    :class:`CalibratedTraining`); a CUDA device without CUDA is an error."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"calibrate: device {device!r} requested but CUDA is not available; use --device cpu"
         )
     precision = precision or ("bf16-mixed" if dev.type == "cuda" else "32-true")
-    if precision not in PRECISIONS:
-        raise ValueError(f"calibrate: precision must be one of {PRECISIONS}, got {precision!r}")
-    if not 0 < vram_fraction <= 1:
-        raise ValueError(f"calibrate: vram_fraction must be in (0, 1], got {vram_fraction}")
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"calibrate: need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    if max_compute not in ("resolve", "auto"):
-        raise ValueError(f"calibrate: max_compute must be 'resolve' or 'auto', got {max_compute!r}")
     if ddp is None:
         ddp = dev.type == "cuda"
     return dev, precision, ddp
@@ -503,11 +479,7 @@ def _shapes_to_measure(
     """The latent shapes given, or those of the mix's buckets, checked against the model; and the mix name."""
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-    if shapes is None and mix is None:
-        raise ValueError(
-            "calibrate: give the shapes to measure (--shapes, --seq-lens) or a length mix (--mix)"
-        )
-    mix_name = None
+    mix_name = None  # CalibrateSettings made sure that one of shapes and mix is given
     if shapes is None:
         from lightning_adaptiveload.data.mixes import load_mix
 

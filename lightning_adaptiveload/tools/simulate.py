@@ -38,7 +38,9 @@ and the command line in :mod:`lightning_adaptiveload.cli.simulate`.
 
 Example:
     >>> from lightning_adaptiveload.tools.simulate import simulate
-    >>> result = simulate("tiny", world_sizes=[4], max_tokens=512, min_steps_per_rank=8, progress=False)
+    >>> from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
+    >>> settings = SimulateSettings(world_sizes=[4], max_tokens=512, min_steps_per_rank=8)
+    >>> result = simulate("tiny", settings, progress=False)
     >>> sorted({row["mode"] for row in result.rows})
     ['dual', 'equal_tokens', 'lockstep']
 """
@@ -55,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload._legacy import settings_from_legacy
 from lightning_adaptiveload.data.mixes import Mix, load_mix
 from lightning_adaptiveload.monitor.report import jsonable, machine_info, write_json
 from lightning_adaptiveload.planning.cost_model import CostModel
@@ -70,8 +73,12 @@ from lightning_adaptiveload.tools.replay import (
     resolved_max_compute,
     run_mode,
 )
+from lightning_adaptiveload.tools.simulate_settings import (
+    DEFAULT_MODES,
+    DEFAULT_WORLD_SIZES,
+    SimulateSettings,
+)
 from lightning_adaptiveload.tools.step_times import (
-    DEFAULT_PATCH,
     BatchCoster,
     StepTimeTable,
     load_times,
@@ -84,13 +91,12 @@ __all__ = [
     "DEFAULT_WORLD_SIZES",
     "StepTimeTable",
     "SimulationResult",
+    "SimulateSettings",
     "balance_metrics",
     "simulate",
     "write_outputs",
 ]
 
-DEFAULT_MODES = ("equal_tokens", "dual", "lockstep")
-DEFAULT_WORLD_SIZES = (2, 8, 16, 64)
 
 # Issue 7's targets, checked and reported (never asserted); TARGET_LOCKSTEP is in replay.py.
 _PAPER_IMBALANCE_DUAL = 0.189
@@ -209,28 +215,14 @@ def _budget_unit(plan_cost: CostModel, given: bool, p: float | None) -> str:
 
 def simulate(
     source: str | os.PathLike | Mix | Any = "wan21_480p",
+    settings: SimulateSettings | None = None,
     *,
-    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-    modes: Sequence[str] = DEFAULT_MODES,
-    max_tokens: int = 32760,
-    max_compute: float | str = "auto",
     times: StepTimeTable | CostModel | Mapping | str | os.PathLike | None = None,
     plan_cost_model: CostModel | Mapping | None = None,
-    p: float | None = None,
-    recommend: bool = True,
-    max_candidates: int = 10,
-    search_steps_per_rank: int = 64,
-    num_workers: int = 1,
-    seed: int = 0,
-    epoch: int = 0,
-    min_steps_per_rank: int = 200,
-    shards_per_stream: int = 4,
-    plan_options: Mapping[str, Any] | None = None,
-    step_overhead_s: float = 0.0,
-    patch_size: Sequence[int] = DEFAULT_PATCH,
     out_dir: str | os.PathLike | None = None,
     plots: bool = True,
     progress: bool = True,
+    **legacy: Any,
 ) -> SimulationResult:
     """Plan an epoch with the real planner for each mode and world size, and measure the balance.
 
@@ -239,53 +231,28 @@ def simulate(
             (a synthetic population is drawn from it at each world size), or a
             :class:`~lightning_adaptiveload.data.index.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
-        world_sizes: data-parallel ranks to simulate, each in 2..1024.
-        modes: names from :data:`MODES`. ``equal_tokens`` is always simulated (the reference for
-            ``tokens_per_s_ratio``), even when not listed.
-        max_tokens: the token budget per rank and step (the memory cap), identical in every mode.
-        max_compute: the dual modes' compute budget in ``plan_cost_model`` units, ``"auto"`` (the batcher's
-            documented rule) or ``"search"`` (use the recommended value, found as below).
+        settings: world sizes, modes, budgets, search and population (a
+            :class:`~lightning_adaptiveload.tools.simulate_settings.SimulateSettings`); None: its defaults.
         times: what a batch costs in seconds: a :class:`StepTimeTable` or a trace path (``.jsonl``), a
             :class:`CostModel` (or its dict / JSON file). Default: :meth:`CostModel.default` (Wan 2.1 1.3B,
             H100).
-        plan_cost_model: the cost model the dual batcher plans with; default ``S^p`` with ``p`` given, or p
-            fitted to ``times`` by least squares on log-log ("p fitted").
-        p: exponent of the planning model ``S^p`` (ignored when ``plan_cost_model`` is given).
-        recommend: search ``max_compute`` candidates (break points of the batch sizes, at most
-            ``max_candidates``) for each dual mode and world size, keeping the highest tokens/s.
-        search_steps_per_rank: epoch length per rank of the (mix) population the search plans, at most
-            ``min_steps_per_rank``; shorter than the reported runs so that the search stays cheap.
-        num_workers: DataLoader workers per rank (streams per rank in the plan).
-        seed, epoch: the planner's seed and epoch.
-        min_steps_per_rank: a mix population is sized so that every rank gets about this many steps in the
-            ``equal_tokens`` mode (more in the others).
-        shards_per_stream: virtual shards per (rank, worker) stream when drawing from a mix.
-        plan_options: extra keyword arguments of :func:`~lightning_adaptiveload.planning.planner.plan_epoch`, e.g.
-            ``{"max_buffered_samples": 256, "lockstep_tolerance": 0.01}``.
-        step_overhead_s: fixed seconds added to every rank's step (optimizer, all-reduce), which dilutes the
-            imbalance.
-        patch_size: (pt, ph, pw) of the model's patch embedding.
+        plan_cost_model: the cost model the dual batcher plans with; default ``S^p`` with ``settings.p``
+            given, or p fitted to ``times`` by least squares on log-log ("p fitted").
         out_dir: when given, ``simulate.json`` and (with ``plots``) PNG plots are written there.
         plots: write PNG plots to ``out_dir``.
         progress: show a tqdm bar over (world size, mode) runs.
+        **legacy: deprecated: the fields of ``SimulateSettings`` as flat keywords (one release; warns).
 
     Returns:
         A :class:`SimulationResult`.
 
     Raises:
-        ValueError: bad world size, mode, budget or source; the message names the argument and value.
+        ValueError: bad source, or a bucket longer than ``max_tokens`` (bad settings are rejected by
+            ``SimulateSettings``); the message names the argument and value.
     """
-    patch, sizes, mode_list = _checked_args(
-        world_sizes,
-        modes,
-        max_tokens,
-        max_compute,
-        patch_size,
-        min_steps_per_rank,
-        num_workers,
-        shards_per_stream,
-        step_overhead_s,
-    )
+    cfg = settings_from_legacy(SimulateSettings, settings, legacy, caller="simulate")
+    patch, sizes, mode_list = cfg.patch_size, list(cfg.world_sizes), cfg.modes_to_run
+    max_tokens, max_compute, p, step_overhead_s = cfg.max_tokens, cfg.max_compute, cfg.p, cfg.step_overhead_s
     mix, fixed_index = _load_source(source)
     shares = bucket_shares(mix if mix is not None else fixed_index)
     _check_buckets_fit(shares, patch, max_tokens)
@@ -302,15 +269,15 @@ def simulate(
         plan_cost=plan_cost,
         coster=BatchCoster(time_source, patch, step_overhead_s),
         patch=patch,
-        num_workers=num_workers,
-        seed=seed,
-        epoch=epoch,
-        plan_options=plan_options,
-        recommend=recommend,
-        max_candidates=max_candidates,
-        min_steps_per_rank=min_steps_per_rank,
-        search_steps_per_rank=search_steps_per_rank,
-        shards_per_stream=shards_per_stream,
+        num_workers=cfg.num_workers,
+        seed=cfg.seed,
+        epoch=cfg.epoch,
+        plan_options=cfg.plan_options,
+        recommend=cfg.recommend,
+        max_candidates=cfg.max_candidates,
+        min_steps_per_rank=cfg.min_steps_per_rank,
+        search_steps_per_rank=cfg.search_steps_per_rank,
+        shards_per_stream=cfg.shards_per_stream,
     )
     runs = _Runs(modes=mode_list)
     bar = _progress(len(sizes) * len(mode_list), progress)
@@ -348,49 +315,6 @@ def simulate(
 # ----------------------------------------------------------------------------------------------------
 # The steps of simulate()
 # ----------------------------------------------------------------------------------------------------
-
-
-def _checked_args(
-    world_sizes: Sequence[int],
-    modes: Sequence[str],
-    max_tokens: int,
-    max_compute: float | str,
-    patch_size: Sequence[int],
-    min_steps_per_rank: int,
-    num_workers: int,
-    shards_per_stream: int,
-    step_overhead_s: float,
-) -> tuple[tuple[int, ...], list[int], list[str]]:
-    """Check :func:`simulate`'s arguments; returns the patch, the sorted world sizes and the modes to run
-    (``equal_tokens`` first: the reference of ``tokens_per_s_ratio``)."""
-    patch = tuple(int(v) for v in patch_size)
-    if len(patch) != 3 or min(patch) < 1:
-        raise ValueError(f"patch_size must be 3 positive integers (pt, ph, pw), got {patch_size!r}")
-    sizes = [int(w) for w in world_sizes]
-    if not sizes or any(w < 2 or w > 1024 for w in sizes):
-        raise ValueError(f"world_sizes must be integers in 2..1024, got {list(world_sizes)!r}")
-    sizes = sorted(set(sizes))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}; choose from {sorted(MODES)}")
-    mode_list = ["equal_tokens"] + [m for m in dict.fromkeys(modes) if m != "equal_tokens"]
-    if not (isinstance(max_tokens, int | np.integer) and max_tokens >= 1):
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if isinstance(max_compute, str):
-        if max_compute not in ("auto", "search"):
-            raise ValueError(
-                f"max_compute must be a positive number, 'auto' or 'search', got {max_compute!r}"
-            )
-    elif not (isinstance(max_compute, int | float) and max_compute > 0):
-        raise ValueError(f"max_compute must be a positive number, 'auto' or 'search', got {max_compute!r}")
-    if min_steps_per_rank < 1 or num_workers < 0 or shards_per_stream < 1:
-        raise ValueError(
-            f"min_steps_per_rank ({min_steps_per_rank}) and shards_per_stream ({shards_per_stream}) must be >= 1, "
-            f"num_workers ({num_workers}) >= 0"
-        )
-    if step_overhead_s < 0:
-        raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
-    return patch, sizes, mode_list
 
 
 def _load_source(source: Any) -> tuple[Mix | None, Any]:
