@@ -51,24 +51,3 @@ def resumed_run(run: dict, ckpt: str, name: str, num_workers: int) -> dict:
         "ckpt_every": None,
         "resume": ckpt,
     }
-
-
-def planned_datamodule(
-    data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch, chunk=None
-):
-    """An ``AdaptiveLoadDataModule`` set up for ``fit`` as rank ``rank`` of ``world`` (``_dist`` patched):
-    ``max_tokens`` 512, seed 7, ``plan_chunk_samples`` ``chunk`` (default 1,000,000: one segment)."""
-    from lightning_adaptiveload import _dist
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-
-    monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
-    dm = AdaptiveLoadDataModule(
-        train_shards=data,
-        max_tokens=512,
-        num_workers=workers,
-        schedule=schedule,
-        seed=7,
-        plan_chunk_samples=chunk if chunk is not None else 1_000_000,
-    )
-    dm.setup("fit")
-    return dm

@@ -16,13 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-from _fixtures import (  # noqa: E402
-    assert_each_key_once,
-    index_keys,
-    planned_datamodule,
-    resumed_run,
-    uneven_shards,
-)
+from _fixtures import assert_each_key_once, index_keys, resumed_run, uneven_shards  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
@@ -43,7 +37,17 @@ def shards(tmp_path_factory) -> str:
 def make_dm(
     data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch, chunk: int | None = None
 ) -> AdaptiveLoadDataModule:
-    return planned_datamodule(data, rank, world, workers, schedule, monkeypatch, chunk)
+    monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        max_tokens=512,
+        num_workers=workers,
+        schedule=schedule,
+        seed=7,
+        plan_chunk_samples=chunk if chunk is not None else 1_000_000,
+    )
+    dm.setup("fit")
+    return dm
 
 
 def take(dm: AdaptiveLoadDataModule, n: int | None, monkeypatch, rank: int, world: int) -> list[list[str]]:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fixtures import index_keys, planned_datamodule, uneven_shards  # noqa: E402
+from _fixtures import index_keys, uneven_shards  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data import ShardIndex  # noqa: E402
@@ -34,7 +34,17 @@ def shards(tmp_path_factory) -> str:
 
 
 def make_dm(data, mp, rank, world, workers, schedule, chunk=None) -> AdaptiveLoadDataModule:
-    return planned_datamodule(data, rank, world, workers, schedule, mp, chunk)
+    mp.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        max_tokens=512,
+        num_workers=workers,
+        schedule=schedule,
+        seed=7,
+        plan_chunk_samples=chunk if chunk is not None else 1_000_000,
+    )
+    dm.setup("fit")
+    return dm
 
 
 def take(dm, n, mp, rank, world) -> list[list[str]]:
