@@ -54,8 +54,8 @@ def test_both_routes_equal_per_sample_forward_and_backward(shapes, route, monkey
     assert attention_route(lens) == route
 
     calls = []
-    original = packing.segment_attention
-    monkeypatch.setattr(packing, "segment_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = packing.segment_self_attention
+    monkeypatch.setattr(packing, "segment_self_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     monkeypatch.setattr(packing, "_logged_routes", set())
     with caplog.at_level(logging.INFO, logger=packing.__name__):
         preds = model.forward_packed(latents, t, text, mask)
@@ -92,8 +92,8 @@ def test_routes_on_cuda_under_bf16_autocast(shapes, route, monkeypatch):
     latents, t, text, mask = _inputs(model, shapes)
     latents, t, text, mask = [x.cuda() for x in latents], t.cuda(), text.cuda(), mask.cuda()
     calls = []
-    original = packing.segment_attention
-    monkeypatch.setattr(packing, "segment_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = packing.segment_self_attention
+    monkeypatch.setattr(packing, "segment_self_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         preds = model.forward_packed(latents, t, text, mask)
         refs = [

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_adaptiveload.models import packing
+from lightning_adaptiveload.models.pack_attention import equal_runs
 from lightning_adaptiveload.models.packing import (
     PackSegments,
     cu_seqlens,
@@ -135,7 +136,7 @@ def test_segment_attention_batches_runs_of_equal_lengths_exactly():
 
     from lightning_adaptiveload.models import packing
 
-    assert packing._equal_runs([3, 3, 5, 3, 3, 3]) == [(3, 2), (5, 1), (3, 3)]
+    assert equal_runs([3, 3, 5, 3, 3, 3]) == [(3, 2), (5, 1), (3, 3)]
     g = torch.Generator().manual_seed(0)
     lens = [4, 4, 4, 7, 2, 2]
     s = sum(lens)

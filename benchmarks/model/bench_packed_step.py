@@ -14,7 +14,9 @@ Cases:
   per-token rows and the variable-length kernel); ``pack-old`` adds the advanced-index gather of the rows
   (``packing.SEGMENT_SUM = "index"``), the path before issue 36 (then self-attention was batched SDPA).
 - ``mix``: one 41-frame clip (16 x 11 x 60 x 104 -> 17,160 tokens) and ten images (16 x 1 x 60 x 104 ->
-  1,560 each): 32,760 tokens as one pack (the segments route) and ``pack-old``; against the same samples as
+  1,560 each): 32,760 tokens as one pack (the segments route: ``pack``, the default self-attention, one
+  dense kernel call per run of equal lengths; ``pack-varlen``, the variable-length kernel;
+  ``pack-persample``, SDPA per run from Python, eager only) and ``pack-old``; against the same samples as
   bucketed steps (``bucketed-clip``, ``bucketed-images``: the ten as one batch, ``bucketed-image``: one),
   summed in the table as "clip + images batch" and "clip + each image" (the clip + 10 x one image).
 - ``segment_rows``: the per-token modulation rows alone at the mix's shapes (S = 32,760, D = 1536, N = 11),
@@ -297,10 +299,10 @@ def run(args) -> dict:
                     measure("clip", "pack-old", mode, ("clip", "pack"), old)
             elif case == "mix":
                 measure("mix", "pack", mode, ("mix", "pack"))
-                if (
-                    mode == "eager"
-                ):  # compiled packs run varlen (per-sample calls break the checkpointed graph)
-                    measure("mix", "pack-varlen", mode, ("mix", "pack"), varlen)
+                # The variable-length kernel for the self-attention (the compiled default before the runs op).
+                measure("mix", "pack-varlen", mode, ("mix", "pack"), varlen)
+                if mode == "eager":  # per-sample SDPA calls in Python (eager only: host loop)
+                    measure("mix", "pack-persample", mode, ("mix", "pack"), dict(segment_attention="per_sample"))
                 if (mode == "eager" or args.old_compiled) and not args.no_old:
                     measure("mix", "pack-old", mode, ("mix", "pack"), old)
                 measure("mix", "bucketed-clip", mode, ("mix", "bucketed-clip"))
@@ -336,7 +338,7 @@ def summarise(results: list[dict], n_images: int) -> list[dict]:
         clip, batch, one = (
             ms.get(("mix", v, mode)) for v in ("bucketed-clip", "bucketed-images", "bucketed-image")
         )
-        for variant in ("pack", "pack-varlen", "pack-old"):
+        for variant in ("pack", "pack-varlen", "pack-persample", "pack-old"):
             got = ms.get(("mix", variant, mode))
             if got and clip and batch:
                 rows.append(

@@ -164,6 +164,8 @@ VARIANTS = {
     "compile+smm26+nofuse+fa4+bf16w": _compiled(
         ("save_matmuls", 26), fused=False, attention="fa4", weights="bf16"
     ),
+    # The same without FlashAttention-4 (cuDNN where PyTorch picks it): the fast settings on a stock image.
+    "compile+smm_auto+nofuse+bf16w": _compiled(("save_matmuls", "auto"), fused=False, weights="bf16"),
     "compile+smm_auto+nofuse+fa4+bf16w": _compiled(
         ("save_matmuls", "auto"), fused=False, attention="fa4", weights="bf16"
     ),

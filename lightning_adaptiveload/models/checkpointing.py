@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_adaptiveload.models import pack_attention as _pack_attention
+
 __all__ = [
     "CHECKPOINT_POLICIES",
     "CONTEXT_FNS",
@@ -44,6 +46,8 @@ _ATTENTION_OPS = {
     )
     if hasattr(torch.ops.aten, name)
 }
+# A mixed pack's self-attention, one dense kernel call per run of equal-length samples (models/pack_attention.py).
+_ATTENTION_OPS.add(_pack_attention.pack_runs_op())
 try:  # the variable-length kernel of mixed packs (torch >= 2.10), a custom op of its own
     import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 

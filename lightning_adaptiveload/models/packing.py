@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_adaptiveload.models import attention as _attention
+from lightning_adaptiveload.models import pack_attention as _pack_attention
 
 try:  # torch >= 2.10; imported here, not inside functions that torch.compile traces
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -88,12 +89,13 @@ SEGMENT_SUMS = ("auto", "splits", "matmul", "index_add", "index")
 #: benchmarks (``benchmarks/model/bench_packed_step.py``); read at call time.
 SEGMENT_SUM = "auto"
 
-SEGMENT_ATTENTIONS = ("auto", "varlen", "per_sample")
+SEGMENT_ATTENTIONS = ("auto", "runs", "varlen", "per_sample")
 
-#: How a mixed pack's self-attention runs on CUDA: ``"varlen"`` (one variable-length kernel for the whole
-#: pack, ``torch.nn.attention.varlen``), ``"per_sample"`` (each run of equal-length samples as one batched
-#: SDPA call, so through the fastest dense kernel the machine has; eager mode only), ``"auto"``:
-#: ``"per_sample"`` in eager mode, ``"varlen"`` inside ``torch.compile``. On one H200 (wan-1.3b, bf16,
+#: How a mixed pack's self-attention runs: ``"runs"`` (each run of equal-length samples as one dense kernel
+#: call inside one custom op, :mod:`.pack_attention`: the bucketed batch's kernel, eager and compiled),
+#: ``"varlen"`` (one variable-length kernel for the whole pack, ``torch.nn.attention.varlen``, CUDA only),
+#: ``"per_sample"`` (the same runs as SDPA calls in Python; eager mode only), ``"auto"``: ``"runs"`` where
+#: :func:`.pack_attention.runs_kernel` finds a kernel, else the previous routes. On one H200 (wan-1.3b, bf16,
 #: 2026-11-27) the 32,760-token clip forced through the mixed route took 4,024 ms with varlen and 2,943 ms
 #: per sample, against 2,850 ms bucketed. Read at call time (``benchmarks/model/bench_packed_step.py`` sets it).
 SEGMENT_ATTENTION = "auto"
@@ -130,12 +132,19 @@ def log_route_once(route: str, device: torch.device, varlen: bool, n: int) -> No
     if key in _logged_routes:
         return
     _logged_routes.add(key)
+    kernel = None
+    if route == "segments" and SEGMENT_ATTENTION in ("auto", "runs") and device.type in ("cpu", "cuda"):
+        kernel = _pack_attention.runs_kernel(device, None)
     if route == "dense":
         what = f"a batch of {n} equal-length samples through batched SDPA"
-    elif varlen:
-        what = "mixed lengths through the variable-length kernel (torch.nn.attention.varlen)"
     else:
-        what = "mixed lengths through SDPA per sample"
+        if kernel is not None:
+            what = f"mixed lengths, self-attention one {kernel} kernel call per run of equal-length samples"
+        elif varlen:
+            what = "mixed lengths, self-attention through the variable-length kernel (torch.nn.attention.varlen)"
+        else:
+            what = "mixed lengths, self-attention through SDPA per sample"
+        what += ", cross-attention " + ("variable-length" if varlen else "per sample")
     log.info("packed attention on %s: %s", device.type, what)
 
 
@@ -203,6 +212,9 @@ class PackSegments:
             :func:`segment_cross_attention` drops it through this mask.
         has_text: bool (S,) or None: whether the token's sample has any real text (a sample without text
             gets a zero cross-attention output, as in the bucketed path); None: all have.
+        runs: CPU int64 (R, 2): the pack's runs of equal-length samples as (length, count), the input of
+            :func:`.pack_attention.pack_runs_attention` (a tensor, so that compiled blocks do not depend on
+            the composition).
     """
 
     lens: tuple[int, ...]
@@ -214,6 +226,7 @@ class PackSegments:
     text_max: int = 0
     has_text: torch.Tensor | None = None
     text_keys: torch.Tensor | None = None
+    runs: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -251,7 +264,8 @@ class PackSegments:
                 text_order = torch.argsort((~text_mask).flatten().to(torch.int8), stable=True)
             text_cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
             text_keys = torch.arange(n * text_len, device=device) < text_cu[-1]
-        return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text, text_keys)
+        runs = _pack_attention.runs_tensor(lens)
+        return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text, text_keys, runs)
 
     @property
     def num_samples(self) -> int:
@@ -405,7 +419,7 @@ def segment_attention(
         return _varlen(qt, kt, vt, cu, cu, m, m).transpose(0, 1)[None]
     outs = []
     start = 0
-    for length, count in _equal_runs(lens):
+    for length, count in _pack_attention.equal_runs(lens):
         end = start + length * count
         if count == 1:
             outs.append(
@@ -420,18 +434,6 @@ def segment_attention(
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
-def _equal_runs(lens: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive equal lengths as (length, count) runs: (1560, 1560, 1560, 17160) -> [(1560, 3), (17160, 1)]."""
-    runs: list[tuple[int, int]] = []
-    for s in lens:
-        s = int(s)
-        if runs and runs[-1][0] == s:
-            runs[-1] = (s, runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
-    return runs
-
-
 def segment_self_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: PackSegments, backends: Any = None
 ) -> torch.Tensor:
@@ -443,10 +445,15 @@ def segment_self_attention(
         backends: SDPA kernel order (``models/attention.py``) where SDPA runs.
 
     Returns:
-        (1, H, S, d). The varlen kernel on CUDA for bf16/fp16 (eager and compiled); per-sample SDPA in
-        eager mode elsewhere; inside ``torch.compile`` elsewhere, SDPA with a block-diagonal (S, S) mask
-        built from the segment ids (no loop over samples in the graph: S^2 memory, for CPU and tests).
+        (1, H, S, d). By default (:data:`SEGMENT_ATTENTION`) one dense kernel call per run of equal-length
+        samples (:func:`.pack_attention.pack_runs_attention`, eager and compiled). Where no dense kernel
+        applies: the varlen kernel on CUDA for bf16/fp16; per-sample SDPA in eager mode elsewhere; inside
+        ``torch.compile`` elsewhere, SDPA with a block-diagonal (S, S) mask built from the segment ids.
     """
+    if SEGMENT_ATTENTION in ("auto", "runs") and segments.runs is not None:
+        kernel = _pack_attention.runs_kernel(q.device, backends)
+        if kernel is not None:
+            return _pack_attention.pack_runs_attention(q, k, v, segments.runs, kernel)
     per_sample = SEGMENT_ATTENTION == "per_sample" or (
         SEGMENT_ATTENTION == "auto" and not torch.compiler.is_compiling()
     )
