@@ -68,7 +68,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
         job: what to plan (:class:`~.job.PlanJob`).
         schedule: the :class:`~.schedules.Independent` or :class:`~.schedules.Lockstep` schedule: its
             ``name`` (the plan's ``mode``), ``lockstep`` (step-aligned batches of one class on every rank),
-            ``tail`` (lockstep's end of epoch) and ``tolerance`` (groups buckets into lockstep classes; an
+            ``tail`` and ``packs_tail`` (lockstep's end of epoch) and ``tolerance`` (groups buckets into lockstep classes; an
             independent plan reports the classes too).
     """
     data, world, num_workers, batcher = job.data, job.world, job.num_workers, job.batcher
@@ -77,7 +77,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
     workers = job.workers
     mode, lockstep, underfull = schedule.name, bool(schedule.lockstep), settings.underfull
     lockstep_tail = schedule.tail
-    packed_end = lockstep and lockstep_tail == "packed" and world > 1  # lockstep's packed tail
+    packed_end = lockstep and schedule.packs_tail and world > 1  # lockstep's packed tail
     batcher.resolve_max_compute(distinct_shapes(data))
     table = bucket_table(data, batcher.sizer, batcher.oversize)
     buckets = table.buckets

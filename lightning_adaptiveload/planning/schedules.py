@@ -49,6 +49,7 @@ class Independent:
     name: ClassVar[str] = "independent"
     lockstep: ClassVar[bool] = False
     tail: ClassVar[str] = "bucketed"  # no lockstep tail
+    packs_tail: ClassVar[bool] = False
 
     tolerance: float = 0.05
     """Groups buckets into the lockstep classes the plan reports (``buckets[i]["lockstep_class"]``)."""
@@ -82,6 +83,11 @@ class Lockstep:
     """The end of the epoch: ``"packed"`` (balanced packs, :mod:`.tail`) or ``"bucketed"``."""
     chunk_samples: int | None = None
     """Plan an epoch of more samples in segments of about this many (:mod:`.chunked`); None: at once."""
+
+    @property
+    def packs_tail(self) -> bool:
+        """Whether the end of the epoch runs as packs (the model must run packs)."""
+        return self.tail == "packed"
 
     @classmethod
     def from_settings(cls, settings: PlanSettings) -> Lockstep:
@@ -166,7 +172,7 @@ class Auto:
         lock_job = job.replace(settings=job.settings.replace(schedule="lockstep"), t0=time.perf_counter())
         plan = self.lockstep.plan_whole(lock_job) if whole else self.lockstep.plan(lock_job)
         wait, max_wait = float(plan.report["est_straggler_wait"]), self.max_wait
-        may_pack = self.lockstep.tail == "packed" and int(job.world) > 1
+        may_pack = self.lockstep.packs_tail and int(job.world) > 1
         if wait <= max_wait or not may_pack:
             why = (
                 f"lockstep's estimated straggler wait {wait:.2%} is within {max_wait:.0%}"
