@@ -113,6 +113,7 @@ def main() -> None:
             devices=world,
             strategy=DDPStrategy(process_group_backend="gloo"),
             max_epochs=run["max_epochs"],
+            reload_dataloaders_every_n_epochs=1,
             logger=False,
             enable_checkpointing=bool(run.get("ckpt_every")),
             enable_progress_bar=False,

@@ -199,6 +199,7 @@ def main() -> None:
             strategy=_strategy(run["strategy"]),
             max_steps=run.get("max_steps", -1),
             max_epochs=run.get("max_epochs"),
+            reload_dataloaders_every_n_epochs=1,
             gradient_clip_val=run.get("clip"),
             logger=False,
             enable_checkpointing=bool(run.get("ckpt_every")),

@@ -134,6 +134,7 @@ def main() -> None:
             devices=int(cfg["world"]),
             strategy=DDPStrategy(process_group_backend="gloo"),
             max_epochs=run["max_epochs"],
+            reload_dataloaders_every_n_epochs=1,
             logger=False,
             enable_checkpointing=bool(run.get("ckpt")),
             enable_progress_bar=False,

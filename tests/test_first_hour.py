@@ -222,6 +222,7 @@ def test_oversize_in_a_library_fit_is_the_error_raised(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        reload_dataloaders_every_n_epochs=1,
     )  # fmt: skip
     with pytest.raises(ValueError, match="more than max_tokens=100"):
         trainer.fit(VideoDiTModule(preset="tiny"), datamodule=data)
@@ -249,6 +250,7 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        reload_dataloaders_every_n_epochs=1,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

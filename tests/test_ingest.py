@@ -420,6 +420,7 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
         accelerator="cpu",
         devices=1,
         max_steps=3,
+        reload_dataloaders_every_n_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -514,7 +515,7 @@ def test_training_on_demo_shards_warns(tmp_path):
     data = AdaptiveLoadDataModule(train_shards=str(out), max_tokens=1024, num_workers=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
     )  # fmt: skip
     with pytest.warns(UserWarning, match="DEMO DATA, NOT FOR TRAINING"):
         trainer.fit(VideoDiTModule(preset="tiny"), data)

@@ -126,13 +126,8 @@ ALLOWED_BACK_EDGES = {
 }
 
 
-# Import circles left, each with the reason; test_no_import_cycles wants exactly these.
-KNOWN_CYCLES = {
-    ("lightning_adaptiveload.planning.packed", "lightning_adaptiveload.planning.packed_counts"): (
-        "plan_packed dispatches to plan_on_counts, which reuses packed's helpers; issue 39 item 2 (schedules as "
-        "objects) moves the dispatch"
-    ),
-}
+# Import circles left, each with the reason; test_no_import_cycles wants exactly these (none now).
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def _unit(module: str) -> str:
@@ -344,3 +339,85 @@ def test_moved_modules_keep_their_old_paths_for_one_release():
     )
     assert lightning_adaptiveload.estimate_memory is memory.estimate_memory
     assert lightning_adaptiveload.tools.estimate_memory is memory.estimate_memory
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schedules are objects looked up once by name (planning/schedules.py), and the data folder never edits the
+# Trainer (issue 39, items 2 and 3). Both read the source, so a new offence anywhere fails here.
+
+import re  # noqa: E402
+
+PACKAGE_DIR = Path(lightning_adaptiveload.__file__).parent
+
+# The schedule names a setting may give: only the registry (schedules.py) and the settings that validate
+# them (settings.py, plan.py) may compare against them in planning/.
+SCHEDULE_NAMES = ("independent", "lockstep", "packed", "auto")
+# Modules that turn a schedule name into behaviour must not: the planner looks the schedule up once, the
+# bucketed plan and the segments get the schedule object.
+NO_SCHEDULE_STRINGS = ("planning/planner.py", "planning/bucketed.py", "planning/chunked.py")
+
+
+def schedule_name_tests(source: str) -> list[str]:
+    """Every comparison (``==``, ``!=``, ``in``, ``not in``) of something with a schedule name, as code."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = set()
+        for op in operands:
+            for sub in ast.walk(op):
+                if isinstance(sub, ast.Constant) and sub.value in SCHEDULE_NAMES:
+                    names.add(sub.value)
+        if names:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_the_planner_looks_schedules_up_instead_of_testing_their_names():
+    for rel in NO_SCHEDULE_STRINGS:
+        found = schedule_name_tests((PACKAGE_DIR / rel).read_text(encoding="utf-8"))
+        assert found == [], (
+            f"{rel} tests schedule names {found}: add a schedule object (planning/schedules.py)"
+        )
+    from typing import get_args
+
+    from lightning_adaptiveload.planning.schedules import SCHEDULE_TYPES
+    from lightning_adaptiveload.planning.settings import Schedule
+
+    assert set(SCHEDULE_TYPES) == set(SCHEDULE_NAMES) == set(get_args(Schedule))
+
+
+def test_the_schedule_name_check_catches_a_chain():
+    assert schedule_name_tests('if mode == "packed":\n    pass\nx = s in ("lockstep", "auto")\n') == [
+        "mode == 'packed'",
+        "s in ('lockstep', 'auto')",
+    ]
+    assert schedule_name_tests('x = "packed"\nif mode == other:\n    pass\n') == []
+
+
+# `trainer.<attr> = ...` (or `+=`, ...) and any use of Lightning's fit loop.
+TRAINER_EDIT = re.compile(r"trainer\.\w*\s*[-+*/|&]?=(?!=)|fit_loop")
+
+
+def trainer_edits(source: str) -> list[str]:
+    return [line.strip() for line in source.splitlines() if TRAINER_EDIT.search(line)]
+
+
+def test_the_data_folder_makes_no_edit_to_the_trainer():
+    found = {
+        str(path.relative_to(PACKAGE_DIR)): trainer_edits(path.read_text(encoding="utf-8"))
+        for path in sorted((PACKAGE_DIR / "data").rglob("*.py"))
+    }
+    assert len(found) > 20  # the walk found the folder
+    assert {k: v for k, v in found.items() if v} == {}, (
+        "data/ must not change the Trainer or read its fit loop: let the CLI set what Lightning needs, or "
+        "raise naming the setting (data/loader.py check_reload_every_epoch)"
+    )
+
+
+def test_the_trainer_edit_check_catches_an_edit():
+    assert trainer_edits("    trainer.reload_dataloaders_every_n_epochs = 1\n") != []
+    assert trainer_edits("x = trainer.fit_loop.epoch_loop.restarting\n") != []
+    assert trainer_edits("self.trainer.limit_val_batches += 1\n") != []
+    assert trainer_edits("if trainer.max_epochs != 1 and trainer.max_steps == 3:\n") == []

@@ -107,6 +107,7 @@ def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path, mo
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=3,
+        reload_dataloaders_every_n_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -152,6 +153,7 @@ def test_every_epoch_is_planned_once(data, tmp_path, monkeypatch, caplog):
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=4,
+        reload_dataloaders_every_n_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from lightning_adaptiveload.data.loader import PlannedShardDataset
-from lightning_adaptiveload.planning import chunked, planner, settings
+from lightning_adaptiveload.planning import bucketed, chunked, settings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES
 from lightning_adaptiveload.planning.planner import plan_epoch
@@ -100,7 +100,7 @@ def test_saved_settings_of_older_checkpoints():
 
 
 def test_the_chain_takes_at_most_twelve_parameters():
-    for fn in (plan_epoch, planner._plan_whole, chunked.plan_segments, PlannedShardDataset.__init__):
+    for fn in (plan_epoch, bucketed.plan_bucketed, chunked.plan_segments, PlannedShardDataset.__init__):
         params = [p for p in inspect.signature(fn).parameters if p != "self"]
         assert len(params) <= 12, (fn.__qualname__, params)
 

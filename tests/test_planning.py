@@ -205,7 +205,7 @@ def test_step_order_is_torch_dataloader_round_robin():
     plan = plan_epoch(index, 1, 3, DualConstraintBatcher(400), seed=0, epoch=0)
     expected_shape = [(w, j) for j in range(max(lengths)) for w in range(3) if j < lengths[w]]
     assert seen == expected_shape
-    from lightning_adaptiveload.planning.planner import _round_robin
+    from lightning_adaptiveload.planning.bucketed import _round_robin
 
     assert _round_robin(lengths) == seen
     assert plan.step_order[0] == _round_robin([len(plan.streams[(0, w)]) for w in range(3)])

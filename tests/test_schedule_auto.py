@@ -44,13 +44,13 @@ def _plan(data, world, mode, tail="packed"):
 
 
 def test_auto_picks_packed_where_lockstep_waits_and_says_so(monkeypatch):
-    from lightning_adaptiveload.planning import planner
+    from lightning_adaptiveload.planning import schedules
 
     data = _native(12_000)
     lockstep = _plan(data, 16, "lockstep")
     wait = lockstep.report["est_straggler_wait"]
     assert 0.005 < wait <= AUTO_MAX_WAIT  # near the bound at this size; above it at 200k samples on 64 ranks
-    monkeypatch.setattr(planner, "AUTO_MAX_WAIT", wait / 2)  # this small epoch stands for a large one
+    monkeypatch.setattr(schedules, "AUTO_MAX_WAIT", wait / 2)  # this small epoch stands for a large one
     auto = _plan(data, 16, "auto")
     packed = _plan(data, 16, "packed")
     assert auto.mode == "packed" and auto.streams == packed.streams and auto.steps == packed.steps

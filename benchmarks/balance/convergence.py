@@ -309,7 +309,13 @@ def run_one(
     initial = pl.Trainer(inference_mode=False, **common).validate(model, datamodule=dm, verbose=False)[0][
         "val/loss"
     ]
-    trainer = pl.Trainer(max_epochs=args.epochs, num_sanity_val_steps=0, callbacks=[curve], **common)
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        num_sanity_val_steps=0,
+        callbacks=[curve],
+        reload_dataloaders_every_n_epochs=1,  # every epoch has its own planned length
+        **common,
+    )
     trainer.fit(model, datamodule=dm)
     with open(curve_path) as f:
         epochs = json.load(f)

@@ -18,6 +18,7 @@ from lightning_adaptiveload import _dist
 
 __all__ = [
     "LIGHTNING_COMMANDS",
+    "TRAINER_DEFAULTS",
     "argument_message",
     "build_cli",
     "packaged_recipes",
@@ -110,6 +111,9 @@ def build_cli(
         },
     )
     options.update(kwargs)
+    # Every training epoch is planned with its own step count, so Lightning must read the loader's length
+    # every epoch (AdaptiveLoadDataModule refuses a trainer without it; a recipe may still set it).
+    options["trainer_defaults"] = {**TRAINER_DEFAULTS, **dict(kwargs.get("trainer_defaults") or {})}
     return _cli_class(default_model=model_class is None)(
         model_class if model_class is not None else pl.LightningModule,
         datamodule_class if datamodule_class is not None else AdaptiveLoadDataModule,
@@ -117,6 +121,10 @@ def build_cli(
         run=run,
         **options,
     )
+
+
+#: The Trainer settings the CLI gives every run unless the recipe or the command line sets them.
+TRAINER_DEFAULTS: dict[str, Any] = {"reload_dataloaders_every_n_epochs": 1}
 
 
 def _cli_class(default_model: bool) -> type:

@@ -32,7 +32,12 @@ from lightning_adaptiveload.data.datamodule_inputs import (
     write_synthetic_into,
 )
 from lightning_adaptiveload.data.index_agreement import check_indexes_agree
-from lightning_adaptiveload.data.loader import PlannedDataLoader, PlannedShardDataset, PlanProgressBar
+from lightning_adaptiveload.data.loader import (
+    PlannedDataLoader,
+    PlannedShardDataset,
+    PlanProgressBar,
+    check_reload_every_epoch,
+)
 from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -302,12 +307,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """Load the indexes and build the datasets; rank and world size come from the trainer.
 
         Raises:
-            ValueError: the trainer's module cannot take the training batches (:meth:`check_module`).
+            ValueError: the trainer's module cannot take the training batches (:meth:`check_module`), or
+                the trainer may run several epochs without reloading its loaders every epoch
+                (:func:`~.loader.check_reload_every_epoch`: build it with
+                ``Trainer(reload_dataloaders_every_n_epochs=1)``; the DataModule never changes the trainer).
         """
         _dist.destroy_gloo_group_at_exit()  # each DDP process on CPU: see _dist.destroy_gloo_group_at_exit
         if stage in (None, "fit") and self.trainer is not None:
             # Every rank raises the same error here, before any collective of the fit: no rank waits.
             self.check_module(getattr(self.trainer, "lightning_module", None))
+            check_reload_every_epoch(self.trainer)
         rank, world = _dist.rank_and_world(self.trainer)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
@@ -340,16 +349,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     "says they were encoded with a random-weight tiny VAE, so a model learns nothing useful "
                     "from them. Ingest real data with Wan's VAE (docs/ingest.md)"
                 )
-        trainer = self.trainer
-        if stage in (None, "fit") and trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
-            # The loader's length is its epoch's planned step count, which differs between epochs: Lightning
-            # must re-read it every epoch (see PlannedDataLoader).
-            if trainer.max_epochs != 1:
-                rank_zero_info(
-                    "[adaptiveload] setting reload_dataloaders_every_n_epochs=1 (was "
-                    f"{trainer.reload_dataloaders_every_n_epochs}): every epoch has its own planned length"
-                )
-            trainer.reload_dataloaders_every_n_epochs = 1
 
     def check_module(self, module: Any) -> None:
         """Refuse a training module that cannot take this DataModule's training batches, before any step.
@@ -566,8 +565,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) == epoch:
             plan = self._resume_plan(ds, resume)
-            if plan.steps == 0:
-                self._finish_restarted_epoch()
         else:
             if resume is not None:
                 log.info(
@@ -599,22 +596,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             if auto:
                 rank_zero_info(f"[adaptiveload] schedule 'auto' chose {auto['chose']}: {auto['why']}")
 
-    def _finish_restarted_epoch(self) -> None:
-        """The checkpoint was saved after the epoch's last batch: let Lightning end the epoch normally.
-
-        Lightning restarts the checkpoint's epoch; with nothing left in it, its epoch loop would run no
-        iteration, keep its "restarting" flag, and then not ask for the next epoch's iterator, silently
-        training an empty epoch (Lightning 2.x, iterable loaders). Running the empty epoch as a fresh one
-        avoids that; the fit loop's step counters are not touched.
-        """
-        trainer = self.trainer
-        try:
-            loop = trainer.fit_loop.epoch_loop  # type: ignore[union-attr]
-            if loop.restarting:
-                loop.restarting = False
-        except AttributeError:  # no trainer, or another loop layout: nothing to fix
-            pass
-
     def _end_train_epoch(self) -> None:
         self._iterating = False
         ds = self.train_dataset
@@ -644,22 +625,16 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     # -- resume ----------------------------------------------------------------------------------------
 
     def _consumed_now(self) -> int:
-        """Batches of the current training epoch consumed on this rank (whole epoch, all segments)."""
+        """Batches of the current training epoch consumed on this rank (whole epoch, all segments): those
+        before this segment, plus the batches the loader's counting iterator handed out in it."""
         ds = self.train_dataset
         if ds is None or ds.plan is None:
             return 0
         total = self._segment_base + ds.plan.steps
         trainer = self.trainer
-        if trainer is not None:
-            try:
-                if int(trainer.current_epoch) != ds.epoch:
-                    return total
-                done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-            except AttributeError:
-                done = None
-            if done is not None:
-                return max(self._segment_base, min(done, total))
-        return self._segment_base + int(ds.report.get("batches_yielded", 0))
+        if trainer is not None and int(trainer.current_epoch) != ds.epoch:
+            return total  # the epoch ended (and the trainer went on) before this state was asked for
+        return min(total, self._segment_base + ds.batches_yielded)
 
     def state_dict(self) -> dict[str, Any]:
         """The training epoch's position, for mid-epoch resume (gathers every rank's count: collective).

@@ -384,7 +384,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         if self._bar is not None:
             self._bar.close()
         trainer.strategy.barrier("ingest_written")
-        if trainer.global_rank == 0:
+        if trainer.is_global_zero:
             if _complete_shards(self.out):
                 write_index(self.out, metadata=self.metadata)
             else:  # every input skipped (or none assigned): nothing to index, no index.json

@@ -20,7 +20,7 @@ from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
 
-__all__ = ["PlanProgressBar", "PlannedDataLoader", "PlannedShardDataset"]
+__all__ = ["PlanProgressBar", "PlannedDataLoader", "PlannedShardDataset", "check_reload_every_epoch"]
 
 
 def _identity(batch: Any) -> Any:
@@ -107,6 +107,12 @@ class PlannedShardDataset(IterableDataset):
     def schedule(self) -> str:
         """The schedule of :attr:`settings`."""
         return self.settings.schedule
+
+    @property
+    def batches_yielded(self) -> int:
+        """Batches of the current epoch's plan handed out so far by the loader's counting iterator (in the
+        main process; 0 when the epoch begins): the resume position the DataModule saves."""
+        return int(self.report.get("batches_yielded", 0))
 
     # -- planning (main process) -----------------------------------------------------------------------
 
@@ -261,9 +267,10 @@ class PlannedDataLoader(DataLoader):
     kept and iterated). Lightning reads a sized loader's length when it (re)loads the loader and ends
     every epoch after that many batches, while the step count is planned per epoch and differs slightly
     between epochs; a stale length would cut an epoch short or skip its validation. The DataModule
-    therefore has Lightning reload its loaders every epoch (``reload_dataloaders_every_n_epochs=1``; a
-    rebuilt loader costs nothing, its plan is made once either way), so the length is always the
-    iterated epoch's own.
+    therefore needs Lightning to reload its loaders every epoch (``reload_dataloaders_every_n_epochs=1``;
+    a rebuilt loader costs nothing, its plan is made once either way), so the length is always the
+    iterated epoch's own: the CLI sets it, and :func:`check_reload_every_epoch` refuses a trainer without
+    it.
 
     ``sampler`` and ``batch_sampler`` are accepted only as None, so that Lightning can rebuild the loader
     (it does in the predict loop, to inject its own samplers, which an iterable dataset does not use).
@@ -320,6 +327,36 @@ class PlannedDataLoader(DataLoader):
             self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
         # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
         return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+
+
+def check_reload_every_epoch(trainer: Any) -> None:
+    """Refuse a trainer that would keep the first epoch's loader length for every epoch.
+
+    A planned loader's length is its epoch's planned step count, which differs between epochs, and
+    Lightning reads a loader's length only when it (re)loads the loader. The DataModule never changes the
+    trainer's settings: the trainer must be built with ``reload_dataloaders_every_n_epochs=1`` (the
+    ``lightning-adaptiveload`` CLI sets it). A run of one epoch (``max_epochs=1``) does not need it.
+
+    Args:
+        trainer: the Lightning ``Trainer`` (read only), or None (plain PyTorch use: nothing to check).
+
+    Raises:
+        ValueError: the trainer may run more than one epoch and reloads its loaders less often than every
+            epoch; the message names the setting and the value to pass.
+    """
+    if trainer is None:
+        return
+    every = getattr(trainer, "reload_dataloaders_every_n_epochs", 1)
+    if every == 1 or getattr(trainer, "max_epochs", None) == 1:
+        return
+    raise ValueError(
+        f"AdaptiveLoadDataModule needs Trainer(reload_dataloaders_every_n_epochs=1), got "
+        f"reload_dataloaders_every_n_epochs={every!r}: every training epoch is planned with its own step "
+        "count, and Lightning reads a loader's length only when it reloads the loader, so a stale length would "
+        "cut an epoch short or skip its validation. Build the trainer with "
+        "Trainer(reload_dataloaders_every_n_epochs=1) (in a recipe: trainer.reload_dataloaders_every_n_epochs: "
+        "1; the lightning-adaptiveload CLI sets it by default), or train for one epoch (max_epochs=1)"
+    )
 
 
 class PlanProgressBar:

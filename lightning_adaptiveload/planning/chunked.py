@@ -28,14 +28,15 @@ Pure Python and NumPy (no Lightning, no torch).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from lightning_adaptiveload.planning.assign import exclusions
-from lightning_adaptiveload.planning.inputs import Bucket, PlanInput
+from lightning_adaptiveload.planning.inputs import Bucket, PlanInput, as_input
+from lightning_adaptiveload.planning.job import EpochSchedule, PlanJob, gc_paused
 from lightning_adaptiveload.planning.lockstep import lockstep_classes
 from lightning_adaptiveload.planning.plan import EpochPlan, PlanError, Ref, Stream, underfull_message
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -133,37 +134,27 @@ class _Kept:
     packs: dict[Stream, list[bool]]
 
 
-def plan_segments(
-    data: PlanInput,
-    world: int,
-    num_workers: int,
-    batcher: Any,
-    seed: int,
-    epoch: int,
-    settings: PlanSettings,
-    *,
-    exclude: Any,
-    rank: int | None,
-    groups: int,
-    plan_one: Callable[..., EpochPlan],
-    progress: Callable[[int, int], None] | None,
-) -> EpochPlan:
-    """Plan the epoch in ``groups`` segments with ``plan_one`` (the exact planner) and join them.
+def plan_segments(job: PlanJob, schedule: EpochSchedule, groups: int) -> EpochPlan:
+    """Plan ``job``'s epoch in ``groups`` segments, each with ``schedule.plan_whole``, and join them.
 
     Args:
-        data: the planner's input (all shards).
-        world, num_workers, batcher, seed, epoch: as :func:`~.planner.plan_epoch`.
-        settings: the epoch's settings. Every segment is planned with them but ``underfull="pad"`` (the
-            whole epoch is checked against ``settings.underfull``), at once (no ``chunk_samples``), here,
-            and keeping its step costs; ``settings.plan_processes`` segments are planned at a time in
-            spawned processes (1: here, one after the other; the plan is the same, each process holds one
-            segment's working set and its own imports).
-        exclude: refs or ``{shard_id: sample_ids}`` to leave out.
-        rank: keep only this rank's streams (None: every stream).
+        job: the epoch (:class:`~.job.PlanJob`: the planner's input of all shards, the ranks, workers,
+            batcher, seed and epoch; ``exclude``: refs or ``{shard_id: sample_ids}`` to leave out;
+            ``rank``: keep only this rank's streams (None: every stream); ``progress``: called with
+            (segments planned, groups) after each segment). Every segment is planned with
+            ``job.settings`` but ``underfull="pad"`` (the whole epoch is checked against
+            ``job.settings.underfull``), at once (no ``chunk_samples``), here, and keeping its step costs;
+            ``settings.plan_processes`` segments are planned at a time in spawned processes (1: here, one
+            after the other; the plan is the same, each process holds one segment's working set and its
+            own imports).
+        schedule: the bucketed schedule (:class:`~.schedules.Independent` or
+            :class:`~.schedules.Lockstep`) that plans each segment; a frozen dataclass, sent whole to the
+            processes.
         groups: segments (>= 2).
-        plan_one: ``plan_epoch``, called once per segment on the segment's shards.
-        progress: called with (segments planned, groups) after each segment.
     """
+    data, world, num_workers, batcher = job.data, job.world, job.num_workers, job.batcher
+    seed, epoch, settings, exclude, rank = job.seed, job.epoch, job.settings, job.exclude, job.rank
+    progress = job.progress
     t0 = time.perf_counter()
     workers = max(1, int(num_workers))
     ranks = range(world) if rank is None else [int(rank)]
@@ -189,8 +180,8 @@ def plan_segments(
         for g, shards in enumerate(parts)
     ]
     segment = settings.replace(underfull="pad", chunk_samples=None, plan_processes=1, keep_step_costs=True)
-    job = _Job(world, int(num_workers), seg_batcher, int(epoch), rank, plan_one, segment)
-    for g, (seg, rows) in enumerate(_planned(data, tasks, job, settings.plan_processes)):
+    seg_job = _Job(world, int(num_workers), seg_batcher, int(epoch), rank, schedule, segment)
+    for g, (seg, rows) in enumerate(_planned(data, tasks, seg_job, settings.plan_processes)):
         shards = parts[g]
         to_global = [_global_bucket(b, global_id, bucket_dicts) for b in seg.buckets]
         _keep(seg, kept, ranks, workers, offset, shards.tolist(), to_global)
@@ -202,9 +193,8 @@ def plan_segments(
         del seg
         if progress is not None:
             progress(g + 1, groups)
-    mode = settings.schedule
-    if mode != "packed":
-        _global_classes(bucket_dicts, settings.lockstep_tolerance)
+    mode = schedule.name
+    _global_classes(bucket_dicts, schedule.tolerance)  # type: ignore[attr-defined]
     report = _merge_reports(reports, balance, len({d["lockstep_class"] for d in bucket_dicts}))
     report.update(segments=groups, segment_steps=[int(r["steps"]) for r in reports])
     per_rank = report.get("samples_per_rank", [])
@@ -227,7 +217,7 @@ def plan_segments(
         steps=offset,
         global_tokens=tokens,
         report=report,
-        pack_batches=kept.packs if mode != "packed" and any(any(v) for v in kept.packs.values()) else {},
+        pack_batches=kept.packs if any(any(v) for v in kept.packs.values()) else {},
         rank=rank,
     )
     report["plan_seconds"] = time.perf_counter() - t0
@@ -243,25 +233,30 @@ class _Job:
     batcher: Any
     epoch: int
     rank: int | None
-    plan_one: Callable[..., EpochPlan]
+    schedule: EpochSchedule  # plans every segment (plan_whole)
     settings: PlanSettings  # every segment's
 
 
+@gc_paused
 def _plan_task(data: PlanInput, task: tuple[int, np.ndarray, dict], job: _Job) -> tuple[EpochPlan, Any]:
     """One segment's plan (only ``job.rank``'s streams kept, if set) and its steps' balance rows (4, steps):
     CV, imbalance and wait of the ranks' costs, and the slowest rank's cost."""
     seed, shards, excl = task
-    seg = job.plan_one(
-        _sub_input(data, shards),
-        job.world,
-        job.num_workers,
-        job.batcher,
-        seed,
-        job.epoch,
-        job.settings,
+    seg_job = PlanJob(
+        data=as_input(_sub_input(data, shards)),
+        world=job.world,
+        num_workers=job.num_workers,
+        batcher=job.batcher,
+        seed=seed,
+        epoch=job.epoch,
+        settings=job.settings,
         exclude=excl or None,
         rank=job.rank,
+        t0=time.perf_counter(),
     )
+    seg = job.schedule.plan_whole(seg_job)
+    if job.rank is not None and seg.rank is None:
+        seg = local_plan(seg, job.rank)
     rows = None
     if seg.steps:
         costs = np.asarray(seg.step_costs, dtype=np.float64).T  # (steps, world)
@@ -274,8 +269,6 @@ _POOL: dict[str, Any] = {}
 
 
 def _pool_init(data: Any, job: _Job) -> None:
-    from lightning_adaptiveload.planning.inputs import as_input
-
     _POOL.update(data=as_input(data), job=job)
 
 
@@ -463,6 +456,6 @@ def _merge_reports(
     else:
         est_cv, est_wait = 0.0, 0.0
     out.update(est_compute_cv=est_cv, est_straggler_wait=est_wait, est_wait_share=est_wait)
-    if "lockstep_classes" in out and first.get("mode") != "packed":
+    if "lockstep_classes" in out:
         out["lockstep_classes"] = n_classes
     return out

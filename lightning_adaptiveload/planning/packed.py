@@ -44,7 +44,6 @@ from lightning_adaptiveload.planning.packed_report import (
     rank_correlation,
 )
 from lightning_adaptiveload.planning.packing_kernels import greedy_cores, pack_costs, pack_sums
-from lightning_adaptiveload.planning.resume import ConsumedMask
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 if TYPE_CHECKING:  # the batcher module imports torch; packing needs only its sizing rule
@@ -394,10 +393,12 @@ def plan_packed(
     rank: int | None = None,
     step_costs: bool = True,
 ) -> Any:
-    """The packed schedule's :class:`~.planner.EpochPlan` (called by :func:`~.planner.plan_epoch`).
+    """The packed schedule's :class:`~.plan.EpochPlan`, planned exactly, sample by sample.
 
-    An epoch of more than :data:`~.packed_counts.TEMPLATE_SAMPLES` samples is planned on counts
-    (:mod:`.packed_counts`), rank-locally where ``rank`` is given; a smaller one exactly, sample by sample.
+    The :class:`~.schedules.Packed` schedule calls it for an epoch of at most
+    :data:`~.packed_counts.TEMPLATE_SAMPLES` samples left to plan; a larger one it plans on counts
+    (:func:`~.packed_counts.plan_on_counts`, rank-locally where ``rank`` is given). ``rank`` is accepted
+    for the same signature: the exact plan holds every stream.
 
     Args:
         data: the planner's input (``.paths``, ``.keys``, ``.shapes`` per shard; ``.arrays`` for a compact
@@ -407,15 +408,8 @@ def plan_packed(
         exclude: ``{shard_id: sample_ids}`` already consumed.
         t0: ``time.perf_counter()`` at the start of planning (for ``report["plan_seconds"]``).
     """
-    from lightning_adaptiveload.planning import packed_counts
     from lightning_adaptiveload.planning.plan import PlanError, underfull_message
 
-    n = int(data.arrays.shard_offsets[-1]) if data.arrays is not None else sum(map(len, data.shapes))
-    n_gone = exclude.total() if isinstance(exclude, ConsumedMask) else sum(map(len, exclude.values()))
-    if n - n_gone > packed_counts.TEMPLATE_SAMPLES:
-        return packed_counts.plan_on_counts(
-            data, world, num_workers, batcher, seed, epoch, exclude, underfull, t0, rank, step_costs
-        )  # fmt: skip
     workers = max(1, int(num_workers))
     samples = _Samples.of(data, batcher, exclude, seed, epoch)
     steps = _ordered_steps(samples, batcher, world, seed, epoch)

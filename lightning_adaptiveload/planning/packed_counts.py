@@ -24,8 +24,9 @@ an epoch of N samples over K distinct token counts is planned from the K counts,
 
 Exactly once: the slots are a partition of every count's ordinals, and the ordinals of a count are its
 samples. Deterministic and identical on every rank: the counts, the templates and the shuffle depend on
-the index, the settings, the seed and the epoch only. Used by :func:`~.packed.plan_packed` for epochs of
-more than ``TEMPLATE_SAMPLES`` samples (smaller ones are planned exactly). Pure NumPy.
+the index, the settings, the seed and the epoch only. The packed schedule (:class:`~.schedules.Packed`)
+plans epochs of more than ``TEMPLATE_SAMPLES`` samples here, smaller ones exactly
+(:func:`~.packed.plan_packed`). Pure NumPy.
 """
 
 from __future__ import annotations
