@@ -40,7 +40,9 @@ def shards(tmp_path_factory) -> str:
     return uneven_shards(tmp_path_factory, "replan-shards", SIZES, seed=3)
 
 
-def make_dm(data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch) -> AdaptiveLoadDataModule:
+def make_dm(
+    data: str, rank: int, world: int, workers: int, schedule: str, monkeypatch
+) -> AdaptiveLoadDataModule:
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
     dm = AdaptiveLoadDataModule(
         train_shards=data,
@@ -119,7 +121,12 @@ def test_loader_restart_without_a_running_iterator(shards, monkeypatch):
 def test_refit_config_replan_settings():
     assert RefitConfig().replan_wait is None  # off by default
     RefitConfig(replan_wait=0.05, replan_window=10, max_replans_per_epoch=2)
-    for bad in ({"replan_wait": 0.0}, {"replan_wait": 1.5}, {"replan_window": 0}, {"max_replans_per_epoch": 0}):
+    for bad in (
+        {"replan_wait": 0.0},
+        {"replan_wait": 1.5},
+        {"replan_window": 0},
+        {"max_replans_per_epoch": 0},
+    ):
         with pytest.raises(ValueError, match=f"RefitConfig.{next(iter(bad))}"):
             RefitConfig(**bad) if "replan_wait" in bad else RefitConfig(replan_wait=0.05, **bad)
 

@@ -106,7 +106,8 @@ class LoadBalanceMonitor(Callback):
     to the data module, whose next epoch is planned with it (an ``AdaptiveLoadDataModule`` with
     ``max_compute="auto"``; otherwise the refit is logged only). Its terms and error are logged under
     ``prefix + "refit/"`` and appended to ``cost_refit.jsonl``; the learned model and its measurements are
-    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them.
+    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them. With
+    ``RefitConfig(replan_wait=...)`` a window whose wait passes it replans the running epoch's rest (``monitor/replan.py``).
 
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
@@ -378,7 +379,8 @@ class LoadBalanceMonitor(Callback):
             self._flush(trainer, pl_module, log=True)
         elif len(self._pending) >= self.max_buffered_steps:
             self._flush(trainer, pl_module, log=False)
-        if not self._pending and self._trigger is not None and self._trigger.armed:  # gathered: check the wait
+        # Just gathered (nothing pending after this step's record): check the window's wait.
+        if not self._pending and self._trigger is not None and self._trigger.armed:
             replan_if_waiting(self, trainer, pl_module)
         every = self._refitter.config.every_n_steps if self._refitter is not None else None
         step = int(trainer.global_step)
