@@ -11,7 +11,8 @@ CONFIG: {"data", "out", "world", "true": CostModel dict, "runs": [{"name", "sche
 "kill_at": global step | null, "num_workers": int, "noise": bool, "resume": path | null}]}. Per rank and run it writes
 ``<out>/<name>.rank<r>.jsonl``: one line per training step (epoch, step, keys, true cost), one per epoch start
 (``{"epoch_start": e, "model": the data module's cost model}``) and one per plan segment that starts in an
-epoch (``{"segment": the segment's saved settings, "epoch", "global_step", "global_tokens": the plan's}``).
+epoch (``{"segment": the segment's saved settings, "epoch", "global_step", "global_tokens": the plan's}``);
+rank 0 writes ``<out>/<name>.metrics.json``: ``trainer.callback_metrics`` at the end of the fit.
 """
 
 from __future__ import annotations
@@ -190,6 +191,9 @@ def main() -> None:
             trainer.fit(module, datamodule=dm, ckpt_path=run.get("resume"))
         except SimulatedCrash:
             torch.distributed.barrier()
+        if rank == 0:  # the monitor's logged values (the last of each key)
+            with open(os.path.join(cfg["out"], f"{run['name']}.metrics.json"), "w") as f:
+                json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,10 @@ def test_replan_lowers_the_wait_of_the_rest_of_the_epoch(runs):
     after, same_steps_unreplanned = stats.straggler_wait(with_replan[at:]), stats.straggler_wait(without[at:])
     assert same_steps_unreplanned > 0.01, same_steps_unreplanned  # the wrong model's tail waits: can fail
     assert after <= 0.5 * same_steps_unreplanned, (after, same_steps_unreplanned)
+    logged = json.load(open(os.path.join(runs["out"], "replan.metrics.json")))
+    assert logged["balance/replan/window_wait"] == pytest.approx(replan["window_wait"])
+    assert logged["balance/replan/steps_left_before"] == replan["steps_left_before"]
+    assert logged["balance/replan/steps_left_after"] == replan["steps_left_after"]
     window = stats.straggler_wait(with_replan[at - REPLAN["replan_window"] : at])
     assert window == pytest.approx(replan["window_wait"])  # the monitor's window: the true costs, no noise
     assert after < window, (after, window)  # the wait fell after the replan
