@@ -207,3 +207,23 @@ def test_replan_metrics():
         "replan/steps_left_before": 40.0,
         "replan/steps_left_after": 44.0,
     }
+
+
+@pytest.mark.timeout(180)
+def test_resume_after_a_replan_on_another_world_size(shards, monkeypatch):
+    """Three ranks resume a replanned epoch of two: the rest is planned afresh, every sample still once."""
+    taken, state = [], None
+    for rank in range(2):
+        dm = make_dm(shards, rank, 2, 0, "lockstep", monkeypatch)
+        keys, it, _ = _run_to_replan(dm, 2)
+        keys.append(next(it)["keys"])
+        taken.append([{"keys": k} for k in keys])
+        state = state or dm.state_dict()
+    rest = []
+    for rank in range(3):
+        again = make_dm(shards, rank, 3, 0, "lockstep", monkeypatch)
+        again.load_state_dict(state)
+        rest.append([{"keys": b["keys"]} for b in again.train_dataloader()])
+        assert again._segments[-1]["kind"] == "replan"
+    assert len({len(r) for r in rest}) == 1
+    assert_each_key_once(taken + rest, index_keys(shards), "replanned on 2 ranks, resumed on 3")
