@@ -165,6 +165,8 @@ def replan_if_waiting(monitor: Any, trainer: Any, pl_module: Any) -> None:
         pl_module: the LightningModule (for logging).
     """
     trigger: ReplanTrigger = monitor._trigger
+    if trigger.steps < trigger.config.replan_window:  # the same count on every rank: no collective yet
+        return
     datamodule = getattr(trainer, "datamodule", None)
     left = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_progress.current.processed
     wait = trigger.should_replan(int(left) if math.isfinite(left) else 0)
