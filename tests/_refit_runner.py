@@ -7,9 +7,12 @@ noise and outliers for the refit to see through), so the monitor measures exactl
     python tests/_refit_runner.py CONFIG.json
 
 CONFIG: {"data", "out", "world", "true": CostModel dict, "runs": [{"name", "schedule", "max_epochs",
-"max_tokens", "cost_model": dict, "refit": bool, "ckpt": bool, "resume": path | null}]}. Per rank and run it
-writes ``<out>/<name>.rank<r>.jsonl``: one line per training step (epoch, step, keys, true cost) and one per
-epoch start (``{"epoch_start": e, "model": the data module's cost model}``).
+"max_tokens", "cost_model": dict, "refit": bool | dict, "ckpt": bool, "ckpt_every": steps | null,
+"kill_at": global step | null, "num_workers": int, "noise": bool, "resume": path | null}]}. Per rank and run it writes
+``<out>/<name>.rank<r>.jsonl``: one line per training step (epoch, step, keys, true cost), one per epoch start
+(``{"epoch_start": e, "model": the data module's cost model}``) and one per plan segment that starts in an
+epoch (``{"segment": the segment's saved settings, "epoch", "global_step", "global_tokens": the plan's}``);
+rank 0 writes ``<out>/<name>.metrics.json``: ``trainer.callback_metrics`` at the end of the fit.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 # The checkout this file is in, ahead of any installed copy of the package (a subprocess's sys.path[0] is
 # tests/, so it would otherwise import whichever lightning_adaptiveload is installed).
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
-from _ddp_data_runner import launch  # noqa: E402,F401 - launch is re-exported for the test
+from _ddp_data_runner import CrashAt, SimulatedCrash, launch  # noqa: E402,F401 - launch is re-exported
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor  # noqa: E402
@@ -44,8 +47,11 @@ def batch_lengths(batch: dict) -> list[int]:
     return [int(batch["seq_len"])] * int(batch["batch_size"])
 
 
-def true_seconds(true: CostModel, batch: dict) -> float:
-    """The injected step time: the true cost with deterministic noise and outliers keyed by the batch's keys."""
+def true_seconds(true: CostModel, batch: dict, noise: bool = True) -> float:
+    """The injected step time: the true cost with deterministic noise and outliers keyed by the batch's keys
+    (``noise=False``: the true cost exactly)."""
+    if not noise:
+        return true.pack_cost(batch_lengths(batch))
     h = zlib.crc32("|".join(batch["keys"]).encode())
     noise = 1.0 + 0.02 * ((h % 2001) / 1000.0 - 1.0)
     outlier = 3.0 if (h >> 11) % 23 == 0 else 1.0
@@ -57,14 +63,14 @@ class TrueCostModule(pl.LightningModule):
 
     runs_packed_batches = True
 
-    def __init__(self, path: str, clock: ManualClock, true: CostModel) -> None:
+    def __init__(self, path: str, clock: ManualClock, true: CostModel, noise: bool = True) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.path, self.clock, self.true = path, clock, true
+        self.path, self.clock, self.true, self.noise = path, clock, true, noise
 
     def training_step(self, batch, batch_idx):
         lens = batch_lengths(batch)
-        self.clock.advance(true_seconds(self.true, batch))
+        self.clock.advance(true_seconds(self.true, batch, self.noise))
         row = {
             "epoch": int(self.current_epoch),
             "global_step": int(self.global_step),
@@ -94,6 +100,32 @@ class ModelRecorder(Callback):
             f.write(json.dumps({"epoch_start": int(trainer.current_epoch), "model": model}) + "\n")
 
 
+class SegmentRecorder(Callback):
+    """Writes every new plan segment of a training epoch (a fresh plan, a resume, a mid-epoch replan) with the
+    plan's per-step global token counts, at the first step that runs it: the ranks' plans must agree."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seen = path, 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.seen = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        dm = trainer.datamodule
+        if len(dm._segments) == self.seen:
+            return
+        self.seen = len(dm._segments)
+        seg = {k: v for k, v in dm._segments[-1].items() if k not in ("consumed", "digest", "digests")}
+        row = {
+            "segment": seg,
+            "epoch": int(trainer.current_epoch),
+            "global_step": int(trainer.global_step),
+            "global_tokens": [int(t) for t in dm.train_dataset.plan.global_tokens],
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank = int(os.environ["LOCAL_RANK"])
@@ -104,7 +136,7 @@ def main() -> None:
             train_shards=cfg["data"],
             max_tokens=run.get("max_tokens", 512),
             schedule=run["schedule"],
-            num_workers=0,
+            num_workers=run.get("num_workers", 0),
             cost_model=run["cost_model"],
         )
         clock = ManualClock()
@@ -118,7 +150,19 @@ def main() -> None:
             plots=False,
             print_summary=False,
         )
-        callbacks: list[Callback] = [monitor, ModelRecorder(path)]
+        callbacks: list[Callback] = [monitor, ModelRecorder(path), SegmentRecorder(path)]
+        if run.get("ckpt_every"):
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=os.path.join(cfg["out"], run["name"] + "-ckpt"),
+                    every_n_train_steps=run["ckpt_every"],
+                    save_top_k=-1,
+                    filename="at-{step}",
+                    auto_insert_metric_name=False,
+                )
+            )
+        if run.get("kill_at") is not None:
+            callbacks.append(CrashAt(run["kill_at"]))
         if run.get("ckpt"):
             callbacks.append(
                 ModelCheckpoint(
@@ -136,14 +180,21 @@ def main() -> None:
             max_epochs=run["max_epochs"],
             reload_dataloaders_every_n_epochs=1,
             logger=False,
-            enable_checkpointing=bool(run.get("ckpt")),
+            enable_checkpointing=bool(run.get("ckpt") or run.get("ckpt_every")),
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
             log_every_n_steps=5,
             callbacks=callbacks,
         )
-        trainer.fit(TrueCostModule(path, clock, true), datamodule=dm, ckpt_path=run.get("resume"))
+        try:
+            module = TrueCostModule(path, clock, true, noise=run.get("noise", True))
+            trainer.fit(module, datamodule=dm, ckpt_path=run.get("resume"))
+        except SimulatedCrash:
+            torch.distributed.barrier()
+        if rank == 0:  # the monitor's logged values (the last of each key)
+            with open(os.path.join(cfg["out"], f"{run['name']}.metrics.json"), "w") as f:
+                json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ def test_each_epoch_has_its_own_wait_and_the_refits_are_read(tmp_path):
     assert r["status"] == "fitted" and r["error"]["mean"] == 0.01 and r["prior_error"]["max"] == 0.5
 
 
+def test_replan_lines_are_read_apart_from_the_refits(tmp_path):
+    refit = {"epoch": 0, "step": 3, "status": "fitted", "applied": True}
+    replan = {"event": "replan", "epoch": 0, "step": 3, "window_wait": 0.2, "steps_left_before": 3,
+              "steps_left_after": 4}  # fmt: skip
+    out = clr.run_summary(_run(tmp_path, [[(1.0, 2.0)] * 6], [refit, replan]), warmup=0)
+    assert [r["status"] for r in out["refits"]] == ["fitted"]
+    assert out["replans"] == [replan]
+
+
 def test_main_writes_json_and_refuses_a_folder_without_the_monitor(tmp_path, capsys):
     run = _run(tmp_path, [[(1.0, 1.0)] * 3])
     out = tmp_path / "cl.json"

@@ -4,7 +4,7 @@ Reads the run folders of ``benchmarks/balance/gpu_closed_loop.sh`` (or any runs 
 :class:`~lightning_adaptiveload.LoadBalanceMonitor`): per run, per epoch, the straggler wait from the ranks'
 compute times and the measured wait (``sync_wait_s``), and, where the monitor refitted, each refit's status,
 terms and error (``cost_refit.jsonl``: the fitted model's and the starting model's mean and worst relative
-error per step on that epoch's rows). Writes one JSON (device-free: the runs' own files name the device) and
+error per step on that epoch's rows), and each mid-epoch replan's line (``replans``). Writes one JSON (device-free: the runs' own files name the device) and
 prints a table. Nothing here times anything.
 
     python benchmarks/balance/closed_loop_report.py refit_on=/tmp/cl/on refit_off=/tmp/cl/off --out cl.json
@@ -97,10 +97,14 @@ def run_summary(run_dir: str, warmup: int) -> dict[str, Any]:
         )
     refits = find_one(run_dir, "cost_refit.jsonl")
     out["refits"] = []
+    out["replans"] = []
     if refits:
         with open(refits, encoding="utf-8") as f:
             for line in f:
                 r = json.loads(line)
+                if r.get("event") == "replan":  # a mid-epoch replan (RefitConfig.replan_wait)
+                    out["replans"].append(r)
+                    continue
                 out["refits"].append(
                     {
                         k: r.get(k)

@@ -38,6 +38,7 @@ from lightning_adaptiveload.data.loader import (
     PlanProgressBar,
     check_reload_every_epoch,
 )
+from lightning_adaptiveload.data.replan import Replanned, replan_rest
 from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -621,6 +622,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """
         shapes = distinct_shapes(self.train_index) if self.train_index is not None else []
         self.batcher.set_cost_model(cost_model, shapes)
+
+    def replan_rest(self) -> Replanned:
+        """The rest of the running training epoch planned again with the current cost model (every rank at the
+        same step): :func:`~lightning_adaptiveload.data.replan.replan_rest`, for the closed loop."""
+        return replan_rest(self)
 
     # -- resume ----------------------------------------------------------------------------------------
 

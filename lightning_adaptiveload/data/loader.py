@@ -8,6 +8,7 @@ each worker, streams that worker's batches (:func:`~lightning_adaptiveload.data.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -248,6 +249,15 @@ class _CountingIterator:
                     runtime[reason] = runtime.get(reason, 0) + int(n)
         return batch
 
+    def switch_to(self, it: Iterator[dict[str, Any]]) -> None:
+        """Continue from ``it`` (an iterator of a new plan of the rest of the epoch); the old iterator's
+        workers are shut down and the batches they had read ahead are dropped. The count starts again."""
+        old, self._it = self._it, it
+        shutdown = getattr(old, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.yielded = 0
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "_it":
             raise AttributeError(name)
@@ -313,6 +323,7 @@ class PlannedDataLoader(DataLoader):
         self._before_epoch = before_epoch
         self._on_end = on_end
         self._length_fn = length_fn
+        self._live: Callable[[], _CountingIterator | None] = lambda: None  # weak: see restart
 
     def __len__(self) -> int:
         if self._length_fn is None:
@@ -325,8 +336,27 @@ class PlannedDataLoader(DataLoader):
             self._before_epoch()
         elif self.dataset.plan is None:  # type: ignore[attr-defined]
             self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
-        # No reference is kept: an abandoned iterator must be freed so that its workers shut down.
-        return _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+        # No strong reference is kept: an abandoned iterator must be freed so that its workers shut down.
+        it = _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+        self._live = weakref.ref(it)
+        return it
+
+    def restart(self) -> bool:
+        """Make the running epoch's iterator continue with the dataset's current plan (a mid-epoch replan
+        has replaced it, ``data/replan.py``): its next batch is the new plan's first.
+
+        With workers (``num_workers > 0``) the old workers hold the old plan and have read ahead: they are shut
+        down, their read-ahead batches dropped (their samples are in the new plan), and new workers start
+        with the new plan, as at an epoch start.
+
+        Returns:
+            False when no iterator of this loader is running (nothing to restart).
+        """
+        it = self._live()
+        if it is None:
+            return False
+        it.switch_to(super().__iter__())
+        return True
 
 
 def check_reload_every_epoch(trainer: Any) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "Resumed",
     "check_state",
     "check_state_version",
+    "consumed_mask",
     "digest_text",
     "position_state",
     "resume_plan",
@@ -46,7 +47,8 @@ MAX_NUM_WORKERS = 1 << 10
 _MAX_STREAMS = 1 << 18  # ranks x workers of one saved plan
 _MAX_SEGMENTS = 1 << 12  # resumes within one epoch
 _MAX_COUNT = 1 << 40  # batches consumed by one rank in one segment
-_KINDS = ("fresh", "continue", "replan")
+#: "refit": the rest of an epoch planned mid-epoch with a refit cost model (``data/replan.py``), on the same ranks.
+_KINDS = ("fresh", "continue", "replan", "refit")
 _WHAT_TO_DO = (
     "What to do: resume from another checkpoint, or drop the datamodule's entry from the checkpoint to start "
     "the epoch afresh"
@@ -223,8 +225,13 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
             "resume state version %s holds no digest of the consumed samples: the replay is not verified",
             state["version"],
         )
+    refit = _continues_refit(segments, ds.world_size)
     if _continues(segments, ds.world_size):
         plan, consumed_samples = _continue_at_position(ds, int(state["epoch"]), segments)
+        kind = "continue"
+    elif refit is not None:
+        # The epoch was replanned mid-epoch with a refit model and ran on since: continue that plan.
+        plan, consumed_samples = _continue_refit(ds, int(state["epoch"]), segments, refit)
         kind = "continue"
     else:
         plan, consumed_samples = _replan_rest(ds, int(state["epoch"]), segments)
@@ -247,7 +254,25 @@ def _continues(segments: list[dict[str, Any]], world: int) -> bool:
         and len(set(seg["consumed"])) == 1
         and (seg["kind"] == "continue" if i else seg["kind"] != "continue")
         for i, seg in enumerate(segments)
-    ) and not any(seg["kind"] == "replan" for seg in segments)
+    ) and not any(seg["kind"] in ("replan", "refit") for seg in segments)
+
+
+def _continues_refit(segments: list[dict[str, Any]], world: int) -> int | None:
+    """The index of the last segment when it is a mid-epoch replan (kind ``"refit"``) continued on ``world``
+    ranks since, every rank at the same step at the end of each of those segments; else None."""
+    b = max(i for i, seg in enumerate(segments) if seg["kind"] != "continue" or i == 0)
+    if segments[b]["kind"] != "refit":
+        return None
+    same = all(int(seg["world_size"]) == world and len(set(seg["consumed"])) == 1 for seg in segments[b:])
+    return b if same else None
+
+
+def _continue_refit(ds: Any, epoch: int, segments: list[dict[str, Any]], b: int) -> tuple[EpochPlan, int]:
+    """This rank's plan of the refit segment ``b`` (its saved settings and cost model, without the samples
+    the segments before it consumed: replayed, :func:`consumed_mask`), continued at its position."""
+    gone = consumed_mask(ds, epoch, segments[:b])
+    plan, consumed = _continue_at_position(ds, epoch, segments[b:], exclude=gone or None, first=b)
+    return plan, consumed + gone.total()
 
 
 def _digest_error(i: int, seg: Mapping[str, Any], saved: str, replayed: str) -> ResumeStateError:
@@ -273,13 +298,16 @@ def _plan_of(ds: Any, epoch: int, i: int, seg: Mapping[str, Any], rank: int, exc
         raise _bad(f"segments[{i}]", f"cannot be replayed ({type(err).__name__}: {err})") from None
 
 
-def _continue_at_position(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[EpochPlan, int]:
-    """This rank's plan of the epoch's first segment, continued after the steps every segment consumed;
-    each segment's saved digest of this rank's part is checked (version 3 states save one per rank)."""
+def _continue_at_position(
+    ds: Any, epoch: int, segments: list[dict[str, Any]], exclude: Any = None, first: int = 0
+) -> tuple[EpochPlan, int]:
+    """This rank's plan of ``segments[0]`` (without ``exclude``), continued after the steps every segment
+    consumed; each segment's saved digest of this rank's part is checked (version 3 states save one per
+    rank). ``first``: the index of ``segments[0]`` in the saved state (for the error messages)."""
     rank = int(ds.rank)
-    plan = _plan_of(ds, epoch, 0, segments[0], rank, None)
+    plan = _plan_of(ds, epoch, first, segments[0], rank, exclude)
     done = 0
-    for i, seg in enumerate(segments):
+    for i, seg in enumerate(segments, start=first):
         k = int(seg["consumed"][0])
         if done + k > plan.steps:
             raise _bad(
@@ -300,8 +328,20 @@ def _continue_at_position(ds: Any, epoch: int, segments: list[dict[str, Any]]) -
 
 
 def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[EpochPlan, int]:
-    """Replay every saved rank's plan of every segment, one rank at a time, flagging what it consumed;
-    then plan the rest for this rank without those samples."""
+    """The rest of the epoch planned for this rank without the samples the segments consumed."""
+    gone = consumed_mask(ds, epoch, segments)
+    return ds.make_plan(epoch, exclude=gone or None, local=True), gone.total()
+
+
+def consumed_mask(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> ConsumedMask:
+    """The samples ``segments`` (with their ``consumed`` counts) consumed in ``epoch``, one flag per sample.
+
+    Replays every saved rank's plan of every segment, one rank at a time (the time of one rank-local plan per
+    rank and segment), checking each part against its saved digest.
+
+    Raises:
+        ResumeStateError: a segment cannot be replayed, or its replay consumed other samples (digest).
+    """
     gone = ConsumedMask.of_index(ds.index)
     base_gone = gone.copy()  # what was consumed before the plan the current segment continues
     base = 0
@@ -330,7 +370,7 @@ def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[E
             del plan
         if seg.get("digest") is not None and digest_text(total) != seg["digest"]:
             raise _digest_error(i, seg, seg["digest"], digest_text(total))
-    return ds.make_plan(epoch, exclude=gone or None, local=True), gone.total()
+    return gone
 
 
 def position_state(ds: Any, segments: list[dict[str, Any]], mine: int) -> dict[str, Any]:

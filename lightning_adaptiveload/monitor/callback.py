@@ -39,6 +39,7 @@ from lightning_adaptiveload.monitor.cost_refit import (
     refit_metrics,
 )
 from lightning_adaptiveload.monitor.flops import BatchFlops
+from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_if_waiting
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
     CudaClock,
@@ -105,7 +106,8 @@ class LoadBalanceMonitor(Callback):
     to the data module, whose next epoch is planned with it (an ``AdaptiveLoadDataModule`` with
     ``max_compute="auto"``; otherwise the refit is logged only). Its terms and error are logged under
     ``prefix + "refit/"`` and appended to ``cost_refit.jsonl``; the learned model and its measurements are
-    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them.
+    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them. With
+    ``RefitConfig(replan_wait=...)`` a window whose wait passes it replans the running epoch's rest (``monitor/replan.py``).
 
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
@@ -189,6 +191,7 @@ class LoadBalanceMonitor(Callback):
         self.refit = refit
         # Outside _reset: the learned model outlives on_train_start (a checkpoint restores it before).
         self._refitter = CostRefitter(RefitConfig() if refit is True else refit) if refit else None
+        self._trigger = ReplanTrigger(self._refitter.config) if self._refitter is not None else None
         self._fixed_clock = clock
         self._trainer: Any = None  # set in setup: load_state_dict hands a restored model to its data module
         self.summary: dict[str, Any] = {}
@@ -248,13 +251,16 @@ class LoadBalanceMonitor(Callback):
             return {}
         if self._pending and self._trainer is not None:
             self._flush(self._trainer, self._trainer.lightning_module, log=False)
-        return {"cost_refit": self._refitter.state_dict()}
+        replan = {} if self._trigger is None else {"replan": self._trigger.state_dict()}
+        return {"cost_refit": self._refitter.state_dict(), **replan}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._refitter is None or "cost_refit" not in state_dict:
             return
         self._refitter.load_state_dict(state_dict["cost_refit"])
+        if self._trigger is not None and "replan" in state_dict:
+            self._trigger.load_state_dict(state_dict["replan"])
         # Lightning restores callbacks after `setup` and before the first epoch is planned.
         if self._refitter.model is not None and self._refitter.applied and self._trainer is not None:
             self._apply(self._trainer, self._refitter.model)
@@ -373,11 +379,19 @@ class LoadBalanceMonitor(Callback):
             self._flush(trainer, pl_module, log=True)
         elif len(self._pending) >= self.max_buffered_steps:
             self._flush(trainer, pl_module, log=False)
+        # Just gathered (nothing pending after this step's record): check the window's wait.
+        if not self._pending and self._trigger is not None and self._trigger.armed:
+            replan_if_waiting(self, trainer, pl_module)
         every = self._refitter.config.every_n_steps if self._refitter is not None else None
         step = int(trainer.global_step)
         if every and step % every == 0 and step != self._refit_step:  # once per optimizer step
             self._refit_step = step
             self._refit(trainer, pl_module)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trigger is not None:
+            self._trigger.start_epoch(int(trainer.current_epoch))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -539,6 +553,8 @@ class LoadBalanceMonitor(Callback):
         table = step_table.step_table(steps, self._peaks_flops, self._totals, self._max_tokens)
         if self._refitter is not None:
             self._refitter.add_steps(steps)
+        if self._trigger is not None:
+            self._trigger.add(table)
         if self._rank == 0:
             self._record(steps, table)
         if log:
@@ -551,13 +567,14 @@ class LoadBalanceMonitor(Callback):
                     batch_size=1,
                 )
 
-    def _refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Gather what is buffered, refit the cost model on every rank, hand it to the data module and log it."""
+    def _refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Gather what is buffered, refit the cost model on every rank, hand it to the data module and log it;
+        returns whether it was handed over."""
         assert self._refitter is not None
         if self._pending:
             self._flush(trainer, pl_module, log=False)  # every rank runs the same steps: all flush here
         if self._refitter.window_rows == 0:
-            return
+            return False
         datamodule = getattr(trainer, "datamodule", None)
         batcher = getattr(datamodule, "batcher", None)
         prior = getattr(batcher, "cost_model", None) or self._refitter.model or CostModel.default()
@@ -598,6 +615,7 @@ class LoadBalanceMonitor(Callback):
             report.append_json_line(
                 os.path.join(self._outdir, "cost_refit.jsonl"), self._refitter.history[-1]
             )
+        return why_not == ""
 
     def _apply(self, trainer: pl.Trainer, model: Any) -> str:
         resize = self._refitter is not None and self._refitter.config.resize_batches

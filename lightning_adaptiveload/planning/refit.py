@@ -74,6 +74,15 @@ class RefitConfig:
             ``max_compute="auto"``): the batch sizes of the long samples then change between epochs, which
             changes what the optimizer sees. False (default): there the refit is logged only; where the model
             only balances (``equal_tokens`` batches, the packed schedule's packs) it is applied.
+        replan_wait: mid-epoch replanning (off: None). When the straggler wait of the last ``replan_window``
+            steps of an epoch (the share of their time the ranks waited for the slowest, from the measured
+            compute times) exceeds this fraction (e.g. ``0.05``), the cost model is refitted and the rest of
+            the epoch replanned with it (``AdaptiveLoadDataModule.replan_rest``; exact: every sample once,
+            equal steps). Only where the refit is applied (see ``resize_batches``).
+        replan_window: steps per window of the replan check; the check runs at the monitor's gathers (every
+            ``log_every_n_steps``) once a window of steps has run since the epoch's start or the last replan,
+            and only while at least one window of steps is left in the epoch.
+        max_replans_per_epoch: mid-epoch replans at most per epoch.
     """
 
     every_n_steps: int | None = None
@@ -85,8 +94,19 @@ class RefitConfig:
     max_change: float = 10.0
     max_saved_steps: int = 100_000
     resize_batches: bool = False
+    replan_wait: float | None = None
+    replan_window: int = 50
+    max_replans_per_epoch: int = 1
 
     def __post_init__(self) -> None:
+        if self.replan_wait is not None and not 0 < self.replan_wait < 1:
+            raise ValueError(
+                f"RefitConfig.replan_wait must be a fraction of the step time in (0, 1) (e.g. 0.05) or None (off), "
+                f"got {self.replan_wait!r}"
+            )
+        for name in ("replan_window", "max_replans_per_epoch"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"RefitConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.every_n_steps is not None and int(self.every_n_steps) < 1:
             raise ValueError(f"RefitConfig.every_n_steps must be >= 1 or None, got {self.every_n_steps!r}")
         for name in ("warmup_steps_per_class", "max_saved_steps"):
