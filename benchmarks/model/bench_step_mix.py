@@ -192,7 +192,15 @@ def probe_memory(model, opt, fwd, cfg, timed, args, dev) -> dict:
     seq = {k: k[0] * (v[2] // cfg.patch_size[1]) * (v[3] // cfg.patch_size[2]) for k, v in timed.items()}
     ones = [k for k in timed if k[1] == 1]
     picks = [max(ones, key=seq.get), max(timed, key=lambda k: (k[1], seq[k])), min(ones, key=seq.get)]
-    batches = [((k[1], cfg.in_channels, *timed[k][1:]), args.text_len) for k in dict.fromkeys(picks)]
+    # The fit needs three distinct batches (5 points at least); where two picks coincide (a packed epoch's
+    # singles hold no batch of several samples), take the next distinct ones by token count.
+    picks = list(dict.fromkeys(picks))
+    for k in sorted(timed, key=lambda k: (-seq[k] * k[1], k)):
+        if len(picks) >= 3:
+            break
+        if k not in picks:
+            picks.append(k)
+    batches = [((k[1], cfg.in_channels, *timed[k][1:]), args.text_len) for k in picks]
 
     def step(shape, text_len):
         x, ts, ctx = step_inputs((shape[0], *shape[2:]), cfg, text_len, cfg.text_dim, dev)
@@ -475,6 +483,13 @@ def main_packed(args) -> int:
                     raise ValueError(
                         "checkpoint_blocks auto needs a pack of one sample among the timed packs"
                     )
+                # And a batch of the shortest sample up to max_tokens (a pack of equal lengths runs as one).
+                pt, ph, pw = cfg.patch_size
+                short = min(singles, key=lambda k: singles[k][1] * singles[k][2] * singles[k][3])
+                c_, t_, h_, w_ = singles[short]
+                most = max(2, args.max_tokens // ((t_ // pt) * (h_ // ph) * (w_ // pw)))
+                for b in (most, max(2, most // 2)):  # two batch sizes: the fit needs three distinct batches
+                    singles[(short[0], b)] = singles[short]
                 entry["memory"] = probe_memory(model, opt, fwd, cfg, singles, args, dev)
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"
