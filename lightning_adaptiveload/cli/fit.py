@@ -23,9 +23,12 @@ __all__ = [
     "packaged_recipes",
     "resolve_configs",
     "resolve_recipe",
+    "route_legacy_keywords",
 ]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+# The model a recipe without model.class_path builds.
+DEFAULT_MODEL = "lightning_adaptiveload.VideoDiTModule"
 _RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 # Top-level keys of a recipe besides the arguments of the subcommand's Trainer method.
 _RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler")
@@ -68,6 +71,103 @@ def resolve_configs(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             out[i] = "--config=" + resolve_recipe(arg[len("--config=") :])
     return out
+
+
+def _named_parameters(class_path: str) -> set[str] | None:
+    """The named keyword arguments of a class along its ``__init__`` chain (a subclass's or mixin's
+    ``**kwargs`` reach the next class) up to the package's class that takes deprecated flat keywords as
+    ``**legacy``; None when there is none on the chain or the class cannot be imported."""
+    import inspect
+
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    names: set[str] = set()
+    for klass in getattr(cls, "__mro__", ()):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = list(inspect.signature(init).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+        var = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+        if not var:
+            return None  # the chain ends: every key must be a parameter, as the parser checks
+        if var == ["legacy"] and klass.__module__.startswith("lightning_adaptiveload."):
+            return names
+    return None
+
+
+def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAULT_MODEL) -> list[str] | None:
+    """``argv`` with the model's deprecated flat keywords moved to ``model.dict_kwargs``, or None if it has none.
+
+    LightningCLI accepts only a class's named parameters under ``init_args``; the flat keywords that
+    ``VideoDiTModule`` still takes for one release (``lr``, ``shift``, ``activation_checkpointing``, ...) go
+    to its ``**legacy``, which the parser passes through as ``dict_kwargs``. The module then routes them
+    into their settings groups and warns once (``models/module_settings.py``). Moved: the keys of a
+    ``--config`` file's ``model.init_args`` (the file is then given as inline YAML) and
+    ``--model.init_args.KEY`` flags, where KEY is no parameter of the model class.
+
+    Args:
+        argv: the command line, subcommand first.
+        default_model: the class a recipe without ``model.class_path`` builds.
+    """
+    out, changed = list(argv), False
+    class_path = default_model
+    known = _named_parameters(class_path) if class_path else None
+    i = 0
+    while i < len(out):
+        arg = out[i]
+        flag, eq, value = arg.partition("=")
+        if flag in ("--model.class_path", "--model") and (eq or i + 1 < len(out)):
+            class_path = value if eq else out[i + 1]
+            known = _named_parameters(class_path) if "." in class_path else None
+        elif flag == "--config" and (eq or i + 1 < len(out)):
+            path = value if eq else out[i + 1]
+            recipe = _read_recipe(path)
+            model = recipe.get("model") if recipe else None
+            if isinstance(model, dict):
+                if isinstance(model.get("class_path"), str):
+                    class_path = model["class_path"]
+                    known = _named_parameters(class_path)
+                init_args = model.get("init_args")
+                if known is not None and isinstance(init_args, dict):
+                    flat = {k: v for k, v in init_args.items() if k not in known}
+                    if flat:
+                        import yaml
+
+                        model["init_args"] = {k: v for k, v in init_args.items() if k in known}
+                        model["dict_kwargs"] = {**(model.get("dict_kwargs") or {}), **flat}
+                        inline = yaml.safe_dump(recipe, sort_keys=False)
+                        if eq:
+                            out[i] = f"--config={inline}"
+                        else:
+                            out[i + 1] = inline
+                        changed = True
+        elif flag.startswith("--model.init_args.") and known is not None:
+            key = flag[len("--model.init_args.") :].split(".", 1)[0]
+            if key not in known:
+                out[i] = "--model.dict_kwargs." + flag[len("--model.init_args.") :] + eq + value
+                changed = True
+        i += 1
+    return out if changed else None
+
+
+def _read_recipe(path: str) -> dict[str, Any] | None:
+    """A ``--config`` file's YAML (bounded as an untrusted recipe), or None: not a file, or not readable."""
+    if not os.path.isfile(path):
+        return None
+    from lightning_adaptiveload.cli.calibrate import _load_recipe
+
+    try:
+        recipe = _load_recipe(path)
+    except ValueError:
+        return None  # the parser reports it
+    return recipe if isinstance(recipe, dict) else None
 
 
 def build_cli(
@@ -134,7 +234,19 @@ def _cli_class(default_model: bool) -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             if default_model:
-                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.VideoDiTModule"}})
+                parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # The model's deprecated flat keywords (one release): to its **legacy, which warns.
+            if args is None or isinstance(args, list | tuple):
+                import sys
+
+                argv = sys.argv[1:] if args is None else list(args)
+                routed = route_legacy_keywords(argv, DEFAULT_MODEL if default_model else None)
+                if routed is not None:
+                    self.config = parser.parse_args(routed)
+                    return
+            super().parse_arguments(parser, args)
 
         def before_fit(self) -> None:
             _check_before_fit(self.trainer, self.datamodule, self.model)

@@ -328,7 +328,7 @@ def calibrate(
         ValueError: no CUDA for a CUDA device, a shape the model cannot take, or even one sample of the
             longest shape does not fit the budget (bad settings are rejected by the settings classes).
     """
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import MemorySettings, OptimizerSettings, VideoDiTModule
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     cfg_all = settings_from_legacy(
@@ -363,10 +363,11 @@ def calibrate(
     module = VideoDiTModule(
         preset=preset,
         model_overrides=model_overrides,
-        activation_checkpointing=activation_checkpointing,
+        optimizer=OptimizerSettings(weight_dtype=weight_dtype),
+        memory=MemorySettings(
+            activation_checkpointing=activation_checkpointing, checkpoint_policy=checkpoint_policy
+        ),
         compile=compile,
-        checkpoint_policy=checkpoint_policy,
-        weight_dtype=weight_dtype,
     )
     cfg = module.model_config
     patch = cfg.patch_size
