@@ -128,7 +128,7 @@ def test_gpu_recipes_share_one_memory_ceiling():
         if Path(recipe).name.startswith("wan13b_480p") and "finetune" not in Path(recipe).name:
             ceilings[Path(recipe).name] = config["data"]["init_args"]["max_tokens"]
             assert config["trainer"]["precision"] == "bf16-mixed"
-            assert config["model"]["init_args"]["activation_checkpointing"] is True
+            assert config["model"]["init_args"]["memory"]["activation_checkpointing"] is True
     assert len(ceilings) == 3 and len(set(ceilings.values())) == 1, ceilings
 
 
@@ -324,7 +324,7 @@ def test_calibrate_reads_the_model_from_a_recipe(tmp_path, one_thread):
 
 def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_thread):
     recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
-    recipe["model"]["init_args"]["weight_dtype"] = "bf16"
+    recipe["model"]["init_args"]["optimizer"]["weight_dtype"] = "bf16"
     path = tmp_path / "bf16.yaml"
     path.write_text(yaml.safe_dump(recipe))
     common = ["--max-tokens", "900", "--num-shapes", "2", "--device", "cpu", "--warmup", "0", "--repeats", "1",
@@ -333,7 +333,8 @@ def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_
         out = tmp_path / f"cal_{expected}.yaml"
         assert calibrate_main(["--recipe", str(path), *common, *extra, "--out", str(out)]) == 0
         fragment = yaml.safe_load(out.read_text())
-        assert (fragment.get("model") or {}).get("init_args", {}).get("weight_dtype") == expected
+        optimizer = (fragment.get("model") or {}).get("init_args", {}).get("optimizer", {})
+        assert optimizer.get("weight_dtype") == expected
         assert f"# weight_dtype: {expected or 'fp32'}" in out.read_text()
 
 

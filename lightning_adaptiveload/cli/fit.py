@@ -73,87 +73,62 @@ def resolve_configs(argv: list[str]) -> list[str]:
     return out
 
 
-def _named_parameters(class_path: str) -> set[str] | None:
-    """The named keyword arguments of a class along its ``__init__`` chain (a subclass's or mixin's
-    ``**kwargs`` reach the next class) up to the package's class that takes deprecated flat keywords as
-    ``**legacy``; None when there is none on the chain or the class cannot be imported."""
-    import inspect
-
+def _deprecated_keywords(class_path: str) -> frozenset[str]:
+    """The flat keywords a class still takes for one release (its ``deprecated_keywords``), else none."""
     module_name, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
-        return None
-    names: set[str] = set()
-    for klass in getattr(cls, "__mro__", ()):
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            params = list(inspect.signature(init).parameters.values())
-        except (TypeError, ValueError):
-            return None
-        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
-        var = [p.name for p in params if p.kind is p.VAR_KEYWORD]
-        if not var:
-            return None  # the chain ends: every key must be a parameter, as the parser checks
-        if var == ["legacy"] and klass.__module__.startswith("lightning_adaptiveload."):
-            return names
-    return None
+        return frozenset()
+    return frozenset(getattr(cls, "deprecated_keywords", ()))
 
 
 def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAULT_MODEL) -> list[str] | None:
     """``argv`` with the model's deprecated flat keywords moved to ``model.dict_kwargs``, or None if it has none.
 
     LightningCLI accepts only a class's named parameters under ``init_args``; the flat keywords that
-    ``VideoDiTModule`` still takes for one release (``lr``, ``shift``, ``activation_checkpointing``, ...) go
-    to its ``**legacy``, which the parser passes through as ``dict_kwargs``. The module then routes them
-    into their settings groups and warns once (``models/module_settings.py``). Moved: the keys of a
-    ``--config`` file's ``model.init_args`` (the file is then given as inline YAML) and
-    ``--model.init_args.KEY`` flags, where KEY is no parameter of the model class.
+    ``VideoDiTModule`` still takes for one release (its ``deprecated_keywords``: ``lr``, ``shift``,
+    ``activation_checkpointing``, ...) go to its ``**legacy``, which the parser passes through as
+    ``dict_kwargs``. The module then merges them into their settings groups and warns once
+    (``models/module_settings.py``). Moved: those keys of a ``--config`` file's ``model.init_args`` (the
+    file is then given as inline YAML) and ``--model.init_args.KEY`` flags. Any other key stays, for the
+    parser to check.
 
     Args:
         argv: the command line, subcommand first.
         default_model: the class a recipe without ``model.class_path`` builds.
     """
     out, changed = list(argv), False
-    class_path = default_model
-    known = _named_parameters(class_path) if class_path else None
-    i = 0
-    while i < len(out):
-        arg = out[i]
+    deprecated = _deprecated_keywords(default_model) if default_model else frozenset()
+    for i, arg in enumerate(out):
         flag, eq, value = arg.partition("=")
-        if flag in ("--model.class_path", "--model") and (eq or i + 1 < len(out)):
+        has_value = bool(eq) or i + 1 < len(out)
+        if flag in ("--model.class_path", "--model") and has_value:
             class_path = value if eq else out[i + 1]
-            known = _named_parameters(class_path) if "." in class_path else None
-        elif flag == "--config" and (eq or i + 1 < len(out)):
-            path = value if eq else out[i + 1]
-            recipe = _read_recipe(path)
+            deprecated = _deprecated_keywords(class_path) if "." in class_path else frozenset()
+        elif flag == "--config" and has_value:
+            recipe = _read_recipe(value if eq else out[i + 1])
             model = recipe.get("model") if recipe else None
-            if isinstance(model, dict):
-                if isinstance(model.get("class_path"), str):
-                    class_path = model["class_path"]
-                    known = _named_parameters(class_path)
-                init_args = model.get("init_args")
-                if known is not None and isinstance(init_args, dict):
-                    flat = {k: v for k, v in init_args.items() if k not in known}
-                    if flat:
-                        import yaml
+            if not isinstance(model, dict):
+                continue
+            if isinstance(model.get("class_path"), str):
+                deprecated = _deprecated_keywords(model["class_path"])
+            init_args = model.get("init_args")
+            flat = {k: v for k, v in init_args.items() if k in deprecated} if isinstance(init_args, dict) else {}
+            if flat:
+                import yaml
 
-                        model["init_args"] = {k: v for k, v in init_args.items() if k in known}
-                        model["dict_kwargs"] = {**(model.get("dict_kwargs") or {}), **flat}
-                        inline = yaml.safe_dump(recipe, sort_keys=False)
-                        if eq:
-                            out[i] = f"--config={inline}"
-                        else:
-                            out[i + 1] = inline
-                        changed = True
-        elif flag.startswith("--model.init_args.") and known is not None:
-            key = flag[len("--model.init_args.") :].split(".", 1)[0]
-            if key not in known:
-                out[i] = "--model.dict_kwargs." + flag[len("--model.init_args.") :] + eq + value
+                model["init_args"] = {k: v for k, v in init_args.items() if k not in flat}
+                model["dict_kwargs"] = {**(model.get("dict_kwargs") or {}), **flat}
+                inline = yaml.safe_dump(recipe, sort_keys=False)
+                if eq:
+                    out[i] = f"--config={inline}"
+                else:
+                    out[i + 1] = inline
                 changed = True
-        i += 1
+        elif flag.startswith("--model.init_args.") and flag[len("--model.init_args.") :] in deprecated:
+            out[i] = "--model.dict_kwargs." + flag[len("--model.init_args.") :] + eq + value
+            changed = True
     return out if changed else None
 
 

@@ -46,6 +46,7 @@ from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.compile_check import CompileSettings
 from lightning_adaptiveload.models.module_settings import (
+    DEPRECATED_KEYWORDS,
     MemorySettings,
     OptimizerSettings,
     SamplingSettings,
@@ -136,6 +137,10 @@ class VideoDiTModule(L.LightningModule):
         ValueError: a bad setting (the message names its recipe key) or preset.
         TypeError: an unknown keyword, or a flat keyword beside its group given with other values.
     """
+
+    #: The flat keywords of earlier releases, taken for one release (``**legacy``, with a warning); the CLI
+    #: passes these keys of a recipe's ``model.init_args`` through to it.
+    deprecated_keywords: frozenset[str] = DEPRECATED_KEYWORDS
 
     #: Runs packed batches (``compute_loss`` takes a pack): the DataModule may give lockstep epochs a
     #: packed tail (``AdaptiveLoadDataModule(lockstep_tail="packed")``).

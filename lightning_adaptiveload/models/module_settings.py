@@ -22,7 +22,7 @@ Each field is validated once, in its class's ``__post_init__``; the message name
         memory: {activation_checkpointing: true}
 
 The flat keywords of earlier releases (``lr=``, ``shift=``, ``activation_checkpointing=``, ...) still work
-for one release: :func:`settings_from_keywords` routes each into its group and warns once
+for one release: :func:`settings_from_keywords` merges each into its group and warns once
 (:func:`~lightning_adaptiveload._legacy.settings_from_legacy`).
 """
 
@@ -37,6 +37,7 @@ from typing import Any, Literal, TypeVar
 from lightning_adaptiveload._legacy import settings_from_legacy
 
 __all__ = [
+    "DEPRECATED_KEYWORDS",
     "MemorySettings",
     "ModuleSettings",
     "OptimizerSettings",
@@ -203,7 +204,10 @@ class MemorySettings:
         if self.activation_memory is not None:
             if not isinstance(self.activation_memory, Mapping):
                 raise _bad("memory.activation_memory", self.activation_memory, "must be a mapping of numbers")
-            ActivationMemory.from_dict(self.activation_memory)  # names a missing or unknown key
+            try:
+                ActivationMemory.from_dict(self.activation_memory)  # the format's one check
+            except ValueError as err:
+                raise _bad("memory.activation_memory", self.activation_memory, str(err)) from None
             object.__setattr__(self, "activation_memory", dict(self.activation_memory))
         if self.memory_budget_gib is not None and not _positive(self.memory_budget_gib):
             raise _bad("memory.memory_budget_gib", self.memory_budget_gib, "must be a number of GiB > 0 or null")
@@ -211,6 +215,10 @@ class MemorySettings:
 
 def _groups() -> dict[str, type]:
     return {"optimizer": OptimizerSettings, "sampling": SamplingSettings, "memory": MemorySettings}
+
+
+#: The flat keywords of earlier releases: every field of the three groups.
+DEPRECATED_KEYWORDS = frozenset(f.name for cls in _groups().values() for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,41 +252,47 @@ def _as_settings(cls: type[T], value: Any, name: str) -> T:
 def settings_from_keywords(
     given: Mapping[str, Any], legacy: Mapping[str, Any], *, stacklevel: int = 4
 ) -> ModuleSettings:
-    """The module's settings groups: each given one, with the deprecated flat keywords routed into theirs.
+    """The module's settings groups: each given one, with the deprecated flat keywords merged into theirs.
 
     Args:
         given: ``{"optimizer": ..., "sampling": ..., "memory": ...}``: each a settings object, a mapping of
             its fields (a checkpoint's hyper-parameters) or None (the defaults).
         legacy: the deprecated flat keywords (``lr=``, ``shift=``, ``activation_checkpointing=``, ...); each
-            goes into the group that has the field. Any of them warns once with a ``DeprecationWarning``.
+            goes into the group that has the field (an old-form recipe with a new-form calibration
+            fragment merges so). Any of them warns once with a ``DeprecationWarning``.
         stacklevel: the warning's stack level (4: the caller of ``VideoDiTModule(...)``).
 
     Raises:
-        TypeError: a flat keyword that is no field of any group (the closest is suggested), or a flat
-            keyword of a group that is also given with values other than its defaults.
+        TypeError: a flat keyword that is no field of any group (the closest is suggested), or one whose
+            field the group also sets, to another value.
     """
     groups = _groups()
     resolved = {name: _as_settings(cls, given.get(name), name) for name, cls in groups.items()}
     fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in groups.items()}
     used = {name: [k for k in legacy if k in fields[name]] for name in groups}
-    for name, keys in used.items():
-        if keys and resolved[name] != groups[name]():
-            raise TypeError(
-                f"VideoDiTModule: {keys} given as flat keywords and {name}={resolved[name]!r} as well; set "
-                f"them in {name} only (model.init_args.{name}.{keys[0]})"
-            )
     instead = ", ".join(
         f"{name}={groups[name].__name__}({', '.join(f'{k}=...' for k in keys)})"
         for name, keys in used.items()
         if keys
     )
-    return settings_from_legacy(
+    # Warns, refuses an unknown keyword, and validates the flat values in their groups.
+    flat = settings_from_legacy(
         ModuleSettings,
         None,
         legacy,
         caller="VideoDiTModule",
-        required=resolved,
         nested=groups,
         stacklevel=stacklevel,
         instead=instead or None,
     )
+    merged = {}
+    for name, cls in groups.items():
+        default, group, values = cls(), resolved[name], {k: getattr(getattr(flat, name), k) for k in used[name]}
+        both = [k for k, v in values.items() if getattr(group, k) not in (getattr(default, k), v)]
+        if both:
+            raise TypeError(
+                f"VideoDiTModule: {both[0]}={values[both[0]]!r} as a flat keyword and {name}.{both[0]}="
+                f"{getattr(group, both[0])!r}; set it once, in model.init_args.{name}.{both[0]}"
+            )
+        merged[name] = dataclasses.replace(group, **values) if values else group
+    return ModuleSettings(**merged)
