@@ -176,6 +176,35 @@ def test_quickstart_runs_a_shortened_fit(tmp_path):
 
 
 @needs_datamodule
+@pytest.mark.timeout(300)
+def test_quickstart_in_the_old_flat_form_still_runs_and_warns(tmp_path):
+    # Issue 39: recipes of the earlier release give VideoDiTModule's settings as flat keys of model.init_args
+    # (lr, warmup_steps, shift). They run for one release: the CLI passes them to the module's **legacy,
+    # which merges them into its settings groups and warns.
+    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    args = recipe["model"]["init_args"]
+    for group in ("optimizer", "sampling", "memory"):
+        args.update(args.pop(group, None) or {})
+    assert {"lr", "warmup_steps", "shift"} <= set(args)
+    old = tmp_path / "old_quickstart.yaml"
+    old.write_text(yaml.safe_dump(recipe))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_adaptiveload", "fit", "--config", str(old), "--trainer.max_steps=3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "always::DeprecationWarning"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "LoadBalanceMonitor" in out and "straggler_wait" in out
+    assert "VideoDiTModule(lr=..., warmup_steps=..., shift=...): the flat keywords are deprecated" in out
+    saved = yaml.safe_load(next((tmp_path / "runs" / "quickstart").rglob("config.yaml")).read_text())
+    assert saved["model"]["dict_kwargs"] == {"lr": 2e-3, "warmup_steps": 10, "shift": 1.0}
+
+
+@needs_datamodule
 @pytest.mark.timeout(180)
 def test_repeated_run_overwrites_the_saved_config(tmp_path, monkeypatch, one_thread):
     # Without a logger the config is saved to default_root_dir, the same path both times: the second run

@@ -63,7 +63,9 @@ def test_constructor_rejects_bad_arguments():
 
 
 def test_configure_model_builds_once_and_applies_options():
-    module = VideoDiTModule(model_overrides={"num_layers": 3}, memory=MemorySettings(activation_checkpointing=True))
+    module = VideoDiTModule(
+        model_overrides={"num_layers": 3}, memory=MemorySettings(activation_checkpointing=True)
+    )
     assert module.model is None
     module.configure_model()
     model = module.model

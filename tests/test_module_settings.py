@@ -96,7 +96,11 @@ def test_good_values_are_normalised_once():
 
 
 def test_the_deprecated_keywords_are_the_fields_of_the_groups():
-    fields = {f.name for cls in (OptimizerSettings, SamplingSettings, MemorySettings) for f in dataclasses.fields(cls)}
+    fields = {
+        f.name
+        for cls in (OptimizerSettings, SamplingSettings, MemorySettings)
+        for f in dataclasses.fields(cls)
+    }
     assert DEPRECATED_KEYWORDS == fields and VideoDiTModule.deprecated_keywords == fields
     assert len(fields) == 16  # 21 parameters before: these, plus the 5 that stay
 
@@ -107,7 +111,9 @@ def test_the_deprecated_keywords_are_the_fields_of_the_groups():
 def test_flat_keywords_build_the_same_module_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        old = VideoDiTModule(lr=2e-3, warmup_steps=10, shift=1.0, activation_checkpointing=True, weight_dtype="bf16")
+        old = VideoDiTModule(
+            lr=2e-3, warmup_steps=10, shift=1.0, activation_checkpointing=True, weight_dtype="bf16"
+        )
     ours = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     assert len(ours) == 1 and ours[0].filename == __file__  # points at the caller
     text = str(ours[0].message)
@@ -210,7 +216,14 @@ def test_route_legacy_keywords_moves_only_the_deprecated_keys(tmp_path):
 
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump(_old_form(yaml.safe_load(QUICKSTART.read_text()))))
-    argv = ["fit", "--config", str(old), "--model.init_args.shift=2", "--model.init_args.lrr=1", "--trainer.devices=1"]
+    argv = [
+        "fit",
+        "--config",
+        str(old),
+        "--model.init_args.shift=2",
+        "--model.init_args.lrr=1",
+        "--trainer.devices=1",
+    ]
     routed = route_legacy_keywords(argv)
     assert routed[:2] == ["fit", "--config"]
     assert routed[3:] == ["--model.dict_kwargs.shift=2", "--model.init_args.lrr=1", "--trainer.devices=1"]
@@ -235,7 +248,12 @@ def test_recipes_in_both_forms_build_the_same_module_through_the_cli(tmp_path, m
     monkeypatch.setattr(sys, "argv", ["lightning-adaptiveload"])
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump(_old_form(yaml.safe_load(QUICKSTART.read_text()))))
-    common = ["--trainer.devices=1", "--trainer.strategy=auto", "--trainer.logger=false", "--trainer.callbacks=[]"]
+    common = [
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        "--trainer.logger=false",
+        "--trainer.callbacks=[]",
+    ]
     built = {}
     for form, recipe in (("new", QUICKSTART), ("old", old)):
         with warnings.catch_warnings(record=True) as caught:

@@ -122,7 +122,9 @@ def load_activation_memory(value: str | None) -> dict:
         with open(value, encoding="utf-8") as f:
             data = yaml.safe_load(f)
         init_args = ((data or {}).get("model") or {}).get("init_args") or {}
-        memory = (init_args.get("memory") or {}).get("activation_memory") or init_args.get("activation_memory")
+        memory = (init_args.get("memory") or {}).get("activation_memory") or init_args.get(
+            "activation_memory"
+        )
         if not isinstance(memory, dict):
             raise ValueError(
                 f"--activation-memory {value}: no model.init_args.memory.activation_memory in it; pass the fragment "

@@ -55,7 +55,11 @@ _MODEL_KEYS = (
 )
 # The settings group of VideoDiTModule that holds a model key in a recipe (model.init_args.memory.
 # activation_checkpointing); the others are top-level keys. The flat form of earlier releases is read too.
-_MODEL_GROUPS = {"activation_checkpointing": "memory", "checkpoint_policy": "memory", "weight_dtype": "optimizer"}
+_MODEL_GROUPS = {
+    "activation_checkpointing": "memory",
+    "checkpoint_policy": "memory",
+    "weight_dtype": "optimizer",
+}
 # The recipe's and the flags' settings of the measured step (CalibratedTraining's fields).
 _TRAINING_KEYS = frozenset(f.name for f in dataclasses.fields(CalibratedTraining))
 

@@ -114,7 +114,9 @@ def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAU
             if isinstance(model.get("class_path"), str):
                 deprecated = _deprecated_keywords(model["class_path"])
             init_args = model.get("init_args")
-            flat = {k: v for k, v in init_args.items() if k in deprecated} if isinstance(init_args, dict) else {}
+            flat = (
+                {k: v for k, v in init_args.items() if k in deprecated} if isinstance(init_args, dict) else {}
+            )
             if flat:
                 import yaml
 

@@ -43,8 +43,8 @@ import torch
 from torchmetrics import MeanMetric, Metric
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.compile_check import CompileSettings
+from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.module_settings import (
     DEPRECATED_KEYWORDS,
     MemorySettings,

@@ -49,7 +49,9 @@ T = TypeVar("T")
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
 
 
 def _count(value: Any, least: int) -> bool:
@@ -101,7 +103,9 @@ class OptimizerSettings:
         ):
             raise _bad("optimizer.betas", self.betas, "give two numbers in [0, 1), e.g. [0.9, 0.999]")
         object.__setattr__(self, "betas", tuple(float(b) for b in betas))
-        if not (_positive(self.weight_decay) or self.weight_decay == 0) or isinstance(self.weight_decay, bool):
+        if not (_positive(self.weight_decay) or self.weight_decay == 0) or isinstance(
+            self.weight_decay, bool
+        ):
             raise _bad("optimizer.weight_decay", self.weight_decay, "must be a number >= 0")
         if not _positive(self.eps):
             raise _bad("optimizer.eps", self.eps, "must be a number > 0")
@@ -150,7 +154,9 @@ class SamplingSettings:
             and times
             and all(isinstance(t, int | float) and not isinstance(t, bool) and 0.0 <= t <= 1.0 for t in times)
         ):
-            raise _bad("sampling.val_timesteps", times, "give one or more times in [0, 1], e.g. [0.25, 0.5, 0.75]")
+            raise _bad(
+                "sampling.val_timesteps", times, "give one or more times in [0, 1], e.g. [0.25, 0.5, 0.75]"
+            )
         object.__setattr__(self, "val_timesteps", tuple(float(t) for t in times))
 
 
@@ -188,12 +194,20 @@ class MemorySettings:
         from lightning_adaptiveload.models.memory import ActivationMemory
 
         if not isinstance(self.activation_checkpointing, bool):
-            raise _bad("memory.activation_checkpointing", self.activation_checkpointing, "must be true or false")
+            raise _bad(
+                "memory.activation_checkpointing", self.activation_checkpointing, "must be true or false"
+            )
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise _bad("memory.checkpoint_policy", self.checkpoint_policy, f"must be one of {list(CHECKPOINT_POLICIES)}")
+            raise _bad(
+                "memory.checkpoint_policy",
+                self.checkpoint_policy,
+                f"must be one of {list(CHECKPOINT_POLICIES)}",
+            )
         blocks = self.checkpoint_blocks
         if blocks not in (None, "auto") and not _count(blocks, 0):
-            raise _bad("memory.checkpoint_blocks", blocks, "give a block count >= 0, 'auto' or null (all blocks)")
+            raise _bad(
+                "memory.checkpoint_blocks", blocks, "give a block count >= 0, 'auto' or null (all blocks)"
+            )
         if blocks == "auto" and self.activation_memory is None:
             raise _bad(
                 "memory.checkpoint_blocks",
@@ -210,7 +224,9 @@ class MemorySettings:
                 raise _bad("memory.activation_memory", self.activation_memory, str(err)) from None
             object.__setattr__(self, "activation_memory", dict(self.activation_memory))
         if self.memory_budget_gib is not None and not _positive(self.memory_budget_gib):
-            raise _bad("memory.memory_budget_gib", self.memory_budget_gib, "must be a number of GiB > 0 or null")
+            raise _bad(
+                "memory.memory_budget_gib", self.memory_budget_gib, "must be a number of GiB > 0 or null"
+            )
 
 
 def _groups() -> dict[str, type]:
@@ -242,11 +258,11 @@ def _as_settings(cls: type[T], value: Any, name: str) -> T:
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         unknown = sorted(set(value) - set(names))
         if unknown:
-            raise TypeError(
-                f"model.init_args.{name}: unknown key(s) {unknown}; {cls.__name__} has {names}"
-            )
+            raise TypeError(f"model.init_args.{name}: unknown key(s) {unknown}; {cls.__name__} has {names}")
         return cls(**value)
-    raise TypeError(f"model.init_args.{name}: expected a {cls.__name__} (or a mapping of its fields), got {value!r}")
+    raise TypeError(
+        f"model.init_args.{name}: expected a {cls.__name__} (or a mapping of its fields), got {value!r}"
+    )
 
 
 def settings_from_keywords(
@@ -287,7 +303,11 @@ def settings_from_keywords(
     )
     merged = {}
     for name, cls in groups.items():
-        default, group, values = cls(), resolved[name], {k: getattr(getattr(flat, name), k) for k in used[name]}
+        default, group, values = (
+            cls(),
+            resolved[name],
+            {k: getattr(getattr(flat, name), k) for k in used[name]},
+        )
         both = [k for k, v in values.items() if getattr(group, k) not in (getattr(default, k), v)]
         if both:
             raise TypeError(
