@@ -134,16 +134,21 @@ def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAU
     return out if changed else None
 
 
+# A recipe is a page of YAML; a larger --config is left to the parser as it is.
+_MAX_RECIPE_BYTES = 1 << 20
+
+
 def _read_recipe(path: str) -> dict[str, Any] | None:
-    """A ``--config`` file's YAML (bounded as an untrusted recipe), or None: not a file, or not readable."""
-    if not os.path.isfile(path):
-        return None
-    from lightning_adaptiveload.cli.calibrate import _load_recipe
+    """A ``--config`` file's YAML, or None: not a regular file, larger than a recipe, or not a mapping."""
+    import yaml
 
     try:
-        recipe = _load_recipe(path)
-    except ValueError:
-        return None  # the parser reports it
+        if not os.path.isfile(path) or os.path.getsize(path) > _MAX_RECIPE_BYTES:
+            return None
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # the parser reports it in its own words
+        return None
     return recipe if isinstance(recipe, dict) else None
 
 
