@@ -199,7 +199,7 @@ def test_quickstart_in_the_old_flat_form_still_runs_and_warns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "LoadBalanceMonitor" in out and "straggler_wait" in out
-    assert "VideoDiTModule(lr=..., warmup_steps=..., shift=...): the flat keywords are deprecated" in out
+    assert "the flat keywords are deprecated" in out and "sampling=SamplingSettings(shift=...)" in out
     saved = yaml.safe_load(next((tmp_path / "runs" / "quickstart").rglob("config.yaml")).read_text())
     assert saved["model"]["dict_kwargs"] == {"lr": 2e-3, "warmup_steps": 10, "shift": 1.0}
 

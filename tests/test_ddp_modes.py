@@ -116,9 +116,10 @@ def test_every_command_parses_in_the_cli(bench, capsys, tmp_path, monkeypatch, s
             assert memory["checkpoint_blocks"] == "auto" and memory["checkpoint_policy"] == "save_matmuls"
             assert model["attention_backend"] == "auto"
             assert memory["activation_memory"]["base_bytes"] == ddp_modes.FAST_ACTIVATION_MEMORY["base_bytes"]
-    # The check has teeth: a misspelt key of the same command is refused.
-    with pytest.raises(Exception, match="weight_dtyp") as bad:
-        build_cli(args=[*words[3:], "--model.init_args.optimizer.weight_dtyp", "bf16", "--print_config"])
+    # The check has teeth: a misspelt key of the same command is refused (not a prefix: argparse takes
+    # an abbreviation of an option, `weight_dtyp`, as the option).
+    with pytest.raises(Exception, match="weight_dtpye") as bad:
+        build_cli(args=[*words[3:], "--model.init_args.optimizer.weight_dtpye", "bf16", "--print_config"])
     assert not isinstance(bad.value, SystemExit)
 
 
