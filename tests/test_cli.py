@@ -188,8 +188,9 @@ def test_quickstart_in_the_old_flat_form_still_runs_and_warns(tmp_path):
     assert {"lr", "warmup_steps", "shift"} <= set(args)
     old = tmp_path / "old_quickstart.yaml"
     old.write_text(yaml.safe_dump(recipe))
+    command = ["fit", "--config", str(old), "--trainer.max_steps=3"]
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_adaptiveload", "fit", "--config", str(old), "--trainer.max_steps=3"],
+        [sys.executable, "-m", "lightning_adaptiveload", *command],
         capture_output=True,
         text=True,
         timeout=240,
