@@ -266,3 +266,11 @@ def test_recipes_in_both_forms_build_the_same_module_through_the_cli(tmp_path, m
     for name in ("optimizer_settings", "sampling_settings", "memory_settings", "compile_settings"):
         assert getattr(built["old"], name) == getattr(built["new"], name), name
     assert built["new"].optimizer_settings.lr == 2e-3 and built["new"].sampling_settings.shift == 1.0
+    # compile: a bool, or CompileSettings' fields; a second value changes one field of a group.
+    cli = build_cli(
+        ["--config", str(QUICKSTART), *common, "--model.init_args.compile={backend: aot_eager, mode: null}",
+         "--model.init_args.optimizer.weight_dtype=bf16"],
+        run=False,
+    )  # fmt: skip
+    assert cli.model.compile_settings == CompileSettings(backend="aot_eager")
+    assert cli.model.optimizer_settings == OptimizerSettings(lr=2e-3, warmup_steps=10, weight_dtype="bf16")
