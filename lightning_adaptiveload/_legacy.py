@@ -28,6 +28,7 @@ def settings_from_legacy(
     required: Mapping[str, Any] | None = None,
     nested: Mapping[str, type] | None = None,
     stacklevel: int = 3,
+    instead: str | None = None,
 ) -> T:
     """The settings object of a call: ``settings`` itself, or one built from the deprecated flat keywords.
 
@@ -41,6 +42,8 @@ def settings_from_legacy(
             goes into it (``calibrate(warmup=1, device="cpu")`` -> ``CalibrateSettings(warmup=1,
             training=CalibratedTraining(device="cpu"))``).
         stacklevel: the warning's stack level (3: the caller of the function that calls this).
+        instead: what the warning tells the caller to pass instead (default: ``settings=Cls(...)``), for a
+            callable that takes its groups as separate arguments (``optimizer=OptimizerSettings(lr=...)``).
 
     Raises:
         TypeError: a keyword that is no field of ``cls`` (the closest field is suggested), or both
@@ -64,10 +67,10 @@ def settings_from_legacy(
         raise TypeError(
             f"{caller}(): pass settings={cls.__name__}(...) or the old keywords {sorted(legacy)}, not both"
         )
+    instead = instead or f"settings={cls.__name__}({', '.join(f'{k}=...' for k in legacy)})"
     warnings.warn(
         f"{caller}({', '.join(f'{k}=...' for k in legacy)}): the flat keywords are deprecated and will be "
-        f"removed in the next release; pass settings={cls.__name__}({', '.join(f'{k}=...' for k in legacy)}) "
-        "instead",
+        f"removed in the next release; pass {instead} instead",
         DeprecationWarning,
         stacklevel=stacklevel,
     )

@@ -439,16 +439,16 @@ def test_master_weights_state_dict_round_trip_and_scheduler():
 
 
 def test_module_switches_reach_the_model_and_optimizer():
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import MemorySettings, OptimizerSettings, VideoDiTModule
 
     module = VideoDiTModule(
         preset="tiny",
         model_overrides={"num_layers": 2},
-        activation_checkpointing=True,
-        checkpoint_policy="save_attention",
-        checkpoint_blocks=1,
+        memory=MemorySettings(
+            activation_checkpointing=True, checkpoint_policy="save_attention", checkpoint_blocks=1
+        ),
         attention_backend="math",
-        weight_dtype="bf16",
+        optimizer=OptimizerSettings(weight_dtype="bf16"),
     )
     module.configure_model()
     assert [b.checkpoint_policy for b in module.model.blocks] == ["save_attention", None]
@@ -456,7 +456,7 @@ def test_module_switches_reach_the_model_and_optimizer():
     assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
     assert isinstance(module.configure_optimizers()["optimizer"], MasterWeightAdamW)
     with pytest.raises(ValueError, match="weight_dtype"):
-        VideoDiTModule(preset="tiny", weight_dtype="fp16")
+        VideoDiTModule(preset="tiny", optimizer=OptimizerSettings(weight_dtype="fp16"))
 
 
 def _tiny_diffusers_wan():

@@ -246,17 +246,19 @@ def test_probe_retries_a_count_that_runs_out_of_memory():
 
 
 def test_module_auto_checkpointing_reaches_the_model_and_checks_its_inputs():
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import MemorySettings, VideoDiTModule
 
     overrides = {**_CFG, "num_layers": 4}
     module = VideoDiTModule(
         preset="tiny",
         model_overrides=overrides,
-        activation_checkpointing=True,
-        checkpoint_policy="save_matmuls",
-        checkpoint_blocks="auto",
-        activation_memory=_TINY.to_dict(),
-        memory_budget_gib=_TINY.peak_bytes(1, 16, 5, 1) / 2**30,
+        memory=MemorySettings(
+            activation_checkpointing=True,
+            checkpoint_policy="save_matmuls",
+            checkpoint_blocks="auto",
+            activation_memory=_TINY.to_dict(),
+            memory_budget_gib=_TINY.peak_bytes(1, 16, 5, 1) / 2**30,
+        ),
     )
     module.configure_model()
     module.model.train()
@@ -264,10 +266,10 @@ def test_module_auto_checkpointing_reaches_the_model_and_checks_its_inputs():
     assert module.model.last_checkpointed_blocks == 3
     assert sum(b.checkpoint_policy == "save_matmuls" for b in module.model.blocks) == 3
     with pytest.raises(ValueError, match="needs activation_memory"):
-        VideoDiTModule(preset="tiny", activation_checkpointing=True, checkpoint_blocks="auto")
+        MemorySettings(activation_checkpointing=True, checkpoint_blocks="auto")
     with pytest.raises(ValueError, match=r"missing keys \['base_bytes'\]"):
         bad = {k: v for k, v in _TINY.to_dict().items() if k != "base_bytes"}
-        VideoDiTModule(preset="tiny", checkpoint_blocks="auto", activation_memory=bad)
+        MemorySettings(checkpoint_blocks="auto", activation_memory=bad)
 
 
 def test_recipe_accepts_auto_checkpointing(capsys):
@@ -285,14 +287,14 @@ def test_recipe_accepts_auto_checkpointing(capsys):
                 "fit",
                 "--config",
                 recipe,
-                "--model.init_args.checkpoint_blocks=auto",
-                f"--model.init_args.activation_memory={memory}",
-                "--model.init_args.memory_budget_gib=70",
+                "--model.init_args.memory.checkpoint_blocks=auto",
+                f"--model.init_args.memory.activation_memory={memory}",
+                "--model.init_args.memory.memory_budget_gib=70",
                 "--print_config",
             ]
         )
     assert exit_info.value.code in (0, None)
-    args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["memory"]
     assert args["checkpoint_blocks"] == "auto" and args["activation_memory"]["num_blocks"] == 30
 
 
@@ -354,23 +356,25 @@ def test_calibrate_fits_auto_checkpointing_into_the_fragment():
     )  # fmt: skip
     timer = lambda shapes: 1e-6 * sum(t * h * w for _, t, h, w in shapes)  # noqa: E731
     result = calibrate("tiny", settings=settings, progress=False, timer=timer)
-    args = yaml.safe_load(result.to_yaml())["model"]["init_args"]
+    model_args = yaml.safe_load(result.to_yaml())["model"]["init_args"]
+    args = model_args["memory"]  # the module's MemorySettings group
+    assert args["activation_checkpointing"] is True
     assert args["checkpoint_blocks"] == "auto" and args["checkpoint_policy"] == "save_matmuls"
     assert args["memory_budget_gib"] == 8.0
     memory = ActivationMemory.from_dict(args["activation_memory"])
     assert memory.num_blocks == 2 and memory.base_bytes > 0
     assert "count per batch (auto)" in result.to_yaml()
-    assert "compile" not in args  # measured eagerly: nothing to carry
+    assert "compile" not in model_args  # measured eagerly: nothing to carry
 
 
 def test_calibration_bench_with_bf16_weights_uses_master_weights_and_counts_them():
     from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import OptimizerSettings, VideoDiTModule
     from lightning_adaptiveload.tools.calibrate_bench import Bench
 
     benches = {}
     for dtype in ("fp32", "bf16"):
-        module = VideoDiTModule(preset="tiny", weight_dtype=dtype)
+        module = VideoDiTModule(preset="tiny", optimizer=OptimizerSettings(weight_dtype=dtype))
         module.configure_model()
         benches[dtype] = Bench(module, torch.device("cpu"), "bf16-mixed", 4, True, 0)  # from weight_dtype
     fp32, bf16 = benches["fp32"], benches["bf16"]
@@ -403,7 +407,7 @@ def test_a_compiled_calibration_sets_compile_and_weight_dtype_in_the_fragment():
         "compile": True
     }  # the budget was measured compiled
     both = fragment(compile=True, weight_dtype="bf16")
-    assert both["model"]["init_args"] == {"compile": True, "weight_dtype": "bf16"}
+    assert both["model"]["init_args"] == {"compile": True, "optimizer": {"weight_dtype": "bf16"}}
     assert "model" not in fragment()
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         CalibratedTraining(device="cpu", checkpoint_blocks="auto")

@@ -128,7 +128,7 @@ def test_gpu_recipes_share_one_memory_ceiling():
         if Path(recipe).name.startswith("wan13b_480p") and "finetune" not in Path(recipe).name:
             ceilings[Path(recipe).name] = config["data"]["init_args"]["max_tokens"]
             assert config["trainer"]["precision"] == "bf16-mixed"
-            assert config["model"]["init_args"]["activation_checkpointing"] is True
+            assert config["model"]["init_args"]["memory"]["activation_checkpointing"] is True
     assert len(ceilings) == 3 and len(set(ceilings.values())) == 1, ceilings
 
 
@@ -173,6 +173,36 @@ def test_quickstart_runs_a_shortened_fit(tmp_path):
     assert (tmp_path / "data" / "quickstart" / "train" / "index.json").exists()
     saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
     assert saved and yaml.safe_load(saved[0].read_text())["trainer"]["max_steps"] == 3
+
+
+@needs_datamodule
+@pytest.mark.timeout(300)
+def test_quickstart_in_the_old_flat_form_still_runs_and_warns(tmp_path):
+    # Issue 39: recipes of the earlier release give VideoDiTModule's settings as flat keys of model.init_args
+    # (lr, warmup_steps, shift). They run for one release: the CLI passes them to the module's **legacy,
+    # which merges them into its settings groups and warns.
+    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    args = recipe["model"]["init_args"]
+    for group in ("optimizer", "sampling", "memory"):
+        args.update(args.pop(group, None) or {})
+    assert {"lr", "warmup_steps", "shift"} <= set(args)
+    old = tmp_path / "old_quickstart.yaml"
+    old.write_text(yaml.safe_dump(recipe))
+    command = ["fit", "--config", str(old), "--trainer.max_steps=3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_adaptiveload", *command],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "always::DeprecationWarning"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "LoadBalanceMonitor" in out and "straggler_wait" in out
+    assert "the flat keywords are deprecated" in out and "sampling=SamplingSettings(shift=...)" in out
+    saved = yaml.safe_load(next((tmp_path / "runs" / "quickstart").rglob("config.yaml")).read_text())
+    assert saved["model"]["dict_kwargs"] == {"lr": 2e-3, "warmup_steps": 10, "shift": 1.0}
 
 
 @needs_datamodule
@@ -324,7 +354,7 @@ def test_calibrate_reads_the_model_from_a_recipe(tmp_path, one_thread):
 
 def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_thread):
     recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
-    recipe["model"]["init_args"]["weight_dtype"] = "bf16"
+    recipe["model"]["init_args"]["optimizer"]["weight_dtype"] = "bf16"
     path = tmp_path / "bf16.yaml"
     path.write_text(yaml.safe_dump(recipe))
     common = ["--max-tokens", "900", "--num-shapes", "2", "--device", "cpu", "--warmup", "0", "--repeats", "1",
@@ -333,7 +363,8 @@ def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_
         out = tmp_path / f"cal_{expected}.yaml"
         assert calibrate_main(["--recipe", str(path), *common, *extra, "--out", str(out)]) == 0
         fragment = yaml.safe_load(out.read_text())
-        assert (fragment.get("model") or {}).get("init_args", {}).get("weight_dtype") == expected
+        optimizer = (fragment.get("model") or {}).get("init_args", {}).get("optimizer", {})
+        assert optimizer.get("weight_dtype") == expected
         assert f"# weight_dtype: {expected or 'fp32'}" in out.read_text()
 
 

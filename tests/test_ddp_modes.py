@@ -83,9 +83,9 @@ def test_dry_run_prints_one_command_per_mode_with_the_same_budget(bench, capsys,
             else:
                 assert env == ddp_modes.FAST_ENV
                 assert args["--model.init_args.compile"] == "true"
-                assert args["--model.init_args.weight_dtype"] == "bf16"
-                assert args["--model.init_args.checkpoint_blocks"] == "auto"
-                memory = json.loads(args["--model.init_args.activation_memory"])
+                assert args["--model.init_args.optimizer.weight_dtype"] == "bf16"
+                assert args["--model.init_args.memory.checkpoint_blocks"] == "auto"
+                memory = json.loads(args["--model.init_args.memory.activation_memory"])
                 assert memory == ddp_modes.FAST_ACTIVATION_MEMORY
 
 
@@ -104,20 +104,22 @@ def test_every_command_parses_in_the_cli(bench, capsys, tmp_path, monkeypatch, s
         assert done.value.code in (0, None)
         cfg = yaml.safe_load(capsys.readouterr().out)
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
+        optimizer, memory = model["optimizer"], model["memory"]
         assert data["max_tokens"] == 32760 and data["synthetic"] is None and data["val_shards"] is None
         assert data["schedule"] == {"packed": "packed", "lockstep": "lockstep"}.get(mode, "independent")
         assert cfg["trainer"]["max_time"] == "00:00:05:00" and str(cfg["trainer"]["devices"]) == "4"
         if settings == "eager":  # the recipe's own model settings
-            assert model["compile"] is False and model["weight_dtype"] == "fp32"
-            assert model["checkpoint_blocks"] is None and model["activation_checkpointing"] is True
+            assert model["compile"] is False and optimizer["weight_dtype"] == "fp32"
+            assert memory["checkpoint_blocks"] is None and memory["activation_checkpointing"] is True
         else:
-            assert model["compile"] is True and model["weight_dtype"] == "bf16"
-            assert model["checkpoint_blocks"] == "auto" and model["checkpoint_policy"] == "save_matmuls"
+            assert model["compile"] is True and optimizer["weight_dtype"] == "bf16"
+            assert memory["checkpoint_blocks"] == "auto" and memory["checkpoint_policy"] == "save_matmuls"
             assert model["attention_backend"] == "auto"
-            assert model["activation_memory"]["base_bytes"] == ddp_modes.FAST_ACTIVATION_MEMORY["base_bytes"]
-    # The check has teeth: a misspelt key of the same command is refused.
-    with pytest.raises(Exception, match="weight_dtyp") as bad:
-        build_cli(args=[*words[3:], "--model.init_args.weight_dtyp", "bf16", "--print_config"])
+            assert memory["activation_memory"]["base_bytes"] == ddp_modes.FAST_ACTIVATION_MEMORY["base_bytes"]
+    # The check has teeth: a misspelt key of the same command is refused (not a prefix: argparse takes
+    # an abbreviation of an option, `weight_dtyp`, as the option).
+    with pytest.raises(Exception, match="weight_dtpye") as bad:
+        build_cli(args=[*words[3:], "--model.init_args.optimizer.weight_dtpye", "bf16", "--print_config"])
     assert not isinstance(bad.value, SystemExit)
 
 
@@ -129,7 +131,10 @@ def test_activation_memory_from_a_calibration_fragment(bench, tmp_path):
     )
     assert ddp_modes.load_activation_memory(str(frag)) == {"num_blocks": 30, "base_bytes": 1.0}
     assert ddp_modes.load_activation_memory('{"num_blocks": 2}') == {"num_blocks": 2}
-    with pytest.raises(ValueError, match="no model.init_args.activation_memory"):
+    old = tmp_path / "old.yaml"  # a fragment of an earlier release: flat model.init_args
+    old.write_text("model:\n  init_args:\n    activation_memory:\n      num_blocks: 3\n")
+    assert ddp_modes.load_activation_memory(str(old)) == {"num_blocks": 3}
+    with pytest.raises(ValueError, match="no model.init_args.memory.activation_memory"):
         (tmp_path / "empty.yaml").write_text("data: {}\n")
         ddp_modes.load_activation_memory(str(tmp_path / "empty.yaml"))
 

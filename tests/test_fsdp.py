@@ -221,13 +221,11 @@ def test_model_parallel_strategy_without_sharding_is_refused(small_runs):
     assert _losses(small_runs, "bare") == [[], []]  # not one step ran
 
 
-class _Hparams(dict):
-    pass
-
-
 class _Module:
-    def __init__(self, **hp):
-        self.hparams = _Hparams(hp)
+    def __init__(self, weight_dtype: str):
+        from lightning_adaptiveload.models.module_settings import OptimizerSettings
+
+        self.optimizer_settings = OptimizerSettings(weight_dtype=weight_dtype)
 
 
 def _strategy(name: str, world: int, base: type = object):

@@ -398,7 +398,7 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
     import lightning.pytorch as pl
 
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings, VideoDiTModule
 
     src = _dataset(tmp_path / "in", n_videos=3, corrupt=False)
     out = tmp_path / "train"
@@ -414,7 +414,10 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
         train_shards=str(out), max_tokens=1024, max_compute="auto", mode="dual", num_workers=0, seed=0
     )
     model = VideoDiTModule(
-        preset="tiny", model_overrides={"in_channels": Z, "out_channels": Z}, lr=2e-3, shift=1.0
+        preset="tiny",
+        model_overrides={"in_channels": Z, "out_channels": Z},
+        optimizer=OptimizerSettings(lr=2e-3),
+        sampling=SamplingSettings(shift=1.0),
     )
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -263,6 +263,16 @@ def test_imports_point_one_way(graph):
     assert wrong_way_imports(graph, ALLOWED_BACK_EDGES) == []
 
 
+def test_the_monitor_knows_no_model(graph):
+    # Issue 39: the monitor takes FLOPs from the module's flops_per_batch or a user's flops_fn (as Lightning's
+    # ThroughputMonitor does), never from the models folder; the layer rule above also forbids it, this names it.
+    monitor = [m for m in graph if _unit(m) == "monitor"]
+    assert len(monitor) > 3
+    for module in monitor:
+        found = {t for kind in graph[module].values() for t in kind}
+        assert not {t for t in found if _unit(t) in ("models", "fusion")}, module
+
+
 def test_allowed_back_edges_are_used(graph):
     for importer, imported in ALLOWED_BACK_EDGES:
         assert any(imported in found for found in graph[importer].values()), (importer, imported)

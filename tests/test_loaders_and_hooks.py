@@ -231,7 +231,7 @@ def test_synth_after_index_reuses_the_data(tmp_path):
 @pytest.mark.timeout(180)
 def test_video_dit_module_tests_and_predicts(data, tmp_path):
     # The quickstart's `test` and `predict` subcommands failed: VideoDiTModule had no test_step/predict_step.
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import SamplingSettings, VideoDiTModule
 
     dm = AdaptiveLoadDataModule(
         train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0
@@ -243,7 +243,7 @@ def test_video_dit_module_tests_and_predicts(data, tmp_path):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    model = VideoDiTModule(preset="tiny", shift=1.0)
+    model = VideoDiTModule(preset="tiny", sampling=SamplingSettings(shift=1.0))
     (result,) = trainer.test(model, datamodule=dm)
     assert result["test/loss"] > 0
     predictions = trainer.predict(model, datamodule=dm)

@@ -10,7 +10,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.models import NormModulate
-from lightning_adaptiveload.models.module import VideoDiTModule, sample_timesteps, shift_timesteps
+from lightning_adaptiveload.models.module import (
+    MemorySettings,
+    OptimizerSettings,
+    SamplingSettings,
+    VideoDiTModule,
+    sample_timesteps,
+    shift_timesteps,
+)
 
 # ---------------------------------------------------------------------------------------------- timesteps
 
@@ -43,11 +50,11 @@ def test_sample_timesteps_distributions():
 
 def test_constructor_rejects_bad_arguments():
     with pytest.raises(ValueError, match="timestep_sampling"):
-        VideoDiTModule(timestep_sampling="lognormal")
+        VideoDiTModule(sampling=SamplingSettings(timestep_sampling="lognormal"))
     with pytest.raises(ValueError, match="shift"):
-        VideoDiTModule(shift=0)
+        VideoDiTModule(sampling=SamplingSettings(shift=0))
     with pytest.raises(ValueError, match="val_timesteps"):
-        VideoDiTModule(val_timesteps=(0.5, 1.5))
+        VideoDiTModule(sampling=SamplingSettings(val_timesteps=(0.5, 1.5)))
     with pytest.raises(ValueError, match="preset"):
         VideoDiTModule(preset="wan-2b")
 
@@ -56,7 +63,9 @@ def test_constructor_rejects_bad_arguments():
 
 
 def test_configure_model_builds_once_and_applies_options():
-    module = VideoDiTModule(model_overrides={"num_layers": 3}, activation_checkpointing=True)
+    module = VideoDiTModule(
+        model_overrides={"num_layers": 3}, memory=MemorySettings(activation_checkpointing=True)
+    )
     assert module.model is None
     module.configure_model()
     model = module.model
@@ -94,7 +103,7 @@ def test_fused_mixin_composes_with_configure_model():
 
 
 def test_optimizer_groups_and_warmup():
-    module = VideoDiTModule(weight_decay=0.1, warmup_steps=4, lr=1e-3)
+    module = VideoDiTModule(optimizer=OptimizerSettings(weight_decay=0.1, warmup_steps=4, lr=1e-3))
     module.configure_model()
     config = module.configure_optimizers()
     opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
@@ -191,7 +200,11 @@ def test_tiny_model_loss_falls_on_a_fixed_synthetic_set(one_thread):
     L.seed_everything(1234, verbose=False)
     data = _batches(8, seed=0)
     loader = DataLoader(data, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0))
-    module = VideoDiTModule(preset="tiny", lr=2e-3, warmup_steps=10, shift=1.0)
+    module = VideoDiTModule(
+        preset="tiny",
+        optimizer=OptimizerSettings(lr=2e-3, warmup_steps=10),
+        sampling=SamplingSettings(shift=1.0),
+    )
     recorder = _LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -265,7 +278,7 @@ def test_every_batch_size_runs_as_many_forwards():
     module.configure_model()
     module.log = lambda *a, **k: None
     calls = _count_forwards(module)
-    times = len(module.hparams.val_timesteps)
+    times = len(module.sampling_settings.val_timesteps)
     for batch in (_batches(1, seed=0)[0], _empty_batch()):
         calls.clear()
         module.validation_step(batch, 0)

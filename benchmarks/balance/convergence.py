@@ -66,6 +66,7 @@ import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
 from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -276,7 +277,11 @@ def run_one(
 ) -> dict:
     """One training run; returns its per-epoch curve, its initial val/loss and its wall time."""
     pl.seed_everything(seed, workers=True, verbose=False)
-    model = VideoDiTModule(preset="tiny", lr=args.lr, warmup_steps=args.warmup_steps, shift=1.0)
+    model = VideoDiTModule(
+        preset="tiny",
+        optimizer=OptimizerSettings(lr=args.lr, warmup_steps=args.warmup_steps),
+        sampling=SamplingSettings(shift=1.0),
+    )
     # Built here, under the seed, whatever the process count: ddp_spawn copies these weights to its
     # workers and back.
     model.configure_model()
@@ -576,7 +581,7 @@ def main() -> None:
             "lr": args.lr,
             "warmup_steps": args.warmup_steps,
             "shift": 1.0,
-            "val_timesteps": list(VideoDiTModule().hparams.val_timesteps),
+            "val_timesteps": list(SamplingSettings().val_timesteps),
             "devices": args.devices,
             "precision": "32-true",
             "threads_per_process": args.threads,

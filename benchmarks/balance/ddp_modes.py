@@ -97,13 +97,13 @@ def fast_overrides(activation_memory: dict) -> list[str]:
     return [
         "--model.init_args.compile",
         "true",
-        "--model.init_args.weight_dtype",
+        "--model.init_args.optimizer.weight_dtype",
         "bf16",
-        "--model.init_args.checkpoint_policy",
+        "--model.init_args.memory.checkpoint_policy",
         "save_matmuls",
-        "--model.init_args.checkpoint_blocks",
+        "--model.init_args.memory.checkpoint_blocks",
         "auto",
-        "--model.init_args.activation_memory",
+        "--model.init_args.memory.activation_memory",
         json.dumps(activation_memory, separators=(",", ":")),
         "--model.init_args.attention_backend",
         "auto",
@@ -112,7 +112,8 @@ def fast_overrides(activation_memory: dict) -> list[str]:
 
 def load_activation_memory(value: str | None) -> dict:
     """``--activation-memory``: None (the fast default), a JSON object, or a calibration fragment (YAML or
-    JSON file holding ``model.init_args.activation_memory``, as ``calibrate`` writes it)."""
+    JSON file holding ``model.init_args.memory.activation_memory``, as ``calibrate`` writes it; the flat
+    ``model.init_args.activation_memory`` of earlier fragments is read too)."""
     if value is None:
         return dict(FAST_ACTIVATION_MEMORY)
     if os.path.isfile(value):
@@ -120,10 +121,13 @@ def load_activation_memory(value: str | None) -> dict:
 
         with open(value, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-        memory = (((data or {}).get("model") or {}).get("init_args") or {}).get("activation_memory")
+        init_args = ((data or {}).get("model") or {}).get("init_args") or {}
+        memory = (init_args.get("memory") or {}).get("activation_memory") or init_args.get(
+            "activation_memory"
+        )
         if not isinstance(memory, dict):
             raise ValueError(
-                f"--activation-memory {value}: no model.init_args.activation_memory in it; pass the fragment "
+                f"--activation-memory {value}: no model.init_args.memory.activation_memory in it; pass the fragment "
                 "`calibrate --checkpoint-blocks auto` wrote, or the model's numbers as a JSON object"
             )
         return memory

@@ -13,7 +13,7 @@
 #             included) plus, per mode, 45 s of start-up (105 s fast: the first compile) and 20 s for the end
 #             of fit; at least 10. trainer.max_time ends each mode in its share of the call in any case
 #   SAMPLES   synthetic samples (768, ~4 GB); keep it the same for every call of one table
-#   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory_budget_gib=64)
+#   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory.memory_budget_gib=64)
 #   TOTAL     seconds this script may take (560)
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says

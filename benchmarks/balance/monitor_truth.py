@@ -179,14 +179,14 @@ class LossOf(torch.nn.Module):
 
 def build_module(args: argparse.Namespace):
     from lightning_adaptiveload import VideoDiTModule
+    from lightning_adaptiveload.models.module import MemorySettings, OptimizerSettings
 
     overrides = {"num_layers": args.num_layers} if args.num_layers else None
     return VideoDiTModule(
         preset=args.preset,
         model_overrides=overrides,
-        activation_checkpointing=args.checkpointing,
-        lr=1e-4,
-        weight_decay=0.01,
+        memory=MemorySettings(activation_checkpointing=args.checkpointing),
+        optimizer=OptimizerSettings(lr=1e-4, weight_decay=0.01),
     )
 
 

@@ -23,9 +23,9 @@ fit() {
   python3 -m lightning_adaptiveload fit --config recipes/wan13b_480p_dual.yaml \
     --trainer.devices 1 --trainer.log_every_n_steps 5 --trainer.limit_val_batches 0 \
     --trainer.default_root_dir runs/fit_fast --trainer.logger.init_args.save_dir runs/fit_fast \
-    --model.init_args.compile true --model.init_args.weight_dtype bf16 \
-    --model.init_args.checkpoint_policy save_matmuls --model.init_args.checkpoint_blocks auto \
-    --model.init_args.activation_memory "$MEMORY" \
+    --model.init_args.compile true --model.init_args.optimizer.weight_dtype bf16 \
+    --model.init_args.memory.checkpoint_policy save_matmuls --model.init_args.memory.checkpoint_blocks auto \
+    --model.init_args.memory.activation_memory "$MEMORY" \
     --model.init_args.attention_backend auto \
     --data.init_args.max_tokens 32760 --data.init_args.train_shards /tmp/wan480/train --data.init_args.num_workers 4 \
     --data.init_args.synthetic '{"mix":"wan21_480p","num_samples":160,"samples_per_shard":16,"text_dim":4096,"text_len_range":[16,256],"seed":0}' \

@@ -53,6 +53,13 @@ _MODEL_KEYS = (
     "weight_dtype",
     "checkpoint_policy",
 )
+# The settings group of VideoDiTModule that holds a model key in a recipe (model.init_args.memory.
+# activation_checkpointing); the others are top-level keys. The flat form of earlier releases is read too.
+_MODEL_GROUPS = {
+    "activation_checkpointing": "memory",
+    "checkpoint_policy": "memory",
+    "weight_dtype": "optimizer",
+}
 # The recipe's and the flags' settings of the measured step (CalibratedTraining's fields).
 _TRAINING_KEYS = frozenset(f.name for f in dataclasses.fields(CalibratedTraining))
 
@@ -139,8 +146,13 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
     args = _mapping(model.get("init_args", model), path, "model.init_args")
     out: dict[str, Any] = {}
     for key in _MODEL_KEYS:
-        if key in args:
+        group = args.get(_MODEL_GROUPS.get(key, ""))
+        if isinstance(group, dict) and key in group:
+            out[key] = group[key]
+        elif key in args:
             out[key] = args[key]
+    if isinstance(out.get("compile"), dict):  # CompileSettings' fields: calibrate compiles with the defaults
+        out["compile"] = True
     data = _mapping(recipe.get("data"), path, "data")
     data_args = _mapping(data.get("init_args", data), path, "data.init_args")
     synthetic = data_args.get("synthetic") or {}

@@ -24,9 +24,12 @@ __all__ = [
     "packaged_recipes",
     "resolve_configs",
     "resolve_recipe",
+    "route_legacy_keywords",
 ]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+# The model a recipe without model.class_path builds.
+DEFAULT_MODEL = "lightning_adaptiveload.VideoDiTModule"
 _RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 # Top-level keys of a recipe besides the arguments of the subcommand's Trainer method.
 _RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler")
@@ -69,6 +72,85 @@ def resolve_configs(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             out[i] = "--config=" + resolve_recipe(arg[len("--config=") :])
     return out
+
+
+def _deprecated_keywords(class_path: str) -> frozenset[str]:
+    """The flat keywords a class still takes for one release (its ``deprecated_keywords``), else none."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return frozenset()
+    return frozenset(getattr(cls, "deprecated_keywords", ()))
+
+
+def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAULT_MODEL) -> list[str] | None:
+    """``argv`` with the model's deprecated flat keywords moved to ``model.dict_kwargs``, or None if it has none.
+
+    LightningCLI accepts only a class's named parameters under ``init_args``; the flat keywords that
+    ``VideoDiTModule`` still takes for one release (its ``deprecated_keywords``: ``lr``, ``shift``,
+    ``activation_checkpointing``, ...) go to its ``**legacy``, which the parser passes through as
+    ``dict_kwargs``. The module then merges them into their settings groups and warns once
+    (``models/module_settings.py``). Moved: those keys of a ``--config`` file's ``model.init_args`` (the
+    file is then given as inline YAML) and ``--model.init_args.KEY`` flags. Any other key stays, for the
+    parser to check.
+
+    Args:
+        argv: the command line, subcommand first.
+        default_model: the class a recipe without ``model.class_path`` builds.
+    """
+    out, changed = list(argv), False
+    deprecated = _deprecated_keywords(default_model) if default_model else frozenset()
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        has_value = bool(eq) or i + 1 < len(out)
+        if flag in ("--model.class_path", "--model") and has_value:
+            class_path = value if eq else out[i + 1]
+            deprecated = _deprecated_keywords(class_path) if "." in class_path else frozenset()
+        elif flag == "--config" and has_value:
+            recipe = _read_recipe(value if eq else out[i + 1])
+            model = recipe.get("model") if recipe else None
+            if not isinstance(model, dict):
+                continue
+            if isinstance(model.get("class_path"), str):
+                deprecated = _deprecated_keywords(model["class_path"])
+            init_args = model.get("init_args")
+            flat = (
+                {k: v for k, v in init_args.items() if k in deprecated} if isinstance(init_args, dict) else {}
+            )
+            if flat:
+                import yaml
+
+                model["init_args"] = {k: v for k, v in init_args.items() if k not in flat}
+                model["dict_kwargs"] = {**(model.get("dict_kwargs") or {}), **flat}
+                inline = yaml.safe_dump(recipe, sort_keys=False)
+                if eq:
+                    out[i] = f"--config={inline}"
+                else:
+                    out[i + 1] = inline
+                changed = True
+        elif flag.startswith("--model.init_args.") and flag[len("--model.init_args.") :] in deprecated:
+            out[i] = "--model.dict_kwargs." + flag[len("--model.init_args.") :] + eq + value
+            changed = True
+    return out if changed else None
+
+
+# A recipe is a page of YAML; a larger --config is left to the parser as it is.
+_MAX_RECIPE_BYTES = 1 << 20
+
+
+def _read_recipe(path: str) -> dict[str, Any] | None:
+    """A ``--config`` file's YAML, or None: not a regular file, larger than a recipe, or not a mapping."""
+    import yaml
+
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > _MAX_RECIPE_BYTES:
+            return None
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # the parser reports it in its own words
+        return None
+    return recipe if isinstance(recipe, dict) else None
 
 
 def build_cli(
@@ -142,7 +224,19 @@ def _cli_class(default_model: bool) -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             if default_model:
-                parser.set_defaults({"model": {"class_path": "lightning_adaptiveload.VideoDiTModule"}})
+                parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # The model's deprecated flat keywords (one release): to its **legacy, which warns.
+            if args is None or isinstance(args, list | tuple):
+                import sys
+
+                argv = sys.argv[1:] if args is None else list(args)
+                routed = route_legacy_keywords(argv, DEFAULT_MODEL if default_model else None)
+                if routed is not None:
+                    self.config = parser.parse_args(routed)
+                    return
+            super().parse_arguments(parser, args)
 
         def before_fit(self) -> None:
             _check_before_fit(self.trainer, self.datamodule, self.model)

@@ -31,20 +31,43 @@ normalised by its own global token count and Lightning averages the micro-batche
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from torchmetrics import MeanMetric, Metric
 
 from lightning_adaptiveload import _dist
+from lightning_adaptiveload.models.compile_check import CompileSettings
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
+from lightning_adaptiveload.models.module_settings import (
+    DEPRECATED_KEYWORDS,
+    MemorySettings,
+    OptimizerSettings,
+    SamplingSettings,
+    settings_from_keywords,
+)
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
 
-__all__ = ["VideoDiTModule", "shift_timesteps", "sample_timesteps"]
+__all__ = [
+    "CompileSettings",
+    "MemorySettings",
+    "OptimizerSettings",
+    "SamplingSettings",
+    "VideoDiTModule",
+    "sample_timesteps",
+    "shift_timesteps",
+]
+
+# The groups' defaults (frozen, so one instance serves every module).
+_DEFAULT_OPTIMIZER = OptimizerSettings()
+_DEFAULT_SAMPLING = SamplingSettings()
+_DEFAULT_MEMORY = MemorySettings()
 
 
 def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -88,47 +111,36 @@ class VideoDiTModule(L.LightningModule):
     Args:
         preset: model configuration, ``"tiny"``, ``"wan-1.3b"`` or ``"wan-14b"``.
         model_overrides: fields of :class:`VideoDiTConfig` to replace, e.g. ``{"num_layers": 4}``.
-        lr: peak AdamW learning rate.
-        betas: AdamW betas.
-        weight_decay: decoupled weight decay on matrices (Linear/Conv weights); biases, norm weights and
-            the modulation tables are not decayed.
-        eps: AdamW epsilon.
-        warmup_steps: linear warm-up from 0 over this many optimizer steps, then constant.
-        timestep_sampling: ``"uniform"`` or ``"sigmoid"`` (logit-normal); see :func:`sample_timesteps`.
-        shift: timestep shift (1 = none; Wan uses 5 at 480p/720p).
-        sigmoid_scale: logit standard deviation for ``"sigmoid"`` sampling.
-        num_train_timesteps: the model sees ``t * num_train_timesteps`` (Wan: 1000).
-        activation_checkpointing: recompute blocks in the backward pass.
-        compile: ``torch.compile`` every block (lazily: the first forward traces, so later
-            ``configure_model`` steps such as fusion still apply), with symbolic sizes so that a length mix
-            compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.models.acceleration`).
-        checkpoint_policy: what a checkpointed block keeps: ``"full"`` (inputs only), ``"save_attention"``
-            (also the attention kernels' outputs, so the recompute skips attention) or ``"save_matmuls"``
-            (every matmul's output: the recompute runs only elementwise work).
-        checkpoint_blocks: how many blocks to checkpoint (None: all), spread over the depth; ``"auto"``:
-            per batch, the fewest whose modelled peak fits ``memory_budget_gib`` (needs
-            ``activation_memory``; see ``VideoDiT.set_activation_checkpointing``).
-        activation_memory: for ``checkpoint_blocks="auto"``: the fitted memory model's numbers
-            (``ActivationMemory.to_dict()``, from :func:`~lightning_adaptiveload.models.acceleration.
-            probe_activation_memory` on the target GPU with this policy; ``docs/performance.md`` shows how).
-        memory_budget_gib: for ``"auto"``: the peak one step may allocate (default: 88% of the GPU's memory).
-        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (FlashAttention-4
-            where flash-attn-4 is installed on Hopper/Blackwell, else cuDNN first on Hopper), ``"fa4"``,
-            ``"fa3"``, ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
-            :mod:`lightning_adaptiveload.models.attention`.
-        weight_dtype: ``"fp32"`` (autocast casts the weights at every use) or ``"bf16"`` (bf16 parameters,
-            fp32 master weights in the optimizer: :class:`~lightning_adaptiveload.models.master_weights.MasterWeightAdamW`,
-            one Triton kernel a step on CUDA). Compiled, ``"bf16"`` is the fastest measured setting
-            (``docs/performance.md``, "Measured"); its peak memory is 2 bytes per parameter higher, so
-            calibrate with it. Not under FSDP2.
-        val_timesteps: fixed times at which validation measures the loss (with fixed noise).
         init_from: a Wan 2.1 transformer checkpoint folder (Wan's or diffusers' layout, see
             :mod:`lightning_adaptiveload.models.pretrained`) whose weights initialise the model. Its
             ``config.json``, where present, gives the architecture (``preset`` is then unused;
             ``model_overrides`` still apply). The path is saved in the hyper-parameters: where the folder
             is absent, restore a checkpoint with ``load_from_checkpoint(ckpt, init_from=None)`` (the
             folder's architecture is saved as ``model_overrides``).
+        optimizer: AdamW, warm-up and the weights' dtype (:class:`OptimizerSettings`).
+        sampling: the rectified-flow times of training and validation (:class:`SamplingSettings`).
+        memory: activation checkpointing and its memory model (:class:`MemorySettings`).
+        compile: ``torch.compile`` every block (lazily: the first forward traces, so later
+            ``configure_model`` steps such as fusion still apply), with symbolic sizes so that a length mix
+            compiles at most two graphs per mode (see :mod:`lightning_adaptiveload.models.acceleration`).
+            ``True``: :class:`~lightning_adaptiveload.models.compile_check.CompileSettings`' defaults; a
+            ``CompileSettings``: those; ``False``: eager.
+        attention_backend: SDPA kernel order, ``"default"`` (PyTorch's choice), ``"auto"`` (FlashAttention-4
+            where flash-attn-4 is installed on Hopper/Blackwell, else cuDNN first on Hopper), ``"fa4"``,
+            ``"fa3"``, ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
+            :mod:`lightning_adaptiveload.models.attention`.
+        **legacy: deprecated: the flat keywords of earlier releases (``lr=``, ``shift=``,
+            ``activation_checkpointing=``, ...), each routed into its group with a ``DeprecationWarning``
+            (one release; :func:`~lightning_adaptiveload.models.module_settings.settings_from_keywords`).
+
+    Raises:
+        ValueError: a bad setting (the message names its recipe key) or preset.
+        TypeError: an unknown keyword, or a flat keyword beside its group given with other values.
     """
+
+    #: The flat keywords of earlier releases, taken for one release (``**legacy``, with a warning); the CLI
+    #: passes these keys of a recipe's ``model.init_args`` through to it.
+    deprecated_keywords: frozenset[str] = DEPRECATED_KEYWORDS
 
     #: Runs packed batches (``compute_loss`` takes a pack): the DataModule may give lockstep epochs a
     #: packed tail (``AdaptiveLoadDataModule(lockstep_tail="packed")``).
@@ -138,53 +150,47 @@ class VideoDiTModule(L.LightningModule):
         self,
         preset: str = "tiny",
         model_overrides: dict[str, Any] | None = None,
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        timestep_sampling: Literal["uniform", "sigmoid"] = "uniform",
-        shift: float = 5.0,
-        sigmoid_scale: float = 1.0,
-        num_train_timesteps: int = 1000,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        val_timesteps: tuple[float, ...] = (0.25, 0.5, 0.75),
-        checkpoint_policy: Literal["full", "save_attention", "save_matmuls"] = "full",
-        checkpoint_blocks: int | Literal["auto"] | None = None,
-        activation_memory: dict[str, float] | None = None,
-        memory_budget_gib: float | None = None,
-        attention_backend: str = "default",
-        weight_dtype: Literal["fp32", "bf16"] = "fp32",
+        *,
         init_from: str | None = None,
+        optimizer: OptimizerSettings = _DEFAULT_OPTIMIZER,
+        sampling: SamplingSettings = _DEFAULT_SAMPLING,
+        memory: MemorySettings = _DEFAULT_MEMORY,
+        compile: bool | CompileSettings = False,
+        attention_backend: str = "default",
+        **legacy: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        if timestep_sampling not in ("uniform", "sigmoid"):
-            raise ValueError(
-                f"VideoDiTModule: timestep_sampling must be 'uniform' or 'sigmoid', got {timestep_sampling!r}"
+        settings = settings_from_keywords(
+            {"optimizer": optimizer, "sampling": sampling, "memory": memory}, legacy
+        )
+        if isinstance(compile, Mapping):  # a checkpoint's hyper-parameters keep the plain form
+            compile = CompileSettings(**compile)
+        if not isinstance(compile, bool | CompileSettings):
+            raise TypeError(
+                f"model.init_args.compile = {compile!r}: give true, false or CompileSettings fields "
+                "({mode: max-autotune-no-cudagraphs, ...})"
             )
-        if not shift > 0:
-            raise ValueError(f"VideoDiTModule: shift must be > 0, got {shift!r}")
-        if lr <= 0 or warmup_steps < 0:
-            raise ValueError(
-                f"VideoDiTModule: need lr > 0 and warmup_steps >= 0, got lr={lr}, warmup_steps={warmup_steps}"
-            )
-        bad = [t for t in val_timesteps if not 0.0 <= t <= 1.0]
-        if bad:
-            raise ValueError(f"VideoDiTModule: val_timesteps must lie in [0, 1], got {list(val_timesteps)}")
-        if checkpoint_blocks == "auto" and activation_memory is None:
-            raise ValueError(
-                'VideoDiTModule: checkpoint_blocks="auto" needs activation_memory (the numbers of an '
-                "ActivationMemory fitted by acceleration.probe_activation_memory on the target GPU); or give "
-                "checkpoint_blocks as a count"
-            )
-        if activation_memory is not None:
-            from lightning_adaptiveload.models.memory import ActivationMemory
-
-            ActivationMemory.from_dict(activation_memory)  # names a missing or unknown key now, not at fit
-        if weight_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"VideoDiTModule: weight_dtype must be 'fp32' or 'bf16', got {weight_dtype!r}")
+        self.optimizer_settings: OptimizerSettings = settings.optimizer
+        self.sampling_settings: SamplingSettings = settings.sampling
+        self.memory_settings: MemorySettings = settings.memory
+        #: How the blocks are compiled; None: eager.
+        self.compile_settings: CompileSettings | None = (
+            CompileSettings() if compile is True else compile or None
+        )
+        # Plain values (no classes): the checkpoint loads with torch.load(weights_only=True), and
+        # load_from_checkpoint passes them back to this constructor.
+        self.save_hyperparameters(
+            {
+                "preset": preset,
+                "model_overrides": model_overrides,
+                "init_from": init_from,
+                "optimizer": dataclasses.asdict(settings.optimizer),
+                "sampling": dataclasses.asdict(settings.sampling),
+                "memory": dataclasses.asdict(settings.memory),
+                "compile": dataclasses.asdict(self.compile_settings) if self.compile_settings else False,
+                "attention_backend": attention_backend,
+            }
+        )
         self.model_config = VideoDiTConfig.preset(preset, **(model_overrides or {}))
         if init_from is not None:
             from lightning_adaptiveload.models.pretrained import config_from_folder
@@ -229,27 +235,27 @@ class VideoDiTModule(L.LightningModule):
         fsdp2 = check_strategy(strategy, self) == "fsdp2"
         with self._init_context():
             self.model = VideoDiT(self.model_config)
-        hp = self.hparams
+        hp, mem = self.hparams, self.memory_settings
         if hp.init_from is not None and not fsdp2:
             from lightning_adaptiveload.models.pretrained import load_pretrained
 
             load_pretrained(self.model, hp.init_from)
         self.model.set_activation_checkpointing(
-            hp.activation_checkpointing,
-            hp.get("checkpoint_policy", "full"),
-            hp.get("checkpoint_blocks"),
-            memory=hp.get("activation_memory"),
+            mem.activation_checkpointing,
+            mem.checkpoint_policy,
+            mem.checkpoint_blocks,
+            memory=mem.activation_memory,
             budget_bytes=self._memory_budget_bytes(),
         )
         self.model.set_attention_backend(hp.get("attention_backend", "default"))
-        if hp.get("weight_dtype", "fp32") == "bf16":
+        if self.optimizer_settings.weight_dtype == "bf16":
             self.model.to(torch.bfloat16)
-        if hp.compile:
+        if self.compile_settings is not None:
             # Per block: a graph per block type instead of one over the whole (shape-varying) model, and
             # the RoPE table cache stays outside the compiled code.
             from lightning_adaptiveload.models.acceleration import compile_blocks
 
-            compile_blocks(self.model, self.model.blocks, dynamic=True)
+            compile_blocks(self.model, self.model.blocks, **dataclasses.asdict(self.compile_settings))
         if fsdp2:
             from lightning_adaptiveload.models.strategies import shard_module_model
 
@@ -257,10 +263,10 @@ class VideoDiTModule(L.LightningModule):
 
     def _memory_budget_bytes(self) -> float | None:
         """``memory_budget_gib``, or ``AUTO_BUDGET_FRACTION`` (88%) of the CUDA device's memory; None without."""
-        gib = self.hparams.get("memory_budget_gib")
+        gib = self.memory_settings.memory_budget_gib
         if gib is not None:
             return float(gib) * 2**30
-        if self.hparams.get("checkpoint_blocks") == "auto":
+        if self.memory_settings.checkpoint_blocks == "auto":
             if not torch.cuda.is_available():
                 raise ValueError('VideoDiTModule: checkpoint_blocks="auto" off CUDA needs memory_budget_gib')
             from lightning_adaptiveload.models.memory import AUTO_BUDGET_FRACTION
@@ -393,9 +399,9 @@ class VideoDiTModule(L.LightningModule):
         if t is None:
             t = sample_timesteps(
                 b,
-                self.hparams.timestep_sampling,
-                self.hparams.shift,
-                self.hparams.sigmoid_scale,
+                self.sampling_settings.timestep_sampling,
+                self.sampling_settings.shift,
+                self.sampling_settings.sigmoid_scale,
                 generator=self._noise_gen(x0.device),
                 device=x0.device,
             )
@@ -419,7 +425,7 @@ class VideoDiTModule(L.LightningModule):
         tb = t.view(b, 1, 1, 1, 1)
         x_t = (1.0 - tb) * x0 + tb * noise
         pred = self._require_model()(
-            x_t, t * self.hparams.num_train_timesteps, batch.get("text"), batch.get("text_mask")
+            x_t, t * self.sampling_settings.num_train_timesteps, batch.get("text"), batch.get("text_mask")
         )
         elems_per_token = self.model_config.in_channels * self.model_config.patch_volume
         return (pred.float() - (noise - x0)).square().flatten(1).sum(1) / elems_per_token
@@ -437,9 +443,9 @@ class VideoDiTModule(L.LightningModule):
         if t is None:
             t = sample_timesteps(
                 n,
-                self.hparams.timestep_sampling,
-                self.hparams.shift,
-                self.hparams.sigmoid_scale,
+                self.sampling_settings.timestep_sampling,
+                self.sampling_settings.shift,
+                self.sampling_settings.sigmoid_scale,
                 generator=self._noise_gen(device),
                 device=device,
             )
@@ -450,7 +456,7 @@ class VideoDiTModule(L.LightningModule):
             latents,
             t.to(device=device, dtype=torch.float32),
             noise,
-            self.hparams.num_train_timesteps,
+            self.sampling_settings.num_train_timesteps,
             batch.get("text"),
             batch.get("text_mask"),
         )
@@ -487,7 +493,7 @@ class VideoDiTModule(L.LightningModule):
         local = {**batch, "global_tokens": tokens}  # this rank's mean only: no collective
         gen = torch.Generator(device=x0.device)
         losses = []
-        for i, tv in enumerate(self.hparams.val_timesteps):
+        for i, tv in enumerate(self.sampling_settings.val_timesteps):
             gen.manual_seed(1_000_003 * batch_idx + i)
             noise = torch.randn(x0.shape, generator=gen, device=x0.device)
             t = torch.full((x0.shape[0],), float(tv), device=x0.device)
@@ -513,17 +519,17 @@ class VideoDiTModule(L.LightningModule):
         tokens_per_sample = max(1, math.prod(x0.shape[2:]) // self.model_config.patch_volume)
         gen = torch.Generator(device=x0.device)
         losses = torch.zeros(b, device=x0.device)
-        for i, tv in enumerate(self.hparams.val_timesteps):
+        for i, tv in enumerate(self.sampling_settings.val_timesteps):
             gen.manual_seed(1_000_003 * batch_idx + i)
             noise = torch.randn((1, *x0.shape[1:]), generator=gen, device=x0.device).expand_as(x0)
             t = torch.full((b,), float(tv), device=x0.device)
             losses += self._sample_errors(batch, x0, noise, t) / tokens_per_sample
-        loss = losses / len(self.hparams.val_timesteps)
+        loss = losses / len(self.sampling_settings.val_timesteps)
         return {"keys": list(batch.get("keys", [])), "loss": loss.detach().cpu()}
 
     def _current_lr(self) -> float:
         if self._trainer is None or not self.trainer.optimizers:
-            return float(self.hparams.lr)
+            return float(self.optimizer_settings.lr)
         return float(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def configure_optimizers(self) -> dict:
@@ -534,22 +540,23 @@ class VideoDiTModule(L.LightningModule):
                 continue
             # Matrices decay; biases, norm weights and the modulation tables (offsets) do not.
             (decay if p.dim() >= 2 and not name.endswith("modulation") else no_decay).append(p)
+        opt = self.optimizer_settings
         groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": opt.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
         optimizer_cls = torch.optim.AdamW
-        if self.hparams.get("weight_dtype", "fp32") == "bf16":
+        if opt.weight_dtype == "bf16":
             from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
             optimizer_cls = MasterWeightAdamW
         optimizer = optimizer_cls(
             [g for g in groups if g["params"]],
-            lr=self.hparams.lr,
-            betas=tuple(self.hparams.betas),
-            eps=self.hparams.eps,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
         )
-        warmup = int(self.hparams.warmup_steps)
+        warmup = opt.warmup_steps
 
         def factor(step: int) -> float:
             return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)

@@ -26,7 +26,7 @@ def check_strategy(strategy: Any | None, module: Any) -> str | None:
 
     Args:
         strategy: the trainer's strategy (None outside a Trainer).
-        module: the ``VideoDiTModule`` (its ``hparams`` are checked).
+        module: the ``VideoDiTModule`` (its ``optimizer_settings`` are checked).
 
     Returns:
         ``"fsdp2"`` (shard with FSDP2 in ``configure_model``), ``"fsdp"`` (FSDP v1 wraps it), ``"ddp"``
@@ -41,11 +41,12 @@ def check_strategy(strategy: Any | None, module: Any) -> str | None:
     names = _names(strategy)
     name = type(strategy).__name__
     if "ModelParallelStrategy" in names:
-        hp = module.hparams
-        if hp.get("weight_dtype", "fp32") != "fp32":
+        weight_dtype = getattr(getattr(module, "optimizer_settings", None), "weight_dtype", "fp32")
+        if weight_dtype != "fp32":
             raise UnsupportedStrategyError(
-                f"VideoDiTModule: weight_dtype={hp.get('weight_dtype')!r} under {name}: FSDP2 keeps fp32 master "
-                "shards and computes in bf16 by its mixed-precision policy already; set weight_dtype: fp32"
+                f"VideoDiTModule: weight_dtype={weight_dtype!r} under {name}: FSDP2 keeps fp32 master "
+                "shards and computes in bf16 by its mixed-precision policy already; set "
+                "model.init_args.optimizer.weight_dtype: fp32"
             )
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401

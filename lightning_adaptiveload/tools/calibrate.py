@@ -328,7 +328,7 @@ def calibrate(
         ValueError: no CUDA for a CUDA device, a shape the model cannot take, or even one sample of the
             longest shape does not fit the budget (bad settings are rejected by the settings classes).
     """
-    from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.models.module import MemorySettings, OptimizerSettings, VideoDiTModule
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     cfg_all = settings_from_legacy(
@@ -363,10 +363,11 @@ def calibrate(
     module = VideoDiTModule(
         preset=preset,
         model_overrides=model_overrides,
-        activation_checkpointing=activation_checkpointing,
+        optimizer=OptimizerSettings(weight_dtype=weight_dtype),
+        memory=MemorySettings(
+            activation_checkpointing=activation_checkpointing, checkpoint_policy=checkpoint_policy
+        ),
         compile=compile,
-        checkpoint_policy=checkpoint_policy,
-        weight_dtype=weight_dtype,
     )
     cfg = module.model_config
     patch = cfg.patch_size
@@ -396,15 +397,19 @@ def calibrate(
             f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
         )
 
-    model_args, memory_note = (
+    memory_args, memory_note = (
         auto_checkpointing(bench, checkpoint_policy, longest, shortest, seq, max_tokens, budget)
         if checkpoint_blocks == "auto"
         else ({}, None)
     )
-    if weight_dtype == "bf16":  # what was measured (its memory differs from fp32 weights')
-        model_args = {"weight_dtype": "bf16", **model_args}
+    # The fragment's model.init_args, in the module's settings groups (a second --config merges them).
+    model_args: dict[str, Any] = {}
     if compile:  # what was measured: the fragment must not be trained eagerly by mistake
-        model_args = {"compile": True, **model_args}
+        model_args["compile"] = True
+    if weight_dtype == "bf16":  # what was measured (its memory differs from fp32 weights')
+        model_args["optimizer"] = {"weight_dtype": "bf16"}
+    if memory_args:
+        model_args["memory"] = {"activation_checkpointing": True, **memory_args}
     use_packs = packs and kind == "quadratic"
     if use_packs and not batch_sizes:
         batch_sizes = [1]
@@ -430,7 +435,7 @@ def calibrate(
         "compile": compile,
         "weight_dtype": weight_dtype,
         "checkpointing": f"{checkpoint_policy}, "
-        + ("count per batch (auto)" if model_args else "every block" if activation_checkpointing else "off"),
+        + ("count per batch (auto)" if memory_args else "every block" if activation_checkpointing else "off"),
         "text_len": text_len,
         "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
         + (f" from mix {mix_name}" if mix_name else ""),

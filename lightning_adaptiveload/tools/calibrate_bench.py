@@ -69,7 +69,7 @@ class Bench:
         model = module.model
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.num_params = sum(p.numel() for p in model.parameters())
-        if module.hparams.get("weight_dtype", "fp32") == "bf16":  # the optimizer the module trains with
+        if module.optimizer_settings.weight_dtype == "bf16":  # the optimizer the module trains with
             from lightning_adaptiveload.models.master_weights import MasterWeightAdamW
 
             # Gradients (param dtype), then fp32 masters and AdamW's two fp32 moments.
