@@ -139,7 +139,7 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
     assert data["cost_model"]["c0"] == pytest.approx(model.c0)
     # dual plans with the fitted pack model: max_compute is the auto rule with c0 included.
     fitted = CostModel.from_dict(data["cost_model"])
-    batcher = DualConstraintBatcher(900, "auto", cost_model=fitted, mode="dual", oversize="skip")
+    batcher = DualConstraintBatcher(900, "auto", cost_model=fitted, sizing="dual", oversize="skip")
     from lightning_adaptiveload.data.mixes import load_mix
 
     assert data["max_compute"] == pytest.approx(

@@ -240,7 +240,7 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     from lightning_adaptiveload.data.mixes import load_mix
 
     batcher = DualConstraintBatcher(
-        data["max_tokens"], "auto", cost_model=model, mode="dual", oversize="skip"
+        data["max_tokens"], "auto", cost_model=model, sizing="dual", oversize="skip"
     )
     expected = batcher.resolve_max_compute([b.latent_shape for b in load_mix("tiny").buckets])
     assert data["max_compute"] == pytest.approx(expected)

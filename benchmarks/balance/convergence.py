@@ -149,7 +149,7 @@ class _ValidationAtCap(AdaptiveLoadDataModule):
 
     def __init__(self, *, val_max_tokens: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._val_batcher = DualConstraintBatcher(val_max_tokens, mode="equal_tokens")
+        self._val_batcher = DualConstraintBatcher(val_max_tokens, sizing="equal_tokens")
 
     def _dataset(self, index, schedule, fixed_epoch=None):
         if fixed_epoch is None:  # training

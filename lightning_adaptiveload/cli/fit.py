@@ -99,6 +99,12 @@ def build_cli(
             "(pip install -e .) or install the missing dependency"
         ) from None
 
+    from lightning_adaptiveload.cli.recipe_forms import nest_flags, register_loader
+
+    # Recipes and flags of the last release (flat DataModule keys) are nested into the settings groups.
+    mode = register_loader()
+    if args is not None:
+        args = nest_flags(args)
     options: dict[str, Any] = dict(
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -107,6 +113,8 @@ def build_cli(
         parser_kwargs={
             "description": "Load-balanced training of video DiTs on mixed-length data.",
             "exit_on_error": False,
+            "parser_mode": mode,
+            **{command: {"parser_mode": mode} for command in LIGHTNING_COMMANDS},
         },
     )
     options.update(kwargs)
@@ -235,20 +243,20 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     current = getattr(getattr(datamodule, "train_dataset", None), "plan", None)
     epoch = int(current.epoch) if current is not None else 0
 
-    def plan(mode: str, schedule: str) -> Any:
-        b = DualConstraintBatcher.from_config({**batcher.config(), "mode": mode})
+    def plan(sizing: str, schedule: str) -> Any:
+        b = DualConstraintBatcher.from_config({**batcher.config(), "sizing": sizing})
         return plan_epoch(index, world, workers, b, seed, epoch, PlanSettings(schedule=schedule)).report
 
-    this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
+    this = current.report if current is not None else plan(batcher.sizing, datamodule.schedule)
     line = (
         f"  balance (planned, epoch {epoch}, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
-        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.mode)}"
+        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.sizing)}"
     )
     if index.num_samples > BASELINE_MAX_SAMPLES:
         return f"{line}; baseline not planned for {index.num_samples} samples (compare with `simulate`)"
     base = plan("equal_tokens", "independent")
     return (
-        f"{line}; baseline (schedule independent, mode equal_tokens) {base['est_compute_cv']:.3f} over "
+        f"{line}; baseline (schedule independent, sizing equal_tokens) {base['est_compute_cv']:.3f} over "
         f"{base['steps']} steps"
     )
 

@@ -618,7 +618,7 @@ def _resolve_cap(cost, max_compute: str, max_tokens: int, patch, all_shapes) -> 
     if max_compute == "auto":
         return "auto"
     batcher = DualConstraintBatcher(
-        max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
+        max_tokens, "auto", cost_model=cost, sizing="dual", patch_size=patch, oversize="skip"
     )
     return float(batcher.resolve_max_compute(all_shapes))
 
