@@ -72,8 +72,8 @@ def test_missing_shard_under_2_process_ddp_is_the_last_error(tmp_path):
 @pytest.mark.timeout(240)
 def test_oversize_sample_without_validation_set_is_the_last_error(tmp_path):
     proc = _run_cli(
-        ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.max_tokens=100",
-         "--data.init_args.max_compute=null"],
+        ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.batching.max_tokens=100",
+         "--data.init_args.batching.max_compute=null"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0
@@ -425,19 +425,22 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 
     recipe = yaml.safe_load(open(QUICKSTART))
     data, trainer = recipe["data"]["init_args"], recipe["trainer"]
+    batching, plan, loader = data["batching"], data["plan"], data["loader"]
     synthetic = {k: v for k, v in data["synthetic"].items() if k != "val_num_samples"}
     write_synthetic_shards(tmp_path, SyntheticShards(**synthetic), progress=False)
     index = ShardIndex.load(str(tmp_path / "index.json"))
     world, epoch = int(trainer["devices"]), int(trainer["max_epochs"]) - 1
-    caps = {"max_tokens": data["max_tokens"], "max_compute": data.get("max_compute"), "mode": data["mode"]}
+    caps = {
+        "max_tokens": batching["max_tokens"], "max_compute": batching.get("max_compute"), "sizing": batching["sizing"]
+    }  # fmt: skip
 
     def cv(schedule: str, **batcher) -> str:
-        plan = plan_epoch(index, world, data["num_workers"], DualConstraintBatcher(**batcher), data["seed"], epoch,
-                          PlanSettings(schedule=schedule))  # fmt: skip
-        return f"{plan.report['est_compute_cv']:.3f}"
+        planned = plan_epoch(index, world, loader["num_workers"], DualConstraintBatcher(**batcher), loader["seed"],
+                             epoch, PlanSettings(schedule=schedule))  # fmt: skip
+        return f"{planned.report['est_compute_cv']:.3f}"
 
-    run = cv(data["schedule"], **caps)
-    base = cv("independent", max_tokens=data["max_tokens"], mode="equal_tokens")
+    run = cv(plan["schedule"], **caps)
+    base = cv("independent", max_tokens=batching["max_tokens"], sizing="equal_tokens")
     for doc in ("docs/recipes.md", "README.md"):
         text = " ".join((ROOT / doc).read_text().split())
         assert f"compute CV {run}" in text and f"against {base}" in text, (doc, run, base)

@@ -367,7 +367,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             f"schedule='packed' gives every training step a pack of samples of different shapes "
             f"(batch['packed'] is True, batch['latents'] a list of (C, T, H, W) tensors), but "
             f"{type(module).__name__} {said}, so it cannot take them. Either set the data's schedule to "
-            "'lockstep' or 'independent' (in a recipe: data.init_args.schedule), or make the module's "
+            "'lockstep' or 'independent' (in a recipe: data.init_args.plan.schedule), or make the module's "
             "training_step take packs and set runs_packed_batches = True on its class (docs/data_path.md, "
             "'Packed batches'; examples/your_own_model/wan_flow.py does)"
         )

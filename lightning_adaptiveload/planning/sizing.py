@@ -35,9 +35,12 @@ _COMPUTE_RTOL = 1e-9
 
 
 def _patch(patch_size: Sequence[int]) -> tuple[int, int, int]:
-    patch = tuple(int(x) for x in patch_size)
+    try:
+        patch = tuple(int(x) for x in patch_size)
+    except (TypeError, ValueError):
+        patch = ()
     if len(patch) != 3 or min(patch) < 1:
-        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
+        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {patch_size!r}")
     return patch  # type: ignore[return-value]
 
 
