@@ -86,7 +86,9 @@ def settings_from_legacy(
             if field is not None and base is dataclasses.MISSING:
                 base = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
             top[name] = (
-                dataclasses.replace(base, **inner) if dataclasses.is_dataclass(base) else nested[name](**inner)  # type: ignore[index, arg-type]
+                dataclasses.replace(base, **inner)
+                if dataclasses.is_dataclass(base)
+                else nested[name](**inner)  # type: ignore[index, arg-type]
             )
             new_form.append(f"{name}={nested[name].__name__}({', '.join(f'{k}=...' for k in inner)})")  # type: ignore[index]
     clash = sorted(set(required or {}) & set(top))

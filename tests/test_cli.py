@@ -184,7 +184,13 @@ def test_quickstart_in_the_old_flat_form_still_runs_with_a_deprecation_warning(t
     # The quickstart as the last release shipped it (data.init_args.max_tokens, mode, schedule, num_workers,
     # seed flat): it runs for one more release, says what to write instead, and is saved in the nested form.
     proc = _run_cli(
-        ["fit", "--config", FLAT_FORM_QUICKSTART, "--trainer.max_steps=3", "--data.init_args.schedule=lockstep"],
+        [
+            "fit",
+            "--config",
+            FLAT_FORM_QUICKSTART,
+            "--trainer.max_steps=3",
+            "--data.init_args.schedule=lockstep",
+        ],
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -194,7 +200,9 @@ def test_quickstart_in_the_old_flat_form_still_runs_with_a_deprecation_warning(t
     assert "LoadBalanceMonitor" in out and "schedule lockstep, sizing dual" in out
     saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
     data = yaml.safe_load(saved[0].read_text())["data"]["init_args"]
-    assert data["batching"]["sizing"] == "dual" and data["plan"]["schedule"] == "lockstep" and "mode" not in data
+    assert (
+        data["batching"]["sizing"] == "dual" and data["plan"]["schedule"] == "lockstep" and "mode" not in data
+    )
 
 
 @needs_datamodule

@@ -65,7 +65,9 @@ def test_dry_run_prints_one_command_per_mode_with_the_same_budget(bench, capsys,
     for settings in ("eager", "fast"):
         runs = _dry_run(ddp_modes, capsys, settings, tmp_path)
         for mode, (env, _, args) in runs.items():
-            assert args["--data.init_args.batching.max_tokens"] == "32760" and args["--trainer.devices"] == "4"
+            assert (
+                args["--data.init_args.batching.max_tokens"] == "32760" and args["--trainer.devices"] == "4"
+            )
             assert os.path.isfile(args["--config"])
             assert (args["--data.init_args.batching.sizing"], args["--data.init_args.plan.schedule"]) == {
                 "equal_tokens": ("equal_tokens", "independent"),

@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 _DEFAULTS = DATAMODULE_DEFAULTS
 
 
-
-
 def _fit_over(trainer: Any) -> bool:
     """Whether the fit loop will start no further training epoch (max_epochs, max_steps or a stop)."""
     max_epochs = trainer.max_epochs

@@ -175,7 +175,9 @@ class DataModuleGroups:
             None,
             legacy,
             caller=caller,
-            required={k: v for k, v in given.items() if v is not None and v is not getattr(DATAMODULE_DEFAULTS, k)},
+            required={
+                k: v for k, v in given.items() if v is not None and v is not getattr(DATAMODULE_DEFAULTS, k)
+            },
             nested=DATAMODULE_GROUPS,
             renamed=RENAMED_KEYWORDS,
             spread=True,
@@ -192,7 +194,12 @@ DATAMODULE_DEFAULTS = DataModuleGroups()
 
 
 #: The DataModule's settings groups: its parameter -> the settings class (a recipe nests them under these keys).
-DATAMODULE_GROUPS: dict[str, type] = {"batching": Batching, "plan": PlanSettings, "loader": Loader, "source": Source}
+DATAMODULE_GROUPS: dict[str, type] = {
+    "batching": Batching,
+    "plan": PlanSettings,
+    "loader": Loader,
+    "source": Source,
+}
 #: The DataModule's old flat keywords whose field has another name now (old -> new).
 RENAMED_KEYWORDS = {"mode": "sizing", "plan_chunk_samples": "chunk_samples"}
 

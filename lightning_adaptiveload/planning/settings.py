@@ -191,7 +191,10 @@ class Batching:
             raise ValueError(f"max_compute must be a number, 'auto' or None, got {cap!r}")
         numeric = cap is not None and cap != "auto"
         sizer = BatchSizer(
-            self.max_tokens, sizing=self.sizing, max_compute=cap if numeric else None, patch_size=self.patch_size
+            self.max_tokens,
+            sizing=self.sizing,
+            max_compute=cap if numeric else None,
+            patch_size=self.patch_size,
         )
         if self.oversize not in get_args(Oversize):
             raise ValueError(f"oversize must be one of {get_args(Oversize)}, got {self.oversize!r}")
