@@ -12,6 +12,7 @@ import dataclasses
 import os
 import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,10 @@ from lightning_adaptiveload.data.settings import DATAMODULE_GROUPS, Loader, Sour
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import BatchSizer
+
+QUICKSTART = str(
+    Path(__file__).resolve().parents[1] / "lightning_adaptiveload" / "recipes" / "quickstart.yaml"
+)
 
 # (flat keyword, its group, the field there, a bad value, where it is checked: (file, function)).
 BAD = [
@@ -215,8 +220,35 @@ def test_old_form_flags_are_renamed_with_one_warning():
     with pytest.warns(DeprecationWarning, match="the command line uses the flat DataModule keys") as caught:
         out = nest_flags(argv)
     assert len(caught) == 1
-    assert out == ["fit", "--data.init_args.batching.sizing=equal_tokens", "--data.init_args.batching.max_tokens",
-                   "900", "--data.init_args.synthetic.num_samples=64", "--data.init_args.plan.schedule=lockstep"]  # fmt: skip
+    assert out == ["fit", "--data.init_args.batching.sizing=equal_tokens", "--data.init_args.batching.max_tokens=900",
+                   "--data.init_args.synthetic.num_samples=64", "--data.init_args.plan.schedule=lockstep"]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert nest_flags(out) == out
+
+
+def test_a_null_flag_for_a_group_field_sets_that_field_alone():
+    # jsonargparse reads `--data.init_args.batching.max_compute=null` as the string "None"; the CLI passes
+    # the field inside its group instead, in either form, and the parsed value is None.
+    flags = ["--data.init_args.batching.max_compute=null", "--data.init_args.plan.max_buffered_samples", "~"]
+    assert nest_flags(flags) == [
+        '--data.init_args.batching={"max_compute": null}',
+        '--data.init_args.plan={"max_buffered_samples": null}',
+    ]
+
+
+def test_the_null_flag_reaches_the_datamodule_as_none(capsys, monkeypatch):
+    import sys
+
+    import yaml
+
+    from lightning_adaptiveload.cli.fit import build_cli
+
+    monkeypatch.setattr(sys, "argv", ["lightning-adaptiveload"])
+    with pytest.raises(SystemExit):
+        build_cli(
+            ["fit", "--config", QUICKSTART, "--data.init_args.batching.max_compute=null", "--print_config"]
+        )
+    data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    # Set alone: the recipe's other batching keys stay.
+    assert data["batching"]["max_compute"] is None and data["batching"]["max_tokens"] == 1024

@@ -106,8 +106,15 @@ def test_every_command_parses_in_the_cli(bench, capsys, tmp_path, monkeypatch, s
         assert done.value.code in (0, None)
         cfg = yaml.safe_load(capsys.readouterr().out)
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
-        assert data["max_tokens"] == 32760 and data["synthetic"] is None and data["val_shards"] is None
-        assert data["schedule"] == {"packed": "packed", "lockstep": "lockstep"}.get(mode, "independent")
+        assert (
+            data["batching"]["max_tokens"] == 32760
+            and data["synthetic"] is None
+            and data["val_shards"] is None
+        )
+        assert data["plan"]["schedule"] == {"packed": "packed", "lockstep": "lockstep"}.get(
+            mode, "independent"
+        )
+        assert data["batching"]["sizing"] == ("dual" if mode in ("dual", "lockstep") else "equal_tokens")
         assert cfg["trainer"]["max_time"] == "00:00:05:00" and str(cfg["trainer"]["devices"]) == "4"
         if settings == "eager":  # the recipe's own model settings
             assert model["compile"] is False and model["weight_dtype"] == "fp32"

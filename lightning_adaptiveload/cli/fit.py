@@ -295,6 +295,22 @@ def _init_params(class_path: str) -> list[str]:
         return []
 
 
+def _group_fields(class_path: str, group: str) -> list[str]:
+    """The fields of the settings dataclass a class takes as its argument ``group`` ([] when it is none)."""
+    import dataclasses
+    import typing
+
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        hint = typing.get_type_hints(cls.__init__).get(group)
+    except (ImportError, AttributeError, NameError, TypeError):
+        return []
+    candidates = [hint, *typing.get_args(hint)]
+    kind = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+    return [f.name for f in dataclasses.fields(kind)] if kind is not None else []
+
+
 def argument_message(argv: Sequence[str], err: Exception) -> str:
     """A few lines for a rejected command line or recipe: the parser's reason and the nearest valid key."""
     import re
@@ -303,11 +319,19 @@ def argument_message(argv: Sequence[str], err: Exception) -> str:
     subcommand = argv[0] if argv and argv[0] in LIGHTNING_COMMANDS else "fit"
     lines = []
     in_class = re.search(r"class_path '([^']+)':\s*Option '([^']+)' is not accepted", message)
+    # A key inside a settings group of a class's arguments (data.init_args.batching.max_token).
+    in_settings = re.search(
+        r"class_path '([^']+)':\s*Group '([^']+)' does not accept option '([^']+)'", message
+    )
     in_group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
     anywhere = re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"Option '([^']+)' is not accepted", message
     )
-    if in_class:
+    if in_settings and _group_fields(*in_settings.group(1, 2)):
+        class_path, group, key = in_settings.groups()
+        lines.append(f"  {class_path} has no setting {group}.{key}")
+        lines.append(_hint(key, _group_fields(class_path, group), f"key of {group}"))
+    elif in_class:
         lines.append(f"  {in_class.group(1)} has no argument {in_class.group(2)!r}")
         lines.append(_hint(in_class.group(2), _init_params(in_class.group(1)), "argument"))
     elif in_group or anywhere:

@@ -11,11 +11,12 @@ config file it reads.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_adaptiveload.data.settings import group_of_keyword
+from lightning_adaptiveload.data.settings import DATAMODULE_GROUPS, group_of_keyword
 
 __all__ = [
     "PARSER_MODE",
@@ -31,6 +32,7 @@ __all__ = [
 PARSER_MODE = "adaptiveload_yaml"
 _FLAG_PREFIXES = ("--data.init_args.", "--data.")
 _MESSAGE_START = "uses the flat DataModule keys"
+_NULLS = ("null", "Null", "NULL", "~")
 
 
 def nest_data_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -87,20 +89,37 @@ def nest_recipe(recipe: Any, where: str = "the recipe") -> Any:
 
 def nest_flags(argv: Sequence[str]) -> list[str]:
     """``argv`` with every old flat DataModule flag renamed to its nested form
-    (``--data.init_args.mode=dual`` -> ``--data.init_args.batching.sizing=dual``); warns once when any was."""
-    out, moved = [], []
-    for arg in argv:
+    (``--data.init_args.mode=dual`` -> ``--data.init_args.batching.sizing=dual``); warns once when any was.
+
+    A group's field set to null (``--data.init_args.batching.max_compute=null``, either form) is passed as
+    ``--data.init_args.batching={"max_compute": null}``, which sets that field alone: jsonargparse (4.53)
+    reads a null given to a nested dataclass field as the string ``"None"``.
+    """
+    out, moved, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
         prefix = next((p for p in _FLAG_PREFIXES if arg.startswith(p)), None)
         if prefix is None:
             out.append(arg)
             continue
         name, eq, value = arg[len(prefix) :].partition("=")
         where = group_of_keyword(name) if "." not in name else None
-        if where is None:
+        if where is not None:
+            moved.append(f"{prefix.lstrip('-')}{name}")
+        elif name.count(".") == 1 and name.split(".")[0] in DATAMODULE_GROUPS:
+            where = (name.split(".")[0], name.split(".")[1])
+        else:
             out.append(arg)
             continue
-        moved.append(f"{prefix.lstrip('-')}{name}")
-        out.append(f"--data.init_args.{where[0]}.{where[1]}{eq}{value}")
+        if not eq and i < len(argv) and not argv[i].startswith("--"):
+            value, eq = argv[i], "="
+            i += 1
+        group, field = where
+        if eq and value.strip() in _NULLS:
+            out.append(f"--data.init_args.{group}={json.dumps({field: None})}")
+        else:
+            out.append(f"--data.init_args.{group}.{field}{eq}{value}")
     if moved:
         show_deprecations()
         _warn("the command line", moved)

@@ -136,7 +136,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         >>> dm = AdaptiveLoadDataModule(  # doctest: +SKIP
         ...     "data/train",
         ...     batching=Batching(max_tokens=65520, sizing="dual"),
-        ...     plan=PlanSettings(schedule="lockstep"),
+        ...     plan=PlanSettings(schedule="lockstep", chunk_samples=500_000),
         ...     loader=Loader(num_workers=4),
         ... )
 
