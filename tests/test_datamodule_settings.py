@@ -252,3 +252,27 @@ def test_the_null_flag_reaches_the_datamodule_as_none(capsys, monkeypatch):
     data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
     # Set alone: the recipe's other batching keys stay.
     assert data["batching"]["max_compute"] is None and data["batching"]["max_tokens"] == 1024
+
+
+def test_the_hyperparameters_are_plain_data_and_rebuild_the_datamodule(tmp_path):
+    # A DDP resume failed: the checkpoint held the settings objects, and Lightning reads it with
+    # weights_only=True, which refuses any class it does not know. The groups are saved as their dicts.
+    import torch
+
+    from lightning_adaptiveload.planning.cost_model import CostModel
+
+    dm = AdaptiveLoadDataModule(
+        "data",
+        batching=Batching(max_tokens=512, max_compute=3.0, cost_model=CostModel(kind="power", p=1.5)),
+        plan=PlanSettings(schedule="lockstep"),
+        source=Source(index_allow_schemes=["https"]),
+    )
+    torch.save({"datamodule_hyper_parameters": dict(dm.hparams)}, tmp_path / "h.pt")
+    saved = torch.load(tmp_path / "h.pt", weights_only=True)["datamodule_hyper_parameters"]
+    assert saved["batching"]["cost_model"] == {"kind": "power", "p": 1.5, "scale": 1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = AdaptiveLoadDataModule(**saved)  # what LightningDataModule.load_from_checkpoint does
+    for name in ("batching", "plan_settings", "loader", "source"):
+        assert getattr(again, name) == getattr(dm, name), name
+    assert again.batcher.config() == dm.batcher.config()

@@ -15,6 +15,7 @@ See ``docs/data_path.md`` and ``docs/reliability.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -187,7 +188,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             {
                 "train_shards": train_shards,
                 "val_shards": val_shards,
-                **groups.as_dict(),
+                # Plain data (a checkpoint is read with weights_only=True); the groups accept their dicts.
+                **{name: dataclasses.asdict(value) for name, value in groups.as_dict().items()},
                 "synthetic": synthetic,
                 "val_underfull": val_underfull,
                 "test_shards": test_shards,

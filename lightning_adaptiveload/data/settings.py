@@ -161,23 +161,27 @@ class DataModuleGroups:
 
     @classmethod
     def of(cls, caller: str, given: Mapping[str, Any], legacy: Mapping[str, Any]) -> DataModuleGroups:
-        """The groups of a DataModule call: those ``given`` (None or the default object itself: not given), with the
-        deprecated flat keywords ``legacy`` routed into theirs (``mode`` is ``Batching.sizing``,
-        ``plan_chunk_samples`` is ``PlanSettings.chunk_samples``).
+        """The groups of a DataModule call: those ``given`` (None or the default object itself: not given; a
+        dict: the group's fields), with the deprecated flat keywords ``legacy`` routed into theirs (``mode``
+        is ``Batching.sizing``, ``plan_chunk_samples`` is ``PlanSettings.chunk_samples``).
 
         Raises:
             TypeError: an unknown keyword (the nearest is suggested), or a group given both ways.
         """
         from lightning_adaptiveload._legacy import settings_from_legacy
 
+        groups = {
+            # A group's dict (from a checkpoint's hyperparameters, or written by hand) is read as the group.
+            k: DATAMODULE_GROUPS[k](**v) if isinstance(v, Mapping) else v
+            for k, v in given.items()
+            if v is not None and v is not getattr(DATAMODULE_DEFAULTS, k)
+        }
         return settings_from_legacy(
             cls,
             None,
             legacy,
             caller=caller,
-            required={
-                k: v for k, v in given.items() if v is not None and v is not getattr(DATAMODULE_DEFAULTS, k)
-            },
+            required=groups,
             nested=DATAMODULE_GROUPS,
             renamed=RENAMED_KEYWORDS,
             spread=True,

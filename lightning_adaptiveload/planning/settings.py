@@ -173,7 +173,7 @@ class Batching:
 
     cost_model: dict[str, Any] | None = None
     """A :class:`~.cost_model.CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
-    ``{"kind": "power", "p": 1.5}``) or a ``CostModel``; None: :meth:`CostModel.default`."""
+    ``{"kind": "power", "p": 1.5}``) or a ``CostModel`` (held as its dict); None: :meth:`CostModel.default`."""
 
     sizing: Sizing = "dual"
     """``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only: ``B = max_tokens // S``).
@@ -199,7 +199,8 @@ class Batching:
         if self.oversize not in get_args(Oversize):
             raise ValueError(f"oversize must be one of {get_args(Oversize)}, got {self.oversize!r}")
         if self.cost_model is not None:
-            CostModel.from_dict(self.cost_model)
+            # Held as its dict (what a recipe writes, and plain data in a checkpoint's hyperparameters).
+            object.__setattr__(self, "cost_model", CostModel.from_dict(self.cost_model).to_dict())
         elif numeric and self.sizing == "dual":
             raise ValueError(
                 f"max_compute={cap!r} is in the unit of a cost model, but no cost_model was given; pass "
