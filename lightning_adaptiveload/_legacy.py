@@ -76,26 +76,18 @@ def settings_from_legacy(
             f"{caller}(): pass settings={cls.__name__}(...) or the old keywords {sorted(legacy)}, not both"
         )
     top = {k: v for k, v in legacy.items() if not any(k in sub for sub in groups.values())}
-    new_form = [f"{k}=..." for k in top]
-    defaults = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    for name, sub_fields in groups.items():
-        inner = {k: v for k, v in legacy.items() if k in sub_fields}
-        if inner:
-            field = defaults.get(name)
-            base = None if field is None else field.default
-            if field is not None and base is dataclasses.MISSING:
-                base = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
-            top[name] = (
-                dataclasses.replace(base, **inner)
-                if dataclasses.is_dataclass(base)
-                else nested[name](**inner)  # type: ignore[index, arg-type]
-            )
-            new_form.append(f"{name}={nested[name].__name__}({', '.join(f'{k}=...' for k in inner)})")  # type: ignore[index]
-    clash = sorted(set(required or {}) & set(top))
+    inners = {name: {k: v for k, v in legacy.items() if k in sub} for name, sub in groups.items()}
+    inners = {name: inner for name, inner in inners.items() if inner}
+    clash = sorted(set(required or {}) & (set(top) | set(inners)))
     if clash:
         raise TypeError(f"{caller}(): pass {clash[0]}=... or the old keywords of it, not both")
+    # Warned before the values are checked: a bad value given the old way is both deprecated and refused.
     renames = "".join(f" ({was[k]!r} is now {k!r})" for k in legacy if k in was)
     if spread:
+        new_form = [f"{k}=..." for k in top] + [
+            f"{name}={nested[name].__name__}({', '.join(f'{k}=...' for k in inner)})"  # type: ignore[index]
+            for name, inner in inners.items()
+        ]
         advice = f"pass {', '.join(new_form)} instead{renames}"
     else:
         advice = f"pass settings={cls.__name__}({', '.join(f'{k}=...' for k in legacy)}) instead{renames}"
@@ -105,4 +97,13 @@ def settings_from_legacy(
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+    defaults = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for name, inner in inners.items():
+        field = defaults.get(name)
+        base = None if field is None else field.default
+        if field is not None and base is dataclasses.MISSING:
+            base = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+        top[name] = (
+            dataclasses.replace(base, **inner) if dataclasses.is_dataclass(base) else nested[name](**inner)  # type: ignore[index, arg-type]
+        )
     return cls(**{**dict(required or {}), **top})
