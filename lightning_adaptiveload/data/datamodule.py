@@ -144,8 +144,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
             ``docs/data_path.md``).
-        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`,
-            built (and so checked) from the arguments above in ``__init__``.
+        batching, loader, source: the settings groups in use (given, or built from the flat keywords).
+        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`
+            (the ``plan`` argument).
         eval_plan_settings: the validation, test and predict splits' (one fixed independent plan, planned
             at once, ``underfull=val_underfull``).
 
