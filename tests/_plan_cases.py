@@ -67,7 +67,7 @@ def make_index(mix: str, n: int, seed: int) -> list[list[tuple]]:
 
 def make_batcher(mix: str, mode: str, variant: int) -> DualConstraintBatcher:
     if mix == "many":
-        return DualConstraintBatcher(400, mode="equal_tokens", cost_model=CostModel(kind="power", p=1.5))
+        return DualConstraintBatcher(400, sizing="equal_tokens", cost_model=CostModel(kind="power", p=1.5))
     max_compute = None if mode == "packed" or variant % 2 else "auto"
     return DualConstraintBatcher(_MIX_TOKENS[mix], max_compute=max_compute, partial="emit")
 

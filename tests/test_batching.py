@@ -36,7 +36,7 @@ def test_tokens_per_sample():
 
 
 def test_batch_sizes_equal_tokens_and_dual():
-    eq = DualConstraintBatcher(1000, mode="equal_tokens")
+    eq = DualConstraintBatcher(1000, sizing="equal_tokens")
     assert eq.batch_size((4, 1, 10, 10)) == 40  # S = 25
     assert eq.batch_size((4, 8, 10, 10)) == 5  # S = 200
     dual = DualConstraintBatcher(1000, max_compute=1000.0, cost_model=QUAD)
@@ -63,7 +63,7 @@ def test_auto_max_compute_rule():
     shape = {25: shapes[0], 200: shapes[1], 50: shapes[2]}[cheapest]
     assert b.batch_size(shape) == 1000 // cheapest
     assert DualConstraintBatcher(1000, max_compute=None, cost_model=QUAD).needs_resolution  # None means auto
-    assert DualConstraintBatcher(1000, mode="equal_tokens").resolve_max_compute(shapes) is None
+    assert DualConstraintBatcher(1000, sizing="equal_tokens").resolve_max_compute(shapes) is None
 
 
 def test_settings_errors():
@@ -83,12 +83,12 @@ def test_settings_errors():
 
 
 def test_oversize_policies():
-    raising = DualConstraintBatcher(100, mode="equal_tokens")
+    raising = DualConstraintBatcher(100, sizing="equal_tokens")
     with pytest.raises(ValueError, match="more than max_tokens=100"):
         raising.batch_size((4, 8, 10, 10))
     with pytest.raises(ValueError, match="'big'"):
         list(raising([sample("big", (4, 8, 10, 10))]))
-    skipping = DualConstraintBatcher(100, mode="equal_tokens", oversize="skip")
+    skipping = DualConstraintBatcher(100, sizing="equal_tokens", oversize="skip")
     assert skipping.batch_size((4, 8, 10, 10)) == 0
     out = list(skipping([sample("big", (4, 8, 10, 10)), sample("ok", (4, 1, 10, 10))]))
     assert [b["keys"] for b in out] == [["ok"]]
@@ -97,10 +97,10 @@ def test_oversize_policies():
 
 def test_partial_emit_and_carry():
     data = [sample(f"a{i}", (4, 1, 10, 10)) for i in range(5)]  # B = 4 at 100 tokens
-    emit = DualConstraintBatcher(100, mode="equal_tokens")
+    emit = DualConstraintBatcher(100, sizing="equal_tokens")
     out = list(emit(data))
     assert [len(b["keys"]) for b in out] == [4, 1] and emit.stats["partial_batches"] == 1
-    carry = DualConstraintBatcher(100, mode="equal_tokens", partial="carry")
+    carry = DualConstraintBatcher(100, sizing="equal_tokens", partial="carry")
     first = list(carry(data))
     assert [len(b["keys"]) for b in first] == [4] and carry.stats["carried"] == 1
     second = list(carry([sample(f"b{i}", (4, 1, 10, 10)) for i in range(3)]))
@@ -108,7 +108,7 @@ def test_partial_emit_and_carry():
 
 
 def test_channel_mismatch_in_a_bucket_raises():
-    b = DualConstraintBatcher(1000, mode="equal_tokens")
+    b = DualConstraintBatcher(1000, sizing="equal_tokens")
     with pytest.raises(ValueError, match="C=8.*C=4"):
         list(b([sample("x", (4, 1, 10, 10)), sample("y", (8, 1, 10, 10))]))
 
@@ -161,10 +161,10 @@ def test_property_every_batch_meets_both_caps_and_nothing_is_lost(picks, max_tok
     fits = [tokens_per_sample(SHAPES[j]) <= max_tokens for j in picks]
     cm = CostModel(kind="power", p=p)
     if any(fits):
-        b = DualConstraintBatcher(max_tokens, cost_model=cm, mode=mode, oversize=oversize)
+        b = DualConstraintBatcher(max_tokens, cost_model=cm, sizing=mode, oversize=oversize)
         b.resolve_max_compute(SHAPES[j] for j in picks)
     else:  # "auto" needs a sample within the cap; use a numeric cap
-        b = DualConstraintBatcher(max_tokens, max_compute=10.0, cost_model=cm, mode=mode, oversize=oversize)
+        b = DualConstraintBatcher(max_tokens, max_compute=10.0, cost_model=cm, sizing=mode, oversize=oversize)
     too_big = fits.count(False)
     if too_big and oversize == "raise":
         with pytest.raises(ValueError, match="max_tokens"):
@@ -202,7 +202,7 @@ def test_batcher_is_a_webdataset_pipeline_stage(tmp_path):
         progress=False,
     )
     urls = [s.path for s in index.shards]
-    batcher = DualConstraintBatcher(512, mode="dual")
+    batcher = DualConstraintBatcher(512, sizing="dual")
     batcher.resolve_max_compute(s for sh in index.shards for s in sh.latent_shapes)
 
     def decode(sample):  # our own safe decoding: never webdataset's pickle-capable defaults

@@ -135,11 +135,11 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
     assert model.c0 == pytest.approx(2e-3, rel=0.25) and model.beta == pytest.approx(4e-8, rel=0.25)
     text = result.to_yaml()
     assert "fitted steps" in text and "targets mean <= 5%, max <= 15%" in text
-    data = yaml.safe_load(text)["data"]["init_args"]
+    data = yaml.safe_load(text)["data"]["init_args"]["batching"]
     assert data["cost_model"]["c0"] == pytest.approx(model.c0)
     # dual plans with the fitted pack model: max_compute is the auto rule with c0 included.
     fitted = CostModel.from_dict(data["cost_model"])
-    batcher = DualConstraintBatcher(900, "auto", cost_model=fitted, mode="dual", oversize="skip")
+    batcher = DualConstraintBatcher(900, "auto", cost_model=fitted, sizing="dual", oversize="skip")
     from lightning_adaptiveload.data.mixes import load_mix
 
     assert data["max_compute"] == pytest.approx(

@@ -25,7 +25,7 @@ def _batcher(rng: random.Random, mode: str) -> DualConstraintBatcher:
     if mode == "packed":
         return DualConstraintBatcher(rng.choice([200, 400]), cost_model=cost, partial="emit")
     return DualConstraintBatcher(
-        rng.choice([96, 200, 400]), mode=rng.choice(["dual", "equal_tokens"]), cost_model=cost
+        rng.choice([96, 200, 400]), sizing=rng.choice(["dual", "equal_tokens"]), cost_model=cost
     )
 
 

@@ -126,7 +126,7 @@ def test_gpu_recipes_share_one_memory_ceiling():
             config = yaml.safe_load(f)
         # The three batching comparisons (the fine-tuning recipe is not one of them).
         if Path(recipe).name.startswith("wan13b_480p") and "finetune" not in Path(recipe).name:
-            ceilings[Path(recipe).name] = config["data"]["init_args"]["max_tokens"]
+            ceilings[Path(recipe).name] = config["data"]["init_args"]["batching"]["max_tokens"]
             assert config["trainer"]["precision"] == "bf16-mixed"
             assert config["model"]["init_args"]["memory"]["activation_checkpointing"] is True
     assert len(ceilings) == 3 and len(set(ceilings.values())) == 1, ceilings
@@ -173,6 +173,50 @@ def test_quickstart_runs_a_shortened_fit(tmp_path):
     assert (tmp_path / "data" / "quickstart" / "train" / "index.json").exists()
     saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
     assert saved and yaml.safe_load(saved[0].read_text())["trainer"]["max_steps"] == 3
+
+
+FLAT_FORM_QUICKSTART = str(ROOT / "tests" / "data" / "recipe_quickstart_flat_form.yaml")
+
+
+@needs_datamodule
+@pytest.mark.timeout(300)
+def test_quickstart_in_the_old_flat_form_still_runs_with_a_deprecation_warning(tmp_path):
+    # The quickstart as the last release shipped it (data.init_args.max_tokens, mode, schedule, num_workers,
+    # seed flat): it runs for one more release, says what to write instead, and is saved in the nested form.
+    proc = _run_cli(
+        [
+            "fit",
+            "--config",
+            FLAT_FORM_QUICKSTART,
+            "--trainer.max_steps=3",
+            "--data.init_args.schedule=lockstep",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the recipe uses the flat DataModule keys" in proc.stderr
+    assert "data.init_args.batching.sizing" in proc.stderr and "the command line uses the flat" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "LoadBalanceMonitor" in out and "schedule lockstep, sizing dual" in out
+    saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
+    data = yaml.safe_load(saved[0].read_text())["data"]["init_args"]
+    assert (
+        data["batching"]["sizing"] == "dual" and data["plan"]["schedule"] == "lockstep" and "mode" not in data
+    )
+
+
+@needs_datamodule
+def test_both_recipe_forms_parse_to_the_same_config(capsys):
+    configs = []
+    for recipe in (str(ROOT / "recipes" / "quickstart.yaml"), FLAT_FORM_QUICKSTART):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["fit", "--config", recipe, "--print_config"])
+        assert exit_info.value.code in (0, None)
+        configs.append(yaml.safe_load(capsys.readouterr().out)["data"])
+    assert configs[0] == configs[1]
+    with pytest.warns(DeprecationWarning, match="nest them as data.init_args.batching.max_tokens"):
+        with pytest.raises(SystemExit):
+            cli.main(["fit", "--config", FLAT_FORM_QUICKSTART, "--print_config"])
 
 
 @needs_datamodule
@@ -261,6 +305,8 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     text = out.read_text()
     assert "# device: CPU" in text and "# precision: 32-true" in text and "16x9x10x10" in text
     data = yaml.safe_load(text)["data"]["init_args"]
+    assert set(data) == {"batching"}
+    data = data["batching"]
     assert set(data) == {"max_tokens", "max_compute", "cost_model"}
     # The budget is a whole number of the longest (225-token) samples, and the memory probes say why.
     assert data["max_tokens"] % 225 == 0 and data["max_tokens"] >= 225
@@ -270,7 +316,7 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     from lightning_adaptiveload.data.mixes import load_mix
 
     batcher = DualConstraintBatcher(
-        data["max_tokens"], "auto", cost_model=model, mode="dual", oversize="skip"
+        data["max_tokens"], "auto", cost_model=model, sizing="dual", oversize="skip"
     )
     expected = batcher.resolve_max_compute([b.latent_shape for b in load_mix("tiny").buckets])
     assert data["max_compute"] == pytest.approx(expected)
@@ -332,9 +378,9 @@ def test_calibration_fragment_is_included_by_a_recipe(tmp_path, one_thread, caps
             ]
         )
     data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
-    assert data["max_tokens"] == 900
-    assert data["max_compute"] == pytest.approx(result.max_compute)
-    assert data["cost_model"]["beta"] == pytest.approx(result.cost_model.beta)
+    assert data["batching"]["max_tokens"] == 900
+    assert data["batching"]["max_compute"] == pytest.approx(result.max_compute)
+    assert data["batching"]["cost_model"]["beta"] == pytest.approx(result.cost_model.beta)
     assert data["synthetic"]["mix"] == "tiny"  # the rest of the recipe is kept
 
 

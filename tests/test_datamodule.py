@@ -126,13 +126,15 @@ def test_jsonargparse_builds_the_datamodule_from_config(data):
         {
             "data": {
                 "train_shards": data,
-                "max_tokens": 700,
-                "max_compute": "auto",
-                "mode": "dual",
-                "schedule": "lockstep",
-                "cost_model": {"kind": "quadratic", "alpha": 1.0, "beta": 0.01},
-                "patch_size": [1, 2, 2],
-                "num_workers": 0,
+                "batching": {
+                    "max_tokens": 700,
+                    "max_compute": "auto",
+                    "sizing": "dual",
+                    "cost_model": {"kind": "quadratic", "alpha": 1.0, "beta": 0.01},
+                    "patch_size": [1, 2, 2],
+                },
+                "plan": {"schedule": "lockstep"},
+                "loader": {"num_workers": 0},
                 "synthetic": None,
             }
         }
@@ -141,6 +143,8 @@ def test_jsonargparse_builds_the_datamodule_from_config(data):
     assert (
         isinstance(dm, AdaptiveLoadDataModule) and dm.batcher.max_tokens == 700 and dm.schedule == "lockstep"
     )
+    # A recipe's plan group starts from the DataModule's defaults (chunked planning on), not PlanSettings'.
+    assert dm.plan_settings.chunk_samples == 500_000 and dm.num_workers == 0 and dm.batcher.sizing == "dual"
 
 
 def _poison(path: str, key: str) -> None:

@@ -65,9 +65,11 @@ def test_dry_run_prints_one_command_per_mode_with_the_same_budget(bench, capsys,
     for settings in ("eager", "fast"):
         runs = _dry_run(ddp_modes, capsys, settings, tmp_path)
         for mode, (env, _, args) in runs.items():
-            assert args["--data.init_args.max_tokens"] == "32760" and args["--trainer.devices"] == "4"
+            assert (
+                args["--data.init_args.batching.max_tokens"] == "32760" and args["--trainer.devices"] == "4"
+            )
             assert os.path.isfile(args["--config"])
-            assert (args["--data.init_args.mode"], args["--data.init_args.schedule"]) == {
+            assert (args["--data.init_args.batching.sizing"], args["--data.init_args.plan.schedule"]) == {
                 "equal_tokens": ("equal_tokens", "independent"),
                 "dual": ("dual", "independent"),
                 "lockstep": ("dual", "lockstep"),
@@ -105,8 +107,15 @@ def test_every_command_parses_in_the_cli(bench, capsys, tmp_path, monkeypatch, s
         cfg = yaml.safe_load(capsys.readouterr().out)
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
         optimizer, memory = model["optimizer"], model["memory"]
-        assert data["max_tokens"] == 32760 and data["synthetic"] is None and data["val_shards"] is None
-        assert data["schedule"] == {"packed": "packed", "lockstep": "lockstep"}.get(mode, "independent")
+        assert (
+            data["batching"]["max_tokens"] == 32760
+            and data["synthetic"] is None
+            and data["val_shards"] is None
+        )
+        assert data["plan"]["schedule"] == {"packed": "packed", "lockstep": "lockstep"}.get(
+            mode, "independent"
+        )
+        assert data["batching"]["sizing"] == ("dual" if mode in ("dual", "lockstep") else "equal_tokens")
         assert cfg["trainer"]["max_time"] == "00:00:05:00" and str(cfg["trainer"]["devices"]) == "4"
         if settings == "eager":  # the recipe's own model settings
             assert model["compile"] is False and optimizer["weight_dtype"] == "fp32"

@@ -72,8 +72,8 @@ def test_missing_shard_under_2_process_ddp_is_the_last_error(tmp_path):
 @pytest.mark.timeout(240)
 def test_oversize_sample_without_validation_set_is_the_last_error(tmp_path):
     proc = _run_cli(
-        ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.max_tokens=100",
-         "--data.init_args.max_compute=null"],
+        ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.batching.max_tokens=100",
+         "--data.init_args.batching.max_compute=null"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0
@@ -314,7 +314,7 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     # The run says where its output went and compares its balance with the baseline in one line.
     assert "where this run's output is" in run.stdout, run.stdout[-3000:]
     assert f"synthetic data:  {outside / 'data' / 'quickstart' / 'train'}" in run.stdout
-    assert "baseline (schedule independent, mode equal_tokens)" in run.stdout
+    assert "baseline (schedule independent, sizing equal_tokens)" in run.stdout
     assert (outside / "data" / "quickstart" / "train" / "index.json").exists()
     # The installed package, not the checkout, ran it.
     where = subprocess.run(
@@ -359,7 +359,7 @@ def test_simulate_flags_separate_schedules_from_modes(capsys):
     assert simulate._configurations("lockstep,dual", None) == ["lockstep", "dual"]
     assert "deprecated" in capsys.readouterr().err
     lines = simulate._describe(["lockstep"], None)
-    assert "schedule lockstep, mode dual" in lines[0] and "built-in cost model" in lines[1]
+    assert "schedule lockstep, sizing dual" in lines[0] and "built-in cost model" in lines[1]
     assert "measured trace" in simulate._describe(["dual"], "trace.jsonl")[1]
 
 
@@ -397,7 +397,7 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(t
     from lightning_adaptiveload.planning.plan import batching_label
 
     label = batching_label("packed", "dual")
-    assert label == batching_label("packed", "equal_tokens") and "mode dual" not in label
+    assert label == batching_label("packed", "equal_tokens") and "sizing dual" not in label
     assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
 
     write_synthetic_shards(
@@ -410,10 +410,10 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(t
     with caplog.at_level(logging.INFO):
         len(dm.train_dataloader())  # plans epoch 0 and prints its line
     epoch_line = next(r.getMessage() for r in caplog.records if "[adaptiveload] epoch 0" in r.getMessage())
-    assert label in epoch_line and "mode dual" not in epoch_line
+    assert label in epoch_line and "sizing dual" not in epoch_line
 
     end_line = fit._baseline_line(SimpleNamespace(world_size=1), dm)
-    assert f"with {label}" in end_line and "mode dual" not in end_line.split(";")[0]
+    assert f"with {label}" in end_line and "sizing dual" not in end_line.split(";")[0]
 
 
 def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
@@ -427,19 +427,22 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 
     recipe = yaml.safe_load(open(QUICKSTART))
     data, trainer = recipe["data"]["init_args"], recipe["trainer"]
+    batching, plan, loader = data["batching"], data["plan"], data["loader"]
     synthetic = {k: v for k, v in data["synthetic"].items() if k != "val_num_samples"}
     write_synthetic_shards(tmp_path, SyntheticShards(**synthetic), progress=False)
     index = ShardIndex.load(str(tmp_path / "index.json"))
     world, epoch = int(trainer["devices"]), int(trainer["max_epochs"]) - 1
-    caps = {"max_tokens": data["max_tokens"], "max_compute": data.get("max_compute"), "mode": data["mode"]}
+    caps = {
+        "max_tokens": batching["max_tokens"], "max_compute": batching.get("max_compute"), "sizing": batching["sizing"]
+    }  # fmt: skip
 
     def cv(schedule: str, **batcher) -> str:
-        plan = plan_epoch(index, world, data["num_workers"], DualConstraintBatcher(**batcher), data["seed"], epoch,
-                          PlanSettings(schedule=schedule))  # fmt: skip
-        return f"{plan.report['est_compute_cv']:.3f}"
+        planned = plan_epoch(index, world, loader["num_workers"], DualConstraintBatcher(**batcher), loader["seed"],
+                             epoch, PlanSettings(schedule=schedule))  # fmt: skip
+        return f"{planned.report['est_compute_cv']:.3f}"
 
-    run = cv(data["schedule"], **caps)
-    base = cv("independent", max_tokens=data["max_tokens"], mode="equal_tokens")
+    run = cv(plan["schedule"], **caps)
+    base = cv("independent", max_tokens=batching["max_tokens"], sizing="equal_tokens")
     for doc in ("docs/recipes.md", "README.md"):
         text = " ".join((ROOT / doc).read_text().split())
         assert f"compute CV {run}" in text and f"against {base}" in text, (doc, run, base)
@@ -463,7 +466,7 @@ def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
     cap = sorted(tokens)[len(tokens) // 2]
     over = [s for s, t in zip(shapes, tokens) if t > cap]
     with pytest.raises(ValueError) as err:
-        check_oversize(index, DualConstraintBatcher(max_tokens=cap, mode="equal_tokens"))
+        check_oversize(index, DualConstraintBatcher(max_tokens=cap, sizing="equal_tokens"))
     message = str(err.value)
     assert f"raise max_tokens to at least {max(tokens)}," in message, message
     assert f"{len(over)} sample(s) of {len(set(over))} shape(s) are over it" in message, message
@@ -472,7 +475,7 @@ def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
 
     with pytest.raises(ValueError, match=f"at least {max(tokens)},"):
         check_oversize(
-            CompactIndex.from_shard_index(index), DualConstraintBatcher(max_tokens=cap, mode="equal_tokens")
+            CompactIndex.from_shard_index(index), DualConstraintBatcher(max_tokens=cap, sizing="equal_tokens")
         )
 
 

@@ -28,7 +28,7 @@ def many_class_index(seed: int, n_shards: int = 12, size: int = 40) -> list[list
 
 
 def batcher() -> DualConstraintBatcher:
-    return DualConstraintBatcher(400, mode="equal_tokens", cost_model=CostModel(kind="power", p=1.5))
+    return DualConstraintBatcher(400, sizing="equal_tokens", cost_model=CostModel(kind="power", p=1.5))
 
 
 @pytest.mark.parametrize("world,workers", [(4, 0), (4, 2), (7, 3)])

@@ -55,7 +55,7 @@ def test_property_count_plans_keep_every_guarantee(
     rng = random.Random(seed)
     index = _index(rng, n_shards, 40)
     max_tokens = rng.choice([225, 400, 900])
-    batcher = DualConstraintBatcher(max_tokens, mode="equal_tokens", cost_model=COST)
+    batcher = DualConstraintBatcher(max_tokens, sizing="equal_tokens", cost_model=COST)
     refs = _refs(index)
     exclude = set(rng.sample(sorted(refs), rng.randint(0, len(refs) // 3))) if resumed else set()
     data = _compact(index) if compact else index
@@ -110,7 +110,7 @@ def test_property_count_plans_keep_every_guarantee(
 
 def test_count_plan_balances_and_fills_like_the_exact_planner():
     index = mix_index(12_000)
-    batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
+    batcher = DualConstraintBatcher(900, sizing="equal_tokens", cost_model=COST)
     exact = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="packed")).report
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 1_500):
         rep = plan_epoch(
@@ -181,7 +181,7 @@ def test_count_path_oversize_raises_naming_the_sample_or_skips(compact):
 def test_packed_plans_ignore_chunk_samples():
     rng = random.Random(2)
     index = _index(rng, 20, 40)
-    batcher = DualConstraintBatcher(400, mode="equal_tokens", cost_model=COST)
+    batcher = DualConstraintBatcher(400, sizing="equal_tokens", cost_model=COST)
     with mock.patch.object(packed_counts, "TEMPLATE_SAMPLES", 50):
         whole = plan_epoch(index, 3, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule="packed"))
         chunked = plan_epoch(

@@ -87,7 +87,9 @@ def test_packed_schedule_refuses_a_module_without_packs(tmp_path, module):
     )
     with pytest.raises(ValueError, match=f"{module.__name__} {said}") as err:
         dm.check_module(module())
-    assert "data.init_args.schedule" in str(err.value) and "'lockstep' or 'independent'" in str(err.value)
+    assert "data.init_args.plan.schedule" in str(err.value) and "'lockstep' or 'independent'" in str(
+        err.value
+    )
     dm.check_module(VideoDiTModule(preset="tiny"))  # runs packs
     dm.check_module(None)  # plain PyTorch: nobody to ask
     for schedule in ("independent", "lockstep"):

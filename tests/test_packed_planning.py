@@ -60,7 +60,7 @@ def test_property_packed_exactly_once_equal_steps_and_resume(seed, n_shards, wor
     rng = random.Random(seed)
     index = _index(rng, n_shards, 40)
     max_tokens = rng.choice([225, 400, 900])
-    batcher = DualConstraintBatcher(max_tokens, mode="equal_tokens", cost_model=COST)
+    batcher = DualConstraintBatcher(max_tokens, sizing="equal_tokens", cost_model=COST)
     refs = _refs(index)
     if len(refs) < world:
         return
@@ -119,7 +119,7 @@ def mix_index(samples: int, seed: int = 0) -> list[list]:
 
 def test_packed_balances_fills_and_stays_shuffled():
     index = mix_index(6000)
-    batcher = DualConstraintBatcher(900, mode="equal_tokens", cost_model=COST)
+    batcher = DualConstraintBatcher(900, sizing="equal_tokens", cost_model=COST)
     plan = plan_epoch(index, 8, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
     rep = plan.report
     assert rep["est_compute_cv"] < 0.01 and rep["est_straggler_wait"] < 0.01
@@ -150,10 +150,10 @@ def test_packed_oversize_raises_or_skips():
     import pytest
 
     index = [[(16, 9, 10, 10), (16, 1, 8, 12)], [(16, 1, 10, 10)]]  # 225, 24 and 25 tokens
-    strict = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST)
+    strict = DualConstraintBatcher(200, sizing="equal_tokens", cost_model=COST)
     with pytest.raises(ValueError, match="shard 0, sample #0.*225 tokens"):
         plan_epoch(index, 1, 0, strict, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
-    lenient = DualConstraintBatcher(200, mode="equal_tokens", cost_model=COST, oversize="skip")
+    lenient = DualConstraintBatcher(200, sizing="equal_tokens", cost_model=COST, oversize="skip")
     plan = plan_epoch(index, 1, 0, lenient, seed=0, epoch=0, settings=PlanSettings(schedule="packed"))
     assert plan.report["skipped"] == {"oversize": 1}
     assert sorted(ref for b in plan.rank_batches(0) for ref in b) == [(0, 1), (1, 0)]

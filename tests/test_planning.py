@@ -101,7 +101,7 @@ def test_property_exactly_once_equal_steps_constraints(
     index = random_index(rng, n_shards, 40)
     batcher = DualConstraintBatcher(
         rng.choice([96, 200, 400]),
-        mode=batch_mode,
+        sizing=batch_mode,
         cost_model=CostModel(kind="power", p=rng.choice([1.0, 1.5, 2.0])),
     )
     refs = all_refs(index)
@@ -294,7 +294,7 @@ def test_settings_validation():
 
 def test_buffer_bound_forces_early_partial_batches_in_independent_mode():
     index = [[SHAPES[i % 3] for i in range(150)]]  # three image buckets, B = 50, 50, 75 at 300 tokens
-    batcher = DualConstraintBatcher(300, mode="equal_tokens")
+    batcher = DualConstraintBatcher(300, sizing="equal_tokens")
     plan = plan_epoch(index, 1, 0, batcher, seed=0, epoch=0, settings=PlanSettings(max_buffered_samples=75))
     check_plan(plan, index, batcher)
     assert plan.report["bound_partial_batches"] >= 1
@@ -309,7 +309,7 @@ def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)
     shapes = [s.latent_shapes for s in index.shards]
     for mode in ("independent", "lockstep"):
-        batcher = DualConstraintBatcher(32760, mode="equal_tokens")
+        batcher = DualConstraintBatcher(32760, sizing="equal_tokens")
         plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
         check_plan(plan, shapes, batcher)
         assert plan.report["empty_batches"] == 0

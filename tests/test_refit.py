@@ -328,7 +328,7 @@ def test_apply_to_datamodule_only_where_the_cap_follows_the_model():
     packs = _DataModule(DualConstraintBatcher(max_tokens=512))
     packs.schedule = "packed"  # packs are sized by max_tokens alone: applied by default
     assert apply_to_datamodule(packs, TRUE) == "" and packs.models == [TRUE]
-    tokens = _DataModule(DualConstraintBatcher(max_tokens=512, mode="equal_tokens"))
+    tokens = _DataModule(DualConstraintBatcher(max_tokens=512, sizing="equal_tokens"))
     assert apply_to_datamodule(tokens, TRUE) == "" and tokens.models == [TRUE]
     fixed = _DataModule(DualConstraintBatcher(max_tokens=512, max_compute=300.0, cost_model=LINEAR.to_dict()))
     assert "max_compute=300.0" in apply_to_datamodule(fixed, TRUE) and fixed.models == []

@@ -57,7 +57,7 @@ class Recording(L.LightningDataModule):
         super().__init__()
         # equal_tokens: the model balances but does not size the batches, so a refit is applied by default
         # (mode "dual" needs resize_batches: test_dual_mode_applies_the_refit_only_with_resize_batches).
-        self.batcher = DualConstraintBatcher(max_tokens=512, mode="equal_tokens")
+        self.batcher = DualConstraintBatcher(max_tokens=512, sizing="equal_tokens")
         self.events: list = []
 
     def set_cost_model(self, model: CostModel) -> None:

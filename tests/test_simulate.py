@@ -439,7 +439,7 @@ def test_cli_runs_every_schedule_with_every_mode(tmp_path, capsys, schedules, mo
     assert sorted(r["mode"] for r in rows) == sorted(wanted)  # packed once, whatever the modes
     assert all(r["steps"] > 0 for r in rows)
     if "packed" in schedules:
-        assert "packed = schedule packed (no batcher mode" in printed.out
+        assert "packed = schedule packed (no batch sizing" in printed.out
         # An explicit --modes is said not to apply to the packed schedule; no note without one.
         assert ("does not apply to the packed schedule" in printed.err) == (modes is not None)
 

@@ -24,7 +24,7 @@ SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4)
 )
 def test_batch_size_is_the_largest_that_meets_both_caps(shape, max_tokens, p, cap, mode):
     model = CostModel(kind="power", p=p)
-    sizer = BatchSizer(max_tokens, mode=mode, max_compute=cap, cost_model=model)
+    sizer = BatchSizer(max_tokens, sizing=mode, max_compute=cap, cost_model=model)
     s, b = sizer.size(shape)
     assert s == tokens_per_sample(shape)
     if s > max_tokens:
@@ -62,7 +62,7 @@ def test_unresolved_cap_and_oversize():
         BatchSizer(0)
     with pytest.raises(ValueError, match="max_compute must be a positive number"):
         BatchSizer(100, max_compute=-1.0)
-    assert BatchSizer(100, mode="equal_tokens", max_compute=5.0).max_compute is None
+    assert BatchSizer(100, sizing="equal_tokens", max_compute=5.0).max_compute is None
 
 
 def test_sizing_and_planner_import_without_torch():
@@ -74,7 +74,7 @@ def test_sizing_and_planner_import_without_torch():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "from lightning_adaptiveload.planning import planner, resume, sizing\n"
-        "print(sizing.BatchSizer(4096, mode='equal_tokens').size((16, 1, 8, 12)).batch_size)\n"
+        "print(sizing.BatchSizer(4096, sizing='equal_tokens').size((16, 1, 8, 12)).batch_size)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -20,7 +20,7 @@ SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4)
 )
 def test_dual_batch_size_takes_the_per_step_constant_off_the_cap(shape, max_tokens, alpha, beta, c0, cap):
     model = CostModel(kind="quadratic", alpha=alpha, beta=beta, c0=c0)
-    sizer = BatchSizer(max_tokens, mode="dual", max_compute=cap, cost_model=model)
+    sizer = BatchSizer(max_tokens, sizing="dual", max_compute=cap, cost_model=model)
     s, b = sizer.size(shape)
     if s > max_tokens:
         assert b == 0

@@ -66,8 +66,10 @@ import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
 from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.data.settings import Loader
 from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
@@ -150,7 +152,7 @@ class _ValidationAtCap(AdaptiveLoadDataModule):
 
     def __init__(self, *, val_max_tokens: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._val_batcher = DualConstraintBatcher(val_max_tokens, mode="equal_tokens")
+        self._val_batcher = DualConstraintBatcher(val_max_tokens, sizing="equal_tokens")
 
     def _dataset(self, index, schedule, fixed_epoch=None):
         if fixed_epoch is None:  # training
@@ -196,7 +198,10 @@ def planned_tokens_per_step(train: str, schedule: str, max_tokens: int, probe: P
     probe's seeds and epochs; tokens per step is total tokens over total steps).
     """
     dm = AdaptiveLoadDataModule(
-        train_shards=train, max_tokens=max_tokens, mode="equal_tokens", schedule=schedule, num_workers=0
+        train_shards=train,
+        batching=Batching(max_tokens=max_tokens, sizing="equal_tokens"),
+        plan=PlanSettings(schedule=schedule, chunk_samples=500_000),
+        loader=Loader(num_workers=0),
     )
     dm.setup("fit")
     ds = dm.train_dataset

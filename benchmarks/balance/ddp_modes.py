@@ -256,11 +256,11 @@ def build_command(
         "null",
         "--data.init_args.synthetic",
         "null",
-        "--data.init_args.max_tokens",
+        "--data.init_args.batching.max_tokens",
         str(max_tokens),
-        "--data.init_args.mode",
+        "--data.init_args.batching.sizing",
         batching,
-        "--data.init_args.schedule",
+        "--data.init_args.plan.schedule",
         schedule,
     ]
     if max_time_s is not None:

@@ -149,9 +149,20 @@ def load_config(path: str | None) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         cfg = yaml.safe_load(f) or {}
     return {
-        "data": ((cfg.get("data") or {}).get("init_args")) or {},
+        "data": _flat_data_args(((cfg.get("data") or {}).get("init_args")) or {}),
         "model": ((cfg.get("model") or {}).get("init_args")) or {},
     }
+
+
+def _flat_data_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The data module's arguments as one flat dict, from a config of either form: the nested groups of
+    this release (``batching``, ``plan``, ``loader``, ``source``) or the flat keys runs before it saved."""
+    flat = {k: v for k, v in args.items() if k not in ("batching", "plan", "loader", "source")}
+    old_names = {"sizing": "mode", "chunk_samples": "plan_chunk_samples"}
+    for group in ("batching", "plan", "loader", "source"):
+        for key, value in (args.get(group) or {}).items():
+            flat[old_names.get(key, key)] = value
+    return flat
 
 
 def load_run_meta(run_dir: str) -> dict[str, Any]:
@@ -978,7 +989,8 @@ def _load_cost_model(path: str):
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
-    spec = (((data or {}).get("data") or {}).get("init_args") or {}).get("cost_model", data)
+    args = _flat_data_args((((data or {}).get("data") or {}).get("init_args")) or {})
+    spec = args.get("cost_model", data)
     if isinstance(spec, dict) and "cost_model" in spec:
         spec = spec["cost_model"]
     return CostModel.from_dict(spec)

@@ -47,16 +47,18 @@ def trace_pack_model() -> CostModel:
 
 
 def calibrated_model(path: str) -> CostModel:
-    """The cost model of a ``calibrate`` fragment (``data.init_args.cost_model``)."""
+    """The cost model of a ``calibrate`` fragment (``data.init_args.batching.cost_model``; before the settings
+    groups, ``data.init_args.cost_model``)."""
     import yaml
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
     try:
-        return CostModel.from_dict(data["data"]["init_args"]["cost_model"])
-    except (KeyError, TypeError):
+        args = data["data"]["init_args"]
+        return CostModel.from_dict((args.get("batching") or args)["cost_model"])
+    except (KeyError, TypeError, AttributeError):
         raise SystemExit(
-            f"{path}: no data.init_args.cost_model; pass a fragment written by calibrate"
+            f"{path}: no data.init_args.batching.cost_model; pass a fragment written by calibrate"
         ) from None
 
 

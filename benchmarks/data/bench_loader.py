@@ -40,10 +40,11 @@ from _common import cpu_name
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.data.settings import Loader
 from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
-from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 
@@ -66,7 +67,10 @@ def scaled_mix(name: str, scale: int) -> Mix:
 
 def bench_loader(data: str, max_tokens: int, workers: int, schedule: str, epochs: int) -> dict:
     dm = AdaptiveLoadDataModule(
-        train_shards=data, max_tokens=max_tokens, num_workers=workers, schedule=schedule
+        train_shards=data,
+        batching=Batching(max_tokens=max_tokens),
+        plan=PlanSettings(schedule=schedule, chunk_samples=500_000),
+        loader=Loader(num_workers=workers),
     )
     dm.setup("fit")
     per_epoch = []

@@ -97,7 +97,7 @@ def epoch_packs(mix_name: str, max_tokens: int, world: int, samples: int, seed: 
     shapes = [tuple(bk.latent_shape) for bk in mix.buckets]
     flat = [shapes[i] for i in mix.sample_buckets(np.random.default_rng(seed), samples)]
     index = [flat[i : i + 100] for i in range(0, len(flat), 100)]
-    batcher = DualConstraintBatcher(max_tokens, mode="equal_tokens")
+    batcher = DualConstraintBatcher(max_tokens, sizing="equal_tokens")
     plan = plan_epoch(index, world, 0, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule="packed"))
     return [tuple(tuple(index[s][i]) for s, i in refs) for refs in plan.rank_batches(0) if refs]
 

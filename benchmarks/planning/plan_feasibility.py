@@ -58,7 +58,7 @@ def random_case(k: int) -> dict:
 def run_case(case: dict) -> str | int:
     """The PlanError's message, or the plan's count of empty (zero-weight) batches."""
     batcher = DualConstraintBatcher(
-        case["max_tokens"], mode=case["batch_mode"], cost_model=CostModel(kind="power", p=case["p"])
+        case["max_tokens"], sizing=case["batch_mode"], cost_model=CostModel(kind="power", p=case["p"])
     )
     try:
         plan = plan_epoch(
@@ -83,7 +83,7 @@ def wan_case() -> str | None:
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)  # the issue's case
     out = []
     for mode in ("independent", "lockstep"):
-        batcher = DualConstraintBatcher(32760, mode="equal_tokens")
+        batcher = DualConstraintBatcher(32760, sizing="equal_tokens")
         try:
             plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
             _check(plan, 1024)

@@ -182,6 +182,12 @@ def build_cli(
             "(pip install -e .) or install the missing dependency"
         ) from None
 
+    from lightning_adaptiveload.cli.recipe_forms import nest_flags, register_loader
+
+    # Recipes and flags of the last release (flat DataModule keys) are nested into the settings groups.
+    mode = register_loader()
+    if args is not None:
+        args = nest_flags(args)
     options: dict[str, Any] = dict(
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -190,6 +196,8 @@ def build_cli(
         parser_kwargs={
             "description": "Load-balanced training of video DiTs on mixed-length data.",
             "exit_on_error": False,
+            "parser_mode": mode,
+            **{command: {"parser_mode": mode} for command in LIGHTNING_COMMANDS},
         },
     )
     options.update(kwargs)
@@ -337,20 +345,20 @@ def _baseline_line(trainer: Any, datamodule: Any) -> str | None:
     current = getattr(getattr(datamodule, "train_dataset", None), "plan", None)
     epoch = int(current.epoch) if current is not None else 0
 
-    def plan(mode: str, schedule: str) -> Any:
-        b = DualConstraintBatcher.from_config({**batcher.config(), "mode": mode})
+    def plan(sizing: str, schedule: str) -> Any:
+        b = DualConstraintBatcher.from_config({**batcher.config(), "sizing": sizing})
         return plan_epoch(index, world, workers, b, seed, epoch, PlanSettings(schedule=schedule)).report
 
-    this = current.report if current is not None else plan(batcher.mode, datamodule.schedule)
+    this = current.report if current is not None else plan(batcher.sizing, datamodule.schedule)
     line = (
         f"  balance (planned, epoch {epoch}, {world} ranks): compute CV {this['est_compute_cv']:.3f} over "
-        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.mode)}"
+        f"{this['steps']} steps with {batching_label(datamodule.schedule, batcher.sizing)}"
     )
     if index.num_samples > BASELINE_MAX_SAMPLES:
         return f"{line}; baseline not planned for {index.num_samples} samples (compare with `simulate`)"
     base = plan("equal_tokens", "independent")
     return (
-        f"{line}; baseline (schedule independent, mode equal_tokens) {base['est_compute_cv']:.3f} over "
+        f"{line}; baseline (schedule independent, sizing equal_tokens) {base['est_compute_cv']:.3f} over "
         f"{base['steps']} steps"
     )
 
@@ -389,6 +397,22 @@ def _init_params(class_path: str) -> list[str]:
         return []
 
 
+def _group_fields(class_path: str, group: str) -> list[str]:
+    """The fields of the settings dataclass a class takes as its argument ``group`` ([] when it is none)."""
+    import dataclasses
+    import typing
+
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        hint = typing.get_type_hints(cls.__init__).get(group)
+    except (ImportError, AttributeError, NameError, TypeError):
+        return []
+    candidates = [hint, *typing.get_args(hint)]
+    kind = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+    return [f.name for f in dataclasses.fields(kind)] if kind is not None else []
+
+
 def argument_message(argv: Sequence[str], err: Exception) -> str:
     """A few lines for a rejected command line or recipe: the parser's reason and the nearest valid key."""
     import re
@@ -397,11 +421,19 @@ def argument_message(argv: Sequence[str], err: Exception) -> str:
     subcommand = argv[0] if argv and argv[0] in LIGHTNING_COMMANDS else "fit"
     lines = []
     in_class = re.search(r"class_path '([^']+)':\s*Option '([^']+)' is not accepted", message)
+    # A key inside a settings group of a class's arguments (data.init_args.batching.max_token).
+    in_settings = re.search(
+        r"class_path '([^']+)':\s*Group '([^']+)' does not accept option '([^']+)'", message
+    )
     in_group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
     anywhere = re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"Option '([^']+)' is not accepted", message
     )
-    if in_class:
+    if in_settings and _group_fields(*in_settings.group(1, 2)):
+        class_path, group, key = in_settings.groups()
+        lines.append(f"  {class_path} has no setting {group}.{key}")
+        lines.append(_hint(key, _group_fields(class_path, group), f"key of {group}"))
+    elif in_class:
         lines.append(f"  {in_class.group(1)} has no argument {in_class.group(2)!r}")
         lines.append(_hint(in_class.group(2), _init_params(in_class.group(1)), "argument"))
     elif in_group or anywhere:

@@ -35,6 +35,7 @@ from lightning_adaptiveload.cli.fit import (
     resolve_configs,
     resolve_recipe,
 )
+from lightning_adaptiveload.cli.recipe_forms import nest_flags
 
 # build_cli, resolve_recipe and packaged_recipes live in cli/fit.py; they stay importable from here.
 __all__ = ["build_cli", "main", "COMMANDS", "resolve_recipe", "packaged_recipes"]
@@ -372,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f"; did you mean {near[0]!r}?" if near else ""
         print(f"lightning-adaptiveload: unknown command {argv[0]!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    argv = resolve_configs(argv)
+    argv = nest_flags(resolve_configs(argv))
     missing = _missing_recipe(argv)
     if missing is not None:
         print(missing, file=sys.stderr)

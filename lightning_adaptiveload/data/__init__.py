@@ -5,7 +5,7 @@ Pure (no Lightning): ``format`` (names, limits, REASONS, ShardError, ShardInfo),
 ``scan`` (the checking tar scan), ``reader`` (iter_shard), ``index_file`` / ``index`` / ``indexing``
 (ShardIndex), ``columnar`` / ``key_columns`` / ``index_columns`` / ``compact`` / ``compact_build`` (the binary index, CompactIndex), ``writer`` (ShardWriter), ``synthetic``, ``mixes``, ``untrusted``, ``media`` / ``media_encode`` / ``demo`` (ingest's pure half; its random-weight stand-ins), ``collate`` / ``packed_collate`` (the batch dicts), ``stream`` (a plan's
 stream into batches), ``loader`` (PlannedShardDataset, PlannedDataLoader), ``resume``,
-``index_agreement``. Lightning adapters: ``datamodule``, ``ingest``.
+``index_agreement``, ``settings`` (Loader, Source: the DataModule's loading settings). Lightning adapters: ``datamodule``, ``ingest``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "AdaptiveLoadDataModule": "datamodule",
         "CompactIndex": "compact",
         "INDEX_NAME": "format",
+        "Loader": "settings",
+        "Source": "settings",
         "MAX_MEMBER_BYTES": "format",
         "Mix": "mixes",
         "PlannedDataLoader": "loader",

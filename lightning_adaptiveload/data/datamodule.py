@@ -15,6 +15,7 @@ See ``docs/data_path.md`` and ``docs/reliability.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -40,16 +41,28 @@ from lightning_adaptiveload.data.loader import (
 )
 from lightning_adaptiveload.data.replan import Replanned, replan_rest
 from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
+from lightning_adaptiveload.data.settings import DATAMODULE_DEFAULTS, DataModuleGroups, Loader, Source
 from lightning_adaptiveload.data.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import EpochPlan, batching_label
-from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings, Underfull
 
-__all__ = ["AdaptiveLoadDataModule", "PlannedShardDataset", "PlannedDataLoader", "apply_sample_transform"]
+__all__ = [
+    "AdaptiveLoadDataModule",
+    "Batching",
+    "Loader",
+    "PlanSettings",
+    "PlannedDataLoader",
+    "PlannedShardDataset",
+    "Source",
+    "apply_sample_transform",
+]
 
 log = logging.getLogger(__name__)
+
+_DEFAULTS = DATAMODULE_DEFAULTS
 
 
 def _fit_over(trainer: Any) -> bool:
@@ -82,44 +95,29 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         train_shards: shard paths, brace pattern (``data/shard-{000000..000099}.tar``), directory, or
             ``index.json``; or a list of these.
         val_shards: the same for validation, or None.
-        max_tokens: token cap per batch (B * S); also the largest sample allowed.
-        max_compute: compute cap per batch in the cost model's unit; ``"auto"`` or None: the cheapest
-            full bucket's compute (see ``batching.py``); ignored with ``mode="equal_tokens"``.
-        cost_model: a :class:`CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
-            ``{"kind": "power", "p": 1.5}``); None: :meth:`CostModel.default`.
-        mode: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
-        schedule: ``"independent"`` (each rank batches its own samples), ``"lockstep"`` (all ranks
-            take the same bucket class and batch size at every step) or ``"packed"`` (each rank takes one
-            pack of samples of any shapes per step, the packs of a step of equal cost; the module must run
-            packs, ``runs_packed_batches = True``), or ``"auto"`` (lockstep, or packed where lockstep's
-            estimated straggler wait exceeds 2% and the module runs packs; the epoch line says which and
-            why). Which to use: ``docs/schedules.md``.
-        lockstep_tail: ``"packed"`` (default): lockstep's unequal end of epoch runs as balanced packs
-            (``docs/data_path.md``); ``"bucketed"``: as unequal bucketed batches. A module that runs packs
-            says so with ``runs_packed_batches = True`` (``VideoDiTModule`` does); any other gets
-            ``"bucketed"`` with a warning, so that it never receives a pack.
-        plan_chunk_samples: a training epoch of more samples is planned in segments of about this many,
-            one after the other (``docs/data_path.md``, "Internet-scale epochs"): each rank then holds one
-            segment's working set and its own streams, not every stream of the epoch. None: plan at once.
-        plan_processes: plan that many segments at a time, in spawned processes (each holds one segment's
-            working set and its imports, about 0.5 GB): for hosts with cores to spare per rank.
-        patch_size: the model's (pt, ph, pw).
-        num_workers: DataLoader workers per rank.
-        seed: seeds the shard order of every epoch (with the epoch number).
-        on_error: ``"raise"`` or ``"skip"`` for bad shards and samples (index build and reading).
-        oversize: ``"raise"`` or ``"skip"`` for samples with more than ``max_tokens`` tokens.
+        batching: how batches are sized: :class:`~lightning_adaptiveload.planning.settings.Batching`
+            (``max_tokens``, ``max_compute``, ``cost_model``, ``sizing``, ``patch_size``, ``oversize``).
+        plan: how every training epoch is planned:
+            :class:`~lightning_adaptiveload.planning.settings.PlanSettings` (``schedule``, ``lockstep_tail``,
+            ``lockstep_tolerance``, ``max_buffered_samples``, ``chunk_samples``, ``plan_processes``; its
+            ``underfull`` is the training split's). Default (also of a recipe's ``plan:`` keys):
+            ``PlanSettings(chunk_samples=500_000)``.
+            ``schedule``: ``"independent"`` (each rank batches its own samples), ``"lockstep"`` (all ranks
+            take the same bucket class and batch size at every step), ``"packed"`` (each rank takes one pack
+            of samples of any shapes per step, the packs of a step of equal cost; the module must run packs,
+            ``runs_packed_batches = True``), or ``"auto"`` (the epoch line says which and why). Which to use:
+            ``docs/schedules.md``. ``lockstep_tail="packed"`` needs a module that runs packs; any other gets
+            ``"bucketed"`` with a warning, so that it never receives a pack. ``chunk_samples``: a training
+            epoch of more samples is planned in segments of about this many (``docs/data_path.md``,
+            "Internet-scale epochs").
+        loader: how each rank loads its batches: :class:`~lightning_adaptiveload.data.settings.Loader`
+            (``num_workers``, ``pin_memory``, ``seed``, ``text_pad_to``).
+        source: how shards are read and what an index may name:
+            :class:`~lightning_adaptiveload.data.settings.Source` (``on_error``, ``max_member_bytes``,
+            ``index_allow_schemes``, ``index_allow_outside``).
         synthetic: generate shards in ``prepare_data`` when set: keyword arguments of
             ``write_synthetic_shards`` (e.g. ``{"mix": "tiny", "num_samples": 512, "samples_per_shard": 32}``),
             plus optional ``val_num_samples``; ``train_shards`` (and ``val_shards``) must then be directories.
-        max_buffered_samples: samples a worker may hold decoded (independent mode); None: automatic.
-        lockstep_tolerance: relative cost tolerance that groups buckets into one lockstep class.
-        pin_memory: DataLoader ``pin_memory``.
-        max_member_bytes: the largest shard member read, in bytes; a larger claim is refused
-            (``member_too_large``) before anything is allocated. None: ``data.format.MAX_MEMBER_BYTES`` (1 GiB).
-        index_allow_schemes: URL schemes the shard paths in an ``index.json`` may name (e.g.
-            ``["https"]``); by default an index names files in its own folder only, never ``pipe:``
-            (a ``pipe:`` source is taken only from ``train_shards``/``val_shards`` themselves).
-        index_allow_outside: let an ``index.json`` name local shards outside its folder.
         val_underfull: a validation set with fewer samples than ranks: ``"pad"`` (default) gives the ranks
             without a sample one empty batch (``batch_size == 0``, zero tokens), a zero-weight step that
             keeps the collectives in step and adds nothing to a token-weighted metric; ``"error"`` raises
@@ -132,15 +130,29 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             batched (augmentation, caption dropout); it must keep the latent's shape (checked: the plan
             fixed it). An import path in a YAML recipe. See :func:`apply_sample_transform`. Applies to
             training data only; evaluation data is read as stored.
-        text_pad_to: pad every batch's text states to this length L (``text`` (B, L, D), ``text_mask``
-            (B, L)), for models without a text mask or for one shape under ``torch.compile``; a longer text
-            is an error naming the sample. None: pad to the batch's longest text.
+        **legacy: deprecated (removed in the next release): the 27 flat keywords this class took before,
+            each routed into its group with one ``DeprecationWarning`` per call that names the new form
+            (``max_tokens=`` -> ``batching=Batching(max_tokens=...)``; ``mode=`` is ``Batching.sizing``,
+            ``plan_chunk_samples=`` is ``PlanSettings.chunk_samples``).
+
+    Raises:
+        ValueError: a bad setting, from the settings class that holds it (each is checked in one place).
+        TypeError: an unknown keyword (the nearest is suggested), or a group given both ways.
+
+    Example:
+        >>> dm = AdaptiveLoadDataModule(  # doctest: +SKIP
+        ...     "data/train",
+        ...     batching=Batching(max_tokens=65520, sizing="dual"),
+        ...     plan=PlanSettings(schedule="lockstep", chunk_samples=500_000),
+        ...     loader=Loader(num_workers=4),
+        ... )
 
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
             ``docs/data_path.md``).
-        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`,
-            built (and so checked) from the arguments above in ``__init__``.
+        batching, loader, source: the settings groups in use (given, or built from the flat keywords).
+        plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`
+            (the ``plan`` argument).
         eval_plan_settings: the validation, test and predict splits' (one fixed independent plan, planned
             at once, ``underfull=val_underfull``).
 
@@ -155,85 +167,58 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self,
         train_shards: str | list[str],
         val_shards: str | list[str] | None = None,
-        max_tokens: int = 4096,
-        max_compute: float | str | None = None,
-        cost_model: dict[str, Any] | None = None,
-        mode: str = "dual",
-        schedule: str = "independent",
-        patch_size: tuple[int, int, int] = (1, 2, 2),
-        num_workers: int = 2,
-        seed: int = 0,
-        on_error: str = "raise",
-        oversize: str = "raise",
+        *,
+        batching: Batching = _DEFAULTS.batching,
+        plan: PlanSettings = _DEFAULTS.plan,
+        loader: Loader = _DEFAULTS.loader,
+        source: Source = _DEFAULTS.source,
         synthetic: dict[str, Any] | None = None,
-        max_buffered_samples: int | None = None,
-        lockstep_tolerance: float = 0.05,
-        pin_memory: bool = False,
-        max_member_bytes: int | None = None,
-        index_allow_schemes: list[str] | None = None,
-        index_allow_outside: bool = False,
-        val_underfull: str = "pad",
+        val_underfull: Underfull = "pad",
         test_shards: str | list[str] | None = None,
         predict_shards: str | list[str] | None = None,
         sample_transform: Callable[[dict], dict] | None = None,
-        text_pad_to: int | None = None,
-        lockstep_tail: str = "packed",
-        plan_chunk_samples: int | None = 500_000,
-        plan_processes: int = 1,
+        **legacy: Any,
     ) -> None:
         super().__init__()
-        # The plan settings, checked now (PlanSettings is where they are checked): the training split's, and
-        # the evaluation splits' (one fixed independent plan, padded or refused where underfull, at once).
-        self.plan_settings = PlanSettings(
-            schedule=schedule,  # type: ignore[arg-type]
-            lockstep_tolerance=lockstep_tolerance,
-            lockstep_tail=lockstep_tail,  # type: ignore[arg-type]
-            max_buffered_samples=max_buffered_samples,
-            chunk_samples=plan_chunk_samples,
-            plan_processes=plan_processes,
-        )
+        given = {"batching": batching, "plan": plan, "loader": loader, "source": source}
+        groups = DataModuleGroups.of(type(self).__name__, given, legacy)  # the defaults are not "given"
+        self.batching, self.loader, self.source = groups.batching, groups.loader, groups.source
+        # The plan settings, checked where they are built (PlanSettings): the training split's, and the
+        # evaluation splits' (one fixed independent plan, padded or refused where underfull, at once).
+        self.plan_settings = groups.plan
         self.eval_plan_settings = self.plan_settings.replace(
             schedule="independent", underfull=val_underfull, chunk_samples=None
         )
         if sample_transform is not None and not callable(sample_transform):
             raise ValueError(f"sample_transform must be callable(sample) -> sample, got {sample_transform!r}")
-        if text_pad_to is not None and int(text_pad_to) < 1:
-            raise ValueError(
-                f"text_pad_to must be a positive number of text states or None, got {text_pad_to!r}"
-            )
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if int(num_workers) < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters(ignore=["sample_transform"])
+        self.save_hyperparameters(
+            {
+                "train_shards": train_shards,
+                "val_shards": val_shards,
+                # Plain data (a checkpoint is read with weights_only=True); the groups accept their dicts.
+                **{name: dataclasses.asdict(value) for name, value in groups.as_dict().items()},
+                "synthetic": synthetic,
+                "val_underfull": val_underfull,
+                "test_shards": test_shards,
+                "predict_shards": predict_shards,
+            }
+        )
         self.train_shards = train_shards
         self.val_shards = val_shards
         self.test_shards = test_shards
         self.predict_shards = predict_shards
         self.sample_transform = sample_transform
-        self.text_pad_to = None if text_pad_to is None else int(text_pad_to)
-        self.num_workers = int(num_workers)
-        self.seed = int(seed)
-        self.on_error = on_error
+        self.text_pad_to = self.loader.text_pad_to
+        self.num_workers = self.loader.num_workers
+        self.seed = self.loader.seed
+        self.pin_memory = self.loader.pin_memory
+        self.on_error = self.source.on_error
         self.synthetic = check_synthetic(synthetic) if synthetic else None
-        self.pin_memory = bool(pin_memory)
-        self.max_member_bytes = max_member_bytes
+        self.max_member_bytes = self.source.max_member_bytes
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
-        self._index_trust = {
-            "allow_schemes": tuple(index_allow_schemes or ()),
-            "allow_outside": bool(index_allow_outside),
-            "max_member_bytes": max_member_bytes,
-        }
-        self.patch_size = tuple(int(x) for x in patch_size)
-        # Validates the batcher settings now, before any data is touched.
-        self.batcher = DualConstraintBatcher(
-            max_tokens=max_tokens,
-            max_compute=max_compute,
-            cost_model=cost_model,
-            mode=mode,
-            patch_size=self.patch_size,
-            oversize=oversize,
-        )
+        self._index_trust = self.source.index_trust()
+        self.patch_size = self.batching.patch_size
+        self.batcher = DualConstraintBatcher.from_settings(self.batching)
         self.train_index: Any = None
         self.val_index: Any = None
         self.train_dataset: PlannedShardDataset | None = None
@@ -383,7 +368,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             f"schedule='packed' gives every training step a pack of samples of different shapes "
             f"(batch['packed'] is True, batch['latents'] a list of (C, T, H, W) tensors), but "
             f"{type(module).__name__} {said}, so it cannot take them. Either set the data's schedule to "
-            "'lockstep' or 'independent' (in a recipe: data.init_args.schedule), or make the module's "
+            "'lockstep' or 'independent' (in a recipe: data.init_args.plan.schedule), or make the module's "
             "training_step take packs and set runs_packed_batches = True on its class (docs/data_path.md, "
             "'Packed batches'; examples/your_own_model/wan_flow.py does)"
         )
@@ -584,7 +569,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
                 f"partial {rep['partial_batches']}, split {rep['split_batches']}, "
-                f"{batching_label(rep['mode'], self.batcher.mode)}"
+                f"{batching_label(rep['mode'], self.batcher.sizing)}"
                 + (
                     f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
                     f"{rep.get('packed_tail_steps', 0)}"

@@ -143,7 +143,7 @@ class VideoDiTModule(L.LightningModule):
     deprecated_keywords: frozenset[str] = DEPRECATED_KEYWORDS
 
     #: Runs packed batches (``compute_loss`` takes a pack): the DataModule may give lockstep epochs a
-    #: packed tail (``AdaptiveLoadDataModule(lockstep_tail="packed")``).
+    #: packed tail (``AdaptiveLoadDataModule(plan=PlanSettings(lockstep_tail="packed"))``).
     runs_packed_batches = True
 
     def __init__(

@@ -170,7 +170,7 @@ def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool 
     Args:
         datamodule: the trainer's data module (``AdaptiveLoadDataModule`` takes a cost model).
         model: the refit model.
-        resize_batches: apply it also where the model sizes the batches (``mode="dual"``, bucketed schedules).
+        resize_batches: apply it also where the model sizes the batches (``sizing="dual"``, bucketed schedules).
 
     Returns:
         ``""`` when applied, else why not (no data module that takes a cost model, a numeric ``max_compute``

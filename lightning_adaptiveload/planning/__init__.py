@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "BatchSizer": "sizing",
+        "Batching": "settings",
         "BucketSize": "sizing",
         "CostModel": "cost_model",
         "DualConstraintBatcher": "batching",

@@ -3,17 +3,17 @@
 A batch holds B samples of one latent shape (C, T, H, W), so it is never padded. With S tokens per
 sample, the batch size of a bucket is (the rule itself: :class:`~.sizing.BatchSizer`)
 
-- ``mode="equal_tokens"`` (the baseline every trainer uses): ``B = floor(max_tokens / S)``;
-- ``mode="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
+- ``sizing="equal_tokens"`` (the baseline every trainer uses): ``B = floor(max_tokens / S)``;
+- ``sizing="dual"`` (AdaptiveLoad): ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
   (``c0``: the cost model's per-step constant, 0 unless fitted to packs).
 
 A batch *satisfies the constraints* (:meth:`DualConstraintBatcher.satisfies`) when ``B * S <= max_tokens``
-and, in ``dual`` mode, ``c0 + B * cost(S) <= max_compute``; the one exception is a single sample (B = 1) whose
+and, with ``sizing="dual"``, ``c0 + B * cost(S) <= max_compute``; the one exception is a single sample (B = 1) whose
 compute alone exceeds ``max_compute``: it is allowed (B is at least 1) as long as ``S <= max_tokens``.
 A sample with ``S > max_tokens`` is *oversize*: ``oversize="raise"`` raises, ``"skip"`` leaves it out and
 counts it.
 
-``max_compute="auto"`` (also what ``None`` means in ``dual`` mode) is the compute of the cheapest full
+``max_compute="auto"`` (also what ``None`` means with ``sizing="dual"``) is the compute of the cheapest full
 bucket at the token cap: ``min over the buckets b present of floor(max_tokens / S_b) * cost(S_b)``. With
 a convex cost this is usually the image bucket, so every bucket's batch compute is brought down to the
 image batch's, except buckets where one sample already costs more (B = 1).
@@ -27,16 +27,17 @@ only.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.sizing import MODES, BatchSizer
+from lightning_adaptiveload.planning.settings import Batching
+from lightning_adaptiveload.planning.sizing import BatchSizer
 
 __all__ = ["DualConstraintBatcher"]
 
-_OVERSIZE = ("raise", "skip")
 _PARTIAL = ("emit", "carry")
 
 
@@ -46,17 +47,20 @@ class DualConstraintBatcher:
     Args:
         max_tokens: token cap per batch (B * S <= max_tokens); also the largest sample allowed.
         max_compute: compute cap per batch in the cost model's unit (``B * cost(S) <= max_compute``), or
-            ``"auto"`` / None (dual mode: the documented rule, resolved by :meth:`resolve_max_compute`).
-            Ignored in ``equal_tokens`` mode.
+            ``"auto"`` / None (``sizing="dual"``: the documented rule, resolved by :meth:`resolve_max_compute`).
+            Ignored with ``sizing="equal_tokens"``.
         cost_model: a :class:`CostModel` or its dict; :meth:`CostModel.default` when None. A numeric
             ``max_compute`` needs an explicit cost model (the number is in its unit).
-        mode: ``"dual"`` or ``"equal_tokens"``.
+        sizing: ``"dual"`` or ``"equal_tokens"`` (the batch sizing rule).
         patch_size: (pt, ph, pw) of the model.
         oversize: a sample with more than ``max_tokens`` tokens: ``"raise"`` or ``"skip"`` (counted in
             ``stats["skipped_oversize"]``).
         partial: pipeline stage only: at the end of the input, ``"emit"`` the incomplete buckets as smaller
             batches (counted in ``stats["partial_batches"]``) or ``"carry"`` them into the next call (counted
             in ``stats["carried"]``).
+        mode: the old name of ``sizing`` (deprecated, removed in the next release).
+
+    The settings are checked by :class:`~.settings.Batching` (:meth:`from_settings` takes one), the one place.
 
     Attributes:
         stats: counters of the pipeline stage: samples, batches, partial_batches, skipped_oversize,
@@ -66,7 +70,7 @@ class DualConstraintBatcher:
     VAEs is an error).
 
     Example:
-        >>> b = DualConstraintBatcher(max_tokens=4096, mode="equal_tokens")
+        >>> b = DualConstraintBatcher(max_tokens=4096, sizing="equal_tokens")
         >>> b.batch_size((16, 1, 8, 12))  # 24 tokens
         170
     """
@@ -76,37 +80,40 @@ class DualConstraintBatcher:
         max_tokens: int,
         max_compute: float | str | None = None,
         cost_model: CostModel | Mapping[str, Any] | None = None,
-        mode: str = "dual",
+        sizing: str = "dual",
         patch_size: Sequence[int] = (1, 2, 2),
         oversize: str = "raise",
         partial: str = "emit",
+        *,
+        mode: str | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if oversize not in _OVERSIZE:
-            raise ValueError(f"oversize must be one of {_OVERSIZE}, got {oversize!r}")
+        if mode is not None:
+            warnings.warn(
+                f"DualConstraintBatcher(mode={mode!r}) is deprecated and will be removed in the next release; "
+                f"pass sizing={mode!r} instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            sizing = mode
         if partial not in _PARTIAL:
             raise ValueError(f"partial must be one of {_PARTIAL}, got {partial!r}")
-        self.oversize = oversize
+        settings = Batching(
+            max_tokens=max_tokens,
+            max_compute=max_compute,  # type: ignore[arg-type]
+            cost_model=cost_model,  # type: ignore[arg-type]
+            sizing=sizing,  # type: ignore[arg-type]
+            patch_size=patch_size,  # type: ignore[arg-type]
+            oversize=oversize,  # type: ignore[arg-type]
+        )
+        self.oversize = settings.oversize
         self.partial = partial
-        # The sizer checks max_tokens and patch_size, before the cost model is read.
-        sizer = BatchSizer(max_tokens, mode=mode, patch_size=patch_size)
+        sizer = BatchSizer(settings.max_tokens, sizing=settings.sizing, patch_size=settings.patch_size)
         self._explicit_cost_model = cost_model is not None
         if self._explicit_cost_model:
-            sizer = replace(sizer, cost_model=CostModel.from_dict(cost_model))
-        self._auto = False
-        if mode == "dual":
-            if max_compute is None or max_compute == "auto":
-                self._auto = True
-            elif isinstance(max_compute, str):
-                raise ValueError(f"max_compute must be a number, 'auto' or None, got {max_compute!r}")
-            else:
-                sizer = replace(sizer, max_compute=max_compute)  # checks that it is a positive number
-                if not self._explicit_cost_model:
-                    raise ValueError(
-                        f"max_compute={max_compute!r} is in the unit of a cost model, but no cost_model was given; "
-                        "pass cost_model (e.g. {'kind': 'power', 'p': 1.5} or a fitted one) or use max_compute='auto'"
-                    )
+            sizer = replace(sizer, cost_model=CostModel.from_dict(cost_model))  # type: ignore[arg-type]
+        self._auto = settings.sizing == "dual" and settings.max_compute in (None, "auto")
+        if settings.sizing == "dual" and not self._auto:
+            sizer = replace(sizer, max_compute=settings.max_compute)
         self._sizer = sizer
         self._carry: list[dict[str, Any]] = []
         self.stats: dict[str, int] = {}
@@ -124,10 +131,33 @@ class DualConstraintBatcher:
         """Token cap per batch."""
         return self._sizer.max_tokens
 
+    @classmethod
+    def from_settings(cls, settings: Batching, partial: str = "emit") -> DualConstraintBatcher:
+        """The batcher of a :class:`~.settings.Batching` (``partial``: the pipeline stage's, see above)."""
+        return cls(
+            max_tokens=settings.max_tokens,
+            max_compute=settings.max_compute,
+            cost_model=settings.cost_model,
+            sizing=settings.sizing,
+            patch_size=settings.patch_size,
+            oversize=settings.oversize,
+            partial=partial,
+        )
+
+    @property
+    def sizing(self) -> str:
+        """The sizing rule: ``"dual"`` or ``"equal_tokens"``."""
+        return self._sizer.sizing
+
     @property
     def mode(self) -> str:
-        """``"dual"`` or ``"equal_tokens"``."""
-        return self._sizer.mode
+        """Deprecated alias of :attr:`sizing` (removed in the next release)."""
+        warnings.warn(
+            "DualConstraintBatcher.mode is deprecated and will be removed in the next release; use .sizing",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._sizer.sizing
 
     @property
     def patch_size(self) -> tuple[int, int, int]:
@@ -141,19 +171,19 @@ class DualConstraintBatcher:
 
     @property
     def max_compute(self) -> float | None:
-        """The compute cap in use (None in ``equal_tokens`` mode or while ``"auto"`` is unresolved)."""
+        """The compute cap in use (None with ``sizing="equal_tokens"`` or while ``"auto"`` is unresolved)."""
         return self._sizer.max_compute
 
     @property
     def needs_resolution(self) -> bool:
         """True while ``max_compute="auto"`` waits for :meth:`resolve_max_compute`."""
-        return self.mode == "dual" and self.max_compute is None
+        return self.sizing == "dual" and self.max_compute is None
 
     @property
     def cap_follows_cost_model(self) -> bool:
         """Whether another cost model keeps the compute cap meaningful: ``"auto"`` (re-resolved from the new
-        model) or ``equal_tokens`` mode (no compute cap); False for a number in the current model's unit."""
-        return self.mode != "dual" or self._auto
+        model) or ``sizing="equal_tokens"`` (no compute cap); False for a number in the current model's unit."""
+        return self.sizing != "dual" or self._auto
 
     def set_cost_model(
         self, cost_model: CostModel | Mapping[str, Any], latent_shapes: Iterable[Sequence[int]]
@@ -170,7 +200,7 @@ class DualConstraintBatcher:
             )
         self._sizer = replace(self._sizer, cost_model=CostModel.from_dict(cost_model), max_compute=None)
         self._explicit_cost_model = True
-        if self.mode == "dual":
+        if self.sizing == "dual":
             self.resolve_max_compute(latent_shapes)
 
     def config(self) -> dict[str, Any]:
@@ -181,7 +211,7 @@ class DualConstraintBatcher:
             if self.max_compute is not None
             else ("auto" if self._auto else None),
             "cost_model": self.cost_model.to_dict() if self._explicit_cost_model else None,
-            "mode": self.mode,
+            "sizing": self.sizing,
             "patch_size": list(self.patch_size),
             "oversize": self.oversize,
             "partial": self.partial,
@@ -189,10 +219,14 @@ class DualConstraintBatcher:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DualConstraintBatcher:
-        """Inverse of :meth:`config` (a resolved "auto" cap comes back as that number)."""
+        """Inverse of :meth:`config` (a resolved "auto" cap comes back as that number). A config saved before
+        the rename (in a checkpoint's resume state) names the sizing rule ``"mode"``: read as ``"sizing"``."""
         cfg = dict(config)
-        batcher = cls(**{**cfg, "max_compute": None if cfg.get("mode") == "dual" else cfg.get("max_compute")})
-        if cfg.get("mode") == "dual" and isinstance(cfg.get("max_compute"), int | float):
+        if "mode" in cfg:
+            cfg["sizing"] = cfg.pop("mode")
+        dual = cfg.get("sizing", "dual") == "dual"
+        batcher = cls(**{**cfg, "max_compute": None if dual else cfg.get("max_compute")})
+        if dual and isinstance(cfg.get("max_compute"), int | float):
             batcher._fix_max_compute(float(cfg["max_compute"]), auto=False)
         return batcher
 
@@ -206,16 +240,16 @@ class DualConstraintBatcher:
 
         ``max_compute = min over the distinct buckets b of floor(max_tokens / S_b) * cost(S_b)``, over the
         buckets that fit the token cap (:meth:`BatchSizer.auto_max_compute`). No-op (returns the cap) when
-        the cap is numeric or the mode is ``equal_tokens``. Call it once with every shape of the data set
+        the cap is numeric or the sizing is ``equal_tokens``. Call it once with every shape of the data set
         (the index's), not per shard, so that every rank and every epoch uses the same cap.
 
         Returns:
-            The cap (cost-model units), or None in ``equal_tokens`` mode.
+            The cap (cost-model units), or None with ``sizing="equal_tokens"``.
 
         Raises:
             ValueError: no shape fits the token cap, or the cost is not positive at some length.
         """
-        if self.mode != "dual" or not self._auto:
+        if self.sizing != "dual" or not self._auto:
             return self.max_compute
         self._fix_max_compute(self._sizer.auto_max_compute(latent_shapes), auto=True)
         return self.max_compute

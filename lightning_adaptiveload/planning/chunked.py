@@ -316,7 +316,7 @@ def _fixed_cap_batcher(batcher: Any, data: PlanInput) -> Any:
     from lightning_adaptiveload.planning.inputs import distinct_shapes
 
     cap = batcher.resolve_max_compute(distinct_shapes(data))
-    if cap is None or batcher.mode != "dual":
+    if cap is None or batcher.sizing != "dual":
         return batcher
     return type(batcher).from_config({**batcher.config(), "max_compute": float(cap)})
 

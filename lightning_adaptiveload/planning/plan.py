@@ -38,22 +38,22 @@ SCHEDULE_CHOICES: tuple[str, ...] = get_args(Schedule)
 AUTO_MAX_WAIT = 0.02
 
 
-def batching_label(schedule: str, mode: str) -> str:
+def batching_label(schedule: str, sizing: str) -> str:
     """How a configuration is named wherever it is printed (the epoch line, the end of fit, ``simulate``).
 
-    ``"schedule S, mode M"``; but the packed schedule sizes no batches, so the batcher's ``mode`` (and
+    ``"schedule S, sizing Z"``; but the packed schedule sizes no batches, so the batcher's ``sizing`` (and
     ``max_compute``) change nothing in it: each rank's pack is filled up to ``max_tokens`` and the packs of
-    a step are balanced by the cost model. Its label says that rather than name a mode that does not apply
-    (the simulator builds its packed plans with an ``equal_tokens`` batcher, the DataModule with whatever
-    mode the recipe sets, and both plans are the same).
+    a step are balanced by the cost model. Its label says that rather than name a sizing rule that does not
+    apply (the simulator builds its packed plans with an ``equal_tokens`` batcher, the DataModule with
+    whatever sizing the recipe sets, and both plans are the same).
 
     Example:
         >>> batching_label("lockstep", "dual")
-        'schedule lockstep, mode dual'
+        'schedule lockstep, sizing dual'
     """
     if schedule == "packed":
-        return "schedule packed (no batcher mode: packs up to max_tokens, balanced by the cost model)"
-    return f"schedule {schedule}, mode {mode}"
+        return "schedule packed (no batch sizing: packs up to max_tokens, balanced by the cost model)"
+    return f"schedule {schedule}, sizing {sizing}"
 
 
 class PlanError(ValueError):

@@ -70,7 +70,7 @@ class RefitConfig:
             others (the shape of the model; its unit may change freely). Beyond it the change is clamped.
         max_saved_steps: the most rows (rank-steps) of measurements kept in a checkpoint, for the last refit's
             and for the window since (the last ones of each).
-        resize_batches: also apply the refit where the cost model sizes the batches (``mode="dual"`` with
+        resize_batches: also apply the refit where the cost model sizes the batches (``sizing="dual"`` with
             ``max_compute="auto"``): the batch sizes of the long samples then change between epochs, which
             changes what the optimizer sees. False (default): there the refit is logged only; where the model
             only balances (``equal_tokens`` batches, the packed schedule's packs) it is applied.

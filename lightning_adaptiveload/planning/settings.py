@@ -1,6 +1,7 @@
 """The settings an epoch is planned with: one frozen, keyword-only value, validated once, passed whole.
 
-:class:`PlanSettings` is what the DataModule builds from its arguments, what
+:class:`Batching` is how batches are sized (the settings of a
+:class:`~.batching.DualConstraintBatcher`); :class:`PlanSettings` is what the DataModule builds from its arguments, what
 :class:`~lightning_adaptiveload.data.loader.PlannedShardDataset` holds, and what
 :func:`~.planner.plan_epoch`, :func:`~.chunked.plan_segments` and the planner's steps read. Every check
 of these settings is in :meth:`PlanSettings.__post_init__` and nowhere else: a bad value is refused where
@@ -20,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-__all__ = ["LockstepTail", "PlanSettings", "Schedule", "Underfull"]
+from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.sizing import BatchSizer
+
+__all__ = ["Batching", "LockstepTail", "Oversize", "PlanSettings", "Schedule", "Sizing", "Underfull"]
 
 #: The schedule an epoch is planned with (``docs/schedules.md``); ``"auto"``: lockstep, or packed where
 #: lockstep's estimated straggler wait exceeds :data:`~.plan.AUTO_MAX_WAIT` and the model runs packs.
@@ -29,6 +33,11 @@ Schedule = Literal["independent", "lockstep", "packed", "auto"]
 LockstepTail = Literal["packed", "bucketed"]
 #: Where some rank can get no sample: ``"error"`` raises, ``"pad"`` gives it empty batches.
 Underfull = Literal["error", "pad"]
+
+#: The batch sizing rule: ``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only).
+Sizing = Literal["dual", "equal_tokens"]
+#: A sample with more tokens than ``max_tokens``: ``"raise"`` or ``"skip"`` (left out, counted).
+Oversize = Literal["raise", "skip"]
 
 _CHOICES = {"schedule": Schedule, "lockstep_tail": LockstepTail, "underfull": Underfull}
 
@@ -136,3 +145,72 @@ def _number(value: Any, name: str, kind: type) -> Any:
     except (TypeError, ValueError):
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"{name} must be {what}, got {value!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batching:
+    """How the batches are sized: the settings of a :class:`~.batching.DualConstraintBatcher`.
+
+    Every check of these settings runs when the value is built, each in one place:
+    :class:`~.sizing.BatchSizer` checks ``max_tokens``, ``sizing``, ``patch_size`` and a numeric
+    ``max_compute``; :class:`~.cost_model.CostModel` checks ``cost_model``; ``__post_init__`` the rest.
+
+    Raises:
+        ValueError: a value out of its range, naming the setting and the value.
+
+    Example:
+        >>> Batching(max_tokens=4096, sizing="equal_tokens").sizing
+        'equal_tokens'
+    """
+
+    max_tokens: int = 4096
+    """Token cap per batch (``B * S <= max_tokens``); also the largest sample allowed."""
+
+    max_compute: float | Literal["auto"] | None = None
+    """Compute cap per batch in the cost model's unit (``B * cost(S) <= max_compute``); ``"auto"`` or None:
+    the cheapest full bucket's compute (``docs/data_path.md``). Ignored with ``sizing="equal_tokens"``. A
+    number needs an explicit ``cost_model`` (it is in that model's unit)."""
+
+    cost_model: dict[str, Any] | None = None
+    """A :class:`~.cost_model.CostModel` dict (``{"kind": "quadratic", "alpha": ..., "beta": ...}`` or
+    ``{"kind": "power", "p": 1.5}``) or a ``CostModel`` (held as its dict); None: :meth:`CostModel.default`."""
+
+    sizing: Sizing = "dual"
+    """``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only: ``B = max_tokens // S``).
+    Called ``mode`` before (deprecated)."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """The model's patch size (pt, ph, pw): ``S = (T / pt) * (H / ph) * (W / pw)``."""
+
+    oversize: Oversize = "raise"
+    """A sample with more than ``max_tokens`` tokens: ``"raise"`` or ``"skip"`` (left out and counted)."""
+
+    def __post_init__(self) -> None:
+        cap = self.max_compute
+        if isinstance(cap, str) and cap != "auto":
+            raise ValueError(f"max_compute must be a number, 'auto' or None, got {cap!r}")
+        numeric = cap is not None and cap != "auto"
+        sizer = BatchSizer(
+            self.max_tokens,
+            sizing=self.sizing,
+            max_compute=cap if numeric else None,
+            patch_size=self.patch_size,
+        )
+        if self.oversize not in get_args(Oversize):
+            raise ValueError(f"oversize must be one of {get_args(Oversize)}, got {self.oversize!r}")
+        if self.cost_model is not None:
+            # Held as its dict (what a recipe writes, and plain data in a checkpoint's hyperparameters).
+            object.__setattr__(self, "cost_model", CostModel.from_dict(self.cost_model).to_dict())
+        elif numeric and self.sizing == "dual":
+            raise ValueError(
+                f"max_compute={cap!r} is in the unit of a cost model, but no cost_model was given; pass "
+                "cost_model (e.g. {'kind': 'power', 'p': 1.5} or a fitted one) or use max_compute='auto'"
+            )
+        object.__setattr__(self, "max_tokens", sizer.max_tokens)
+        object.__setattr__(self, "patch_size", sizer.patch_size)
+        if numeric:
+            object.__setattr__(self, "max_compute", float(cap))  # type: ignore[arg-type]
+
+    def replace(self, **changes: Any) -> Batching:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)

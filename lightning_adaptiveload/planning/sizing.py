@@ -3,8 +3,8 @@
 A batch holds B samples of one latent shape (C, T, H, W). With S tokens per sample
 (:func:`tokens_per_sample`), a :class:`BatchSizer` gives
 
-- ``mode="equal_tokens"``: ``B = floor(max_tokens / S)``;
-- ``mode="dual"``: ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
+- ``sizing="equal_tokens"``: ``B = floor(max_tokens / S)``;
+- ``sizing="dual"``: ``B = max(1, min(floor(max_tokens / S), floor((max_compute - c0) / cost(S))))``
   (``c0``: the cost model's per-step constant, 0 unless fitted to packs);
 
 and ``B = 0`` for an *oversize* shape (``S > max_tokens``). The ``"auto"`` compute cap is
@@ -15,25 +15,43 @@ stage (:mod:`.batching`, torch) and the epoch planner (:mod:`.planner`, no torch
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lightning_adaptiveload.planning.cost_model import CostModel
 
-__all__ = ["MODES", "BatchSizer", "BucketSize", "tokens_per_sample"]
+__all__ = ["MODES", "SIZINGS", "BatchSizer", "BucketSize", "tokens_per_sample"]
 
-MODES = ("dual", "equal_tokens")
+#: The sizing rules of a batch (``BatchSizer.sizing``, ``Batching.sizing``).
+SIZINGS = ("dual", "equal_tokens")
+#: The old name of :data:`SIZINGS` (deprecated, removed in the next release).
+MODES = SIZINGS
 # Relative slack on the compute cap: the "auto" cap is itself a batch cost, and floor(cap / cost) must
 # not lose a sample to the last bit of a float division.
 _COMPUTE_RTOL = 1e-9
 
 
 def _patch(patch_size: Sequence[int]) -> tuple[int, int, int]:
-    patch = tuple(int(x) for x in patch_size)
+    try:
+        patch = tuple(int(x) for x in patch_size)
+    except (TypeError, ValueError):
+        patch = ()
     if len(patch) != 3 or min(patch) < 1:
-        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {list(patch_size)}")
+        raise ValueError(f"patch_size must be 3 positive ints (pt, ph, pw), got {patch_size!r}")
     return patch  # type: ignore[return-value]
+
+
+def _is_positive_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (an int, a NumPy integer or an integral float) of at least 1."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return int(value) == value and int(value) >= 1
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def tokens_per_sample(latent_shape: Sequence[int], patch_size: Sequence[int] = (1, 2, 2)) -> int:
@@ -72,24 +90,24 @@ class BucketSize(NamedTuple):
 
 @dataclass(frozen=True)
 class BatchSizer:
-    """Batch sizes under a token cap and (``dual`` mode) a compute cap.
+    """Batch sizes under a token cap and (``sizing="dual"``) a compute cap.
 
     Args:
         max_tokens: token cap per batch (``B * S <= max_tokens``); also the largest sample allowed.
-        mode: ``"dual"`` or ``"equal_tokens"``.
-        max_compute: compute cap per batch in the cost model's unit (``B * cost(S) <= max_compute``). In
-            ``dual`` mode None means not fixed yet ("auto" before :meth:`auto_max_compute` is applied):
-            sizing a shape within the token cap then raises. Dropped (None) in ``equal_tokens`` mode.
+        sizing: ``"dual"`` or ``"equal_tokens"``.
+        max_compute: compute cap per batch in the cost model's unit (``B * cost(S) <= max_compute``). With
+            ``sizing="dual"`` None means not fixed yet ("auto" before :meth:`auto_max_compute` is applied):
+            sizing a shape within the token cap then raises. Dropped (None) with ``sizing="equal_tokens"``.
         cost_model: the cost of one sample of S tokens.
         patch_size: (pt, ph, pw) of the model.
 
     Example:
-        >>> BatchSizer(4096, mode="equal_tokens").size((16, 1, 8, 12))
+        >>> BatchSizer(4096, sizing="equal_tokens").size((16, 1, 8, 12))
         BucketSize(seq_len=24, batch_size=170)
     """
 
     max_tokens: int
-    mode: str = "dual"
+    sizing: str = "dual"
     max_compute: float | None = None
     cost_model: CostModel = field(default_factory=CostModel.default)
     patch_size: tuple[int, int, int] = (1, 2, 2)
@@ -98,22 +116,34 @@ class BatchSizer:
     )
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        # The one check of these settings (max_tokens, sizing, patch_size, a numeric max_compute), whether they
+        # come through Batching, DualConstraintBatcher or this class.
+        if self.sizing not in SIZINGS:
+            raise ValueError(f"sizing must be one of {SIZINGS}, got {self.sizing!r}")
         max_tokens = self.max_tokens
-        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or int(max_tokens) < 1:
+        if not _is_positive_int(max_tokens):
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         object.__setattr__(self, "max_tokens", int(max_tokens))
         object.__setattr__(self, "patch_size", _patch(self.patch_size))
         cap = self.max_compute
-        if self.mode != "dual":
+        if self.sizing != "dual":
             cap = None
         elif cap is not None:
-            value = float(cap)
+            value = float(cap) if isinstance(cap, numbers.Real) and not isinstance(cap, bool) else math.nan
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"max_compute must be a positive number, got {cap!r}")
             cap = value
         object.__setattr__(self, "max_compute", cap)
+
+    @property
+    def mode(self) -> str:
+        """Deprecated alias of :attr:`sizing` (removed in the next release)."""
+        warnings.warn(
+            "BatchSizer.mode is deprecated and will be removed in the next release; use BatchSizer.sizing",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.sizing
 
     def size(self, latent_shape: Sequence[int]) -> BucketSize:
         """(S, B) of a latent shape (C, T, H, W); B = 0 when S > max_tokens. Cached per shape.
@@ -131,7 +161,7 @@ class BatchSizer:
             out = BucketSize(s, 0)
         else:
             b = self.max_tokens // s
-            if self.mode == "dual":
+            if self.sizing == "dual":
                 if self.max_compute is None:
                     raise ValueError(
                         "max_compute='auto' is not resolved yet: call batcher.resolve_max_compute(latent_shapes) "
@@ -156,7 +186,7 @@ class BatchSizer:
         """
         if batch_size < 1 or batch_size * seq_len > self.max_tokens:
             return False
-        if self.mode != "dual" or batch_size == 1:
+        if self.sizing != "dual" or batch_size == 1:
             return True
         if self.max_compute is None:
             raise ValueError("max_compute='auto' is not resolved yet: call resolve_max_compute first")

@@ -26,9 +26,10 @@ What it does, in order:
 
        data:
          init_args:
-           max_tokens: ...
-           max_compute: ...
-           cost_model: {kind: quadratic, alpha: ..., beta: ..., gamma: ..., fit_info: {...}}
+           batching:
+             max_tokens: ...
+             max_compute: ...
+             cost_model: {kind: quadratic, alpha: ..., beta: ..., gamma: ..., fit_info: {...}}
 
    preceded by a comment block recording the device, software, model, precision, shapes, every timing and
    every memory probe.
@@ -101,7 +102,7 @@ class CalibrationResult:
     """Everything :func:`calibrate` measured, and the recipe values derived from it.
 
     Attributes:
-        max_tokens: the token budget per batch (``data.init_args.max_tokens``).
+        max_tokens: the token budget per batch (``data.init_args.batching.max_tokens``).
         max_compute: compute cap from the ``"auto"`` rule on the measured shapes, in the cost model's
             unit (seconds per batch), or ``"auto"`` when asked to leave it to the data module.
         cost_model: the fitted :class:`CostModel`.
@@ -151,16 +152,18 @@ class CalibrationResult:
         }
 
     def fragment(self) -> dict[str, Any]:
-        """The recipe fragment as a dict (``{"data": {"init_args": {...}}}``, and ``model`` with compile or
+        """The recipe fragment as a dict (``{"data": {"init_args": {"batching": {...}}}}``, and ``model`` with compile or
         auto checkpointing)."""
         model = {"model": {"init_args": dict(self.model_args)}} if self.model_args else {}
         return {
             **model,
             "data": {
                 "init_args": {
-                    "max_tokens": int(self.max_tokens),
-                    "max_compute": self.max_compute,
-                    "cost_model": self.cost_model.to_dict(),
+                    "batching": {
+                        "max_tokens": int(self.max_tokens),
+                        "max_compute": self.max_compute,
+                        "cost_model": self.cost_model.to_dict(),
+                    }
                 }
             },
         }
@@ -623,7 +626,7 @@ def _resolve_cap(cost, max_compute: str, max_tokens: int, patch, all_shapes) -> 
     if max_compute == "auto":
         return "auto"
     batcher = DualConstraintBatcher(
-        max_tokens, "auto", cost_model=cost, mode="dual", patch_size=patch, oversize="skip"
+        max_tokens, "auto", cost_model=cost, sizing="dual", patch_size=patch, oversize="skip"
     )
     return float(batcher.resolve_max_compute(all_shapes))
 

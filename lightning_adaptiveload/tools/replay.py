@@ -242,10 +242,10 @@ def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: Co
 
     if batching == "equal_tokens":
         return DualConstraintBatcher(
-            max_tokens=max_tokens, mode="equal_tokens", cost_model=plan_cost, patch_size=patch
+            max_tokens=max_tokens, sizing="equal_tokens", cost_model=plan_cost, patch_size=patch
         )
     return DualConstraintBatcher(
-        max_tokens=max_tokens, max_compute=max_compute, cost_model=plan_cost, mode="dual", patch_size=patch
+        max_tokens=max_tokens, max_compute=max_compute, cost_model=plan_cost, sizing="dual", patch_size=patch
     )
 
 

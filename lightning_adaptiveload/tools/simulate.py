@@ -188,8 +188,8 @@ class SimulationResult:
             )
         lines.append(
             f"rec. max_compute: in {unit}; put it in a recipe together with that cost model "
-            "(data.init_args.max_compute and cost_model). '-': not searched (mode equal_tokens, the packed "
-            "schedule, or --no-recommend)"
+            "(data.init_args.batching.max_compute and cost_model). '-': not searched (sizing equal_tokens, the "
+            "packed schedule, or --no-recommend)"
         )
         return "\n".join(lines)
 
