@@ -123,3 +123,15 @@ def test_the_resume_position_is_the_loaders_count_not_the_fit_loops(data, monkey
     assert dm.state_dict()["segments"][-1]["consumed"] == [3 + len(rest)] == [dm.epoch_report["steps"]]
     dm.trainer.current_epoch = 1  # the trainer went on: the epoch counts as consumed whole
     assert dm.state_dict()["segments"][-1]["consumed"] == [dm.epoch_report["steps"]]
+
+
+def test_an_exhausted_restart_is_ended_once_and_only_when_restarting():
+    from types import SimpleNamespace
+
+    from lightning_adaptiveload._lightning_compat import end_exhausted_restart
+
+    loop = SimpleNamespace(restarting=True)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop))
+    assert end_exhausted_restart(trainer) is True and loop.restarting is False
+    assert end_exhausted_restart(trainer) is False  # not restarting: nothing to do
+    assert end_exhausted_restart(None) is False and end_exhausted_restart(SimpleNamespace()) is False

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_adaptiveload import _dist
+from lightning_adaptiveload._lightning_compat import end_exhausted_restart
 from lightning_adaptiveload.data.datamodule_inputs import (
     binary_index_of,
     check_oversize,
@@ -551,6 +552,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) == epoch:
             plan = self._resume_plan(ds, resume)
+            if plan.steps == 0:  # saved after the epoch's last batch: Lightning restarts an empty epoch
+                end_exhausted_restart(self.trainer)
         else:
             if resume is not None:
                 log.info(
