@@ -456,3 +456,20 @@ def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, 
             assert [plan.streams[(rank, w)][j] for w, j in plan.step_order[rank]] == [
                 ref.streams[(rank, w)][j] for w, j in ref.step_order[rank]
             ]
+
+
+def test_a_simulation_that_cannot_fit_is_said_not_raised(bench, fabricated, tmp_path, capsys, monkeypatch):
+    # Run 46 (4 x H100, fast settings): steps dominated by compile stalls fit no cost model, and the report
+    # crashed in its more-ranks simulation after printing the tables, losing its JSON.
+    _, report = bench
+    run, _ = fabricated
+
+    def no_fit(*args, **kwargs):
+        raise ValueError("the power fit gives exponent p = -2.055 <= 0 (time falls with length)")
+
+    monkeypatch.setattr(report, "simulate_more_ranks", no_fit)
+    rc = report.main([str(run), "--results", str(tmp_path / "res"), "--img", str(tmp_path / "img"), "--simulate", "8"])
+    assert rc == 0
+    assert "no simulation at 8 ranks: ValueError: the power fit" in capsys.readouterr().out
+    (out,) = (tmp_path / "res").glob("ddp_modes_eager_w2_*.json")
+    assert json.loads(out.read_text())["simulated_more_ranks"]["error"].startswith("ValueError")

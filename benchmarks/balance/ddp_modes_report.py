@@ -947,9 +947,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(v) for v in args.simulate.split(",") if v]
     if sizes and table is not None:
         modes = [m for m in per_mode if m in ("equal_tokens", "dual", "lockstep", "packed")]
-        more = simulate_more_ranks(
-            table, sizes, modes, mix, int(meta.get("max_tokens") or 32760), args.simulate_steps
-        )
+        try:
+            more = simulate_more_ranks(
+                table, sizes, modes, mix, int(meta.get("max_tokens") or 32760), args.simulate_steps
+            )
+        except ValueError as err:  # e.g. no cost model fits timings dominated by compile stalls
+            more = {"error": f"{type(err).__name__}: {err}"}
+            print(f"note: no simulation at {args.simulate} ranks: {more['error']}")
     os.makedirs(args.results, exist_ok=True)
     date = _dt.date.today().isoformat()
     out = os.path.join(args.results, f"ddp_modes_{tag}_{date}.json")
