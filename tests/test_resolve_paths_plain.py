@@ -32,8 +32,24 @@ def _fast(p, source):
 @pytest.mark.parametrize("folder", ["/data/set", "/", "/data/set/", "//host/share"])
 @pytest.mark.parametrize(
     "path",
-    ["shard-000001.tar", "a/b/c.tar", "a_b-1.0.tar", "../x.tar", "a/../../x.tar", "./a.tar", "a//b.tar",
-     ".hidden/a.tar", "a/", "/abs/a.tar", "s3:bucket/a.tar", "a b.tar", "a\\b.tar", "..", "a/..", "pipe:cat x"],
+    [
+        "shard-000001.tar",
+        "a/b/c.tar",
+        "a_b-1.0.tar",
+        "../x.tar",
+        "a/../../x.tar",
+        "./a.tar",
+        "a//b.tar",
+        ".hidden/a.tar",
+        "a/",
+        "/abs/a.tar",
+        "s3:bucket/a.tar",
+        "a b.tar",
+        "a\\b.tar",
+        "..",
+        "a/..",
+        "pipe:cat x",
+    ],
 )
 def test_the_shortcut_agrees_with_the_full_check(folder, path):
     source = os.path.join(folder, "index.npidx")

@@ -20,7 +20,11 @@ _WEIGHTS = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(weights=_WEIGHTS, lens=st.lists(st.integers(0, 60), min_size=1, max_size=8), seed=st.integers(0, 2**32 - 1))
+@given(
+    weights=_WEIGHTS,
+    lens=st.lists(st.integers(0, 60), min_size=1, max_size=8),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_terms_sum_to_the_per_sample_sum_bit_for_bit(weights, lens, seed):
     rng = np.random.default_rng(seed)
     w = np.asarray(weights, dtype=np.float64)

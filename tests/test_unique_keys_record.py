@@ -107,7 +107,9 @@ def test_keys_edited_after_writing_fail_the_crc_and_are_searched(tmp_path, searc
     assert searches == [1]
 
 
-@pytest.mark.parametrize("record", [[1, 2, 3], {"keys": 1, "key_bytes": 2}, {"keys": -1, "key_bytes": 2, "crc32": 3}])
+@pytest.mark.parametrize(
+    "record", [[1, 2, 3], {"keys": 1, "key_bytes": 2}, {"keys": -1, "key_bytes": 2, "crc32": 3}]
+)
 def test_a_malformed_record_is_refused_naming_the_field(tmp_path, record):
     path = _index(tmp_path)
     raw = path.read_bytes()

@@ -158,7 +158,9 @@ class IndexColumns:
     metadata: dict[str, Any] = field(default_factory=dict)
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)  # the file, when mapped
     digest: str | None = field(default=None, repr=False, compare=False)  # BLAKE2b of a copied file
-    unique_keys: dict[str, int] | None = field(default=None, repr=False, compare=False)  # as read: UNIQUE_KEYS
+    unique_keys: dict[str, int] | None = field(
+        default=None, repr=False, compare=False
+    )  # as read: UNIQUE_KEYS
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "mapping": None}  # an mmap does not pickle; the arrays are copied
@@ -447,8 +449,16 @@ def _table(head: dict[str, Any], buf: np.ndarray, data_start: int) -> dict[str, 
     return out
 
 
-def _check_offsets(name: str, off: np.ndarray, count: int, end: int, strict: bool = False) -> None:
-    """``off`` has ``count`` entries, starts at 0, ends at ``end`` and never decreases (rises, if strict)."""
+def _check_offsets(
+    name: str,
+    off: np.ndarray,
+    count: int,
+    end: int,
+    strict: bool = False,
+    release: Callable[[], None] = lambda: None,
+) -> None:
+    """``off`` has ``count`` entries, starts at 0, ends at ``end`` and never decreases (rises, if strict);
+    ``release`` after each step (100M key offsets are 800 MB of mapped pages)."""
     if len(off) != count:
         raise IndexProblem(name, f"has {len(off)} entries, expected {count}")
     if off[0] != 0 or off[-1] != end:
@@ -462,6 +472,7 @@ def _check_offsets(name: str, off: np.ndarray, count: int, end: int, strict: boo
             raise IndexProblem(
                 f"{name}[{k + 1}]", f"is {int(off[k + 1])} after {int(off[k])}: offsets must rise"
             )
+        release()
 
 
 def _check_shape_ids(sid: np.ndarray, n_shapes: int) -> None:
@@ -523,11 +534,14 @@ def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> Index
         and all(type(v) is int and v >= 0 for v in record.values())
     ):
         raise IndexProblem(
-            UNIQUE_KEYS, f'must be {{"keys", "key_bytes", "crc32"}} as integers >= 0 or absent, got {describe(record)}'
+            UNIQUE_KEYS,
+            f'must be {{"keys", "key_bytes", "crc32"}} as integers >= 0 or absent, got {describe(record)}',
         )
     _check_offsets("path_offsets", arr["path_offsets"], m + 1, len(arr["path_blob"]))
     _check_offsets("shard_offsets", arr["shard_offsets"], m + 1, n)
-    _check_offsets("key_offsets", arr["key_offsets"], n + 1, len(arr["key_blob"]), strict=True)
+    _check_offsets(
+        "key_offsets", arr["key_offsets"], n + 1, len(arr["key_blob"]), strict=True, release=release
+    )
     release()
     if len(arr["shard_bytes"]) != m or (m and arr["shard_bytes"].min() < -1):
         raise IndexProblem("shard_bytes", f"must hold {m} sizes >= -1")

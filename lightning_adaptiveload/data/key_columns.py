@@ -10,14 +10,21 @@ one, or one whose header was edited) or whose key column changed since is search
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-import zlib
-
-__all__ = ["UNIQUE_KEYS", "check_keys", "decode_keys", "duplicate_key", "key_hashes", "keys_crc", "unique_keys_record"]
+__all__ = [
+    "UNIQUE_KEYS",
+    "check_keys",
+    "decode_keys",
+    "duplicate_key",
+    "key_hashes",
+    "keys_crc",
+    "unique_keys_record",
+]
 
 UNIQUE_KEYS = "unique_keys"  # the header's record: {"keys": n, "key_bytes": k, "crc32": c} (see keys_crc)
 _CRC_CHUNK = 1 << 26  # bytes per CRC step: bounds the pages a mapped index holds at once
@@ -187,4 +194,8 @@ def unique_keys_record(
     listed twice (then no record is written, and every load searches and refuses the index)."""
     if duplicate_key(blob, offsets, release) is not None:
         return None
-    return {"keys": max(len(offsets) - 1, 0), "key_bytes": int(len(blob)), "crc32": keys_crc(blob, offsets, release)}
+    return {
+        "keys": max(len(offsets) - 1, 0),
+        "key_bytes": int(len(blob)),
+        "crc32": keys_crc(blob, offsets, release),
+    }

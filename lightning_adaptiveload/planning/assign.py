@@ -20,7 +20,15 @@ import numpy as np
 from lightning_adaptiveload.planning.plan import Read, Stream
 from lightning_adaptiveload.planning.resume import ConsumedMask
 
-__all__ = ["Piece", "assign", "exclusions", "read_id_arrays", "reads_of", "shard_pieces", "shard_weight_terms"]
+__all__ = [
+    "Piece",
+    "assign",
+    "exclusions",
+    "read_id_arrays",
+    "reads_of",
+    "shard_pieces",
+    "shard_weight_terms",
+]
 
 # A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
 _BALANCE_TOLERANCE = 0.05
