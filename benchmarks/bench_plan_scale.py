@@ -35,6 +35,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# This checkout's package, as in the measured processes (``-c`` runs import it from the working directory,
+# the repository root): an installed copy elsewhere would write the index with other code.
+sys.path.insert(1, os.path.dirname(HERE))
 from _common import cpu_name  # noqa: E402
 from bench_index_scale import synthetic_columns  # noqa: E402
 

@@ -9,7 +9,7 @@ Layout (see ``docs/data_format.md``)::
     bytes 0-7    MAGIC  b"\\x89ALIDX\\r\\n"
     bytes 8-11   format version, uint32 LE (1)
     bytes 12-15  header length H, uint32 LE (at most MAX_HEADER_BYTES)
-    bytes 16-    header: UTF-8 JSON object (counts, patch size, values_checked, metadata and the
+    bytes 16-    header: UTF-8 JSON object (counts, patch size, values_checked, unique_keys, metadata and the
                  table of arrays: name, dtype, offset, count)
     then         the arrays, each at an offset that is a multiple of ALIGN
 
@@ -59,7 +59,15 @@ import numpy as np
 
 from lightning_adaptiveload.data.format import REASONS, ShardError
 from lightning_adaptiveload.data.index_file import MAX_DIM, IndexProblem, describe
-from lightning_adaptiveload.data.key_columns import check_keys, decode_keys, duplicate_key, key_hashes
+from lightning_adaptiveload.data.key_columns import (
+    UNIQUE_KEYS,
+    check_keys,
+    decode_keys,
+    duplicate_key,
+    key_hashes,
+    keys_crc,
+    unique_keys_record,
+)
 from lightning_adaptiveload.data.untrusted import Refused, load_json
 
 log = logging.getLogger(__name__)
@@ -150,6 +158,9 @@ class IndexColumns:
     metadata: dict[str, Any] = field(default_factory=dict)
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)  # the file, when mapped
     digest: str | None = field(default=None, repr=False, compare=False)  # BLAKE2b of a copied file
+    unique_keys: dict[str, int] | None = field(
+        default=None, repr=False, compare=False
+    )  # as read: UNIQUE_KEYS
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "mapping": None}  # an mmap does not pickle; the arrays are copied
@@ -233,6 +244,9 @@ def write_columns(
         "metadata": cols.metadata,
         "arrays": table,
     }
+    record = unique_keys_record(cols.key_blob, cols.key_offsets)  # searched here, once, not at every load
+    if record is not None:
+        header[UNIQUE_KEYS] = record
     # Offsets in the header are absolute, so the header's length depends on them: grow the data start
     # until the header fits before it (a few rounds at most: only digits change), then pad it with
     # spaces (valid JSON) to end exactly there.
@@ -344,7 +358,18 @@ def refuse_duplicate_keys(cols: IndexColumns, source: str) -> None:
     """Raise ``duplicate_key`` (naming the key, both shards and ``source``) if a key is listed twice.
 
     Run by every loader once the shard paths are resolved (so that the message names them as opened).
+    Skips the search when the header records it done by the writer (``unique_keys``) for this key column
+    (same count, length and CRC-32); an index without the record, or whose keys changed, is searched.
     """
+    record = cols.unique_keys
+    if (
+        record is not None
+        and record["keys"] == len(cols.key_offsets) - 1
+        and record["key_bytes"] == len(cols.key_blob)
+        and record["crc32"] == keys_crc(cols.key_blob, cols.key_offsets, cols.release_pages)
+    ):
+        cols.release_pages()
+        return
     twice = duplicate_key(cols.key_blob, cols.key_offsets, cols.release_pages)
     cols.release_pages()
     if twice is None:
@@ -424,8 +449,16 @@ def _table(head: dict[str, Any], buf: np.ndarray, data_start: int) -> dict[str, 
     return out
 
 
-def _check_offsets(name: str, off: np.ndarray, count: int, end: int, strict: bool = False) -> None:
-    """``off`` has ``count`` entries, starts at 0, ends at ``end`` and never decreases (rises, if strict)."""
+def _check_offsets(
+    name: str,
+    off: np.ndarray,
+    count: int,
+    end: int,
+    strict: bool = False,
+    release: Callable[[], None] = lambda: None,
+) -> None:
+    """``off`` has ``count`` entries, starts at 0, ends at ``end`` and never decreases (rises, if strict);
+    ``release`` after each step (100M key offsets are 800 MB of mapped pages)."""
     if len(off) != count:
         raise IndexProblem(name, f"has {len(off)} entries, expected {count}")
     if off[0] != 0 or off[-1] != end:
@@ -439,6 +472,7 @@ def _check_offsets(name: str, off: np.ndarray, count: int, end: int, strict: boo
             raise IndexProblem(
                 f"{name}[{k + 1}]", f"is {int(off[k + 1])} after {int(off[k])}: offsets must rise"
             )
+        release()
 
 
 def _check_shape_ids(sid: np.ndarray, n_shapes: int) -> None:
@@ -493,9 +527,21 @@ def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> Index
     metadata = head.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise IndexProblem("metadata", f"must be an object, got {describe(metadata)}")
+    record = head.get(UNIQUE_KEYS)
+    if record is not None and not (
+        isinstance(record, dict)
+        and sorted(record) == ["crc32", "key_bytes", "keys"]
+        and all(type(v) is int and v >= 0 for v in record.values())
+    ):
+        raise IndexProblem(
+            UNIQUE_KEYS,
+            f'must be {{"keys", "key_bytes", "crc32"}} as integers >= 0 or absent, got {describe(record)}',
+        )
     _check_offsets("path_offsets", arr["path_offsets"], m + 1, len(arr["path_blob"]))
     _check_offsets("shard_offsets", arr["shard_offsets"], m + 1, n)
-    _check_offsets("key_offsets", arr["key_offsets"], n + 1, len(arr["key_blob"]), strict=True)
+    _check_offsets(
+        "key_offsets", arr["key_offsets"], n + 1, len(arr["key_blob"]), strict=True, release=release
+    )
     release()
     if len(arr["shard_bytes"]) != m or (m and arr["shard_bytes"].min() < -1):
         raise IndexProblem("shard_bytes", f"must hold {m} sizes >= -1")
@@ -536,6 +582,7 @@ def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> Index
         patch_size=None if patch is None else tuple(patch),  # type: ignore[arg-type]
         values_checked=head.get("values_checked", False),
         metadata=dict(metadata),
+        unique_keys=record,
     )
 
 

@@ -1,16 +1,33 @@
 """The key column of the binary index (:mod:`~lightning_adaptiveload.data.columnar`): sample keys as one
 UTF-8 blob and offsets, decoded, checked against the writer's key rules in bytes, and searched for
 duplicates by hashing, all without a Python string per key.
+
+The search for duplicates sorts one hash per key (seconds at 100M keys), so the writer runs it once and
+records its outcome in the header (:data:`UNIQUE_KEYS`) with a CRC-32 of the key column it checked. A
+loader that finds the record and the same CRC skips the search; an index without the record (an older
+one, or one whose header was edited) or whose key column changed since is searched in full.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_keys", "decode_keys", "duplicate_key", "key_hashes"]
+__all__ = [
+    "UNIQUE_KEYS",
+    "check_keys",
+    "decode_keys",
+    "duplicate_key",
+    "key_hashes",
+    "keys_crc",
+    "unique_keys_record",
+]
+
+UNIQUE_KEYS = "unique_keys"  # the header's record: {"keys": n, "key_bytes": k, "crc32": c} (see keys_crc)
+_CRC_CHUNK = 1 << 26  # bytes per CRC step: bounds the pages a mapped index holds at once
 
 # Bytes a key may not hold: '/', '\\', '.', control characters (the writer's key rules, in bytes).
 _BAD_KEY_BYTE = np.zeros(256, dtype=bool)
@@ -152,3 +169,33 @@ def duplicate_key(
             found = (earlier, pos)
             break
     return found
+
+
+def keys_crc(blob: np.ndarray, offsets: np.ndarray, release: Callable[[], None] | None = None) -> int:
+    """CRC-32 of the key column: ``offsets`` as little-endian int64 bytes, then ``blob``.
+
+    Detects an edit of the keys made after the writer checked them (not a forgery: a file that lies in
+    its header can lie in its CRC too; see the module docstring). ``release``: as in :func:`key_hashes`.
+    """
+    crc = 0
+    for arr in (np.asarray(offsets, dtype="<i8"), np.asarray(blob, dtype="|u1")):
+        flat = arr.reshape(-1).view(np.uint8)
+        for a in range(0, flat.size, _CRC_CHUNK):
+            crc = zlib.crc32(flat[a : a + _CRC_CHUNK], crc)
+            if release is not None:
+                release()
+    return crc
+
+
+def unique_keys_record(
+    blob: np.ndarray, offsets: np.ndarray, release: Callable[[], None] | None = None
+) -> dict[str, int] | None:
+    """The header record of a key column searched and found free of duplicates, or None when a key is
+    listed twice (then no record is written, and every load searches and refuses the index)."""
+    if duplicate_key(blob, offsets, release) is not None:
+        return None
+    return {
+        "keys": max(len(offsets) - 1, 0),
+        "key_bytes": int(len(blob)),
+        "crc32": keys_crc(blob, offsets, release),
+    }

@@ -20,7 +20,15 @@ import numpy as np
 from lightning_adaptiveload.planning.plan import Read, Stream
 from lightning_adaptiveload.planning.resume import ConsumedMask
 
-__all__ = ["Piece", "assign", "exclusions", "read_id_arrays", "reads_of", "shard_pieces"]
+__all__ = [
+    "Piece",
+    "assign",
+    "exclusions",
+    "read_id_arrays",
+    "reads_of",
+    "shard_pieces",
+    "shard_weight_terms",
+]
 
 # A rank whose estimated load exceeds the mean by more than this gets its largest piece split.
 _BALANCE_TOLERANCE = 0.05
@@ -91,7 +99,7 @@ def shard_pieces(
             a, b = fast.offsets[sid], fast.offsets[sid + 1]
             if b > a:
                 ids = np.arange(b - a, dtype=np.int64)
-                cost = math.fsum(fast.weights[a:b])  # the same exactly rounded sum as below
+                cost = math.fsum(fast.terms[sid])  # the same exactly rounded sum as below
                 pieces.append(Piece(sid, position[sid], list(range(b - a)), fast.buckets[a:b], cost, ids))
             continue
         if arrays is None:
@@ -122,12 +130,14 @@ def shard_pieces(
 
 @dataclass
 class _WholeShards:
-    """Index-wide lists for :func:`shard_pieces` on arrays: per sample its bucket and weight, each shard's
-    first position, and the shards that need the per-shard path (an oversize sample or an exclusion)."""
+    """Index-wide lists for :func:`shard_pieces` on arrays: per sample its bucket, each shard's first
+    position, per shard the terms whose exactly rounded sum is its samples' summed weight
+    (:func:`shard_weight_terms`), and the shards that need the per-shard path (an oversize sample, an
+    exclusion, or a sum the terms cannot give exactly)."""
 
     offsets: list[int]
     buckets: list[int]
-    weights: list[float]
+    terms: list[list[float]]
     slow: set[int]
 
 
@@ -136,12 +146,41 @@ def _whole_shards(arrays: tuple[np.ndarray, np.ndarray], weight: np.ndarray, exc
     offsets = np.asarray(arrays[1], dtype=np.int64)
     oversize = np.flatnonzero(bk < 0)
     slow = set((np.searchsorted(offsets, oversize, side="right") - 1).tolist()) | set(excl)
-    return _WholeShards(
-        offsets.tolist(),
-        bk.tolist(),
-        weight[np.maximum(bk, 0)].tolist() if len(weight) else [0.0] * len(bk),
-        slow,
-    )
+    terms, inexact = shard_weight_terms(np.maximum(bk, 0), offsets, weight)
+    return _WholeShards(offsets.tolist(), bk.tolist(), terms, slow | inexact)
+
+
+_SPLIT_BITS = 11  # a weight's low mantissa bits split off: counts below 2**11 multiply both parts exactly
+
+
+def shard_weight_terms(
+    bk: np.ndarray, offsets: np.ndarray, weight: np.ndarray
+) -> tuple[list[list[float]], set[int]]:
+    """Per shard, floats whose exact sum is the exact sum of its samples' weights ``weight[bk]``, so that
+    ``math.fsum`` of them is bit for bit ``math.fsum`` of the per-sample list, at a few terms per bucket
+    instead of one per sample; and the shards where that does not hold (a bucket with 2**11 samples or
+    more in the shard, or a weight that is not finite): those sum their samples' list.
+
+    Each weight ``w`` is split into ``hi`` (its low 11 mantissa bits cleared) and ``lo = w - hi`` (exact);
+    a count ``c < 2**11`` times either is exact in float64, and ``c*hi + c*lo`` is ``c*w`` exactly.
+    """
+    m = len(offsets) - 1
+    nb = len(weight)
+    if m <= 0 or nb == 0:
+        return [[] for _ in range(max(m, 0))], set()
+    lens = np.diff(offsets)
+    shard_of = np.repeat(np.arange(m, dtype=np.int64) * nb, lens)
+    shard_of += bk
+    counts = np.bincount(shard_of, minlength=m * nb).reshape(m, nb)
+    del shard_of
+    w = np.asarray(weight, dtype=np.float64)
+    if not np.isfinite(w).all():
+        return [[] for _ in range(m)], set(range(m))
+    hi = (w.view(np.uint64) & ~np.uint64((1 << _SPLIT_BITS) - 1)).view(np.float64)
+    lo = w - hi
+    inexact = set(np.flatnonzero((counts >= 1 << _SPLIT_BITS).any(axis=1)).tolist())
+    terms = np.concatenate([counts * hi, counts * lo], axis=1)
+    return terms.tolist(), inexact
 
 
 def _lpt(pieces: list[Piece], bins: int) -> tuple[list[list[Piece]], list[float]]:

@@ -158,8 +158,17 @@ def _worker_arrays(
     stream = np.repeat(np.arange(len(pieces), dtype=np.int64), per_stream)
     bucket = np.asarray(bucket_ids, dtype=np.int64)[np.asarray(shard_offsets, dtype=np.int64)[shard] + sid]
     n_b = int(bucket.max()) + 1
-    order = stable_order(stream * n_b + bucket, len(pieces) * n_b)
-    return shard[order], sid[order], stream[order], bucket[order]
+    chain = stream * n_b + bucket
+    order = stable_order(chain, len(pieces) * n_b)
+    stream, bucket = _sorted_chains(np.bincount(chain, minlength=len(pieces) * n_b), n_b)
+    return shard[order], sid[order], stream, bucket
+
+
+def _sorted_chains(per_chain: np.ndarray, n_b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stream, bucket) of arrays sorted by chain ``stream * n_b + bucket`` with ``per_chain[c]`` samples
+    in chain c: what gathering both columns by the sorting order gives, from the counts alone."""
+    chain = np.repeat(np.arange(len(per_chain), dtype=np.int64), per_chain)
+    return chain // n_b, chain % n_b
 
 
 def _balance(
@@ -206,13 +215,26 @@ def _balance(
         counts["moved_samples"] += len(idx)
     if not moved_all:
         return shard, sid, stream, bucket
-    # The samples a stream got go after its own in each chain, in the order given.
+    # The samples a stream got go after its own in each chain, in the order given: the stable sort of
+    # (the staying samples, in their chain order, then the moved ones) by new chain, placed from counts.
     moved = np.concatenate(moved_all)
     stays = np.ones(n, dtype=bool)
     stays[moved] = False
-    by_seq = np.concatenate([np.flatnonzero(stays), moved])
-    order = by_seq[stable_order((new_stream * n_b + bucket)[by_seq], world * n_b)]
-    return shard[order], sid[order], new_stream[order], bucket[order]
+    kept = np.flatnonzero(stays)
+    new_count = np.bincount(new_stream * n_b + bucket, minlength=world * n_b)
+    new_first = np.cumsum(new_count) - new_count
+    kept_chain = chain[kept]  # ascending: the input is sorted by chain and a staying sample keeps its chain
+    kept_count = np.bincount(kept_chain, minlength=world * n_b)
+    kept_first = np.cumsum(kept_count) - kept_count
+    order = np.empty(n, dtype=np.int64)
+    order[new_first[kept_chain] + np.arange(len(kept), dtype=np.int64) - kept_first[kept_chain]] = kept
+    moved_chain = new_stream[moved] * n_b + bucket[moved]
+    by_chain = np.argsort(moved_chain, kind="stable")
+    mc = moved_chain[by_chain]
+    rank = np.arange(len(mc), dtype=np.int64) - np.searchsorted(mc, mc, side="left")
+    order[new_first[mc] + kept_count[mc] + rank] = moved[by_chain]
+    new_stream, bucket = _sorted_chains(new_count, n_b)
+    return shard[order], sid[order], new_stream, bucket
 
 
 def _after_pops(lens: list[int], pops: int) -> list[int]:
