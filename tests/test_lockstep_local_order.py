@@ -45,10 +45,28 @@ def test_balance_places_samples_as_the_stable_sort_does(world, n_b, n, seed):
     class_of = [int(c) for c in rng.integers(0, 2, size=n_b)]
     n_classes = max(class_of) + 1
     got, expect = _balance_by_sort(shard, sid, stream, bucket, world, class_of, n_classes)
-    if n >= 4 * world:
-        assert not (got[2] == stream).all()  # samples did move
     for a, b in zip(got, expect):
         assert a.dtype == np.int64 and (a == b).all()
+
+
+def _skewed(world, n_b, n, seed):
+    rng = np.random.default_rng(seed)
+    pairs = rng.choice(50 * 1000, size=n, replace=False)
+    shard, sid = pairs // 1000, pairs % 1000
+    stream = np.minimum(rng.geometric(0.5, size=n) - 1, world - 1)
+    bucket = rng.integers(0, n_b, size=n)
+    order = np.lexsort((sid, shard, bucket, stream))
+    class_of = [int(c) for c in rng.integers(0, 2, size=n_b)]
+    return shard[order], sid[order], stream[order], bucket[order], class_of
+
+
+def test_a_skewed_case_moves_samples_and_still_equals_the_sort():
+    # The property test above need not move anything (a draw may already be balanced); this case does.
+    shard, sid, stream, bucket, class_of = _skewed(world=4, n_b=3, n=400, seed=0)
+    got, expect = _balance_by_sort(shard, sid, stream, bucket, 4, class_of, max(class_of) + 1)
+    assert not (got[2] == stream).all()  # samples did move
+    for a, b in zip(got, expect):
+        assert (a == b).all()
 
 
 def test_worker_arrays_stream_and_bucket_columns_are_the_sorted_ones():
