@@ -42,8 +42,24 @@ def _plan_in_segments(schedule: EpochSchedule, job: PlanJob) -> EpochPlan:
     return schedule.plan_whole(job)
 
 
+class _Bucketed:
+    """What the bucketed schedules share: planned by :func:`.bucketed.plan_bucketed`, in segments of about
+    ``chunk_samples`` where the epoch is larger (the subclass's field)."""
+
+    chunk_samples: int | None
+
+    def segments(self, job: PlanJob) -> int:
+        return segment_count(_num_samples(job.data), self.chunk_samples, job.world, job.workers)
+
+    def plan_whole(self, job: PlanJob) -> EpochPlan:
+        return plan_bucketed(job, self)  # type: ignore[arg-type]
+
+    def plan(self, job: PlanJob) -> EpochPlan:
+        return _plan_in_segments(self, job)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, kw_only=True)
-class Independent:
+class Independent(_Bucketed):
     """Each rank batches its own samples (bucketed, no step alignment); equal step counts at the end."""
 
     name: ClassVar[str] = "independent"
@@ -60,18 +76,9 @@ class Independent:
     def from_settings(cls, settings: PlanSettings) -> Independent:
         return cls(tolerance=settings.lockstep_tolerance, chunk_samples=settings.chunk_samples)
 
-    def segments(self, job: PlanJob) -> int:
-        return segment_count(_num_samples(job.data), self.chunk_samples, job.world, job.workers)
-
-    def plan_whole(self, job: PlanJob) -> EpochPlan:
-        return plan_bucketed(job, self)
-
-    def plan(self, job: PlanJob) -> EpochPlan:
-        return _plan_in_segments(self, job)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Lockstep:
+class Lockstep(_Bucketed):
     """All ranks take a batch of the same lockstep class and size at every step (:mod:`.lockstep`)."""
 
     name: ClassVar[str] = "lockstep"
@@ -96,15 +103,6 @@ class Lockstep:
             tail=settings.lockstep_tail,
             chunk_samples=settings.chunk_samples,
         )
-
-    def segments(self, job: PlanJob) -> int:
-        return segment_count(_num_samples(job.data), self.chunk_samples, job.world, job.workers)
-
-    def plan_whole(self, job: PlanJob) -> EpochPlan:
-        return plan_bucketed(job, self)
-
-    def plan(self, job: PlanJob) -> EpochPlan:
-        return _plan_in_segments(self, job)
 
 
 @dataclass(frozen=True, kw_only=True)
