@@ -30,26 +30,9 @@ def _balance_by_sort(shard, sid, stream, bucket, world, class_of, n_classes):
     return got, (shard[order], sid[order], new_stream[order], bucket[order])
 
 
-@settings(max_examples=60, deadline=None)
-@given(world=st.integers(2, 9), n_b=st.integers(1, 5), n=st.integers(1, 400), seed=st.integers(0, 2**32 - 1))
-def test_balance_places_samples_as_the_stable_sort_does(world, n_b, n, seed):
-    rng = np.random.default_rng(seed)
-    # unique (shard, sid) pairs, so that a moved sample can be told from the arrays
-    pairs = rng.choice(50 * 1000, size=n, replace=False)
-    shard, sid = pairs // 1000, pairs % 1000
-    # skewed streams: most samples on the low ranks, so classes are unequal and samples move
-    stream = np.minimum(rng.geometric(0.5, size=n) - 1, world - 1)
-    bucket = rng.integers(0, n_b, size=n)
-    order = np.lexsort((sid, shard, bucket, stream))
-    shard, sid, stream, bucket = shard[order], sid[order], stream[order], bucket[order]
-    class_of = [int(c) for c in rng.integers(0, 2, size=n_b)]
-    n_classes = max(class_of) + 1
-    got, expect = _balance_by_sort(shard, sid, stream, bucket, world, class_of, n_classes)
-    for a, b in zip(got, expect):
-        assert a.dtype == np.int64 and (a == b).all()
-
-
 def _skewed(world, n_b, n, seed):
+    """Random streams of unique (shard, sid) pairs (so a moved sample can be told from the arrays), skewed to
+    the low ranks so that classes are unequal and samples move; sorted as the planner keeps them."""
     rng = np.random.default_rng(seed)
     pairs = rng.choice(50 * 1000, size=n, replace=False)
     shard, sid = pairs // 1000, pairs % 1000
@@ -58,6 +41,16 @@ def _skewed(world, n_b, n, seed):
     order = np.lexsort((sid, shard, bucket, stream))
     class_of = [int(c) for c in rng.integers(0, 2, size=n_b)]
     return shard[order], sid[order], stream[order], bucket[order], class_of
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(2, 9), n_b=st.integers(1, 5), n=st.integers(1, 400), seed=st.integers(0, 2**32 - 1))
+def test_balance_places_samples_as_the_stable_sort_does(world, n_b, n, seed):
+    shard, sid, stream, bucket, class_of = _skewed(world, n_b, n, seed)
+    n_classes = max(class_of) + 1
+    got, expect = _balance_by_sort(shard, sid, stream, bucket, world, class_of, n_classes)
+    for a, b in zip(got, expect):
+        assert a.dtype == np.int64 and (a == b).all()
 
 
 def test_a_skewed_case_moves_samples_and_still_equals_the_sort():
