@@ -99,12 +99,17 @@ def runs_kernel(device: torch.device, backends: Sequence[SDPBackend] | None) -> 
     return "flash" if torch.backends.cuda.flash_sdp_enabled() else None
 
 
-def _run_views(x: torch.Tensor, runs: torch.Tensor):
-    """Yield (start, end, view) per run: ``x`` (1, H, S, d) sliced to (count, H, L, d) views (no copy)."""
-    pairs = runs.tolist()
+def _pairs(runs: torch.Tensor, tokens: int) -> list[tuple[int, int]]:
+    """The runs as host (length, count) pairs, checked to cover the pack's ``tokens``."""
+    pairs = [(int(length), int(count)) for length, count in runs.tolist()]
     total = sum(length * count for length, count in pairs)
-    if total != x.shape[2]:
-        raise ValueError(f"pack_runs_attention: the runs cover {total} tokens, the pack holds {x.shape[2]}")
+    if total != tokens:
+        raise ValueError(f"pack_runs_attention: the runs cover {total} tokens, the pack holds {tokens}")
+    return pairs
+
+
+def _run_views(x: torch.Tensor, pairs: list[tuple[int, int]]):
+    """Yield (start, end, view) per run: ``x`` (1, H, S, d) sliced to (count, H, L, d) views (no copy)."""
     start = 0
     for length, count in pairs:
         end = start + length * count
@@ -160,8 +165,9 @@ def _pack_runs_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[2]), dtype=torch.float32)
+    pairs = _pairs(runs, q.shape[2])
     for (start, end, qr), (_, _, kr), (_, _, vr) in zip(
-        _run_views(q, runs), _run_views(k, runs), _run_views(v, runs)
+        _run_views(q, pairs), _run_views(k, pairs), _run_views(v, pairs)
     ):
         used = _effective(kernel)
         try:
@@ -196,7 +202,8 @@ def _pack_runs_bwd(
     if grad.stride(-1) != 1:
         grad = grad.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    views = zip(*(_run_views(t, runs) for t in (grad, q, k, v, out, dq, dk, dv)))
+    pairs = _pairs(runs, q.shape[2])
+    views = zip(*(_run_views(t, pairs) for t in (grad, q, k, v, out, dq, dk, dv)))
     for (start, end, gr), (_, _, qr), (_, _, kr), (_, _, vr), (_, _, orr), (_, _, dqr), (_, _, dkr), (_, _, dvr) in views:
         count, length = qr.shape[0], qr.shape[2]
         lr = lse[:, start:end].unflatten(1, (count, length)).transpose(0, 1)
