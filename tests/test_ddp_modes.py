@@ -473,3 +473,33 @@ def test_a_simulation_that_cannot_fit_is_said_not_raised(bench, fabricated, tmp_
     assert "no simulation at 8 ranks: ValueError: the power fit" in capsys.readouterr().out
     (out,) = (tmp_path / "res").glob("ddp_modes_eager_w2_*.json")
     assert json.loads(out.read_text())["simulated_more_ranks"]["error"].startswith("ValueError")
+
+
+def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench):
+    _, report = bench
+    # 2 ranks, 8 steps: a clip takes 2 s, a small image batch 0.4 s (more per token, not a stall), and
+    # step 5 has one rank stuck for 20 s (a compile the monitor did not see).
+    comp = np.array([[2.0, 2.0]] * 8)
+    tok = np.array([[32760.0, 32760.0]] * 8)
+    comp[3], tok[3] = [2.0, 0.4], [32760.0, 1560.0]
+    comp[5, 1] = 20.0
+    ranks = {
+        "compute_time_s": comp,
+        "num_tokens": tok,
+        "batch_size": np.ones_like(comp),
+        "seq_len": tok.copy(),
+        "iter_time_s": comp.max(axis=1, keepdims=True).repeat(2, axis=1) + 0.05,
+        "step_time_s": comp.max(axis=1, keepdims=True).repeat(2, axis=1) + 0.05,
+        "peak_allocated_bytes": np.full_like(comp, 1e9),
+    }
+    keep = report.kept_steps(ranks, warmup=1)
+    stalls = report.stall_steps(ranks, keep)
+    assert stalls.tolist() == [False, False, False, False, False, True, False, False]
+    s = report.mode_summary(ranks, warmup=1, device_total=None)
+    assert s["stall_steps"] == 1 and s["stall_wall_s"] == pytest.approx(20.05)
+    assert s["steps_used"] == 7  # the stall stays in the figures over all kept steps
+    all_tok = tok[1:].sum() / (comp[1:].max(axis=1) + 0.05).sum()
+    steady = [1, 2, 3, 4, 6, 7]
+    assert s["tokens_per_s"] == pytest.approx(all_tok)
+    steady_tokens_per_s = tok[steady].sum() / (comp[steady].max(axis=1) + 0.05).sum()
+    assert s["tokens_per_s_no_stalls"] == pytest.approx(steady_tokens_per_s)

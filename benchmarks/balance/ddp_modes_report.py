@@ -5,7 +5,10 @@ Reads, per mode, ``<run_dir>/<mode>/**/load_balance_ranks.csv`` (one row per ran
 and cost model) and the logger's ``metrics.csv`` (loss); and ``<run_dir>/runs_*.json`` (what
 ``ddp_modes.py`` ran; modes split over several calls are read together) and ``<run_dir>/data_index.json``
 (the shards the runs trained on). It leaves out the first ``--warmup`` steps and the steps during which
-FLOPs were counted or ``torch.compile`` compiled (their times are inflated).
+FLOPs were counted or ``torch.compile`` compiled (their times are inflated). *Stalls*, kept steps in which
+some rank took far longer than its tokens explain (:func:`stall_steps`: a compile the monitor did not flag,
+or another one-off), are counted, and tokens/s is given without them too, beside the figure over all kept
+steps.
 
 **Measured**, per mode:
 
@@ -291,6 +294,28 @@ def cost_model_error(cost: np.ndarray, seconds: np.ndarray) -> float:
     return float(np.mean(np.abs(k * r - 1.0)))
 
 
+#: A step is a *stall* when some rank's compute time exceeds both this factor times, and
+#: :data:`STALL_EXCESS_S` seconds more than, what its tokens take at the run's median seconds per token.
+STALL_FACTOR = 3.0
+STALL_EXCESS_S = 3.0
+
+
+def stall_steps(ranks: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
+    """bool (steps,): the kept steps in which some rank took far longer than its tokens explain (a compile
+    or another one-off the monitor did not flag: a rank's batch of images at a small batch size costs more
+    per token than a clip, which the factor and the excess in seconds leave alone). Reported beside the
+    figures over all kept steps, never instead of them."""
+    comp, tok = ranks["compute_time_s"], ranks["num_tokens"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_token = comp[keep] / tok[keep]
+    ok = np.isfinite(per_token) & (per_token > 0)
+    if not ok.any():
+        return np.zeros(comp.shape[0], dtype=bool)
+    expected = float(np.median(per_token[ok])) * tok
+    over = (comp > STALL_FACTOR * expected) & (comp - expected > STALL_EXCESS_S)
+    return keep & np.nan_to_num(over, nan=False).any(axis=1)
+
+
 def mode_summary(
     ranks: dict[str, np.ndarray], warmup: int, device_total: float | None, mode: str = ""
 ) -> dict[str, Any]:
@@ -324,6 +349,14 @@ def mode_summary(
         "pack_steps": int(pack_rows(ranks, mode)[keep].any(axis=1).sum()),
         "wall_column": wall_col,
     }
+    stalls = stall_steps(ranks, keep)
+    steady = keep & ~stalls
+    steady_wall = np.nanmax(ranks[wall_col][steady], axis=1) if steady.any() else np.zeros(0)
+    out["stall_steps"] = int(stalls.sum())
+    out["stall_wall_s"] = float(np.nanmax(ranks[wall_col][stalls], axis=1).sum()) if stalls.any() else 0.0
+    out["tokens_per_s_no_stalls"] = (
+        float(ranks["num_tokens"][steady].sum() / steady_wall.sum()) if steady_wall.sum() > 0 else math.nan
+    )
     cost = ranks["cost"][keep] if "cost" in ranks else None
     if cost is not None and np.isfinite(cost).all() and cost.size and (cost > 0).all():
         out["planner_straggler_wait"] = stats.straggler_wait(cost)
@@ -653,6 +686,9 @@ MEASURED_COLS = (
     ("peak_vram_util_eff", "peak VRAM util. eff.", "{:.1%}"),
     ("pack_steps", "pack steps", "{}"),
     ("steps_used", "steps", "{}"),
+    ("stall_steps", "stalls", "{}"),
+    ("tokens_per_s_no_stalls", "tokens/s w/o stalls", "{:,.0f}"),
+    ("no_stalls_ratio", "x equal_tokens w/o stalls", "{:.3f}"),
 )
 BESIDE_COLS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
@@ -816,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in per_mode.values():
         s = m["summary"]
         s["tokens_per_s_ratio"] = s["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
+        s["no_stalls_ratio"] = (
+            s["tokens_per_s_no_stalls"] / base["tokens_per_s_no_stalls"] if base else math.nan
+        )
 
     # -- the simulator's prediction for these settings
     notes: list[str] = list(meta.get("mismatches", []))

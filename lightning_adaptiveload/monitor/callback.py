@@ -46,7 +46,7 @@ from lightning_adaptiveload.monitor.timing import (
     HostClock,
     ManualClock,
     PendingStep,
-    dynamo_frames,
+    compile_count,
 )
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.refit import RefitConfig
@@ -93,7 +93,8 @@ class LoadBalanceMonitor(Callback):
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
     plots are written to ``dirpath`` (default: ``trainer.log_dir``).
 
-    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter moved) or
+    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter or its compile callbacks moved,
+    lazy backward compiles and per-block compiles included: :func:`~lightning_adaptiveload.monitor.timing.compile_count`) or
     before which FLOPs were counted is marked (``counted`` in the step table, ``flops_counted`` in the rank
     table) and left out of the time-balance statistics (``step_time_cv``, ``imbalance``,
     ``straggler_wait``, ``data_share``): a compiling rank holds the others for many seconds, which is not
@@ -211,7 +212,7 @@ class LoadBalanceMonitor(Callback):
         self._refit_step = -1  # the optimizer step of the last every_n_steps refit
         self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
-        self._frames_at_start = 0  # dynamo's compiled-frame count at the step start
+        self._frames_at_start = 0  # torch.compile's compile count at the step start
         self._compile_steps = 0  # steps in which some rank compiled (rank 0's count)
         self._device_name = "cpu"
         self._device_total = math.nan
@@ -305,7 +306,7 @@ class LoadBalanceMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         if self._flops is not None:
             self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
-        self._frames_at_start = dynamo_frames()
+        self._frames_at_start = compile_count()
         if self._timer is not None:
             self._timer.start_step()
         if self._fsdp_timer is not None:
@@ -332,7 +333,7 @@ class LoadBalanceMonitor(Callback):
             return
         end = self._clock.mark()
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
-        if dynamo_frames() != self._frames_at_start:
+        if compile_count() != self._frames_at_start:
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
         if isinstance(batch, Mapping) and batch.get("packed"):
             flags |= step_table.FLAG_PACKED

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostClock", "ManualClock", "CudaClock", "BackwardTimer", "PendingStep", "dynamo_frames"]
+__all__ = ["HostClock", "ManualClock", "CudaClock", "BackwardTimer", "PendingStep", "CompileWatch", "COMPILE_WATCH", "compile_count"]
 
 
 class HostClock:
@@ -193,9 +193,50 @@ class PendingStep:
         ]
 
 
-def dynamo_frames() -> int:
-    """Frames torch.compile (dynamo) has compiled in this process so far; 0 when dynamo was never loaded."""
+class CompileWatch:
+    """Counts ``torch.compile``'s compilations in this process through dynamo's compile callbacks
+    (``torch._dynamo.callback_handler``): a frame's compile or recompile, and the lazy compile of a graph's
+    backward (which dynamo's frame counter does not see). ``events`` is the number of compilations ended,
+    ``seconds`` their total wall time. Installs itself on first use once ``torch._dynamo`` is loaded (a
+    process that never compiles never loads it)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.seconds = 0.0
+        self.installed = False
+        self._started: float | None = None
+
+    def install(self) -> bool:
+        """Register the callbacks where they are not registered (``torch._dynamo.reset()`` clears them);
+        False while dynamo is not loaded or has no callback handler."""
+        handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+        if handler is None:
+            return False
+        if self._end not in getattr(handler, "end_callbacks", ()):
+            handler.register_start_callback(self._start)
+            handler.register_end_callback(self._end)
+        self.installed = True
+        return True
+
+    def _start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, *args: Any) -> None:
+        self.events += 1
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
+#: The process's one :class:`CompileWatch` (dynamo's callbacks are process-wide).
+COMPILE_WATCH = CompileWatch()
+
+
+def compile_count() -> int:
+    """A count that moves whenever ``torch.compile`` compiles in this process: dynamo's compiled frames plus
+    the compilations :data:`COMPILE_WATCH` saw (lazy backward compiles included); 0 when dynamo was never
+    loaded. Compare two readings: only a change means something."""
+    COMPILE_WATCH.install()
     utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return 0
-    return int(sum(utils.counters["frames"].values()))
+    frames = int(sum(utils.counters["frames"].values())) if utils is not None else 0
+    return frames + COMPILE_WATCH.events
