@@ -468,7 +468,9 @@ def test_a_simulation_that_cannot_fit_is_said_not_raised(bench, fabricated, tmp_
         raise ValueError("the power fit gives exponent p = -2.055 <= 0 (time falls with length)")
 
     monkeypatch.setattr(report, "simulate_more_ranks", no_fit)
-    rc = report.main([str(run), "--results", str(tmp_path / "res"), "--img", str(tmp_path / "img"), "--simulate", "8"])
+    rc = report.main(
+        [str(run), "--results", str(tmp_path / "res"), "--img", str(tmp_path / "img"), "--simulate", "8"]
+    )
     assert rc == 0
     assert "no simulation at 8 ranks: ValueError: the power fit" in capsys.readouterr().out
     (out,) = (tmp_path / "res").glob("ddp_modes_eager_w2_*.json")

@@ -76,8 +76,13 @@ def test_monitor_flags_the_compiling_step_of_compiled_blocks(tmp_path):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     batches = [
-        {"latents": torch.randn(2, 16, 1, 8, 8, generator=g), "cost": 1.0, "num_tokens": 32, "batch_size": 2,
-         "seq_len": 16}
+        {
+            "latents": torch.randn(2, 16, 1, 8, 8, generator=g),
+            "cost": 1.0,
+            "num_tokens": 32,
+            "batch_size": 2,
+            "seq_len": 16,
+        }
         for _ in range(3)
     ]
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False, refit=False)
@@ -98,4 +103,8 @@ def test_monitor_flags_the_compiling_step_of_compiled_blocks(tmp_path):
     # Step 1 compiled; step 3 repeats step 2's shape: steady.
     assert counted[0] == 1 and counted[2] == 0
     assert monitor.summary["meta"]["flops_source"] == "flops_per_batch"  # not FLOP counting
-    assert monitor.summary["meta"]["steps_compiling"] >= 1
+    meta = monitor.summary["meta"]
+    assert meta["steps_compiling"] >= 1
+    compiled_at = [step for step, seconds in meta["compiles_rank0"]]
+    assert compiled_at and compiled_at[0] == 1 and 3 not in compiled_at  # the step numbers of the step table
+    assert all(seconds > 0 for _, seconds in meta["compiles_rank0"])

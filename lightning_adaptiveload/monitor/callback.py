@@ -16,6 +16,7 @@ the files and plots in :mod:`~lightning_adaptiveload.monitor.report`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -41,6 +42,7 @@ from lightning_adaptiveload.monitor.cost_refit import (
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_if_waiting
 from lightning_adaptiveload.monitor.timing import (
+    COMPILE_WATCH,
     BackwardTimer,
     CudaClock,
     HostClock,
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["LoadBalanceMonitor"]
+
+_log = logging.getLogger(__name__)
 
 _WORK_KEYS = ("cost", "num_tokens", "batch_size", "seq_len")
 
@@ -214,6 +218,8 @@ class LoadBalanceMonitor(Callback):
         self._counted_step = False  # FLOPs were counted before this step
         self._frames_at_start = 0  # torch.compile's compile count at the step start
         self._compile_steps = 0  # steps in which some rank compiled (rank 0's count)
+        self._compile_s_at_start = 0.0  # COMPILE_WATCH.seconds at the step start
+        self._compiles: list[list[float]] = []  # this rank's [step, seconds compiling] of each compiling step
         self._device_name = "cpu"
         self._device_total = math.nan
         self._peak = math.nan
@@ -307,6 +313,7 @@ class LoadBalanceMonitor(Callback):
         if self._flops is not None:
             self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
         self._frames_at_start = compile_count()
+        self._compile_s_at_start = COMPILE_WATCH.seconds
         if self._timer is not None:
             self._timer.start_step()
         if self._fsdp_timer is not None:
@@ -335,6 +342,9 @@ class LoadBalanceMonitor(Callback):
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
         if compile_count() != self._frames_at_start:
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
+            seconds = COMPILE_WATCH.seconds - self._compile_s_at_start
+            self._compiles.append([int(trainer.global_step), round(seconds, 3)])
+            _log.info("step %d: torch.compile compiled for %.1f s on this rank", trainer.global_step, seconds)
         if isinstance(batch, Mapping) and batch.get("packed"):
             flags |= step_table.FLAG_PACKED
         backward_end = sync_end = fsdp = None
@@ -654,6 +664,9 @@ class LoadBalanceMonitor(Callback):
                 "num_steps": n,
                 "steps_with_flop_counting": int(table["counted"].sum()) if n else 0,
                 "steps_compiling": self._compile_steps,
+                # rank 0's compiling steps: [step (as in the step table), seconds compiling]; a slow
+                # step that is not listed did not compile on rank 0
+                "compiles_rank0": list(self._compiles),
                 "num_collectives": self._num_collectives,
                 "norm_modulate_path": _norm_modulate_path(),
                 "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostClock", "ManualClock", "CudaClock", "BackwardTimer", "PendingStep", "CompileWatch", "COMPILE_WATCH", "compile_count"]
+__all__ = [
+    "HostClock",
+    "ManualClock",
+    "CudaClock",
+    "BackwardTimer",
+    "PendingStep",
+    "CompileWatch",
+    "COMPILE_WATCH",
+    "compile_count",
+]
 
 
 class HostClock:
