@@ -407,6 +407,30 @@ def test_monitor_csv_table_leaves_mixed_packs_out(tmp_path):
     assert table.pack_cost_model is model and table.to_dict()["pack_model"]["c0"] == 2.0
 
 
+def test_monitor_csv_table_leaves_excluded_steps_out(tmp_path):
+    from lightning_adaptiveload.tools.step_times import StepTimeTable
+
+    path = tmp_path / "load_balance_ranks.csv"
+    rows = ["rank,batch_idx,seq_len,batch_size,num_tokens,compute_time_s"]
+    # a rare bucket: two steps, one of them a 20 s stall; the median of both would be 10.25 s
+    rows += ["0,0,24,4,96,0.5", "0,1,24,4,96,20.0"]
+    path.write_text("\n".join(rows) + "\n")
+    shapes = [(16, 1, 8, 12)]
+    kept = StepTimeTable.from_monitor_csv(path, shapes, warmup_steps=0)
+    assert kept.seconds == {(1, 8, 12): {4: 10.25}}
+    cleaned = StepTimeTable.from_monitor_csv(path, shapes, warmup_steps=0, exclude={str(path): [1]})
+    assert cleaned.seconds == {(1, 8, 12): {4: 0.5}}
+
+
+def test_the_simulator_is_calibrated_without_stalls(bench):
+    _, report = bench
+    comp = np.array([[2.0, 2.0]] * 8)
+    comp[6] = [19.0, 19.5]  # both ranks stalled
+    tok = np.full_like(comp, 32760.0)
+    ranks = {"compute_time_s": comp, "num_tokens": tok}
+    assert report.calibration_steps(ranks, warmup=2).tolist() == [False] * 2 + [True] * 4 + [False, True]
+
+
 def test_fit_pack_sums_equals_fit_packs():
     packs = [[1560], [1560] * 21, [32760], [32760, 1560, 1560], [14040, 7800, 7800, 1560]]
     seconds = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,7 @@ class StepTimeTable:
         latent_shapes: Iterable[Sequence[int]],
         patch_size: Sequence[int] = DEFAULT_PATCH,
         warmup_steps: int = 5,
+        exclude: Mapping[str, Collection[int]] | None = None,
     ) -> StepTimeTable:
         """Per-bucket step times measured in a real run, from LoadBalanceMonitor's ``load_balance_ranks.csv``.
 
@@ -151,6 +152,8 @@ class StepTimeTable:
             latent_shapes: the data set's latent shapes (C, T, H, W), e.g. a mix's buckets.
             patch_size: (pt, ph, pw) of the model.
             warmup_steps: leading steps of each file to leave out (compilation, allocator warm-up).
+            exclude: per file (its path as given in ``paths``), the ``batch_idx`` values to leave out as well
+                (e.g. steps that stalled for reasons the monitor did not flag).
 
         Raises:
             FileNotFoundError: a path does not exist.
@@ -177,6 +180,7 @@ class StepTimeTable:
                     )
                 rows = list(reader)
             first = min((int(float(r["batch_idx"])) for r in rows if r["batch_idx"]), default=0)
+            skip = {int(v) for v in (exclude or {}).get(path, ())}
             for r in rows:
                 try:
                     step = int(float(r["batch_idx"]))
@@ -187,7 +191,9 @@ class StepTimeTable:
                     )
                 except (TypeError, ValueError):
                     continue
-                if step < first + warmup_steps or r.get("flops_counted") in ("1", "1.0") or not sec > 0:
+                if step < first + warmup_steps or step in skip or r.get("flops_counted") in ("1", "1.0"):
+                    continue
+                if not sec > 0:
                     continue
                 if r.get("num_tokens") not in (None, "") and int(float(r["num_tokens"])) != s_len * b:
                     skipped += 1  # a pack of mixed lengths: not a bucket of (seq_len, batch_size)
