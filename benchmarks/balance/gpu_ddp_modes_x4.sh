@@ -15,6 +15,8 @@
 #   SAMPLES   synthetic samples (768, ~4 GB); keep it the same for every call of one table
 #   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory.memory_budget_gib=64)
 #   TOTAL     seconds this script may take (560)
+#   DIAG      1: TORCH_LOGS=recompiles for the runs, and after them each recompile's guard failure counted,
+#             beside the monitor's compiling steps (compiles_rank0) and the report's stalls: is a stall a compile?
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -31,6 +33,8 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
+DIAG=${DIAG:-0}
+[ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 case "$SETTINGS" in eager|fast) ;; *) echo "SETTINGS must be eager or fast, got $SETTINGS"; exit 2 ;; esac
@@ -88,6 +92,15 @@ python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU"
   --samples "$SAMPLES" --out "$RUN" --time-budget-s "$budget" "${sets[@]}" > "$FIT_LOG" 2>&1
 echo "ddp_modes rc=$? $(el)"
 grep -Ev "$FILTER" "$FIT_LOG" | tail -120
+if [ "$DIAG" = 1 ]; then
+  echo "== recompiles (rank 0 and others; the guard that failed, counted)"
+  echo "recompiles logged: $(grep -c "Recompiling function" "$FIT_LOG")"
+  grep -h -A4 "Recompiling function" "$FIT_LOG" | grep -E -- '^[[:space:]]+- ' | sed 's/^[[:space:]]*- //' \
+    | sort | uniq -c | sort -rn | head -20
+  for f in "$RUN"/*/logs/version_*/load_balance.json; do
+    python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['summary']['meta']; print(sys.argv[1].split('/')[-4], 'compiles_rank0', m.get('compiles_rank0'))" "$f"
+  done
+fi
 echo "== report $(el)"
 rm -rf "$RUN/report"
 timeout $(( $(left) - 15 )) python3 benchmarks/balance/ddp_modes_report.py "$RUN" --results "$RUN/report" --img "$RUN/report" \
