@@ -364,7 +364,13 @@ PACKAGE_DIR = Path(lightning_adaptiveload.__file__).parent
 SCHEDULE_NAMES = ("independent", "lockstep", "packed", "auto")
 # Modules that turn a schedule name into behaviour must not: the planner looks the schedule up once, the
 # bucketed plan and the segments get the schedule object.
-NO_SCHEDULE_STRINGS = ("planning/planner.py", "planning/bucketed.py", "planning/chunked.py")
+NO_SCHEDULE_STRINGS = (
+    "planning/planner.py",
+    "planning/bucketed.py",
+    "planning/chunked.py",
+    # the DataModule asks the schedule object (``always_packs``, ``has_lockstep_tail``)
+    "data/datamodule.py",
+)
 
 
 def schedule_name_tests(source: str) -> list[str]:

@@ -158,3 +158,12 @@ def test_gc_paused_restores_the_collector_even_on_error():
     with pytest.raises(RuntimeError):
         work(True)
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_each_schedule_says_whether_it_packs_and_ends_in_lockstep_tail():
+    from lightning_adaptiveload.planning.schedules import SCHEDULE_TYPES
+
+    packs = {name: kind.always_packs for name, kind in SCHEDULE_TYPES.items()}
+    tails = {name: kind.has_lockstep_tail for name, kind in SCHEDULE_TYPES.items()}
+    assert packs == {"independent": False, "lockstep": False, "packed": True, "auto": False}
+    assert tails == {"independent": False, "lockstep": True, "packed": False, "auto": True}

@@ -48,6 +48,7 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import EpochPlan, batching_label
+from lightning_adaptiveload.planning.schedules import SCHEDULE_TYPES
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings, Underfull
 
 __all__ = [
@@ -355,7 +356,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ValueError: ``schedule="packed"`` and the module does not set ``runs_packed_batches = True``; the
                 message names the module, the setting and both ways out.
         """
-        if self.schedule != "packed" or module is None:
+        if not SCHEDULE_TYPES[self.schedule].always_packs or module is None:
             return
         flag = getattr(module, "runs_packed_batches", None)
         if flag:
@@ -376,7 +377,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def _train_lockstep_tail(self) -> str:
         """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
-        if self.lockstep_tail != "packed" or self.schedule not in ("lockstep", "auto"):
+        if self.lockstep_tail == "bucketed" or not SCHEDULE_TYPES[self.schedule].has_lockstep_tail:
             return self.lockstep_tail
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is None or getattr(module, "runs_packed_batches", False):
@@ -576,7 +577,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 + (
                     f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
                     f"{rep.get('packed_tail_steps', 0)}"
-                    if rep["mode"] == "lockstep"
+                    if getattr(SCHEDULE_TYPES.get(rep["mode"]), "has_lockstep_tail", False)
                     else ""
                 )
                 + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"

@@ -63,6 +63,10 @@ class Independent(_Bucketed):
     """Each rank batches its own samples (bucketed, no step alignment); equal step counts at the end."""
 
     name: ClassVar[str] = "independent"
+    always_packs: ClassVar[bool] = False
+    """Every training step is a pack (the module must run packs)."""
+    has_lockstep_tail: ClassVar[bool] = False
+    """Its epochs may end in lockstep's tail (``PlanSettings.lockstep_tail`` applies)."""
     lockstep: ClassVar[bool] = False
     tail: ClassVar[str] = "bucketed"  # no lockstep tail
     packs_tail: ClassVar[bool] = False
@@ -82,6 +86,10 @@ class Lockstep(_Bucketed):
     """All ranks take a batch of the same lockstep class and size at every step (:mod:`.lockstep`)."""
 
     name: ClassVar[str] = "lockstep"
+    always_packs: ClassVar[bool] = False
+    """Every training step is a pack (the module must run packs)."""
+    has_lockstep_tail: ClassVar[bool] = True
+    """Its epochs may end in lockstep's tail (``PlanSettings.lockstep_tail`` applies)."""
     lockstep: ClassVar[bool] = True
 
     tolerance: float = 0.05
@@ -112,6 +120,10 @@ class Packed:
     is planned on counts (:mod:`.packed_counts`), rank-locally and in bounded memory: never in segments."""
 
     name: ClassVar[str] = "packed"
+    always_packs: ClassVar[bool] = True
+    """Every training step is a pack (the module must run packs)."""
+    has_lockstep_tail: ClassVar[bool] = False
+    """Its epochs may end in lockstep's tail (``PlanSettings.lockstep_tail`` applies)."""
 
     @classmethod
     def from_settings(cls, settings: PlanSettings) -> Packed:
@@ -141,6 +153,10 @@ class Auto:
     it on the epoch line."""
 
     name: ClassVar[str] = "auto"
+    always_packs: ClassVar[bool] = False
+    """Every training step is a pack (the module must run packs)."""
+    has_lockstep_tail: ClassVar[bool] = True
+    """Its epochs may end in lockstep's tail (``PlanSettings.lockstep_tail`` applies)."""
 
     lockstep: Lockstep
     """The lockstep schedule tried first."""
