@@ -108,3 +108,12 @@ def test_monitor_flags_the_compiling_step_of_compiled_blocks(tmp_path):
     compiled_at = [step for step, seconds in meta["compiles_rank0"]]
     assert compiled_at and compiled_at[0] == 1 and 3 not in compiled_at  # the step numbers of the step table
     assert all(seconds > 0 for _, seconds in meta["compiles_rank0"])
+
+
+def test_as_float_reads_a_batch_scalar():
+    import math
+
+    from lightning_adaptiveload.monitor.steps import as_float
+
+    assert as_float(3) == 3.0 and as_float(torch.tensor(2.5)) == 2.5
+    assert all(math.isnan(as_float(v)) for v in (None, "x", torch.ones(2)))

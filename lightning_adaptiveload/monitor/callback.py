@@ -42,13 +42,12 @@ from lightning_adaptiveload.monitor.cost_refit import (
 from lightning_adaptiveload.monitor.flops import BatchFlops
 from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_if_waiting
 from lightning_adaptiveload.monitor.timing import (
-    COMPILE_WATCH,
     BackwardTimer,
     CudaClock,
     HostClock,
     ManualClock,
     PendingStep,
-    compile_count,
+    StepCompiles,
 )
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.refit import RefitConfig
@@ -97,13 +96,13 @@ class LoadBalanceMonitor(Callback):
     step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
     plots are written to ``dirpath`` (default: ``trainer.log_dir``).
 
-    **Warm-up steps**: a step in which ``torch.compile`` compiled (dynamo's frame counter or its compile callbacks moved,
-    lazy backward compiles and per-block compiles included: :func:`~lightning_adaptiveload.monitor.timing.compile_count`) or
+    **Warm-up steps**: a step in which ``torch.compile`` compiled (:func:`~.timing.compile_count`) or
     before which FLOPs were counted is marked (``counted`` in the step table, ``flops_counted`` in the rank
     table) and left out of the time-balance statistics (``step_time_cv``, ``imbalance``,
     ``straggler_wait``, ``data_share``): a compiling rank holds the others for many seconds, which is not
-    load imbalance. The summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps) and
-    ``steps_compiling``.
+    load imbalance. The summary's ``meta`` gives ``steps_with_flop_counting`` (all warm-up steps),
+    ``steps_compiling`` and ``compiles_rank0`` (rank 0's ``[step, seconds compiling]``: a slow step not
+    listed did not compile on rank 0).
 
     **Closed loop** (``refit``, on by default; ``docs/closed_loop.md``): at the end of every training epoch
     (and every ``every_n_steps``) the cost model is refitted from every rank's gathered steps
@@ -216,10 +215,8 @@ class LoadBalanceMonitor(Callback):
         self._refit_step = -1  # the optimizer step of the last every_n_steps refit
         self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
-        self._frames_at_start = 0  # torch.compile's compile count at the step start
+        self._compiling = StepCompiles()  # did torch.compile compile in this step (this rank's log)
         self._compile_steps = 0  # steps in which some rank compiled (rank 0's count)
-        self._compile_s_at_start = 0.0  # COMPILE_WATCH.seconds at the step start
-        self._compiles: list[list[float]] = []  # this rank's [step, seconds compiling] of each compiling step
         self._device_name = "cpu"
         self._device_total = math.nan
         self._peak = math.nan
@@ -312,8 +309,7 @@ class LoadBalanceMonitor(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         if self._flops is not None:
             self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
-        self._frames_at_start = compile_count()
-        self._compile_s_at_start = COMPILE_WATCH.seconds
+        self._compiling.start()
         if self._timer is not None:
             self._timer.start_step()
         if self._fsdp_timer is not None:
@@ -340,11 +336,9 @@ class LoadBalanceMonitor(Callback):
             return
         end = self._clock.mark()
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
-        if compile_count() != self._frames_at_start:
+        if self._compiling.end(trainer.global_step):
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
-            seconds = COMPILE_WATCH.seconds - self._compile_s_at_start
-            self._compiles.append([int(trainer.global_step), round(seconds, 3)])
-            _log.info("step %d: torch.compile compiled for %.1f s on this rank", trainer.global_step, seconds)
+            _log.info("step %d: torch.compile compiled for %.1f s", *self._compiling.log[-1])
         if isinstance(batch, Mapping) and batch.get("packed"):
             flags |= step_table.FLAG_PACKED
         backward_end = sync_end = fsdp = None
@@ -528,9 +522,13 @@ class LoadBalanceMonitor(Callback):
                 f"LoadBalanceMonitor: the batch has no key(s) {missing} (keys: {sorted(map(str, batch))}); the "
                 "statistics that need them are not logged. Add them in `on_after_batch_transfer`.",
             )
-        work = tuple(_as_float(batch.get(k)) for k in _WORK_KEYS)
+        work = tuple(step_table.as_float(batch.get(k)) for k in _WORK_KEYS)
         # sum S_i^2, for the cost refit: a pack says it; a bucketed batch is B samples of S tokens.
-        square = _as_float(batch.get("token_sq_sum")) if "token_sq_sum" in batch else work[2] * work[3] ** 2
+        square = (
+            step_table.as_float(batch.get("token_sq_sum"))
+            if "token_sq_sum" in batch
+            else work[2] * work[3] ** 2
+        )
         return (*work, square)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
@@ -664,9 +662,7 @@ class LoadBalanceMonitor(Callback):
                 "num_steps": n,
                 "steps_with_flop_counting": int(table["counted"].sum()) if n else 0,
                 "steps_compiling": self._compile_steps,
-                # rank 0's compiling steps: [step (as in the step table), seconds compiling]; a slow
-                # step that is not listed did not compile on rank 0
-                "compiles_rank0": list(self._compiles),
+                "compiles_rank0": list(self._compiling.log),
                 "num_collectives": self._num_collectives,
                 "norm_modulate_path": _norm_modulate_path(),
                 "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -699,14 +695,3 @@ def _norm_modulate_path() -> str:
     # Only where the model imported the op: importing it here would load (or build) the CUDA kernels.
     ops = sys.modules.get("lightning_adaptiveload.ops")
     return ops.fused_op_paths() if ops is not None else "not called"
-
-
-def _as_float(value: Any) -> float:
-    if value is None:
-        return math.nan
-    if isinstance(value, torch.Tensor):
-        return float(value.item()) if value.numel() == 1 else math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan

@@ -16,6 +16,7 @@ import numpy as np
 from lightning_adaptiveload import stats
 
 __all__ = [
+    "as_float",
     "FIELDS",
     "NUM_FIELDS",
     "FIELD_INDEX",
@@ -362,3 +363,15 @@ def history(tables: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     if not tables:
         return {}
     return {k: np.concatenate([t[k] for t in tables]) for k in tables[0]}
+
+
+def as_float(value: Any) -> float:
+    """A batch's scalar (a number, a one-element tensor, None) as a float; nan where it is none of these."""
+    if value is None:
+        return math.nan
+    if callable(getattr(value, "numel", None)):  # a tensor, without importing torch here
+        return float(value.item()) if value.numel() == 1 else math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan

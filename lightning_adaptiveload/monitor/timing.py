@@ -25,6 +25,7 @@ __all__ = [
     "CompileWatch",
     "COMPILE_WATCH",
     "compile_count",
+    "StepCompiles",
 ]
 
 
@@ -249,3 +250,23 @@ def compile_count() -> int:
     utils = sys.modules.get("torch._dynamo.utils")
     frames = int(sum(utils.counters["frames"].values())) if utils is not None else 0
     return frames + COMPILE_WATCH.events
+
+
+class StepCompiles:
+    """Whether ``torch.compile`` compiled between :meth:`start` and :meth:`end` (one step), and the log of
+    this rank's compiling steps: ``[step, seconds compiling]`` each."""
+
+    def __init__(self) -> None:
+        self.log: list[list[float]] = []
+        self._count = 0
+        self._seconds = 0.0
+
+    def start(self) -> None:
+        self._count, self._seconds = compile_count(), COMPILE_WATCH.seconds
+
+    def end(self, step: int) -> bool:
+        """True when something compiled since :meth:`start`; the step joins :attr:`log`."""
+        if compile_count() == self._count:
+            return False
+        self.log.append([int(step), round(COMPILE_WATCH.seconds - self._seconds, 3)])
+        return True
