@@ -90,8 +90,11 @@ def test_changing_pack_compositions_compile_a_bounded_number_of_graphs(caplog):
                 )
     assert routes == {"dense", "segments"}
     graphs = compiled_graphs() - before
-    # A mixed pack's graph (any composition), the batch graphs of the pack of one (B = 1) and of the
-    # equal-length pack (B > 1), with room for one recompile when a size first turns out dynamic.
+    # A mixed pack's graph (any composition, any text length), the batch graphs of the pack of one (B = 1)
+    # and of the equal-length pack (B > 1): 3 with torch 2.13, where no pack compiles again when its sizes
+    # differ (the pack's tensors and the text length are dynamic from the first graph: 2 x H200 and
+    # 4 x H200 runs compiled again at the second pack, the second text length and the first unaligned
+    # text length). One more is allowed: this test failed on torch 2.11 at 3 (run 57, cause not read).
     assert 1 <= graphs <= MAX_PACK_GRAPHS, graphs
     # Every new graph was logged, with the input that made it.
     log = compiled.graph_log
@@ -125,3 +128,67 @@ def test_packs_under_inductor_on_cuda_match_eager_with_bounded_graphs():
             rel = (grads_c[name].float() - grads_e[name].float()).norm() / grads_e[name].float().norm()
             assert rel < 5e-2, (name, float(rel))
     assert compiled_graphs() - before <= 2 * MAX_PACK_GRAPHS
+
+
+@torch.library.custom_op("adaptiveload_test::varlen_stand_in", mutates_args=())
+def _varlen_stand_in(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> torch.Tensor:
+    """The variable-length kernel's contract on CPU: (S, H, d) queries, each segment attending to its keys."""
+    out = torch.zeros_like(q)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        if cq[i + 1] > cq[i] and ck[i + 1] > ck[i]:
+            qi, ki, vi = (
+                x.transpose(0, 1) for x in (q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]])
+            )
+            out[cq[i] : cq[i + 1]] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi).transpose(
+                0, 1
+            )
+    return out
+
+
+@_varlen_stand_in.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k):
+    return torch.empty_like(q)
+
+
+def test_packs_through_the_varlen_route_compile_one_graph_for_every_composition(monkeypatch):
+    """The CUDA route of mixed packs (the variable-length cross-attention over ``cu_seqlens`` and the text
+    offsets), on CPU through a stand-in of the kernel: pack sizes, sample counts and text lengths (aligned to
+    8 or not) change at every step, and one graph serves them all (4 x H200: a new sample count and the
+    first unaligned text length each compiled again, 7-23 s a time)."""
+    from lightning_adaptiveload.models import packing
+
+    monkeypatch.setattr(packing, "_varlen_attn", _varlen_stand_in)
+    monkeypatch.setattr(packing, "_varlen_applies", lambda q: True)
+    monkeypatch.setattr(packing, "varlen_applies_to", lambda device, dtype: True)
+    eager, compiled = _model().eval(), _model().eval()
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager")
+    before = compiled_graphs()
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    mixed = [(1, 4, 4), (2, 4, 4), (1, 4, 6), (3, 2, 2), (1, 2, 4), (2, 2, 6)]
+    with torch.no_grad():
+        for step, text_len in enumerate([5, 8, 13, 3, 16, 9, 7, 11]):
+            n = 2 + step % 5
+            comp = [mixed[(step + i) % len(mixed)] for i in range(n)]
+            latents = [torch.randn(16, *grid, generator=g) for grid in comp]
+            mask = torch.rand(n, text_len, generator=g) > 0.3
+            mask[:, 0] = True
+            args = (
+                latents,
+                torch.rand(n, generator=g) * 1000,
+                torch.randn(n, text_len, 16, generator=g),
+                mask,
+            )
+            for a, b in zip(compiled.forward_packed(*args), eager.forward_packed(*args)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert rng is not None
+    assert compiled_graphs() - before == 1

@@ -199,6 +199,7 @@ def build_command(
     settings: str,
     activation_memory: dict | None = None,
     max_time_s: float | None = None,
+    stall_stacks_s: float | None = None,
     extra: list[str] = (),
     python: str = sys.executable,
 ) -> tuple[dict[str, str], list[str]]:
@@ -214,6 +215,8 @@ def build_command(
         raise ValueError(f"unknown settings {settings!r}; choose from {SETTINGS}")
     root = os.path.join(out, mode)
     batching, schedule = _MODE_SETTINGS[mode]
+    # stall_stacks_s: every thread's stack, dumped while a step runs longer (is a stall a compile?)
+    monitor_args = {} if stall_stacks_s is None else {"init_args": {"stall_stacks_s": stall_stacks_s}}
     cmd = [
         python,
         "-m",
@@ -244,7 +247,7 @@ def build_command(
         # A benchmark keeps no checkpoints (a wan-1.3b one with AdamW state is about 17 GB): the monitor
         # is the only callback.
         "--trainer.callbacks",
-        '[{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor"}]',
+        json.dumps([{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args}]),
         "--trainer.enable_checkpointing",
         "false",
         # Every step is gathered and logged (one collective of a few floats: well under 1% of a step).
@@ -339,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         help="wall seconds for all of this call's runs: each mode gets an equal share of what is left",
     )
     ap.add_argument("--set", action="append", default=[], help="extra CLI override KEY=VALUE, repeatable")
+    ap.add_argument(
+        "--stall-stacks-s",
+        type=float,
+        default=None,
+        help="the monitor dumps every thread's stack while a step runs longer than this (stall_stacks_rank*.txt)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the commands only (no data, no runs)")
     ap.add_argument("--shards-only", action="store_true", help="write (or find) the shards, then stop")
     args = ap.parse_args(argv)
@@ -397,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             settings=args.settings,
             activation_memory=memory,
             max_time_s=None if share is None else share - _STARTUP_S[args.settings] - _MARGIN_S,
+            stall_stacks_s=args.stall_stacks_s,
             extra=args.set,
         )
         prefix = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())

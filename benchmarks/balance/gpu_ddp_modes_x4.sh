@@ -17,6 +17,8 @@
 #   TOTAL     seconds this script may take (560)
 #   DIAG      1: TORCH_LOGS=recompiles for the runs, and after them each recompile's guard failure counted,
 #             beside the monitor's compiling steps (compiles_rank0) and the report's stalls: is a stall a compile?
+#             The monitor also dumps every thread's stack while a step runs over 4 s (stall_stacks_s), and
+#             stall_stacks_summary.py prints each slow step's innermost frames.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -88,6 +90,7 @@ echo "== $nmodes mode(s), $STEPS steps each, $budget s for the runs $(el)"
 [ "$STEPS" -ge 30 ] || echo "note: fewer than 30 steps per mode is a smoke run; split MODES over calls for the table"
 FIT_LOG="$RUN/fit_${TAG}.log"
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
+[ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
 python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU" --modes "$MODES" --steps "$STEPS" \
   --samples "$SAMPLES" --out "$RUN" --time-budget-s "$budget" "${sets[@]}" > "$FIT_LOG" 2>&1
 echo "ddp_modes rc=$? $(el)"
@@ -100,6 +103,8 @@ if [ "$DIAG" = 1 ]; then
   for f in "$RUN"/*/logs/version_*/load_balance.json; do
     python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['summary']['meta']; print(sys.argv[1].split('/')[-4], 'compiles_rank0', m.get('compiles_rank0'))" "$f"
   done
+  echo "== slow steps' stacks (rank files under the run folder)"
+  python3 benchmarks/balance/stall_stacks_summary.py "$RUN" --frames 10 --steps 6 2>&1 | head -400
 fi
 echo "== report $(el)"
 rm -rf "$RUN/report"

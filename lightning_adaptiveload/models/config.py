@@ -119,10 +119,16 @@ class VideoDiTConfig:
         return sorted(_PRESETS)
 
 
+#: ``VideoDiT`` pads the text states with masked-out rows to a multiple of this many (one compiled graph for
+#: every text length, aligned rows for the attention kernels); :func:`forward_flops` counts the padded rows.
+TEXT_ALIGN = 8
+
+
 def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> int:
     """Forward FLOPs of one sample: matmuls and convolutions only, 2 FLOPs per multiply-add.
 
-    With S video tokens, L text tokens (the padded length the batch carries; 0 = no text), width D,
+    With S video tokens, L text tokens (the padded length the batch carries, rounded up to a multiple of
+    :data:`TEXT_ALIGN` as the model pads it; 0 = no text), width D,
     FFN width F, N blocks, patch volume P, channels C_in / C_out, text width D_t, freq width D_f::
 
         patch embed     2 S (C_in P) D
@@ -143,7 +149,8 @@ def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> in
         text_len: text tokens per sample (padded length), 0 when the model runs without text.
     """
     cfg = config
-    s, lt, d, f, n, p = int(seq_len), int(text_len), cfg.dim, cfg.ffn_dim, cfg.num_layers, cfg.patch_volume
+    s, d, f, n, p = int(seq_len), cfg.dim, cfg.ffn_dim, cfg.num_layers, cfg.patch_volume
+    lt = -(-int(text_len) // TEXT_ALIGN) * TEXT_ALIGN
     total = 2 * s * cfg.in_channels * p * d
     total += 2 * (cfg.freq_dim * d + d * d) + 2 * d * 6 * d
     block = 8 * s * d * d + 4 * s * s * d + 4 * s * d * f

@@ -70,7 +70,10 @@ def equal_runs(lens: Sequence[int]) -> list[tuple[int, int]]:
 
 def runs_tensor(lens: Sequence[int]) -> torch.Tensor:
     """The runs of ``lens`` as the op's CPU int64 (R, 2) tensor of (length, count)."""
-    return torch.tensor(equal_runs(lens), dtype=torch.int64).reshape(-1, 2)
+    runs = equal_runs(lens)
+    # Built whole, not as a view: dynamo guards a view's base too, and duck sizing tied the base's size to
+    # another size of the first pack (a recompile at the next pack).
+    return torch.tensor(runs, dtype=torch.int64) if runs else torch.zeros((0, 2), dtype=torch.int64)
 
 
 @torch.compiler.assume_constant_result
@@ -156,7 +159,9 @@ def _backward_run(go, q, k, v, out, lse, kernel: str):
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             go, q, k, v, out, lse, None, None, length, length, 0.0, False, rng, unused
         )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, out, lse, 0.0, False)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        go, q, k, v, out, lse, 0.0, False
+    )
 
 
 @torch.library.custom_op("adaptiveload::pack_runs_attention", mutates_args=())
@@ -204,7 +209,11 @@ def _pack_runs_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     pairs = _pairs(runs, q.shape[2])
     views = zip(*(_run_views(t, pairs) for t in (grad, q, k, v, out, dq, dk, dv)))
-    for (start, end, gr), (_, _, qr), (_, _, kr), (_, _, vr), (_, _, orr), (_, _, dqr), (_, _, dkr), (_, _, dvr) in views:
+    for (start, end, gr), (_, _, qr), (_, _, kr), (_, _, vr), (_, _, orr), (_, _, dqr), (_, _, dkr), (
+        _,
+        _,
+        dvr,
+    ) in views:
         count, length = qr.shape[0], qr.shape[2]
         lr = lse[:, start:end].unflatten(1, (count, length)).transpose(0, 1)
         used = _effective(kernel)

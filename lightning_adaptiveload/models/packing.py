@@ -141,7 +141,9 @@ def log_route_once(route: str, device: torch.device, varlen: bool, n: int) -> No
         if kernel is not None:
             what = f"mixed lengths, self-attention one {kernel} kernel call per run of equal-length samples"
         elif varlen:
-            what = "mixed lengths, self-attention through the variable-length kernel (torch.nn.attention.varlen)"
+            what = (
+                "mixed lengths, self-attention through the variable-length kernel (torch.nn.attention.varlen)"
+            )
         else:
             what = "mixed lengths, self-attention through SDPA per sample"
         what += ", cross-attention " + ("variable-length" if varlen else "per sample")
@@ -265,6 +267,10 @@ class PackSegments:
             text_cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
             text_keys = torch.arange(n * text_len, device=device) < text_cu[-1]
         runs = _pack_attention.runs_tensor(lens)
+        # Sizes that follow the composition (N + 1 offsets, S tokens, N * L text positions, R runs) are
+        # dynamic from a compiled block's first pack: left to dynamo, they were static in the first graph
+        # (these tensors are attributes, not arguments), so the second pack compiled again (19 s, 4 x H200).
+        mark_dynamic((seg, cu, text_order, text_cu, has_text, text_keys, runs), 0)
         return cls(lens, seg, cu, max(lens), text_order, text_cu, int(text_len), has_text, text_keys, runs)
 
     @property
@@ -275,6 +281,17 @@ class PackSegments:
 # --------------------------------------------------------------------------------------------------
 # Per-sample values to tokens, and gradients back
 # --------------------------------------------------------------------------------------------------
+
+
+def mark_dynamic(tensors: Sequence[torch.Tensor | None], dim: int) -> None:
+    """Ask ``torch.compile`` to treat dimension ``dim`` of each tensor (None skipped) as dynamic in the first
+    graph it compiles for them (``torch._dynamo.maybe_mark_dynamic``): sizes that change by batch. A no-op
+    inside a compiled region (a model compiled whole traces this code)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def segment_sum(

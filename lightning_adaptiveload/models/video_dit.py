@@ -56,7 +56,7 @@ from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exp
     save_attention_contexts,
 )
 from lightning_adaptiveload.models.checkpointing import spread as _spread  # noqa: F401
-from lightning_adaptiveload.models.config import VideoDiTConfig, forward_flops
+from lightning_adaptiveload.models.config import TEXT_ALIGN, VideoDiTConfig, forward_flops
 from lightning_adaptiveload.models.layers import (
     CrossAttention,
     FP32LayerNorm,
@@ -553,6 +553,8 @@ class VideoDiT(nn.Module):
                 0 if ctx is None else ctx.shape[1],
                 varlen,
             )
+            # The sample count N sizes the per-sample rows and text: dynamic in the first graph too.
+            _packing.mark_dynamic((e, e0, ctx, context_mask), 0)
         else:
             varlen = False
         if not torch.compiler.is_compiling():
@@ -644,9 +646,21 @@ class VideoDiT(nn.Module):
             raise ValueError(
                 f"text_mask shape {tuple(context_mask.shape)} does not match text {tuple(context.shape[:2])}"
             )
-        ctx = self.text_embedding(context.to(self.patch_embedding.weight.dtype))
         if context_mask is not None:
-            context_mask = context_mask.to(device=ctx.device, dtype=torch.bool)
+            context_mask = context_mask.to(device=context.device, dtype=torch.bool)
+        pad = -context.shape[1] % TEXT_ALIGN
+        if pad:
+            # Masked-out zero rows up to a multiple of TEXT_ALIGN: exact (every attention path honours the
+            # mask), and a compiled block keeps one graph for every text length: inductor guards on the
+            # length's alignment, and the two cases compiled apart (10-20 s each on 4 x H200).
+            if context_mask is None:
+                context_mask = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
+            context = torch.nn.functional.pad(context, (0, 0, 0, pad))
+            context_mask = torch.nn.functional.pad(context_mask, (0, pad), value=False)
+        ctx = self.text_embedding(context.to(self.patch_embedding.weight.dtype))
+        # The text length varies by batch: dynamic in a compiled block's first graph (not left to dynamo,
+        # which made it static there and compiled again at the next length).
+        _packing.mark_dynamic((ctx, context_mask), 1)
         return ctx, context_mask
 
     def _keep_text_path(self, out: torch.Tensor, ctx: torch.Tensor | None) -> torch.Tensor:

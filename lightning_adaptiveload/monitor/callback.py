@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload import _dist, stats
+from lightning_adaptiveload import _dist
 from lightning_adaptiveload.monitor import report
 from lightning_adaptiveload.monitor import steps as step_table
 from lightning_adaptiveload.monitor.cost_refit import (
@@ -39,7 +39,7 @@ from lightning_adaptiveload.monitor.cost_refit import (
     apply_to_datamodule,
     refit_metrics,
 )
-from lightning_adaptiveload.monitor.flops import BatchFlops
+from lightning_adaptiveload.monitor.flops import BatchFlops, resolve_peak
 from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_if_waiting
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
@@ -47,6 +47,7 @@ from lightning_adaptiveload.monitor.timing import (
     HostClock,
     ManualClock,
     PendingStep,
+    StallStacks,
     StepCompiles,
 )
 from lightning_adaptiveload.planning.cost_model import CostModel
@@ -139,6 +140,10 @@ class LoadBalanceMonitor(Callback):
         clock: the clock the steps are timed with; None: CUDA events on GPU, the host clock on CPU. A
             :class:`~lightning_adaptiveload.monitor.timing.ManualClock` replaces the measured time by a known
             one (tests, simulations).
+        stall_stacks_s: when a step runs longer than this many seconds, write every thread's Python stack
+            to ``stall_stacks_rank<r>.txt`` in ``dirpath``, again every as many seconds until it ends
+            (:class:`~lightning_adaptiveload.monitor.timing.StallStacks`: is a slow step compiling, collecting
+            garbage, waiting?). None: off.
 
     Raises:
         ValueError: on a bad argument.
@@ -165,6 +170,7 @@ class LoadBalanceMonitor(Callback):
         max_buffered_steps: int = 1000,
         refit: bool | RefitConfig | Mapping[str, Any] = True,
         clock: HostClock | ManualClock | None = None,
+        stall_stacks_s: float | None = None,
     ) -> None:
         super().__init__()
         if max_buffered_steps < 1:
@@ -197,6 +203,8 @@ class LoadBalanceMonitor(Callback):
         self._refitter = CostRefitter(RefitConfig() if refit is True else refit) if refit else None
         self._trigger = ReplanTrigger(self._refitter.config) if self._refitter is not None else None
         self._fixed_clock = clock
+        self._stacks = StallStacks(stall_stacks_s) if stall_stacks_s is not None else None
+        self.stall_stacks_s = stall_stacks_s
         self._trainer: Any = None  # set in setup: load_state_dict hands a restored model to its data module
         self.summary: dict[str, Any] = {}
         self._reset()
@@ -285,7 +293,9 @@ class LoadBalanceMonitor(Callback):
             self._device_name = self._device.type
         if self._fixed_clock is not None:
             self._clock = self._fixed_clock
-        self._peak = self._resolve_peak(trainer)
+        self._peak, self._dtype_key = resolve_peak(
+            self.peak_flops, self._device, self._device_name, trainer.precision, self._warn_once
+        )
         # The memory cap per rank and step, for the per-step fill (packed steps fill it; buckets do not).
         batcher = getattr(getattr(trainer, "datamodule", None), "batcher", None)
         self._max_tokens = float(getattr(batcher, "max_tokens", math.nan) or math.nan)
@@ -293,6 +303,9 @@ class LoadBalanceMonitor(Callback):
         self._flops = BatchFlops(pl_module, self.flops_fn, self.count_flops, self._warn_once)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
         outdir = self.dirpath if self.dirpath is not None else (trainer.log_dir or trainer.default_root_dir)
+        if self._stacks is not None:
+            os.makedirs(outdir, exist_ok=True)
+            self._stacks.open(os.path.join(outdir, f"stall_stacks_rank{self._rank}.txt"))
         if self._rank == 0 and self.write_files:
             self._outdir = outdir
             os.makedirs(outdir, exist_ok=True)
@@ -310,6 +323,8 @@ class LoadBalanceMonitor(Callback):
         if self._flops is not None:
             self._counted_step = self._flops.before_step(pl_module, batch, batch_idx)
         self._compiling.start()
+        if self._stacks is not None:
+            self._stacks.start(trainer.global_step + 1)
         if self._timer is not None:
             self._timer.start_step()
         if self._fsdp_timer is not None:
@@ -335,6 +350,8 @@ class LoadBalanceMonitor(Callback):
         if self._start is None:  # the batch started before this callback was set up
             return
         end = self._clock.mark()
+        if self._stacks is not None:
+            self._stacks.end()
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
         if self._compiling.end(trainer.global_step):
             flags |= step_table.FLAG_COUNTED | step_table.FLAG_COMPILED
@@ -410,6 +427,8 @@ class LoadBalanceMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stacks is not None:
+            self._stacks.close()
         if self._pending:
             self._flush(trainer, pl_module, log=False)
         if self._fsdp_timer is not None:  # FSDP2's timing hooks come off the model
@@ -436,33 +455,6 @@ class LoadBalanceMonitor(Callback):
             self._fsdp_timer.active = False
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _resolve_peak(self, trainer: pl.Trainer) -> float:
-        if self.peak_flops is not None:
-            return float(self.peak_flops)
-        if self._device.type != "cuda":
-            return math.nan
-        try:
-            key = stats.normalize_dtype(trainer.precision)
-        except ValueError:
-            self._warn_once(
-                "dtype",
-                f"LoadBalanceMonitor: no peak FLOP/s for precision {trainer.precision!r}; "
-                "MFU is not logged. Pass `peak_flops=` to set it.",
-            )
-            return math.nan
-        if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
-            key = "tf32"
-        self._dtype_key = key
-        peak = stats.peak_flops(self._device_name, key)
-        if peak is None:
-            self._warn_once(
-                "peak",
-                f"LoadBalanceMonitor: no peak FLOP/s known for {self._device_name!r} in {key}; MFU is not logged."
-                " Pass `LoadBalanceMonitor(peak_flops=...)` (dense FLOP/s of one device) to set it.",
-            )
-            return math.nan
-        return peak
 
     def _install_timers(self, trainer: pl.Trainer) -> None:
         """The end of each rank's backward is marked under every strategy (:class:`BackwardTimer`); under FSDP2

@@ -28,9 +28,11 @@ from unittest import mock
 
 import torch
 
+from lightning_adaptiveload import stats
 from lightning_adaptiveload.stats import TRAINING_FLOPS_PER_FORWARD
 
 __all__ = [
+    "resolve_peak",
     "TRAINING_FLOPS_PER_FORWARD",
     "meta_copy",
     "meta_training_flops",
@@ -300,3 +302,40 @@ def _analytic_args(batch: Any) -> tuple[int, int, int]:
     text = batch.get("text")
     text_len = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.ndim >= 2 else 0
     return int(batch["batch_size"]), int(batch["seq_len"]), text_len
+
+
+def resolve_peak(
+    peak_flops: float | None,
+    device: torch.device,
+    device_name: str,
+    precision: Any,
+    warn_once: Callable[[str, str], None],
+) -> tuple[float, str | None]:
+    """The dense peak FLOP/s of one device for MFU, and the dtype key it was looked up under: ``peak_flops``
+    when given, NaN off CUDA; else :func:`lightning_adaptiveload.stats.peak_flops` for the trainer's
+    ``precision`` (fp32 counts as tf32 unless matmul precision is "highest"). NaN, with one warning through
+    ``warn_once(key, message)``, where the precision or the device is unknown."""
+    if peak_flops is not None:
+        return float(peak_flops), None
+    if device.type != "cuda":
+        return math.nan, None
+    try:
+        key = stats.normalize_dtype(precision)
+    except ValueError:
+        warn_once(
+            "dtype",
+            f"LoadBalanceMonitor: no peak FLOP/s for precision {precision!r}; "
+            "MFU is not logged. Pass `peak_flops=` to set it.",
+        )
+        return math.nan, None
+    if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        key = "tf32"
+    peak = stats.peak_flops(device_name, key)
+    if peak is None:
+        warn_once(
+            "peak",
+            f"LoadBalanceMonitor: no peak FLOP/s known for {device_name!r} in {key}; MFU is not logged."
+            " Pass `LoadBalanceMonitor(peak_flops=...)` (dense FLOP/s of one device) to set it.",
+        )
+        return math.nan, key
+    return peak, key

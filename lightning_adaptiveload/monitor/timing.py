@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "COMPILE_WATCH",
     "compile_count",
     "StepCompiles",
+    "StallStacks",
 ]
 
 
@@ -270,3 +273,79 @@ class StepCompiles:
             return False
         self.log.append([int(step), round(COMPILE_WATCH.seconds - self._seconds, 3)])
         return True
+
+
+class StallStacks:
+    """Where a slow step spends its time: when a step runs longer than ``after_s`` seconds, every Python
+    thread's stack (the training loop's, the autograd engine's, the data threads') is appended to a file,
+    and again every ``after_s`` until the step ends. A watchdog thread reads the stacks with
+    ``sys._current_frames()`` (under the GIL, so safe; ``faulthandler``'s watchdog reads them without it and
+    crashed a compiling 4-GPU run). A step that ends in time writes nothing. The first line of each dump
+    gives the step and how long it had run when the dump was taken: a dump much later than due means the
+    loop held the GIL in native code that long."""
+
+    def __init__(self, after_s: float) -> None:
+        if not (isinstance(after_s, int | float) and math.isfinite(after_s) and after_s > 0):
+            raise ValueError(f"stall_stacks_s must be a number of seconds > 0, got {after_s!r}")
+        self.after_s = float(after_s)
+        self.path: str | None = None
+        self._file: Any = None
+        self._cv = threading.Condition()
+        self._running: tuple[int, float, int] | None = None  # (step, start, dumps so far)
+        self._thread: threading.Thread | None = None
+
+    def open(self, path: str) -> None:
+        self.close()
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the fit)
+        self._thread = threading.Thread(target=self._watch, name="adaptiveload-stall-stacks", daemon=True)
+        self._thread.start()
+
+    def start(self, step: int) -> None:
+        """``step`` begins: dump the stacks if it is still running ``after_s`` from now."""
+        with self._cv:
+            self._running = (int(step), time.monotonic(), 0)
+            self._cv.notify()
+
+    def end(self) -> None:
+        with self._cv:
+            self._running = None
+            self._cv.notify()
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with self._cv:
+                self._running = None
+                self._cv.notify()
+            thread.join(timeout=10)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _watch(self) -> None:
+        me = threading.current_thread()
+        with self._cv:
+            while self._thread is me:
+                if self._running is None:
+                    self._cv.wait()
+                    continue
+                step, began, dumps = self._running
+                left = began + self.after_s * (dumps + 1) - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                self._running = (step, began, dumps + 1)
+                self._dump(step, time.monotonic() - began)
+
+    def _dump(self, step: int, seconds: float) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [f"== step {step}: running for {seconds:.1f} s\n"]
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            lines.append(f"Thread {names.get(ident, '?')} ({ident:#x}), most recent call first:\n")
+            for summary in reversed(traceback.extract_stack(frame)):
+                lines.append(f'  File "{summary.filename}", line {summary.lineno} in {summary.name}\n')
+        self._file.writelines(lines)
+        self._file.flush()
