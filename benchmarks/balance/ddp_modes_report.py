@@ -205,9 +205,12 @@ def _device_info(json_path: str | None) -> dict[str, Any]:
         summary = json.load(f).get("summary", {})
     meta, overall = summary.get("meta", {}), summary.get("overall", {})
     totals = [t for t in (meta.get("device_total_bytes") or []) if t]
+    compiles = meta.get("compiles_rank0")  # [[step, seconds], ...]; absent in monitors before 2026-11-28
     return {
         "device": meta.get("device"),
         "device_total": float(min(totals)) if totals else None,
+        "compile_steps": None if compiles is None else len(compiles),
+        "compile_s": None if compiles is None else float(sum(sec for _, sec in compiles)),
         "monitor_overall": {
             k: overall.get(k) for k in ("straggler_wait", "measured_straggler_wait", "tokens_per_s", "mfu")
         },
@@ -697,6 +700,8 @@ MEASURED_COLS = (
     ("peak_vram_util_eff", "peak VRAM util. eff.", "{:.1%}"),
     ("pack_steps", "pack steps", "{}"),
     ("steps_used", "steps", "{}"),
+    ("compile_steps", "compiling steps", "{}"),
+    ("compile_s", "compile s (rank 0)", "{:.0f}"),
     ("stall_steps", "stalls", "{}"),
     ("tokens_per_s_no_stalls", "tokens/s w/o stalls", "{:,.0f}"),
     ("no_stalls_ratio", "x equal_tokens w/o stalls", "{:.3f}"),
@@ -843,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = mode_summary(ranks, args.warmup, info.get("device_total"), mode)
         summary["csv"] = os.path.relpath(path, args.run_dir)
         summary["monitor_whole_job"] = info.get("monitor_overall")
+        # Rank 0's compiling steps and their compile seconds (left out of every figure above; None: a
+        # monitor too old to list them).
+        summary["compile_steps"] = info.get("compile_steps")
+        summary["compile_s"] = info.get("compile_s")
         summary["loss_nonfinite_from_step"] = first_nonfinite_loss(_find(args.run_dir, mode, "metrics.csv"))
         keep = kept_steps(ranks, args.warmup)
         per_mode[mode] = {
