@@ -243,6 +243,7 @@ def test_no_validation_data_means_no_validation_loader(tmp_path):
     )
     data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=1024, num_workers=0)
     assert not is_overridden("val_dataloader", data)
+    assert "val_dataloader" not in vars(data)  # decided by the class's hook, nothing rebound on the instance
     with_val = AdaptiveLoadDataModule(
         str(tmp_path / "train"), val_shards=str(tmp_path / "train"), num_workers=0
     )

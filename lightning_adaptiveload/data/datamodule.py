@@ -90,6 +90,30 @@ def _planned_for(ds: PlannedShardDataset | None, epoch: int) -> bool:
     )
 
 
+class _only_with:  # noqa: N801 (a decorator)
+    """A data-loader hook that exists only where its split has data: read on an instance whose ``shards``
+    attribute is None, it is the base class's hook, which Lightning takes for "not overridden" (no
+    validation loop, and no warning that an empty loader has length zero). Decided per instance when the
+    hook is looked up; nothing is rebound on the instance."""
+
+    def __init__(self, shards: str) -> None:
+        self.shards = shards
+        self.fn: Callable[..., Any] | None = None
+        self.name = ""
+
+    def __call__(self, fn: Callable[..., Any]) -> _only_with:
+        self.fn, self.name = fn, fn.__name__
+        self.__doc__ = fn.__doc__
+        return self
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self.fn
+        if getattr(instance, self.shards, None) is None:
+            return getattr(pl.LightningDataModule, self.name).__get__(instance, owner)
+        return self.fn.__get__(instance, owner)
+
+
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Load-balanced batches from WebDataset shards of VAE latents, planned per epoch from the index.
 
@@ -234,11 +258,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
         self._resume: dict[str, Any] | None = None
         self._train_loader: PlannedDataLoader | None = None
-        if val_shards is None:
-            # No validation data: no validation loader at all. Lightning runs a validation loop when
-            # ``val_dataloader`` is overridden, and an empty one warns that its length is zero on every
-            # run; the base class's hook on the instance reads as "not overridden".
-            self.val_dataloader = pl.LightningDataModule.val_dataloader.__get__(self)  # type: ignore[method-assign]
 
     @property
     def schedule(self) -> str:
@@ -463,6 +482,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         )
         return self._train_loader
 
+    @_only_with("val_shards")
     def val_dataloader(self) -> PlannedDataLoader | list:
         if self.val_shards is None:
             return []
