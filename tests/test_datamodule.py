@@ -306,3 +306,39 @@ def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
     assert sorted(k for b in dm.train_dataloader() for k in b["keys"]) == sorted(
         k for s in dm.train_index.shards for k in s.keys
     )
+
+
+def test_an_evaluation_split_never_changes_the_training_cap(tmp_path):
+    """Each split resolves ``max_compute="auto"`` on its own batcher: validation shards of other shapes
+    leave training's cap (the one saved in the checkpoint) as the training shards set it, whatever split
+    is set up last."""
+    from lightning_adaptiveload.data.mixes import Mix, load_mix
+
+    tiny = load_mix("tiny")
+    longest = max(tiny.buckets, key=lambda b: b.tokens)
+    write_synthetic_shards(
+        tmp_path / "train", settings=SyntheticShards(mix="tiny", num_samples=24, samples_per_shard=12, seed=5),
+        progress=False,
+    )  # fmt: skip
+    write_synthetic_shards(
+        tmp_path / "val",
+        settings=SyntheticShards(mix=Mix("longest", (longest,)), num_samples=4, samples_per_shard=4, seed=5),
+        progress=False,
+    )
+
+    def own_cap(split: str) -> float:
+        dm = AdaptiveLoadDataModule(str(tmp_path / split), max_tokens=512, max_compute="auto", num_workers=0)
+        dm.setup("fit")
+        return dm.batcher.max_compute
+
+    train_cap, val_cap = own_cap("train"), own_cap("val")
+    assert train_cap != val_cap  # the two splits alone resolve different caps: the check below can fail
+    for stages in (["fit"], ["validate", "fit"], ["fit", "validate"]):
+        dm = AdaptiveLoadDataModule(
+            str(tmp_path / "train"), val_shards=str(tmp_path / "val"), max_tokens=512, max_compute="auto",
+            num_workers=0,
+        )  # fmt: skip
+        for stage in stages:
+            dm.setup(stage)
+        assert dm.batcher.max_compute == train_cap, stages
+        assert dm.val_dataset.batcher is not dm.batcher

@@ -453,9 +453,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # teardown (`Please call iter(combined_loader) first`).
         check_oversize(index, self.batcher)
         training = fixed_epoch is None
+        # Training plans with the DataModule's batcher (its cap is saved in the checkpoint, the closed loop
+        # refits its cost model); every other split with a copy, so that resolving an "auto" cap on its
+        # shapes never changes training's (a copy of a resolved batcher keeps training's cap).
+        batcher = self.batcher if training else DualConstraintBatcher.from_config(self.batcher.config())
         return PlannedShardDataset(
             index,
-            self.batcher,
+            batcher,
             settings,
             seed=self.seed,
             num_workers=self.num_workers,
