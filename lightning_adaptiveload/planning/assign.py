@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +42,8 @@ class Piece:
 
     shard: int
     order: int  # position of the shard in the seeded order
-    ids: list[int]  # sample ids, ascending
-    buckets: list[int]  # bucket id per sample
+    ids: Sequence[int]  # sample ids, ascending (a range for a whole shard)
+    buckets: Sequence[int]  # bucket id per sample (an int64 array on arrays)
     cost: float
     # The same ids as an int64 array, where the pieces came from arrays (planning on arrays reads these).
     id_array: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -98,9 +98,10 @@ def shard_pieces(
             # Every sample of the shard is kept: its lists are slices of the index-wide ones.
             a, b = fast.offsets[sid], fast.offsets[sid + 1]
             if b > a:
+                # A range and an array view, not lists: 2 x 10M Python ints per 10M samples planned.
                 ids = np.arange(b - a, dtype=np.int64)
                 cost = math.fsum(fast.terms[sid])  # the same exactly rounded sum as below
-                pieces.append(Piece(sid, position[sid], list(range(b - a)), fast.buckets[a:b], cost, ids))
+                pieces.append(Piece(sid, position[sid], range(b - a), fast.buckets[a:b], cost, ids))
             continue
         if arrays is None:
             bk = np.asarray(row, dtype=np.int64)
@@ -136,7 +137,7 @@ class _WholeShards:
     exclusion, or a sum the terms cannot give exactly)."""
 
     offsets: list[int]
-    buckets: list[int]
+    buckets: np.ndarray
     terms: list[list[float]]
     slow: set[int]
 
@@ -147,7 +148,7 @@ def _whole_shards(arrays: tuple[np.ndarray, np.ndarray], weight: np.ndarray, exc
     oversize = np.flatnonzero(bk < 0)
     slow = set((np.searchsorted(offsets, oversize, side="right") - 1).tolist()) | set(excl)
     terms, inexact = shard_weight_terms(np.maximum(bk, 0), offsets, weight)
-    return _WholeShards(offsets.tolist(), bk.tolist(), terms, slow | inexact)
+    return _WholeShards(offsets.tolist(), bk, terms, slow | inexact)
 
 
 _SPLIT_BITS = 11  # a weight's low mantissa bits split off: counts below 2**11 multiply both parts exactly
@@ -252,7 +253,7 @@ def reads_of(pieces: list[Piece]) -> list[Read]:
     reads: list[Read] = []
     for p in pieces:
         if reads and reads[-1][0] == p.shard:
-            reads[-1] = (p.shard, sorted(reads[-1][1] + p.ids))
+            reads[-1] = (p.shard, sorted(reads[-1][1] + list(p.ids)))
         else:
             reads.append((p.shard, list(p.ids)))
     return reads

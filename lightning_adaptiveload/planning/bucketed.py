@@ -95,12 +95,14 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
 
     counts = dict.fromkeys(_COUNTERS, 0)
     assignment, n_splits = assign(pieces, world, workers, weight_of, lockstep)
-    reads = {st: reads_of(ps) for st, ps in assignment.items()}
+    rank_local_lockstep = lockstep and keep is not None and packed_end
+    # The rank-local lockstep plan makes its own rank's reads (and counts every rank's): no per-stream lists.
+    reads = {} if rank_local_lockstep else {st: reads_of(ps) for st, ps in assignment.items()}
     local: LocalLockstep | None = None
     if not lockstep:
         columns = ({st: read_id_arrays(ps) for st, ps in assignment.items()}, *_bucket_arrays(table))
         sim = independent_batches(reads, table.bucket_of, sizes, bound, counts, columns)
-    elif keep is not None and packed_end:
+    elif rank_local_lockstep:
         local = lockstep_local(
             assignment, *_bucket_arrays(table), world, workers, class_of, class_size, sizes, counts, keep
         )  # only rank ``keep``'s batches and reads become objects

@@ -167,8 +167,12 @@ def _worker_arrays(
 def _sorted_chains(per_chain: np.ndarray, n_b: int) -> tuple[np.ndarray, np.ndarray]:
     """(stream, bucket) of arrays sorted by chain ``stream * n_b + bucket`` with ``per_chain[c]`` samples
     in chain c: what gathering both columns by the sorting order gives, from the counts alone."""
-    chain = np.repeat(np.arange(len(per_chain), dtype=np.int64), per_chain)
-    return chain // n_b, chain % n_b
+    # Two repeats of short tables, not one of the chain ids then a division and a remainder of every sample.
+    n_streams = len(per_chain) // n_b
+    per_stream = np.asarray(per_chain, dtype=np.int64).reshape(n_streams, n_b).sum(axis=1)
+    stream = np.repeat(np.arange(n_streams, dtype=np.int64), per_stream)
+    bucket = np.repeat(np.tile(np.arange(n_b, dtype=np.int64), n_streams), per_chain)
+    return stream, bucket
 
 
 def _balance(
