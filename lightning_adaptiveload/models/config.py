@@ -120,15 +120,16 @@ class VideoDiTConfig:
 
 
 #: ``VideoDiT`` pads the text states with masked-out rows to a multiple of this many (one compiled graph for
-#: every text length, aligned rows for the attention kernels); :func:`forward_flops` counts the padded rows.
+#: every text length, aligned rows for the attention kernels); its FLOPs count the padded rows
+#: (:func:`forward_flops` with ``text_align=TEXT_ALIGN``).
 TEXT_ALIGN = 8
 
 
-def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> int:
+def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0, text_align: int = 1) -> int:
     """Forward FLOPs of one sample: matmuls and convolutions only, 2 FLOPs per multiply-add.
 
     With S video tokens, L text tokens (the padded length the batch carries, rounded up to a multiple of
-    :data:`TEXT_ALIGN` as the model pads it; 0 = no text), width D,
+    ``text_align`` where the model pads it further; 0 = no text), width D,
     FFN width F, N blocks, patch volume P, channels C_in / C_out, text width D_t, freq width D_f::
 
         patch embed     2 S (C_in P) D
@@ -147,10 +148,11 @@ def forward_flops(config: VideoDiTConfig, seq_len: int, text_len: int = 0) -> in
         config: the model configuration.
         seq_len: video tokens per sample, T/pt * H/ph * W/pw.
         text_len: text tokens per sample (padded length), 0 when the model runs without text.
+        text_align: the model pads the text to a multiple of this (``VideoDiT``: :data:`TEXT_ALIGN`; 1: not).
     """
     cfg = config
     s, d, f, n, p = int(seq_len), cfg.dim, cfg.ffn_dim, cfg.num_layers, cfg.patch_volume
-    lt = -(-int(text_len) // TEXT_ALIGN) * TEXT_ALIGN
+    lt = -(-int(text_len) // int(text_align)) * int(text_align)
     total = 2 * s * cfg.in_channels * p * d
     total += 2 * (cfg.freq_dim * d + d * d) + 2 * d * 6 * d
     block = 8 * s * d * d + 4 * s * s * d + 4 * s * d * f

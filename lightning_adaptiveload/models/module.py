@@ -44,6 +44,7 @@ from torchmetrics import MeanMetric, Metric
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.compile_check import CompileSettings
+from lightning_adaptiveload.models.config import TEXT_ALIGN
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.module_settings import (
     DEPRECATED_KEYWORDS,
@@ -298,7 +299,7 @@ class VideoDiTModule(L.LightningModule):
 
     def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
         """Analytic forward FLOPs of a batch (see :meth:`VideoDiT.flops_per_sample`); x3 for a training step."""
-        return int(batch_size) * forward_flops(self.model_config, seq_len, text_len)
+        return int(batch_size) * forward_flops(self.model_config, seq_len, text_len, TEXT_ALIGN)
 
     def flops_per_batch(self, batch: dict) -> float:
         """Training FLOPs (forward + backward = 3x forward) of ``batch`` on this rank, for MFU.

@@ -676,7 +676,7 @@ class VideoDiT(nn.Module):
 
     def flops_per_sample(self, seq_len: int, text_len: int = 0) -> int:
         """Forward FLOPs of one sample of ``seq_len`` tokens; see :func:`forward_flops` for the formula."""
-        return forward_flops(self.config, seq_len, text_len)
+        return forward_flops(self.config, seq_len, text_len, TEXT_ALIGN)
 
     def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
         """Forward FLOPs of a batch of ``batch_size`` samples of ``seq_len`` tokens; see :meth:`flops_per_sample`."""
