@@ -1,7 +1,8 @@
-"""Helpers shared by the multi-process data tests (test_ddp_data, test_resume, test_soak).
+"""Helpers shared by tests: the multi-process data tests (test_ddp_data, test_resume, test_soak) and the
+monitor's one-process fits.
 
 Uneven synthetic shards, the keys of their index, the exactly-once check of an epoch's records (as written
-by ``_ddp_data_runner.KeyRecorder``), and the config of a run resumed from a checkpoint.
+by ``_ddp_data_runner.KeyRecorder``), the config of a run resumed from a checkpoint, and a quiet CPU trainer.
 """
 
 from __future__ import annotations
@@ -51,3 +52,20 @@ def resumed_run(run: dict, ckpt: str, name: str, num_workers: int) -> dict:
         "ckpt_every": None,
         "resume": ckpt,
     }
+
+
+def quiet_cpu_trainer(tmp_path, max_steps: int, callbacks: list):
+    """A one-process CPU ``Trainer`` that writes nothing of its own (no logger, checkpoints, bars, summary)."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )

@@ -9,6 +9,7 @@ import json
 import lightning as L
 import pytest
 import torch
+from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload.models.acceleration import compile_blocks
 from lightning_adaptiveload.models.config import VideoDiTConfig
@@ -86,17 +87,7 @@ def test_monitor_flags_the_compiling_step_of_compiled_blocks(tmp_path):
         for _ in range(3)
     ]
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False, refit=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_cpu_trainer(tmp_path, max_steps=3, callbacks=[monitor])
     trainer.fit(_CompiledDiTModule(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     steps = json.load(open(tmp_path / "load_balance.json"))["steps"]
     counted = [s["counted"] for s in steps]

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import LoadBalanceMonitor
 from lightning_adaptiveload.monitor.timing import StallStacks
@@ -45,17 +46,7 @@ def test_a_slow_step_leaves_its_stack_and_fast_steps_leave_nothing(tmp_path, mon
     monitor = LoadBalanceMonitor(
         dirpath=tmp_path, plots=False, print_summary=False, refit=False, stall_stacks_s=0.3
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_cpu_trainer(tmp_path, max_steps=6, callbacks=[monitor])
     trainer.fit(_SleepyModule(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     text = (tmp_path / "stall_stacks_rank0.txt").read_text()
     sections = {}  # step -> what was dumped while it ran
