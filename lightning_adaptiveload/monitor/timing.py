@@ -336,7 +336,11 @@ class StallStacks:
                     self._cv.wait(left)
                     continue
                 self._running = (step, began, dumps + 1)
-                self._dump(step, time.monotonic() - began)
+                self._cv.release()  # the loop's start()/end() never wait for a dump
+                try:
+                    self._dump(step, time.monotonic() - began)
+                finally:
+                    self._cv.acquire()
 
     def _dump(self, step: int, seconds: float) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
@@ -345,7 +349,8 @@ class StallStacks:
             if ident == threading.get_ident():
                 continue
             lines.append(f"Thread {names.get(ident, '?')} ({ident:#x}), most recent call first:\n")
-            for summary in reversed(traceback.extract_stack(frame)):
-                lines.append(f'  File "{summary.filename}", line {summary.lineno} in {summary.name}\n')
+            # Innermost first, names and line numbers only (no source lines read: no file I/O).
+            for f, lineno in traceback.walk_stack(frame):
+                lines.append(f'  File "{f.f_code.co_filename}", line {lineno} in {f.f_code.co_name}\n')
         self._file.writelines(lines)
         self._file.flush()
