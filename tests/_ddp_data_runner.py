@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +135,43 @@ def main() -> None:
                 json.dump(dm.epoch_report, f)
 
 
+# Runs a runner script as __main__ after registering a stack dump of every thread on SIGUSR1 (the handler is
+# inherited by the loader workers the script forks).
+_WITH_STACK_DUMP = (
+    "import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "sys.argv = sys.argv[1:]; sys.path[0] = __import__('os').path.dirname(sys.argv[0]); runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (Linux: from /proc; elsewhere the leader alone)."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:  # state, ppid, pgrp
+                members.append(int(entry))
+    return sorted(members) or [pgid]
+
+
 def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> list[str]:
     """Run the config on ``cfg["world"]`` local processes of ``script`` (this runner by default); returns their
     logs. Raises on failure or timeout."""
@@ -159,7 +197,7 @@ def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> l
         logs.append(log_path)
         procs.append(
             subprocess.Popen(
-                [sys.executable, script, cfg_path],
+                [sys.executable, "-c", _WITH_STACK_DUMP, script, cfg_path],
                 env=env,
                 stdout=open(log_path, "w"),
                 stderr=subprocess.STDOUT,
@@ -171,10 +209,18 @@ def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> l
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        # Every process of each rank's group (the rank and its loader workers) prints its threads' stacks
+        # into the rank's log before it is killed, so that a hang says where it hangs.
         for p in procs:
-            os.killpg(p.pid, 9)
+            for pid in _group_members(p.pid):  # one at a time: their dumps share the rank's log
+                _signal(pid, signal.SIGUSR1)
+                time.sleep(0.5)
+        time.sleep(1.0)
+        for p in procs:
+            _signal_group(p.pid, signal.SIGKILL)
         raise TimeoutError(
-            "DDP run timed out (hang?):\n" + "\n".join(open(x).read()[-3000:] for x in logs)
+            "DDP run timed out (hang?); each log ends with every process's stacks:\n"
+            + "\n".join(f"--- {x}\n" + open(x).read()[-12000:] for x in logs)
         ) from None
     if any(p.returncode for p in procs):
         raise RuntimeError("DDP run failed:\n" + "\n".join(open(x).read()[-5000:] for x in logs))

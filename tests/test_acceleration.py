@@ -8,6 +8,7 @@ code generation only.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import warnings
 
@@ -504,3 +505,22 @@ def test_fa4_on_the_gpu_matches_cudnn_in_a_compiled_model():
     for name in g_e:
         rel = (g_c[name] - g_e[name]).norm() / g_e[name].norm().clamp_min(1e-12)
         assert rel < 5e-2, (name, float(rel))
+
+
+@pytest.mark.cuda
+def test_expandable_segments_apply_at_runtime():
+    # In a fresh process: the allocator has made no segment yet, and the setting must reach new ones.
+    code = (
+        "import torch\n"
+        "from lightning_adaptiveload.models.acceleration import use_expandable_segments\n"
+        "before = torch.empty(1 << 20, device='cuda')\n"
+        "print(use_expandable_segments())\n"
+        "after = torch.empty(64 << 20, device='cuda')\n"
+        "segs = torch.cuda.memory._snapshot()['segments']\n"
+        "print(sorted({bool(s.get('is_expandable')) for s in segs}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert lines[0] == "on" and "True" in lines[1], out.stdout

@@ -53,6 +53,7 @@ BAD = [
     (MemorySettings, "checkpoint_blocks", "auto"),  # without activation_memory
     (MemorySettings, "activation_memory", {"num_blocks": 2}),  # keys missing
     (MemorySettings, "memory_budget_gib", 0.0),
+    (MemorySettings, "expandable_segments", "yes"),
 ]
 
 
@@ -67,11 +68,10 @@ def test_each_bad_value_has_exactly_one_error_site(cls, key, value):
     group = {OptimizerSettings: "optimizer", SamplingSettings: "sampling", MemorySettings: "memory"}[cls]
     sites, messages = set(), []
     # The same bad value through every way in: the group itself, the module with the group, the flat keyword.
-    for build in (
-        lambda: cls(**{key: value}),
-        lambda: VideoDiTModule(**{group: {key: value}}),
-        lambda: VideoDiTModule(**{key: value}),
-    ):
+    ways = [lambda: cls(**{key: value}), lambda: VideoDiTModule(**{group: {key: value}})]
+    if key in DEPRECATED_KEYWORDS:
+        ways.append(lambda: VideoDiTModule(**{key: value}))
+    for build in ways:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             with pytest.raises(ValueError) as err:
@@ -100,7 +100,7 @@ def test_the_deprecated_keywords_are_the_fields_of_the_groups():
         f.name
         for cls in (OptimizerSettings, SamplingSettings, MemorySettings)
         for f in dataclasses.fields(cls)
-    }
+    } - {"expandable_segments"}  # new settings are given in their group only
     assert DEPRECATED_KEYWORDS == fields and VideoDiTModule.deprecated_keywords == fields
     assert len(fields) == 16  # 21 parameters before: these, plus the 5 that stay
 
@@ -274,3 +274,38 @@ def test_recipes_in_both_forms_build_the_same_module_through_the_cli(tmp_path, m
     )  # fmt: skip
     assert cli.model.compile_settings == CompileSettings(backend="aot_eager")
     assert cli.model.optimizer_settings == OptimizerSettings(lr=2e-3, warmup_steps=10, weight_dtype="bf16")
+
+
+# ------------------------------------------------------------------------------ expandable segments
+
+
+def test_expandable_segments_are_set_before_the_network_is_built(monkeypatch):
+    from lightning_adaptiveload.models import acceleration, module
+
+    calls = []
+    monkeypatch.setattr(acceleration, "use_expandable_segments", lambda: calls.append("alloc") or "on")
+    real_init = module.VideoDiT.__init__
+
+    def built(self, *args, **kwargs):
+        calls.append("build")
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.VideoDiT, "__init__", built)
+    VideoDiTModule(memory={"expandable_segments": True}).configure_model()
+    VideoDiTModule().configure_model()  # off by default
+    assert calls == ["alloc", "build", "build"]
+
+
+def test_use_expandable_segments_respects_the_environment(monkeypatch):
+    from lightning_adaptiveload.models import acceleration
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", seen.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert acceleration.use_expandable_segments() == "on" and seen == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert "the environment decides" in acceleration.use_expandable_segments() and len(seen) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert acceleration.use_expandable_segments() == "not applied: no CUDA"

@@ -106,6 +106,18 @@ def _write_trace(path, lines):
         f.write("fit ms/sample = ...\n")
 
 
+def test_a_missing_short_bucket_is_never_priced_below_zero(tmp_path):
+    # Only long samples measured, on a curve whose least-squares tangent has a negative per-sample constant
+    # (cost = 1e-3 S + 5e-7 S^2 - 0.5): images, missing from the table, would cost less than nothing.
+    path = tmp_path / "clips.jsonl"
+    cost = lambda s: 1e-3 * s + 5e-7 * s * s - 0.5  # noqa: E731
+    _write_trace(path, [{"T": t, "H": 40, "W": 100, "B": 1, "ms": 1e3 * cost(1000 * t)} for t in (1, 2, 3)])
+    table = StepTimeTable.from_jsonl(path)
+    assert table.fallback.gamma >= 0
+    assert table.batch_seconds((1, 20, 20), 21) > 0  # 21 images of 100 tokens
+    assert table.batch_seconds((3, 40, 100), 1) == pytest.approx(cost(3000))  # measured stays measured
+
+
 def test_step_time_table_reads_trace_and_interpolates(tmp_path):
     path = tmp_path / "trace.jsonl"
     _write_trace(

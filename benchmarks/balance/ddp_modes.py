@@ -15,15 +15,12 @@ a packed tail) and ``packed`` (one pack of mixed shapes per rank and step).
 
 Settings (``--settings``):
 
-- ``eager``: the recipes' settings as shipped (bf16-mixed autocast, fp32 weights, every block checkpointed,
-  no compile, the fused norm-modulate op);
-- ``fast``: the fastest measured settings (``docs/recipes.md``; ``docs/lab_notebook.md`` runs 28-30), as
-  command-line overrides: ``compile: true``, ``weight_dtype: bf16`` (bf16 weights, fp32 masters in
-  ``MasterWeightAdamW``), ``checkpoint_policy: save_matmuls`` with ``checkpoint_blocks: auto`` and the
-  activation memory model of ``benchmarks/model/gpu_fit_fast.sh`` (run 29's bf16 fit plus DDP's gradient
-  buckets; ``--activation-memory`` takes a calibration's own), ``attention_backend: auto``; with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and ``LIGHTNING_ADAPTIVELOAD_FUSED=0`` (the compiled
-  blocks leave the norm-modulate sites unfused), as ``gpu_fit_fast.sh`` ran them.
+- ``fast``: the recipes as shipped (``docs/recipes.md``, "Fast by default"): per-block ``compile``, bf16
+  weights with fp32 masters in ``MasterWeightAdamW``, ``checkpoint_policy: save_matmuls`` with
+  ``checkpoint_blocks: auto`` and the recipes' activation memory model (``--activation-memory`` takes a
+  calibration's own), ``attention_backend: auto``, the allocator's expandable segments;
+- ``eager``: the eager variant, as overrides of the recipe: no compile, fp32 weights, every block
+  checkpointed in full, the default attention backends, the allocator as the environment sets it.
 
 The data does not depend on ``--steps``, ``--modes`` or ``--settings``: ``--samples`` (default 768, about
 4 GB) samples drawn with ``--seed`` into a folder named by those settings, reused when it is there (a warm
@@ -70,19 +67,6 @@ _MODE_SETTINGS = {
     "lockstep": ("dual", "lockstep"),
     "packed": ("equal_tokens", "packed"),
 }
-# The activation memory model of the fast settings: benchmarks/model/gpu_fit_fast.sh's (bench_step_mix.py's fit
-# for bf16 weights with save_matmuls on an H100, run 29, plus DDP's gradient buckets: 2 bytes a parameter
-# with gradient_as_bucket_view). Run 30 trained with it through `fit`. `calibrate --checkpoint-blocks auto`
-# measures one on your GPU; pass it with --activation-memory.
-FAST_ACTIVATION_MEMORY = {
-    "num_blocks": 30,
-    "base_bytes": 23026000000,
-    "token_all": 1592765.1,
-    "text_all": 202282.7,
-    "token_block": 42739.0,
-    "text_block": 2445.4,
-}
-FAST_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "LIGHTNING_ADAPTIVELOAD_FUSED": "0"}
 DEFAULT_SAMPLES = 768
 TEXT_LEN_RANGE = (64, 512)
 # Seconds a run needs outside trainer.max_time (4 processes importing, each building the 1.4B-parameter model
@@ -92,30 +76,45 @@ _STARTUP_S = {"eager": 45.0, "fast": 50.0}
 _MARGIN_S = 20.0
 
 
-def fast_overrides(activation_memory: dict) -> list[str]:
-    """The command-line overrides of the ``fast`` settings (``--KEY VALUE`` pairs, flattened)."""
+def eager_overrides() -> list[str]:
+    """The command-line overrides of the ``eager`` settings (``--KEY VALUE`` pairs, flattened)."""
     return [
         "--model.init_args.compile",
-        "true",
+        "false",
         "--model.init_args.optimizer.weight_dtype",
-        "bf16",
-        "--model.init_args.memory.checkpoint_policy",
-        "save_matmuls",
-        "--model.init_args.memory.checkpoint_blocks",
-        "auto",
-        "--model.init_args.memory.activation_memory",
-        json.dumps(activation_memory, separators=(",", ":")),
+        "fp32",
+        # The whole group: every block checkpointed in full, the allocator left to the environment.
+        "--model.init_args.memory",
+        json.dumps(
+            {
+                "activation_checkpointing": True,
+                "checkpoint_policy": "full",
+                "checkpoint_blocks": None,
+                "expandable_segments": False,
+            }
+        ),
         "--model.init_args.attention_backend",
-        "auto",
+        "default",
     ]
 
 
-def load_activation_memory(value: str | None) -> dict:
-    """``--activation-memory``: None (the fast default), a JSON object, or a calibration fragment (YAML or
+def fast_overrides(activation_memory: dict | None) -> list[str]:
+    """The command-line overrides of the ``fast`` settings: none but a calibrated activation memory model
+    (the recipes ship the fast settings)."""
+    if activation_memory is None:
+        return []
+    return [
+        "--model.init_args.memory.activation_memory",
+        json.dumps(activation_memory, separators=(",", ":")),
+    ]
+
+
+def load_activation_memory(value: str | None) -> dict | None:
+    """``--activation-memory``: None (the recipe's own model), a JSON object, or a calibration fragment (YAML or
     JSON file holding ``model.init_args.memory.activation_memory``, as ``calibrate`` writes it; the flat
     ``model.init_args.activation_memory`` of earlier fragments is read too)."""
     if value is None:
-        return dict(FAST_ACTIVATION_MEMORY)
+        return None
     if os.path.isfile(value):
         import yaml
 
@@ -206,8 +205,7 @@ def build_command(
     """The environment additions and the command line of one mode's run.
 
     Returns:
-        ``(env, argv)``: the variables to set (the fast settings' allocator and fused-op switches; empty for
-        eager) and the ``fit`` command.
+        ``(env, argv)``: the variables to set (none today: the recipes set the allocator) and the ``fit`` command.
     """
     if mode not in _MODE_SETTINGS:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -247,7 +245,9 @@ def build_command(
         # A benchmark keeps no checkpoints (a wan-1.3b one with AdamW state is about 17 GB): the monitor
         # is the only callback.
         "--trainer.callbacks",
-        json.dumps([{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args}]),
+        json.dumps(
+            [{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args}]
+        ),
         "--trainer.enable_checkpointing",
         "false",
         # Every step is gathered and logged (one collective of a few floats: well under 1% of a step).
@@ -271,9 +271,7 @@ def build_command(
         secs = max(30, int(max_time_s))
         cmd += ["--trainer.max_time", f"00:{secs // 3600:02d}:{secs % 3600 // 60:02d}:{secs % 60:02d}"]
     env: dict[str, str] = {}
-    if settings == "fast":
-        cmd += fast_overrides(activation_memory or FAST_ACTIVATION_MEMORY)
-        env.update(FAST_ENV)
+    cmd += fast_overrides(activation_memory) if settings == "fast" else eager_overrides()
     for item in extra:
         key, _, value = item.partition("=")
         cmd += [key if key.startswith("--") else f"--{key}", value]

@@ -4,8 +4,9 @@
 # packed; wan-1.3b, 480p, the same max_tokens 32,760 in every mode), then benchmarks/balance/ddp_modes_report.py
 # (measured beside the simulator's prediction for the same settings), then the run folder as one tarball.
 #
-#   SETTINGS  eager (the recipes': compile off, fp32 weights, every block checkpointed) or fast (compile,
-#             bf16 weights with MasterWeightAdamW, save_matmuls with checkpoint_blocks auto, attention auto)
+#   SETTINGS  fast (the recipes as shipped: compile, bf16 weights with MasterWeightAdamW, save_matmuls with
+#             checkpoint_blocks auto, attention auto, expandable segments) or eager (compile off, fp32
+#             weights, every block checkpointed)
 #   NGPU      4 (default) or 2
 #   MODES     comma-separated, default all four; split them over calls for more steps per mode
 #   STEPS     optimizer steps per mode; default: as many as fit in what is left after the build and the data,
@@ -50,7 +51,8 @@ FILTER='UserWarning|warnings.warn|return Variable|AccumulateGrad|_pytree|it/s\]$
 
 # The plan of the call: fixed costs, then per mode its start-up and 10 steps at least.
 nmodes=$(echo "$MODES" | tr ',' '\n' | grep -c .)
-if [ "$SETTINGS" = eager ]; then step_ms=3200; start_s=45; build_s=40; else step_ms=2100; start_s=105; build_s=0; fi
+if [ "$SETTINGS" = eager ]; then step_ms=3200; start_s=45; else step_ms=2100; start_s=105; fi
+build_s=40
 END_S=20     # the end of a fit (the monitor's files and plots, the processes' exit): ddp_modes.py's margin
 REPORT_S=40  # the report, the tarball and the copies
 shards_s=75; ls /tmp/adaptiveload_ddp_modes_shards/wan21_480p_n${SAMPLES}_seed0_*/index.json > /dev/null 2>&1 && shards_s=10
@@ -74,9 +76,9 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 have=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 [ "$have" -ge "$NGPU" ] || { echo "NGPU=$NGPU but this machine has $have GPUs"; exit 2; }
 
-if [ "$SETTINGS" = eager ]; then  # the fast settings leave the fused op out (compiled blocks)
-  echo "== build-ops $(el)"; timeout 150 python3 -m lightning_adaptiveload build-ops 2>&1 | tail -2
-fi
+# The op's library loads when the package is imported on a GPU (a user's cached build); built once here so
+# that no rank builds it at import.
+echo "== build-ops $(el)"; timeout 150 python3 -m lightning_adaptiveload build-ops 2>&1 | tail -2
 echo "== shards $(el)"
 python3 benchmarks/balance/ddp_modes.py --shards-only --samples "$SAMPLES" --devices "$NGPU" --out "$RUN" 2>&1 \
   | grep -Ev "$FILTER" | tail -3

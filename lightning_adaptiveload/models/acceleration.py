@@ -358,6 +358,33 @@ def set_attention_backend(
     return diffusers_name
 
 
+def use_expandable_segments() -> str:
+    """Turn on the CUDA caching allocator's expandable segments for the rest of the process.
+
+    A length mix allocates activations of changing sizes at every step; with fixed segments the cache
+    fragments until a step that fits in the free total still fails or stalls on ``cudaMalloc`` retries.
+    Expandable segments grow one mapping instead (PyTorch's ``expandable_segments:True``). This is the
+    setting the fast DDP runs used (through ``PYTORCH_CUDA_ALLOC_CONF``), applied from a recipe:
+    segments made before the call stay as they were.
+
+    Returns:
+        What was done, for the log: ``"on"``, or why not (no CUDA; ``PYTORCH_CUDA_ALLOC_CONF`` already names
+        ``expandable_segments``, which then decides; this PyTorch has no runtime setting).
+    """
+    import os
+
+    if not torch.cuda.is_available():
+        return "not applied: no CUDA"
+    env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments" in env:
+        return f"not applied: the environment decides (PYTORCH_CUDA_ALLOC_CONF={env!r})"
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return "not applied: this PyTorch has no torch.cuda.memory._set_allocator_settings"
+    setter("expandable_segments:True")
+    return "on"
+
+
 def checkpoint_blocks_for_budget(
     num_blocks: int, tokens: int, budget_bytes: float, peak_all_bytes: float, peak_none_bytes: float
 ) -> int:

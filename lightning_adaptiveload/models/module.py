@@ -32,6 +32,7 @@ normalised by its own global token count and Lightning averages the micro-batche
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -54,6 +55,8 @@ from lightning_adaptiveload.models.module_settings import (
     settings_from_keywords,
 )
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "CompileSettings",
@@ -234,9 +237,13 @@ class VideoDiTModule(L.LightningModule):
 
         strategy = self._trainer.strategy if self._trainer is not None else None
         fsdp2 = check_strategy(strategy, self) == "fsdp2"
+        hp, mem = self.hparams, self.memory_settings
+        if mem.expandable_segments:  # before the first parameter is allocated
+            from lightning_adaptiveload.models.acceleration import use_expandable_segments
+
+            _log.info("CUDA expandable segments: %s", use_expandable_segments())
         with self._init_context():
             self.model = VideoDiT(self.model_config)
-        hp, mem = self.hparams, self.memory_settings
         if hp.init_from is not None and not fsdp2:
             from lightning_adaptiveload.models.pretrained import load_pretrained
 

@@ -189,6 +189,11 @@ class MemorySettings:
     memory_budget_gib: float | None = None
     """For ``"auto"``: the peak one step may allocate, in GiB (None: 88% of the CUDA device's memory)."""
 
+    expandable_segments: bool = False
+    """Turn on the CUDA allocator's expandable segments when the model is built (see
+    :func:`~lightning_adaptiveload.models.acceleration.use_expandable_segments`); a
+    ``PYTORCH_CUDA_ALLOC_CONF`` that names ``expandable_segments`` wins. No effect off CUDA."""
+
     def __post_init__(self) -> None:
         from lightning_adaptiveload.models.checkpointing import CHECKPOINT_POLICIES
         from lightning_adaptiveload.models.memory import ActivationMemory
@@ -223,6 +228,8 @@ class MemorySettings:
             except ValueError as err:
                 raise _bad("memory.activation_memory", self.activation_memory, str(err)) from None
             object.__setattr__(self, "activation_memory", dict(self.activation_memory))
+        if not isinstance(self.expandable_segments, bool):
+            raise _bad("memory.expandable_segments", self.expandable_segments, "must be true or false")
         if self.memory_budget_gib is not None and not _positive(self.memory_budget_gib):
             raise _bad(
                 "memory.memory_budget_gib", self.memory_budget_gib, "must be a number of GiB > 0 or null"
@@ -234,7 +241,11 @@ def _groups() -> dict[str, type]:
 
 
 #: The flat keywords of earlier releases: every field of the three groups.
-DEPRECATED_KEYWORDS = frozenset(f.name for cls in _groups().values() for f in dataclasses.fields(cls))
+# Settings added after the groups exist are given in their group only.
+_GROUP_ONLY = frozenset({"expandable_segments"})
+DEPRECATED_KEYWORDS = frozenset(
+    f.name for cls in _groups().values() for f in dataclasses.fields(cls) if f.name not in _GROUP_ONLY
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -230,11 +230,17 @@ class StepTimeTable:
 
     @property
     def fallback(self) -> CostModel:
-        """Quadratic cost model (seconds per sample) fitted to every measured point, for missing buckets."""
+        """Quadratic cost model (seconds per sample) fitted to every measured point, for missing buckets.
+
+        Its per-sample constant is fitted where it comes out >= 0; a negative one (a tangent to long
+        samples only) would price a short missing bucket, say images when only clips were measured, below
+        zero, so the fit is then made without it."""
         if self._fallback is None:
             s, y, b = self.points()
-            distinct = len(set(s))
-            self._fallback = CostModel.fit(s, y, kind="quadratic", batch_sizes=b, fit_gamma=distinct >= 3)
+            fit = CostModel.fit(s, y, kind="quadratic", batch_sizes=b, fit_gamma=len(set(s)) >= 3)
+            if fit.gamma < 0:
+                fit = CostModel.fit(s, y, kind="quadratic", batch_sizes=b, fit_gamma=False)
+            self._fallback = fit
         return self._fallback
 
     @property
