@@ -98,8 +98,8 @@ index = CompactIndex.load(path)
 load_s = time.perf_counter() - t
 t = time.perf_counter()
 batcher = DualConstraintBatcher(65520, max_compute=None if mode == "packed" else "auto", partial="emit")
-ds = PlannedShardDataset(index, batcher, PlanSettings(schedule=mode, chunk_samples=chunk), seed=0, num_workers=workers)
-ds.rank, ds.world_size = rank, world
+ds = PlannedShardDataset(index, batcher, PlanSettings(schedule=mode, chunk_samples=chunk), seed=0, num_workers=workers,
+                         placement=(rank, world))
 state = {"version": STATE_VERSION, "fingerprint": ds.fingerprint, "epoch": 0,
          "segments": [{"kind": "fresh", **ds.plan_settings(), "consumed": [done] * world}]}
 resumed = resume_plan(ds, state)

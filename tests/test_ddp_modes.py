@@ -475,8 +475,8 @@ def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, 
                 num_workers=WORKERS,
                 # chunk_samples: the DataModule's default plan_chunk_samples
                 settings=PlanSettings(schedule=schedule, chunk_samples=500_000),
+                placement=(rank, WORLD),
             )
-            ds.rank, ds.world_size = rank, WORLD
             plan = ds.make_plan(epoch, local=True)
             assert [plan.streams[(rank, w)][j] for w, j in plan.step_order[rank]] == [
                 ref.streams[(rank, w)][j] for w, j in ref.step_order[rank]

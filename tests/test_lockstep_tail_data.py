@@ -49,9 +49,11 @@ def test_loader_collates_packs_and_bucketed_batches_each_their_way(data):
     taken, kinds = [], {True: 0, False: 0}
     for rank in range(2):
         ds = PlannedShardDataset(
-            index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep")
+            index,
+            DualConstraintBatcher(MAX_TOKENS),
+            settings=PlanSettings(schedule="lockstep"),
+            placement=(rank, 2),
         )
-        ds.rank, ds.world_size = rank, 2
         plan = ds.begin_epoch(0)
         assert plan.report["packed_tail_steps"] >= 1
         for batch in ds._stream(plan, (rank, 0)):
@@ -120,8 +122,8 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
             DualConstraintBatcher(MAX_TOKENS),
             num_workers=workers,
             settings=PlanSettings(schedule="lockstep"),
+            placement=(rank, world),
         )
-        ds.rank, ds.world_size = rank, world
         return ds
 
     first = dataset(2, 0)
@@ -157,9 +159,8 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
 def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(data):
     index = ShardIndex.load(os.path.join(data, "index.json"))
     ds = PlannedShardDataset(
-        index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep")
+        index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep"), placement=(0, 2)
     )
-    ds.rank, ds.world_size = 0, 2
     old = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
     assert ds.make_plan(0, old).report["packed_tail_steps"] == 0
     assert ds.make_plan(0).report["packed_tail_steps"] >= 1

@@ -129,8 +129,7 @@ def test_legacy_keywords_plan_alike_with_a_deprecation_warning():
 def test_the_dataset_plans_with_its_settings_and_saves_them():
     b = DualConstraintBatcher(400)
     s = PlanSettings(schedule="lockstep", lockstep_tolerance=0.1, lockstep_tail="bucketed")
-    ds = PlannedShardDataset(SHAPES, b, s, seed=3, num_workers=1)
-    ds.world_size = 2
+    ds = PlannedShardDataset(SHAPES, b, s, seed=3, num_workers=1, placement=(0, 2))
     saved = ds.plan_settings()
     assert (
         saved["mode"] == "lockstep"
@@ -191,3 +190,20 @@ def test_plans_through_settings_match_the_pinned_digests():
             plan = plan_epoch(index, c["world"], c["workers"], b, c["seed"], c["epoch"], s, exclude=exclude)
         got, want = digest_plan(plan), expected[case_key(c)]
         assert [f for f in FIELDS if got[f] != want[f]] == [], case_key(c)
+
+
+def test_a_dataset_is_placed_once_and_on_ranks_gives_another():
+    b = DualConstraintBatcher(400)
+    ds = PlannedShardDataset(SHAPES, b, PlanSettings(schedule="lockstep"), placement=(1, 2))
+    assert (ds.rank, ds.world_size) == (1, 2) and ds.plan_settings()["world_size"] == 2
+    with pytest.raises(AttributeError):
+        ds.world_size = 4  # type: ignore[misc]
+    assert ds.on_ranks(1, 2) is ds
+    ds.begin_epoch(0)
+    other = ds.on_ranks(0, 4)
+    assert (other.rank, other.world_size, other.plan) == (0, 4, None)
+    assert (ds.rank, ds.world_size) == (1, 2) and ds.plan is not None  # the original is untouched
+    assert other.begin_epoch(0).world_size == 4
+    for bad in ((2, 2), (-1, 2), (0, 0), (0.0, 1), (True, 2)):
+        with pytest.raises(ValueError, match="placement"):
+            PlannedShardDataset(SHAPES, b, placement=bad)

@@ -58,14 +58,16 @@ def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
     from lightning_adaptiveload.planning.settings import PlanSettings
 
     index = ShardIndex.load(os.path.join(data["val"], "index.json"))
-    ds = PlannedShardDataset(index, DualConstraintBatcher(512), PlanSettings(underfull="error"))
-    ds.world_size = 2
+    ds = PlannedShardDataset(
+        index, DualConstraintBatcher(512), PlanSettings(underfull="error"), placement=(0, 2)
+    )
     with pytest.raises(
         PlanError, match=r"world size 2: 1 samples in 1 shards leave 1 rank\(s\) without any sample"
     ):
         ds.begin_epoch(0)
-    ds = PlannedShardDataset(index, DualConstraintBatcher(512), PlanSettings(underfull="pad"))
-    ds.world_size = 2
+    ds = PlannedShardDataset(
+        index, DualConstraintBatcher(512), PlanSettings(underfull="pad"), placement=(0, 2)
+    )
     assert ds.begin_epoch(0).report["empty_batches"] == 1
     with pytest.raises(ValueError, match=r"underfull must be one of \('error', 'pad'\), got 'skip'"):
         AdaptiveLoadDataModule(train_shards=data["train"], val_underfull="skip")
@@ -77,8 +79,9 @@ def test_rest_of_a_resumed_epoch_with_fewer_samples_than_ranks_is_padded(data):
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     index = ShardIndex.load(os.path.join(data["train"], "index.json"))
-    ds = PlannedShardDataset(index, DualConstraintBatcher(512), num_workers=2)  # underfull="error"
-    ds.world_size = 4
+    ds = PlannedShardDataset(
+        index, DualConstraintBatcher(512), num_workers=2, placement=(0, 4)
+    )  # underfull="error"
     refs = [(s, i) for s, shard in enumerate(index.shards) for i in range(len(shard.keys))]
     plan = ds.make_plan(0, exclude=set(refs[:-2]))  # two samples left for four ranks
     assert plan.report["samples"] == 2 and plan.report["empty_batches"] == 2

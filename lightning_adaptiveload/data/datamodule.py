@@ -329,23 +329,27 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = self._load_index(self.train_shards, rank)
             train = self.plan_settings.replace(lockstep_tail=self._train_lockstep_tail())
-            self.train_dataset = self._dataset(self.train_index, train)
+            self.train_dataset = self._dataset(self.train_index, train, rank, world)
             loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = self._load_index(self.val_shards, rank)
-            self.val_dataset = self._dataset(self.val_index, self.eval_plan_settings, fixed_epoch=0)
+            self.val_dataset = self._dataset(
+                self.val_index, self.eval_plan_settings, rank, world, fixed_epoch=0
+            )
             loaded.append(("validation", self.val_shards, self.val_index))
         if self.test_shards is not None and self.test_dataset is None and stage in (None, "test"):
             index = self._load_index(self.test_shards, rank)
-            self.test_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
+            self.test_dataset = self._dataset(index, self.eval_plan_settings, rank, world, fixed_epoch=0)
             loaded.append(("test", self.test_shards, index))
         if self.predict_shards is not None and self.predict_dataset is None and stage in (None, "predict"):
             index = self._load_index(self.predict_shards, rank)
-            self.predict_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
+            self.predict_dataset = self._dataset(index, self.eval_plan_settings, rank, world, fixed_epoch=0)
             loaded.append(("predict", self.predict_shards, index))
-        for ds in (self.train_dataset, self.val_dataset, self.test_dataset, self.predict_dataset):
+        # Datasets of an earlier setup (another trainer: fit, then test on other ranks) are placed anew.
+        for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
+            ds = getattr(self, name)
             if ds is not None:
-                ds.rank, ds.world_size = rank, world
+                setattr(self, name, ds.on_ranks(rank, world))
         if loaded:
             check_indexes_agree(loaded)
         for name, shards, index in loaded:
@@ -447,7 +451,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 batcher.resolve_max_compute(distinct_shapes(index))
 
     def _dataset(
-        self, index: Any, settings: PlanSettings, fixed_epoch: int | None = None
+        self, index: Any, settings: PlanSettings, rank: int, world: int, fixed_epoch: int | None = None
     ) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
@@ -468,6 +472,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             max_member_bytes=self.max_member_bytes,
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
+            placement=(rank, world),
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
@@ -571,7 +576,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         ds = self.train_dataset
         assert ds is not None
         rank, world = _dist.rank_and_world(self.trainer)
-        ds.rank, ds.world_size = rank, world
+        if (ds.rank, ds.world_size) != (rank, world):  # setup placed it for this trainer
+            raise RuntimeError(
+                f"AdaptiveLoadDataModule: the training dataset was set up for rank {ds.rank} of {ds.world_size}, "
+                f"but the trainer runs rank {rank} of {world}; call setup('fit') with this trainer first"
+            )
         ds.plan_progress = PlanProgressBar() if rank == 0 else None
         epoch = self._current_epoch()
         resume, self._resume = self._resume, None

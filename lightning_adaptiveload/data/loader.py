@@ -7,6 +7,7 @@ each worker, streams that worker's batches (:func:`~lightning_adaptiveload.data.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -49,6 +50,8 @@ class PlannedShardDataset(IterableDataset):
         sample_transform: ``f(sample) -> sample`` run on every decoded sample in the loader worker before
             collation (see :func:`apply_sample_transform`); None: none.
         text_pad_to: pad text to this many states in every batch (see :func:`~.collate.collate`).
+        placement: ``(rank, world size)`` the plans are made for; fixed for the dataset's life
+            (:meth:`on_ranks` gives the dataset of another placement).
         legacy: deprecated: the settings as flat keywords (``schedule=``, ``lockstep_tail=``,
             ``underfull=``, ``max_buffered_samples=``, ``lockstep_tolerance=``, ``chunk_samples=``,
             ``plan_processes=``), accepted for one release with a ``DeprecationWarning``.
@@ -67,6 +70,7 @@ class PlannedShardDataset(IterableDataset):
         max_member_bytes: int | None = None,
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
+        placement: tuple[int, int] = (0, 1),
         **legacy: Any,
     ) -> None:
         super().__init__()
@@ -97,12 +101,52 @@ class PlannedShardDataset(IterableDataset):
         # Called with (segments planned, segments) while a chunked epoch is planned (the DataModule shows a
         # bar on rank 0); None: quiet.
         self.plan_progress: Callable[[int, int], None] | None = None
-        self.rank, self.world_size = 0, 1
+        rank, world_size = placement
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"PlannedShardDataset: placement {placement!r}: world size must be an integer >= 1"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"PlannedShardDataset: placement {placement!r}: rank must be an integer in [0, {world_size})"
+            )
+        self._rank, self._world_size = rank, world_size
         self.plan: EpochPlan | None = None
         self.epoch: int | None = None
         self.report: dict[str, Any] = {}
         self.fingerprint = index_fingerprint(index)
         batcher.resolve_max_compute(distinct_shapes(index))
+
+    @property
+    def rank(self) -> int:
+        """The rank the plans are made for."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the plans are made for."""
+        return self._world_size
+
+    def on_ranks(self, rank: int, world_size: int) -> PlannedShardDataset:
+        """This dataset placed on ``rank`` of ``world_size``: itself where it is already so placed, else a
+        new dataset with the same index, batcher and settings and no plan yet."""
+        if (rank, world_size) == (self._rank, self._world_size):
+            return self
+        placed = copy.copy(self)
+        placed.__init__(  # the constructor's checks, on the copy: the original stays as it was
+            self.index,
+            self.batcher,
+            self.settings,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            on_error=self.on_error,
+            fixed_epoch=self.fixed_epoch,
+            max_member_bytes=self.max_member_bytes,
+            sample_transform=self.sample_transform,
+            text_pad_to=self.text_pad_to,
+            placement=(rank, world_size),
+        )
+        return placed
 
     @property
     def schedule(self) -> str:
