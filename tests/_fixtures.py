@@ -14,12 +14,16 @@ from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 
-def uneven_shards(tmp_path_factory, name: str, sizes: list[int], seed: int) -> str:
-    """A folder of synthetic ``tiny``-mix shards with these shard sizes; returns its path."""
+def uneven_shards(tmp_path_factory, name: str, sizes: list[int], seed: int, **settings) -> str:
+    """A folder of synthetic ``tiny``-mix shards with these shard sizes; returns its path. ``settings``: more
+    :class:`SyntheticShards` fields (``text_len_range=...``). Tests take it through the ``synthetic_shards``
+    fixture of ``conftest.py``."""
     d = str(tmp_path_factory.mktemp(name))
     write_synthetic_shards(
         d,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(sizes), samples_per_shard=sizes, seed=seed),
+        settings=SyntheticShards(
+            mix="tiny", num_samples=sum(sizes), samples_per_shard=list(sizes), seed=seed, **settings
+        ),
         progress=False,
     )
     return d

@@ -22,14 +22,8 @@ from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("dm"))
-    write_synthetic_shards(
-        d,
-        settings=SyntheticShards(mix="tiny", num_samples=90, samples_per_shard=[30, 7, 25, 28], seed=2),
-        progress=False,
-    )
-    return d
+def data(synthetic_shards) -> str:
+    return synthetic_shards([30, 7, 25, 28], seed=2, name="dm")
 
 
 def keys_of(d: str) -> list[str]:

@@ -14,15 +14,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys  # noqa: E402
 
 # Uneven shard sizes: from 3 to 29 samples.
 SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "ddp-shards", SIZES, seed=3)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=3, name="ddp-shards")
 
 
 def check_epochs(rows: list[list[dict]], keys: list[str], epochs: range, lockstep: bool) -> None:

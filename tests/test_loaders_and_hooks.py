@@ -23,16 +23,8 @@ from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("hooks"))
-    write_synthetic_shards(
-        d,
-        settings=SyntheticShards(
-            mix="tiny", num_samples=40, samples_per_shard=[15, 25], seed=3, text_len_range=(1, 6)
-        ),
-        progress=False,
-    )
-    return d
+def data(synthetic_shards) -> str:
+    return synthetic_shards([15, 25], seed=3, name="hooks", text_len_range=(1, 6))
 
 
 def _keys(d: str) -> list[str]:

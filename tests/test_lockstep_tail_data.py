@@ -10,7 +10,7 @@ import sys
 import lightning.pytorch as pl
 import pytest
 
-from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+from lightning_adaptiveload.data import ShardIndex
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.loader import PlannedShardDataset
 from lightning_adaptiveload.models.module import VideoDiTModule
@@ -19,25 +19,17 @@ from lightning_adaptiveload.planning.settings import PlanSettings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-from _fixtures import assert_each_key_once, epoch_rows, index_keys, uneven_shards  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys  # noqa: E402
 from _recording import fit_two_ranks  # noqa: E402
-
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 SIZES = [9, 3, 7, 5, 8]
 MAX_TOKENS = 768
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("tail-shards"))
+def data(synthetic_shards) -> str:
     # seed 0: the lockstep epoch at 2 ranks has a packed tail step (asserted below, not assumed)
-    write_synthetic_shards(
-        d,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=0),
-        progress=False,
-    )
-    return d
+    return synthetic_shards(SIZES, seed=0, name="tail-shards")
 
 
 def _keys(data: str) -> list[str]:
@@ -167,10 +159,10 @@ def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(dat
 
 
 @pytest.mark.timeout(240)
-def test_ddp_runner_two_ranks_two_workers_packed_tail_stays_aligned(tmp_path_factory, tmp_path):
+def test_ddp_runner_two_ranks_two_workers_packed_tail_stays_aligned(synthetic_shards, tmp_path):
     """DataLoader workers interleave the lockstep batches and the tail packs (round robin): the ranks stay
     at the same plan step, take packs at the same steps, and every sample comes once, for two epochs."""
-    shards = uneven_shards(tmp_path_factory, "tail-ddp", [29, 3, 17, 11, 5, 23, 8, 14, 20, 6], seed=3)
+    shards = synthetic_shards([29, 3, 17, 11, 5, 23, 8, 14, 20, 6], seed=3, name="tail-ddp")
     run = {"name": "tail", "schedule": "lockstep", "num_workers": 2, "max_epochs": 2, "max_tokens": 512}
     run["runs_packs"] = True  # KeyRecorder declares runs_packed_batches: the DataModule plans a packed tail
     out = str(tmp_path)

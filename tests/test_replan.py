@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fixtures import assert_each_key_once, index_keys, uneven_shards  # noqa: E402
+from _fixtures import assert_each_key_once, index_keys  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
@@ -36,8 +36,8 @@ TRUE = {"kind": "quadratic", "alpha": 1e-3, "beta": 2e-5, "gamma": 0.0, "c0": 0.
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "replan-shards", SIZES, seed=3)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=3, name="replan-shards")
 
 
 def make_dm(

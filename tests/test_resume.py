@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-from _fixtures import assert_each_key_once, index_keys, resumed_run, uneven_shards  # noqa: E402
+from _fixtures import assert_each_key_once, index_keys, resumed_run  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards  # noqa: E402
@@ -30,8 +30,8 @@ SIZES = [21, 4, 15, 9, 30, 7, 12, 18]
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "resume-shards", SIZES, seed=5)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=5, name="resume-shards")
 
 
 def make_dm(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fixtures import index_keys, uneven_shards  # noqa: E402
+from _fixtures import index_keys  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data import ShardIndex  # noqa: E402
@@ -29,8 +29,8 @@ SIZES = [21, 4, 15, 9, 30, 7, 12, 18]  # 116 samples
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "resume-position-shards", SIZES, seed=5)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=5, name="resume-position-shards")
 
 
 def make_dm(data, mp, rank, world, workers, schedule, chunk=None) -> AdaptiveLoadDataModule:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fixtures import index_keys, uneven_shards  # noqa: E402
+from _fixtures import index_keys  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
@@ -23,8 +23,8 @@ SIZES = [9, 4, 7, 12]
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "resume-state-shards", SIZES, seed=3)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=3, name="resume-state-shards")
 
 
 def make_dm(data: str, monkeypatch, rank: int = 0, world: int = 1, seed: int = 7) -> AdaptiveLoadDataModule:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fixtures import uneven_shards  # noqa: E402
 
 from lightning_adaptiveload import _dist  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
@@ -73,8 +72,8 @@ def test_auto_keeps_lockstep_within_the_wait():
     assert same.mode == "lockstep" and "within 2%" in same.report["schedule_auto"]["why"]
 
 
-def test_datamodule_auto_logs_its_choice_and_resumes(tmp_path_factory, monkeypatch, caplog):
-    data = uneven_shards(tmp_path_factory, "auto-shards", [21, 4, 15, 9, 30, 7, 12, 18], seed=5)
+def test_datamodule_auto_logs_its_choice_and_resumes(synthetic_shards, monkeypatch, caplog):
+    data = synthetic_shards([21, 4, 15, 9, 30, 7, 12, 18], seed=5, name="auto-shards")
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (0, 2))
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=512, schedule="auto", seed=7)
     dm.setup("fit")

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import launch, read_records  # noqa: E402
-from _fixtures import assert_each_key_once, epoch_rows, index_keys, resumed_run, uneven_shards  # noqa: E402
+from _fixtures import assert_each_key_once, epoch_rows, index_keys, resumed_run  # noqa: E402
 
 SIZES = [13, 2, 9, 17, 5, 11, 3, 8]  # uneven, 68 samples
 # (schedule, whether the module runs packs): lockstep's bucketed tail, its packed tail, and packed.
@@ -28,8 +28,8 @@ SCHEDULES = [("independent", False), ("lockstep", False), ("lockstep", True), ("
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    return uneven_shards(tmp_path_factory, "soak-shards", SIZES, seed=11)
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=11, name="soak-shards")
 
 
 def _check(rows_by_rank: list[list[dict]], keys: list[str], epochs: int, label: str) -> None:

@@ -253,6 +253,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.predict_dataset: PlannedShardDataset | None = None
         self._prepared_epoch: int | None = None  # the training epoch planned ahead of its iterator (by len)
         self._iterating = False  # a training epoch's iterator has started and not ended
+        self._placement = (0, 1)  # (rank, world size) of the last setup
         self._epoch_counter = -1
         self._segments: list[dict[str, Any]] = []  # the current epoch's plan segments (resume history)
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
@@ -325,25 +326,24 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             self.check_module(getattr(self.trainer, "lightning_module", None))
             check_reload_every_epoch(self.trainer)
         rank, world = _dist.rank_and_world(self.trainer)
+        self._placement = (rank, world)  # where the datasets built now are placed (_dataset)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
             self.train_index = self._load_index(self.train_shards, rank)
             train = self.plan_settings.replace(lockstep_tail=self._train_lockstep_tail())
-            self.train_dataset = self._dataset(self.train_index, train, rank, world)
+            self.train_dataset = self._dataset(self.train_index, train)
             loaded.append(("train", self.train_shards, self.train_index))
         if self.val_shards is not None and self.val_index is None and stage in (None, "fit", "validate"):
             self.val_index = self._load_index(self.val_shards, rank)
-            self.val_dataset = self._dataset(
-                self.val_index, self.eval_plan_settings, rank, world, fixed_epoch=0
-            )
+            self.val_dataset = self._dataset(self.val_index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("validation", self.val_shards, self.val_index))
         if self.test_shards is not None and self.test_dataset is None and stage in (None, "test"):
             index = self._load_index(self.test_shards, rank)
-            self.test_dataset = self._dataset(index, self.eval_plan_settings, rank, world, fixed_epoch=0)
+            self.test_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("test", self.test_shards, index))
         if self.predict_shards is not None and self.predict_dataset is None and stage in (None, "predict"):
             index = self._load_index(self.predict_shards, rank)
-            self.predict_dataset = self._dataset(index, self.eval_plan_settings, rank, world, fixed_epoch=0)
+            self.predict_dataset = self._dataset(index, self.eval_plan_settings, fixed_epoch=0)
             loaded.append(("predict", self.predict_shards, index))
         # Datasets of an earlier setup (another trainer: fit, then test on other ranks) are placed anew.
         for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
@@ -451,7 +451,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 batcher.resolve_max_compute(distinct_shapes(index))
 
     def _dataset(
-        self, index: Any, settings: PlanSettings, rank: int, world: int, fixed_epoch: int | None = None
+        self, index: Any, settings: PlanSettings, fixed_epoch: int | None = None
     ) -> PlannedShardDataset:
         # In setup, not when the epoch's iterator starts: an error raised there is masked by Lightning's
         # teardown (`Please call iter(combined_loader) first`).
@@ -472,7 +472,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             max_member_bytes=self.max_member_bytes,
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
-            placement=(rank, world),
+            placement=self._placement,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------

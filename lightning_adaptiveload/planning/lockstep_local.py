@@ -15,6 +15,8 @@ equals the kept part of the plan of every stream (``tests/test_chunked_plan.py``
 
 from __future__ import annotations
 
+import collections
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,54 +76,83 @@ def lockstep_local(
         world, workers, class_of, class_size, sizes, counts: as :func:`~.lockstep.lockstep_batches`.
         keep: the rank whose streams are kept.
     """
+    out = LocalLockstep({}, {}, {}, {})
+    args = (pieces, bucket_ids, shard_offsets, world, class_of, class_size, sizes, keep)
+    # The worker indices are independent; NumPy releases the GIL in its long loops, so two threads overlap
+    # much of their work. Each returns its own counters, added in worker order (deterministic).
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, 2), thread_name_prefix="lockstep-plan") as pool:
+            parts = list(pool.map(lambda w: _one_worker(w, *args), range(workers)))
+    else:
+        parts = [_one_worker(w, *args) for w in range(workers)]
+    for part, added in parts:
+        for name in ("sim", "equal", "reads", "lockstep_reads"):
+            getattr(out, name).update(getattr(part, name))
+        for key, value in added.items():
+            counts[key] += value
+    return out
+
+
+def _one_worker(
+    w: int,
+    pieces: dict[Stream, list[Piece]],
+    bucket_ids: np.ndarray,
+    shard_offsets: np.ndarray,
+    world: int,
+    class_of: list[int],
+    class_size: list[int],
+    sizes: list[int],
+    keep: int,
+) -> tuple[LocalLockstep, dict[str, int]]:
+    """Worker index ``w``'s part of :func:`lockstep_local`, and what it adds to the plan's counters."""
     n_b = len(class_of)
     out = LocalLockstep({}, {}, {}, {})
-    for w in range(workers):
-        shard, sid, stream, bucket = _worker_arrays(
-            [pieces[(r, w)] for r in range(world)], bucket_ids, shard_offsets
+    counts: dict[str, int] = collections.defaultdict(int)
+    shard, sid, stream, bucket = _worker_arrays(
+        [pieces[(r, w)] for r in range(world)], bucket_ids, shard_offsets
+    )
+    if world > 1:
+        shard, sid, stream, bucket = _balance(
+            shard, sid, stream, bucket, world, class_of, len(class_size), counts
         )
-        if world > 1:
-            shard, sid, stream, bucket = _balance(
-                shard, sid, stream, bucket, world, class_of, len(class_size), counts
-            )
-        avail = np.bincount(stream * n_b + bucket, minlength=world * n_b).reshape(world, n_b)
-        first = np.cumsum(avail.ravel()) - avail.ravel()  # where chain (r, b) starts in the arrays
-        b, k, eq = schedule_takes(avail.copy(), class_of, class_size, sizes, counts)
-        start = chain_starts(b, k, n_b) + first.reshape(world, n_b)[np.arange(world)[:, None], b]
-        n_eq = int(eq.sum())  # the equal steps come first
-        eq_taken = np.zeros(world * n_b, dtype=np.int64)
-        np.add.at(eq_taken, (np.arange(world)[:, None] * n_b + b[:, :n_eq]).ravel(), k[:, :n_eq].ravel())
-        runs = _run_starts(shard, stream * n_b + bucket)
-        kept_run = np.arange(len(shard)) - first[stream * n_b + bucket] < eq_taken[stream * n_b + bucket]
-        per_stream_reads = np.bincount(stream[runs & kept_run], minlength=world)
-        for r in range(world):
-            st = (r, w)
-            out.equal[st] = (b[r, :n_eq], k[r, :n_eq])
-            out.lockstep_reads[st] = int(per_stream_reads[r])
-            if r != keep:  # its equal batches are placeholders, its unequal ones (a few) are kept whole
-                tail = [j for j in range(n_eq, b.shape[1]) if k[r, j]]
-                out.sim[st] = [EQUAL_ELSEWHERE] * n_eq + [
-                    Batch(int(b[r, j]), _refs(shard, sid, int(start[r, j]), int(k[r, j])), False)
-                    for j in tail
-                ]
-                continue
-            lo = int(first[r * n_b])
-            shard_l, sid_l = (
-                shard[lo : lo + int(avail[r].sum())].tolist(),
-                sid[lo : lo + int(avail[r].sum())].tolist(),
-            )
-            out.sim[st] = [
-                Batch(bb, list(zip(shard_l[p - lo : p - lo + kk], sid_l[p - lo : p - lo + kk])), j < n_eq)
-                for j, (bb, p, kk) in enumerate(zip(b[r].tolist(), start[r].tolist(), k[r].tolist()))
-                if kk
+    avail = np.bincount(stream * n_b + bucket, minlength=world * n_b).reshape(world, n_b)
+    first = np.cumsum(avail.ravel()) - avail.ravel()  # where chain (r, b) starts in the arrays
+    b, k, eq = schedule_takes(avail.copy(), class_of, class_size, sizes, counts)
+    start = chain_starts(b, k, n_b) + first.reshape(world, n_b)[np.arange(world)[:, None], b]
+    n_eq = int(eq.sum())  # the equal steps come first
+    eq_taken = np.zeros(world * n_b, dtype=np.int64)
+    np.add.at(eq_taken, (np.arange(world)[:, None] * n_b + b[:, :n_eq]).ravel(), k[:, :n_eq].ravel())
+    runs = _run_starts(shard, stream * n_b + bucket)
+    kept_run = np.arange(len(shard)) - first[stream * n_b + bucket] < eq_taken[stream * n_b + bucket]
+    per_stream_reads = np.bincount(stream[runs & kept_run], minlength=world)
+    for r in range(world):
+        st = (r, w)
+        out.equal[st] = (b[r, :n_eq], k[r, :n_eq])
+        out.lockstep_reads[st] = int(per_stream_reads[r])
+        if r != keep:  # its equal batches are placeholders, its unequal ones (a few) are kept whole
+            tail = [j for j in range(n_eq, b.shape[1]) if k[r, j]]
+            out.sim[st] = [EQUAL_ELSEWHERE] * n_eq + [
+                Batch(int(b[r, j]), _refs(shard, sid, int(start[r, j]), int(k[r, j])), False)
+                for j in tail
             ]
-            out.reads[st] = _reads_of_chains(
-                [
-                    list(zip(shard_l[a - lo : a - lo + n], sid_l[a - lo : a - lo + n]))
-                    for a, n in zip(first[r * n_b : (r + 1) * n_b].tolist(), avail[r].tolist())
-                ]
-            )
-    return out
+            continue
+        lo = int(first[r * n_b])
+        shard_l, sid_l = (
+            shard[lo : lo + int(avail[r].sum())].tolist(),
+            sid[lo : lo + int(avail[r].sum())].tolist(),
+        )
+        out.sim[st] = [
+            Batch(bb, list(zip(shard_l[p - lo : p - lo + kk], sid_l[p - lo : p - lo + kk])), j < n_eq)
+            for j, (bb, p, kk) in enumerate(zip(b[r].tolist(), start[r].tolist(), k[r].tolist()))
+            if kk
+        ]
+        out.reads[st] = _reads_of_chains(
+            [
+                list(zip(shard_l[a - lo : a - lo + n], sid_l[a - lo : a - lo + n]))
+                for a, n in zip(first[r * n_b : (r + 1) * n_b].tolist(), avail[r].tolist())
+            ]
+        )
+    return out, dict(counts)
 
 
 def _refs(shard: np.ndarray, sid: np.ndarray, start: int, n: int) -> list[tuple[int, int]]:
