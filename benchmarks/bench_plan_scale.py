@@ -172,7 +172,15 @@ def main() -> None:
     ap.add_argument(
         "--rank", type=int, default=-1, help="plan_epoch(rank=...): a rank-local plan; -1: every stream"
     )
+    ap.add_argument(
+        "--schedules",
+        default="independent,lockstep,packed",
+        help="comma-separated: which schedules to run (each at its sizes)",
+    )
     args = ap.parse_args()
+    schedules = [m for m in ("independent", "lockstep", "packed") if m in args.schedules.split(",")]
+    if not schedules or set(args.schedules.split(",")) - set(schedules):
+        ap.error(f"--schedules {args.schedules!r}: choose from independent, lockstep, packed")
     worlds = [int(w) for w in str(args.world).split(",") if w]
     sizes = sorted({int(float(x)) for x in args.sizes.split(",") + args.packed_sizes.split(",") if x})
     packed_sizes = {int(float(x)) for x in args.packed_sizes.split(",") if x}
@@ -183,13 +191,13 @@ def main() -> None:
             path = os.path.join(tmp, f"index_{n}.npidx")
             write_columns(path, synthetic_columns(n, seed=1))
             for world in worlds:
-                for mode in ("independent", "lockstep", "packed"):
+                for mode in schedules:
                     if n not in (packed_sizes if mode == "packed" else bucketed_sizes):
                         continue
                     rows += _point(path, n, mode, world, args)
             os.unlink(path)
     fits = {}
-    for mode in ("independent", "lockstep", "packed"):
+    for mode in schedules:
         sel = [r for r in rows if r["mode"] == mode and r["case"] == "plan" and r["world_size"] == worlds[-1]]
         xs = np.array([r["samples"] for r in sel], dtype=np.float64)
         fits[mode] = {
