@@ -204,6 +204,7 @@ def test_a_dataset_is_placed_once_and_on_ranks_gives_another():
     assert (other.rank, other.world_size, other.plan) == (0, 4, None)
     assert (ds.rank, ds.world_size) == (1, 2) and ds.plan is not None  # the original is untouched
     assert other.begin_epoch(0).world_size == 4
+    assert ds.plan.world_size == 2 and ds.report is not other.report  # nothing shared that a plan writes
     for bad in ((2, 2), (-1, 2), (0, 0), (0.0, 1), (True, 2)):
         with pytest.raises(ValueError, match="placement"):
             PlannedShardDataset(SHAPES, b, placement=bad)

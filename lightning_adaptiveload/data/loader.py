@@ -29,6 +29,18 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _checked_placement(placement: tuple[int, int]) -> tuple[int, int]:
+    """``(rank, world size)``, or ValueError naming the bad one."""
+    rank, world_size = placement
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"PlannedShardDataset: placement {placement!r}: world size must be an integer >= 1")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(
+            f"PlannedShardDataset: placement {placement!r}: rank must be an integer in [0, {world_size})"
+        )
+    return rank, world_size
+
+
 class PlannedShardDataset(IterableDataset):
     """The per-rank streaming dataset: yields the batches the plan gives this rank's worker streams.
 
@@ -101,16 +113,7 @@ class PlannedShardDataset(IterableDataset):
         # Called with (segments planned, segments) while a chunked epoch is planned (the DataModule shows a
         # bar on rank 0); None: quiet.
         self.plan_progress: Callable[[int, int], None] | None = None
-        rank, world_size = placement
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(
-                f"PlannedShardDataset: placement {placement!r}: world size must be an integer >= 1"
-            )
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(
-                f"PlannedShardDataset: placement {placement!r}: rank must be an integer in [0, {world_size})"
-            )
-        self._rank, self._world_size = rank, world_size
+        self._rank, self._world_size = _checked_placement(placement)
         self.plan: EpochPlan | None = None
         self.epoch: int | None = None
         self.report: dict[str, Any] = {}
@@ -132,20 +135,11 @@ class PlannedShardDataset(IterableDataset):
         new dataset with the same index, batcher and settings and no plan yet."""
         if (rank, world_size) == (self._rank, self._world_size):
             return self
+        # A shallow copy: the index, batcher, settings, fingerprint and resolved cap do not depend on the
+        # placement; only what was planned for the old one starts afresh.
         placed = copy.copy(self)
-        placed.__init__(  # the constructor's checks, on the copy: the original stays as it was
-            self.index,
-            self.batcher,
-            self.settings,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            on_error=self.on_error,
-            fixed_epoch=self.fixed_epoch,
-            max_member_bytes=self.max_member_bytes,
-            sample_transform=self.sample_transform,
-            text_pad_to=self.text_pad_to,
-            placement=(rank, world_size),
-        )
+        placed._rank, placed._world_size = _checked_placement((rank, world_size))
+        placed.plan, placed.epoch, placed.report = None, None, {}
         return placed
 
     @property
