@@ -58,18 +58,18 @@ def resumed_run(run: dict, ckpt: str, name: str, num_workers: int) -> dict:
     }
 
 
-def quiet_cpu_trainer(tmp_path, max_steps: int, callbacks: list):
-    """A one-process CPU ``Trainer`` that writes nothing of its own (no logger, checkpoints, bars, summary)."""
+def quiet_cpu_trainer(tmp_path, **trainer_kwargs):
+    """A one-process CPU ``Trainer`` that writes nothing of its own (no logger, checkpoints, bars, summary);
+    ``trainer_kwargs``: the rest (``max_steps=``, ``callbacks=``, ...)."""
     import lightning as L
 
     return L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=callbacks,
         default_root_dir=tmp_path,
+        **trainer_kwargs,
     )

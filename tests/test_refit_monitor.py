@@ -9,6 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from _fixtures import quiet_cpu_trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_adaptiveload.data.synthetic import SyntheticShards
@@ -74,14 +75,9 @@ def _fit(tmp_path, max_epochs: int, refit, ckpt: str | None = None, dm: Recordin
         dirpath=tmp_path, refit=refit, clock=clock, count_flops=False, plots=False, print_summary=False
     )
     dm = dm or Recording()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_cpu_trainer(
+        tmp_path,
         max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=4,
         callbacks=[monitor],
         reload_dataloaders_every_n_epochs=1,

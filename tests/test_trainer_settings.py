@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.data import write_synthetic_shards
@@ -43,19 +44,6 @@ class _Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _trainer(tmp_path, **kw) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kw,
-    )
-
-
 def test_check_reload_every_epoch_names_the_setting():
     check_reload_every_epoch(None)  # plain PyTorch use: no trainer, nothing to check
     check_reload_every_epoch(SimpleNamespace(reload_dataloaders_every_n_epochs=1, max_epochs=5))
@@ -71,7 +59,7 @@ def test_check_reload_every_epoch_names_the_setting():
 @pytest.mark.timeout(120)
 def test_a_trainer_without_the_setting_is_refused_before_any_step_and_left_as_it_was(data, tmp_path):
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
-    trainer = _trainer(tmp_path, max_epochs=2)
+    trainer = quiet_cpu_trainer(tmp_path, max_epochs=2)
     model = _Tiny()
     with pytest.raises(ValueError, match=r"reload_dataloaders_every_n_epochs=1"):
         trainer.fit(model, datamodule=dm)
@@ -81,11 +69,11 @@ def test_a_trainer_without_the_setting_is_refused_before_any_step_and_left_as_it
 
 @pytest.mark.timeout(120)
 def test_one_epoch_needs_no_setting_and_several_run_with_it(data, tmp_path):
-    one = _trainer(tmp_path, max_epochs=1)
+    one = quiet_cpu_trainer(tmp_path, max_epochs=1)
     dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
     one.fit(_Tiny(), datamodule=dm)
     assert one.global_step == dm.epoch_report["steps"] > 0
-    several = _trainer(tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    several = quiet_cpu_trainer(tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1)
     dm2 = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
     several.fit(_Tiny(), datamodule=dm2)
     steps = [dm2.train_dataset.make_plan(e).steps for e in range(2)]
