@@ -1,4 +1,4 @@
-"""Run by tests/test_adamw_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported),
+"""Run by tests/ops/test_adamw_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported),
 and imported by its GPU tests. Prints one JSON line of named worst differences (or failures) against
 PyTorch's AdamW on fp32 copies, which the test bounds."""
 

@@ -1,4 +1,4 @@
-"""One rank of a CPU DDP run of AdaptiveLoadDataModule (launched by tests/test_ddp_data.py and friends).
+"""One rank of a CPU DDP run of AdaptiveLoadDataModule (launched by tests/integration/test_ddp_data.py and friends).
 
 Launched like torchrun would (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK set by the test), so
 that one launch can run several fits in the same process group. Usage::

@@ -1,4 +1,4 @@
-"""One rank of a CPU DDP validation run on a validation set smaller than the world (tests/test_val_underfull.py).
+"""One rank of a CPU DDP validation run on a validation set smaller than the world (tests/integration/test_val_underfull.py).
 
 Launched by ``_ddp_data_runner.launch(cfg, tmp, timeout, script=__file__)``. CONFIG: {"train", "val": shard dirs,
 "out": dir, "world": N, "val_underfull": "pad" | "error"}. Writes ``<out>/val.rank<r>.json``: the validation

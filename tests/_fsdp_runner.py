@@ -1,5 +1,5 @@
 """One rank of a CPU (gloo) run of the tiny VideoDiTModule under DDP, FSDP2 or FSDP v1 (launched by
-tests/test_fsdp.py and tests/test_fsdp_batches.py).
+tests/integration/test_fsdp.py and tests/integration/test_fsdp_batches.py).
 
 Launched like torchrun (see ``tests/_ddp_data_runner.launch``). Usage::
 

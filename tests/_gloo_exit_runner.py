@@ -1,6 +1,6 @@
 """A 2-process CPU DDP fit (Lightning ``ddp_spawn``, gloo) with the LoadBalanceMonitor whose ranks exit right
 after a gloo collective over many small tensors: gloo's worker thread then frees their Python objects one GIL
-acquisition at a time, still at it when the process exits. Run by ``tests/test_dist_exit.py``.
+acquisition at a time, still at it when the process exits. Run by ``tests/integration/test_dist_exit.py``.
 
 Usage: ``python tests/_gloo_exit_runner.py OUTDIR [NUM_TENSORS]``; prints ``fit done`` and exits 0 when every
 rank exited cleanly (Lightning raises ``ProcessExitedException`` for a rank killed by SIGABRT).

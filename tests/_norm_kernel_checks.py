@@ -1,4 +1,4 @@
-"""Run by tests/test_norm_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported,
+"""Run by tests/ops/test_norm_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before Triton is imported,
 so the kernels run on CPU tensors), or in-process on a GPU. Prints one JSON line: check name -> the largest
 difference from the plain-PyTorch reference, relative to the reference's largest magnitude."""
 

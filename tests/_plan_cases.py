@@ -2,7 +2,7 @@
 change leaves every plan unchanged (schedules x world sizes x workers x mixes x seeds/epochs x resume x
 lockstep tails).
 
-``tests/test_plan_identity.py`` plans the quick matrix and compares it with ``tests/data/plan_digests.json``
+``tests/planning/test_plan_identity.py`` plans the quick matrix and compares it with ``tests/assets/plan_digests.json``
 (digests of the plans of the planner before it was vectorised). The whole matrix (640 plans), against
 another checkout of the package (say ``git archive main`` unpacked in /tmp/old)::
 

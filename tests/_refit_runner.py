@@ -1,4 +1,4 @@
-"""One rank of a CPU DDP run whose step times come from a known cost function (launched by tests/test_refit_ddp.py).
+"""One rank of a CPU DDP run whose step times come from a known cost function (launched by tests/integration/test_refit_ddp.py).
 
 The module advances the LoadBalanceMonitor's :class:`ManualClock` by the TRUE cost of each batch
 (``c0 + sum(alpha*S_i + beta*S_i^2)``, times a deterministic +-2% per batch and x3 for about one batch in 23:

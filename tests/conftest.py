@@ -1,9 +1,15 @@
+"""Shared by every folder of tests/ (tests/README.md): the helper modules of this folder importable from
+the test files of any subfolder (``from _fixtures import ...``), the ``cuda`` marker's skip, and the
+``synthetic_shards`` fixture."""
+
 import os
 import sys
 
 import pytest
 import torch
 
+# The helpers (_fixtures.py, _paths.py, _ddp_data_runner.py, ...) live here, beside this file; the test files
+# live in subfolders, whose own folder is all that pytest puts on sys.path.
 sys.path.insert(0, os.path.dirname(__file__))
 from _fixtures import uneven_shards  # noqa: E402
 
