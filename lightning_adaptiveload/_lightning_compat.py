@@ -3,7 +3,7 @@
 A checkpoint saved after the last batch of an epoch makes Lightning restart that epoch on resume. With
 nothing left in it, Lightning's epoch loop (2.x, loaders of a planned length) runs no iteration, keeps its
 ``restarting`` flag, and then does not ask for the next epoch's iterator in the normal way: the next epoch
-loses batches (``tests/test_resume.py``, run "c", reads every sample once only with this). The
+loses batches (``tests/data/test_resume.py``, run "c", reads every sample once only with this). The
 DataModule calls :func:`end_exhausted_restart` when a resumed epoch's plan has no step left; nothing else
 in the package assigns to the Trainer.
 """

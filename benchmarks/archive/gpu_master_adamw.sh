@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call (issue 17, run 27): bf16 weights with the one-kernel master-weight AdamW.
-# 1. the CUDA tests of the kernel (tests/test_adamw_kernels.py) and of the master-weight optimizer and bf16
+# 1. the CUDA tests of the kernel (tests/ops/test_adamw_kernels.py) and of the master-weight optimizer and bf16
 #    training step elsewhere;
 # 2. bench_optimizer.py: wan-1.3b's optimizer step, fp32 fused AdamW against the master-weight optimizer's
 #    torch and Triton implementations;
@@ -11,8 +11,8 @@ GPU_JOB=master_adamw; TOTAL=${TOTAL:-570}; BUILD=0
 source "$(dirname "$0")/../_gpu_preamble.sh"
 export LIGHTNING_ADAPTIVELOAD_FUSED=0  # no variant here uses the fused CUDA op
 mkdir -p /tmp/fa4parts; [ -f .fa4a/part.aa ] && cp .fa4a/part.aa /tmp/fa4parts/ && echo "FA4 part a copied"
-timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short tests/test_adamw_kernels.py \
-  tests/test_model.py tests/test_acceleration.py -k "adamw or master or bf16 or kernel" > "$OUT/pytest_master_adamw.log" 2>&1
+timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short tests/ops/test_adamw_kernels.py \
+  tests/models/test_model.py tests/models/test_acceleration.py -k "adamw or master or bf16 or kernel" > "$OUT/pytest_master_adamw.log" 2>&1
 echo "pytest rc=$? $(el)"; tail -8 "$OUT/pytest_master_adamw.log"
 timeout 150 python3 benchmarks/model/bench_optimizer.py --out "$OUT" > "$OUT/optimizer.log" 2>&1
 echo "optimizer rc=$? $(el)"; tail -6 "$OUT/optimizer.log"

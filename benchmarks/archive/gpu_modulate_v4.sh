@@ -30,7 +30,7 @@ if [ $rc -ne 0 ]; then grep -iE "error" "$OUT/build.log" | head -30; tail -20 "$
 echo "== CUDA tests $(el)"
 XD=""
 python3 -c "import xdist" 2>/dev/null && XD="-n 4"
-timeout 85 python3 -m pytest -q -p no:cacheprovider $XD --timeout 80 tests/test_ops_cuda.py > "$OUT/pytest.log" 2>&1
+timeout 85 python3 -m pytest -q -p no:cacheprovider $XD --timeout 80 tests/ops/test_ops_cuda.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? $(el)"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20

@@ -14,7 +14,7 @@ source "$(dirname "$0")/../_gpu_preamble.sh"
 export LIGHTNING_ADAPTIVELOAD_FUSED=0  # no variant here uses the fused CUDA op
 mkdir -p /tmp/fa4parts; [ -f .fa4a/part.aa ] && cp .fa4a/part.aa /tmp/fa4parts/ && echo "FA4 part a copied"
 rm -f /tmp/rope_ok
-timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short tests/test_norm_kernels.py \
+timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short tests/ops/test_norm_kernels.py \
   > "$OUT/pytest_norm_kernels.log" 2>&1
 echo "pytest rc=$? $(el)"; tail -15 "$OUT/pytest_norm_kernels.log"
 timeout 200 python3 benchmarks/checks/check_block_grads.py --settings "${SETTINGS:-none,rope}" --out "$OUT" 2>&1 \

@@ -24,7 +24,7 @@ if [ "${FOUR:-1}" = 1 ] && [ "$NGPU" -ge 4 ] && [ "$(seconds_left)" -gt 200 ]; t
     benchmarks/balance/monitor_truth.py --batches "${BATCHES4:-1x21,1x17,1x17,1x13}" --steps "$STEPS" --warmup "$WARMUP" \
     --lightning "${LIGHTNING4:-$LIGHTNING}" --raw "${RAW4:-$RAW}" --strategy "$STRATEGY" --out "$RUN" 2>&1 | filter | tail -40
 fi
-if [ -n "${TESTS:-}" ] && [ "$(seconds_left)" -gt 60 ]; then  # e.g. TESTS="tests/test_monitor_gpu.py"
+if [ -n "${TESTS:-}" ] && [ "$(seconds_left)" -gt 60 ]; then  # e.g. TESTS="tests/monitor/test_monitor_gpu.py"
   echo "== pytest -m cuda $TESTS $(el)"
   timeout $(( $(seconds_left) - 15 )) python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short -rs \
     $TESTS > "$RUN/pytest_cuda.log" 2>&1

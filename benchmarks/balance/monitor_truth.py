@@ -26,7 +26,7 @@ rank trains its own known batch at every step (``--batches``: one spec per rank,
 Rank 0 writes one JSON (device, shapes, settings, date, every step of every measurement) and prints the
 comparison: per rank, the monitor's compute time against ``solo`` + interference, and its wait against the
 raw probe's. Medians over the steps after ``--warmup``. Nothing here asserts a time; see
-``tests/test_monitor_gpu.py`` for the acceptance check built on it.
+``tests/monitor/test_monitor_gpu.py`` for the acceptance check built on it.
 
 CPU smoke run (gloo, the tiny model; plumbing only, the numbers mean nothing)::
 

@@ -12,7 +12,7 @@ and backward through each attention route of ``models/packing.py``:
 
 For each: whether the loss and every gradient are finite, and the relative L2 error of outputs and gradients
 against the samples run one by one (the bucketed path). Writes a JSON result to --out. Never asserted in a
-test (``tests/test_packing_model.py`` checks the routes on CPU).
+test (``tests/models/test_packing_model.py`` checks the routes on CPU).
 """
 
 from __future__ import annotations

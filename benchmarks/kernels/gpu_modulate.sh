@@ -25,7 +25,7 @@ so=$(ls "$LIGHTNING_ADAPTIVELOAD_CACHE"/torch_extensions/*/*.so | head -1)
 cuobjdump -res-usage "$so" > "$OUT/resource_usage.txt" 2>&1; grep -c "REG:" "$OUT/resource_usage.txt"
 
 echo "== CUDA tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/test_ops_cuda.py > "$OUT/pytest.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/ops/test_ops_cuda.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20

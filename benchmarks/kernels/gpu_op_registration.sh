@@ -35,7 +35,7 @@ VPID=$!
 echo "== CUDA tests $(el)"
 XD=""
 python3 -c "import xdist" 2>/dev/null && XD="-n 4"
-timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider $XD tests/test_ops_cuda.py tests/test_fusion_cuda.py \
+timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider $XD tests/ops/test_ops_cuda.py tests/fusion/test_fusion_cuda.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? $(el)"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3

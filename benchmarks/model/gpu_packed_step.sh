@@ -8,7 +8,7 @@
 GPU_JOB=packed_step; TOTAL=${TOTAL:-570}; BUILD=${BUILD:-0}
 source "$(dirname "$0")/../_gpu_preamble.sh"
 echo "== cuda tests $(el)"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_pack_attention.py tests/test_packing_compile.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/test_pack_attention.py tests/models/test_packing_compile.py \
   > "$OUT/pytest_cuda_packed.log" 2>&1; echo "pytest rc=$? $(el)"; tail -3 "$OUT/pytest_cuda_packed.log"
 left=$(seconds_left)
 echo "== bench_packed_step ($left s left) $(el)"

@@ -16,7 +16,7 @@
 Recompiles: :func:`compile_blocks` compiles with symbolic sizes (``dynamic=True``) from the first call, so
 one graph serves every sequence length and batch size, except that PyTorch specialises a size of 1 apart
 from the others: a mix with B = 1 and B > 1 batches compiles two graphs per block mode
-(:data:`MAX_GRAPHS_PER_MODE`, checked in ``tests/test_acceleration.py``). A mode is one combination of
+(:data:`MAX_GRAPHS_PER_MODE`, checked in ``tests/models/test_acceleration.py``). A mode is one combination of
 train/eval, text/no text and checkpoint policy. With ``dynamic=None`` the first shape gets a static graph
 of its own (three at most). Every block shares the graph (parameters are graph inputs, and the model
 feeds every block a contiguous tensor), so 30 blocks do not mean 30 compiles.
@@ -34,8 +34,9 @@ Packs (``VideoDiT``'s list input): a pack of equal token counts calls its blocks
 graphs); a mixed pack calls them with ``segments=`` (one more graph per mode), whose offsets and segment ids
 are tensors and whose longest sample is a symbolic int, so that the pack's composition, which changes at
 every step, compiles nothing new: over 12 packs of different compositions the tiny model compiles 3 graphs
-(``tests/test_packing_compile.py``). :func:`compile_blocks` counts the graphs (:func:`compiled_graphs`) and
-logs every new one with the input that made it (:class:`GraphLog`, a forward hook on the model).
+(``tests/models/test_packing_compile.py``). :func:`compile_blocks` counts the graphs
+(:func:`compiled_graphs`) and logs every new one with the input that made it (:class:`GraphLog`, a forward
+hook on the model).
 """
 
 from __future__ import annotations

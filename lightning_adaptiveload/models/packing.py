@@ -26,7 +26,7 @@ Two routes (:func:`attention_route`, logged once per route and device):
 
 Under ``torch.compile`` (``compile_blocks``) nothing that describes the pack's composition enters a block's
 graph as a Python value: offsets and segment ids are tensors and the longest sample is a symbolic int, so
-one graph serves every mixed pack (``tests/test_packing_compile.py`` bounds the graphs over 12 packs).
+one graph serves every mixed pack (``tests/models/test_packing_compile.py`` bounds the graphs over 12 packs).
 
 Helpers a user's own model needs to adopt the contract: :func:`cu_seqlens` (token offsets),
 :func:`segment_ids` (sample of every token), :func:`packed_rope` (per-sample positions),

@@ -7,7 +7,7 @@ analytic ``flops`` method; else:
 - **Counted on a meta-device copy** (:func:`meta_training_flops`): ``FlopCounterMode`` runs over a copy of
   the LightningModule whose parameters are meta tensors (no memory, no arithmetic). Counting on the module
   that trains is what this avoids: in torch 2.13 a compiled module first called under ``FlopCounterMode``
-  is never compiled afterwards, silently (see ``tests/test_flops.py``).
+  is never compiled afterwards, silently (see ``tests/monitor/test_flops.py``).
 
 :class:`BatchFlops` picks the first way that works for a module (a user's function and the module's own
 ``flops_per_batch`` or analytic ``flops`` first) and gives each batch's FLOPs; the callback only calls it.

@@ -6,9 +6,9 @@ and a list of refs, most of them for ranks a rank-local plan throws away. Here a
 Python objects are made only for the batches a plan keeps.
 
 The edits of :mod:`.reshape` (split, pack, take out samples) have a method each that makes exactly the same
-batches as the list version (``tests/test_batch_arrays.py`` compares them on random streams, and the plan
-digests of ``tests/test_plan_identity.py`` pin the plans). A list of :class:`~.plan.Batch` and a
-:class:`BatchArrays` answer the same calls of :mod:`.reshape` and :mod:`.equalise`. Lockstep batches
+batches as the list version (``tests/planning/test_batch_arrays.py`` compares them on random streams, and
+the plan digests of ``tests/planning/test_plan_identity.py`` pin the plans). A list of :class:`~.plan.Batch`
+and a :class:`BatchArrays` answer the same calls of :mod:`.reshape` and :mod:`.equalise`. Lockstep batches
 (``equal``, ``pack``) stay lists. Pure NumPy.
 """
 

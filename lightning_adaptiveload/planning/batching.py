@@ -295,7 +295,8 @@ class DualConstraintBatcher:
             ValueError: an oversize sample under ``oversize="raise"``, or a sample whose C differs from
                 its bucket's (names the key and shapes).
         """
-        # The one import of data/ from planning/: this stage emits torch batches (allowed in tests/test_layout.py).
+        # The one import of data/ from planning/: this stage emits torch batches (allowed in
+        # tests/package/test_layout.py).
         from lightning_adaptiveload.data.collate import collate, sample_fields
 
         if self.needs_resolution:

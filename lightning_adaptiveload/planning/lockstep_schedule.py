@@ -4,7 +4,7 @@ worker index.
 Each step is a few NumPy operations on the streams' sample counts per bucket (an (R, buckets) array),
 whatever R; the batches themselves are materialised at the end, one list slice per batch. The choices
 (class of each step, bucket of each stream, tie-breaks) are those of the loop this replaced, step for
-step: the plans are identical (``tests/test_plan_identity.py``).
+step: the plans are identical (``tests/planning/test_plan_identity.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Array kernels of the ``packed`` schedule (:mod:`.packed`): per-pack sums and the greedy core packing
 on counts of equal-token samples instead of one sample at a time.
 
-Both return exactly what the per-sample loops they replace returned (``tests/test_plan_identity.py``).
+Both return exactly what the per-sample loops they replace returned
+(``tests/planning/test_plan_identity.py``).
 """
 
 from __future__ import annotations
