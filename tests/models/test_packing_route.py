@@ -107,18 +107,25 @@ def test_routes_on_cuda_under_bf16_autocast(shapes, route, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("how", ["auto", "matmul", "index_add"])
-def test_mixed_pack_gradients_on_cuda_under_bf16_autocast(how, monkeypatch):
-    # The segments route on CUDA: varlen self- and cross-attention (text keys reordered, one sample without
-    # text), per-token rows with a segment-sum backward; gradients within bf16 rounding of per sample.
+@pytest.mark.parametrize("self_attention", ["auto", "varlen"])
+def test_mixed_pack_gradients_on_cuda_under_bf16_autocast(how, self_attention, monkeypatch):
+    # The segments route on CUDA: self-attention as one dense call per run of equal lengths ("auto") or
+    # through the varlen kernel ("varlen"); cross-attention through varlen (text keys reordered, one sample
+    # without text); per-token rows with a segment-sum backward; gradients within bf16 rounding of per sample.
+    from lightning_adaptiveload.models import pack_attention
     from lightning_adaptiveload.models.packing import varlen_attention_available
 
     monkeypatch.setattr(packing, "SEGMENT_SUM", how)
+    monkeypatch.setattr(packing, "SEGMENT_ATTENTION", self_attention)
     model = _model().cuda()
     latents, t, text, mask = _inputs(model, MIXED)
     latents, t, text, mask = [x.cuda() for x in latents], t.cuda(), text.cuda(), mask.cuda()
-    calls = []
-    original = packing._varlen
+    calls, runs_calls = [], []
+    original, original_runs = packing._varlen, pack_attention.pack_runs_attention
     monkeypatch.setattr(packing, "_varlen", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(
+        pack_attention, "pack_runs_attention", lambda *a, **k: runs_calls.append(1) or original_runs(*a, **k)
+    )
 
     def grads(run):
         model.zero_grad(set_to_none=True)
@@ -128,8 +135,12 @@ def test_mixed_pack_gradients_on_cuda_under_bf16_autocast(how, monkeypatch):
         return preds, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     preds, got = grads(lambda: model(latents, t, text, mask))
+    layers = model.config.num_layers
     if varlen_attention_available():
-        assert len(calls) == 2 * model.config.num_layers  # self- and cross-attention of every block
+        if self_attention == "varlen":  # self- and cross-attention of every block
+            assert (len(calls), len(runs_calls)) == (2 * layers, 0)
+        else:  # self-attention per run of equal lengths (a dense kernel), cross-attention varlen
+            assert (len(calls), len(runs_calls)) == (layers, layers)
     refs, want = grads(
         lambda: [
             model(x[None], t[i : i + 1], text[i : i + 1], mask[i : i + 1])[0] for i, x in enumerate(latents)
