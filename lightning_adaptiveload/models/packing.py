@@ -20,9 +20,11 @@ Two routes (:func:`attention_route`, logged once per route and device):
 - ``"segments"``: mixed lengths. The tokens are one sequence (1, S, D) described by a
   :class:`PackSegments`; the per-sample modulation rows are spread to tokens by :func:`segment_rows`, whose
   backward is a segment sum (never the sort-based backward of an advanced-index gather, which took 60% of a
-  packed step on an H200: ``indexing_backward_kernel``, issue 36). Attention runs per sample: one
-  variable-length kernel on CUDA (``torch.nn.attention.varlen``, bf16/fp16), per-sample SDPA elsewhere,
-  and a block-diagonal mask inside ``torch.compile`` off the varlen kernel.
+  packed step on an H200: ``indexing_backward_kernel``). Self-attention runs as one dense kernel call per
+  run of equal-length samples (:mod:`.pack_attention`, eager and compiled); where no dense kernel applies,
+  the variable-length kernel on CUDA (``torch.nn.attention.varlen``, bf16/fp16), per-sample SDPA elsewhere,
+  and a block-diagonal mask inside ``torch.compile``. Cross-attention runs through the varlen kernel on
+  CUDA (bf16/fp16); elsewhere per sample in eager mode and with a block mask inside ``torch.compile``.
 
 Under ``torch.compile`` (``compile_blocks``) nothing that describes the pack's composition enters a block's
 graph as a Python value: offsets and segment ids are tensors and the longest sample is a symbolic int, so
@@ -101,7 +103,7 @@ SEGMENT_ATTENTIONS = ("auto", "runs", "varlen", "per_sample")
 SEGMENT_ATTENTION = "auto"
 
 #: Send every pack, equal lengths included, through the ``"segments"`` route (benchmarks only: with
-#: ``SEGMENT_SUM = "index"`` this is the packed path before issue 36).
+#: ``SEGMENT_SUM = "index"`` this is the packed path that gathered rows by advanced indexing).
 FORCE_SEGMENTS = False
 
 

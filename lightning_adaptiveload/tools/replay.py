@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # configuration name -> (schedule passed to plan_epoch, batcher mode)
-# The lockstep schedule's target for step-time CV and straggler wait (issue 7), checked and reported by
+# The lockstep schedule's target for step-time CV and straggler wait, checked and reported by
 # simulate and drawn in its plots (never asserted).
 TARGET_LOCKSTEP = 0.02
 
