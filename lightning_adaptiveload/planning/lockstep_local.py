@@ -12,7 +12,7 @@ rest of the planner counts) and its unequal batches in full (the packed tail re-
 across ranks).
 
 The choices are those of :func:`~.lockstep.lockstep_batches`, sample for sample: a rank-local plan
-equals the kept part of the plan of every stream (``tests/test_chunked_plan.py``). Pure NumPy.
+equals the kept part of the plan of every stream (``tests/planning/test_chunked_plan.py``). Pure NumPy.
 """
 
 from __future__ import annotations
