@@ -7,8 +7,6 @@ import os
 import pytest
 from _paths import ROOT
 
-from lightning_adaptiveload.data.synthetic import SyntheticShards
-
 BALANCE = str(ROOT / "benchmarks" / "balance")
 
 
@@ -25,16 +23,8 @@ def conv():
 
 
 @pytest.fixture(scope="module")
-def train(tmp_path_factory):
-    from lightning_adaptiveload.data import write_synthetic_shards
-
-    d = tmp_path_factory.mktemp("train")
-    write_synthetic_shards(
-        d,
-        settings=SyntheticShards(mix="tiny", num_samples=96, samples_per_shard=16, text_len_range=None),
-        progress=False,
-    )
-    return str(d)
+def train(synthetic_shards):
+    return synthetic_shards([16] * 6, seed=0, name="train", text_len_range=None)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _fixtures import quiet_cpu_trainer
 from _paths import ROOT, TESTS
 
 from lightning_adaptiveload.cli import main as cli
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.settings import PlanSettings
 
 QUICKSTART = str(ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml")
@@ -205,54 +205,31 @@ def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
     assert "clip_v1.5.latent.npy" in str(err.value)
 
 
-def test_oversize_in_a_library_fit_is_the_error_raised(tmp_path):
+def test_oversize_in_a_library_fit_is_the_error_raised(synthetic_shards, tmp_path):
     # Without the CLI: the oversize error is raised by setup, not masked by Lightning's teardown.
-    import lightning as L
-
-    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
-    write_synthetic_shards(
-        tmp_path / "train",
-        settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8),
-        progress=False,
-    )
-    data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=100, mode="equal_tokens", num_workers=0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-        reload_dataloaders_every_n_epochs=1,
-    )  # fmt: skip
+    train = synthetic_shards([8, 8], seed=0, name="train")
+    data = AdaptiveLoadDataModule(train, max_tokens=100, mode="equal_tokens", num_workers=0)
+    trainer = quiet_cpu_trainer(tmp_path, max_steps=1, reload_dataloaders_every_n_epochs=1)
     with pytest.raises(ValueError, match="more than max_tokens=100"):
         trainer.fit(VideoDiTModule(preset="tiny"), datamodule=data)
 
 
-def test_no_validation_data_means_no_validation_loader(tmp_path):
-    import lightning as L
+def test_no_validation_data_means_no_validation_loader(synthetic_shards, tmp_path):
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
-    write_synthetic_shards(
-        tmp_path / "train",
-        settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8),
-        progress=False,
-    )
-    data = AdaptiveLoadDataModule(str(tmp_path / "train"), max_tokens=1024, num_workers=0)
+    train = synthetic_shards([8, 8], seed=0, name="train")
+    data = AdaptiveLoadDataModule(train, max_tokens=1024, num_workers=0)
     assert not is_overridden("val_dataloader", data)
     assert "val_dataloader" not in vars(data)  # decided by the class's hook, nothing rebound on the instance
-    with_val = AdaptiveLoadDataModule(
-        str(tmp_path / "train"), val_shards=str(tmp_path / "train"), num_workers=0
-    )
+    with_val = AdaptiveLoadDataModule(train, val_shards=train, num_workers=0)
     assert is_overridden("val_dataloader", with_val)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-        reload_dataloaders_every_n_epochs=1,
-    )  # fmt: skip
+    trainer = quiet_cpu_trainer(tmp_path, max_steps=1, reload_dataloaders_every_n_epochs=1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(VideoDiTModule(preset="tiny"), datamodule=data)
@@ -386,7 +363,7 @@ def test_end_of_fit_balance_line_reuses_the_runs_plan_and_skips_the_baseline_at_
     assert "baseline not planned" in line and "simulate" in line
 
 
-def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(tmp_path, caplog):
+def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(synthetic_shards, caplog):
     # The epoch line said "schedule packed, mode dual" while simulate called packed "equal_tokens": the
     # packed schedule uses no batcher mode, and every place now says so in the same words.
     import logging
@@ -394,18 +371,14 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(t
 
     from lightning_adaptiveload import AdaptiveLoadDataModule
     from lightning_adaptiveload.cli import fit, simulate
-    from lightning_adaptiveload.data import write_synthetic_shards
     from lightning_adaptiveload.planning.plan import batching_label
 
     label = batching_label("packed", "dual")
     assert label == batching_label("packed", "equal_tokens") and "sizing dual" not in label
     assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
 
-    write_synthetic_shards(
-        tmp_path / "d", settings=SyntheticShards(num_samples=24, samples_per_shard=12), progress=False
-    )
     dm = AdaptiveLoadDataModule(
-        train_shards=str(tmp_path / "d"), max_tokens=512, schedule="packed", num_workers=0
+        train_shards=synthetic_shards([12, 12], seed=0), max_tokens=512, schedule="packed", num_workers=0
     )
     dm.setup("fit")
     with caplog.at_level(logging.INFO):
@@ -449,19 +422,14 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
         assert f"compute CV {run}" in text and f"against {base}" in text, (doc, run, base)
 
 
-def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(tmp_path):
+def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(synthetic_shards):
     # "raise max_tokens to at least 216" named the first sample over the cap; following it failed again at a
     # 225-token sample. The error now names the largest sample's count and how many are over the cap.
-    from lightning_adaptiveload.data import ShardIndex, SyntheticShards, write_synthetic_shards
+    from lightning_adaptiveload.data import ShardIndex
     from lightning_adaptiveload.data.datamodule_inputs import check_oversize
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
-    write_synthetic_shards(
-        tmp_path,
-        settings=SyntheticShards(mix="tiny", num_samples=64, samples_per_shard=16, seed=0),
-        progress=False,
-    )
-    index = ShardIndex.load(str(tmp_path / "index.json"))
+    index = ShardIndex.load(os.path.join(synthetic_shards([16] * 4, seed=0), "index.json"))
     shapes = [tuple(s) for shard in index.shards for s in shard.latent_shapes]
     tokens = [s[1] * (s[2] // 2) * (s[3] // 2) for s in shapes]
     cap = sorted(tokens)[len(tokens) // 2]

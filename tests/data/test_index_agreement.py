@@ -11,10 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_adaptiveload.data import write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index_agreement import index_disagreement
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 
 
 def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], out_dir: str) -> None:
@@ -38,27 +36,12 @@ def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], o
 
 
 @pytest.mark.timeout(120)
-def test_ranks_with_different_indexes_fail_naming_what_differs(tmp_path):
-    same = str(tmp_path / "a")
-    write_synthetic_shards(
-        same,
-        settings=SyntheticShards(mix="tiny", num_samples=20, samples_per_shard=10, seed=1),
-        progress=False,
-    )
-    more = str(tmp_path / "b")  # one more sample, in a third shard: what a shard added at start-up gives
-    write_synthetic_shards(
-        more,
-        settings=SyntheticShards(mix="tiny", num_samples=21, samples_per_shard=10, seed=1),
-        progress=False,
-    )
-    shapes = str(
-        tmp_path / "c"
-    )  # the same keys and counts, other latent shapes: only the fingerprint differs
-    write_synthetic_shards(
-        shapes,
-        settings=SyntheticShards(mix="tiny", num_samples=20, samples_per_shard=10, seed=2),
-        progress=False,
-    )
+def test_ranks_with_different_indexes_fail_naming_what_differs(synthetic_shards, tmp_path):
+    same = synthetic_shards([10, 10], seed=1)
+    # One more sample, in a third shard: what a shard added at start-up gives.
+    more = synthetic_shards([10, 10, 1], seed=1)
+    # The same keys and counts, other latent shapes: only the fingerprint differs.
+    shapes = synthetic_shards([10, 10], seed=2)
     dirs = {"same": [same, same], "more": [same, more], "shapes": [same, shapes]}
     out = tmp_path / "out"
     out.mkdir()

@@ -16,9 +16,8 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, index_keys, resumed_run
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
+from lightning_adaptiveload.data import ShardIndex
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -150,16 +149,11 @@ def test_resume_state_of_finished_epoch_starts_next_epoch_afresh(shards, monkeyp
     assert sorted(k for b in nxt for k in b) == sorted(index_keys(shards))
 
 
-def test_resume_rejects_other_data(shards, tmp_path, monkeypatch):
+def test_resume_rejects_other_data(shards, synthetic_shards, monkeypatch):
     dm = make_dm(shards, 0, 1, 0, "independent", monkeypatch)
     take(dm, 1, monkeypatch, 0, 1)
     state = dm.state_dict()
-    other = str(tmp_path / "other")
-    write_synthetic_shards(
-        other,
-        settings=SyntheticShards(mix="tiny", num_samples=40, samples_per_shard=10, seed=1),
-        progress=False,
-    )
+    other = synthetic_shards([10] * 4, seed=1, name="other")
     dm2 = make_dm(other, 0, 1, 0, "independent", monkeypatch)
     dm2.load_state_dict(state)
     with pytest.raises(ValueError, match="fingerprint"):

@@ -16,8 +16,6 @@ import torch
 from _ddp_data_runner import launch
 from _paths import TESTS
 
-from lightning_adaptiveload.data import write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -28,14 +26,9 @@ SIZES = [9, 4, 7, 5, 8, 3]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory, synthetic_shards) -> dict:
     root = tmp_path_factory.mktemp("fsdp")
-    data = str(root / "shards")
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
-        progress=False,
-    )
+    data = synthetic_shards(SIZES, seed=5)
     weights = root / "weights"
     weights.mkdir()
     torch.manual_seed(11)

@@ -23,8 +23,6 @@ from _ddp_data_runner import launch
 from _paths import TESTS
 from test_fsdp import _column, _errors, _losses
 
-from lightning_adaptiveload.data import write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -62,16 +60,11 @@ def _runs() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
+def launched(tmp_path_factory, synthetic_shards) -> dict:
     """The output folder of the one launch, and its failure (None, or the message): the runs write their
     results as they finish, so a later run's failure leaves the earlier ones to be judged."""
     root = tmp_path_factory.mktemp("fsdp-batches")
-    data = str(root / "shards")
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
-        progress=False,
-    )
+    data = synthetic_shards(SIZES, seed=5)
     weights = root / "weights"
     weights.mkdir()
     torch.manual_seed(11)

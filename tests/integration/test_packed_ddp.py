@@ -8,32 +8,29 @@ import os
 import lightning as L
 import pytest
 import torch
+from _fixtures import index_keys
 from _recording import fit_two_ranks
 
-from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.models.module import VideoDiTModule
 
 SIZES = [9, 3, 7, 5]
 MAX_TOKENS = 768
 
 
-def test_packed_fit_two_ranks(tmp_path):
-    data = str(tmp_path / "shards")
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
-        progress=False,
-    )
+@pytest.fixture(scope="module")
+def shards(synthetic_shards) -> str:
+    return synthetic_shards(SIZES, seed=5)
+
+
+def test_packed_fit_two_ranks(shards, tmp_path):
     base = str(tmp_path / "rec.rank{}.jsonl")
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
+    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
     rows = fit_two_ranks(dm, base)
     assert len(rows[0]) == len(rows[1]) > 0  # equal steps
     assert all(r["packed"] for rank in rows for r in rank)
     taken = [k for rank in rows for r in rank for k in r["keys"]]
-    keys = [k for s in ShardIndex.load(os.path.join(data, "index.json")).shards for k in s.keys]
-    assert sorted(taken) == sorted(keys)  # every sample exactly once
+    assert sorted(taken) == sorted(index_keys(shards))  # every sample exactly once
     for rank in rows:
         for r in rank:
             assert r["num_tokens"] <= MAX_TOKENS
@@ -63,21 +60,11 @@ class _SaysNoPacks(_NoPacks):
     runs_packed_batches = False
 
 
-def _shards(tmp_path) -> str:
-    data = str(tmp_path / "shards")
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=sum(SIZES), samples_per_shard=SIZES, seed=5),
-        progress=False,
-    )
-    return data
-
-
 @pytest.mark.parametrize("module", [_NoPacks, _SaysNoPacks])
-def test_packed_schedule_refuses_a_module_without_packs(tmp_path, module):
+def test_packed_schedule_refuses_a_module_without_packs(shards, module):
     # Before, the packed schedule never asked: the module got packs and failed deep inside its first step
     # ("'list' object has no attribute 'float'"), or trained silently on what it misread.
-    dm = AdaptiveLoadDataModule(train_shards=_shards(tmp_path), max_tokens=MAX_TOKENS, schedule="packed")
+    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed")
     said = (
         "sets runs_packed_batches = False" if module is _SaysNoPacks else "does not set runs_packed_batches"
     )
@@ -93,11 +80,11 @@ def test_packed_schedule_refuses_a_module_without_packs(tmp_path, module):
 
 
 @pytest.mark.timeout(240)
-def test_packed_schedule_refuses_before_the_first_step_on_every_rank(tmp_path):
+def test_packed_schedule_refuses_before_the_first_step_on_every_rank(shards, tmp_path):
     # 2 ranks (ddp_spawn, gloo): both raise in setup, before any collective of the fit, so neither waits
     # for the other; no training step runs.
     marker = str(tmp_path / "a_step_ran")
-    dm = AdaptiveLoadDataModule(train_shards=_shards(tmp_path), max_tokens=MAX_TOKENS, schedule="packed")
+    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,

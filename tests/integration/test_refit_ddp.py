@@ -22,10 +22,6 @@ from _fixtures import assert_each_key_once, index_keys
 from _paths import TESTS
 from _refit_runner import launch
 
-from lightning_adaptiveload.data.synthetic import (
-    SyntheticShards,
-    write_synthetic_shards,
-)
 from lightning_adaptiveload.monitor import stats
 
 RUNNER = str(TESTS / "_refit_runner.py")
@@ -62,13 +58,8 @@ def _close(fitted: dict, rtol: float) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    data = str(tmp_path_factory.mktemp("refit-shards"))
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=480, samples_per_shard=40, seed=5),
-        progress=False,
-    )
+def runs(tmp_path_factory, synthetic_shards) -> dict:
+    data = synthetic_shards([40] * 12, seed=5, name="refit-shards")
     out = str(tmp_path_factory.mktemp("refit-out"))
     first = [
         {"name": "lockstep", "schedule": "lockstep", "max_epochs": 2, "cost_model": LINEAR, "ckpt": True},

@@ -27,7 +27,6 @@ from _fixtures import assert_each_key_once, index_keys
 from _paths import TESTS
 from _refit_runner import launch
 
-from lightning_adaptiveload.data.synthetic import SyntheticShards, write_synthetic_shards
 from lightning_adaptiveload.monitor import stats
 
 RUNNER = str(TESTS / "_refit_runner.py")
@@ -52,13 +51,8 @@ def _costs(rows: list[list[dict]]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    data = str(tmp_path_factory.mktemp("replan-shards"))
-    write_synthetic_shards(
-        data,
-        settings=SyntheticShards(mix="tiny", num_samples=480, samples_per_shard=40, seed=5),
-        progress=False,
-    )
+def runs(tmp_path_factory, synthetic_shards) -> dict:
+    data = synthetic_shards([40] * 12, seed=5, name="replan-shards")
     out = str(tmp_path_factory.mktemp("replan-out"))
     common = {"schedule": "lockstep", "max_epochs": 1, "cost_model": LINEAR, "noise": False, "num_workers": 2}
     first = [

@@ -12,7 +12,6 @@ import torch
 from _fixtures import quiet_cpu_trainer
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload.data.synthetic import SyntheticShards
 from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
 from lightning_adaptiveload.monitor.timing import ManualClock
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -159,19 +158,12 @@ def test_dual_mode_applies_the_refit_only_with_resize_batches(tmp_path, caplog):
     assert [e[0] for e in dm.events if e[0] == "model"] == ["model"]
 
 
-def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
+def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(synthetic_shards):
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.data.synthetic import write_synthetic_shards
     from lightning_adaptiveload.planning.inputs import distinct_shapes
 
-    write_synthetic_shards(
-        str(tmp_path),
-        settings=SyntheticShards(mix="tiny", num_samples=64, samples_per_shard=16, seed=1),
-        progress=False,
-    )
-    dm = AdaptiveLoadDataModule(
-        str(tmp_path), max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0}
-    )
+    data = synthetic_shards([16] * 4, seed=1)
+    dm = AdaptiveLoadDataModule(data, max_tokens=512, num_workers=0, cost_model={"kind": "power", "p": 1.0})
     dm.setup("fit")
     before = dm.train_dataset.make_plan(0)
     dm.set_cost_model(TRUE.to_dict())
@@ -183,7 +175,7 @@ def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(tmp_path):
     assert after.report["batches"] != before.report["batches"]  # the new costs size the batches
     assert dm.train_dataset.plan_settings()["batcher"]["cost_model"] == TRUE.to_dict()  # saved for a resume
     fixed = AdaptiveLoadDataModule(
-        str(tmp_path),
+        data,
         max_tokens=512,
         num_workers=0,
         max_compute=300.0,
