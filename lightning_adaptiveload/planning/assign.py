@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +22,10 @@ from lightning_adaptiveload.planning.resume import ConsumedMask
 
 __all__ = [
     "Piece",
+    "StreamReads",
     "assign",
     "exclusions",
+    "read_arrays",
     "read_id_arrays",
     "reads_of",
     "shard_pieces",
@@ -259,15 +261,56 @@ def reads_of(pieces: list[Piece]) -> list[Read]:
     return reads
 
 
-def read_id_arrays(pieces: list[Piece]) -> list[np.ndarray]:
-    """The sample ids of each of :func:`reads_of`'s reads, as int64 arrays (from the pieces' arrays)."""
-    out: list[np.ndarray] = []
-    last = None
+def read_arrays(pieces: list[Piece]) -> list[tuple[int, np.ndarray]]:
+    """:func:`reads_of`'s reads with their sample ids as int64 arrays (from the pieces' arrays)."""
+    out: list[tuple[int, np.ndarray]] = []
     for p in pieces:
         ids = p.id_array if p.id_array is not None else np.asarray(p.ids, dtype=np.int64)
-        if out and last == p.shard:
-            out[-1] = np.sort(np.concatenate([out[-1], ids]))
+        if out and out[-1][0] == p.shard:
+            out[-1] = (p.shard, np.sort(np.concatenate([out[-1][1], ids])))
         else:
-            out.append(ids)
-        last = p.shard
+            out.append((p.shard, ids))
     return out
+
+
+def read_id_arrays(pieces: list[Piece]) -> list[np.ndarray]:
+    """The sample ids of each of :func:`reads_of`'s reads, as int64 arrays (from the pieces' arrays)."""
+    return [ids for _, ids in read_arrays(pieces)]
+
+
+class StreamReads(MutableMapping):
+    """Every stream's reads (:func:`reads_of` of its pieces), each made on first access (or set): a
+    rank-local plan makes the lists of sample ids of the streams it keeps or edits only. ``count``: how
+    many reads a stream has, without its lists."""
+
+    def __init__(self, assignment: Mapping[Stream, list[Piece]]) -> None:
+        self._pieces = assignment
+        self._reads: dict[Stream, list[Read]] = {}
+
+    def __getitem__(self, st: Stream) -> list[Read]:
+        got = self._reads.get(st)
+        if got is None:
+            got = self._reads[st] = reads_of(self._pieces[st])
+        return got
+
+    def __setitem__(self, st: Stream, reads: list[Read]) -> None:
+        if st not in self._pieces:
+            raise KeyError(st)
+        self._reads[st] = reads
+
+    def __delitem__(self, st: Stream) -> None:
+        raise TypeError("StreamReads: every stream has reads; set them instead")
+
+    def __iter__(self) -> Iterator[Stream]:
+        return iter(self._pieces)
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def count(self, st: Stream) -> int:
+        """``len(self[st])``: one read per run of pieces of one shard, unless the reads were set."""
+        got = self._reads.get(st)
+        if got is not None:
+            return len(got)
+        ps = self._pieces[st]
+        return sum(1 for i, p in enumerate(ps) if i == 0 or ps[i - 1].shard != p.shard)

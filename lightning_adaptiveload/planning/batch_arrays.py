@@ -14,7 +14,6 @@ and a :class:`BatchArrays` answer the same calls of :mod:`.reshape` and :mod:`.e
 
 from __future__ import annotations
 
-import heapq
 import operator
 from collections.abc import Iterator
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
-__all__ = ["BatchArrays", "chunk_sizes", "most_packable"]
+__all__ = ["BatchArrays", "RefSource", "chunk_sizes", "most_packable"]
 
 _REFS = operator.attrgetter("refs")
 _I64 = np.int64
@@ -47,9 +46,12 @@ def most_packable(groups: dict[int, tuple[int, int]], sizes: list[int]) -> tuple
 
 class BatchArrays:
     """A stream's batches as columns; batch j is ``bucket[j]`` with the refs
-    ``zip(shard, ids)[start[j] : start[j] + n[j]]``, emitted early at the buffer bound if ``bound[j]``."""
+    ``zip(shard, ids)[start[j] : start[j] + n[j]]``, emitted early at the buffer bound if ``bound[j]``.
 
-    __slots__ = ("bucket", "n", "bound", "start", "shard", "ids")
+    The ref columns may be given as a :class:`RefSource` instead (``shard`` and ``ids`` None): they are
+    then made on first use, so that a stream no edit touches and no plan keeps never gathers its refs."""
+
+    __slots__ = ("bucket", "n", "bound", "start", "_shard", "_ids", "_source")
 
     def __init__(
         self,
@@ -57,11 +59,38 @@ class BatchArrays:
         n: np.ndarray,
         bound: np.ndarray,
         start: np.ndarray,
-        shard: np.ndarray,
-        ids: np.ndarray,
+        shard: np.ndarray | None,
+        ids: np.ndarray | None,
+        source: RefSource | None = None,
     ) -> None:
         self.bucket, self.n, self.bound, self.start = bucket, n, bound, start
-        self.shard, self.ids = shard, ids
+        self._shard, self._ids, self._source = shard, ids, source
+
+    def _refs(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._source is not None:
+            self._shard, self._ids = self._source.columns()
+            self._source = None
+        return self._shard, self._ids  # type: ignore[return-value]
+
+    @property
+    def shard(self) -> np.ndarray:
+        """Shard id of each ref (batch order)."""
+        return self._refs()[0]
+
+    @shard.setter
+    def shard(self, value: np.ndarray) -> None:
+        self._refs()
+        self._shard = value
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Sample id of each ref (batch order)."""
+        return self._refs()[1]
+
+    @ids.setter
+    def ids(self, value: np.ndarray) -> None:
+        self._refs()
+        self._ids = value
 
     @classmethod
     def from_batches(cls, batches: list[Batch]) -> BatchArrays:
@@ -166,21 +195,11 @@ class BatchArrays:
             # other batch until it has been split once, and there are only `need` splits.
             key = self.n[cand] * (len(self.n) + 1) + cand
             cand = cand[np.argpartition(-key, need - 1)[:need]]
-        ns = dict(zip(cand.tolist(), self.n[cand].tolist()))
-        pieces: dict[int, int] = {}
-        heap = list(zip((-self.n[cand]).tolist(), (-cand).tolist()))
-        heapq.heapify(heap)
-        added = 0
-        while added < need and heap:
-            _, neg_j = heapq.heappop(heap)
-            j = -neg_j
-            k = pieces[j] = pieces.get(j, 1) + 1
-            added += 1
-            if ns[j] > k:
-                heapq.heappush(heap, ((-ns[j]) // k, -j))  # (-ceil(n / k), -j), as the list version
+        pieces = _split_pieces(self.n[cand], cand, need)
+        added = int(pieces.sum()) - len(cand)
         if added:
             k = np.ones(len(self.bucket), dtype=_I64)
-            k[list(pieces)] = list(pieces.values())
+            k[cand] = pieces
             row = np.repeat(np.arange(len(k), dtype=_I64), k)
             i = np.arange(len(row), dtype=_I64) - np.repeat(np.cumsum(k) - k, k)  # piece index in its batch
             n, kk = self.n[row], k[row]
@@ -260,6 +279,51 @@ class BatchArrays:
             self._keep_rows(drop)
             removed += len(pos) - keep
         return removed
+
+
+class RefSource:
+    """Ref columns made when first needed: the samples at read positions ``at`` of reads laid end to end
+    (read k from position ``read_lo[k]``, of shard ``read_shard[k]``; sample ids ``ids`` by position)."""
+
+    __slots__ = ("read_lo", "read_shard", "ids", "at")
+
+    def __init__(self, read_lo: np.ndarray, read_shard: np.ndarray, ids: np.ndarray, at: np.ndarray) -> None:
+        self.read_lo, self.read_shard, self.ids, self.at = read_lo, read_shard, ids, at
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(shard ids, sample ids), int64."""
+        read = np.searchsorted(self.read_lo, self.at, side="right") - 1
+        return self.read_shard[read], self.ids[self.at]
+
+
+def _split_pieces(n: np.ndarray, j: np.ndarray, need: int) -> np.ndarray:
+    """Pieces per batch (sizes ``n`` > 1, rows ``j``) after ``need`` single splits, each of the batch whose
+    pieces are largest (``ceil(n / pieces)``; the latest row on ties), or fewer once every piece holds one
+    sample: :func:`~.reshape.split_batches`' heap, from counts.
+
+    The largest piece only shrinks, so the splits come level by level: every split of a batch whose piece
+    is above some level v happens before any at v. To bring its pieces to v or below, a batch needs
+    ``ceil(n / v)`` pieces; the split level is the lowest v whose splits above it fit in ``need`` (a
+    bisection), and the splits left are made at v, latest row first (a batch split at v whose pieces are
+    still v is split again at once: it stays the latest at v).
+    """
+    if need >= int((n - 1).sum()):
+        return n.copy()  # one sample per piece
+    lo, hi = 2, int(n.max())
+    while lo < hi:  # the lowest level v whose splits above it fit in need
+        mid = (lo + hi) // 2
+        if int((-(-n // mid) - 1).sum()) <= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = -(-n // lo)
+    left = need - int((k - 1).sum())
+    if left:
+        at_level = -(-n // (lo - 1)) - k  # splits each batch takes at level lo
+        by = np.argsort(-j, kind="stable")  # latest row first
+        before = np.cumsum(at_level[by]) - at_level[by]
+        k[by] += np.clip(left - before, 0, at_level[by])
+    return k
 
 
 def _per_bucket(bucket: np.ndarray, n: np.ndarray, n_buckets: int) -> dict[int, int]:

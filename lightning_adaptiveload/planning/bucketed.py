@@ -13,13 +13,13 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.planning.assign import assign, read_id_arrays, reads_of, shard_pieces
+from lightning_adaptiveload.planning.assign import StreamReads, assign, read_arrays, reads_of, shard_pieces
 from lightning_adaptiveload.planning.batch_arrays import BatchArrays
 from lightning_adaptiveload.planning.equalise import Move, apply_moves, equalise
 from lightning_adaptiveload.planning.independent import buffer_bound, independent_batches
@@ -97,10 +97,17 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
     assignment, n_splits = assign(pieces, world, workers, weight_of, lockstep)
     rank_local_lockstep = lockstep and keep is not None and packed_end
     # The rank-local lockstep plan makes its own rank's reads (and counts every rank's): no per-stream lists.
-    reads = {} if rank_local_lockstep else {st: reads_of(ps) for st, ps in assignment.items()}
+    # Independent: the lists of a stream are made where it is kept or edited (StreamReads).
+    reads: Any
+    if rank_local_lockstep:
+        reads = {}
+    elif lockstep:
+        reads = {st: reads_of(ps) for st, ps in assignment.items()}
+    else:
+        reads = StreamReads(assignment)
     local: LocalLockstep | None = None
     if not lockstep:
-        columns = ({st: read_id_arrays(ps) for st, ps in assignment.items()}, *_bucket_arrays(table))
+        columns = ({st: read_arrays(ps) for st, ps in assignment.items()}, *_bucket_arrays(table))
         sim = independent_batches(reads, table.bucket_of, sizes, bound, counts, columns)
     elif rank_local_lockstep:
         local = lockstep_local(
@@ -210,7 +217,7 @@ def _report(
     num_workers: int,
     counts: dict[str, int],
     sim: dict[Stream, list[Batch]],
-    reads: dict[Stream, list[Read]],
+    reads: Mapping[Stream, list[Read]],
     steps: _Steps,
     n_classes: int,
     max_compute: float | None,
@@ -240,7 +247,7 @@ def _report(
         "moved_samples": counts["moved_samples"],
         "moved_batches": counts["moved_batches"],
         "shard_splits": counts["shard_splits"],
-        "reads": sum(len(v) for v in reads.values()),
+        "reads": _read_count(reads),
         "max_buffered_samples": counts["max_buffered_samples"],
         "max_compute": max_compute,
         "est_compute_cv": steps.est_cv,
@@ -249,9 +256,16 @@ def _report(
     }
 
 
+def _read_count(reads: Mapping[Stream, list[Read]]) -> int:
+    """How many reads the streams have (:class:`~.assign.StreamReads` counts them without their lists)."""
+    if isinstance(reads, StreamReads):
+        return sum(map(reads.count, reads))
+    return sum(map(len, reads.values()))
+
+
 def _equal_steps(
     sim: dict[Stream, list[Batch]],
-    reads: dict[Stream, list[Read]],
+    reads: MutableMapping[Stream, list[Read]],
     world: int,
     workers: int,
     mode: str,
@@ -367,34 +381,52 @@ def _step_table(
     step_order = [o[0] for o in orders]
     steps = len(step_order[0]) if step_order else 0
     batch_steps: dict[Stream, list[int]] = {}
-    seq_len = np.array([bk.seq_len for bk in buckets] + [0], dtype=np.int64)
-    bucket_cost = np.array([bk.cost for bk in buckets] + [0.0], dtype=np.float64)
-    cls = np.array(class_of + [-1], dtype=np.int64)
-    step_bucket = np.full((world, steps), -1, dtype=np.int64)
-    step_n = np.zeros((world, steps), dtype=np.int64)
-    is_pack = np.zeros((world, steps), dtype=bool)
-    pack_tokens = np.zeros((world, steps), dtype=np.int64)
-    pack_cost = np.zeros((world, steps), dtype=np.float64)
+    # Every batch as one code, bucket * span + size (an empty cell: the row of bucket -1); per code its
+    # tokens, estimated cost and (class, size) signature are table look-ups.
+    loaded = {}
+    span = 1
     for r in range(world):
         for w in range(workers):
-            idx = orders[r][1][w]
-            batch_steps[(r, w)] = idx
+            batch_steps[(r, w)] = orders[r][1][w]
             if lengths[(r, w)]:
-                bks, ns, packs = loads((r, w))
-                step_bucket[r, idx] = bks
-                step_n[r, idx] = ns
-                for j, tok, cost in packs:
-                    k = idx[j]
-                    is_pack[r, k] = True
-                    pack_tokens[r, k], pack_cost[r, k] = tok, cost
-    tokens = np.where(is_pack, pack_tokens, step_n * seq_len[step_bucket])
-    global_tokens = tokens.sum(axis=0).tolist() if steps else []
-    costs = np.where(is_pack, pack_cost, step_n * bucket_cost[step_bucket])
-    packed_steps = is_pack.all(axis=0) if steps else np.zeros(0, dtype=bool)
+                bks, ns, packs = loaded[(r, w)] = loads((r, w))
+                if len(ns):
+                    span = max(span, int(np.max(ns)) + 1)
+    n_b = len(buckets)
+    table = _CodeTable(buckets, class_of, span)
+    code = np.full((world, steps), n_b * span, dtype=np.int32 if (n_b + 1) * span < 1 << 31 else np.int64)
+    at_r: list[int] = []  # packs: rank, step, tokens, cost
+    at_k: list[int] = []
+    pack_tok: list[int] = []
+    pack_cost: list[float] = []
+    for (r, w), (bks, ns, packs) in loaded.items():
+        idx = batch_steps[(r, w)]
+        code[r, idx] = np.asarray(bks, dtype=np.int64) * span + np.asarray(ns, dtype=np.int64)
+        for j, tok, cost in packs:
+            at_r.append(r)
+            at_k.append(int(idx[j]))
+            pack_tok.append(tok)
+            pack_cost.append(cost)
+    del loaded
+    tokens = np.zeros(steps, dtype=np.int64)
+    sig_same = np.ones(steps, dtype=bool)
+    costs = np.empty((world, steps), dtype=np.float64)
+    for a in range(0, steps, _STEP_BLOCK):  # blocks of steps: the temporaries stay small
+        block = code[:, a : a + _STEP_BLOCK]
+        tokens[a : a + _STEP_BLOCK] = table.tokens[block].sum(axis=0)
+        sig = table.signature[block]
+        sig_same[a : a + _STEP_BLOCK] = (sig == sig[0]).all(axis=0)
+        costs[:, a : a + _STEP_BLOCK] = table.cost[block]
+    pr, pk = np.asarray(at_r, dtype=np.int64), np.asarray(at_k, dtype=np.int64)
+    pt = np.asarray(pack_tok, dtype=np.int64)
+    if len(pk):  # a pack's tokens and cost are its own
+        np.add.at(tokens, pk, pt - table.tokens[code[pr, pk]])
+        costs[pr, pk] = np.asarray(pack_cost, dtype=np.float64)
+    packed_steps = np.bincount(pk, minlength=steps) == world  # every rank takes a pack
     n_pack = int(packed_steps.sum())
-    pack_fill = float(tokens[:, packed_steps].mean()) if n_pack else 0.0
+    pack_fill = float(int(pt[packed_steps[pk]].sum())) / (world * n_pack) if n_pack else 0.0
+    global_tokens = tokens.tolist()
     if steps:
-        sig_same = (cls[step_bucket] == cls[step_bucket[0]]).all(axis=0) & (step_n == step_n[0]).all(axis=0)
         unequal = int((~(sig_same | packed_steps)).sum())
         figures = balance_summary(costs.T)  # the cost model's estimate of the step times
         est_cv, est_wait = figures["cv_mean"], figures["straggler_wait"]
@@ -403,6 +435,25 @@ def _step_table(
     return _Steps(
         step_order, steps, batch_steps, global_tokens, unequal, est_cv, est_wait, n_pack, pack_fill, costs
     )
+
+
+# Steps per block of the step table's look-ups.
+_STEP_BLOCK = 1024
+
+
+class _CodeTable:
+    """Per batch code ``bucket * span + size`` (bucket -1 at ``len(buckets)``): its tokens (size x the
+    bucket's sequence length), estimated cost (size x the bucket's cost, the same float product as
+    element by element) and signature ((class, size): equal signatures are one lockstep step)."""
+
+    def __init__(self, buckets: list[Bucket], class_of: list[int], span: int) -> None:
+        n = np.arange(span, dtype=np.int64)
+        seq_len = np.array([bk.seq_len for bk in buckets] + [0], dtype=np.int64)
+        cost = np.array([bk.cost for bk in buckets] + [0.0], dtype=np.float64)
+        cls = np.array(class_of + [-1], dtype=np.int64)
+        self.tokens = (seq_len[:, None] * n).ravel()
+        self.cost = (n * cost[:, None]).ravel()
+        self.signature = (cls[:, None] * span + n).ravel()
 
 
 def _bucket_arrays(table: Any) -> tuple[np.ndarray, np.ndarray]:

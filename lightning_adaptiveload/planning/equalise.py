@@ -12,6 +12,7 @@ that the steps before stay aligned. Pure Python and NumPy.
 from __future__ import annotations
 
 import operator
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,9 @@ def equalise(
     )
 
 
-def apply_moves(reads: dict[Stream, list[Read]], moves: list[Move], sim: dict[Stream, list[Batch]]) -> None:
+def apply_moves(
+    reads: MutableMapping[Stream, list[Read]], moves: list[Move], sim: dict[Stream, list[Batch]]
+) -> None:
     """Make the reads of every stream that gave or got samples match its batches: its own reads keep the
     samples it still holds, and the samples it got are read from their shards (``select``) after them.
 

@@ -8,10 +8,13 @@ bucket first. Streams whose buffer never reaches the bound are simulated in NumP
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from lightning_adaptiveload.planning.batch_arrays import BatchArrays
+from lightning_adaptiveload.planning.batch_arrays import BatchArrays, RefSource
 from lightning_adaptiveload.planning.inputs import Bucket
+from lightning_adaptiveload.planning.lockstep_schedule import stable_order_within
 from lightning_adaptiveload.planning.plan import Batch, Read, Ref, Stream
 
 __all__ = ["buffer_bound", "independent_batches"]
@@ -81,25 +84,149 @@ def _simulate(
 
 
 def independent_batches(
-    reads: dict[Stream, list[Read]],
+    reads: Mapping[Stream, list[Read]],
     bucket_of: list[list[int]],
     sizes: list[int],
     bound: int,
     counts: dict[str, int],
-    columns: tuple[dict[Stream, list[np.ndarray]], np.ndarray, np.ndarray] | None = None,
+    columns: tuple[Mapping[Stream, list[tuple[int, np.ndarray]]], np.ndarray, np.ndarray] | None = None,
 ) -> dict[Stream, BatchArrays]:
     """Every stream's batches, simulated from its reads (``counts``: partial and bound_partial_batches), as
-    :class:`~.batch_arrays.BatchArrays`. ``columns``: the same reads' sample ids as arrays
-    (:func:`~.assign.read_id_arrays`) and every sample's bucket id with each shard's first position in it,
-    read instead of the lists."""
+    :class:`~.batch_arrays.BatchArrays`. ``columns``: the same reads with their sample ids as arrays
+    (:func:`~.assign.read_arrays`), every sample's bucket id and each shard's first position in it, read
+    instead of the lists: the streams are then simulated together (:func:`_unbounded_all`), and the lists
+    are read only for a stream whose buffer reaches the bound."""
+    if columns is None:
+        fast: Mapping[Stream, BatchArrays | None] = {
+            st: _unbounded(rd, bucket_of, sizes, bound, counts) for st, rd in reads.items()
+        }
+    else:
+        fast = _unbounded_all(*columns, sizes, bound, counts)
     out: dict[Stream, BatchArrays] = {}
-    for st, rd in reads.items():
-        fast = _unbounded(
-            rd, bucket_of, sizes, bound, counts, None if columns is None else (columns[0][st], *columns[1:])
+    for st in reads:
+        got = fast[st]
+        out[st] = (
+            got
+            if got is not None
+            else BatchArrays.from_batches(_simulate(_items(reads[st], bucket_of), sizes, bound, counts))
         )
-        if fast is None:
-            fast = BatchArrays.from_batches(_simulate(_items(rd, bucket_of), sizes, bound, counts))
-        out[st] = fast
+    return out
+
+
+# Streams are simulated together in groups of about this many samples: arrays that stay in cache and that
+# the allocator reuses, where arrays of all the samples would each be fresh memory (slow to touch).
+_GROUP_SAMPLES = 1 << 18
+
+
+def _unbounded_all(
+    reads: Mapping[Stream, list[tuple[int, np.ndarray]]],
+    bucket_ids: np.ndarray,
+    offsets: np.ndarray,
+    sizes: list[int],
+    bound: int,
+    counts: dict[str, int],
+) -> dict[Stream, BatchArrays | None]:
+    """:func:`_unbounded` of every stream, on arrays: ``reads[st]``'s (shard, sample ids) in read order,
+    the sample of id i of shard s in bucket ``bucket_ids[offsets[s] + i]``; streams in groups
+    (:func:`_unbounded_group`)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    bucket_ids = np.asarray(bucket_ids)
+    out: dict[Stream, BatchArrays | None] = {}
+    group: list[Stream] = []
+    held = 0
+    for st, rd in reads.items():
+        group.append(st)
+        held += sum(len(a) for _, a in rd)
+        if held >= _GROUP_SAMPLES:
+            out.update(_unbounded_group(group, reads, bucket_ids, offsets, sizes, bound, counts))
+            group, held = [], 0
+    if group:
+        out.update(_unbounded_group(group, reads, bucket_ids, offsets, sizes, bound, counts))
+    return out
+
+
+def _unbounded_group(
+    streams: list[Stream],
+    reads: Mapping[Stream, list[tuple[int, np.ndarray]]],
+    bucket_ids: np.ndarray,
+    offsets: np.ndarray,
+    sizes: list[int],
+    bound: int,
+    counts: dict[str, int],
+) -> dict[Stream, BatchArrays | None]:
+    """:func:`_unbounded` of ``streams`` at once: their samples laid end to end (read positions), each
+    step of :func:`_unbounded` runs once over all of them, with positions, counts and sums per stream
+    from the group's; a stream's refs are gathered when first used (:class:`~.batch_arrays.RefSource`)."""
+    n_s, n_b = len(streams), len(sizes)
+    shards: list[int] = []
+    ids: list[np.ndarray] = []
+    reads_per_stream = np.zeros(n_s, dtype=np.int64)
+    for i, st in enumerate(streams):
+        rd = reads[st]
+        reads_per_stream[i] = len(rd)
+        for s, a in rd:
+            shards.append(s)
+            ids.append(a)
+    read_len = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    # A read of consecutive ids is a slice of the bucket ids; others are gathered.
+    parts = [
+        bucket_ids[offsets[s] + int(a[0]) : offsets[s] + int(a[0]) + len(a)]
+        if len(a) and int(a[-1]) - int(a[0]) == len(a) - 1
+        else bucket_ids[offsets[s] + a]
+        for s, a in zip(shards, ids)
+    ]
+    z = np.zeros(0, dtype=np.int64)
+    bk = np.concatenate(parts).astype(np.int64) if parts else z
+    read_lo = np.concatenate([[0], np.cumsum(read_len)])
+    lo = read_lo[np.concatenate([[0], np.cumsum(reads_per_stream)])]  # each stream's first sample; n last
+    per_stream = np.diff(lo)
+    n = int(lo[-1])
+    stream = np.repeat(np.arange(n_s, dtype=np.int64), per_stream)
+    key = stream * n_b + bk  # (stream, bucket)
+    order = stable_order_within(bk, n_b, lo.tolist())  # by stream, bucket, file order
+    size = np.asarray(sizes, dtype=np.int64)
+    cnt = np.bincount(key, minlength=n_s * n_b)
+    start = np.cumsum(cnt) - cnt
+    at = np.empty(n, dtype=np.int64)  # each sample's position in ``order``
+    at[order] = np.arange(n, dtype=np.int64)
+    b_size = size[bk]
+    completes = (at - start[key] + 1) % b_size == 0  # the last sample of a run of B of its bucket
+    buffered = np.cumsum(np.where(completes, 1 - b_size, 1))  # the buffer after each sample, per stream
+    buffered -= np.repeat(np.concatenate([[0], buffered])[lo[:-1]], per_stream)
+    over = np.zeros(n_s, dtype=bool)
+    over[stream[~completes & (buffered >= bound)]] = True
+    done = np.flatnonzero(completes)
+    done_stream = stream[done]
+    done_bucket, done_n = bk[done], b_size[done]
+    done_start = at[done] + 1 - done_n - lo[done_stream]
+    rem = cnt % np.tile(size, n_s)
+    part = np.flatnonzero(rem)  # (stream, bucket) of each partial run
+    part_at = start[part] + cnt[part] - rem[part]  # its first sample, in ``order``
+    late = np.argsort(order[part_at], kind="stable")  # by stream, then oldest bucket first
+    part, part_at = part[late], part_at[late]
+    part_stream = part // n_b
+    part_bucket, part_n, part_start = part % n_b, rem[part], part_at - lo[part_stream]
+    counts["partial_batches"] += int((~over[part_stream]).sum())
+    edges = np.arange(n_s + 1, dtype=np.int64)
+    d_lo = np.searchsorted(done_stream, edges).tolist()
+    p_lo = np.searchsorted(part_stream, edges).tolist()
+    id_col = np.concatenate(ids).astype(np.int64) if ids else z
+    shard_of_read = np.asarray(shards, dtype=np.int64)
+    out: dict[Stream, BatchArrays | None] = {}
+    for i, st in enumerate(streams):
+        if over[i]:
+            out[st] = None
+            continue
+        d, p = slice(d_lo[i], d_lo[i + 1]), slice(p_lo[i], p_lo[i + 1])  # full batches, then partial
+        out[st] = BatchArrays(
+            np.concatenate([done_bucket[d], part_bucket[p]]),
+            np.concatenate([done_n[d], part_n[p]]),
+            np.zeros(d.stop - d.start + p.stop - p.start, dtype=bool),
+            np.concatenate([done_start[d], part_start[p]]),
+            None,
+            None,
+            RefSource(read_lo, shard_of_read, id_col, order[lo[i] : lo[i + 1]]),
+        )
     return out
 
 
@@ -109,7 +236,6 @@ def _unbounded(
     sizes: list[int],
     bound: int,
     counts: dict[str, int],
-    columns: tuple[list[np.ndarray], np.ndarray, np.ndarray] | None = None,
 ) -> BatchArrays | None:
     """:func:`_simulate` in arrays, for a stream whose buffer never reaches ``bound``; None if it would
     (then the loop runs, with its early emissions).
@@ -120,12 +246,8 @@ def _unbounded(
     """
     if not reads:
         return BatchArrays.from_batches([])
-    if columns is None:
-        ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
-        bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
-    else:
-        ids, bucket_ids, offsets = columns
-        bk = bucket_ids[np.concatenate([offsets[s] + i for (s, _), i in zip(reads, ids)])].astype(np.int64)
+    ids = [np.asarray(i, dtype=np.int64) for _, i in reads]
+    bk = np.concatenate([np.asarray(bucket_of[s], dtype=np.int64)[i] for (s, _), i in zip(reads, ids)])
     shard_col = np.repeat(np.asarray([s for s, _ in reads], dtype=np.int64), [len(i) for i in ids])
     id_col = np.concatenate(ids)
     n = len(bk)

@@ -31,6 +31,7 @@ from lightning_adaptiveload.planning.lockstep_schedule import (
     class_members,
     schedule_takes,
     stable_order,
+    stable_order_within,
 )
 from lightning_adaptiveload.planning.plan import Batch, Read, Stream
 
@@ -182,9 +183,9 @@ class _Chains:
     from ``recv_first[c]`` on, in the order appended. :meth:`refs` finds the sample at any chain position.
 
     The work per sample is a concatenation of the reads' bucket ids, a count per (read, bucket) and a
-    stable sort of each stream's samples by bucket (small keys, in cache); the balance, the steps and the
-    read counts work on counts, and only the positions looked up (the samples given, the kept rank's
-    chains, the unequal batches) touch samples.
+    stable sort of each stream's samples by bucket (:func:`~.lockstep_schedule.stable_order_within`);
+    the balance, the steps and the read counts work on counts, and only the positions looked up (the
+    samples given, the kept rank's chains, the unequal batches) touch samples.
     """
 
     def __init__(self, world: int, n_b: int) -> None:
@@ -261,14 +262,9 @@ class _Chains:
         out.seg_new = np.ones(len(cells), dtype=bool)
         out.seg_new[1:] = (out.seg_chain[1:] != out.seg_chain[:-1]) | (seg_shard[1:] != seg_shard[:-1])
         out.kept = out.length.copy()
-        # The chain order, stream by stream: a stable sort of its samples by bucket (small keys, in cache).
-        out.order = np.empty(len(bk), dtype=np.int64)
-        small = np.uint8 if n_b <= 1 << 8 else np.uint16 if n_b <= 1 << 16 else np.int64
+        # The chain order: each stream's samples stably sorted by bucket.
         stream_lo = out.read_lo[np.r_[0, np.cumsum(reads_per_stream)]].tolist()
-        for a, z in zip(stream_lo[:-1], stream_lo[1:]):
-            if z > a:
-                out.order[a:z] = np.argsort(bk[a:z].astype(small), kind="stable")
-                out.order[a:z] += a
+        out.order = stable_order_within(bk, n_b, stream_lo)
         return out
 
     def own_refs(self, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

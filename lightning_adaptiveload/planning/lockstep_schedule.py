@@ -15,7 +15,14 @@ import numpy as np
 
 from lightning_adaptiveload.planning.plan import Batch, Ref
 
-__all__ = ["chain_starts", "class_members", "schedule", "schedule_takes", "stable_order"]
+__all__ = [
+    "chain_starts",
+    "class_members",
+    "schedule",
+    "schedule_takes",
+    "stable_order",
+    "stable_order_within",
+]
 
 
 def class_members(class_of: list[int], n_classes: int) -> list[list[int]]:
@@ -235,6 +242,19 @@ def stable_order(key: np.ndarray, bound: int) -> np.ndarray:
     elif bound <= 1 << 31:
         key = key.astype(np.int32)
     return np.argsort(key, kind="stable")
+
+
+def stable_order_within(key: np.ndarray, bound: int, starts: list[int]) -> np.ndarray:
+    """:func:`stable_order` of each run ``key[starts[i] : starts[i + 1]]``, as positions in ``key``: the
+    stable sort by (run, key) for keys in [0, bound). Runs of a few thousand keys sorted one at a time stay
+    in cache: several times faster than one sort of them all."""
+    out = np.empty(len(key), dtype=np.int64)
+    small = key.astype(np.uint16) if bound <= 1 << 16 else key
+    for a, z in zip(starts[:-1], starts[1:]):
+        if z > a:
+            out[a:z] = np.argsort(small[a:z], kind="stable")
+            out[a:z] += a
+    return out
 
 
 def chain_starts(b: np.ndarray, k: np.ndarray, n_b: int) -> np.ndarray:
