@@ -113,3 +113,32 @@ def test_apply_moves_reads_the_same_from_arrays():
         apply_moves(reads, [((0, 0), (1, 0), refs)], sim)
         got.append(reads)
     assert got[0] == got[1] == {(0, 0): [(0, [0, 1, 2])], (1, 0): [(1, [0]), (0, [3])]}
+
+
+def test_ref_columns_from_a_source_are_the_columns_given():
+    """Issue 40: a stream whose refs come from a RefSource gathers them on first use, and reads and edits
+    as the same stream with its columns given."""
+    import numpy as np
+
+    from lightning_adaptiveload.planning.batch_arrays import RefSource
+
+    read_lo = np.array([0, 3, 7], dtype=np.int64)
+    read_shard = np.array([4, 9], dtype=np.int64)
+    ids = np.array([0, 1, 2, 5, 6, 8, 9], dtype=np.int64)
+    at = np.array([6, 0, 3, 1, 5, 2, 4], dtype=np.int64)
+    cols = dict(
+        bucket=np.array([0, 1, 0]), n=np.array([3, 2, 2]), bound=np.zeros(3, bool), start=np.array([0, 3, 5])
+    )
+    lazy = BatchArrays(
+        **{k: v.copy() for k, v in cols.items()},
+        shard=None,
+        ids=None,
+        source=RefSource(read_lo, read_shard, ids, at),
+    )
+    shard = np.array([9, 4, 9, 4, 9, 4, 9])
+    eager = BatchArrays(**{k: v.copy() for k, v in cols.items()}, shard=shard, ids=ids[at])
+    assert lazy.batches() == eager.batches()
+    assert lazy.split(2) == eager.split(2) and lazy.batches() == eager.batches()
+    lazy.append(Batch(1, [(4, 7)]))
+    eager.append(Batch(1, [(4, 7)]))
+    assert lazy.batches() == eager.batches() and lazy.ref_keys().tolist() == eager.ref_keys().tolist()

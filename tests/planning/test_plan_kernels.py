@@ -112,3 +112,80 @@ def test_lockstep_full_steps_match_the_step_loop(seed):
         np.testing.assert_array_equal(g, w)
     assert counts == want_counts
     assert got[1].sum() == avail.sum()  # every sample taken once
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_unbounded_all_matches_each_stream_alone(seed, monkeypatch):
+    """Issue 40: the streams simulated together on arrays (in groups, refs gathered when used) give each
+    stream the batches of the per-sample loop, or None where its buffer reaches the bound."""
+    from lightning_adaptiveload.planning import independent as ind
+    from lightning_adaptiveload.planning.assign import Piece, StreamReads, read_arrays, reads_of
+
+    monkeypatch.setattr(ind, "_GROUP_SAMPLES", 50)  # several groups
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 9, size=int(rng.integers(1, 6))).tolist()
+    lens = rng.integers(1, 40, size=12)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    bucket_ids = rng.integers(0, len(sizes), size=int(offsets[-1])).astype(np.int16)
+    bucket_of = [bucket_ids[offsets[s] : offsets[s + 1]].tolist() for s in range(len(lens))]
+    pieces = {}
+    for st in [(r, w) for r in range(4) for w in range(2)]:
+        ps = []
+        for s in sorted(rng.choice(len(lens), size=int(rng.integers(0, 4)), replace=False).tolist()):
+            n = int(lens[s])
+            if rng.random() < 0.5:
+                ids = np.arange(n, dtype=np.int64)  # a whole shard: read as a slice
+            else:
+                ids = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
+            cut = int(rng.integers(0, len(ids)))  # sometimes two pieces of one shard, read as one
+            for part in [ids[:cut], ids[cut:]] if cut else [ids]:
+                ps.append(Piece(s, s, part.tolist(), [bucket_of[s][i] for i in part], 1.0, part))
+        pieces[st] = ps
+    bound = int(rng.integers(max(sizes), 3 * max(sizes) + 8))
+    counts = {"partial_batches": 0, "bound_partial_batches": 0}
+    got = ind._unbounded_all(
+        {st: read_arrays(ps) for st, ps in pieces.items()}, bucket_ids, offsets, sizes, bound, counts
+    )
+    want_counts = {"partial_batches": 0, "bound_partial_batches": 0}
+    reads = StreamReads(pieces)
+    for st, ps in pieces.items():
+        assert reads.count(st) == len(reads_of(ps)) and reads[st] == reads_of(ps)
+        one = {"partial_batches": 0, "bound_partial_batches": 0}
+        want = _simulate(_items(reads_of(ps), bucket_of), sizes, bound, one)
+        if one["bound_partial_batches"]:
+            assert got[st] is None
+            continue
+        assert got[st].batches() == want
+        want_counts["partial_batches"] += one["partial_batches"]
+    assert counts == want_counts
+
+
+def _split_by_heap(n, rows, need):
+    """BatchArrays.split's former loop: split the batch with the largest pieces (latest row on ties)."""
+    import heapq
+
+    pieces = dict.fromkeys(rows.tolist(), 1)
+    heap = [(-int(x), -int(j)) for x, j in zip(n, rows)]
+    heapq.heapify(heap)
+    size = dict(zip(rows.tolist(), n.tolist()))
+    added = 0
+    while added < need and heap:
+        _, j = heapq.heappop(heap)
+        pieces[-j] += 1
+        added += 1
+        if size[-j] > pieces[-j]:
+            heapq.heappush(heap, ((-size[-j]) // pieces[-j], j))  # (-ceil(n / k), -row)
+    return [pieces[j] for j in rows.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_pieces_match_the_heap(seed):
+    from lightning_adaptiveload.planning.batch_arrays import _split_pieces
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        m = int(rng.integers(1, 25))
+        rows = rng.permutation(rng.choice(200, size=m, replace=False)).astype(np.int64)
+        n = rng.integers(2, int(rng.integers(3, 80)), size=m).astype(np.int64)
+        need = int(rng.integers(1, int((n - 1).sum()) + 4))
+        assert _split_pieces(n, rows, need).tolist() == _split_by_heap(n, rows, need)
