@@ -18,6 +18,9 @@ steps.
 - the straggler wait two ways: ``straggler_wait`` ``sum (max - mean) / sum max`` of the ranks' own compute
   times (to the end of each rank's backward), and ``measured_straggler_wait`` from each rank's measured
   ``sync_wait_s`` (:func:`lightning_adaptiveload.stats.measured_wait_rows`); the two must agree;
+- the noise floor: the straggler wait over the steps in which every rank ran identical work (the same tokens,
+  samples and longest sample; :func:`identical_work_steps`), which no schedule can remove; blank under 10
+  such steps;
 - memory: the peak allocated over (rank, step) as a share of the device, and the paper's "peak VRAM
   utilisation efficiency" ``mean / max`` of the per-step peaks.
 
@@ -297,6 +300,17 @@ def cost_model_error(cost: np.ndarray, seconds: np.ndarray) -> float:
     return float(np.mean(np.abs(k * r - 1.0)))
 
 
+def identical_work_steps(ranks: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
+    """bool (steps,): the kept steps in which every rank ran the same work: the same tokens, samples and
+    longest sample. No schedule can balance these better, so their straggler wait is the noise floor of
+    the machine and the path (kernels, clocks, the all-reduce's overlap) that any plan sits on."""
+    cols = [ranks[c] for c in ("num_tokens", "batch_size", "seq_len") if c in ranks]
+    same = keep.copy()
+    for c in cols:
+        same &= np.isfinite(c).all(axis=1) & (np.nanmax(c, axis=1) - np.nanmin(c, axis=1) <= 0.5)
+    return same
+
+
 #: A step is a *stall* when some rank's compute time exceeds both this factor times, and
 #: :data:`STALL_EXCESS_S` seconds more than, what its tokens take at the run's median seconds per token.
 STALL_FACTOR = 3.0
@@ -359,6 +373,11 @@ def mode_summary(
         "pack_steps": int(pack_rows(ranks, mode)[keep].any(axis=1).sum()),
         "wall_column": wall_col,
     }
+    same = identical_work_steps(ranks, keep) & np.isfinite(ranks["compute_time_s"]).all(axis=1)
+    out["identical_work_steps"] = int(same.sum())
+    out["identical_work_wait"] = (
+        stats.straggler_wait(ranks["compute_time_s"][same]) if same.sum() >= 10 else math.nan
+    )  # fewer than 10 such steps: no floor
     stalls = stall_steps(ranks, keep)
     steady = keep & ~stalls
     steady_wall = np.nanmax(ranks[wall_col][steady], axis=1) if steady.any() else np.zeros(0)
@@ -695,6 +714,8 @@ MEASURED_COLS = (
     ("imbalance_mean", "imbalance", "{:.1%}"),
     ("straggler_wait", "straggler wait", "{:.1%}"),
     ("measured_straggler_wait", "measured wait (sync_wait)", "{:.1%}"),
+    ("identical_work_wait", "wait, identical work (floor)", "{:.1%}"),
+    ("identical_work_steps", "identical-work steps", "{}"),
     ("peak_allocated_gib_max", "peak GiB", "{:.1f}"),
     ("vram_efficiency_max", "peak / device", "{:.1%}"),
     ("peak_vram_util_eff", "peak VRAM util. eff.", "{:.1%}"),

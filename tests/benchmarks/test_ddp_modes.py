@@ -531,3 +531,36 @@ def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench):
     assert s["tokens_per_s"] == pytest.approx(all_tok)
     steady_tokens_per_s = tok[steady].sum() / (comp[steady].max(axis=1) + 0.05).sum()
     assert s["tokens_per_s_no_stalls"] == pytest.approx(steady_tokens_per_s)
+
+
+def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
+    _, report = bench
+    # 4 ranks, 30 steps. Even steps: every rank runs one 32,760-token clip, one rank 5% slower (noise).
+    # Odd steps: rank 0 runs a shorter clip, so its time differs by work, and those steps are no floor.
+    rng = np.random.default_rng(0)
+    steps, world = 30, 4
+    tok = np.full((steps, world), 32760.0)
+    tok[1::2, 0] = 20280.0
+    comp = 2.0 * tok / 32760.0
+    comp[0::2, 3] *= 1.05
+    comp[1::2] *= 1.0 + 0.001 * rng.random((steps // 2, world))
+    ranks = {
+        "compute_time_s": comp,
+        "num_tokens": tok,
+        "batch_size": np.ones_like(comp),
+        "seq_len": tok.copy(),
+        "iter_time_s": comp.max(axis=1, keepdims=True).repeat(world, axis=1) + 0.05,
+        "step_time_s": comp.max(axis=1, keepdims=True).repeat(world, axis=1) + 0.05,
+        "peak_allocated_bytes": np.full_like(comp, 1e9),
+    }
+    keep = report.kept_steps(ranks, warmup=2)
+    same = report.identical_work_steps(ranks, keep)
+    assert same.tolist() == [i >= 2 and i % 2 == 0 for i in range(steps)]
+    s = report.mode_summary(ranks, warmup=2, device_total=None)
+    assert s["identical_work_steps"] == 14
+    assert s["identical_work_wait"] == pytest.approx(stats.straggler_wait(comp[2::2]))
+    assert s["identical_work_wait"] == pytest.approx((2.1 - 2.025) / 2.1)
+    assert s["straggler_wait"] > s["identical_work_wait"]  # the odd steps' wait is work, not noise
+    # Under 10 such steps there is no floor to give.
+    s = report.mode_summary(ranks, warmup=12, device_total=None)
+    assert s["identical_work_steps"] == 9 and math.isnan(s["identical_work_wait"])
