@@ -311,6 +311,17 @@ def identical_work_steps(ranks: dict[str, np.ndarray], keep: np.ndarray) -> np.n
     return same
 
 
+def identical_work_noise(ranks: dict[str, np.ndarray], keep: np.ndarray) -> float:
+    """The relative spread of the ranks' compute times on identical work: the mean over
+    :func:`identical_work_steps` of ``std / mean`` of the step's times (``ddof=1``); nan under 10 steps.
+    The simulator adds this noise to its replayed times to predict the wait a real machine adds."""
+    same = identical_work_steps(ranks, keep) & np.isfinite(ranks["compute_time_s"]).all(axis=1)
+    comp = ranks["compute_time_s"][same]
+    if comp.shape[0] < 10 or comp.shape[1] < 2:
+        return math.nan
+    return float(np.mean(comp.std(axis=1, ddof=1) / comp.mean(axis=1)))
+
+
 #: A step is a *stall* when some rank's compute time exceeds both this factor times, and
 #: :data:`STALL_EXCESS_S` seconds more than, what its tokens take at the run's median seconds per token.
 STALL_FACTOR = 3.0
@@ -378,6 +389,7 @@ def mode_summary(
     out["identical_work_wait"] = (
         stats.straggler_wait(ranks["compute_time_s"][same]) if same.sum() >= 10 else math.nan
     )  # fewer than 10 such steps: no floor
+    out["identical_work_noise"] = identical_work_noise(ranks, keep)
     stalls = stall_steps(ranks, keep)
     steady = keep & ~stalls
     steady_wall = np.nanmax(ranks[wall_col][steady], axis=1) if steady.any() else np.zeros(0)
@@ -514,6 +526,16 @@ def _plan_settings(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, An
     }
 
 
+def _pooled_noise(per_mode: dict[str, dict]) -> float:
+    """Every mode's :func:`identical_work_noise`, weighted by its identical-work steps; nan without one."""
+    pairs = [
+        (m["summary"].get("identical_work_noise", math.nan), m["summary"].get("identical_work_steps", 0))
+        for m in per_mode.values()
+    ]
+    pairs = [(v, n) for v, n in pairs if math.isfinite(v) and n > 0]
+    return float(np.average([v for v, _ in pairs], weights=[n for _, n in pairs])) if pairs else math.nan
+
+
 def predict_mode(
     mode: str,
     m: dict[str, Any],
@@ -522,8 +544,11 @@ def predict_mode(
     overhead_s: float,
     meta: dict[str, Any],
     warmup: int,
+    noise: float = math.nan,
 ) -> dict[str, Any]:
-    """The simulator's figures for one measured mode, over the same steps (see the module docstring)."""
+    """The simulator's figures for one measured mode, over the same steps (see the module docstring). With a
+    finite ``noise`` (:func:`identical_work_noise`), also its tokens/s and wait with every replayed rank time
+    scaled by ``1 + noise * N(0, 1)``: the mean over 64 seeded draws."""
     from lightning_adaptiveload import stats
     from lightning_adaptiveload.tools.replay import run_mode
     from lightning_adaptiveload.tools.step_times import BatchCoster
@@ -564,7 +589,17 @@ def predict_mode(
     sec, tok, cst = sec[rows], tok[rows], cst[rows]
     measured_tokens = ranks["num_tokens"][np.isin(batch_idx, rows)]
     wall = sec.max(axis=1) + overhead_s
+    noisy: dict[str, float] = {}
+    if math.isfinite(noise) and noise > 0:
+        rng = np.random.default_rng(0)
+        draws = [sec * np.maximum(1.0 + noise * rng.standard_normal(sec.shape), 0.0) for _ in range(64)]
+        noisy = {
+            "noise": float(noise),
+            "tokens_per_s_with_noise": float(np.mean([tok.sum() / (d.max(axis=1) + overhead_s).sum() for d in draws])),
+            "straggler_wait_with_noise": float(np.mean([stats.straggler_wait(d) for d in draws])),
+        }
     return {
+        **noisy,
         "steps": int(len(rows)),
         "epochs_planned": epoch,
         "plan_match": float(np.mean(np.abs(measured_tokens - tok) < 0.5)),
@@ -737,6 +772,8 @@ BESIDE_COLS = (
     ("straggler_wait", "straggler wait", "{:.1%}"),
     ("measured_straggler_wait", "measured wait", "{:.1%}"),
     ("sim_wait", "SIM. wait", "{:.1%}"),
+    ("sim_wait_noise", "SIM. wait + noise", "{:.1%}"),
+    ("sim_ratio_noise", "SIM. x equal_tokens + noise", "{:.3f}"),
     ("planner_straggler_wait", "planner's wait", "{:.1%}"),
     ("sim_plan_match", "SIM. plan match", "{:.0%}"),
 )
@@ -963,9 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
     index_path = os.path.join(args.run_dir, "data_index.json")
     if table is not None and not args.no_predict and world >= 2:
         index = _index(index_path, mix, meta, world, notes)
+        noise = _pooled_noise(per_mode)
         for mode, m in per_mode.items():
             try:
-                m["simulated"] = predict_mode(mode, m, index, table, overhead, meta, args.warmup)
+                m["simulated"] = predict_mode(mode, m, index, table, overhead, meta, args.warmup, noise)
             except Exception as err:  # a report keeps going: the failure is printed beside the mode
                 m["simulated"] = {"error": f"{type(err).__name__}: {err}"}
         sim_base = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s")
@@ -975,6 +1013,10 @@ def main(argv: list[str] | None = None) -> int:
             s["sim_ratio"] = sim["tokens_per_s"] / sim_base if sim_base and "tokens_per_s" in sim else None
             s["sim_cv"], s["sim_wait"] = sim.get("compute_cv_mean"), sim.get("straggler_wait")
             s["sim_plan_match"] = sim.get("plan_match")
+            s["sim_wait_noise"] = sim.get("straggler_wait_with_noise")
+            base_noise = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s_with_noise")
+            if base_noise and sim.get("tokens_per_s_with_noise"):
+                s["sim_ratio_noise"] = sim["tokens_per_s_with_noise"] / base_noise
             if s["sim_ratio"] is not None and math.isfinite(s["tokens_per_s_ratio"]):
                 s["sim_ratio_rel_error"] = s["sim_ratio"] / s["tokens_per_s_ratio"] - 1
             if s["sim_ratio"] is not None and math.isfinite(s.get("no_stalls_ratio", math.nan)):
@@ -1038,6 +1080,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f"], plus {overhead:.3f} s measured per-step overhead). planner's wait: its cost model on the batches run."
     )
+    noise_used = next((m["simulated"]["noise"] for m in per_mode.values() if "noise" in (m.get("simulated") or {})), None)
+    if noise_used is not None:
+        sim_how += (
+            f" + noise: every replayed rank time scaled by 1 + {noise_used:.2%} x N(0, 1), the spread measured on "
+            "identical work (mean of 64 draws)."
+        )
     text = "\n".join(
         [head, "", "MEASURED", measured, "", "MEASURED beside SIMULATED", beside, "", sim_how, ""]
         + gain_lines

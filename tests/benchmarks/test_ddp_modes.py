@@ -561,6 +561,12 @@ def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
     assert s["identical_work_wait"] == pytest.approx(stats.straggler_wait(comp[2::2]))
     assert s["identical_work_wait"] == pytest.approx((2.1 - 2.025) / 2.1)
     assert s["straggler_wait"] > s["identical_work_wait"]  # the odd steps' wait is work, not noise
+    even = comp[2::2]
+    assert s["identical_work_noise"] == pytest.approx(np.mean(even.std(axis=1, ddof=1) / even.mean(axis=1)))
+    other = {"summary": {"identical_work_noise": 0.04, "identical_work_steps": 42}}
+    pooled = report._pooled_noise({"a": {"summary": s}, "b": other, "c": {"summary": {}}})
+    assert pooled == pytest.approx((14 * s["identical_work_noise"] + 42 * 0.04) / 56)
     # Under 10 such steps there is no floor to give.
     s = report.mode_summary(ranks, warmup=12, device_total=None)
     assert s["identical_work_steps"] == 9 and math.isnan(s["identical_work_wait"])
+    assert math.isnan(s["identical_work_noise"]) and math.isnan(report._pooled_noise({"a": {"summary": s}}))
