@@ -570,3 +570,12 @@ def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
     s = report.mode_summary(ranks, warmup=12, device_total=None)
     assert s["identical_work_steps"] == 9 and math.isnan(s["identical_work_wait"])
     assert math.isnan(s["identical_work_noise"]) and math.isnan(report._pooled_noise({"a": {"summary": s}}))
+
+
+def test_the_noise_floor_grows_with_the_ranks(bench):
+    _, report = bench
+    assert report.noise_floor(0.0, 8) == 0.0
+    floors = [report.noise_floor(0.02, n) for n in (2, 4, 8, 16)]
+    assert floors == sorted(floors) and floors[0] > 0
+    # Two ranks: E[max - mean] = sigma / sqrt(pi) for the normal; the wait divides by about 1.
+    assert floors[0] == pytest.approx(0.02 / math.sqrt(math.pi), rel=0.08)
