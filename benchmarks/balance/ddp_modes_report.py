@@ -300,24 +300,28 @@ def cost_model_error(cost: np.ndarray, seconds: np.ndarray) -> float:
     return float(np.mean(np.abs(k * r - 1.0)))
 
 
+#: Fewer identical-work steps than this give no noise floor (nan).
+MIN_IDENTICAL_STEPS = 10
+
+
 def identical_work_steps(ranks: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
-    """bool (steps,): the kept steps in which every rank ran the same work: the same tokens, samples and
-    longest sample. No schedule can balance these better, so their straggler wait is the noise floor of
-    the machine and the path (kernels, clocks, the all-reduce's overlap) that any plan sits on."""
-    cols = [ranks[c] for c in ("num_tokens", "batch_size", "seq_len") if c in ranks]
+    """bool (steps,): the kept steps (:func:`kept_steps`: every rank's time known) in which every rank ran
+    the same work: the same tokens, samples and longest sample. No schedule can balance these better, so
+    their straggler wait is the noise floor of the machine and the path (kernels, clocks, the all-reduce's
+    overlap) that any plan sits on."""
     same = keep.copy()
-    for c in cols:
-        same &= np.isfinite(c).all(axis=1) & (np.nanmax(c, axis=1) - np.nanmin(c, axis=1) <= 0.5)
+    for c in ("num_tokens", "batch_size", "seq_len"):
+        if c in ranks:
+            col = ranks[c]
+            same &= np.isfinite(col).all(axis=1) & (np.nanmax(col, axis=1) - np.nanmin(col, axis=1) <= 0.5)
     return same
 
 
-def identical_work_noise(ranks: dict[str, np.ndarray], keep: np.ndarray) -> float:
-    """The relative spread of the ranks' compute times on identical work: the mean over
-    :func:`identical_work_steps` of ``std / mean`` of the step's times (``ddof=1``); nan under 10 steps.
+def identical_work_noise(comp: np.ndarray) -> float:
+    """The relative spread of the ranks' compute times ``comp`` (identical-work steps, world) on identical
+    work: the mean of each step's ``std / mean`` (``ddof=1``); nan under :data:`MIN_IDENTICAL_STEPS` steps.
     The simulator adds this noise to its replayed times to predict the wait a real machine adds."""
-    same = identical_work_steps(ranks, keep) & np.isfinite(ranks["compute_time_s"]).all(axis=1)
-    comp = ranks["compute_time_s"][same]
-    if comp.shape[0] < 10 or comp.shape[1] < 2:
+    if comp.shape[0] < MIN_IDENTICAL_STEPS or comp.shape[1] < 2:
         return math.nan
     return float(np.mean(comp.std(axis=1, ddof=1) / comp.mean(axis=1)))
 
@@ -384,12 +388,10 @@ def mode_summary(
         "pack_steps": int(pack_rows(ranks, mode)[keep].any(axis=1).sum()),
         "wall_column": wall_col,
     }
-    same = identical_work_steps(ranks, keep) & np.isfinite(ranks["compute_time_s"]).all(axis=1)
-    out["identical_work_steps"] = int(same.sum())
-    out["identical_work_wait"] = (
-        stats.straggler_wait(ranks["compute_time_s"][same]) if same.sum() >= 10 else math.nan
-    )  # fewer than 10 such steps: no floor
-    out["identical_work_noise"] = identical_work_noise(ranks, keep)
+    same = ranks["compute_time_s"][identical_work_steps(ranks, keep)]
+    out["identical_work_steps"] = int(same.shape[0])
+    out["identical_work_wait"] = stats.straggler_wait(same) if len(same) >= MIN_IDENTICAL_STEPS else math.nan
+    out["identical_work_noise"] = identical_work_noise(same)
     stalls = stall_steps(ranks, keep)
     steady = keep & ~stalls
     steady_wall = np.nanmax(ranks[wall_col][steady], axis=1) if steady.any() else np.zeros(0)
@@ -526,12 +528,18 @@ def _plan_settings(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, An
     }
 
 
+def with_noise(times: np.ndarray, noise: float, draws: int) -> np.ndarray:
+    """(draws, *times.shape): ``times`` scaled by ``1 + noise * N(0, 1)`` (at least 0), seeded."""
+    rng = np.random.default_rng(0)
+    return times * np.maximum(1.0 + noise * rng.standard_normal((draws, *times.shape)), 0.0)
+
+
 def noise_floor(noise: float, ranks: int, draws: int = 4096) -> float:
-    """The straggler wait of identical work on ``ranks`` ranks whose times are ``1 + noise * N(0, 1)``:
-    ``sum (max - mean) / sum max`` over seeded draws (the floor under any schedule at that size)."""
-    t = np.maximum(1.0 + noise * np.random.default_rng(0).standard_normal((draws, ranks)), 0.0)
-    top = t.max(axis=1)
-    return float((top - t.mean(axis=1)).sum() / top.sum())
+    """The straggler wait of identical work on ``ranks`` ranks whose times are ``1 + noise * N(0, 1)``
+    (:func:`with_noise`) over seeded draws: the floor under any schedule at that size."""
+    from lightning_adaptiveload import stats
+
+    return stats.straggler_wait(with_noise(np.ones((draws, ranks)), noise, 1)[0])
 
 
 def _pooled_noise(per_mode: dict[str, dict]) -> float:
@@ -599,8 +607,7 @@ def predict_mode(
     wall = sec.max(axis=1) + overhead_s
     noisy: dict[str, float] = {}
     if math.isfinite(noise) and noise > 0:
-        rng = np.random.default_rng(0)
-        draws = [sec * np.maximum(1.0 + noise * rng.standard_normal(sec.shape), 0.0) for _ in range(64)]
+        draws = with_noise(sec, noise, 64)
         noisy = {
             "noise": float(noise),
             "tokens_per_s_with_noise": float(np.mean([tok.sum() / (d.max(axis=1) + overhead_s).sum() for d in draws])),
@@ -1006,15 +1013,16 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"no calibrated simulation: {err}")
     overhead = float(np.nanmedian([m["summary"]["step_overhead_s_median"] for m in per_mode.values()]))
     index_path = os.path.join(args.run_dir, "data_index.json")
+    noise = _pooled_noise(per_mode)
     if table is not None and not args.no_predict and world >= 2:
         index = _index(index_path, mix, meta, world, notes)
-        noise = _pooled_noise(per_mode)
         for mode, m in per_mode.items():
             try:
                 m["simulated"] = predict_mode(mode, m, index, table, overhead, meta, args.warmup, noise)
             except Exception as err:  # a report keeps going: the failure is printed beside the mode
                 m["simulated"] = {"error": f"{type(err).__name__}: {err}"}
         sim_base = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s")
+        base_noise = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s_with_noise")
         for mode, m in per_mode.items():
             sim, s = m.get("simulated") or {}, m["summary"]
             s["sim_tokens_per_s"] = sim.get("tokens_per_s")
@@ -1022,7 +1030,6 @@ def main(argv: list[str] | None = None) -> int:
             s["sim_cv"], s["sim_wait"] = sim.get("compute_cv_mean"), sim.get("straggler_wait")
             s["sim_plan_match"] = sim.get("plan_match")
             s["sim_wait_noise"] = sim.get("straggler_wait_with_noise")
-            base_noise = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s_with_noise")
             if base_noise and sim.get("tokens_per_s_with_noise"):
                 s["sim_ratio_noise"] = sim["tokens_per_s_with_noise"] / base_noise
             if s["sim_ratio"] is not None and math.isfinite(s["tokens_per_s_ratio"]):
@@ -1088,10 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f"], plus {overhead:.3f} s measured per-step overhead). planner's wait: its cost model on the batches run."
     )
-    noise_used = next((m["simulated"]["noise"] for m in per_mode.values() if "noise" in (m.get("simulated") or {})), None)
-    if noise_used is not None:
+    if any("noise" in (m.get("simulated") or {}) for m in per_mode.values()):
         sim_how += (
-            f" + noise: every replayed rank time scaled by 1 + {noise_used:.2%} x N(0, 1), the spread measured on "
+            f" + noise: every replayed rank time scaled by 1 + {noise:.2%} x N(0, 1), the spread measured on "
             "identical work (mean of 64 draws)."
         )
     text = "\n".join(
@@ -1112,7 +1118,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # e.g. no cost model fits timings dominated by compile stalls
             more = {"error": f"{type(err).__name__}: {err}"}
             print(f"note: no simulation at {args.simulate} ranks: {more['error']}")
-        noise = _pooled_noise(per_mode)
         if more is not None and "error" not in more and math.isfinite(noise):
             more["noise_floor"] = {str(n): noise_floor(noise, n) for n in sorted({world, *sizes})}
             print(
