@@ -25,7 +25,9 @@ Settings (``--settings``):
 The data does not depend on ``--steps``, ``--modes`` or ``--settings``: ``--samples`` (default 768, about
 4 GB) samples drawn with ``--seed`` into a folder named by those settings, reused when it is there (a warm
 machine) and written identically when it is not (a fresh one). So modes split over several device calls
-train on the same data. The shards' ``index.json`` is copied to ``<out>/data_index.json``: the report
+train on the same data. ``--epochs 1`` runs a whole epoch in each mode instead of ``--steps``: each mode then
+trains on the same samples (over a window of steps, each schedule draws other lengths, and a long clip's token
+costs more than a short one's). The shards' ``index.json`` is copied to ``<out>/data_index.json``: the report
 plans the same epochs over it for the simulator's prediction.
 
 A device call lasts 10 minutes at most. ``--time-budget-s`` bounds this call's runs: each mode gets an equal
@@ -193,6 +195,7 @@ def build_command(
     data: str,
     steps: int,
     devices: int,
+    epochs: int | None = None,
     max_tokens: int,
     seed: int,
     settings: str,
@@ -224,10 +227,11 @@ def build_command(
         recipe,
         "--seed_everything",
         str(seed),
+        # --epochs: whole epochs (every mode trains on the same samples), else --steps steps.
         "--trainer.max_steps",
-        str(steps),
+        "-1" if epochs else str(steps),
         "--trainer.max_epochs",
-        "-1",
+        str(epochs) if epochs else "-1",
         "--trainer.devices",
         str(devices),
         "--trainer.default_root_dir",
@@ -300,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         "--settings", default="eager", choices=SETTINGS, help="eager: the recipes'; fast: see above"
     )
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps per mode (trainer.max_steps)")
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="run whole epochs instead of --steps: every mode then trains on the same samples, so its tokens/s "
+        "is an epoch's, not that of the lengths its first steps drew",
+    )
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32760, help="the same in every mode (memory ceiling)")
     ap.add_argument("--mix", default="wan21_480p")
@@ -350,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards-only", action="store_true", help="write (or find) the shards, then stop")
     args = ap.parse_args(argv)
 
+    if args.epochs is not None and args.epochs < 1:
+        print(f"error: --epochs {args.epochs}: give 1 or more (or leave it out for --steps)", file=sys.stderr)
+        return 2
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -398,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             out=args.out,
             data=data_dir,
             steps=args.steps,
+            epochs=args.epochs,
             devices=args.devices,
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -419,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "settings": args.settings,
-            "steps": args.steps,
+            "steps": None if args.epochs else args.steps,
+            "epochs": args.epochs,
             "devices": args.devices,
             "max_tokens": args.max_tokens,
             "mix": args.mix,

@@ -14,6 +14,10 @@ steps.
 
 - tokens/s: all ranks' tokens / the summed step wall time (slowest rank's ``iter_time_s``: data, compute,
   waiting, optimizer), and relative to ``equal_tokens``;
+- model TFLOP/s per GPU (the monitor's model FLOPs over the same wall time) and its ratio to
+  ``equal_tokens``: the steps measured hold other lengths in each mode, and a long clip's token costs more
+  than a short one's, so over a window tokens/s moves with the lengths drawn and the FLOP rate much less
+  (:func:`model_flop_rate`); the simulator's ratio over the whole first epoch is printed beside it;
 - compute CV across ranks per step (mean, p95), imbalance ``max / mean - 1``;
 - the straggler wait two ways: ``straggler_wait`` ``sum (max - mean) / sum max`` of the ranks' own compute
   times (to the end of each rank's backward), and ``measured_straggler_wait`` from each rank's measured
@@ -88,8 +92,13 @@ TARGETS = {
 
 
 def _find(run_dir: str, mode: str, name: str) -> str | None:
+    """``<run_dir>/<mode>/**/<name>`` (a run folder; the newest), else ``<run_dir>/<mode>_<name>`` (the flat
+    copy committed under ``benchmarks/results/``, so that a report can be made again from it)."""
     hits = sorted(glob.glob(os.path.join(run_dir, mode, "**", name), recursive=True), key=os.path.getmtime)
-    return hits[-1] if hits else None
+    if hits:
+        return hits[-1]
+    flat = os.path.join(run_dir, f"{mode}_{name}")
+    return flat if os.path.isfile(flat) else None
 
 
 def _float(text: Any) -> float:
@@ -182,6 +191,7 @@ def load_run_meta(run_dir: str) -> dict[str, Any]:
     meta = {k: calls[-1].get(k) for k in ("devices", "max_tokens", "mix", "samples", "seed", "data")}
     meta["settings"] = sorted({c.get("settings", "eager") for c in calls})
     meta["steps"] = sorted({c.get("steps") for c in calls if c.get("steps") is not None})
+    meta["epochs"] = sorted({c.get("epochs") for c in calls if c.get("epochs")})
     meta["calls"] = [
         {
             "date": c.get("date"),
@@ -304,6 +314,21 @@ def cost_model_error(cost: np.ndarray, seconds: np.ndarray) -> float:
 MIN_IDENTICAL_STEPS = 10
 
 
+def model_flop_rate(ranks: dict[str, np.ndarray], keep: np.ndarray, wall: np.ndarray) -> float:
+    """Model TFLOP/s per GPU over the kept steps: every rank's model FLOPs (the monitor's ``flops`` column,
+    ``flops_per_batch``) over the summed step wall times and the ranks; NaN without FLOPs.
+
+    Over a window of steps this is a truer epoch-speed ratio between schedules than tokens/s: each schedule
+    draws other samples into its first steps, and a token of a long clip costs more than one of a short clip
+    (attention), so tokens/s moves with the lengths drawn; a FLOP's time moves much less with them."""
+    if "flops" not in ranks or not keep.any() or wall.sum() <= 0:
+        return math.nan
+    flops = ranks["flops"][keep]
+    if not np.isfinite(flops).all() or (flops <= 0).any():
+        return math.nan
+    return float(flops.sum() / wall.sum() / flops.shape[1] / 1e12)
+
+
 def identical_work_steps(ranks: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
     """bool (steps,): the kept steps (:func:`kept_steps`: every rank's time known) in which every rank ran
     the same work: the same tokens, samples and longest sample. No schedule can balance these better, so
@@ -387,6 +412,7 @@ def mode_summary(
         "token_cv_mean": float(np.mean([stats.cv(r) for r in tokens])) if len(tokens) else math.nan,
         "pack_steps": int(pack_rows(ranks, mode)[keep].any(axis=1).sum()),
         "wall_column": wall_col,
+        "model_tflops_per_gpu": model_flop_rate(ranks, keep, wall),
     }
     same = ranks["compute_time_s"][identical_work_steps(ranks, keep)]
     out["identical_work_steps"] = int(same.shape[0])
@@ -610,11 +636,17 @@ def predict_mode(
         draws = with_noise(sec, noise, 64)
         noisy = {
             "noise": float(noise),
-            "tokens_per_s_with_noise": float(np.mean([tok.sum() / (d.max(axis=1) + overhead_s).sum() for d in draws])),
+            "tokens_per_s_with_noise": float(
+                np.mean([tok.sum() / (d.max(axis=1) + overhead_s).sum() for d in draws])
+            ),
             "straggler_wait_with_noise": float(np.mean([stats.straggler_wait(d) for d in draws])),
         }
+    # The whole first epoch, beside the measured steps: how far the steps a run measured stand from an epoch.
+    first = seconds[0].max(axis=1) + overhead_s
     return {
         **noisy,
+        "tokens_per_s_epoch0": float(tokens[0].sum() / first.sum()),
+        "epoch0_steps": int(len(first)),
         "steps": int(len(rows)),
         "epochs_planned": epoch,
         "plan_match": float(np.mean(np.abs(measured_tokens - tok) < 0.5)),
@@ -759,6 +791,8 @@ def _plots(per_mode: dict[str, dict], img_dir: str, tag: str) -> dict[str, str]:
 MEASURED_COLS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("tokens_per_s_ratio", "x equal_tokens", "{:.3f}"),
+    ("model_tflops_per_gpu", "model TFLOP/s per GPU", "{:.1f}"),
+    ("flop_rate_ratio", "x equal_tokens, FLOP rate", "{:.3f}"),
     ("compute_cv_mean", "compute CV mean", "{:.1%}"),
     ("compute_cv_p95", "compute CV p95", "{:.1%}"),
     ("imbalance_mean", "imbalance", "{:.1%}"),
@@ -782,6 +816,7 @@ BESIDE_COLS = (
     ("sim_tokens_per_s", "SIM. tokens/s", "{:,.0f}"),
     ("tokens_per_s_ratio", "x equal_tokens", "{:.3f}"),
     ("sim_ratio", "SIM. x equal_tokens", "{:.3f}"),
+    ("sim_ratio_epoch", "SIM. x equal_tokens, whole epoch", "{:.3f}"),
     ("compute_cv_mean", "compute CV", "{:.1%}"),
     ("sim_cv", "SIM. compute CV", "{:.1%}"),
     ("straggler_wait", "straggler wait", "{:.1%}"),
@@ -791,6 +826,7 @@ BESIDE_COLS = (
     ("sim_ratio_noise", "SIM. x equal_tokens + noise", "{:.3f}"),
     ("planner_straggler_wait", "planner's wait", "{:.1%}"),
     ("sim_plan_match", "SIM. plan match", "{:.0%}"),
+    ("sim_epoch0_steps", "SIM. steps in epoch 0", "{}"),
 )
 
 
@@ -948,6 +984,7 @@ def main(argv: list[str] | None = None) -> int:
         s["no_stalls_ratio"] = (
             s["tokens_per_s_no_stalls"] / base["tokens_per_s_no_stalls"] if base else math.nan
         )
+        s["flop_rate_ratio"] = s["model_tflops_per_gpu"] / base["model_tflops_per_gpu"] if base else math.nan
 
     # -- the simulator's prediction for these settings
     notes: list[str] = list(meta.get("mismatches", []))
@@ -1023,13 +1060,17 @@ def main(argv: list[str] | None = None) -> int:
                 m["simulated"] = {"error": f"{type(err).__name__}: {err}"}
         sim_base = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s")
         base_noise = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s_with_noise")
+        base_epoch = (per_mode.get("equal_tokens", {}).get("simulated") or {}).get("tokens_per_s_epoch0")
         for mode, m in per_mode.items():
             sim, s = m.get("simulated") or {}, m["summary"]
             s["sim_tokens_per_s"] = sim.get("tokens_per_s")
             s["sim_ratio"] = sim["tokens_per_s"] / sim_base if sim_base and "tokens_per_s" in sim else None
             s["sim_cv"], s["sim_wait"] = sim.get("compute_cv_mean"), sim.get("straggler_wait")
             s["sim_plan_match"] = sim.get("plan_match")
+            s["sim_epoch0_steps"] = sim.get("epoch0_steps")
             s["sim_wait_noise"] = sim.get("straggler_wait_with_noise")
+            if base_epoch and sim.get("tokens_per_s_epoch0"):
+                s["sim_ratio_epoch"] = sim["tokens_per_s_epoch0"] / base_epoch
             if base_noise and sim.get("tokens_per_s_with_noise"):
                 s["sim_ratio_noise"] = sim["tokens_per_s_with_noise"] / base_noise
             if s["sim_ratio"] is not None and math.isfinite(s["tokens_per_s_ratio"]):
@@ -1045,7 +1086,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
     # -- print
-    steps = ", ".join(str(v) for v in meta.get("steps", [])) or "?"
+    steps = ", ".join(
+        [str(v) for v in meta.get("steps", [])] + [f"{v} whole epoch(s)" for v in meta.get("epochs", [])]
+    )
+    steps = steps or "?"
     head = (
         f"ddp_modes: {world} ranks on {device or 'unknown device'}, settings {settings}, max_tokens "
         f"{meta.get('max_tokens', '?')}, mix {mix}, steps asked {steps}; first {args.warmup} steps and "
@@ -1083,6 +1127,22 @@ def main(argv: list[str] | None = None) -> int:
                     f"{k} {e:+.1%} ({'within' if ok[k] else 'OUTSIDE'} 5%)" for k, e in steady.items()
                 )
             )
+    mixes = [
+        (k, v["summary"])
+        for k, v in per_mode.items()
+        if math.isfinite(v["summary"].get("flop_rate_ratio", math.nan))
+    ]
+    if len(mixes) > 1:
+        gain_lines.append(
+            "x equal_tokens by tokens/s, by model FLOP rate, and SIMULATED over the whole first epoch (each mode's "
+            "measured steps drew other lengths; the FLOP rate moves less with them): "
+            + ", ".join(
+                f"{k} {s['tokens_per_s_ratio']:.3f} / {s['flop_rate_ratio']:.3f} / "
+                + _fmt(s.get("sim_ratio_epoch"), "{:.3f}")
+                for k, s in mixes
+                if k != "equal_tokens"
+            )
+        )
     sim_how = (
         f"SIMULATED (the simulator's planner and replay on the runs' data and settings, calibrated on the "
         f"step times of {', '.join(calib)}: bucketed steps by measured medians, packs by "

@@ -13,9 +13,13 @@
 #             estimated at 3.2 s a step eager and 2.1 s fast (a 32,760-token step, all-reduce and optimizer
 #             included) plus, per mode, 45 s of start-up (105 s fast: the first compile) and 20 s for the end
 #             of fit; at least 10. trainer.max_time ends each mode in its share of the call in any case
+#             epoch: one whole epoch per mode (ddp_modes.py --epochs 1), so that every mode trains on the same
+#             samples (4 GPUs, 512 samples: about 100 steps); one mode per call fast
 #   SAMPLES   synthetic samples (768, ~4 GB); keep it the same for every call of one table
 #   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory.memory_budget_gib=64)
 #   TOTAL     seconds this script may take (560)
+#   REPORT    0: skip the report on the device (its 40 s go to steps); run ddp_modes_report.py on the host over
+#             the extracted tarballs instead
 #   DIAG      1: TORCH_LOGS=recompiles for the runs, and after them each recompile's guard failure counted,
 #             beside the monitor's compiling steps (compiles_rank0) and the report's stalls: is a stall a compile?
 #             The monitor also dumps every thread's stack while a step runs over 4 s (stall_stacks_s), and
@@ -36,7 +40,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
-DIAG=${DIAG:-0}
+DIAG=${DIAG:-0}; REPORT=${REPORT:-1}
 [ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -55,6 +59,7 @@ if [ "$SETTINGS" = eager ]; then step_ms=3200; start_s=45; else step_ms=2100; st
 build_s=40
 END_S=20     # the end of a fit (the monitor's files and plots, the processes' exit): ddp_modes.py's margin
 REPORT_S=40  # the report, the tarball and the copies
+[ "$REPORT" = 0 ] && REPORT_S=15
 shards_s=75; ls /tmp/adaptiveload_ddp_modes_shards/wan21_480p_n${SAMPLES}_seed0_*/index.json > /dev/null 2>&1 && shards_s=10
 need=$(( 10 + build_s + shards_s + REPORT_S + nmodes * (start_s + END_S + 30) ))
 echo "== ddp_modes: settings $SETTINGS, $NGPU GPUs, modes $MODES, tag $TAG; needs >= $need s of $TOTAL $(el)"
@@ -84,16 +89,21 @@ python3 benchmarks/balance/ddp_modes.py --shards-only --samples "$SAMPLES" --dev
   | grep -Ev "$FILTER" | tail -3
 
 budget=$(( $(left) - REPORT_S ))
+epoch=(); [ "${STEPS:-}" = epoch ] && { epoch=(--epochs 1); STEPS=0; }
 if [ -z "${STEPS:-}" ]; then
   STEPS=$(( (budget - nmodes * (start_s + END_S)) * 1000 / (nmodes * step_ms) ))
   [ "$STEPS" -ge 10 ] || STEPS=10
 fi
-echo "== $nmodes mode(s), $STEPS steps each, $budget s for the runs $(el)"
-[ "$STEPS" -ge 30 ] || echo "note: fewer than 30 steps per mode is a smoke run; split MODES over calls for the table"
+if [ ${#epoch[@]} -gt 0 ]; then
+  echo "== $nmodes mode(s), one whole epoch each (trainer.max_time may end it first), $budget s for the runs $(el)"
+else
+  echo "== $nmodes mode(s), $STEPS steps each, $budget s for the runs $(el)"
+fi
+[ ${#epoch[@]} -gt 0 ] || [ "$STEPS" -ge 30 ] || echo "note: fewer than 30 steps per mode is a smoke run; split MODES over calls for the table"
 FIT_LOG="$RUN/fit_${TAG}.log"
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
-python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU" --modes "$MODES" --steps "$STEPS" \
+python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU" --modes "$MODES" --steps "$STEPS" "${epoch[@]}" \
   --samples "$SAMPLES" --out "$RUN" --time-budget-s "$budget" "${sets[@]}" > "$FIT_LOG" 2>&1
 echo "ddp_modes rc=$? $(el)"
 grep -Ev "$FILTER" "$FIT_LOG" | tail -120
@@ -108,10 +118,12 @@ if [ "$DIAG" = 1 ]; then
   echo "== slow steps' stacks (rank files under the run folder)"
   python3 benchmarks/balance/stall_stacks_summary.py "$RUN" --frames 10 --steps 6 2>&1 | head -400
 fi
-echo "== report $(el)"
-rm -rf "$RUN/report"
-timeout $(( $(left) - 15 )) python3 benchmarks/balance/ddp_modes_report.py "$RUN" --results "$RUN/report" --img "$RUN/report" \
-  --tag "$TAG" --simulate 8,16 2>&1 | tail -60
+if [ "$REPORT" != 0 ]; then
+  echo "== report $(el)"
+  rm -rf "$RUN/report"
+  timeout $(( $(left) - 15 )) python3 benchmarks/balance/ddp_modes_report.py "$RUN" --results "$RUN/report" --img "$RUN/report" \
+    --tag "$TAG" --simulate 8,16 2>&1 | tail -60
+fi
 echo "== tarball $(el)"
 tar czf "$OUT/ddp_modes_${TAG}.tgz" -C "$RUN_BASE" "$(basename "$RUN")"
 for f in "$RUN"/report/ddp_modes_"${TAG}"_*.json "$RUN"/report/ddp_"${TAG}"_*.png; do

@@ -91,6 +91,22 @@ def test_dry_run_prints_one_command_per_mode_with_the_same_budget(bench, capsys,
                 assert memory["checkpoint_policy"] == "full" and memory["expandable_segments"] is False
 
 
+def test_whole_epochs_replace_the_step_count(bench, capsys, tmp_path):
+    """--epochs 1: every mode runs one whole epoch (the same samples), not --steps steps; 0 is refused."""
+    ddp_modes, _ = bench
+    argv = ["--dry-run", "--devices", "2", "--out", str(tmp_path), "--modes", "packed"]
+    assert ddp_modes.main([*argv, "--epochs", "1", "--steps", "70"]) == 0
+    (line,) = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("$ ")]
+    args = dict(zip(shlex.split(line)[4::2], shlex.split(line)[5::2]))
+    assert (args["--trainer.max_steps"], args["--trainer.max_epochs"]) == ("-1", "1")
+    assert ddp_modes.main([*argv, "--steps", "70"]) == 0
+    (line,) = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("$ ")]
+    args = dict(zip(shlex.split(line)[4::2], shlex.split(line)[5::2]))
+    assert (args["--trainer.max_steps"], args["--trainer.max_epochs"]) == ("70", "-1")
+    assert ddp_modes.main([*argv, "--epochs", "0"]) == 2
+    assert "--epochs 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("settings", ("eager", "fast"))
 def test_every_command_parses_in_the_cli(bench, capsys, tmp_path, monkeypatch, settings):
     """Every mode's command of both settings parses: LightningCLI's --print_config checks keys and types."""
@@ -196,9 +212,9 @@ def _fabricate(run, index, mode, steps_wanted=None):
         "iter_time_s,data_time_s,peak_allocated_bytes,peak_reserved_bytes,alloc_retries,ooms,flops_counted,"
         "backward_timed"
     )
-    lines, truth = [head], {"compute": [], "cost": [], "tokens": [], "sync": [], "pack": []}
+    lines, truth = [head], {"compute": [], "cost": [], "tokens": [], "sync": [], "pack": [], "flops": []}
     for k in range(steps):
-        comp, cost, toks, pack = [], [], [], []
+        comp, cost, toks, pack, flops = [], [], [], [], []
         for r in range(WORLD):
             w, j = plan.step_order[r][k]
             lens = [_tokens(index.shards[s].latent_shapes[i]) for s, i in plan.streams[(r, w)][j]]
@@ -208,16 +224,23 @@ def _fabricate(run, index, mode, steps_wanted=None):
             cost.append(PLAN_COST.pack_cost(lens))
             toks.append((len(lens), sum(lens), max(lens)))
             pack.append(is_pack)
+            flops.append(1e9 * sum(lens) + 4e6 * sum(n * n for n in lens))  # a model's: linear + attention
         top = max(comp)
         sync = [0.5 * (top - c) + TAIL for c in comp]
         for r in range(WORLD):
             n, total, longest = toks[r]
             wall = top + OVERHEAD
             lines.append(
-                f"{r},{k},{k + 1},{cost[r]!r},{total},{n},{longest},1.0,{comp[r]!r},{sync[r]!r},{wall!r},{wall!r},"
+                f"{r},{k},{k + 1},{cost[r]!r},{total},{n},{longest},{flops[r]!r},{comp[r]!r},{sync[r]!r},{wall!r},{wall!r},"
                 f"0.001,{2**30},{2**30},0,0,0,1"
             )
-        for key, v in (("compute", comp), ("cost", cost), ("tokens", [t[1] for t in toks]), ("sync", sync)):
+        for key, v in (
+            ("compute", comp),
+            ("cost", cost),
+            ("tokens", [t[1] for t in toks]),
+            ("sync", sync),
+            ("flops", flops),
+        ):
             truth[key].append(v)
         truth["pack"].append(pack)
     (folder / "load_balance_ranks.csv").write_text("\n".join(lines) + "\n")
@@ -298,6 +321,8 @@ def test_report_rows_measured_packs_priced_by_the_pack_model(bench, fabricated, 
         assert s["steps_used"] == len(comp)
         wall = comp.max(axis=1) + OVERHEAD
         assert s["tokens_per_s"] == pytest.approx(t["tokens"][warmup:].sum() / wall.sum(), rel=1e-9)
+        flop_rate = t["flops"][warmup:].sum() / wall.sum() / WORLD / 1e12
+        assert s["model_tflops_per_gpu"] == pytest.approx(flop_rate, rel=1e-9)
         assert s["straggler_wait"] == pytest.approx(stats.straggler_wait(comp), rel=1e-9)
         # Read from sync_wait_s (half the true wait by construction), not derived from the compute times.
         top = comp.max(axis=1)
@@ -310,6 +335,14 @@ def test_report_rows_measured_packs_priced_by_the_pack_model(bench, fabricated, 
         assert s["pack_steps"] == int(t["pack"][warmup:].any(axis=1).sum())
         sim = data["simulated_same_settings"][mode]
         assert sim["plan_match"] == 1.0 and sim["steps"] == len(comp)
+    base = data["modes"]["equal_tokens"]["model_tflops_per_gpu"]
+    for mode in MODES:
+        s = data["modes"][mode]
+        assert s["flop_rate_ratio"] == pytest.approx(s["model_tflops_per_gpu"] / base, rel=1e-12)
+        epoch = data["simulated_same_settings"][mode]["tokens_per_s_epoch0"]
+        base_epoch = data["simulated_same_settings"]["equal_tokens"]["tokens_per_s_epoch0"]
+        assert s["sim_ratio_epoch"] == pytest.approx(epoch / base_epoch, rel=1e-12)
+    assert "x equal_tokens by tokens/s, by model FLOP rate" in text
     assert data["modes"]["packed"]["pack_steps"] == data["modes"]["packed"]["steps_used"]
     assert data["modes"]["equal_tokens"]["pack_steps"] == 0
     # The pack model is fitted to the measured packs: it recovers the packed path's own cost (10% over the
@@ -579,3 +612,26 @@ def test_the_noise_floor_grows_with_the_ranks(bench):
     assert floors == sorted(floors) and floors[0] > 0
     # Two ranks: E[max - mean] = sigma / sqrt(pi) for the normal; the wait divides by about 1.
     assert floors[0] == pytest.approx(0.02 / math.sqrt(math.pi), rel=0.08)
+
+
+def test_the_whole_epoch_ratio_is_the_window_ratio_when_the_window_is_the_epoch(bench, fabricated, tmp_path):
+    """The runs measured every step of epoch 0 (no warm-up left out): the simulator's whole-epoch ratio and its
+    ratio over the measured steps are one figure; with a warm-up left out they are not."""
+    _, report = bench
+    run, truth = fabricated
+    ratios = {}
+    for warmup in (0, 6):
+        res = tmp_path / f"res{warmup}"
+        args = [str(run), "--warmup", str(warmup), "--results", str(res), "--img", str(tmp_path / "img")]
+        assert report.main([*args, "--simulate", ""]) == 0
+        (out,) = res.glob("ddp_modes_*.json")
+        data = json.loads(out.read_text())
+        ratios[warmup] = {m: (v["sim_ratio"], v["sim_ratio_epoch"]) for m, v in data["modes"].items()}
+    for mode, (window, epoch) in ratios[0].items():
+        assert window == pytest.approx(epoch, rel=1e-12), mode
+    steps = {m: v["sim_epoch0_steps"] for m, v in data["modes"].items()}
+    assert steps == {m: int(truth[m]["compute"].shape[0]) for m in MODES}  # the fabricated runs ran epoch 0
+    assert any(abs(w / e - 1) > 1e-6 for w, e in ratios[6].values())
+    # The whole epoch does not depend on the steps left out.
+    for mode in ratios[0]:
+        assert ratios[6][mode][1] == pytest.approx(ratios[0][mode][1], rel=1e-12)
