@@ -24,6 +24,12 @@
 #             beside the monitor's compiling steps (compiles_rank0) and the report's stalls: is a stall a compile?
 #             The monitor also dumps every thread's stack while a step runs over 4 s (stall_stacks_s), and
 #             stall_stacks_summary.py prints each slow step's innermost frames.
+#   CLOCKS    1: nvidia-smi logs every GPU's SM and memory clocks, power, temperature, utilization and clock
+#             event reasons every 250 ms while the runs train ($RUN/gpu_clocks_<tag>.csv; without the reasons
+#             where the driver rejects clocks_event_reasons.active), beside the power limits and max clocks
+#             ($RUN/gpu_limits_<tag>.txt); after the runs, gpu_clocks_summary.py writes
+#             $RUN/gpu_clocks_summary_<tag>.json and gpu_clocks_<tag>.png into the run folder (the tarball):
+#             is the rank-to-rank noise power-capped clocks? Default 0: no logger.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -40,7 +46,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
-DIAG=${DIAG:-0}; REPORT=${REPORT:-1}
+DIAG=${DIAG:-0}; REPORT=${REPORT:-1}; CLOCKS=${CLOCKS:-0}
 [ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -60,6 +66,7 @@ build_s=40
 END_S=20     # the end of a fit (the monitor's files and plots, the processes' exit): ddp_modes.py's margin
 REPORT_S=40  # the report, the tarball and the copies
 [ "$REPORT" = 0 ] && REPORT_S=15
+[ "$CLOCKS" = 1 ] && REPORT_S=$(( REPORT_S + 10 ))  # the clocks summary and its plot
 shards_s=75; ls /tmp/adaptiveload_ddp_modes_shards/wan21_480p_n${SAMPLES}_seed0_*/index.json > /dev/null 2>&1 && shards_s=10
 need=$(( 10 + build_s + shards_s + REPORT_S + nmodes * (start_s + END_S + 30) ))
 echo "== ddp_modes: settings $SETTINGS, $NGPU GPUs, modes $MODES, tag $TAG; needs >= $need s of $TOTAL $(el)"
@@ -103,9 +110,37 @@ fi
 FIT_LOG="$RUN/fit_${TAG}.log"
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
+CLOCKS_PID=
+stop_clocks() {
+  [ -n "$CLOCKS_PID" ] || return 0
+  kill "$CLOCKS_PID" 2> /dev/null; wait "$CLOCKS_PID" 2> /dev/null; CLOCKS_PID=
+}
+if [ "$CLOCKS" = 1 ]; then
+  trap stop_clocks EXIT  # an early exit (or a kill) stops the logger too
+  CLOCKS_CSV="$RUN/gpu_clocks_${TAG}.csv"
+  query=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+  if nvidia-smi --query-gpu="$query,clocks_event_reasons.active" --format=csv,noheader -i 0 > /dev/null 2>&1; then
+    query="$query,clocks_event_reasons.active"
+  else
+    echo "note: this nvidia-smi rejects clocks_event_reasons.active; logging clocks without the reasons"
+  fi
+  CLOCKS_LIMITS="$RUN/gpu_limits_${TAG}.txt"
+  nvidia-smi --query-gpu=power.limit,clocks.max.sm,clocks.applications.graphics --format=csv > "$CLOCKS_LIMITS" \
+    || nvidia-smi --query-gpu=power.limit,clocks.max.sm --format=csv > "$CLOCKS_LIMITS" || rm -f "$CLOCKS_LIMITS"
+  nvidia-smi --query-gpu="$query" --format=csv -lms 250 > "$CLOCKS_CSV" &
+  CLOCKS_PID=$!
+  echo "== clocks: nvidia-smi every 250 ms into $CLOCKS_CSV (pid $CLOCKS_PID) $(el)"
+fi
 python3 benchmarks/balance/ddp_modes.py --settings "$SETTINGS" --devices "$NGPU" --modes "$MODES" --steps "$STEPS" "${epoch[@]}" \
   --samples "$SAMPLES" --out "$RUN" --time-budget-s "$budget" "${sets[@]}" > "$FIT_LOG" 2>&1
 echo "ddp_modes rc=$? $(el)"
+if [ "$CLOCKS" = 1 ]; then
+  stop_clocks
+  echo "== clocks: $(wc -l < "$CLOCKS_CSV") lines $(el)"
+  limits=(); [ -s "$CLOCKS_LIMITS" ] && limits=(--limits "$CLOCKS_LIMITS")
+  timeout 60 python3 benchmarks/balance/gpu_clocks_summary.py "$CLOCKS_CSV" "${limits[@]}" \
+    --json "$RUN/gpu_clocks_summary_${TAG}.json" --plot "$RUN/gpu_clocks_${TAG}.png" 2>&1 | tail -25
+fi
 grep -Ev "$FILTER" "$FIT_LOG" | tail -120
 if [ "$DIAG" = 1 ]; then
   echo "== recompiles (rank 0 and others; the guard that failed, counted)"

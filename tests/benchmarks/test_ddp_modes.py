@@ -39,6 +39,15 @@ def bench(monkeypatch):
     return ddp_modes, ddp_modes_report
 
 
+@pytest.fixture
+def parts(bench):
+    """The report's two halves: the measured figures and the simulation."""
+    import ddp_modes_runs
+    import ddp_modes_sim
+
+    return ddp_modes_runs, ddp_modes_sim
+
+
 # ----------------------------------------------------------------------------------------- ddp_modes.py
 
 
@@ -409,8 +418,8 @@ def test_calibrate_on_some_modes_predicts_the_others(bench, fabricated, tmp_path
     assert "not among the runs' modes" in capsys.readouterr().err
 
 
-def test_square_sums_recover_a_pack_from_the_planner_cost(bench):
-    _, report = bench
+def test_square_sums_recover_a_pack_from_the_planner_cost(bench, parts):
+    runs, _ = parts
     packs = [[216, 24, 24], [120, 120], [72, 24, 24, 24, 24], [216]]
     ranks = {
         "batch_size": np.array([[len(p) for p in packs]], dtype=float),
@@ -418,11 +427,11 @@ def test_square_sums_recover_a_pack_from_the_planner_cost(bench):
         "seq_len": np.array([[max(p) for p in packs]], dtype=float),
         "cost": np.array([[PLAN_COST.pack_cost(p) for p in packs]]),
     }
-    got, exact = report.square_sums(ranks, PLAN_COST)
+    got, exact = runs.square_sums(ranks, PLAN_COST)
     assert exact.all()
     assert got[0] == pytest.approx([sum(s * s for s in p) for p in packs], rel=1e-9)
     # A power-law planner model cannot be inverted: the longest sample plus equal others stands in.
-    got, exact = report.square_sums(ranks, CostModel(kind="power", p=1.5))
+    got, exact = runs.square_sums(ranks, CostModel(kind="power", p=1.5))
     assert exact.tolist() == [[False, True, False, True]]
     assert got[0][0] == 216**2 + 2 * 24**2 and math.isclose(got[0][2], 72**2 + 4 * 24**2)
 
@@ -457,13 +466,13 @@ def test_monitor_csv_table_leaves_excluded_steps_out(tmp_path):
     assert cleaned.seconds == {(1, 8, 12): {4: 0.5}}
 
 
-def test_the_simulator_is_calibrated_without_stalls(bench):
-    _, report = bench
+def test_the_simulator_is_calibrated_without_stalls(bench, parts):
+    runs, _ = parts
     comp = np.array([[2.0, 2.0]] * 8)
     comp[6] = [19.0, 19.5]  # both ranks stalled
     tok = np.full_like(comp, 32760.0)
     ranks = {"compute_time_s": comp, "num_tokens": tok}
-    assert report.calibration_steps(ranks, warmup=2).tolist() == [False] * 2 + [True] * 4 + [False, True]
+    assert runs.calibration_steps(ranks, warmup=2).tolist() == [False] * 2 + [True] * 4 + [False, True]
 
 
 def test_fit_pack_sums_equals_fit_packs():
@@ -536,8 +545,8 @@ def test_a_simulation_that_cannot_fit_is_said_not_raised(bench, fabricated, tmp_
     assert json.loads(out.read_text())["simulated_more_ranks"]["error"].startswith("ValueError")
 
 
-def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench):
-    _, report = bench
+def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench, parts):
+    runs, _ = parts
     # 2 ranks, 8 steps: a clip takes 2 s, a small image batch 0.4 s (more per token, not a stall), and
     # step 5 has one rank stuck for 20 s (a compile the monitor did not see).
     comp = np.array([[2.0, 2.0]] * 8)
@@ -553,10 +562,10 @@ def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench):
         "step_time_s": comp.max(axis=1, keepdims=True).repeat(2, axis=1) + 0.05,
         "peak_allocated_bytes": np.full_like(comp, 1e9),
     }
-    keep = report.kept_steps(ranks, warmup=1)
-    stalls = report.stall_steps(ranks, keep)
+    keep = runs.kept_steps(ranks, warmup=1)
+    stalls = runs.stall_steps(ranks, keep)
     assert stalls.tolist() == [False, False, False, False, False, True, False, False]
-    s = report.mode_summary(ranks, warmup=1, device_total=None)
+    s = runs.mode_summary(ranks, warmup=1, device_total=None)
     assert s["stall_steps"] == 1 and s["stall_wall_s"] == pytest.approx(20.05)
     assert s["steps_used"] == 7  # the stall stays in the figures over all kept steps
     all_tok = tok[1:].sum() / (comp[1:].max(axis=1) + 0.05).sum()
@@ -566,8 +575,8 @@ def test_stalls_are_counted_and_left_out_only_of_the_no_stall_figure(bench):
     assert s["tokens_per_s_no_stalls"] == pytest.approx(steady_tokens_per_s)
 
 
-def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
-    _, report = bench
+def test_the_noise_floor_is_the_wait_of_identical_work_only(bench, parts):
+    runs, sim = parts
     # 4 ranks, 30 steps. Even steps: every rank runs one 32,760-token clip, one rank 5% slower (noise).
     # Odd steps: rank 0 runs a shorter clip, so its time differs by work, and those steps are no floor.
     rng = np.random.default_rng(0)
@@ -586,10 +595,10 @@ def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
         "step_time_s": comp.max(axis=1, keepdims=True).repeat(world, axis=1) + 0.05,
         "peak_allocated_bytes": np.full_like(comp, 1e9),
     }
-    keep = report.kept_steps(ranks, warmup=2)
-    same = report.identical_work_steps(ranks, keep)
+    keep = runs.kept_steps(ranks, warmup=2)
+    same = runs.identical_work_steps(ranks, keep)
     assert same.tolist() == [i >= 2 and i % 2 == 0 for i in range(steps)]
-    s = report.mode_summary(ranks, warmup=2, device_total=None)
+    s = runs.mode_summary(ranks, warmup=2, device_total=None)
     assert s["identical_work_steps"] == 14
     assert s["identical_work_wait"] == pytest.approx(stats.straggler_wait(comp[2::2]))
     assert s["identical_work_wait"] == pytest.approx((2.1 - 2.025) / 2.1)
@@ -597,18 +606,18 @@ def test_the_noise_floor_is_the_wait_of_identical_work_only(bench):
     even = comp[2::2]
     assert s["identical_work_noise"] == pytest.approx(np.mean(even.std(axis=1, ddof=1) / even.mean(axis=1)))
     other = {"summary": {"identical_work_noise": 0.04, "identical_work_steps": 42}}
-    pooled = report._pooled_noise({"a": {"summary": s}, "b": other, "c": {"summary": {}}})
+    pooled = sim.pooled_noise({"a": {"summary": s}, "b": other, "c": {"summary": {}}})
     assert pooled == pytest.approx((14 * s["identical_work_noise"] + 42 * 0.04) / 56)
     # Under 10 such steps there is no floor to give.
-    s = report.mode_summary(ranks, warmup=12, device_total=None)
+    s = runs.mode_summary(ranks, warmup=12, device_total=None)
     assert s["identical_work_steps"] == 9 and math.isnan(s["identical_work_wait"])
-    assert math.isnan(s["identical_work_noise"]) and math.isnan(report._pooled_noise({"a": {"summary": s}}))
+    assert math.isnan(s["identical_work_noise"]) and math.isnan(sim.pooled_noise({"a": {"summary": s}}))
 
 
-def test_the_noise_floor_grows_with_the_ranks(bench):
-    _, report = bench
-    assert report.noise_floor(0.0, 8) == 0.0
-    floors = [report.noise_floor(0.02, n) for n in (2, 4, 8, 16)]
+def test_the_noise_floor_grows_with_the_ranks(bench, parts):
+    _, sim = parts
+    assert sim.noise_floor(0.0, 8) == 0.0
+    floors = [sim.noise_floor(0.02, n) for n in (2, 4, 8, 16)]
     assert floors == sorted(floors) and floors[0] > 0
     # Two ranks: E[max - mean] = sigma / sqrt(pi) for the normal; the wait divides by about 1.
     assert floors[0] == pytest.approx(0.02 / math.sqrt(math.pi), rel=0.08)
