@@ -18,6 +18,10 @@
 #   SAMPLES   synthetic samples (768, ~4 GB); keep it the same for every call of one table
 #   SET       extra CLI overrides, space-separated KEY=VALUE (e.g. model.init_args.memory.memory_budget_gib=64)
 #   TOTAL     seconds this script may take (560)
+#   VARIANT   a name for a variant of the settings (with SET), e.g. VARIANT=onebucket
+#             SET="trainer.strategy.init_args.bucket_cap_mb=100000" (DDP's gradients in one bucket: no
+#             all-reduce overlapping the backward); its run folder and tag get the name, so that a warm
+#             machine keeps the default run and the variant apart
 #   REPORT    0: skip the report on the device (its 40 s go to steps); run ddp_modes_report.py on the host over
 #             the extracted tarballs instead
 #   DIAG      1: TORCH_LOGS=recompiles for the runs, and after them each recompile's guard failure counted,
@@ -52,11 +56,13 @@ MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 case "$SETTINGS" in eager|fast) ;; *) echo "SETTINGS must be eager or fast, got $SETTINGS"; exit 2 ;; esac
 OUT=${OUT:-/tmp/gpu_ddp_modes}; mkdir -p "$OUT"
-TAG=${SETTINGS}_w${NGPU}
+VARIANT=${VARIANT:-}
+[[ "$VARIANT" =~ ^[A-Za-z0-9_-]*$ ]] || { echo "VARIANT must be a short name (letters, digits, -, _), got '$VARIANT'"; exit 2; }
+TAG=${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}
 [ "$MODES" = equal_tokens,dual,lockstep,packed ] || TAG=${TAG}_${MODES//,/-}
 LOG="$OUT/ddp_modes_${TAG}.log"
 exec > >(tee -a "$LOG") 2>&1
-RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}; mkdir -p "$RUN"
+RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}; mkdir -p "$RUN"
 FILTER='UserWarning|warnings.warn|return Variable|AccumulateGrad|_pytree|it/s\]$|sample/s\]$|^\s*$'
 
 # The plan of the call: fixed costs, then per mode its start-up and 10 steps at least.
