@@ -86,7 +86,6 @@ from ddp_modes_sim import (
     calibrated_table,
     fit_pack_model,
     load_cost_model,
-    noise_floor,
     pack_statistics,
     pooled_noise,
     predict_mode,
@@ -95,6 +94,7 @@ from ddp_modes_sim import (
 )
 
 from lightning_adaptiveload.monitor.report import jsonable
+from lightning_adaptiveload.tools.replay import noise_floor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m for m in per_mode if m in ("equal_tokens", "dual", "lockstep", "packed")]
         try:
             more = simulate_more_ranks(
-                table, sizes, modes, mix, int(meta.get("max_tokens") or 32760), args.simulate_steps
+                table, sizes, modes, mix, int(meta.get("max_tokens") or 32760), args.simulate_steps, noise
             )
         except ValueError as err:  # e.g. no cost model fits timings dominated by compile stalls
             more = {"error": f"{type(err).__name__}: {err}"}
@@ -607,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         if more is not None and "error" not in more and math.isfinite(noise):
             more["noise_floor"] = {str(n): noise_floor(noise, n) for n in sorted({world, *sizes})}
             print(
-                "  note: these projections replay exact times; with the noise measured on identical work here "
-                f"(relative spread {noise:.2%}), identical work alone would wait "
+                "  note: 'wait' replays exact times, 'wait+noise' the noise measured on identical work here "
+                f"(relative spread {noise:.2%}); identical work alone would wait "
                 + ", ".join(f"{v:.1%} at {n} ranks" for n, v in more["noise_floor"].items())
                 + f" (measured at {world}: the floor column above)"
             )

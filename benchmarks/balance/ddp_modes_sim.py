@@ -1,6 +1,6 @@
 """The simulated half of ``ddp_modes_report.py``: the pack cost model fitted to the measured packs, the step
 times the simulator replays (:func:`calibrated_table`), the simulator's prediction for a run's own settings
-(:func:`predict_mode`), the measured noise replayed (:func:`with_noise`, :func:`noise_floor`), and more ranks
+(:func:`predict_mode`), the measured noise replayed (the simulator's ``with_noise`` and ``noise_floor``), and more ranks
 than were run (:func:`simulate_more_ranks`). Every figure here is a simulation, and the report labels it so."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from ddp_modes_runs import calibration_steps, flat_data_args, kept_steps, pack_rows, square_sums
 
+from lightning_adaptiveload.tools.replay import with_noise
 from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 # ----------------------------------------------------------------------------------- the pack cost model
@@ -128,20 +129,6 @@ def _plan_settings(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, An
     }
 
 
-def with_noise(times: np.ndarray, noise: float, draws: int) -> np.ndarray:
-    """(draws, *times.shape): ``times`` scaled by ``1 + noise * N(0, 1)`` (at least 0), seeded."""
-    rng = np.random.default_rng(0)
-    return times * np.maximum(1.0 + noise * rng.standard_normal((draws, *times.shape)), 0.0)
-
-
-def noise_floor(noise: float, ranks: int, draws: int = 4096) -> float:
-    """The straggler wait of identical work on ``ranks`` ranks whose times are ``1 + noise * N(0, 1)``
-    (:func:`with_noise`) over seeded draws: the floor under any schedule at that size."""
-    from lightning_adaptiveload import stats
-
-    return stats.straggler_wait(with_noise(np.ones((draws, ranks)), noise, 1)[0])
-
-
 def pooled_noise(per_mode: dict[str, dict]) -> float:
     """Every mode's :func:`identical_work_noise`, weighted by its identical-work steps; nan without one."""
     pairs = [
@@ -234,16 +221,28 @@ def predict_mode(
 
 
 def simulate_more_ranks(
-    table: Any, sizes: list[int], modes: list[str], mix_name: str, max_tokens: int, steps_per_rank: int
+    table: Any,
+    sizes: list[int],
+    modes: list[str],
+    mix_name: str,
+    max_tokens: int,
+    steps_per_rank: int,
+    noise: float = 0.0,
 ) -> dict[str, Any]:
-    """Simulate more ranks than were run (mix population), with the step times measured in these runs."""
+    """Simulate more ranks than were run (mix population), with the step times measured in these runs and,
+    when finite and above 0, the noise measured on their identical work (each row's ``wait_share_noise``)."""
     from lightning_adaptiveload.data.mixes import load_mix
     from lightning_adaptiveload.tools.simulate import simulate
 
+    noise = noise if math.isfinite(noise) and 0 < noise <= 0.5 else 0.0
     result = simulate(
         load_mix(mix_name),
         settings=SimulateSettings(
-            world_sizes=sizes, modes=modes, max_tokens=max_tokens, min_steps_per_rank=steps_per_rank
+            world_sizes=sizes,
+            modes=modes,
+            max_tokens=max_tokens,
+            min_steps_per_rank=steps_per_rank,
+            noise=noise,
         ),
         times=table,
         progress=False,
@@ -253,6 +252,7 @@ def simulate_more_ranks(
     for note in result.notes:
         print(f"  note: {note}")
     keys = ("mode", "world_size", "cv_mean", "cv_p95", "imbalance_mean", "wait_share", "tokens_per_s_ratio")
+    keys += ("noise", "wait_share_noise", "tokens_per_s_ratio_noise") if noise else ()
     return {
         "rows": [{k: r[k] for k in keys} for r in result.rows],
         "targets": result.targets(),

@@ -112,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed ms added to every step")
     ap.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="relative std of each rank's step time on identical work, e.g. 0.019 (a run's identical_work_noise): "
+        "every row also gives its wait and tokens/s ratio with it (seeded draws)",
+    )
+    ap.add_argument(
         "--patch-size",
         type=int,
         nargs=3,
@@ -232,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if v is not None
             },
             step_overhead_s=args.step_overhead_ms / 1e3,
+            noise=args.noise,
             patch_size=args.patch_size,
         )
         result = simulate(

@@ -249,6 +249,40 @@ def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: Co
     )
 
 
+#: Seeded draws the noisy figures average over (:func:`noisy_balance`).
+NOISE_DRAWS = 64
+
+
+def with_noise(seconds: np.ndarray, noise: float, draws: int, seed: int = 0) -> np.ndarray:
+    """``(draws, *seconds.shape)``: every rank's time scaled by ``1 + noise * N(0, 1)`` (at least 0), seeded.
+
+    ``noise`` is the relative standard deviation of one rank's step time on identical work: what a real run
+    measures (``benchmarks/balance/ddp_modes_report.py``, ``identical_work_noise``), which no schedule removes.
+    """
+    rng = np.random.default_rng(seed)
+    t = np.asarray(seconds, dtype=np.float64)
+    return t * np.maximum(1.0 + noise * rng.standard_normal((draws, *t.shape)), 0.0)
+
+
+def noise_floor(noise: float, ranks: int, draws: int = 4096, seed: int = 0) -> float:
+    """The straggler wait of identical work on ``ranks`` ranks with :func:`with_noise`'s noise: the floor under
+    any schedule at that size (about ``noise / sqrt(pi)`` at 2 ranks; it grows with the ranks)."""
+    return stats.straggler_wait(with_noise(np.ones((draws, ranks)), noise, 1, seed)[0])
+
+
+def noisy_balance(
+    seconds: np.ndarray, tokens: np.ndarray, noise: float, draws: int = NOISE_DRAWS, seed: int = 0
+) -> dict[str, float]:
+    """The straggler wait and tokens/s of a replay whose rank times carry ``noise`` (:func:`with_noise`): the
+    mean over ``draws`` seeded draws of :func:`balance_metrics`' figures."""
+    tok = np.asarray(tokens, dtype=np.float64)
+    runs = [balance_metrics(d, tok) for d in with_noise(seconds, noise, draws, seed)]
+    return {
+        "straggler_wait": float(np.mean([r["straggler_wait"] for r in runs])),
+        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in runs])),
+    }
+
+
 def run_mode(
     index: Any,
     world: int,

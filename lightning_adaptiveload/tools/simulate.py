@@ -70,6 +70,7 @@ from lightning_adaptiveload.tools.replay import (
     default_plan_cost,
     make_batcher,
     mix_population,
+    noisy_balance,
     resolved_max_compute,
     run_mode,
 )
@@ -168,10 +169,12 @@ class SimulationResult:
         """
         unit = self.meta.get("max_compute_unit", "cost-model units")
         rec_head = f"rec. max_compute [{_short_unit(unit)}]"
+        noisy = any("wait_share_noise" in r for r in self.rows)
         head = (
             f"{'config':<22}{'schedule':<12}{'mode':<13}{'ranks':>6}{'steps':>7}{'CV mean':>9}{'CV p95':>9}"
-            f"{'CV max':>9}{'imbal':>8}{'wait':>8}{'tok/s x':>9}{'peak tok':>10}{'tok fill':>9}{'VRAM ut':>9}"
-            f"{rec_head:>{max(18, len(rec_head) + 2)}}"
+            f"{'CV max':>9}{'imbal':>8}{'wait':>8}{'tok/s x':>9}"
+            + (f"{'wait+noise':>11}{'x +noise':>9}" if noisy else "")
+            + f"{'peak tok':>10}{'tok fill':>9}{'VRAM ut':>9}{rec_head:>{max(18, len(rec_head) + 2)}}"
         )
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -182,9 +185,21 @@ class SimulationResult:
                 f"{r['world_size']:>6}{r['steps']:>7}{100 * r['cv_mean']:>8.1f}%"
                 f"{100 * r['cv_p95']:>8.1f}%{100 * r.get('cv_max', math.nan):>8.1f}%"
                 f"{100 * r['imbalance_mean']:>7.1f}%{100 * r['wait_share']:>7.1f}%"
-                f"{r['tokens_per_s_ratio']:>9.3f}{r['peak_tokens']:>10}{100 * r['token_fill']:>8.1f}%"
+                f"{r['tokens_per_s_ratio']:>9.3f}"
+                + (
+                    f"{100 * r.get('wait_share_noise', math.nan):>10.1f}%"
+                    f"{r.get('tokens_per_s_ratio_noise', math.nan):>9.3f}"
+                    if noisy
+                    else ""
+                )
+                + f"{r['peak_tokens']:>10}{100 * r['token_fill']:>8.1f}%"
                 f"{100 * r['vram_utilisation']:>8.1f}%"
                 f"{('-' if rec is None else f'{rec:.4g}'):>{max(18, len(rec_head) + 2)}}"
+            )
+        if noisy:
+            lines.append(
+                f"wait+noise, x +noise: every rank's replayed time scaled by 1 + {self.meta.get('noise', 0):.2%} "
+                f"x N(0, 1), the mean of {self.meta.get('noise_draws', '?')} seeded draws"
             )
         lines.append(
             f"rec. max_compute: in {unit}; put it in a recipe together with that cost model "
@@ -278,6 +293,8 @@ def simulate(
         min_steps_per_rank=cfg.min_steps_per_rank,
         search_steps_per_rank=cfg.search_steps_per_rank,
         shards_per_stream=cfg.shards_per_stream,
+        noise=float(cfg.noise),
+        noise_draws=cfg.noise_draws,
     )
     runs = _Runs(modes=mode_list)
     bar = _progress(len(sizes) * len(mode_list), progress)
@@ -366,6 +383,8 @@ class _Setup:
     min_steps_per_rank: int
     search_steps_per_rank: int
     shards_per_stream: int
+    noise: float = 0.0
+    noise_draws: int = 64
 
     def run_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~lightning_adaptiveload.tools.replay.run_mode` but the budget."""
@@ -467,7 +486,7 @@ def _simulate_world(
     setup: _Setup, w: int, index: Any, search_index: Any, *, from_index: bool, runs: _Runs, bar: Any
 ) -> None:
     """Run every mode at ``w`` ranks (equal_tokens first: the reference) and add its row to ``runs``."""
-    base_tps = None
+    base_tps = base_noisy = None
     for mode in runs.modes:
         schedule, batching = MODES[mode]
         search: list[dict[str, Any]] = []
@@ -491,6 +510,15 @@ def _simulate_world(
             recommended_tokens_per_s_ratio=None if best is None else best["tokens_per_s"] / base_tps,
             candidates=search,
         )
+        if setup.noise > 0:
+            noisy = noisy_balance(rep.seconds, rep.tokens, setup.noise, setup.noise_draws)
+            base_noisy = noisy["tokens_per_s"] if mode == "equal_tokens" else base_noisy
+            m.update(
+                noise=setup.noise,
+                wait_share_noise=noisy["straggler_wait"],
+                tokens_per_s_noise=noisy["tokens_per_s"],
+                tokens_per_s_ratio_noise=noisy["tokens_per_s"] / base_noisy if base_noisy else math.nan,
+            )
         if m["steps"] < setup.min_steps_per_rank and from_index:
             runs.notes.append(f"{mode} at {w} ranks: only {m['steps']} steps per rank in this index")
         runs.rows.append(m)
@@ -549,7 +577,7 @@ def _settings(setup: _Setup, step_overhead_s: float) -> dict[str, Any]:
     """The settings :func:`simulate` records in ``meta``, in the order they are written."""
     names = (
         "max_tokens max_compute num_workers seed epoch min_steps_per_rank shards_per_stream "
-        "search_steps_per_rank max_candidates"
+        "search_steps_per_rank max_candidates noise noise_draws"
     ).split()
     settings = {name: getattr(setup, name) for name in names}
     settings.update(

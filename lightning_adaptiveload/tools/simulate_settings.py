@@ -86,6 +86,14 @@ class SimulateSettings:
     step_overhead_s: float = 0.0
     """Fixed seconds added to every rank's step (optimizer, all-reduce), >= 0."""
 
+    noise: float = 0.0
+    """Relative standard deviation of each rank's step time on identical work, in 0..0.5 (a real run's is in
+    its report: ``identical_work_noise``). Above 0, every row also gives its wait and tokens/s with every
+    replayed rank time scaled by ``1 + noise * N(0, 1)``, the mean of ``noise_draws`` seeded draws."""
+
+    noise_draws: int = 64
+    """Seeded draws the noisy figures average over, >= 1."""
+
     patch_size: Sequence[int] = DEFAULT_PATCH
     """(pt, ph, pw) of the model's patch embedding."""
 
@@ -119,6 +127,16 @@ class SimulateSettings:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers!r}")
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s!r}")
+        if (
+            isinstance(self.noise, bool)
+            or not isinstance(self.noise, int | float)
+            or not 0 <= self.noise <= 0.5
+        ):
+            raise ValueError(
+                f"noise must be a relative standard deviation in 0..0.5 (0.02 for 2%), got {self.noise!r}"
+            )
+        if self.noise_draws < 1:
+            raise ValueError(f"noise_draws must be >= 1, got {self.noise_draws!r}")
         if self.p is not None and not self.p > 0:
             raise ValueError(f"p must be a positive exponent or None (fitted), got {self.p!r}")
         object.__setattr__(self, "patch_size", patch)

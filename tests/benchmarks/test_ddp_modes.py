@@ -614,15 +614,6 @@ def test_the_noise_floor_is_the_wait_of_identical_work_only(bench, parts):
     assert math.isnan(s["identical_work_noise"]) and math.isnan(sim.pooled_noise({"a": {"summary": s}}))
 
 
-def test_the_noise_floor_grows_with_the_ranks(bench, parts):
-    _, sim = parts
-    assert sim.noise_floor(0.0, 8) == 0.0
-    floors = [sim.noise_floor(0.02, n) for n in (2, 4, 8, 16)]
-    assert floors == sorted(floors) and floors[0] > 0
-    # Two ranks: E[max - mean] = sigma / sqrt(pi) for the normal; the wait divides by about 1.
-    assert floors[0] == pytest.approx(0.02 / math.sqrt(math.pi), rel=0.08)
-
-
 def test_the_whole_epoch_ratio_is_the_window_ratio_when_the_window_is_the_epoch(bench, fabricated, tmp_path):
     """The runs measured every step of epoch 0 (no warm-up left out): the simulator's whole-epoch ratio and its
     ratio over the measured steps are one figure; with a warm-up left out they are not."""

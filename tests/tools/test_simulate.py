@@ -349,6 +349,10 @@ def test_simulate_with_trace_and_given_p(tmp_path):
         (dict(max_candidates=0), "max_candidates"),
         (dict(num_workers=-1), "num_workers"),
         (dict(p=0.0), "p must be"),
+        (dict(noise=-0.01), "noise must be"),
+        (dict(noise=0.9), "noise must be"),
+        (dict(noise=True), "noise must be"),
+        (dict(noise_draws=0), "noise_draws"),
     ],
 )
 def test_simulate_settings_reject_each_bad_value_once(kwargs, match):
@@ -497,3 +501,78 @@ def test_packed_schedule_is_balanced_with_the_planning_cost_model():
     # The batcher built for packed (and lockstep_equal_tokens) carried the default cost model before.
     assert make_batcher("equal_tokens", 450, "auto", cm, (1, 2, 2)).cost_model == cm
     assert make_batcher("dual", 450, "auto", cm, (1, 2, 2)).cost_model == cm
+
+
+def test_noise_draws_are_seeded_and_scale_each_rank_time():
+    from lightning_adaptiveload.tools.replay import with_noise
+
+    t = np.array([[1.0, 2.0], [3.0, 4.0]])
+    a, b = with_noise(t, 0.02, 5), with_noise(t, 0.02, 5)
+    assert a.shape == (5, 2, 2) and np.array_equal(a, b)  # seeded
+    assert not np.array_equal(a, with_noise(t, 0.02, 5, seed=1))
+    assert np.array_equal(with_noise(t, 0.0, 3), np.broadcast_to(t, (3, 2, 2)))
+    rel = (with_noise(np.ones((4000, 8)), 0.02, 1)[0] - 1.0).ravel()
+    assert abs(rel.std() - 0.02) < 0.001 and abs(rel.mean()) < 0.001
+    assert (with_noise(np.ones((100, 4)), 0.5, 20) >= 0).all()  # never a negative time
+
+
+def test_the_noise_floor_matches_the_two_rank_formula_and_grows_with_the_ranks():
+    from lightning_adaptiveload.tools.replay import noise_floor
+
+    # Two ranks: E|x1 - x2| / 2 over E max = sigma / sqrt(pi) (to first order in sigma).
+    assert noise_floor(0.02, 2, draws=200_000) == pytest.approx(0.02 / math.sqrt(math.pi), rel=0.02)
+    floors = [noise_floor(0.02, n) for n in (2, 4, 8, 16)]
+    assert floors == sorted(floors) and noise_floor(0.0, 8) == 0.0
+
+
+def test_noisy_balance_of_identical_work_is_the_noise_floor():
+    from lightning_adaptiveload.tools.replay import noise_floor, noisy_balance
+
+    t, tok = np.full((500, 4), 2.0), np.full((500, 4), 1000.0)
+    exact = balance_metrics(t, tok)
+    noisy = noisy_balance(t, tok, 0.03, draws=8)
+    assert exact["straggler_wait"] == 0.0
+    assert noisy["straggler_wait"] == pytest.approx(noise_floor(0.03, 4), rel=0.05)
+    # A slower slowest rank: fewer tokens per second than the exact replay.
+    assert noisy["tokens_per_s"] < exact["tokens_per_s"]
+    assert noisy_balance(t, tok, 0.0, draws=2)["tokens_per_s"] == pytest.approx(exact["tokens_per_s"])
+
+
+def test_simulate_with_noise_adds_the_noisy_figures_and_leaves_the_exact_ones():
+    base = dict(world_sizes=[2, 4], max_tokens=450, min_steps_per_rank=8, recommend=False)
+    modes = ("equal_tokens", "lockstep", "packed")
+    exact = simulate("tiny", SimulateSettings(**base, modes=modes), progress=False)
+    noisy = simulate(
+        "tiny", SimulateSettings(**base, modes=modes, noise=0.05, noise_draws=16), progress=False
+    )
+    assert all("wait_share_noise" not in r for r in exact.rows) and "wait+noise" not in exact.table()
+    for e, n in zip(exact.rows, noisy.rows, strict=True):
+        assert (e["mode"], e["world_size"]) == (n["mode"], n["world_size"])
+        assert e["wait_share"] == n["wait_share"] and e["tokens_per_s"] == n["tokens_per_s"]
+        assert n["noise"] == 0.05 and n["wait_share_noise"] > 0
+    rows = {(r["mode"], r["world_size"]): r for r in noisy.rows}
+    assert rows[("equal_tokens", 4)]["tokens_per_s_ratio_noise"] == 1.0
+    # Balanced steps wait about the floor with noise, however little they wait without it.
+    from lightning_adaptiveload.tools.replay import noise_floor
+
+    assert rows[("packed", 4)]["wait_share_noise"] >= 0.5 * noise_floor(0.05, 4)
+    assert "wait+noise" in noisy.table() and noisy.meta["noise"] == 0.05 and noisy.meta["noise_draws"] == 16
+    again = simulate(
+        "tiny", SimulateSettings(**base, modes=modes, noise=0.05, noise_draws=16), progress=False
+    )
+    assert [r["wait_share_noise"] for r in again.rows] == [r["wait_share_noise"] for r in noisy.rows]
+
+
+def test_cli_noise_flag_reaches_the_rows(tmp_path, capsys):
+    out = tmp_path / "sim"
+    rc = main(
+        [
+            "--mix", "tiny", "--world-sizes", "2", "--max-tokens", "450", "--min-steps-per-rank", "8",
+            "--no-recommend", "--noise", "0.02", "--out", str(out), "--no-progress", "--no-plots",
+        ]
+    )  # fmt: skip
+    assert rc == 0 and "wait+noise" in capsys.readouterr().out
+    data = json.loads((out / "simulate.json").read_text())
+    assert all(r["noise"] == 0.02 and "wait_share_noise" in r for r in data["results"])
+    assert main(["--mix", "tiny", "--noise", "2", "--out", str(out), "--no-progress"]) == 2
+    assert "noise must be" in capsys.readouterr().err
