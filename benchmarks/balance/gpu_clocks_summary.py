@@ -40,6 +40,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import write_json  # noqa: E402
 
+from lightning_adaptiveload.monitor.report import jsonable  # noqa: E402
+
 # NVML's clocks event reasons (nvmlClocksEventReason*), bit -> name.
 REASONS: dict[int, str] = {
     0x1: "GPU idle",
@@ -591,19 +593,6 @@ def plot(log: ClockLog, summary: dict, busy: float, path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def jsonable(x):
-    """NaN and infinities as null, dict keys as strings, numpy scalars as Python numbers."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, (np.floating, float)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
 
 
 def main(argv: list[str] | None = None) -> int:
