@@ -1,6 +1,6 @@
 """The simulated half of ``ddp_modes_report.py``: the pack cost model fitted to the measured packs, the step
 times the simulator replays (:func:`calibrated_table`), the simulator's prediction for a run's own settings
-(:func:`predict_mode`), the measured noise replayed (the simulator's ``with_noise`` and ``noise_floor``), and more ranks
+(:func:`predict_mode`), the measured noise replayed (the simulator's ``noisy_balance``), and more ranks
 than were run (:func:`simulate_more_ranks`). Every figure here is a simulation, and the report labels it so."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from ddp_modes_runs import calibration_steps, flat_data_args, kept_steps, pack_rows, square_sums
 
-from lightning_adaptiveload.tools.replay import with_noise
+from lightning_adaptiveload.tools.replay import noisy_balance
 from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 
 # ----------------------------------------------------------------------------------- the pack cost model
@@ -151,7 +151,7 @@ def predict_mode(
 ) -> dict[str, Any]:
     """The simulator's figures for one measured mode, over the same steps (see the module docstring). With a
     finite ``noise`` (:func:`identical_work_noise`), also its tokens/s and wait with every replayed rank time
-    scaled by ``1 + noise * N(0, 1)``: the mean over 64 seeded draws."""
+    scaled by ``1 + noise * N(0, 1)``: the mean over ``NOISE_DRAWS`` seeded draws (the simulator's ``noisy_balance``)."""
     from lightning_adaptiveload import stats
     from lightning_adaptiveload.tools.replay import run_mode
     from lightning_adaptiveload.tools.step_times import BatchCoster
@@ -194,13 +194,11 @@ def predict_mode(
     wall = sec.max(axis=1) + overhead_s
     noisy: dict[str, float] = {}
     if math.isfinite(noise) and noise > 0:
-        draws = with_noise(sec, noise, 64)
+        replayed = noisy_balance(sec, tok, noise, overhead_s=overhead_s)
         noisy = {
             "noise": float(noise),
-            "tokens_per_s_with_noise": float(
-                np.mean([tok.sum() / (d.max(axis=1) + overhead_s).sum() for d in draws])
-            ),
-            "straggler_wait_with_noise": float(np.mean([stats.straggler_wait(d) for d in draws])),
+            "tokens_per_s_with_noise": replayed["tokens_per_s"],
+            "straggler_wait_with_noise": replayed["straggler_wait"],
         }
     # The whole first epoch, beside the measured steps: how far the steps a run measured stand from an epoch.
     first = seconds[0].max(axis=1) + overhead_s
@@ -234,7 +232,7 @@ def simulate_more_ranks(
     from lightning_adaptiveload.data.mixes import load_mix
     from lightning_adaptiveload.tools.simulate import simulate
 
-    noise = noise if math.isfinite(noise) and 0 < noise <= 0.5 else 0.0
+    noise = noise if math.isfinite(noise) else 0.0  # SimulateSettings refuses a bad one, said by the caller
     result = simulate(
         load_mix(mix_name),
         settings=SimulateSettings(

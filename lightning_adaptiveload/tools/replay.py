@@ -271,15 +271,21 @@ def noise_floor(noise: float, ranks: int, draws: int = 4096, seed: int = 0) -> f
 
 
 def noisy_balance(
-    seconds: np.ndarray, tokens: np.ndarray, noise: float, draws: int = NOISE_DRAWS, seed: int = 0
+    seconds: np.ndarray,
+    tokens: np.ndarray,
+    noise: float,
+    draws: int = NOISE_DRAWS,
+    seed: int = 0,
+    overhead_s: float = 0.0,
 ) -> dict[str, float]:
-    """The straggler wait and tokens/s of a replay whose rank times carry ``noise`` (:func:`with_noise`): the
-    mean over ``draws`` seeded draws of :func:`balance_metrics`' figures."""
-    tok = np.asarray(tokens, dtype=np.float64)
-    runs = [balance_metrics(d, tok) for d in with_noise(seconds, noise, draws, seed)]
+    """The straggler wait and tokens/s of a replay whose rank times carry ``noise`` (:func:`with_noise`), the
+    mean over ``draws`` seeded draws: tokens over the summed slowest rank times, each step plus ``overhead_s``
+    (the time a step spends outside the ranks' compute, which the noise does not scale)."""
+    total = float(np.asarray(tokens, dtype=np.float64).sum())
+    noisy = with_noise(seconds, noise, draws, seed)
     return {
-        "straggler_wait": float(np.mean([r["straggler_wait"] for r in runs])),
-        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in runs])),
+        "straggler_wait": float(np.mean([stats.straggler_wait(d) for d in noisy])),
+        "tokens_per_s": float(np.mean([total / (d.max(axis=1) + overhead_s).sum() for d in noisy])),
     }
 
 

@@ -536,6 +536,9 @@ def test_noisy_balance_of_identical_work_is_the_noise_floor():
     # A slower slowest rank: fewer tokens per second than the exact replay.
     assert noisy["tokens_per_s"] < exact["tokens_per_s"]
     assert noisy_balance(t, tok, 0.0, draws=2)["tokens_per_s"] == pytest.approx(exact["tokens_per_s"])
+    # A step's time outside the ranks' compute (optimizer, all-reduce tail) counts in the wall time, unscaled.
+    with_overhead = noisy_balance(t, tok, 0.0, draws=2, overhead_s=0.5)["tokens_per_s"]
+    assert with_overhead == pytest.approx(tok.sum() / (500 * (2.0 + 0.5)))
 
 
 def test_simulate_with_noise_adds_the_noisy_figures_and_leaves_the_exact_ones():
