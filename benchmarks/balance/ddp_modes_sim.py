@@ -151,7 +151,7 @@ def predict_mode(
 ) -> dict[str, Any]:
     """The simulator's figures for one measured mode, over the same steps (see the module docstring). With a
     finite ``noise`` (:func:`identical_work_noise`), also its tokens/s and wait with every replayed rank time
-    scaled by ``1 + noise * N(0, 1)``: the mean over ``NOISE_DRAWS`` seeded draws (the simulator's ``noisy_balance``)."""
+    scaled by ``1 + noise * N(0, 1)``: the mean over the simulator's default ``noise_draws`` seeded draws (``noisy_balance``)."""
     from lightning_adaptiveload import stats
     from lightning_adaptiveload.tools.replay import run_mode
     from lightning_adaptiveload.tools.step_times import BatchCoster
@@ -194,7 +194,7 @@ def predict_mode(
     wall = sec.max(axis=1) + overhead_s
     noisy: dict[str, float] = {}
     if math.isfinite(noise) and noise > 0:
-        replayed = noisy_balance(sec, tok, noise, overhead_s=overhead_s)
+        replayed = noisy_balance(sec, tok, noise, SimulateSettings().noise_draws, overhead_s=overhead_s)
         noisy = {
             "noise": float(noise),
             "tokens_per_s_with_noise": replayed["tokens_per_s"],

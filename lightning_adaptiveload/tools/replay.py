@@ -249,10 +249,6 @@ def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: Co
     )
 
 
-#: Seeded draws the noisy figures average over (:func:`noisy_balance`).
-NOISE_DRAWS = 64
-
-
 def with_noise(seconds: np.ndarray, noise: float, draws: int, seed: int = 0) -> np.ndarray:
     """``(draws, *seconds.shape)``: every rank's time scaled by ``1 + noise * N(0, 1)`` (at least 0), seeded.
 
@@ -274,7 +270,7 @@ def noisy_balance(
     seconds: np.ndarray,
     tokens: np.ndarray,
     noise: float,
-    draws: int = NOISE_DRAWS,
+    draws: int,
     seed: int = 0,
     overhead_s: float = 0.0,
 ) -> dict[str, float]:

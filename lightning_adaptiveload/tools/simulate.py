@@ -383,8 +383,8 @@ class _Setup:
     min_steps_per_rank: int
     search_steps_per_rank: int
     shards_per_stream: int
-    noise: float = 0.0
-    noise_draws: int = 64
+    noise: float
+    noise_draws: int
 
     def run_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~lightning_adaptiveload.tools.replay.run_mode` but the budget."""
