@@ -202,6 +202,7 @@ def build_command(
     activation_memory: dict | None = None,
     max_time_s: float | None = None,
     stall_stacks_s: float | None = None,
+    callbacks: list[dict] = (),
     extra: list[str] = (),
     python: str = sys.executable,
 ) -> tuple[dict[str, str], list[str]]:
@@ -251,6 +252,7 @@ def build_command(
         "--trainer.callbacks",
         json.dumps(
             [{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args}]
+            + list(callbacks)
         ),
         "--trainer.enable_checkpointing",
         "false",
@@ -280,6 +282,17 @@ def build_command(
         key, _, value = item.partition("=")
         cmd += [key if key.startswith("--") else f"--{key}", value]
     return env, cmd
+
+
+def _callback_arg(text: str) -> dict:
+    """``--callback``: a JSON object with a ``class_path`` (an ``argparse`` type: a bad one is a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("class_path"), str):
+        raise argparse.ArgumentTypeError(f'want {{"class_path": "pkg.mod.Class", "init_args": {{...}}}}, got {text!r}')
+    return value
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> int:
@@ -352,6 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--set", action="append", default=[], help="extra CLI override KEY=VALUE, repeatable")
     ap.add_argument(
+        "--callback",
+        action="append",
+        default=[],
+        type=_callback_arg,
+        help='a callback beside the monitor, as JSON {"class_path": ..., "init_args": {...}}, repeatable '
+        "(e.g. benchmarks.balance.step_probe.StepProbe; needs the repository root on PYTHONPATH)",
+    )
+    ap.add_argument(
         "--stall-stacks-s",
         type=float,
         default=None,
@@ -420,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_memory=memory,
             max_time_s=None if share is None else share - _STARTUP_S[args.settings] - _MARGIN_S,
             stall_stacks_s=args.stall_stacks_s,
+            callbacks=args.callback,
             extra=args.set,
         )
         prefix = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())

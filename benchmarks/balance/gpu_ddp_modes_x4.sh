@@ -34,6 +34,11 @@
 #             ($RUN/gpu_limits_<tag>.txt); after the runs, gpu_clocks_summary.py writes
 #             $RUN/gpu_clocks_summary_<tag>.json and gpu_clocks_<tag>.png into the run folder (the tarball):
 #             is the rank-to-rank noise power-capped clocks? Default 0: no logger.
+#   PROBE     1: benchmarks/balance/step_probe.py's StepProbe beside the monitor: per step and rank the GPU
+#             and host times of forward, backward and optimizer and the GC pauses; PROBE_STEPS=first,last
+#             (default 40,80) profiles every other step of that window with torch.profiler (kernel time by
+#             name, idle gaps; the slowest and fastest profiled steps' traces kept). After the runs,
+#             step_probe_summary.py prints where slow steps of identical work lose their time.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -50,7 +55,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
-DIAG=${DIAG:-0}; REPORT=${REPORT:-1}; CLOCKS=${CLOCKS:-0}
+DIAG=${DIAG:-0}; REPORT=${REPORT:-1}; CLOCKS=${CLOCKS:-0}; PROBE=${PROBE:-0}; PROBE_STEPS=${PROBE_STEPS:-40,80}
 [ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -116,6 +121,8 @@ fi
 FIT_LOG="$RUN/fit_${TAG}.log"
 sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
+[[ "$PROBE_STEPS" =~ ^[0-9]+,[0-9]+$ ]] || { echo "PROBE_STEPS must be first,last, got '$PROBE_STEPS'"; exit 2; }
+[ "$PROBE" = 1 ] && sets+=(--callback "{\"class_path\": \"benchmarks.balance.step_probe.StepProbe\", \"init_args\": {\"profile_steps\": [$PROBE_STEPS]}}")
 CLOCKS_PID=
 stop_clocks() {
   [ -n "$CLOCKS_PID" ] || return 0
@@ -148,6 +155,10 @@ if [ "$CLOCKS" = 1 ]; then
     --json "$RUN/gpu_clocks_summary_${TAG}.json" --plot "$RUN/gpu_clocks_${TAG}.png" 2>&1 | tail -25
 fi
 grep -Ev "$FILTER" "$FIT_LOG" | tail -120
+if [ "$PROBE" = 1 ]; then
+  echo "== step probe $(el)"
+  timeout 60 python3 benchmarks/balance/step_probe_summary.py "$RUN" --json "$RUN/step_probe_summary_${TAG}.json" 2>&1 | tail -60
+fi
 if [ "$DIAG" = 1 ]; then
   echo "== recompiles (rank 0 and others; the guard that failed, counted)"
   echo "recompiles logged: $(grep -c "Recompiling function" "$FIT_LOG")"

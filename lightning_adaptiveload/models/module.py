@@ -45,7 +45,7 @@ from torchmetrics import MeanMetric, Metric
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.compile_check import CompileSettings
-from lightning_adaptiveload.models.config import TEXT_ALIGN
+from lightning_adaptiveload.models.config import padded_text_len
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.module_settings import (
     DEPRECATED_KEYWORDS,
@@ -306,7 +306,7 @@ class VideoDiTModule(L.LightningModule):
 
     def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
         """Analytic forward FLOPs of a batch (see :meth:`VideoDiT.flops_per_sample`); x3 for a training step."""
-        return int(batch_size) * forward_flops(self.model_config, seq_len, text_len, TEXT_ALIGN)
+        return int(batch_size) * forward_flops(self.model_config, seq_len, padded_text_len(self.model_config, text_len))
 
     def flops_per_batch(self, batch: dict) -> float:
         """Training FLOPs (forward + backward = 3x forward) of ``batch`` on this rank, for MFU.

@@ -65,6 +65,7 @@ _INT_RANGES = {
     "out_channels": (1, 1 << 10),
     "text_dim": (1, 1 << 16),
     "freq_dim": (2, 1 << 16),
+    "text_len": (1, 1 << 16),
 }
 _MIN_BYTES_PER_PARAMETER = 2  # bf16 / fp16, the narrowest dtype of WEIGHT_DTYPES
 
@@ -298,11 +299,15 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
             "eps": "eps",
             "qk_norm": "qk_norm",
             "cross_attn_norm": "cross_attn_norm",
+            "text_len": "text_len",
         }
         _check_config_values(raw, file, names)
     for ours, theirs in names.items():
         if theirs in raw and raw[theirs] is not None:
             fields[ours] = raw[theirs]
+    # Wan pads every prompt to 512 umT5 tokens (diffusers' pipelines too, max_sequence_length=512; its
+    # config does not say so): one key length for the cross-attention (VideoDiTConfig.text_len).
+    fields.setdefault("text_len", 512)
     if fields.get("out_channels") is None and "in_channels" in fields:
         fields["out_channels"] = fields["in_channels"]
     if "dim" in fields and not 1 <= fields["dim"] <= _INT_RANGES["dim"][1]:

@@ -56,7 +56,7 @@ from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exp
     save_attention_contexts,
 )
 from lightning_adaptiveload.models.checkpointing import spread as _spread  # noqa: F401
-from lightning_adaptiveload.models.config import TEXT_ALIGN, VideoDiTConfig, forward_flops
+from lightning_adaptiveload.models.config import VideoDiTConfig, forward_flops, padded_text_len
 from lightning_adaptiveload.models.layers import (
     CrossAttention,
     FP32LayerNorm,
@@ -648,11 +648,12 @@ class VideoDiT(nn.Module):
             )
         if context_mask is not None:
             context_mask = context_mask.to(device=context.device, dtype=torch.bool)
-        pad = -context.shape[1] % TEXT_ALIGN
+        pad = padded_text_len(self.config, context.shape[1]) - context.shape[1]
         if pad:
-            # Masked-out zero rows up to a multiple of TEXT_ALIGN: exact (every attention path honours the
-            # mask), and a compiled block keeps one graph for every text length: inductor guards on the
-            # length's alignment, and the two cases compiled apart (10-20 s each on 4 x H200).
+            # Masked-out zero rows up to config.text_len, or a multiple of TEXT_ALIGN: exact (every attention
+            # path honours the mask). One key length for every batch spares cuDNN attention a graph build
+            # per new length (see VideoDiTConfig.text_len); aligned rows keep a compiled block to one graph
+            # (inductor guards on the length's alignment, and compiled the two cases apart).
             if context_mask is None:
                 context_mask = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
             context = torch.nn.functional.pad(context, (0, 0, 0, pad))
@@ -676,7 +677,7 @@ class VideoDiT(nn.Module):
 
     def flops_per_sample(self, seq_len: int, text_len: int = 0) -> int:
         """Forward FLOPs of one sample of ``seq_len`` tokens; see :func:`forward_flops` for the formula."""
-        return forward_flops(self.config, seq_len, text_len, TEXT_ALIGN)
+        return forward_flops(self.config, seq_len, padded_text_len(self.config, text_len))
 
     def flops(self, batch_size: int, seq_len: int, text_len: int = 0) -> int:
         """Forward FLOPs of a batch of ``batch_size`` samples of ``seq_len`` tokens; see :meth:`flops_per_sample`."""
