@@ -232,7 +232,6 @@ class StepProbe(Callback):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         first, last = self.profile_steps
-        self._prof_step = first
         self._prof = profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
             schedule=schedule(wait=0, warmup=1, active=1, repeat=(last - first) // 2),
