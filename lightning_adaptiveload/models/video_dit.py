@@ -649,13 +649,15 @@ class VideoDiT(nn.Module):
         if context_mask is not None:
             context_mask = context_mask.to(device=context.device, dtype=torch.bool)
         pad = padded_text_len(self.config, context.shape[1]) - context.shape[1]
+        if context_mask is None and (pad or self.config.text_len is not None):
+            # With a fixed text_len the mask is always there, also for a prompt that fills it: a batch
+            # without one would be another compiled graph and another cuDNN attention graph.
+            context_mask = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
         if pad:
             # Masked-out zero rows up to config.text_len, or a multiple of TEXT_ALIGN: exact (every attention
             # path honours the mask). One key length for every batch spares cuDNN attention a graph build
             # per new length (see VideoDiTConfig.text_len); aligned rows keep a compiled block to one graph
             # (inductor guards on the length's alignment, and compiled the two cases apart).
-            if context_mask is None:
-                context_mask = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
             context = torch.nn.functional.pad(context, (0, 0, 0, pad))
             context_mask = torch.nn.functional.pad(context_mask, (0, pad), value=False)
         ctx = self.text_embedding(context.to(self.patch_embedding.weight.dtype))
