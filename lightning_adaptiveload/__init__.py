@@ -29,6 +29,7 @@ _EXPORTS = {
     "Loader": "data.settings",
     "Source": "data.settings",
     "LoadBalanceMonitor": "monitor.callback",
+    "AlignedGC": "monitor.aligned_gc",
     "layer_norm_modulate": "ops",
     "fuse_norm_modulate": "fusion.registry",
     "unfuse_norm_modulate": "fusion.registry",

@@ -46,13 +46,14 @@ def destroy_gloo_group_at_exit() -> None:
     Registered once per process; NCCL groups are left alone.
     """
     global _EXIT_HOOK_REGISTERED
-    if _EXIT_HOOK_REGISTERED or not _is_gloo():
+    if _EXIT_HOOK_REGISTERED or not is_gloo():
         return
     atexit.register(_destroy_gloo_group_at_exit)
     _EXIT_HOOK_REGISTERED = True
 
 
-def _is_gloo() -> bool:
+def is_gloo() -> bool:
+    """A gloo default process group is up (CPU DDP)."""
     return is_distributed() and dist.get_backend() == "gloo"
 
 
@@ -64,7 +65,7 @@ def _destroy_gloo_group_at_exit() -> None:
     left a collective in flight that only a peer can finish (or end, by exiting); this rank then waits at most
     the bound and exits without it, instead of waiting for that peer.
     """
-    if not _is_gloo():
+    if not is_gloo():
         return  # destroyed already (destroy_gloo_group_now, or the program itself)
     try:
         helper = threading.Thread(target=_destroy_gloo_group, name="gloo-group-teardown", daemon=True)
@@ -76,7 +77,7 @@ def _destroy_gloo_group_at_exit() -> None:
 
 def _destroy_gloo_group() -> None:
     try:
-        if _is_gloo():
+        if is_gloo():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - at exit, a failed clean-up must not mask the exit status
         pass
@@ -90,7 +91,7 @@ def destroy_gloo_group_now() -> None:
     :func:`destroy_gloo_group_at_exit` then finds nothing left. The package's CLI calls this after every
     subcommand (a clean end only: a failed subcommand never gets here), whatever the LightningModule.
     """
-    if not _is_gloo():
+    if not is_gloo():
         return
     try:
         dist.barrier()

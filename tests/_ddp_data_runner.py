@@ -131,16 +131,13 @@ def main() -> None:
                 open(os.path.join(cfg["out"], run["name"] + ".crashed"), "w").close()
             torch.distributed.barrier()
         if rank == 0:
+            context = dm.train_dataloader().multiprocessing_context if run["num_workers"] else None
             with open(os.path.join(cfg["out"], run["name"] + ".report.json"), "w") as f:
-                json.dump(dm.epoch_report, f)
+                json.dump({**dm.epoch_report, "start_method": context and context.get_start_method()}, f)
 
 
-# Runs a runner script as __main__ after registering a stack dump of every thread on SIGUSR1 (the handler is
-# inherited by the loader workers the script forks).
-_WITH_STACK_DUMP = (
-    "import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
-    "sys.argv = sys.argv[1:]; sys.path[0] = __import__('os').path.dirname(sys.argv[0]); runpy.run_path(sys.argv[0], run_name='__main__')"
-)
+# Starts a runner script with a stack dump of every thread on SIGUSR1 (see its docstring).
+_WITH_STACK_DUMP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_with_stack_dump.py")
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -172,12 +169,37 @@ def _group_members(pgid: int) -> list[int]:
     return sorted(members) or [pgid]
 
 
+# After one rank failed, how long the others get to end on their own before their stacks are taken and they
+# are killed (they usually wait in a collective for the failed one).
+PEER_GRACE_S = 30.0
+# The port is free when chosen, but another process may take it before rank 0 listens on it (EADDRINUSE):
+# the launch then starts again on a new port, this many times at most.
+PORT_ATTEMPTS = 3
+
+
 def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> list[str]:
     """Run the config on ``cfg["world"]`` local processes of ``script`` (this runner by default); returns their
-    logs. Raises on failure or timeout."""
+    logs. Raises on failure or timeout, with every process's stacks where a process had to be killed."""
     cfg_path = os.path.join(tmp_dir, f"cfg-{time.monotonic_ns()}.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        procs, logs = _start(cfg, cfg_path, tmp_dir, script)
+        _wait(procs, logs, timeout)
+        texts = [open(x).read() for x in logs]
+        if not any(p.returncode for p in procs):
+            return texts
+        if attempt < PORT_ATTEMPTS and any("EADDRINUSE" in t for t in texts):
+            print(f"launch: the port was taken before rank 0 listened on it (attempt {attempt}); again")
+            continue
+        raise RuntimeError(
+            f"DDP run failed (exit codes {[p.returncode for p in procs]}):\n"
+            + "\n".join(f"--- {x}\n" + t[-8000:] for x, t in zip(logs, texts))
+        )
+    raise AssertionError("unreachable")
+
+
+def _start(cfg: dict, cfg_path: str, tmp_dir: str, script: str) -> tuple[list[subprocess.Popen], list[str]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -197,34 +219,47 @@ def launch(cfg: dict, tmp_dir: str, timeout: float, script: str = __file__) -> l
         logs.append(log_path)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", _WITH_STACK_DUMP, script, cfg_path],
+                [sys.executable, _WITH_STACK_DUMP, script, cfg_path],
                 env=env,
                 stdout=open(log_path, "w"),
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         )
+    return procs, logs
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[str], timeout: float) -> None:
+    """Until every rank has ended; a rank left running ``timeout`` s after the start, or ``PEER_GRACE_S``
+    after another rank failed, prints its stacks and is killed (a timeout raises ``TimeoutError``)."""
     deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        # Every process of each rank's group (the rank and its loader workers) prints its threads' stacks
-        # into the rank's log before it is killed, so that a hang says where it hangs.
-        for p in procs:
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if None not in codes:
+            return
+        now = time.monotonic()
+        if failed_at is None and any(c for c in codes if c is not None):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + PEER_GRACE_S):
+            break
+        time.sleep(0.2)
+    # Every process of each running rank's group (the rank and its loader workers) prints its threads'
+    # stacks into the rank's log before it is killed, so that a hang says where it hangs.
+    for p in procs:
+        if p.poll() is None:
             for pid in _group_members(p.pid):  # one at a time: their dumps share the rank's log
                 _signal(pid, signal.SIGUSR1)
                 time.sleep(0.5)
-        time.sleep(1.0)
-        for p in procs:
-            _signal_group(p.pid, signal.SIGKILL)
+    time.sleep(1.0)
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+        p.wait()
+    if failed_at is None:
         raise TimeoutError(
             "DDP run timed out (hang?); each log ends with every process's stacks:\n"
             + "\n".join(f"--- {x}\n" + open(x).read()[-12000:] for x in logs)
-        ) from None
-    if any(p.returncode for p in procs):
-        raise RuntimeError("DDP run failed:\n" + "\n".join(open(x).read()[-5000:] for x in logs))
-    return [open(x).read() for x in logs]
+        )
 
 
 def read_records(out: str, name: str, world: int) -> list[list[dict]]:

@@ -39,6 +39,9 @@
 #             (default 40,80) profiles every other step of that window with torch.profiler (kernel time by
 #             name, idle gaps; the slowest and fastest profiled steps' traces kept). After the runs,
 #             step_probe_summary.py prints where slow steps of identical work lose their time.
+#   ALIGNED_GC 1: lightning_adaptiveload.AlignedGC beside the monitor (no automatic garbage collection
+#             during the fit; every rank collects after the same steps). Run a mode with 0 and 1 on one
+#             machine to see what it does to the straggler wait. Default 0.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -56,6 +59,7 @@ T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
 DIAG=${DIAG:-0}; REPORT=${REPORT:-1}; CLOCKS=${CLOCKS:-0}; PROBE=${PROBE:-0}; PROBE_STEPS=${PROBE_STEPS:-40,80}
+ALIGNED_GC=${ALIGNED_GC:-0}
 [ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -65,6 +69,7 @@ VARIANT=${VARIANT:-}
 [[ "$VARIANT" =~ ^[A-Za-z0-9_-]*$ ]] || { echo "VARIANT must be a short name (letters, digits, -, _), got '$VARIANT'"; exit 2; }
 TAG=${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}
 [ "$MODES" = equal_tokens,dual,lockstep,packed ] || TAG=${TAG}_${MODES//,/-}
+[ "$ALIGNED_GC" = 1 ] && TAG=${TAG}_gc
 LOG="$OUT/ddp_modes_${TAG}.log"
 exec > >(tee -a "$LOG") 2>&1
 RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}; mkdir -p "$RUN"
@@ -123,6 +128,7 @@ sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
 [[ "$PROBE_STEPS" =~ ^[0-9]+,[0-9]+$ ]] || { echo "PROBE_STEPS must be first,last, got '$PROBE_STEPS'"; exit 2; }
 [ "$PROBE" = 1 ] && sets+=(--callback "{\"class_path\": \"benchmarks.balance.step_probe.StepProbe\", \"init_args\": {\"profile_steps\": [$PROBE_STEPS]}}")
+[ "$ALIGNED_GC" = 1 ] && sets+=(--callback '{"class_path": "lightning_adaptiveload.AlignedGC"}')
 CLOCKS_PID=
 stop_clocks() {
   [ -n "$CLOCKS_PID" ] || return 0

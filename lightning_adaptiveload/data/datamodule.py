@@ -38,7 +38,10 @@ from lightning_adaptiveload.data.loader import (
     PlannedDataLoader,
     PlannedShardDataset,
     PlanProgressBar,
+    check_picklable,
     check_reload_every_epoch,
+    worker_start_method,
+    workers_context,
 )
 from lightning_adaptiveload.data.replan import Replanned, replan_rest
 from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
@@ -137,7 +140,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             epoch of more samples is planned in segments of about this many (``docs/data_path.md``,
             "Internet-scale epochs").
         loader: how each rank loads its batches: :class:`~lightning_adaptiveload.data.settings.Loader`
-            (``num_workers``, ``pin_memory``, ``seed``, ``text_pad_to``).
+            (``num_workers``, ``pin_memory``, ``seed``, ``text_pad_to``, ``start_method``).
         source: how shards are read and what an index may name:
             :class:`~lightning_adaptiveload.data.settings.Source` (``on_error``, ``max_member_bytes``,
             ``index_allow_schemes``, ``index_allow_outside``).
@@ -238,6 +241,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.num_workers = self.loader.num_workers
         self.seed = self.loader.seed
         self.pin_memory = self.loader.pin_memory
+        self._told_start_method = False
         self.on_error = self.source.on_error
         self.synthetic = check_synthetic(synthetic) if synthetic else None
         self.max_member_bytes = self.source.max_member_bytes
@@ -481,12 +485,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
+        method = self._worker_start_method()
+        check_picklable(self.sample_transform, "sample_transform", method)
         self._train_loader = PlannedDataLoader(
             self.train_dataset,
             num_workers=self.num_workers,
             before_epoch=self._begin_train_epoch,
             on_end=self._end_train_epoch,
             pin_memory=self.pin_memory,
+            multiprocessing_context=workers_context(method),
             length_fn=self._train_epoch_steps,
         )
         return self._train_loader
@@ -523,8 +530,20 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             before_epoch=lambda: ds.begin_epoch(0),
             pin_memory=self.pin_memory,
+            multiprocessing_context=workers_context(self._worker_start_method()),
             length_fn=lambda: ds.begin_epoch(0).steps,
         )
+
+    def _worker_start_method(self) -> str | None:
+        """``loader.start_method``, or the choice for this process group (:func:`.loader.worker_start_method`)."""
+        method = worker_start_method(self.loader.start_method, self.num_workers)
+        if method == "forkserver" and self.loader.start_method is None and not self._told_start_method:
+            self._told_start_method = True
+            rank_zero_info(
+                "[adaptiveload] loader workers start from a fork server under a gloo process group (a fork "
+                "beside gloo's threads can hang a worker); Loader(start_method=...) chooses otherwise"
+            )
+        return method
 
     def _current_epoch(self, peek: bool = False) -> int:
         trainer = self.trainer

@@ -8,6 +8,9 @@ each worker, streams that worker's batches (:func:`~lightning_adaptiveload.data.
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import pickle
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -15,6 +18,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_adaptiveload import _dist
 from lightning_adaptiveload.data.stream import stream_batches
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import distinct_shapes, index_fingerprint
@@ -22,7 +26,25 @@ from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
 
-__all__ = ["PlanProgressBar", "PlannedDataLoader", "PlannedShardDataset", "check_reload_every_epoch"]
+__all__ = [
+    "PlanProgressBar",
+    "PlannedDataLoader",
+    "PlannedShardDataset",
+    "check_reload_every_epoch",
+    "worker_start_method",
+    "workers_context",
+]
+
+# Loaded in the fork server before it forks a worker, those the parent has loaded, so that a worker does not
+# import them again when it imports the parent's main module (torch alone takes seconds).
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "lightning.pytorch",
+    "lightning_adaptiveload.data.loader",
+    "lightning_adaptiveload.data.datamodule",
+    "lightning_adaptiveload.cli",
+)
+_preload_set = False
 
 
 def _identity(batch: Any) -> Any:
@@ -300,6 +322,61 @@ class _CountingIterator:
         if name.startswith("__") or name == "_it":
             raise AttributeError(name)
         return getattr(self._it, name)
+
+
+def worker_start_method(start_method: str | None, num_workers: int) -> str | None:
+    """How the loader's workers start: ``start_method`` if given; else ``"forkserver"`` under a gloo process
+    group (CPU DDP), else None (the platform's default). None as well without workers.
+
+    Why gloo: a gloo worker thread frees the tensors of a finished collective after waking the caller, and
+    takes the GIL to do so, creating a Python thread state. On Python 3.11 a fork in that instant copies the
+    interpreter's thread-list lock held, and the new worker blocks on it forever in ``os.fork`` (a CPU DDP
+    test hung at an epoch start this way: ``docs/data_path.md``, "Loader workers"). A fork server forks from
+    a process without such threads.
+    """
+    if num_workers == 0:
+        return None
+    if start_method is not None:
+        if start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"Loader.start_method={start_method!r} is not available on this platform; it has "
+                f"{', '.join(map(repr, multiprocessing.get_all_start_methods()))}"
+            )
+        return start_method
+    if _dist.is_gloo() and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return None
+
+
+def workers_context(method: str | None) -> Any:
+    """The ``multiprocessing`` context of :func:`worker_start_method`'s answer (None: DataLoader's default).
+
+    A fork server is told to load torch, Lightning and this package's loader, data module and CLI (those the
+    parent has loaded) before it forks, once per process; a worker then starts in about as long as a forked
+    one. It never loads the parent's ``__main__``: a script's top level would run in the server.
+    """
+    global _preload_set
+    if method is None:
+        return None
+    context = multiprocessing.get_context(method)
+    if method == "forkserver" and not _preload_set:
+        context.set_forkserver_preload([m for m in _FORKSERVER_PRELOAD if m in sys.modules])
+        _preload_set = True
+    return context
+
+
+def check_picklable(value: Any, name: str, method: str | None) -> None:
+    """Workers not forked get the dataset pickled: refuse a value of it that cannot be, naming it."""
+    if method in (None, "fork") or value is None:
+        return
+    try:
+        pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the same refusal
+        raise ValueError(
+            f"{name} ({value!r}) cannot be pickled, and loader workers started by {method!r} receive it "
+            f"pickled ({type(e).__name__}: {e}); pass a module-level function or a picklable object, or set "
+            "Loader(start_method='fork')"
+        ) from None
 
 
 class PlannedDataLoader(DataLoader):

@@ -25,11 +25,16 @@ __all__ = [
     "Loader",
     "OnError",
     "Source",
+    "StartMethod",
     "group_of_keyword",
 ]
 
 #: A bad shard or sample (index build and reading): ``"raise"`` or ``"skip"`` (left out, counted).
 OnError = Literal["raise", "skip"]
+
+#: How loader workers are started (``multiprocessing`` start methods).
+StartMethod = Literal["fork", "forkserver", "spawn"]
+START_METHODS = ("fork", "forkserver", "spawn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,13 @@ class Loader:
     without a text mask or for one shape under ``torch.compile``; a longer text is an error naming the
     sample. None: pad to the batch's longest text."""
 
+    start_method: StartMethod | None = None
+    """How the workers start: ``"fork"``, ``"forkserver"`` or ``"spawn"``. None: ``"forkserver"`` when a
+    CPU (gloo) process group is up, where a fork at an epoch start can deadlock the new worker
+    (``docs/data_path.md``, "Loader workers"), and the platform's default otherwise (fork on Linux). With
+    ``"forkserver"`` or ``"spawn"`` a ``sample_transform`` must be picklable, and a script that starts
+    training must do so under ``if __name__ == "__main__":``."""
+
     def __post_init__(self) -> None:
         workers = _integer(self.num_workers, "num_workers")
         if workers < 0:
@@ -72,6 +84,11 @@ class Loader:
                     f"text_pad_to must be a positive number of text states or None, got {self.text_pad_to!r}"
                 )
             object.__setattr__(self, "text_pad_to", pad)
+        if self.start_method is not None and self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(map(repr, START_METHODS))} or None, got "
+                f"{self.start_method!r}"
+            )
 
     def replace(self, **changes: Any) -> Loader:
         """A copy with ``changes`` (validated again)."""

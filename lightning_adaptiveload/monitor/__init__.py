@@ -1,7 +1,7 @@
 """Load-balance measurement: statistics (``stats``, pure), the per-step table (``steps``, pure), result files
-(``report``, pure, shared with the simulator), clocks (``timing``), FLOPs (``flops``) and the
-LoadBalanceMonitor callback (``callback``, the only module here that imports Lightning) with its cost-model refit
-(``cost_refit``)."""
+(``report``, pure, shared with the simulator), clocks (``timing``), FLOPs (``flops``), the
+LoadBalanceMonitor callback (``callback``) with its cost-model refit (``cost_refit``), and the AlignedGC
+callback (``aligned_gc``); the two callbacks are the only modules here that import Lightning."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "LoadBalanceMonitor": "callback",
+        "AlignedGC": "aligned_gc",
         "BatchFlops": "flops",
         "HostClock": "timing",
         "ManualClock": "timing",

@@ -69,6 +69,9 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
         assert report["steps"] == len([r for r in rows[0] if r["epoch"] == 1])
         if run.get("plan_chunk_samples"):
             assert report["segments"] > 1
+        # Under gloo the workers come from a fork server: a fork beside gloo's threads can hang a worker.
+        method = report["start_method"]
+        assert method == ("forkserver" if run["num_workers"] else None), method
 
 
 @pytest.mark.timeout(180)

@@ -16,6 +16,7 @@ ADAPTERS = (
     "lightning_adaptiveload.data.ingest",
     "lightning_adaptiveload.models.module",
     "lightning_adaptiveload.monitor.callback",
+    "lightning_adaptiveload.monitor.aligned_gc",
     "lightning_adaptiveload.fusion.mixin",
     "lightning_adaptiveload.__main__",
 )
