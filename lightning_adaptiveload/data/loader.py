@@ -30,6 +30,7 @@ __all__ = [
     "PlanProgressBar",
     "PlannedDataLoader",
     "PlannedShardDataset",
+    "check_picklable",
     "check_reload_every_epoch",
     "worker_start_method",
     "workers_context",
@@ -366,8 +367,15 @@ def workers_context(method: str | None) -> Any:
 
 
 def check_picklable(value: Any, name: str, method: str | None) -> None:
-    """Workers not forked get the dataset pickled: refuse a value of it that cannot be, naming it."""
-    if method in (None, "fork") or value is None:
+    """Workers not forked get the dataset pickled: refuse a value of it that cannot be, naming it.
+
+    ``method`` None is the platform's default start method (fork on Linux, spawn on macOS and Windows).
+    """
+    if method is None:  # without fixing the default, as get_start_method() would
+        method = (
+            multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        )
+    if method == "fork" or value is None:
         return
     try:
         pickle.dumps(value)

@@ -64,6 +64,15 @@ def test_a_gloo_group_chooses_the_fork_server(tmp_path):
         dist.destroy_process_group()
 
 
+def test_the_default_method_is_the_platforms(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: None)
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
+    check_picklable(lambda s: s, "sample_transform", None)  # Linux: forked
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn", "fork"])
+    with pytest.raises(ValueError, match=r"sample_transform .* cannot be pickled.*'spawn'"):
+        check_picklable(lambda s: s, "sample_transform", None)  # macOS: spawned
+
+
 def test_an_unpicklable_transform_is_refused_before_any_worker_starts(data):
     check_picklable(lambda s: s, "sample_transform", "fork")  # forked workers inherit it
     check_picklable(transform, "sample_transform", "forkserver")
