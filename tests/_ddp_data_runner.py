@@ -7,7 +7,8 @@ that one launch can run several fits in the same process group. Usage::
 
 CONFIG: {"data": shard dir, "out": dir, "world": N, "runs": [{"name", "schedule", "num_workers",
 "max_epochs", "max_tokens", "seed", "ckpt_every": k | null, "kill_at": global step | null,
-"resume": checkpoint path | null, "lockstep_tail", "runs_packs": whether the module takes packs}]}. Every training step appends
+"resume": checkpoint path | null, "lockstep_tail", "runs_packs": whether the module takes packs, "aligned_gc": add
+AlignedGC(every_n_steps=2, full_every_n_steps=5) and write its collections to ``<out>/<name>.gc.rank<r>.json``}]}. Every training step appends
 one JSON line to ``<out>/<name>.rank<r>.jsonl``: epoch, global step, plan step, keys, bucket shape, batch
 size, global_tokens. A run ending in the simulated crash writes ``<out>/<name>.crashed``.
 """
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.monitor.aligned_gc import AlignedGC
 
 torch.set_num_threads(1)
 
@@ -109,6 +111,9 @@ def main() -> None:
             )
         if run.get("kill_at") is not None:
             callbacks.append(CrashAt(run["kill_at"]))
+        aligned_gc = AlignedGC(every_n_steps=2, full_every_n_steps=5) if run.get("aligned_gc") else None
+        if aligned_gc is not None:
+            callbacks.append(aligned_gc)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=world,
@@ -130,6 +135,9 @@ def main() -> None:
             if rank == 0:
                 open(os.path.join(cfg["out"], run["name"] + ".crashed"), "w").close()
             torch.distributed.barrier()
+        if aligned_gc is not None:  # the (global step, generation) of every collection on this rank
+            with open(os.path.join(cfg["out"], f"{run['name']}.gc.rank{rank}.json"), "w") as f:
+                json.dump([[step, gen] for step, gen, _ in aligned_gc.pauses], f)
         if rank == 0:
             context = dm.train_dataloader().multiprocessing_context if run["num_workers"] else None
             with open(os.path.join(cfg["out"], run["name"] + ".report.json"), "w") as f:

@@ -38,10 +38,8 @@ from lightning_adaptiveload.data.loader import (
     PlannedDataLoader,
     PlannedShardDataset,
     PlanProgressBar,
-    check_picklable,
     check_reload_every_epoch,
-    worker_start_method,
-    workers_context,
+    loader_context,
 )
 from lightning_adaptiveload.data.replan import Replanned, replan_rest
 from lightning_adaptiveload.data.resume import check_state, position_state, resume_plan
@@ -78,19 +76,6 @@ def _fit_over(trainer: Any) -> bool:
     if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
         return True
     return bool(trainer.should_stop)
-
-
-def _planned_for(ds: PlannedShardDataset | None, epoch: int) -> bool:
-    """Whether ``ds`` holds a plan of ``epoch`` made for its current rank, world size and worker count."""
-    plan = None if ds is None else ds.plan
-    return (
-        plan is not None
-        and ds is not None
-        and ds.epoch == epoch
-        and plan.world_size == ds.world_size
-        and max(1, plan.num_workers) == max(1, ds.num_workers)
-        and plan.rank in (None, ds.rank)
-    )
 
 
 class _only_with:  # noqa: N801 (a decorator)
@@ -241,7 +226,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.num_workers = self.loader.num_workers
         self.seed = self.loader.seed
         self.pin_memory = self.loader.pin_memory
-        self._told_start_method = False
         self.on_error = self.source.on_error
         self.synthetic = check_synthetic(synthetic) if synthetic else None
         self.max_member_bytes = self.source.max_member_bytes
@@ -485,15 +469,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        method = self._worker_start_method()
-        check_picklable(self.sample_transform, "sample_transform", method)
         self._train_loader = PlannedDataLoader(
             self.train_dataset,
             num_workers=self.num_workers,
             before_epoch=self._begin_train_epoch,
             on_end=self._end_train_epoch,
             pin_memory=self.pin_memory,
-            multiprocessing_context=workers_context(method),
+            multiprocessing_context=loader_context(
+                self.loader.start_method, self.num_workers, self.sample_transform, rank_zero_info
+            ),
             length_fn=self._train_epoch_steps,
         )
         return self._train_loader
@@ -530,20 +514,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             before_epoch=lambda: ds.begin_epoch(0),
             pin_memory=self.pin_memory,
-            multiprocessing_context=workers_context(self._worker_start_method()),
+            multiprocessing_context=loader_context(
+                self.loader.start_method, self.num_workers, None, rank_zero_info
+            ),
             length_fn=lambda: ds.begin_epoch(0).steps,
         )
-
-    def _worker_start_method(self) -> str | None:
-        """``loader.start_method``, or the choice for this process group (:func:`.loader.worker_start_method`)."""
-        method = worker_start_method(self.loader.start_method, self.num_workers)
-        if method == "forkserver" and self.loader.start_method is None and not self._told_start_method:
-            self._told_start_method = True
-            rank_zero_info(
-                "[adaptiveload] loader workers start from a fork server under a gloo process group (a fork "
-                "beside gloo's threads can hang a worker); Loader(start_method=...) chooses otherwise"
-            )
-        return method
 
     def _current_epoch(self, peek: bool = False) -> int:
         trainer = self.trainer
@@ -580,7 +555,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if prepared is not None and (trainer is None or prepared == int(trainer.current_epoch)):
             return  # planned ahead by len()
         ds = self.train_dataset
-        if trainer is not None and self._resume is None and _planned_for(ds, int(trainer.current_epoch)):
+        if (
+            trainer is not None
+            and self._resume is None
+            and ds is not None
+            and ds.planned_for(int(trainer.current_epoch))
+        ):
             # The epoch's plan exists: start it over rather than plan it again. Lightning (2.x) creates the
             # training iterator twice in every epoch after the first when it reloads the loader (in
             # FitLoop.setup_data, then again in the epoch loop's on_run_start, abandoning the first), and

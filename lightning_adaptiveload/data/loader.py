@@ -32,6 +32,7 @@ __all__ = [
     "PlannedShardDataset",
     "check_picklable",
     "check_reload_every_epoch",
+    "loader_context",
     "worker_start_method",
     "workers_context",
 ]
@@ -226,6 +227,17 @@ class PlannedShardDataset(IterableDataset):
             progress=self.plan_progress,
         )
 
+    def planned_for(self, epoch: int) -> bool:
+        """Whether this dataset holds a plan of ``epoch`` made for its rank, world size and worker count."""
+        plan = self.plan
+        return (
+            plan is not None
+            and self.epoch == epoch
+            and plan.world_size == self.world_size
+            and max(1, plan.num_workers) == max(1, self.num_workers)
+            and plan.rank in (None, self.rank)
+        )
+
     def begin_epoch(self, epoch: int, plan: EpochPlan | None = None) -> EpochPlan:
         """Plan ``epoch`` (or take ``plan``) for this rank; must run before the workers start."""
         epoch = int(self.fixed_epoch if self.fixed_epoch is not None else epoch)
@@ -349,12 +361,13 @@ def worker_start_method(start_method: str | None, num_workers: int) -> str | Non
     return None
 
 
-def workers_context(method: str | None) -> Any:
+def workers_context(method: str | None, notify: Callable[[str], Any] | None = None) -> Any:
     """The ``multiprocessing`` context of :func:`worker_start_method`'s answer (None: DataLoader's default).
 
     A fork server is told to load torch, Lightning and this package's loader, data module and CLI (those the
     parent has loaded) before it forks, once per process; a worker then starts in about as long as a forked
-    one. It never loads the parent's ``__main__``: a script's top level would run in the server.
+    one. It never loads the parent's ``__main__``: a script's top level would run in the server. ``notify``
+    (e.g. a rank-zero logger) hears once per process that workers start from a fork server.
     """
     global _preload_set
     if method is None:
@@ -363,7 +376,26 @@ def workers_context(method: str | None) -> Any:
     if method == "forkserver" and not _preload_set:
         context.set_forkserver_preload([m for m in _FORKSERVER_PRELOAD if m in sys.modules])
         _preload_set = True
+        if notify is not None:
+            notify(
+                "[adaptiveload] loader workers start from a fork server (Loader.start_method; under a gloo "
+                "process group by default, where a fork beside gloo's threads can hang a worker)"
+            )
     return context
+
+
+def loader_context(
+    start_method: str | None,
+    num_workers: int,
+    sample_transform: Any = None,
+    notify: Callable[[str], Any] | None = None,
+) -> Any:
+    """What a :class:`PlannedDataLoader` takes as ``multiprocessing_context``: the start method chosen by
+    :func:`worker_start_method`, ``sample_transform`` checked for it (:func:`check_picklable`), and its
+    context (:func:`workers_context`)."""
+    method = worker_start_method(start_method, num_workers)
+    check_picklable(sample_transform, "sample_transform", method)
+    return workers_context(method, notify)
 
 
 def check_picklable(value: Any, name: str, method: str | None) -> None:

@@ -45,6 +45,17 @@ def test_the_choice_without_a_process_group():
     assert workers_context("spawn").get_start_method() == "spawn"
 
 
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
+def test_the_fork_server_is_announced_once_per_process(monkeypatch):
+    from lightning_adaptiveload.data import loader
+
+    monkeypatch.setattr(loader, "_preload_set", False)
+    said: list[str] = []
+    for _ in range(3):
+        assert workers_context("forkserver", said.append).get_start_method() == "forkserver"
+    assert len(said) == 1 and "fork server" in said[0]
+
+
 def test_a_method_the_platform_lacks_is_refused(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     with pytest.raises(

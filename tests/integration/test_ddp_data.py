@@ -50,6 +50,7 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
         for w in (0, 2)
     ]
     # Chunked epochs (issue 16): 136 samples planned in segments of about 40, each rank its own streams.
+    runs[0]["aligned_gc"] = True  # independent, 0 workers: collections at the same steps on both ranks
     runs += [
         {"name": f"{sched}-chunked", "schedule": sched, "num_workers": 0, "max_epochs": 2, "max_tokens": 512}
         | {"plan_chunk_samples": 40}
@@ -70,6 +71,11 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
         if run.get("plan_chunk_samples"):
             assert report["segments"] > 1
         # Under gloo the workers come from a fork server: a fork beside gloo's threads can hang a worker.
+        if run.get("aligned_gc"):
+            collected = [
+                json.load(open(os.path.join(out, f"{run['name']}.gc.rank{r}.json"))) for r in range(2)
+            ]
+            assert collected[0] == collected[1] and len(collected[0]) > 3, collected
         method = report["start_method"]
         assert method == ("forkserver" if run["num_workers"] else None), method
 
