@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_adaptiveload.monitor.timing import CudaClock
+
 FIELDS = [
     "rank",
     "step",
@@ -71,9 +73,9 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
 def _is_annotation(event: Any) -> bool:
     if getattr(event, "is_user_annotation", lambda: False)():
         return True
-    return "annotation" in str(getattr(event, "activity_type", lambda: "")()).lower() or event.name().startswith(
-        "ProfilerStep#"
-    )
+    return "annotation" in str(
+        getattr(event, "activity_type", lambda: "")()
+    ).lower() or event.name().startswith("ProfilerStep#")
 
 
 def kernel_summary(events: list[tuple[str, int, int]], top: int = 25) -> dict[str, Any]:
@@ -122,12 +124,15 @@ class StepProbe(Callback):
 
     def __init__(self, profile_steps: list[int] | None = None, top_kernels: int = 25) -> None:
         if profile_steps is not None and (len(profile_steps) != 2 or profile_steps[0] >= profile_steps[1]):
-            raise ValueError(f"StepProbe: profile_steps must be [first, last) with first < last, got {profile_steps}")
+            raise ValueError(
+                f"StepProbe: profile_steps must be [first, last) with first < last, got {profile_steps}"
+            )
         self.profile_steps = profile_steps
         self.top_kernels = int(top_kernels)
         self._rows: list[dict[str, Any]] = []
         self._pending: dict[str, Any] | None = None
         self._cur: dict[str, Any] | None = None
+        self._clock: CudaClock | None = None  # set in setup where CUDA is
         self._gc_t0 = 0.0
         self._gc: list[tuple[int, float]] = []
         self._prof: Any = None
@@ -145,6 +150,12 @@ class StepProbe(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._rank = int(trainer.global_rank)
+        # The monitor's clock: CUDA events on the current stream, read one step late (no added sync).
+        self._clock = (
+            CudaClock(torch.device("cuda", torch.cuda.current_device()))
+            if torch.cuda.is_available()
+            else None
+        )
         log_dir = getattr(trainer, "log_dir", None) or trainer.default_root_dir
         self._dir = str(log_dir)
         if self._on_gc not in gc.callbacks:
@@ -158,10 +169,8 @@ class StepProbe(Callback):
     def _mark(self, name: str) -> None:
         if self._cur is None:
             return
-        if torch.cuda.is_available():
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._cur["events"][name] = event
+        if self._clock is not None:
+            self._cur["events"][name] = self._clock.mark()
         self._cur["host"][name] = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -201,15 +210,21 @@ class StepProbe(Callback):
         if cur is None:
             return
         ev, host = cur["events"], cur["host"]
-        row: dict[str, Any] = {k: cur[k] for k in ("step", "batch_idx", "num_tokens", "batch_size", "profiled")}
+        row: dict[str, Any] = {
+            k: cur[k] for k in ("step", "batch_idx", "num_tokens", "batch_size", "profiled")
+        }
         row["rank"] = self._rank
-        spans = (("forward", "start", "forward"), ("backward", "forward", "backward"), ("optimizer", "backward", "end"))
+        spans = (
+            ("forward", "start", "forward"),
+            ("backward", "forward", "backward"),
+            ("optimizer", "backward", "end"),
+        )
         marks = {"start", "forward", "backward", "end"}
         if marks <= set(ev):
             ev["end"].synchronize()
             for name, a, b in spans:
-                row[f"gpu_{name}_s"] = ev[a].elapsed_time(ev[b]) / 1e3
-            row["gpu_step_s"] = ev["start"].elapsed_time(ev["end"]) / 1e3
+                row[f"gpu_{name}_s"] = self._clock.seconds(ev[a], ev[b])
+            row["gpu_step_s"] = self._clock.seconds(ev["start"], ev["end"])
         if marks <= set(host):
             for name, a, b in spans:
                 row[f"host_{name}_s"] = host[b] - host[a]
@@ -276,7 +291,9 @@ class StepProbe(Callback):
             shape = {r["step"]: (r["num_tokens"], r["batch_size"]) for r in self._rows}
             timed = [s for s in self._profiled if gpu.get(s) is not None]
             # The slowest and the fastest profiled step of the most common profiled shape: comparable work.
-            common = max(timed, key=lambda s: sum(shape.get(t) == shape.get(s) for t in timed)) if timed else None
+            common = (
+                max(timed, key=lambda s: sum(shape.get(t) == shape.get(s) for t in timed)) if timed else None
+            )
             same = [s for s in timed if shape.get(s) == shape.get(common)]
             keep = {min(same, key=gpu.get), max(same, key=gpu.get)} if same else set()
             for step, trace in self._traces.items():
