@@ -30,6 +30,7 @@ _EXPORTS = {
     "Source": "data.settings",
     "LoadBalanceMonitor": "monitor.callback",
     "AlignedGC": "monitor.aligned_gc",
+    "KernelWarmup": "models.warmup_callback",
     "layer_norm_modulate": "ops",
     "fuse_norm_modulate": "fusion.registry",
     "unfuse_norm_modulate": "fusion.registry",

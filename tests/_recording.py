@@ -35,9 +35,11 @@ class RecordingModule(VideoDiTModule):
         return loss
 
 
-def fit_two_ranks(datamodule: pl.LightningDataModule, base: str) -> list[list[dict]]:
-    """One epoch of :class:`RecordingModule` on 2 CPU ranks (``ddp_spawn``, gloo); per rank, its records
-    (``base`` holds ``{}`` for the rank)."""
+def fit_two_ranks(
+    datamodule: pl.LightningDataModule, base: str, callbacks: list[pl.Callback] | None = None
+) -> list[list[dict]]:
+    """One epoch of :class:`RecordingModule` on 2 CPU ranks (``ddp_spawn``, gloo), with ``callbacks``; per rank,
+    its records (``base`` holds ``{}`` for the rank)."""
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -47,6 +49,7 @@ def fit_two_ranks(datamodule: pl.LightningDataModule, base: str) -> list[list[di
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(RecordingModule(base), datamodule=datamodule)
     return [[json.loads(line) for line in open(base.format(r))] for r in range(2)]

@@ -149,6 +149,26 @@ def _recipe(pattern: str, mode: str) -> str | None:
     return None
 
 
+#: Callbacks of a recipe that a benchmark run leaves out: checkpoints (a wan-1.3b one with AdamW state is about
+#: 17 GB) and the monitor (set again with the run's arguments).
+_LEFT_OUT = ("ModelCheckpoint", "LoadBalanceMonitor")
+
+
+def recipe_callbacks(recipe: str) -> list[dict]:
+    """The recipe's own ``trainer.callbacks`` (``KernelWarmup`` in the GPU recipes), but for :data:`_LEFT_OUT`:
+    a benchmark runs the recipe as shipped."""
+    import yaml
+
+    with open(recipe) as f:
+        conf = yaml.safe_load(f) or {}
+    out = []
+    for cb in (conf.get("trainer") or {}).get("callbacks") or []:
+        path = cb.get("class_path", "") if isinstance(cb, dict) else str(cb)
+        if path.rsplit(".", 1)[-1] not in _LEFT_OUT:
+            out.append(cb if isinstance(cb, dict) else {"class_path": path})
+    return out
+
+
 def shard_dir(base: str, mix: str, samples: int, seed: int, text_dim: int) -> str:
     """The shards' folder under ``base``, named by everything the data depends on (so a call with other
     settings never overwrites, and one with the same settings finds them)."""
@@ -203,6 +223,7 @@ def build_command(
     max_time_s: float | None = None,
     stall_stacks_s: float | None = None,
     callbacks: list[dict] = (),
+    without: list[str] = (),
     extra: list[str] = (),
     python: str = sys.executable,
 ) -> tuple[dict[str, str], list[str]]:
@@ -247,13 +268,9 @@ def build_command(
         "10",
         "--trainer.limit_val_batches",
         "0",
-        # A benchmark keeps no checkpoints (a wan-1.3b one with AdamW state is about 17 GB): the monitor
-        # is the only callback.
+        # The monitor, the recipe's own callbacks but checkpoints (_LEFT_OUT), then --callback's.
         "--trainer.callbacks",
-        json.dumps(
-            [{"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args}]
-            + list(callbacks)
-        ),
+        json.dumps(_callbacks(recipe, monitor_args, callbacks, without)),
         "--trainer.enable_checkpointing",
         "false",
         # Every step is gathered and logged (one collective of a few floats: well under 1% of a step).
@@ -284,6 +301,22 @@ def build_command(
     return env, cmd
 
 
+def _callbacks(recipe: str, monitor_args: dict, extra: list[dict], without: list[str] = ()) -> list[dict]:
+    """The monitor, the recipe's callbacks (but those of a class in ``without`` or given again in ``extra``),
+    then ``extra``."""
+
+    def name(cb: dict) -> str:
+        return cb["class_path"].rsplit(".", 1)[-1]
+
+    given = {name(cb) for cb in extra} | set(without)
+    kept = [cb for cb in recipe_callbacks(recipe) if name(cb) not in given]
+    return [
+        {"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args},
+        *kept,
+        *extra,
+    ]
+
+
 def _callback_arg(text: str) -> dict:
     """``--callback``: a JSON object with a ``class_path`` (an ``argparse`` type: a bad one is a usage error)."""
     try:
@@ -291,7 +324,9 @@ def _callback_arg(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
     if not isinstance(value, dict) or not isinstance(value.get("class_path"), str):
-        raise argparse.ArgumentTypeError(f'want {{"class_path": "pkg.mod.Class", "init_args": {{...}}}}, got {text!r}')
+        raise argparse.ArgumentTypeError(
+            f'want {{"class_path": "pkg.mod.Class", "init_args": {{...}}}}, got {text!r}'
+        )
     return value
 
 
@@ -364,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         help="wall seconds for all of this call's runs: each mode gets an equal share of what is left",
     )
     ap.add_argument("--set", action="append", default=[], help="extra CLI override KEY=VALUE, repeatable")
+    ap.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        metavar="CLASS",
+        help="leave the recipe's callback of this class name out (e.g. KernelWarmup), repeatable",
+    )
     ap.add_argument(
         "--callback",
         action="append",
@@ -442,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             max_time_s=None if share is None else share - _STARTUP_S[args.settings] - _MARGIN_S,
             stall_stacks_s=args.stall_stacks_s,
             callbacks=args.callback,
+            without=args.without,
             extra=args.set,
         )
         prefix = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())

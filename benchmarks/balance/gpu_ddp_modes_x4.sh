@@ -42,6 +42,10 @@
 #   ALIGNED_GC 1: lightning_adaptiveload.AlignedGC beside the monitor (no automatic garbage collection
 #             during the fit; every rank collects after the same steps). Run a mode with 0 and 1 on one
 #             machine to see what it does to the straggler wait. Default 0.
+#   WARMUP    0: without lightning_adaptiveload.KernelWarmup, which the wan-1.3b recipes carry (each attention
+#             shape of the rank's epoch run once through the first block before the first step, so that cuDNN
+#             builds its graphs there and not on the step that first meets the shape; ddp_modes.py keeps the
+#             recipes' callbacks but checkpoints). Tag _nowarm. Default: the recipes' callbacks.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -59,7 +63,7 @@ T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s]"; }
 SETTINGS=${SETTINGS:-eager}; NGPU=${NGPU:-4}; TOTAL=${TOTAL:-560}; SAMPLES=${SAMPLES:-768}
 DIAG=${DIAG:-0}; REPORT=${REPORT:-1}; CLOCKS=${CLOCKS:-0}; PROBE=${PROBE:-0}; PROBE_STEPS=${PROBE_STEPS:-40,80}
-ALIGNED_GC=${ALIGNED_GC:-0}
+ALIGNED_GC=${ALIGNED_GC:-0}; WARMUP=${WARMUP:-}
 [ "$DIAG" = 1 ] && export TORCH_LOGS=recompiles
 MODES=${MODES:-equal_tokens,dual,lockstep,packed}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -70,6 +74,7 @@ VARIANT=${VARIANT:-}
 TAG=${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}
 [ "$MODES" = equal_tokens,dual,lockstep,packed ] || TAG=${TAG}_${MODES//,/-}
 [ "$ALIGNED_GC" = 1 ] && TAG=${TAG}_gc
+[ "$WARMUP" = 0 ] && TAG=${TAG}_nowarm
 LOG="$OUT/ddp_modes_${TAG}.log"
 exec > >(tee -a "$LOG") 2>&1
 RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}; mkdir -p "$RUN"
@@ -129,6 +134,7 @@ sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [[ "$PROBE_STEPS" =~ ^[0-9]+,[0-9]+$ ]] || { echo "PROBE_STEPS must be first,last, got '$PROBE_STEPS'"; exit 2; }
 [ "$PROBE" = 1 ] && sets+=(--callback "{\"class_path\": \"benchmarks.balance.step_probe.StepProbe\", \"init_args\": {\"profile_steps\": [$PROBE_STEPS]}}")
 [ "$ALIGNED_GC" = 1 ] && sets+=(--callback '{"class_path": "lightning_adaptiveload.AlignedGC"}')
+[ "$WARMUP" = 0 ] && sets+=(--without KernelWarmup)
 CLOCKS_PID=
 stop_clocks() {
   [ -n "$CLOCKS_PID" ] || return 0

@@ -511,6 +511,29 @@ class VideoDiT(nn.Module):
         exactly as for a bucketed batch. Mixed: one sequence (1, S, D), every block called with
         ``segments=`` (:class:`~lightning_adaptiveload.models.packing.PackSegments`).
         """
+        h, e, block_args, segments, grids, lens = self.pack_prologue(latents, timestep, context, context_mask)
+        for block in self.blocks:  # the bucketed call (no segments): a compiled block shares batches' graphs
+            h = block(h, *block_args) if segments is None else block(h, *block_args, segments=segments)
+        ctx = block_args[3]
+        if segments is None:
+            out = self._keep_text_path(self.head(h, e), ctx)  # (N, L, C_out * patch volume)
+            if all(g == grids[0] for g in grids):
+                return list(self.unpatchify(out, grids[0]).unbind(0))
+            return [self.unpatchify(out[i : i + 1], g)[0] for i, g in enumerate(grids)]
+        out = self._keep_text_path(self.head(h, e, segments), ctx)[0]  # (S_total, C_out * patch volume)
+        return [self.unpatchify(part[None], g)[0] for part, g in zip(out.split(lens), grids)]
+
+    def pack_prologue(
+        self,
+        latents: list[torch.Tensor],
+        timestep: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple, Any, list[tuple[int, int, int]], list[int]]:
+        """A pack's inputs to its blocks: ``(h, e, block_args, segments, grids, lens)``, every block called as
+        ``block(h, *block_args, segments=segments)`` (without ``segments`` on the dense route, where it is None). Also resolves the attention
+        kernels and the checkpointed blocks for the pack, as :meth:`forward` does (the kernel warm-up,
+        :mod:`~lightning_adaptiveload.models.kernel_warmup`, runs one block on it)."""
         n = len(latents)
         if n == 0 or timestep.shape != (n,):
             raise ValueError(
@@ -526,8 +549,7 @@ class VideoDiT(nn.Module):
         lens = [f * hh * w for f, hh, w in grids]
         device = latents[0].device
         route = _packing.attention_route(lens)
-        same_grid = all(g == grids[0] for g in grids)
-        if route == "dense" and same_grid:  # the bucketed batch of these samples
+        if route == "dense" and all(g == grids[0] for g in grids):  # the bucketed batch of these samples
             h = self._embed_patches(latents[0][None] if n == 1 else torch.stack(latents))  # (N, L, D)
             cos, sin = self._rope(grids[0], device)
         else:
@@ -542,6 +564,7 @@ class VideoDiT(nn.Module):
         e, e0 = self._embed_time(timestep)  # (N, D), (N, 6, D) fp32
         ctx, context_mask = self._embed_text(context, context_mask, n)
         segments = None
+        varlen = False
         if route == "segments":
             varlen = device.type != "meta" and _packing.varlen_applies_to(
                 device, self._attention_dtype(device)
@@ -555,25 +578,12 @@ class VideoDiT(nn.Module):
             )
             # The sample count N sizes the per-sample rows and text: dynamic in the first graph too.
             _packing.mark_dynamic((e, e0, ctx, context_mask), 0)
-        else:
-            varlen = False
         if not torch.compiler.is_compiling():
             _packing.log_route_once(route, device, varlen, n)
         self._apply_attention_backend(device)
         text_len = 0 if context is None else context.shape[1]
         self._choose_checkpointing(*((n, lens[0]) if segments is None else (1, sum(lens))), text_len)
-        for block in self.blocks:
-            if segments is None:  # the bucketed call: a compiled block shares its graphs with batches
-                h = block(h, e0, cos, sin, ctx, context_mask)
-            else:
-                h = block(h, e0, cos, sin, ctx, context_mask, segments=segments)
-        if segments is None:
-            out = self._keep_text_path(self.head(h, e), ctx)  # (N, L, C_out * patch volume)
-            if same_grid:
-                return list(self.unpatchify(out, grids[0]).unbind(0))
-            return [self.unpatchify(out[i : i + 1], g)[0] for i, g in enumerate(grids)]
-        out = self._keep_text_path(self.head(h, e, segments), ctx)[0]  # (S_total, C_out * patch volume)
-        return [self.unpatchify(part[None], g)[0] for part, g in zip(out.split(lens), grids)]
+        return h, e, (e0, cos, sin, ctx, context_mask), segments, grids, lens
 
     def forward_packed(
         self,

@@ -122,17 +122,35 @@ def test_probe_in_a_fit_writes_host_times_and_gc(probe, tmp_path):
     assert gc.callbacks.count(cb._on_gc) == 0  # removed at teardown
 
 
-def test_ddp_modes_passes_callbacks(monkeypatch, capsys):
+def test_ddp_modes_passes_callbacks(monkeypatch, capsys, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "balance"))
     import ddp_modes
 
     extra = {"class_path": "benchmarks.balance.step_probe.StepProbe", "init_args": {"profile_steps": [4, 8]}}
-    _, cmd = ddp_modes.build_command(
-        "lockstep", recipe="r.yaml", out="/tmp/o", data="/tmp/d", steps=10, devices=1, max_tokens=32760,
-        seed=0, settings="eager", callbacks=[extra],
-    )  # fmt: skip
-    callbacks = json.loads(cmd[cmd.index("--trainer.callbacks") + 1])
-    assert callbacks[0]["class_path"].endswith("LoadBalanceMonitor") and callbacks[1] == extra
+    recipe = ROOT / "lightning_adaptiveload" / "recipes" / "wan13b_480p_lockstep.yaml"
+
+    def callbacks_of(recipe, given, without=()):
+        _, cmd = ddp_modes.build_command(
+            "lockstep", recipe=str(recipe), out="/tmp/o", data="/tmp/d", steps=10, devices=1, max_tokens=32760,
+            seed=0, settings="eager", callbacks=given, without=without,
+        )  # fmt: skip
+        return json.loads(cmd[cmd.index("--trainer.callbacks") + 1])
+
+    # The recipe as shipped: its KernelWarmup kept, its checkpoints and its own monitor left out.
+    callbacks = callbacks_of(recipe, [extra])
+    assert [c["class_path"] for c in callbacks] == [
+        "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor",
+        "lightning_adaptiveload.KernelWarmup",
+        extra["class_path"],
+    ]
+    assert callbacks[2] == extra
+    # A callback given again replaces the recipe's.
+    mine = {"class_path": "lightning_adaptiveload.KernelWarmup", "init_args": {}}
+    assert callbacks_of(recipe, [mine])[1:] == [mine]
+    assert len(callbacks_of(recipe, [], without=["KernelWarmup"])) == 1  # WARMUP=0 of gpu_ddp_modes_x4.sh
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("trainer:\n  max_steps: 3\n")
+    assert len(callbacks_of(bare, [])) == 1
     with pytest.raises(SystemExit):
         ddp_modes.main(["--dry-run", "--callback", '{"init_args": {}}'])
-    assert "want {\"class_path\"" in capsys.readouterr().err
+    assert 'want {"class_path"' in capsys.readouterr().err

@@ -39,6 +39,23 @@ def test_packed_fit_two_ranks(shards, tmp_path):
     assert any(len({tuple(s) for s in r["shapes"]}) > 1 for rank in rows for r in rank)
 
 
+def test_packed_fit_two_ranks_with_the_kernel_warmup(shards, tmp_path, capfd):
+    # The warm-up runs block 0 outside DDP's forward, with gradients to its input only: DDP's reducer must
+    # see nothing of it (a parameter marked ready out of turn fails the next all-reduce), and every rank
+    # trains the same batches as without it.
+    from lightning_adaptiveload.models.warmup_callback import KernelWarmup
+
+    rows = []
+    for name, callbacks in (("plain", None), ("warm", [KernelWarmup()])):
+        dm = AdaptiveLoadDataModule(
+            train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0
+        )
+        rows.append(fit_two_ranks(dm, str(tmp_path / f"{name}.rank{{}}.jsonl"), callbacks))
+    assert [[r["keys"] for r in rank] for rank in rows[0]] == [[r["keys"] for r in rank] for rank in rows[1]]
+    out = capfd.readouterr()
+    assert "[adaptiveload] kernel warm-up, epoch 0: " in out.out + out.err  # it ran (rank 0 says so)
+
+
 class _NoPacks(L.LightningModule):
     """A module of one's own that reads ``batch["latents"]`` as one tensor: it cannot run packs (and has no
     ``runs_packed_batches`` attribute)."""

@@ -17,6 +17,7 @@ ADAPTERS = (
     "lightning_adaptiveload.models.module",
     "lightning_adaptiveload.monitor.callback",
     "lightning_adaptiveload.monitor.aligned_gc",
+    "lightning_adaptiveload.models.warmup_callback",
     "lightning_adaptiveload.fusion.mixin",
     "lightning_adaptiveload.__main__",
 )
