@@ -41,7 +41,8 @@
 #             step_probe_summary.py prints where slow steps of identical work lose their time.
 #   ALIGNED_GC 1: lightning_adaptiveload.AlignedGC beside the monitor (no automatic garbage collection
 #             during the fit; every rank collects after the same steps). Run a mode with 0 and 1 on one
-#             machine to see what it does to the straggler wait. Default 0.
+#             machine to see what it does to the straggler wait. Default 0. ALIGNED_GC_ARGS: its init_args as
+#             JSON, e.g. '{"full_every_n_steps": 20, "log_pauses": true}' (gc/pause_ms in metrics.csv).
 #   WARMUP    0: without lightning_adaptiveload.KernelWarmup, which the wan-1.3b recipes carry (each attention
 #             shape of the rank's epoch run once through the first block before the first step, so that cuDNN
 #             builds its graphs there and not on the step that first meets the shape; ddp_modes.py keeps the
@@ -133,7 +134,7 @@ sets=(); for kv in ${SET:-}; do sets+=(--set "$kv"); done
 [ "$DIAG" = 1 ] && sets+=(--stall-stacks-s 4)
 [[ "$PROBE_STEPS" =~ ^[0-9]+,[0-9]+$ ]] || { echo "PROBE_STEPS must be first,last, got '$PROBE_STEPS'"; exit 2; }
 [ "$PROBE" = 1 ] && sets+=(--callback "{\"class_path\": \"benchmarks.balance.step_probe.StepProbe\", \"init_args\": {\"profile_steps\": [$PROBE_STEPS]}}")
-[ "$ALIGNED_GC" = 1 ] && sets+=(--callback '{"class_path": "lightning_adaptiveload.AlignedGC"}')
+[ "$ALIGNED_GC" = 1 ] && sets+=(--callback "{\"class_path\": \"lightning_adaptiveload.AlignedGC\", \"init_args\": ${ALIGNED_GC_ARGS:-{\}}}")
 [ "$WARMUP" = 0 ] && sets+=(--without KernelWarmup)
 CLOCKS_PID=
 stop_clocks() {
