@@ -7,14 +7,16 @@ DDP every other rank waits for it. A long run builds each shape once, but a pack
 (``count`` samples of one length, :func:`~.pack_attention.equal_runs`) one rank at a time over its first
 hundreds of steps, and a benchmark of a few dozen steps counts every one of them.
 
-:class:`~.warmup_callback.KernelWarmup` (a Lightning callback, in :mod:`.warmup_callback`) reads the rank's plan of the epoch before the epoch's first step
-and runs each attention shape the epoch will take once through the model's first block, forward and backward
-(:func:`warm_kernels`); every block has the same attention shapes, and the kernels' caches are per process.
+:class:`~.warmup_callback.KernelWarmup` (a Lightning callback, in :mod:`.warmup_callback`) reads the rank's
+plan of the epoch before the epoch's first step and runs each attention shape the epoch will take once through
+the model's first block, forward and backward (:func:`warm_kernels`); every block has the same attention
+shapes, and the kernels' caches are per process.
 
 - **What runs.** Per distinct bucketed batch or equal-length pack: that batch. Per distinct run of a mixed
   pack: the run inside a made-up mixed pack (:func:`warm_packs`), so that it goes through the packed
-  attention op as in training. Latents, times and text are random; the text has the first batch's length
-  and dtype (a model with ``text_len`` pads every text to one length anyway).
+  attention op as in training. Per sample count of a mixed pack: one made-up mixed pack of that many
+  samples (torch 2.11's compiled blocks guard on it). Latents, times and text are random; the text has the
+  first batch's length and dtype (a model with ``text_len`` pads every text to one length anyway).
 - **Nothing trains.** Gradients go to the block's input only (:func:`torch.autograd.grad`): no parameter
   gets a gradient, no optimizer state changes, and DDP's gradient hooks do not fire.
 - **Compiled blocks** meet the shapes as they would in training (the same inputs, the same
