@@ -30,7 +30,7 @@ shapes, and the kernels' caches are per process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,8 +48,11 @@ def _tokens(shape: Shape, patch_size: Sequence[int]) -> int:
     return (t // pt) * (h // ph) * (w // pw)
 
 
-def planned_batches(plan: Any, rank: int, latent_shape: Callable[[Any], Shape]) -> list[tuple[Shape, ...]]:
+def planned_batches(plan: Any, rank: int, latent_shape: Callable[[Any], Shape]) -> Iterator[tuple[Shape, ...]]:
     """The latent shapes of each batch ``rank`` takes in ``plan`` (an ``EpochPlan``), in step order.
+
+    A generator: a rank's epoch can hold millions of batches, and ``warm_packs`` keeps only their distinct
+    shapes.
 
     Args:
         plan: the epoch's plan (its ``step_order``, ``streams``, ``buckets``, ``batch_buckets`` and
@@ -58,18 +61,16 @@ def planned_batches(plan: Any, rank: int, latent_shape: Callable[[Any], Shape]) 
         latent_shape: a sample ref -> its latent shape (``ShardIndex.latent_shape``); asked for the samples of
             packs only (a bucketed batch's shape is its bucket's).
     """
-    out: list[tuple[Shape, ...]] = []
     for w, j in plan.step_order[rank]:
         stream = (rank, w)
         refs = plan.streams[stream][j]
         if not refs:
             continue
         if plan.is_pack(stream, j):
-            out.append(tuple(tuple(int(d) for d in latent_shape(ref)) for ref in refs))
+            yield tuple(tuple(int(d) for d in latent_shape(ref)) for ref in refs)
         else:
             shape = tuple(int(d) for d in plan.buckets[plan.batch_buckets[stream][j]]["shape"])
-            out.append((shape,) * len(refs))
-    return out
+            yield (shape,) * len(refs)
 
 
 def warm_packs(

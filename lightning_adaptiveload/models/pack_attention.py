@@ -176,15 +176,15 @@ def _pack_runs_fwd(
     ):
         used = _effective(kernel)
         try:
-            o, l = _forward_run(qr, kr, vr, used)
+            o, run_lse = _forward_run(qr, kr, vr, used)
         except RuntimeError as err:
             if used != "cudnn":
                 raise
             _give_up(used, err)
             used = "flash"
-            o, l = _forward_run(qr, kr, vr, used)
+            o, run_lse = _forward_run(qr, kr, vr, used)
         out[0, :, start:end].unflatten(1, (o.shape[0], o.shape[2])).transpose(0, 1).copy_(o)
-        lse[:, start:end].unflatten(1, (o.shape[0], o.shape[2])).transpose(0, 1).copy_(_lse_out(l, used))
+        lse[:, start:end].unflatten(1, (o.shape[0], o.shape[2])).transpose(0, 1).copy_(_lse_out(run_lse, used))
     return out, lse
 
 
@@ -223,8 +223,8 @@ def _pack_runs_bwd(
             if used != "cudnn":
                 raise
             _give_up(used, err)  # the forward's cuDNN statistics: recompute them with FlashAttention
-            o, l = _forward_run(qr, kr, vr, "flash")
-            gq, gk, gv = _backward_run(gr, qr, kr, vr, o, _lse_in(_lse_out(l, "flash"), "flash"), "flash")
+            o, run_lse = _forward_run(qr, kr, vr, "flash")
+            gq, gk, gv = _backward_run(gr, qr, kr, vr, o, _lse_in(_lse_out(run_lse, "flash"), "flash"), "flash")
         dqr.copy_(gq)
         dkr.copy_(gk)
         dvr.copy_(gv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -91,8 +92,14 @@ class KernelWarmup(Callback):
             return
         model = pl_module.model
         start = time.monotonic()
-        batches = planned_batches(ds.plan, ds.rank, ds.index.latent_shape)
-        packs = warm_packs(batches, model.config.patch_size, self._seen)
+        planned = [0]  # batches read from the plan (a generator: counted as warm_packs takes them)
+
+        def batches() -> Iterator[tuple]:
+            for b in planned_batches(ds.plan, ds.rank, ds.index.latent_shape):
+                planned[0] += 1
+                yield b
+
+        packs = warm_packs(batches(), model.config.patch_size, self._seen)
         with trainer.precision_plugin.train_step_context():
             warm_kernels(model, packs, _text_of(batch), pl_module.device, _Progress(trainer.global_rank))
         if pl_module.device.type == "cuda":
@@ -100,7 +107,7 @@ class KernelWarmup(Callback):
         seconds = time.monotonic() - start
         entry = {
             "epoch": int(trainer.current_epoch),
-            "batches": len(batches),
+            "batches": planned[0],
             "packs": len(packs),
             "seconds": seconds,
         }

@@ -62,7 +62,7 @@ def test_runs_equal_per_sample_sdpa_in_value_and_gradient(seed):
     rng = random.Random(seed)
     lens = [rng.choice([1, 2, 5, 5, 9, 16]) for _ in range(rng.randint(2, 7))]
     base = _pack(lens, seed=seed)
-    out, grads = _value_and_grads(lambda q, k, v, l: pack_runs_attention(q, k, v, runs_tensor(l), "cpu"), base, lens)
+    out, grads = _value_and_grads(lambda q, k, v, n: pack_runs_attention(q, k, v, runs_tensor(n), "cpu"), base, lens)
     ref, ref_grads = _value_and_grads(_per_sample, base, lens)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
@@ -110,7 +110,7 @@ def test_compiled_compositions_share_graphs_and_equal_eager():
         if len(set(lens)) == 1:
             lens.append(7)
         base = _pack(lens, seed=i)
-        out, grads = _value_and_grads(lambda q, k, v, l: fn(q, k, v, runs_tensor(l)), base, lens)
+        out, grads = _value_and_grads(lambda q, k, v, n: fn(q, k, v, runs_tensor(n)), base, lens)
         ref, ref_grads = _value_and_grads(_per_sample, base, lens)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         for g, r in zip(grads, ref_grads):
@@ -126,7 +126,7 @@ def test_cuda_kernels_equal_per_sample_sdpa(kernel):
         pytest.skip("needs CUDA")
     lens = [1560, 1560, 1560, 17160, 4680, 4680]
     base = _pack(lens, heads=12, dim=128, dtype=torch.bfloat16, device="cuda")
-    out, grads = _value_and_grads(lambda q, k, v, l: pack_runs_attention(q, k, v, runs_tensor(l), kernel), base, lens)
+    out, grads = _value_and_grads(lambda q, k, v, n: pack_runs_attention(q, k, v, runs_tensor(n), kernel), base, lens)
     ref, ref_grads = _value_and_grads(_per_sample, base, lens)
     for a, b in [(out, ref), *zip(grads, ref_grads)]:
         rel = (a.float() - b.float()).norm() / b.float().norm()
@@ -154,7 +154,7 @@ def test_a_failing_cudnn_kernel_falls_back_to_flash_with_one_warning(monkeypatch
     base = _pack(lens)
     with caplog.at_level("WARNING", logger=pa.__name__):
         for _ in range(2):
-            out, grads = _value_and_grads(lambda q, k, v, l: pack_runs_attention(q, k, v, runs_tensor(l), "cudnn"), base, lens)
+            out, grads = _value_and_grads(lambda q, k, v, n: pack_runs_attention(q, k, v, runs_tensor(n), "cudnn"), base, lens)
     ref, ref_grads = _value_and_grads(_per_sample, base, lens)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
