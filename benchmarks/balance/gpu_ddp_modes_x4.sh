@@ -43,10 +43,12 @@
 #             during the fit; every rank collects after the same steps). Run a mode with 0 and 1 on one
 #             machine to see what it does to the straggler wait. Default 0. ALIGNED_GC_ARGS: its init_args as
 #             JSON, e.g. '{"full_every_n_steps": 20, "log_pauses": true}' (gc/pause_ms in metrics.csv).
+#             Tag and run folder _gc.
 #   WARMUP    0: without lightning_adaptiveload.KernelWarmup, which the wan-1.3b recipes carry (each attention
 #             shape of the rank's epoch run once through the first block before the first step, so that cuDNN
 #             builds its graphs there and not on the step that first meets the shape; ddp_modes.py keeps the
-#             recipes' callbacks but checkpoints). Tag _nowarm. Default: the recipes' callbacks.
+#             recipes' callbacks but checkpoints). Tag and run folder _nowarm (a warm machine keeps it apart
+#             from the default run). Default: the recipes' callbacks.
 #
 # It refuses at once (exit 3, before any build) a call whose modes cannot get 30 s of steps each, and says
 # to split MODES: all four modes fit one call eager (about 12 steps each: a smoke run), not fast. The shards (seed 0) are the same on every call: found in /tmp when the machine is still warm,
@@ -72,13 +74,14 @@ case "$SETTINGS" in eager|fast) ;; *) echo "SETTINGS must be eager or fast, got 
 OUT=${OUT:-/tmp/gpu_ddp_modes}; mkdir -p "$OUT"
 VARIANT=${VARIANT:-}
 [[ "$VARIANT" =~ ^[A-Za-z0-9_-]*$ ]] || { echo "VARIANT must be a short name (letters, digits, -, _), got '$VARIANT'"; exit 2; }
-TAG=${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}
+KEY=${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}  # the run folder: the settings, not the modes of this call
+[ "$ALIGNED_GC" = 1 ] && KEY=${KEY}_gc
+[ "$WARMUP" = 0 ] && KEY=${KEY}_nowarm
+TAG=$KEY
 [ "$MODES" = equal_tokens,dual,lockstep,packed ] || TAG=${TAG}_${MODES//,/-}
-[ "$ALIGNED_GC" = 1 ] && TAG=${TAG}_gc
-[ "$WARMUP" = 0 ] && TAG=${TAG}_nowarm
 LOG="$OUT/ddp_modes_${TAG}.log"
 exec > >(tee -a "$LOG") 2>&1
-RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/${SETTINGS}_w${NGPU}${VARIANT:+_$VARIANT}; mkdir -p "$RUN"
+RUN_BASE=/tmp/ddp_modes; RUN=$RUN_BASE/$KEY; mkdir -p "$RUN"
 FILTER='UserWarning|warnings.warn|return Variable|AccumulateGrad|_pytree|it/s\]$|sample/s\]$|^\s*$'
 
 # The plan of the call: fixed costs, then per mode its start-up and 10 steps at least.
