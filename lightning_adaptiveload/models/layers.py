@@ -9,6 +9,8 @@ The RoPE splits each head's dimension d over the three axes like Wan: T gets d -
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +20,12 @@ from lightning_adaptiveload.models import attention as _attention
 from lightning_adaptiveload.models import packing as _packing
 from lightning_adaptiveload.ops import norm_kernels as _norm_kernels
 
+if TYPE_CHECKING:
+    from lightning_adaptiveload.models.config import VideoDiTConfig
+
 __all__ = [
     "FP32LayerNorm",
+    "Head",
     "Linear",
     "MatmulBiasLinear",
     "NormModulate",
@@ -425,3 +431,33 @@ class CrossAttention(nn.Module):
         if keep is not None:
             out = out * keep[:, None, None, None].to(out.dtype)
         return out
+
+
+class Head(nn.Module):
+    """Output head: NormModulate with its own (1, 2, D) table added to e, then a Linear to patch pixels."""
+
+    def __init__(self, cfg: VideoDiTConfig) -> None:
+        super().__init__()
+        self.norm = NormModulate(cfg.dim, cfg.eps)
+        self.norm.feeds_matmul = True
+        self.head = Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
+
+    def forward(
+        self, x: torch.Tensor, e: torch.Tensor, segments: _packing.PackSegments | None = None
+    ) -> torch.Tensor:
+        """Args: x (B, S, D); e (B, D) fp32, or (B, S, D) per token; segments: None, or for a pack of mixed
+        lengths (x (1, S, D), e (N, D) per sample) its
+        :class:`~lightning_adaptiveload.models.packing.PackSegments`. Returns (B, S, C_out * pt * ph * pw)."""
+        if segments is not None:  # per sample, spread to tokens: two (1, S, D) tables
+            mod = self.modulation.float() + e[:, None, :]  # (N, 2, D)
+            shift, scale = (_packing.segment_rows(mod[:, i], segments) for i in (0, 1))
+        elif e.dim() == 3:  # per token: (1, 1, 2, D) + (B, S, 1, D) -> two (B, S, D) tables
+            shift, scale = (self.modulation.float()[None] + e[:, :, None, :]).unbind(-2)
+        else:
+            shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
+        return self.head(self.norm(x, shift, scale))

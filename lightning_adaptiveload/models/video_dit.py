@@ -27,7 +27,7 @@ switch does not change parameters or state_dict keys. Module and parameter names
 reference implementation (``patch_embedding``, ``blocks.N.self_attn.q``, ``blocks.N.modulation``,
 ``head.head``, ...), so a Wan 2.1 checkpoint's state_dict has the same keys and shapes.
 
-The leaf layers (norms, embeddings, Wan's 3-D RoPE, the two attention layers) are in
+The leaf layers (norms, embeddings, Wan's 3-D RoPE, the two attention layers, the head) are in
 :mod:`~lightning_adaptiveload.models.layers`.
 
 ``forward`` also takes a *pack*: a list of N latents of any shapes, run as one step in which each sample
@@ -60,6 +60,7 @@ from lightning_adaptiveload.models.config import VideoDiTConfig, forward_flops, 
 from lightning_adaptiveload.models.layers import (
     CrossAttention,
     FP32LayerNorm,
+    Head,
     Linear,
     MatmulBiasLinear,
     NormModulate,
@@ -120,18 +121,8 @@ class DiTBlock(nn.Module):
         :class:`~lightning_adaptiveload.models.packing.PackSegments`, with x (1, S_total, D), e0 (N, 6, D)
         fp32 per sample, cos/sin (S_total, d/2) and context (N, L, D).
         Returns x's shape in x.dtype."""
-        return run_block(
-            self.checkpoint_policy,
-            self.training,
-            self._forward,
-            x,
-            e0,
-            cos,
-            sin,
-            context,
-            context_mask,
-            segments,
-        )
+        args = (x, e0, cos, sin, context, context_mask, segments)
+        return run_block(self.checkpoint_policy, self.training, self._forward, *args)
 
     def _forward(
         self,
@@ -168,36 +159,6 @@ class DiTBlock(nn.Module):
             x = (x + self.cross_attn(self.norm3(x), context, context_mask, segments)).to(x.dtype)
         y = self.ffn(self.norm2(x, row(3), row(4)))
         return (x + y * row(5)).to(x.dtype)
-
-
-class Head(nn.Module):
-    """Output head: NormModulate with its own (1, 2, D) table added to e, then a Linear to patch pixels."""
-
-    def __init__(self, cfg: VideoDiTConfig) -> None:
-        super().__init__()
-        self.norm = NormModulate(cfg.dim, cfg.eps)
-        self.norm.feeds_matmul = True
-        self.head = Linear(cfg.dim, cfg.out_channels * cfg.patch_volume, init="zeros")
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.modulation.normal_(std=self.modulation.shape[-1] ** -0.5)
-
-    def forward(
-        self, x: torch.Tensor, e: torch.Tensor, segments: _packing.PackSegments | None = None
-    ) -> torch.Tensor:
-        """Args: x (B, S, D); e (B, D) fp32, or (B, S, D) per token; segments: None, or for a pack of mixed
-        lengths (x (1, S, D), e (N, D) per sample) its
-        :class:`~lightning_adaptiveload.models.packing.PackSegments`. Returns (B, S, C_out * pt * ph * pw)."""
-        if segments is not None:  # per sample, spread to tokens: two (1, S, D) tables
-            mod = self.modulation.float() + e[:, None, :]  # (N, 2, D)
-            shift, scale = (_packing.segment_rows(mod[:, i], segments) for i in (0, 1))
-        elif e.dim() == 3:  # per token: (1, 1, 2, D) + (B, S, 1, D) -> two (B, S, D) tables
-            shift, scale = (self.modulation.float()[None] + e[:, :, None, :]).unbind(-2)
-        else:
-            shift, scale = (self.modulation.float() + e[:, None, :]).chunk(2, dim=1)
-        return self.head(self.norm(x, shift, scale))
 
 
 def _zero_sum(*modules: nn.Module) -> torch.Tensor | float:
@@ -485,6 +446,24 @@ class VideoDiT(nn.Module):
                 f"timestep must have shape (B,) = ({b},) or, one per token, (B, S) = ({b}, {seq}); got "
                 f"{tuple(timestep.shape)}"
             )
+        h, e, block_args = self._dense_prologue(x, grid, timestep, context, context_mask)
+        for block in self.blocks:
+            # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
+            h = block(h, *block_args)
+        return self._keep_text_path(self.unpatchify(self.head(h, e), grid), block_args[3])
+
+    def _dense_prologue(
+        self,
+        x: torch.Tensor,
+        grid: tuple[int, int, int],
+        timestep: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """A checked batch ``x`` (B, C_in, T, H, W) of token grid ``grid``: ``(h, e, block_args)``, every block
+        called as ``block(h, *block_args)``; resolves the attention kernels and the checkpointed blocks. The
+        one prologue of a bucketed batch and of a pack that is one."""
+        b, seq = x.shape[0], grid[0] * grid[1] * grid[2]
         h = self._embed_patches(x)  # (B, S, D)
         e, e0 = self._embed_time(timestep)  # (B, D) and (B, 6, D), or (B * S, ...) per token
         if timestep.dim() == 2:  # per token: (B, S, D) and (B, S, 6, D)
@@ -493,10 +472,7 @@ class VideoDiT(nn.Module):
         cos, sin = self._rope(grid, x.device)
         self._apply_attention_backend(x.device)
         self._choose_checkpointing(b, seq, 0 if context is None else context.shape[1])
-        for block in self.blocks:
-            # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
-            h = block(h, e0, cos, sin, ctx, context_mask)
-        return self._keep_text_path(self.unpatchify(self.head(h, e), grid), ctx)
+        return h, e, (e0, cos, sin, ctx, context_mask)
 
     def _forward_pack(
         self,
@@ -550,17 +526,23 @@ class VideoDiT(nn.Module):
         device = latents[0].device
         route = _packing.attention_route(lens)
         if route == "dense" and all(g == grids[0] for g in grids):  # the bucketed batch of these samples
-            h = self._embed_patches(latents[0][None] if n == 1 else torch.stack(latents))  # (N, L, D)
-            cos, sin = self._rope(grids[0], device)
+            if not torch.compiler.is_compiling():
+                _packing.log_route_once(route, device, False, n)
+            batch = latents[0][None] if n == 1 else torch.stack(latents)
+            return (
+                *self._dense_prologue(batch, grids[0], timestep, context, context_mask),
+                None,
+                grids,
+                lens,
+            )
+        tokens = [self._embed_patches(lat[None]) for lat in latents]  # (1, S_i, D) each
+        if route == "dense":  # equal counts on different grids: a batch with per-sample RoPE tables
+            h = torch.cat(tokens, dim=0)  # (N, L, D)
+            tables = [self._rope(g, device) for g in grids]
+            cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
         else:
-            tokens = [self._embed_patches(lat[None]) for lat in latents]  # (1, S_i, D) each
-            if route == "dense":  # equal counts on different grids: a batch with per-sample RoPE tables
-                h = torch.cat(tokens, dim=0)  # (N, L, D)
-                tables = [self._rope(g, device) for g in grids]
-                cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
-            else:
-                h = torch.cat(tokens, dim=1)  # (1, S_total, D)
-                cos, sin = _packing.packed_rope(self, grids, device)
+            h = torch.cat(tokens, dim=1)  # (1, S_total, D)
+            cos, sin = _packing.packed_rope(self, grids, device)
         e, e0 = self._embed_time(timestep)  # (N, D), (N, 6, D) fp32
         ctx, context_mask = self._embed_text(context, context_mask, n)
         segments = None
