@@ -525,9 +525,14 @@ class VideoDiT(nn.Module):
         lens = [f * hh * w for f, hh, w in grids]
         device = latents[0].device
         route = _packing.attention_route(lens)
+        varlen = (
+            route == "segments"
+            and device.type != "meta"
+            and _packing.varlen_applies_to(device, self._attention_dtype(device))
+        )
+        if not torch.compiler.is_compiling():
+            _packing.log_route_once(route, device, varlen, n)
         if route == "dense" and all(g == grids[0] for g in grids):  # the bucketed batch of these samples
-            if not torch.compiler.is_compiling():
-                _packing.log_route_once(route, device, False, n)
             batch = latents[0][None] if n == 1 else torch.stack(latents)
             return (
                 *self._dense_prologue(batch, grids[0], timestep, context, context_mask),
@@ -546,11 +551,7 @@ class VideoDiT(nn.Module):
         e, e0 = self._embed_time(timestep)  # (N, D), (N, 6, D) fp32
         ctx, context_mask = self._embed_text(context, context_mask, n)
         segments = None
-        varlen = False
         if route == "segments":
-            varlen = device.type != "meta" and _packing.varlen_applies_to(
-                device, self._attention_dtype(device)
-            )
             segments = _packing.PackSegments.build(
                 lens,
                 device,
@@ -560,8 +561,6 @@ class VideoDiT(nn.Module):
             )
             # The sample count N sizes the per-sample rows and text: dynamic in the first graph too.
             _packing.mark_dynamic((e, e0, ctx, context_mask), 0)
-        if not torch.compiler.is_compiling():
-            _packing.log_route_once(route, device, varlen, n)
         self._apply_attention_backend(device)
         text_len = 0 if context is None else context.shape[1]
         self._choose_checkpointing(*((n, lens[0]) if segments is None else (1, sum(lens))), text_len)
