@@ -37,9 +37,9 @@ import time
 import numpy as np
 from _common import cpu_name
 
-from lightning_adaptiveload.data.columnar import IndexColumns, shape_id_dtype, write_columns
-from lightning_adaptiveload.data.compact import CompactIndex
-from lightning_adaptiveload.data.mixes import load_mix
+from lightning_adaptiveload.shards.columnar import IndexColumns, shape_id_dtype, write_columns
+from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.shards.mixes import load_mix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_SHARD = 1000
@@ -93,8 +93,8 @@ def mem():
             if k in ("VmRSS", "RssAnon", "VmHWM"):
                 out[k] = int(v.split()[0]) / 1024
     return out
-from lightning_adaptiveload.data.compact import CompactIndex
-from lightning_adaptiveload.data.index import ShardIndex
+from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import as_input, bucket_table, distinct_shapes, index_fingerprint
 path, kind = sys.argv[1], sys.argv[2]

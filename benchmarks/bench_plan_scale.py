@@ -41,7 +41,7 @@ sys.path.insert(1, os.path.dirname(HERE))
 from _common import cpu_name  # noqa: E402
 from bench_index_scale import synthetic_columns  # noqa: E402
 
-from lightning_adaptiveload.data.columnar import write_columns  # noqa: E402
+from lightning_adaptiveload.shards.columnar import write_columns  # noqa: E402
 
 _ONE = r"""
 import json, resource, sys, time
@@ -50,7 +50,7 @@ def hwm():
         for line in f:
             if line.startswith(("VmHWM:", "VmRSS:")):
                 yield line.split(":")[0], int(line.split()[1]) / 1024
-from lightning_adaptiveload.data.compact import CompactIndex
+from lightning_adaptiveload.shards.compact import CompactIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -85,9 +85,9 @@ def hwm():
         for line in f:
             if line.startswith(("VmHWM:", "VmRSS:")):
                 yield line.split(":")[0], int(line.split()[1]) / 1024
-from lightning_adaptiveload.data.compact import CompactIndex
-from lightning_adaptiveload.data.loader import PlannedShardDataset
-from lightning_adaptiveload.data.resume import STATE_VERSION, resume_plan
+from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.loading.loader import PlannedShardDataset
+from lightning_adaptiveload.loading.resume import STATE_VERSION, resume_plan
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import PlanSettings
 before = dict(hwm())

@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.monitor.aligned_gc import AlignedGC
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.callbacks.aligned_gc import AlignedGC
 
 torch.set_num_threads(1)
 

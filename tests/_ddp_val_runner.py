@@ -17,7 +17,7 @@ import torch
 import torchmetrics
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.models.module import VideoDiTModule
 
 torch.set_num_threads(1)

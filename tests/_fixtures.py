@@ -10,8 +10,10 @@ from __future__ import annotations
 import collections
 import os
 
-from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 
 def uneven_shards(tmp_path_factory, name: str, sizes: list[int], seed: int, **settings) -> str:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import CrashAt, SimulatedCrash  # noqa: E402
 
 from lightning_adaptiveload import LoadBalanceMonitor  # noqa: E402
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.fusion import FusedNormModulateMixin  # noqa: E402
 from lightning_adaptiveload.models.module import VideoDiTModule  # noqa: E402
 

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor
 
 NUM_TENSORS = int(sys.argv[2]) if len(sys.argv) > 2 else 20_000
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.data.mixes import load_mix
+from lightning_adaptiveload.shards.mixes import load_mix
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.planner import plan_epoch

@@ -32,8 +32,8 @@ from lightning.pytorch.strategies import DDPStrategy
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
 from _ddp_data_runner import CrashAt, SimulatedCrash, launch  # noqa: E402,F401 - launch is re-exported
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
-from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor  # noqa: E402
 from lightning_adaptiveload.monitor.timing import ManualClock  # noqa: E402
 from lightning_adaptiveload.planning.cost_model import CostModel  # noqa: E402
 

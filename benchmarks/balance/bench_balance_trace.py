@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     args = ap.parse_args(argv)
 
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.simulate import StepTimeTable, simulate
     from lightning_adaptiveload.tools.simulate_plots import plot_result
 

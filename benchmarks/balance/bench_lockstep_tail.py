@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_packed_balance import TRACE, trace_pack_model  # noqa: E402
 
-from lightning_adaptiveload.data.mixes import Bucket, Mix  # noqa: E402
+from lightning_adaptiveload.shards.mixes import Bucket, Mix  # noqa: E402
 from lightning_adaptiveload.tools.simulate import simulate  # noqa: E402
 from lightning_adaptiveload.tools.simulate_settings import SimulateSettings  # noqa: E402
 

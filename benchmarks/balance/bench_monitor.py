@@ -39,7 +39,7 @@ from _common import cpu_name
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor
 
 # The shortest step of the measured Wan 2.1 1.3B trace on an H100 (shared/anchors/README.md): the monitor's
 # fixed per-step cost is the largest share of the cheapest real step.

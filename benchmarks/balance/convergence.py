@@ -17,7 +17,7 @@ runs with the same seed start from the same weights and are validated on the sam
 compared per seed (paired differences) as well as by mean and spread.
 
 The data are ``content="structured"`` synthetic latents (see
-:func:`lightning_adaptiveload.data.synthetic.structured_latent`): smooth fields in a low-dimensional
+:func:`lightning_adaptiveload.shards.synthetic.structured_latent`): smooth fields in a low-dimensional
 channel subspace, partly shared by all shapes and partly owned by each frame count, plus a little noise.
 i.i.d. noise latents would leave a model almost nothing to learn.
 
@@ -65,8 +65,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
-from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
-from lightning_adaptiveload.data.settings import Loader
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings

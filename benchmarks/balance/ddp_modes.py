@@ -3,7 +3,7 @@
 Runs, on one machine with 2 or more GPUs, the recipes ``recipes/wan13b_480p_<mode>.yaml`` through the
 package's LightningCLI (``python -m lightning_adaptiveload fit --config ...``) for the same number of steps
 and the same ``max_tokens`` (memory ceiling) in every mode, over synthetic shards of the wan21_480p mix
-generated on the machine. Each run's :class:`~lightning_adaptiveload.monitor.callback.LoadBalanceMonitor`
+generated on the machine. Each run's :class:`~lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor`
 writes ``load_balance_ranks.csv`` (one row per rank and step: compute time to the end of the rank's own
 backward, and its measured ``sync_wait_s``) into ``<out>/<mode>/...``; the logger's ``metrics.csv`` holds
 the loss, LightningCLI's ``config.yaml`` the settings. ``benchmarks/balance/ddp_modes_report.py <out>`` turns them
@@ -181,8 +181,8 @@ def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: 
     seed. Returns ``(index path, reused)``."""
     import dataclasses
 
-    from lightning_adaptiveload.data import SyntheticShards, write_synthetic_shards
-    from lightning_adaptiveload.data.synthetic import NotSyntheticDataError
+    from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
+    from lightning_adaptiveload.shards.synthetic import NotSyntheticDataError
 
     index_path = os.path.join(data_dir, "index.json")
     before = os.path.getmtime(index_path) if os.path.isfile(index_path) else None
@@ -311,7 +311,7 @@ def _callbacks(recipe: str, monitor_args: dict, extra: list[dict], without: list
     given = {name(cb) for cb in extra} | set(without)
     kept = [cb for cb in recipe_callbacks(recipe) if name(cb) not in given]
     return [
-        {"class_path": "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor", **monitor_args},
+        {"class_path": "lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor", **monitor_args},
         *kept,
         *extra,
     ]

@@ -102,7 +102,7 @@ def calibrated_table(
 ):
     """The simulator's step times measured in these runs: bucketed medians (without the ``exclude``d
     ``batch_idx`` values of each CSV: the stalls), and packs by ``pack_model``."""
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.simulate import StepTimeTable
 
     mix = load_mix(mix_name)
@@ -229,7 +229,7 @@ def simulate_more_ranks(
 ) -> dict[str, Any]:
     """Simulate more ranks than were run (mix population), with the step times measured in these runs and,
     when finite and above 0, the noise measured on their identical work (each row's ``wait_share_noise``)."""
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.simulate import simulate
 
     noise = noise if math.isfinite(noise) else 0.0  # SimulateSettings refuses a bad one, said by the caller
@@ -275,8 +275,8 @@ def load_cost_model(path: str):
 
 def run_index(path: str, mix: str, meta: dict[str, Any], world: int, notes: list[str]):
     """The shards the runs trained on (``data_index.json``), else a population of the mix (said in a note)."""
-    from lightning_adaptiveload.data.index import ShardIndex
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.index import ShardIndex
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.replay import mix_population
 
     if os.path.isfile(path):

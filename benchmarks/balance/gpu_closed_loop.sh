@@ -41,7 +41,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 timeout 150 python3 -m lightning_adaptiveload build-ops 2>&1 | tail -2
 RUN=/tmp/closed_loop_$TAG; rm -rf "$RUN"; mkdir -p "$RUN"
 python3 benchmarks/balance/ddp_modes.py --shards-only --mix "$MIX" --samples "$SAMPLES" --devices "$NGPU" --out "$RUN" 2>&1 | tail -2
-MON='lightning_adaptiveload.monitor.callback.LoadBalanceMonitor'
+MON='lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor'
 for variant in on off; do
   [ "$variant" = on ] && budget=$(( ($(left) - 40) / 2 )) || budget=$(( $(left) - 40 ))
   refit=true; [ "$variant" = off ] && refit=false

@@ -65,7 +65,7 @@ def _fusion_state(model: torch.nn.Module, want: bool) -> dict:
 
 def _buckets(mix_name: str, patch: tuple[int, int, int]) -> list[tuple[int, int, int, int, int]]:
     """Unique (C, T, H, W, S) of the mix, longest first (so the slowest are measured while time remains)."""
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     mix = load_mix(mix_name)
     seen = {}

@@ -75,7 +75,7 @@ def parse_batches(spec: str, world: int) -> list[tuple[int, int]]:
 
 def make_batch(b: int, frames: int, args: argparse.Namespace, global_tokens: int, seed: int) -> dict:
     """A batch of the data module's contract (``data.collate.collate``) of ``b`` random latents."""
-    from lightning_adaptiveload.data.collate import collate
+    from lightning_adaptiveload.loading.collate import collate
 
     g = torch.Generator().manual_seed(seed)
     samples = []

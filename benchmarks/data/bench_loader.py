@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import cpu_name
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.mixes import Mix, load_mix
-from lightning_adaptiveload.data.settings import Loader
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.shards.mixes import Mix, load_mix
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
@@ -204,8 +204,8 @@ def bench_plan(mix: Mix, sizes: list[tuple[int, int, int]], max_tokens: int) -> 
 
 def bench_step_overhead(mix: Mix, n: int) -> dict:
     """Per-batch cost of a worker's stream loop with reading and collating replaced by no-ops."""
-    import lightning_adaptiveload.data.datamodule as dmod
-    import lightning_adaptiveload.data.stream as stream_mod
+    import lightning_adaptiveload.datamodule as dmod
+    import lightning_adaptiveload.loading.stream as stream_mod
 
     index_shapes = synthetic_index(mix, n, 100)
 
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from lightning_adaptiveload.data import write_synthetic_shards
+    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 
     mix = scaled_mix(args.mix, args.scale)
     max_tokens = max(b.tokens_for((1, 2, 2)) for b in mix.buckets)

@@ -48,7 +48,7 @@ def _device() -> str:
 def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
     import numpy as np
 
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
 

@@ -77,7 +77,7 @@ def run_case(case: dict) -> str | int:
 
 
 def wan_case() -> str | None:
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.replay import mix_population as _mix_population
 
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)  # the case

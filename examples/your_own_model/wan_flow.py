@@ -2,7 +2,7 @@
 
 Nothing here subclasses the suite's ``VideoDiTModule``: the module reads the batch dict of
 ``docs/data_path.md``, weights its loss with :func:`lightning_adaptiveload.token_weighted_loss`, draws
-noise from :func:`lightning_adaptiveload.rank_noise_generator`, fuses its norm + modulate sites with
+noise from :func:`lightning_adaptiveload.models.loss.rank_noise_generator`, fuses its norm + modulate sites with
 :class:`lightning_adaptiveload.FusedNormModulateMixin`, and takes packed batches (``runs_packed_batches``) by
 running a pack's samples one by one. Under ``ModelParallelStrategy`` it shards the Wan with FSDP2
 (:func:`lightning_adaptiveload.models.sharding.shard_model`). Run it with ``wan_flow.yaml`` beside it (see
@@ -20,12 +20,11 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torchmetrics import MeanMetric
 
-from lightning_adaptiveload import (
-    FusedNormModulateMixin,
-    rank_noise_generator,
-    token_weighted_loss,
-    wan_flops_per_batch,
-)
+from lightning_adaptiveload import FusedNormModulateMixin, token_weighted_loss
+
+from lightning_adaptiveload.models.loss import rank_noise_generator
+
+from lightning_adaptiveload.models.wan_flops import wan_flops_per_batch
 from lightning_adaptiveload.models.sharding import shard_model
 
 

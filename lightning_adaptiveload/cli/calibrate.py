@@ -102,7 +102,7 @@ def _load_recipe(path: str) -> Any:
     explodes when printed or copied), nesting bounded."""
     import yaml
 
-    from lightning_adaptiveload.data.paths import open_regular
+    from lightning_adaptiveload.shards.paths import open_regular
 
     try:
         with open_regular(path) as f:

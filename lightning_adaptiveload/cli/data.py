@@ -1,7 +1,7 @@
 """``lightning-adaptiveload synth``, ``index`` and ``convert-index``: the parsers and printing of the shard tools.
 
-The work is done by the data layer's plain functions (:func:`~lightning_adaptiveload.data.synthetic.write_synthetic_shards`,
-:meth:`~lightning_adaptiveload.data.index.ShardIndex.build` / ``for_paths`` / ``save``); this module only
+The work is done by the data layer's plain functions (:func:`~lightning_adaptiveload.shards.synthetic.write_synthetic_shards`,
+:meth:`~lightning_adaptiveload.shards.index.ShardIndex.build` / ``for_paths`` / ``save``); this module only
 parses arguments, calls them and prints a summary.
 """
 
@@ -13,18 +13,18 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from lightning_adaptiveload.data.columnar import BINARY_INDEX_NAME, is_binary_index
-from lightning_adaptiveload.data.format import (
+from lightning_adaptiveload.shards.columnar import BINARY_INDEX_NAME, is_binary_index
+from lightning_adaptiveload.shards.format import (
     DEFAULT_PATCH,
     IGNORED_REASONS,
     INDEX_NAME,
     ShardError,
     patch_tokens,
 )
-from lightning_adaptiveload.data.index import ShardIndex
-from lightning_adaptiveload.data.mixes import Mix, load_mix
-from lightning_adaptiveload.data.paths import is_url
-from lightning_adaptiveload.data.synthetic import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.mixes import Mix, load_mix
+from lightning_adaptiveload.shards.paths import is_url
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 __all__ = ["convert_index_main", "index_main", "synth_main"]
 
@@ -199,7 +199,7 @@ def index_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.rebuild and args.format == "binary" and not args.no_save:
             # Straight to columns: no per-sample Python lists, for millions of samples.
-            from lightning_adaptiveload.data.compact_build import build_compact
+            from lightning_adaptiveload.shards.compact_build import build_compact
 
             compact = build_compact(paths, num_workers=args.workers, processes=args.processes, **kwargs)
             return _save_compact(compact, args.output, args.patch_size)
@@ -300,7 +300,7 @@ def convert_index_main(argv: Sequence[str] | None = None) -> int:
     """
     from tqdm.auto import tqdm
 
-    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.shards.compact import CompactIndex
 
     args = convert_index_parser().parse_args(argv)
     try:

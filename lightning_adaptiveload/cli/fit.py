@@ -175,7 +175,7 @@ def build_cli(
     import lightning.pytorch as pl
 
     try:
-        from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+        from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     except ModuleNotFoundError as err:
         raise SystemExit(
             f"lightning-adaptiveload: cannot load the training classes ({err}); reinstall the package "

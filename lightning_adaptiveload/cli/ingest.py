@@ -1,10 +1,10 @@
 """``lightning-adaptiveload ingest``: videos and images to latent shards.
 
-The command line of :func:`lightning_adaptiveload.data.ingest.ingest` (Wan's VAE through
+The command line of :func:`lightning_adaptiveload.ingest.job.ingest` (Wan's VAE through
 ``Trainer.predict``, resumable); prints a JSON summary. See ``docs/ingest.md``.
 
 ``--vae tiny-random`` (and ``--text-encoder tiny-random``) runs the pipeline with the random-weight stand-ins
-of :mod:`lightning_adaptiveload.data.demo`, with small buckets and clips unless given, and ``--demo-clips N``
+of :mod:`lightning_adaptiveload.ingest.demo`, with small buckets and clips unless given, and ``--demo-clips N``
 first writes N generated clips into INPUTS: the whole path on a CPU in a minute, without downloads. Its
 shards are demo data, NOT for training.
 """
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_adaptiveload.data.demo import DEMO_BUCKETS, DEMO_ENCODER, DEMO_MAX_FRAMES, is_demo_encoder
+from lightning_adaptiveload.ingest.demo import DEMO_BUCKETS, DEMO_ENCODER, DEMO_MAX_FRAMES, is_demo_encoder
 
 __all__ = ["main"]
 
@@ -105,7 +105,7 @@ def main(argv: Sequence[str]) -> int:
                 f"ingest: --demo-clips writes clips into a folder; {args.inputs} is a file", file=sys.stderr
             )
             return 2
-        from lightning_adaptiveload.data.demo import write_demo_clips
+        from lightning_adaptiveload.ingest.demo import write_demo_clips
 
         written = write_demo_clips(args.inputs, count=args.demo_clips)
         print(
@@ -119,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from lightning_adaptiveload.data.ingest import IngestSettings, ingest
+    from lightning_adaptiveload.ingest.job import IngestSettings, ingest
 
     devices: Any = args.devices
     if devices != "auto":

@@ -309,7 +309,7 @@ def _no_gpu_hint(argv: Sequence[str]) -> list[str]:
         cost.append(f"train its {preset} model on the CPU (far too slow to be useful)")
     if isinstance(synthetic, dict):
         try:
-            from lightning_adaptiveload.data.synthetic import ANNOUNCE_BYTES, estimate_synthetic_bytes
+            from lightning_adaptiveload.shards.synthetic import ANNOUNCE_BYTES, estimate_synthetic_bytes
 
             size = estimate_synthetic_bytes(
                 synthetic.get("mix", "tiny"),

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_adaptiveload.data.settings import DATAMODULE_GROUPS, group_of_keyword
+from lightning_adaptiveload.loading.settings import DATAMODULE_GROUPS, group_of_keyword
 
 __all__ = [
     "PARSER_MODE",

@@ -134,8 +134,8 @@ def diffusers_to_wan_key(key: str) -> str | None:
 def _read_json(path: str) -> Any:
     """A JSON file of the folder, read as untrusted: a regular file, at most MAX_JSON_BYTES, nesting
     bounded (200,000 levels gave RecursionError), no NaN / Infinity."""
-    from lightning_adaptiveload.data.paths import open_regular
-    from lightning_adaptiveload.data.untrusted import Refused, load_json
+    from lightning_adaptiveload.shards.paths import open_regular
+    from lightning_adaptiveload.shards.untrusted import Refused, load_json
 
     try:
         with open_regular(path) as f:

@@ -1,7 +1,7 @@
-"""Load-balance measurement: statistics (``stats``, pure), the per-step table (``steps``, pure), result files
-(``report``, pure, shared with the simulator), clocks (``timing``), FLOPs (``flops``), the
-LoadBalanceMonitor callback (``callback``) with its cost-model refit (``cost_refit``), and the AlignedGC
-callback (``aligned_gc``); the two callbacks are the only modules here that import Lightning."""
+"""Load-balance measurement, without Lightning: the per-step table (``steps``), result files (``report``,
+shared with the simulator), clocks (``timing``, ``fsdp_timing``), FLOPs (``flops``) and the cost-model refit
+(``cost_refit``). The callbacks that use them are in :mod:`lightning_adaptiveload.callbacks`; the balance
+statistics are in :mod:`lightning_adaptiveload.stats`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from lightning_adaptiveload._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        "LoadBalanceMonitor": "callback",
-        "AlignedGC": "aligned_gc",
         "BatchFlops": "flops",
         "HostClock": "timing",
         "ManualClock": "timing",

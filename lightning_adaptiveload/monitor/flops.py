@@ -238,7 +238,7 @@ class BatchFlops:
             f"LoadBalanceMonitor: the model's FLOPs are unknown ({why}); TFLOP/s and MFU are not logged. "
             "Define `flops_per_batch(self, batch) -> float` (training FLOPs, 3x forward) on your "
             "LightningModule, or pass `LoadBalanceMonitor(flops_fn=...)`; for a diffusers Wan use "
-            "`lightning_adaptiveload.wan_flops_per_batch(config, batch)`.",
+            "`lightning_adaptiveload.models.wan_flops.wan_flops_per_batch(config, batch)`.",
         )
 
     def before_step(self, pl_module: Any, batch: Any, batch_idx: int) -> bool:

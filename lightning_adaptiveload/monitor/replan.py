@@ -3,7 +3,7 @@
 :class:`ReplanTrigger` (no Lightning) keeps the running epoch's per-step balance figures from the monitor's
 gathers and says when the straggler wait of the last ``RefitConfig.replan_window`` steps exceeds
 ``RefitConfig.replan_wait``; the monitor then refits the cost model and, where the refit is applied, has the
-data module plan the rest of the epoch with it (:func:`~lightning_adaptiveload.data.replan.replan_rest`).
+data module plan the rest of the epoch with it (:func:`~lightning_adaptiveload.loading.replan.replan_rest`).
 
 :func:`set_epoch_length` is the one place that tells Lightning's fit loop the epoch's new batch count (its
 length was read from the loader when the epoch started). ``docs/closed_loop.md``, "Mid-epoch replanning".
@@ -159,7 +159,7 @@ def replan_if_waiting(monitor: Any, trainer: Any, pl_module: Any) -> None:
     model. Logs ``replan/*`` and a ``{"event": "replan", ...}`` line of ``cost_refit.jsonl``.
 
     Args:
-        monitor: the :class:`~lightning_adaptiveload.monitor.callback.LoadBalanceMonitor` (its trigger, refit,
+        monitor: the :class:`~lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor` (its trigger, refit,
             rank, files).
         trainer: the Lightning trainer; every rank calls this at the same step.
         pl_module: the LightningModule (for logging).

@@ -20,7 +20,7 @@ image batch's, except buckets where one sample already costs more (B = 1).
 
 This module holds :class:`DualConstraintBatcher` (the settings, the "auto" cap's resolution, and a
 WebDataset pipeline stage: ``__call__``, an iterator of decoded samples -> an iterator of batches, which
-imports torch when called). The batch itself is :func:`~lightning_adaptiveload.data.collate.collate`. The
+imports torch when called). The batch itself is :func:`~lightning_adaptiveload.loading.collate.collate`. The
 planned path (``planner.py`` + ``datamodule.py``) uses the batcher's :attr:`~DualConstraintBatcher.sizer`
 only.
 """
@@ -297,7 +297,7 @@ class DualConstraintBatcher:
         """
         # The one import of data/ from planning/: this stage emits torch batches (allowed in
         # tests/package/test_layout.py).
-        from lightning_adaptiveload.data.collate import collate, sample_fields
+        from lightning_adaptiveload.loading.collate import collate, sample_fields
 
         if self.needs_resolution:
             raise ValueError(

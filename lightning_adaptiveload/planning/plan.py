@@ -119,7 +119,7 @@ class EpochPlan:
             see :mod:`.tail`), packed_tail_samples, tail_fill_mean (mean tokens / max_tokens of the tail
             packs; 0 without a tail).
         pack_batches: ``pack_batches[(rank, worker)][j]``: whether batch j is a pack (samples of any shapes,
-            collated by :func:`~lightning_adaptiveload.data.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
+            collated by :func:`~lightning_adaptiveload.loading.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
             batch is a pack, unless ``mode == "packed"`` (every batch is). Use :meth:`is_pack`.
     """
 

@@ -22,7 +22,7 @@ rows gets the same model bit for bit:
   the rescaled prior to the fit, and reported (``clamped``).
 
 Rows are sorted before fitting and all arithmetic is float64. Plain NumPy: no Lightning, no torch. The
-Lightning shell is :class:`~lightning_adaptiveload.monitor.callback.LoadBalanceMonitor`'s ``refit`` option
+Lightning shell is :class:`~lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor`'s ``refit`` option
 (``docs/closed_loop.md``).
 """
 

@@ -2,7 +2,7 @@
 
 :class:`Batching` is how batches are sized (the settings of a
 :class:`~.batching.DualConstraintBatcher`); :class:`PlanSettings` is what the DataModule builds from its arguments, what
-:class:`~lightning_adaptiveload.data.loader.PlannedShardDataset` holds, and what
+:class:`~lightning_adaptiveload.loading.loader.PlannedShardDataset` holds, and what
 :func:`~.planner.plan_epoch`, :func:`~.chunked.plan_segments` and the planner's steps read. Every check
 of these settings is in :meth:`PlanSettings.__post_init__` and nowhere else: a bad value is refused where
 the value is built, with the same message whichever layer it came through.

@@ -15,8 +15,5 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "Replay": "replay",
         "balance_metrics": "replay",
         "plot_result": "simulate_plots",
-        # moved to models.memory; the tools.memory path re-exports it for one release
-        "estimate_memory": "memory",
-        "MemoryEstimate": "memory",
     },
 )

@@ -489,7 +489,7 @@ def _shapes_to_measure(
 
     mix_name = None  # CalibrateSettings made sure that one of shapes and mix is given
     if shapes is None:
-        from lightning_adaptiveload.data.mixes import load_mix
+        from lightning_adaptiveload.shards.mixes import load_mix
 
         loaded = load_mix(mix)
         mix_name = loaded.name

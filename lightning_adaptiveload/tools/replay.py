@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload import stats
-from lightning_adaptiveload.data.mixes import Mix
+from lightning_adaptiveload.shards.mixes import Mix
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.step_times import BatchCoster, StepTimeTable, tokens_per_sample
 
@@ -137,8 +137,8 @@ def _largest_remainder(p: np.ndarray, n: int) -> np.ndarray:
 
 def mix_population(mix: Mix, num_samples: int, num_shards: int, seed: int) -> Any:
     """An in-memory ShardIndex of ``num_samples`` latent shapes in the mix's exact proportions, shuffled."""
-    from lightning_adaptiveload.data.format import ShardInfo
-    from lightning_adaptiveload.data.index import ShardIndex
+    from lightning_adaptiveload.shards.format import ShardInfo
+    from lightning_adaptiveload.shards.index import ShardIndex
 
     counts = _largest_remainder(mix.probabilities, num_samples)
     bucket_ids = np.repeat(np.arange(len(mix.buckets)), counts)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload._legacy import settings_from_legacy
-from lightning_adaptiveload.data.mixes import Mix, load_mix
+from lightning_adaptiveload.shards.mixes import Mix, load_mix
 from lightning_adaptiveload.monitor.report import jsonable, machine_info, write_json
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.tools.replay import (
@@ -242,9 +242,9 @@ def simulate(
     """Plan an epoch with the real planner for each mode and world size, and measure the balance.
 
     Args:
-        source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.data.mixes.Mix`
+        source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.shards.mixes.Mix`
             (a synthetic population is drawn from it at each world size), or a
-            :class:`~lightning_adaptiveload.data.index.ShardIndex` or the path of an ``index.json`` (real shards,
+            :class:`~lightning_adaptiveload.shards.index.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
         settings: world sizes, modes, budgets, search and population (a
             :class:`~lightning_adaptiveload.tools.simulate_settings.SimulateSettings`); None: its defaults.
@@ -336,8 +336,8 @@ def simulate(
 
 def _load_source(source: Any) -> tuple[Mix | None, Any]:
     """``(mix, None)`` for a mix (name, path or object), ``(None, index)`` for a ShardIndex or its path."""
-    from lightning_adaptiveload.data.columnar import is_binary_index
-    from lightning_adaptiveload.data.index import ShardIndex
+    from lightning_adaptiveload.shards.columnar import is_binary_index
+    from lightning_adaptiveload.shards.index import ShardIndex
 
     if isinstance(source, Mix):
         return source, None

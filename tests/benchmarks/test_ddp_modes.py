@@ -284,7 +284,7 @@ def _fabricate(run, index, mode, steps_wanted=None):
 def fabricated(tmp_path, bench):
     ddp_modes, _ = bench
     index_path, _ = ddp_modes.make_shards(str(tmp_path / "data"), 160, "tiny", 8, seed=0)
-    from lightning_adaptiveload.data.index import ShardIndex
+    from lightning_adaptiveload.shards.index import ShardIndex
 
     index = ShardIndex.load(index_path)
     run = tmp_path / "run"
@@ -492,8 +492,8 @@ def test_fit_pack_sums_equals_fit_packs():
 @pytest.mark.parametrize("mode", MODES)
 def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, mode):
     """The simulator's plan (what the report prices) is each rank's plan in the DataModule's loader."""
-    from lightning_adaptiveload.data.index import ShardIndex
-    from lightning_adaptiveload.data.loader import PlannedShardDataset
+    from lightning_adaptiveload.shards.index import ShardIndex
+    from lightning_adaptiveload.loading.loader import PlannedShardDataset
     from lightning_adaptiveload.planning.planner import plan_epoch
     from lightning_adaptiveload.tools.replay import MODES as SIM_MODES
     from lightning_adaptiveload.tools.replay import make_batcher

@@ -139,7 +139,7 @@ def test_ddp_modes_passes_callbacks(monkeypatch, capsys, tmp_path):
     # The recipe as shipped: its KernelWarmup kept, its checkpoints and its own monitor left out.
     callbacks = callbacks_of(recipe, [extra])
     assert [c["class_path"] for c in callbacks] == [
-        "lightning_adaptiveload.monitor.callback.LoadBalanceMonitor",
+        "lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor",
         "lightning_adaptiveload.KernelWarmup",
         extra["class_path"],
     ]

@@ -24,7 +24,7 @@ from lightning_adaptiveload.tools.calibrate_settings import (
 )
 
 RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "*.yaml")))
-HAVE_DATAMODULE = importlib.util.find_spec("lightning_adaptiveload.data.datamodule") is not None
+HAVE_DATAMODULE = importlib.util.find_spec("lightning_adaptiveload.datamodule") is not None
 needs_datamodule = pytest.mark.skipif(not HAVE_DATAMODULE, reason="datamodule.py not in this tree yet")
 
 
@@ -313,7 +313,7 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     model = CostModel.from_dict(data["cost_model"])
     assert model.cost(225) > model.cost(24) > 0
     # max_compute is the batcher's "auto" rule on the mix's shapes.
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     batcher = DualConstraintBatcher(
         data["max_tokens"], "auto", cost_model=model, sizing="dual", oversize="skip"

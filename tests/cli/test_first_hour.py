@@ -138,7 +138,7 @@ def _dotted_shard(tmp_path) -> str:
 
 
 def test_synthetic_typo_is_caught_when_the_config_is_read(tmp_path):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     with pytest.raises(ValueError, match="did you mean 'num_samples'") as err:
         AdaptiveLoadDataModule(str(tmp_path / "train"), synthetic={"mix": "tiny", "num_sample": 8})
@@ -197,7 +197,8 @@ def test_channel_mismatch_is_named():
 
 
 def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
-    from lightning_adaptiveload.data import ShardError, ShardIndex
+    from lightning_adaptiveload.shards.format import ShardError
+    from lightning_adaptiveload.shards.index import ShardIndex
 
     path = _dotted_shard(tmp_path)
     with pytest.raises(ShardError, match="keys cannot contain dots") as err:
@@ -207,7 +208,7 @@ def test_key_with_a_dot_says_keys_cannot_contain_dots(tmp_path):
 
 def test_oversize_in_a_library_fit_is_the_error_raised(synthetic_shards, tmp_path):
     # Without the CLI: the oversize error is raised by setup, not masked by Lightning's teardown.
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     train = synthetic_shards([8, 8], seed=0, name="train")
@@ -220,7 +221,7 @@ def test_oversize_in_a_library_fit_is_the_error_raised(synthetic_shards, tmp_pat
 def test_no_validation_data_means_no_validation_loader(synthetic_shards, tmp_path):
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     train = synthetic_shards([8, 8], seed=0, name="train")
@@ -395,7 +396,9 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
     # last epoch. Plan what the quickstart's line plans, from the recipe itself, and find it in the docs.
     import yaml
 
-    from lightning_adaptiveload.data import ShardIndex, SyntheticShards, write_synthetic_shards
+    from lightning_adaptiveload.shards.index import ShardIndex
+
+    from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
 
@@ -425,8 +428,8 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(synthetic_shards):
     # "raise max_tokens to at least 216" named the first sample over the cap; following it failed again at a
     # 225-token sample. The error now names the largest sample's count and how many are over the cap.
-    from lightning_adaptiveload.data import ShardIndex
-    from lightning_adaptiveload.data.datamodule_inputs import check_oversize
+    from lightning_adaptiveload.shards.index import ShardIndex
+    from lightning_adaptiveload.loading.datamodule_inputs import check_oversize
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     index = ShardIndex.load(os.path.join(synthetic_shards([16] * 4, seed=0), "index.json"))
@@ -440,7 +443,7 @@ def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(synthetic_shar
     assert f"raise max_tokens to at least {max(tokens)}," in message, message
     assert f"{len(over)} sample(s) of {len(set(over))} shape(s) are over it" in message, message
     # A compact (binary) index gives the same floor.
-    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.shards.compact import CompactIndex
 
     with pytest.raises(ValueError, match=f"at least {max(tokens)},"):
         check_oversize(
@@ -452,7 +455,7 @@ def test_synthetic_data_written_into_a_new_folder_is_announced_first(tmp_path, c
     # A mistyped train_shards path filled up with generated data and trained (rc 0); only the last line said.
     import logging
 
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     folder = tmp_path / "data" / "nonexistent"
     dm = AdaptiveLoadDataModule(

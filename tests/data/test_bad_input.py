@@ -13,9 +13,15 @@ import tarfile
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.shards.format import REASONS, ShardError
 
-LOGGER = "lightning_adaptiveload.data"  # parent of the shard I/O modules' loggers
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.writer import ShardWriter
+
+from lightning_adaptiveload.shards.reader import iter_shard
+
+LOGGER = "lightning_adaptiveload.shards"  # parent of the shard I/O modules' loggers
 
 
 def _npy(arr: np.ndarray, allow_pickle: bool = False) -> bytes:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from _plan_cases import timeless_report
 
-from lightning_adaptiveload.data.columnar import MAGIC, is_binary_index, read_columns
-from lightning_adaptiveload.data.compact import CompactIndex, load_checked_compact, load_index
-from lightning_adaptiveload.data.format import ShardError, ShardInfo
-from lightning_adaptiveload.data.index import ShardIndex
+from lightning_adaptiveload.shards.columnar import MAGIC, is_binary_index, read_columns
+from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact, load_index
+from lightning_adaptiveload.shards.format import ShardError, ShardInfo
+from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
 from lightning_adaptiveload.planning.planner import plan_epoch
@@ -311,8 +311,8 @@ def test_read_columns_of_bytes_equals_mapped_file(tmp_path):
 
 
 def test_for_paths_uses_a_binary_index_beside_the_shards(tmp_path, monkeypatch):
-    from lightning_adaptiveload.data import indexing as indexing_mod
-    from lightning_adaptiveload.data.writer import ShardWriter
+    from lightning_adaptiveload.shards import indexing as indexing_mod
+    from lightning_adaptiveload.shards.writer import ShardWriter
 
     with ShardWriter(tmp_path, max_samples_per_shard=2) as w:
         for i in range(5):

@@ -10,13 +10,17 @@ import tarfile
 import pytest
 import torch
 
-from lightning_adaptiveload.data import ShardError, ShardIndex, write_synthetic_shards
-from lightning_adaptiveload.data.datamodule import (
+from lightning_adaptiveload.shards.format import ShardError
+
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -262,7 +266,7 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule, workers", [("independent", 0), ("lockstep", 2)])
 def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, schedule, workers):
-    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.shards.compact import CompactIndex
 
     binary = ShardIndex.load(os.path.join(data, "index.json")).save(tmp_path / "index.npidx")
     epochs = []
@@ -282,7 +286,7 @@ def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, sch
 
 @pytest.mark.timeout(60)
 def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
-    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.shards.compact import CompactIndex
 
     folder = tmp_path / "d"
     write_synthetic_shards(
@@ -306,7 +310,7 @@ def test_an_evaluation_split_never_changes_the_training_cap(tmp_path):
     """Each split resolves ``max_compute="auto"`` on its own batcher: validation shards of other shapes
     leave training's cap (the one saved in the checkpoint) as the training shards set it, whatever split
     is set up last."""
-    from lightning_adaptiveload.data.mixes import Mix, load_mix
+    from lightning_adaptiveload.shards.mixes import Mix, load_mix
 
     tiny = load_mix("tiny")
     longest = max(tiny.buckets, key=lambda b: b.tokens)

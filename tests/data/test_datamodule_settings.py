@@ -18,7 +18,7 @@ from _paths import ROOT
 
 from lightning_adaptiveload import AdaptiveLoadDataModule
 from lightning_adaptiveload.cli.recipe_forms import nest_data_args, nest_flags, nest_recipe
-from lightning_adaptiveload.data.settings import DATAMODULE_GROUPS, Loader, Source, group_of_keyword
+from lightning_adaptiveload.loading.settings import DATAMODULE_GROUPS, Loader, Source, group_of_keyword
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import BatchSizer
@@ -38,11 +38,11 @@ BAD = [
     ("lockstep_tolerance", "plan", "lockstep_tolerance", 1.5, ("planning/settings.py", "__post_init__")),
     ("plan_chunk_samples", "plan", "chunk_samples", 0, ("planning/settings.py", "__post_init__")),
     ("plan_processes", "plan", "plan_processes", 0, ("planning/settings.py", "__post_init__")),
-    ("num_workers", "loader", "num_workers", -1, ("data/settings.py", "__post_init__")),
-    ("num_workers", "loader", "num_workers", 1.5, ("data/settings.py", "_integer")),
-    ("text_pad_to", "loader", "text_pad_to", 0, ("data/settings.py", "__post_init__")),
-    ("on_error", "source", "on_error", "ignore", ("data/format.py", "check_on_error")),
-    ("max_member_bytes", "source", "max_member_bytes", -5, ("data/settings.py", "__post_init__")),
+    ("num_workers", "loader", "num_workers", -1, ("loading/settings.py", "__post_init__")),
+    ("num_workers", "loader", "num_workers", 1.5, ("loading/settings.py", "_integer")),
+    ("text_pad_to", "loader", "text_pad_to", 0, ("loading/settings.py", "__post_init__")),
+    ("on_error", "source", "on_error", "ignore", ("shards/format.py", "check_on_error")),
+    ("max_member_bytes", "source", "max_member_bytes", -5, ("loading/settings.py", "__post_init__")),
 ]
 
 

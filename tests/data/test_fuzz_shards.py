@@ -27,7 +27,13 @@ import _paths
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
+from lightning_adaptiveload.shards.format import REASONS, ShardError
+
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.writer import ShardWriter
+
+from lightning_adaptiveload.shards.reader import iter_shard
 
 MiB = 1 << 20
 REPO = str(_paths.ROOT)
@@ -99,7 +105,7 @@ class _Untraced:
 
 @pytest.fixture()
 def watch(tmp_path):
-    data_log = logging.getLogger("lightning_adaptiveload.data")  # the shard I/O modules log under it
+    data_log = logging.getLogger("lightning_adaptiveload.shards")  # the shard I/O modules log under it
     level = data_log.level
     data_log.setLevel(logging.ERROR)  # thousands of skip warnings
     _WATCH.update(on=True, root=os.path.realpath(tmp_path), pipes=False, seen=[], memory=_Memory())
@@ -600,7 +606,7 @@ def mutate_binary_index(rng: random.Random, base: bytes) -> bytes:
 
 @pytest.mark.timeout(120)
 def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
-    from lightning_adaptiveload.data.compact import CompactIndex
+    from lightning_adaptiveload.shards.compact import CompactIndex
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.index_agreement import index_disagreement
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.index_agreement import index_disagreement
 
 
 def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], out_dir: str) -> None:

@@ -20,17 +20,19 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from lightning_adaptiveload.data import ShardIndex, iter_shard  # noqa: E402
-from lightning_adaptiveload.data import ingest as ing  # noqa: E402
-from lightning_adaptiveload.data.ingest_settings import IngestSettings  # noqa: E402
+from lightning_adaptiveload.shards.index import ShardIndex  # noqa: E402
+
+from lightning_adaptiveload.shards.reader import iter_shard  # noqa: E402
+from lightning_adaptiveload.ingest import job as ing  # noqa: E402
+from lightning_adaptiveload.ingest.settings import IngestSettings  # noqa: E402
 
 Z = 4  # latent channels of the tiny VAE
 ROOT = str(_paths.ROOT)
 
 
 def _tiny_vae():
-    # The library's demo VAE (one definition, data/demo.py) with 4 channels and non-trivial statistics.
-    from lightning_adaptiveload.data.demo import tiny_random_vae
+    # The library's demo VAE (one definition, ingest/demo.py) with 4 channels and non-trivial statistics.
+    from lightning_adaptiveload.ingest.demo import tiny_random_vae
 
     return tiny_random_vae(
         z_dim=Z,
@@ -310,7 +312,7 @@ _RUNNER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from lightning.pytorch import Callback
-    from lightning_adaptiveload.data import ingest as ing
+    from lightning_adaptiveload.ingest import job as ing
     cfg = json.loads(sys.argv[1])
 
     class Kill(Callback):
@@ -398,7 +400,7 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
     """A short fit of the tiny model on ingested shards, with the quickstart's data settings."""
     import lightning.pytorch as pl
 
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings, VideoDiTModule
 
     src = _dataset(tmp_path / "in", n_videos=3, corrupt=False)
@@ -483,7 +485,7 @@ def test_demo_ingest_runs_without_weights_and_marks_its_shards(tmp_path, capsys,
 
 
 def test_demo_and_real_shards_never_share_a_folder(tmp_path, vae_dir, capsys):
-    from lightning_adaptiveload.data.demo import write_demo_clips
+    from lightning_adaptiveload.ingest.demo import write_demo_clips
 
     src = tmp_path / "videos"
     write_demo_clips(src, count=1, image=False)
@@ -510,7 +512,7 @@ def test_demo_ingest_without_inputs_says_what_to_pass(tmp_path, capsys):
 def test_training_on_demo_shards_warns(tmp_path):
     import lightning.pytorch as pl
 
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     src = _dataset(tmp_path / "in", n_videos=2, corrupt=False)
@@ -605,7 +607,7 @@ def test_ingest_where_every_input_fails_reports_it_and_writes_no_index(tmp_path,
 def test_the_flat_keywords_of_ingest_still_work_warn_once_and_write_the_same_shards(tmp_path):
     import warnings
 
-    from lightning_adaptiveload.data.demo import write_demo_clips
+    from lightning_adaptiveload.ingest.demo import write_demo_clips
 
     src = tmp_path / "videos"
     write_demo_clips(src, count=1, image=True)

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from lightning_adaptiveload.data.ingest import ingest
-from lightning_adaptiveload.data.ingest_settings import IngestSettings
+from lightning_adaptiveload.ingest.job import ingest
+from lightning_adaptiveload.ingest.settings import IngestSettings
 
 
 @pytest.mark.parametrize(

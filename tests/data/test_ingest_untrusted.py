@@ -25,8 +25,8 @@ pytest.importorskip("PIL")
 
 from _hostile_media import gif_bomb, png_header_only, write_video  # noqa: E402
 
-from lightning_adaptiveload.data import media  # noqa: E402
-from lightning_adaptiveload.data.ingest import IngestDataset  # noqa: E402
+from lightning_adaptiveload.ingest import media  # noqa: E402
+from lightning_adaptiveload.ingest.job import IngestDataset  # noqa: E402
 
 # The package under test (its folder goes on the subprocesses' PYTHONPATH).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightning_adaptiveload.__file__)))
@@ -64,7 +64,7 @@ def test_large_frames_are_resized_as_they_are_decoded_memory_follows_the_output(
     code = textwrap.dedent(f"""
         import resource, torch
         import torch.nn.functional as F
-        from lightning_adaptiveload.data import media
+        from lightning_adaptiveload.ingest import media
         F.interpolate(torch.zeros(1, 1, 64, 64), size=(32, 32), mode="bilinear", antialias=True)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         px, meta = media.decode_input(media.IngestItem({str(path)!r}, "k"), None, 9, media.parse_buckets("wan480p"))
@@ -166,7 +166,7 @@ def test_any_exception_of_one_decode_is_that_files_record(tmp_path, monkeypatch,
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr("lightning_adaptiveload.data.ingest.decode_input", boom)
+    monkeypatch.setattr("lightning_adaptiveload.ingest.job.decode_input", boom)
     item = media.IngestItem(str(tmp_path / "x.mp4"), "x")
     rec = IngestDataset([item], 16.0, 81, None)[0]
     assert rec["error"] == "decode_error" and type(exc).__name__ in rec["detail"] and "x.mp4" in rec["detail"]
@@ -289,7 +289,7 @@ def _mutate_manifest(rng, rows: list[dict], csv_: bool) -> bytes:
 @pytest.mark.timeout(120)
 def test_fuzz_manifests(tmp_path):
     """Mutated CSV and JSONL manifests: a ValueError naming the file and line, or items with valid keys."""
-    from lightning_adaptiveload.data.untrusted import key_problem
+    from lightning_adaptiveload.shards.untrusted import key_problem
 
     rows = [{"path": f"v{i}.mp4", "caption": "a red cat", "fps": 8, "key": f"k{i}"} for i in range(4)]
     outcomes = {"refused": 0, "read": 0}

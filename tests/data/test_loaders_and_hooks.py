@@ -12,14 +12,15 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
 from lightning_adaptiveload.cli.data import index_main
-from lightning_adaptiveload.data import ShardIndex, write_synthetic_shards
-from lightning_adaptiveload.data.collate import collate
-from lightning_adaptiveload.data.datamodule import (
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.loading.collate import collate
+from lightning_adaptiveload.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 
 @pytest.fixture(scope="module")

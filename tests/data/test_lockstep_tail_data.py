@@ -12,9 +12,9 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, epoch_rows, index_keys
 from _recording import fit_two_ranks
 
-from lightning_adaptiveload.data import ShardIndex
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.loader import PlannedShardDataset
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.loader import PlannedShardDataset
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import PlanSettings
@@ -101,7 +101,7 @@ def test_lockstep_fit_with_packed_tail_two_ranks(data, tmp_path):
 
 
 def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(data):
-    from lightning_adaptiveload.data.resume import resume_plan
+    from lightning_adaptiveload.loading.resume import resume_plan
 
     index = ShardIndex.load(os.path.join(data, "index.json"))
 

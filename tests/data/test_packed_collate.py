@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_adaptiveload.data.packed_collate import collate_packed
+from lightning_adaptiveload.loading.packed_collate import collate_packed
 from lightning_adaptiveload.planning.cost_model import CostModel
 
 

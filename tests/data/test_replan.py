@@ -15,9 +15,9 @@ import pytest
 from _fixtures import assert_each_key_once, index_keys
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.replan import ReplanError
-from lightning_adaptiveload.data.resume import check_state
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.replan import ReplanError
+from lightning_adaptiveload.loading.resume import check_state
 from lightning_adaptiveload.monitor.replan import (
     ReplanTrigger,
     check_trainer,

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_adaptiveload.data import index_columns
-from lightning_adaptiveload.data.format import ShardError
-from lightning_adaptiveload.data.index_columns import resolve_paths
-from lightning_adaptiveload.data.untrusted import Refused, check_index_path
+from lightning_adaptiveload.shards import index_columns
+from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.index_columns import resolve_paths
+from lightning_adaptiveload.shards.untrusted import Refused, check_index_path
 
 
 def _full(p, root):

@@ -16,8 +16,8 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, index_keys, resumed_run
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data import ShardIndex
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data import ShardIndex
-from lightning_adaptiveload.data import loader as loader_module
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.resume import ResumeStateError, digest_text
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.loading import loader as loader_module
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.resume import ResumeStateError, digest_text
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import ConsumedMask, consumed_refs, mark_consumed

@@ -12,8 +12,8 @@ import pytest
 from _fixtures import index_keys
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.resume import ResumeStateError, check_state
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.resume import ResumeStateError, check_state
 
 SIZES = [9, 4, 7, 12]
 
@@ -76,7 +76,7 @@ def test_changed_seed_is_refused_not_replayed(shards, saved, monkeypatch):
 
 def test_planner_change_is_refused(shards, saved, monkeypatch):
     """A planner that deals the same epoch differently (as a new version might) is caught by the digest."""
-    from lightning_adaptiveload.data import loader
+    from lightning_adaptiveload.loading import loader
 
     real = loader.plan_epoch
 

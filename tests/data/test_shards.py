@@ -1,4 +1,4 @@
-"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.data: writer, reader, index, synthetic, mixes)."""
+"""Shard writer, reader, index, synthetic shards and mixes (lightning_adaptiveload.shards: writer, reader, index, synthetic, mixes)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,16 @@ import pytest
 import torch
 
 from lightning_adaptiveload.cli.data import index_main, synth_main
-from lightning_adaptiveload.data import (
-    ShardError,
-    ShardIndex,
-    ShardWriter,
-    expand_paths,
-    iter_shard,
-    write_synthetic_shards,
-)
-from lightning_adaptiveload.data import indexing as indexing_mod
-from lightning_adaptiveload.data import reader as reader_mod
-from lightning_adaptiveload.data.mixes import available_mixes, load_mix
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.writer import ShardWriter
+from lightning_adaptiveload.shards.paths import expand_paths
+from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.shards import indexing as indexing_mod
+from lightning_adaptiveload.shards import reader as reader_mod
+from lightning_adaptiveload.shards.mixes import available_mixes, load_mix
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 GNU_TAR = shutil.which("tar")
 

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
-from lightning_adaptiveload.data.datamodule_inputs import check_synthetic
-from lightning_adaptiveload.data.synthetic import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.loading.datamodule_inputs import check_synthetic
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import SyntheticShards, structured_latent
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, structured_latent
 
 
 def _draw(shape, n, seed=0):
@@ -92,7 +92,7 @@ def test_unknown_content_is_refused_by_name(tmp_path):
 
 
 def test_datamodule_accepts_content_in_synthetic_settings(tmp_path):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     dm = AdaptiveLoadDataModule(
         train_shards=str(tmp_path / "train"),

@@ -14,15 +14,15 @@ import os
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import synthetic as syn
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.synthetic import (
+from lightning_adaptiveload.shards import synthetic as syn
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.shards.synthetic import (
     NotSyntheticDataError,
     SyntheticShards,
     estimate_synthetic_bytes,
     write_synthetic_shards,
 )
-from lightning_adaptiveload.data.writer import ShardWriter
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 SMALL = {"mix": "tiny", "num_samples": 8, "samples_per_shard": 4, "seed": 0}
 

@@ -14,10 +14,10 @@ import torch
 from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data import write_synthetic_shards
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.loader import check_reload_every_epoch
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.loader import check_reload_every_epoch
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 ROOT = str(_paths.ROOT)
 

@@ -9,8 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import ShardError, ShardIndex, ShardWriter, columnar, key_columns
-from lightning_adaptiveload.data.compact import CompactIndex
+from lightning_adaptiveload.shards.format import ShardError
+
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.writer import ShardWriter
+
+from lightning_adaptiveload.shards import columnar, key_columns
+from lightning_adaptiveload.shards.compact import CompactIndex
 
 
 def _index(folder, n_shards=2, per_shard=4):

@@ -15,9 +15,17 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard, untrusted
+from lightning_adaptiveload.shards.format import REASONS, ShardError
 
-LOGGER = "lightning_adaptiveload.data"  # parent of the shard I/O modules' loggers
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.writer import ShardWriter
+
+from lightning_adaptiveload.shards.reader import iter_shard
+
+from lightning_adaptiveload.shards import untrusted
+
+LOGGER = "lightning_adaptiveload.shards"  # parent of the shard I/O modules' loggers
 MiB = 1 << 20
 GNU_TAR = shutil.which("tar")
 
@@ -169,7 +177,7 @@ def test_index_with_a_pipe_path_runs_nothing(dataset, tmp_path, caplog):
 
 
 def test_datamodule_refuses_a_pipe_in_its_index_but_takes_one_it_was_given(dataset, tmp_path):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     marker = tmp_path / "ran"
     shard = f"{dataset}/shard-000000.tar"

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 import lightning_adaptiveload
-from lightning_adaptiveload.data import REASONS, ShardError, ShardIndex, ShardWriter, iter_shard
-from lightning_adaptiveload.data.compact import CompactIndex, load_checked_compact
+from lightning_adaptiveload.shards.format import REASONS, ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.writer import ShardWriter
+from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact
 
 # The package under test (its folder goes on the subprocesses' PYTHONPATH).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightning_adaptiveload.__file__)))
@@ -94,7 +97,7 @@ def test_text_length_lie_and_missing_text_are_shape_mismatches(tmp_path):
 
 
 def test_datamodule_epoch_refuses_a_lying_index(tmp_path):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     _shards(tmp_path, n_shards=2, per_shard=4, shape=(4, 4, 8, 8))
     _lie_about_shapes(tmp_path / "index.json", (4, 1, 2, 2))
@@ -161,7 +164,7 @@ def test_key_repeated_within_one_shard_is_refused_and_convert_index_fails(tmp_pa
 
 
 def test_check_cross_duplicates_catches_a_key_twice_in_one_shard(tmp_path):
-    from lightning_adaptiveload.data.indexing import check_cross_duplicates
+    from lightning_adaptiveload.shards.indexing import check_cross_duplicates
 
     index = _shards(tmp_path, n_shards=1, per_shard=3, shape=(4, 1, 2, 2))
     s = index.shards[0]
@@ -173,7 +176,7 @@ def test_check_cross_duplicates_catches_a_key_twice_in_one_shard(tmp_path):
 
 
 def test_key_hashes_and_duplicates_on_odd_keys():
-    from lightning_adaptiveload.data import columnar, key_columns
+    from lightning_adaptiveload.shards import columnar, key_columns
 
     keys = [b"a", b"", b"ab", b"ba", b"x" * (key_columns._HASH_CHUNK + 5), b"\xc3\xa9", b"b" + b"a"]
     off = np.zeros(len(keys) + 1, dtype=np.int64)
@@ -188,7 +191,7 @@ def test_key_hashes_and_duplicates_on_odd_keys():
 def test_key_hashes_release_the_pages_read_as_they_go(monkeypatch):
     """Issue 40: at 100M keys the duplicate check held every mapped key page and two hash arrays (4.6 GB of
     a 100M index's load); it now releases the pages while it hashes and sorts the hashes in place."""
-    from lightning_adaptiveload.data import columnar, key_columns
+    from lightning_adaptiveload.shards import columnar, key_columns
 
     monkeypatch.setattr(key_columns, "_HASH_CHUNK", 8)  # many chunks of a small index
     keys = [f"k{i:05d}".encode() for i in range(200)] + [b"k00007"]
@@ -205,8 +208,8 @@ def test_key_hashes_release_the_pages_read_as_they_go(monkeypatch):
 
 _REPLACE_RUNNER = textwrap.dedent("""
     import os, shutil, sys
-    from lightning_adaptiveload.data import iter_shard
-    from lightning_adaptiveload.data.compact import load_checked_compact
+    from lightning_adaptiveload.shards.reader import iter_shard
+    from lightning_adaptiveload.shards.compact import load_checked_compact
     path, other, how = sys.argv[1:4]
     index = load_checked_compact(path)
     n = index.num_samples

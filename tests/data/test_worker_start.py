@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.loader import check_picklable, worker_start_method, workers_context
-from lightning_adaptiveload.data.settings import Loader
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.loader import check_picklable, worker_start_method, workers_context
+from lightning_adaptiveload.loading.settings import Loader
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_the_choice_without_a_process_group():
 
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here")
 def test_the_fork_server_is_announced_once_per_process(monkeypatch):
-    from lightning_adaptiveload.data import loader
+    from lightning_adaptiveload.loading import loader
 
     monkeypatch.setattr(loader, "_preload_set", False)
     said: list[str] = []

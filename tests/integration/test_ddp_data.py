@@ -86,7 +86,7 @@ def test_ddp_spawn_two_ranks(shards, tmp_path):
     import lightning.pytorch as pl
     from _ddp_data_runner import KeyRecorder
 
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     base = str(tmp_path / "spawn")
     dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=512, schedule="lockstep", num_workers=0)

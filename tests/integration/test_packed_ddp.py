@@ -11,7 +11,7 @@ import torch
 from _fixtures import index_keys
 from _recording import fit_two_ranks
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.models.module import VideoDiTModule
 
 SIZES = [9, 3, 7, 5]
@@ -43,7 +43,7 @@ def test_packed_fit_two_ranks_with_the_kernel_warmup(shards, tmp_path, capfd):
     # The warm-up runs block 0 outside DDP's forward, with gradients to its input only: DDP's reducer must
     # see nothing of it (a parameter marked ready out of turn fails the next all-reduce), and every rank
     # trains the same batches as without it.
-    from lightning_adaptiveload.models.warmup_callback import KernelWarmup
+    from lightning_adaptiveload.callbacks.kernel_warmup import KernelWarmup
 
     rows = []
     for name, callbacks in (("plain", None), ("warm", [KernelWarmup()])):

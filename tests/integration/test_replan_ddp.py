@@ -27,7 +27,7 @@ from _fixtures import assert_each_key_once, index_keys
 from _paths import TESTS
 from _refit_runner import launch
 
-from lightning_adaptiveload.monitor import stats
+from lightning_adaptiveload import stats
 
 RUNNER = str(TESTS / "_refit_runner.py")
 TRUE = {"kind": "quadratic", "alpha": 1e-3, "beta": 2e-5, "gamma": 0.0, "c0": 0.4}

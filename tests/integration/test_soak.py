@@ -20,7 +20,7 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, epoch_rows, index_keys, resumed_run
 
 from lightning_adaptiveload import Batching, Loader, PlanSettings
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
 SIZES = [13, 2, 9, 17, 5, 11, 3, 8]  # uneven, 68 samples
 # (schedule, whether the module runs packs): lockstep's bucketed tail, its packed tail, and packed.

@@ -12,8 +12,12 @@ import pytest
 from _ddp_data_runner import launch
 from _paths import TESTS
 
-from lightning_adaptiveload.data import ShardIndex, iter_shard, write_synthetic_shards
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.index import ShardIndex
+
+from lightning_adaptiveload.shards.reader import iter_shard
+
+from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.plan import PlanError
 
 RUNNER = str(TESTS / "_ddp_val_runner.py")
@@ -51,7 +55,7 @@ def test_one_validation_sample_on_two_ranks_pads_a_zero_weight_step(data, tmp_pa
 
 
 def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule, PlannedShardDataset
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.settings import PlanSettings
 
@@ -73,7 +77,7 @@ def test_error_policy_refuses_a_validation_set_smaller_than_the_world(data):
 
 def test_rest_of_a_resumed_epoch_with_fewer_samples_than_ranks_is_padded(data):
     """Resuming near the end of an epoch on more ranks leaves fewer samples than ranks: planned, not refused."""
-    from lightning_adaptiveload.data.datamodule import PlannedShardDataset
+    from lightning_adaptiveload.datamodule import PlannedShardDataset
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
     index = ShardIndex.load(os.path.join(data["train"], "index.json"))

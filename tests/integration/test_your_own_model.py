@@ -17,7 +17,7 @@ import pytest
 import torch
 from _paths import ROOT
 
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 pytest.importorskip("diffusers")
 
@@ -165,7 +165,7 @@ def test_compiled_module_under_default_monitor_compiles(tmp_path):
 
 def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
     from lightning_adaptiveload.cli import main as cli
-    from lightning_adaptiveload.data import write_synthetic_shards
+    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     monkeypatch.chdir(tmp_path)
@@ -196,7 +196,7 @@ def _example_module():
 
 
 def test_example_module_runs_a_pack_as_its_samples():
-    from lightning_adaptiveload.data.packed_collate import collate_packed
+    from lightning_adaptiveload.loading.packed_collate import collate_packed
 
     module = _example_module()
     assert module.runs_packed_batches is True
@@ -224,7 +224,7 @@ def test_example_module_runs_a_pack_as_its_samples():
 def test_example_module_fits_the_packed_schedule(tmp_path):
     # Before, both ranks failed in the first step: "'list' object has no attribute 'float'".
     from lightning_adaptiveload import AdaptiveLoadDataModule, LoadBalanceMonitor
-    from lightning_adaptiveload.data import write_synthetic_shards
+    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 
     data = tmp_path / "d"
     write_synthetic_shards(data, settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8, text_len_range=(1, 12), text_dim=16), progress=False)  # fmt: skip

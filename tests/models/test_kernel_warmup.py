@@ -16,7 +16,7 @@ import torch._dynamo
 from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import Batching, Loader, PlanSettings
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.models.acceleration import compile_blocks, compiled_graphs
 from lightning_adaptiveload.models.kernel_warmup import (
     planned_batches,
@@ -26,7 +26,7 @@ from lightning_adaptiveload.models.kernel_warmup import (
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.models.pack_attention import equal_runs
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
-from lightning_adaptiveload.models.warmup_callback import KernelWarmup
+from lightning_adaptiveload.callbacks.kernel_warmup import KernelWarmup
 
 _CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
 PATCH = (1, 2, 2)

@@ -12,7 +12,7 @@ import torch
 from _fixtures import quiet_cpu_trainer
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor
 from lightning_adaptiveload.monitor.timing import ManualClock
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
@@ -159,7 +159,7 @@ def test_dual_mode_applies_the_refit_only_with_resize_batches(tmp_path, caplog):
 
 
 def test_datamodule_set_cost_model_plans_the_next_epoch_with_it(synthetic_shards):
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
     from lightning_adaptiveload.planning.inputs import distinct_shapes
 
     data = synthetic_shards([16] * 4, seed=1)

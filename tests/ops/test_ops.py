@@ -344,7 +344,7 @@ def test_python_schemas_are_the_cpp_ones():
 
 
 def test_monitor_summary_says_which_path_ran(monkeypatch):
-    from lightning_adaptiveload.monitor.callback import LoadBalanceMonitor, _norm_modulate_path
+    from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor, _norm_modulate_path
 
     monkeypatch.setattr(_impl, "_paths", {"reference": "x is on cpu; the fused kernels need CUDA"})
     assert _norm_modulate_path() == fused_op_paths()

@@ -19,15 +19,15 @@ MAX_PARAMETERS = 12
 KNOWN_EXCEPTIONS: set[str] = set()
 
 SPLIT = {
-    "data/datamodule.py::__init__",  # AdaptiveLoadDataModule: Batching, PlanSettings, Loader, Source
+    "datamodule.py::__init__",  # AdaptiveLoadDataModule: Batching, PlanSettings, Loader, Source
     "planning/batching.py::__init__",  # DualConstraintBatcher: Batching
-    "data/loader.py::__init__",  # PlannedShardDataset: PlanSettings
+    "loading/loader.py::__init__",  # PlannedShardDataset: PlanSettings
     "planning/planner.py::plan_epoch",
     "planning/chunked.py::plan_segments",
     "tools/calibrate.py::calibrate",
     "tools/simulate.py::simulate",
-    "data/ingest.py::ingest",
-    "data/synthetic.py::write_synthetic_shards",
+    "ingest/job.py::ingest",
+    "shards/synthetic.py::write_synthetic_shards",
     "models/compile_check.py::compare_compiled",
     "models/module.py::__init__",  # VideoDiTModule: OptimizerSettings, SamplingSettings, MemorySettings
 }

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_adaptiveload.data.collate import collate
-from lightning_adaptiveload.data.synthetic import SyntheticShards
+from lightning_adaptiveload.loading.collate import collate
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
@@ -194,7 +194,7 @@ def _npy(data: bytes) -> np.ndarray:
 def test_batcher_is_a_webdataset_pipeline_stage(tmp_path):
     import webdataset as wds
 
-    from lightning_adaptiveload.data import write_synthetic_shards
+    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 
     index = write_synthetic_shards(
         str(tmp_path),

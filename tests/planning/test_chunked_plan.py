@@ -144,7 +144,7 @@ def test_progress_is_called_once_per_segment():
 
 def _read_ahead(reads, batches) -> int:
     """The most samples a stream's reader holds read ahead (reads opened in order, each read in file order,
-    as ``data/stream.py`` reads them)."""
+    as ``loading/stream.py`` reads them)."""
     read_of = {(s, i): k for k, (s, ids) in enumerate(reads) for i in ids}
     pos, got, top = [0] * len(reads), set(), 0
     for batch in batches:

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_packed_planning import COST, SHAPES, _check, _index, _refs, mix_index
 
-from lightning_adaptiveload.data.compact import CompactIndex
-from lightning_adaptiveload.data.index import ShardIndex, ShardInfo
+from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.shards.index import ShardIndex, ShardInfo
 from lightning_adaptiveload.planning import packed_counts
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from lightning_adaptiveload.data.loader import PlannedShardDataset
+from lightning_adaptiveload.loading.loader import PlannedShardDataset
 from lightning_adaptiveload.planning import bucketed, chunked, settings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.plan import SCHEDULE_CHOICES
@@ -41,7 +41,7 @@ def _raised_in(exc: BaseException) -> str:
 
 def _entry_points(field: str, dm_arg: str, value: object):
     """Every way a setting enters the planning path, each called with the bad value once."""
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     yield "PlanSettings", lambda: PlanSettings(**{field: value})
     yield "AdaptiveLoadDataModule", lambda: AdaptiveLoadDataModule(train_shards="unused", **{dm_arg: value})
@@ -141,7 +141,7 @@ def test_the_dataset_plans_with_its_settings_and_saves_them():
 
 
 def test_the_datamodule_builds_its_settings_once():
-    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     dm = AdaptiveLoadDataModule(
         train_shards="unused", schedule="lockstep", lockstep_tail="bucketed", plan_chunk_samples=1000,

@@ -303,7 +303,7 @@ def test_buffer_bound_forces_early_partial_batches_in_independent_mode():
 
 def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
     """Issue 13: "common count is 15 but rank 13 has only 14 samples" on an easy epoch."""
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.tools.replay import mix_population as _mix_population
 
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.mixes import load_mix
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.shards.mixes import load_mix
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.plan import AUTO_MAX_WAIT
 from lightning_adaptiveload.planning.planner import plan_epoch

@@ -140,7 +140,7 @@ def test_calibrate_with_an_injected_timer_fits_packs_and_reports_errors(tmp_path
     # dual plans with the fitted pack model: max_compute is the auto rule with c0 included.
     fitted = CostModel.from_dict(data["cost_model"])
     batcher = DualConstraintBatcher(900, "auto", cost_model=fitted, sizing="dual", oversize="skip")
-    from lightning_adaptiveload.data.mixes import load_mix
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     assert data["max_compute"] == pytest.approx(
         batcher.resolve_max_compute([b.latent_shape for b in load_mix("tiny").buckets])

@@ -14,7 +14,8 @@ import pytest
 
 from lightning_adaptiveload import stats
 from lightning_adaptiveload.cli.simulate import main
-from lightning_adaptiveload.data import ShardIndex, ShardInfo
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.format import ShardInfo
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.tools.replay import MODES, balance_metrics
