@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
+from lightning_adaptiveload.shards.protocol import ShardIndexLike
 
 __all__ = [
     "binary_index_of",
@@ -48,7 +49,7 @@ def check_synthetic(synthetic: Mapping[str, Any]) -> dict[str, Any]:
     return dict(synthetic)
 
 
-def check_oversize(index: Any, batcher: DualConstraintBatcher) -> None:
+def check_oversize(index: ShardIndexLike, batcher: DualConstraintBatcher) -> None:
     """Raise the batcher's oversize error (``oversize="raise"``) for the first sample over ``max_tokens``,
     with how many are over it and the largest token count: the floor ``max_tokens`` must reach."""
     if batcher.oversize != "raise":

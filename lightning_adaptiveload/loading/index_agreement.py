@@ -11,13 +11,14 @@ from typing import Any
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.planning.inputs import index_fingerprint
+from lightning_adaptiveload.shards.protocol import ShardIndexLike
 
 __all__ = ["check_indexes_agree", "index_disagreement"]
 
 _INDEX_FIELDS = ("shards", "samples", "fingerprint")
 
 
-def _index_summary(index: Any) -> list[float]:
+def _index_summary(index: ShardIndexLike) -> list[float]:
     """Shard count, sample count and the two 32-bit halves of the index fingerprint, exact as floats."""
     fp = index_fingerprint(index)
     samples = index.num_samples

@@ -25,6 +25,7 @@ from lightning_adaptiveload.planning.inputs import distinct_shapes, index_finger
 from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.shards.protocol import ShardIndexLike
 
 __all__ = [
     "PlanProgressBar",
@@ -95,7 +96,7 @@ class PlannedShardDataset(IterableDataset):
 
     def __init__(
         self,
-        index: Any,
+        index: ShardIndexLike,
         batcher: DualConstraintBatcher,
         settings: PlanSettings | None = None,
         *,

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from lightning_adaptiveload.loading.collate import collate
-from lightning_adaptiveload.shards.format import MEMBER_REASONS
 from lightning_adaptiveload.loading.packed_collate import collate_packed
-from lightning_adaptiveload.shards.reader import iter_shard
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
+from lightning_adaptiveload.shards.format import MEMBER_REASONS
+from lightning_adaptiveload.shards.protocol import ShardIndexLike
+from lightning_adaptiveload.shards.reader import iter_shard
 
 __all__ = ["apply_sample_transform", "empty_batch", "stream_batches"]
 
@@ -99,7 +100,7 @@ def apply_sample_transform(
 def stream_batches(
     plan: EpochPlan,
     stream: tuple[int, int],
-    index: Any,
+    index: ShardIndexLike,
     batcher: DualConstraintBatcher,
     *,
     on_error: str = "raise",

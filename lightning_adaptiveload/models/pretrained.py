@@ -31,14 +31,14 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
 from lightning_adaptiveload.models.config import VideoDiTConfig
 
-if TYPE_CHECKING:
-    from lightning_adaptiveload.models.video_dit import VideoDiT
+# A VideoDiT (not imported: models/video_dit.py imports this module for ``VideoDiT.from_pretrained``).
+VideoDiT = TypeVar("VideoDiT", bound=torch.nn.Module)
 
 __all__ = [
     "PretrainedError",

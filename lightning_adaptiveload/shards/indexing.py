@@ -11,7 +11,6 @@ import logging
 import multiprocessing
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -26,6 +25,7 @@ from lightning_adaptiveload.shards.paths import (
     close_quietly,
     open_shard,
 )
+from lightning_adaptiveload.shards.protocol import ShardIndexLike
 from lightning_adaptiveload.shards.scan import (
     DATA,
     HEADERS,
@@ -34,9 +34,6 @@ from lightning_adaptiveload.shards.scan import (
     open_source,
     scan_shard,
 )
-
-if TYPE_CHECKING:  # the index calls this module; only its type is needed here
-    from lightning_adaptiveload.shards.index import ShardIndex
 
 __all__ = [
     "apply_patch_check",
@@ -230,7 +227,7 @@ def first_duplicate(shards: Sequence[ShardInfo]) -> tuple[str, int, int, int, in
 _MAX_LOGGED_SKIPS = 20
 
 
-def report_skips(index: ShardIndex, on_error: str) -> None:
+def report_skips(index: ShardIndexLike, on_error: str) -> None:
     """Log what was skipped: each of the first few, then a summary by reason."""
     skipped = index.skipped()
     for entry in skipped[:_MAX_LOGGED_SKIPS]:

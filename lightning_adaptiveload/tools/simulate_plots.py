@@ -7,17 +7,22 @@ no pyplot state), the same as the LoadBalanceMonitor's plots. No Lightning.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from lightning_adaptiveload.monitor.report import new_figure, save_figure
 from lightning_adaptiveload.tools.replay import MODES, TARGET_LOCKSTEP
 
-if TYPE_CHECKING:
-    from lightning_adaptiveload.tools.simulate import SimulationResult
-
 __all__ = ["plot_result"]
+
+
+class SimulationResult(Protocol):
+    """What the plots read of :class:`lightning_adaptiveload.tools.simulate.SimulationResult` (named here, not
+    imported: the simulator imports this module to write its plots)."""
+
+    rows: list[dict[str, Any]]
+    per_step_cv: dict[tuple[str, int], np.ndarray]
 
 _COLORS = {
     "equal_tokens": "#7f7f7f",

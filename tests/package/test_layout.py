@@ -258,8 +258,9 @@ def graph() -> dict[str, dict[str, set[str]]]:
 
 
 def test_no_import_cycles(graph):
+    # Type-only imports count too: a circle of names is a circle of files, whatever runs first.
     assert len(graph) > 100  # the walk found the package
-    assert {tuple(c) for c in import_cycles(graph)} == set(KNOWN_CYCLES)
+    assert {tuple(c) for c in import_cycles(graph, kinds=("top", "lazy", "typing"))} == set(KNOWN_CYCLES)
 
 
 def test_imports_point_one_way(graph):
