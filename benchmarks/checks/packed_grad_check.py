@@ -35,17 +35,17 @@ TEXT_LENGTHS = [75, 361, 69, 284, 390]
 
 @contextlib.contextmanager
 def _route(name: str, model: VideoDiT):
-    saved = (_packing.SEGMENT_ATTENTION, _packing.varlen_applies_to, model.attention_backend)
+    saved = (_packing._segment_attention_route, _packing.varlen_applies_to, model.attention_backend)
     try:
         if name == "varlen":
-            _packing.SEGMENT_ATTENTION = "varlen"
+            _packing._segment_attention_route = lambda: "varlen"
         elif name == "no_varlen":
             _packing.varlen_applies_to = lambda device, dtype: False
         elif name in ("flash", "efficient", "cudnn"):
             model.set_attention_backend(name)
         yield
     finally:
-        _packing.SEGMENT_ATTENTION, _packing.varlen_applies_to = saved[0], saved[1]
+        _packing._segment_attention_route, _packing.varlen_applies_to = saved[0], saved[1]
         model.set_attention_backend(saved[2])
 
 

@@ -12,7 +12,7 @@ Cases:
   bucketed batch (``model(x[None], ...)``) and as a pack of one (``model([x], ...)``, the dense route: it
   should run the same kernels). ``pack-segments`` forces the mixed-pack route on the same clip (the cost of
   per-token rows and the variable-length kernel); ``pack-old`` adds the advanced-index gather of the rows
-  (``packing.SEGMENT_SUM = "index"``), the path before issue 36 (then self-attention was batched SDPA).
+  (``pack_routes(segment_sum="index")``), the path before issue 36 (then self-attention was batched SDPA).
 - ``mix``: one 41-frame clip (16 x 11 x 60 x 104 -> 17,160 tokens) and ten images (16 x 1 x 60 x 104 ->
   1,560 each): 32,760 tokens as one pack (the segments route: ``pack``, the default self-attention, one
   dense kernel call per run of equal lengths; ``pack-varlen``, the variable-length kernel;
@@ -53,6 +53,7 @@ import torch._dynamo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common
 from _common import add_out_arg, cpu_name, device_tag, write_json  # noqa: E402
+from pack_routes import pack_routes  # noqa: E402
 
 from lightning_adaptiveload.models import packing  # noqa: E402
 from lightning_adaptiveload.models.acceleration import compile_blocks, compiled_graphs  # noqa: E402
@@ -63,20 +64,6 @@ SHAPES = {
     "full": dict(clip=(16, 21, 60, 104), mix_clip=(16, 11, 60, 104), image=(16, 1, 60, 104), images=10),
     "quick": dict(clip=(16, 3, 8, 8), mix_clip=(16, 2, 8, 8), image=(16, 1, 8, 8), images=4),
 }
-
-
-@contextlib.contextmanager
-def packing_settings(
-    segment_sum: str = "auto", force_segments: bool = False, segment_attention: str = "auto"
-):
-    """Set ``packing.SEGMENT_SUM``, ``FORCE_SEGMENTS`` and ``SEGMENT_ATTENTION`` for a variant, restored after."""
-    saved = packing.SEGMENT_SUM, packing.FORCE_SEGMENTS, packing.SEGMENT_ATTENTION
-    packing.SEGMENT_SUM, packing.FORCE_SEGMENTS = segment_sum, force_segments
-    packing.SEGMENT_ATTENTION = segment_attention
-    try:
-        yield
-    finally:
-        packing.SEGMENT_SUM, packing.FORCE_SEGMENTS, packing.SEGMENT_ATTENTION = saved
 
 
 def tokens_of(shape: tuple[int, ...], patch: tuple[int, int, int]) -> int:
@@ -157,7 +144,7 @@ def segment_rows_variants(args, device: torch.device, timer: Timer, record) -> N
     for how in ("splits", "matmul", "index_add", "index"):
 
         def fn(how=how) -> None:
-            with packing_settings(how):
+            with pack_routes(segment_sum=how):
                 out = packing.segment_rows(rows, segments)
             (out * dy).sum().backward()
 
@@ -267,7 +254,7 @@ def run(args) -> dict:
         settings = settings or {}
 
         def wrapped() -> None:
-            with packing_settings(**settings):
+            with pack_routes(**settings):
                 fn()
 
         record(

@@ -79,32 +79,35 @@ log = logging.getLogger(__name__)
 ATTENTION_ROUTES = ("dense", "segments")
 _logged_routes: set[tuple[str, str, bool]] = set()
 
-#: How :func:`segment_rows` sums its gradient back to the rows (:func:`segment_sum`): ``"splits"`` (one
+#: How :func:`segment_rows` can sum its gradient back to the rows (:func:`segment_sum`): ``"splits"`` (one
 #: column sum per sample over host offsets; eager only), ``"matmul"`` (a (N, S) one-hot matrix times the
 #: gradient: one GEMM, deterministic; with TF32 allowed its inputs are rounded to TF32), ``"index_add"``
-#: (atomic adds, not deterministic on CUDA), ``"index"`` (the advanced-index gather ``rows[seg]`` of
-#: versions <= 0.x, whose sort-based CUDA backward is the slow one: kept for before/after benchmarks).
+#: (atomic adds, not deterministic on CUDA), ``"index"`` (the advanced-index gather ``rows[seg]`` whose
+#: sort-based CUDA backward is the slow one). ``"auto"``: ``"splits"`` in eager mode, ``"matmul"`` inside
+#: ``torch.compile`` (where host offsets would bake the pack's composition into the graph).
 SEGMENT_SUMS = ("auto", "splits", "matmul", "index_add", "index")
 
-#: The segment sum :func:`segment_rows` uses; ``"auto"``: ``"splits"`` in eager mode, ``"matmul"`` inside
-#: ``torch.compile`` (where host offsets would bake the pack's composition into the graph). A setting for
-#: benchmarks (``benchmarks/model/bench_packed_step.py``); read at call time.
-SEGMENT_SUM = "auto"
-
+#: How a mixed pack's self-attention can run: ``"runs"`` (each run of equal-length samples as one dense
+#: kernel call inside one custom op, :mod:`.pack_attention`: the bucketed batch's kernel, eager and
+#: compiled), ``"varlen"`` (one variable-length kernel for the whole pack, ``torch.nn.attention.varlen``,
+#: CUDA only), ``"per_sample"`` (the same runs as SDPA calls in Python; eager mode only), ``"auto"``:
+#: ``"runs"`` where :func:`.pack_attention.runs_kernel` finds a kernel, else the previous routes.
 SEGMENT_ATTENTIONS = ("auto", "runs", "varlen", "per_sample")
 
-#: How a mixed pack's self-attention runs: ``"runs"`` (each run of equal-length samples as one dense kernel
-#: call inside one custom op, :mod:`.pack_attention`: the bucketed batch's kernel, eager and compiled),
-#: ``"varlen"`` (one variable-length kernel for the whole pack, ``torch.nn.attention.varlen``, CUDA only),
-#: ``"per_sample"`` (the same runs as SDPA calls in Python; eager mode only), ``"auto"``: ``"runs"`` where
-#: :func:`.pack_attention.runs_kernel` finds a kernel, else the previous routes. On one H200 (wan-1.3b, bf16,
-#: 2026-11-27) the 32,760-token clip forced through the mixed route took 4,024 ms with varlen and 2,943 ms
-#: per sample, against 2,850 ms bucketed. Read at call time (``benchmarks/model/bench_packed_step.py`` sets it).
-SEGMENT_ATTENTION = "auto"
 
-#: Send every pack, equal lengths included, through the ``"segments"`` route (benchmarks only: with
-#: ``SEGMENT_SUM = "index"`` this is the packed path that gathered rows by advanced indexing).
-FORCE_SEGMENTS = False
+# The package always takes "auto". The three choices below are functions, not settings, so that nothing a
+# user can set changes the route; benchmarks and tests compare the other routes by patching them
+# (``benchmarks/model/pack_routes.py``).
+def _segment_sum_route() -> str:
+    return "auto"
+
+
+def _segment_attention_route() -> str:
+    return "auto"
+
+
+def _force_segments() -> bool:
+    return False
 
 
 def attention_route(seq_lens: Sequence[int]) -> str:
@@ -121,7 +124,7 @@ def attention_route(seq_lens: Sequence[int]) -> str:
     """
     if len(seq_lens) == 0:
         raise ValueError("attention_route: a pack holds at least one sample")
-    if FORCE_SEGMENTS:
+    if _force_segments():
         return "segments"
     return "dense" if len({int(s) for s in seq_lens}) == 1 else "segments"
 
@@ -135,7 +138,7 @@ def log_route_once(route: str, device: torch.device, varlen: bool, n: int) -> No
         return
     _logged_routes.add(key)
     kernel = None
-    if route == "segments" and SEGMENT_ATTENTION in ("auto", "runs") and device.type in ("cpu", "cuda"):
+    if route == "segments" and _segment_attention_route() in ("auto", "runs") and device.type in ("cpu", "cuda"):
         kernel = _pack_attention.runs_kernel(device, None)
     if route == "dense":
         what = f"a batch of {n} equal-length samples through batched SDPA"
@@ -351,7 +354,7 @@ def segment_rows(rows: torch.Tensor, segments: PackSegments) -> torch.Tensor:
 
     The per-token layout ``(1, S, D)`` of ``NormModulate`` and of the fused op. The forward is a gather;
     the backward sums each sample's token gradients (:func:`segment_sum`, chosen by
-    :data:`SEGMENT_SUM`), so that the gradient of a row that thousands of tokens share is one reduction,
+    :func:`_segment_sum_route`), so that the gradient of a row that thousands of tokens share is one reduction,
     not thousands of scattered adds to one address.
 
     Args:
@@ -361,9 +364,9 @@ def segment_rows(rows: torch.Tensor, segments: PackSegments) -> torch.Tensor:
     Returns:
         (1, S, D) in rows' dtype.
     """
-    how = SEGMENT_SUM
+    how = _segment_sum_route()
     if how not in SEGMENT_SUMS:
-        raise ValueError(f"packing.SEGMENT_SUM must be one of {list(SEGMENT_SUMS)}, got {how!r}")
+        raise ValueError(f"the segment sum route must be one of {list(SEGMENT_SUMS)}, got {how!r}")
     if how == "index":  # the old advanced-index gather (benchmarks: before/after)
         return rows[segments.seg][None]
     compiling = torch.compiler.is_compiling()
@@ -464,18 +467,17 @@ def segment_self_attention(
         backends: SDPA kernel order (``models/attention.py``) where SDPA runs.
 
     Returns:
-        (1, H, S, d). By default (:data:`SEGMENT_ATTENTION`) one dense kernel call per run of equal-length
+        (1, H, S, d). By default (:func:`_segment_attention_route`) one dense kernel call per run of equal-length
         samples (:func:`.pack_attention.pack_runs_attention`, eager and compiled). Where no dense kernel
         applies: the varlen kernel on CUDA for bf16/fp16; per-sample SDPA in eager mode elsewhere; inside
         ``torch.compile`` elsewhere, SDPA with a block-diagonal (S, S) mask built from the segment ids.
     """
-    if SEGMENT_ATTENTION in ("auto", "runs") and segments.runs is not None:
+    route = _segment_attention_route()
+    if route in ("auto", "runs") and segments.runs is not None:
         kernel = _pack_attention.runs_kernel(q.device, backends)
         if kernel is not None:
             return _pack_attention.pack_runs_attention(q, k, v, segments.runs, kernel)
-    per_sample = SEGMENT_ATTENTION == "per_sample" or (
-        SEGMENT_ATTENTION == "auto" and not torch.compiler.is_compiling()
-    )
+    per_sample = route == "per_sample" or (route == "auto" and not torch.compiler.is_compiling())
     if per_sample and not torch.compiler.is_compiling():
         return segment_attention(q, k, v, segments.cu, segments.lens, backends, varlen=False)
     if per_sample:

@@ -31,7 +31,7 @@ def test_quick_mode_runs_every_case_and_writes_json(bench, tmp_path, monkeypatch
     assert all(r["median_ms"] > 0 and r["tokens"] > 0 for r in data["results"])
     assert {(r["case"], r["variant"]) for r in data["summary"]} >= {("clip", "pack"), ("mix", "pack")}
     # The variants' settings were restored.
-    assert packing.SEGMENT_SUM == "auto" and packing.FORCE_SEGMENTS is False
+    assert packing._segment_sum_route() == "auto" and packing._force_segments() is False
 
 
 def test_unknown_case_is_refused(bench, capsys):

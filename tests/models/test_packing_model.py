@@ -99,7 +99,7 @@ def test_every_segment_sum_gives_the_per_sample_gradients(how, monkeypatch):
     # per-token modulation gradients back to the samples.
     from lightning_adaptiveload.models import packing
 
-    monkeypatch.setattr(packing, "SEGMENT_SUM", how)
+    monkeypatch.setattr(packing, "_segment_sum_route", lambda: how)
     model = _model().train()
     latents, t, text, mask, noise = _inputs(model)
     ref_preds, ref_err = _per_sample(model, latents, t, text, mask, noise)
@@ -247,7 +247,7 @@ def test_a_mixed_pack_through_the_varlen_route_has_the_per_sample_gradients(monk
 
     monkeypatch.setattr(packing, "_varlen_applies", lambda q: True)
     monkeypatch.setattr(packing, "varlen_applies_to", lambda device, dtype: True)
-    monkeypatch.setattr(packing, "SEGMENT_ATTENTION", "varlen")
+    monkeypatch.setattr(packing, "_segment_attention_route", lambda: "varlen")
     monkeypatch.setattr(
         packing,
         "_varlen",

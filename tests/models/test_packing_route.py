@@ -115,8 +115,8 @@ def test_mixed_pack_gradients_on_cuda_under_bf16_autocast(how, self_attention, m
     from lightning_adaptiveload.models import pack_attention
     from lightning_adaptiveload.models.packing import varlen_attention_available
 
-    monkeypatch.setattr(packing, "SEGMENT_SUM", how)
-    monkeypatch.setattr(packing, "SEGMENT_ATTENTION", self_attention)
+    monkeypatch.setattr(packing, "_segment_sum_route", lambda: how)
+    monkeypatch.setattr(packing, "_segment_attention_route", lambda: self_attention)
     model = _model().cuda()
     latents, t, text, mask = _inputs(model, MIXED)
     latents, t, text, mask = [x.cuda() for x in latents], t.cuda(), text.cuda(), mask.cuda()

@@ -35,7 +35,7 @@ def _random_pack(seed: int, d: int = 24):
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("seed", range(6))
 def test_segment_rows_equal_the_gather_in_value_and_gradient(how, seed, monkeypatch):
-    monkeypatch.setattr(packing, "SEGMENT_SUM", how)
+    monkeypatch.setattr(packing, "_segment_sum_route", lambda: how)
     lens, rows, g = _random_pack(seed)
     segments = PackSegments.build(lens, "cpu")
     dy = torch.randn(1, sum(lens), rows.shape[1], generator=g)
@@ -70,8 +70,8 @@ def test_segment_sum_names_what_is_missing():
 
 
 def test_unknown_segment_sum_setting_is_refused(monkeypatch):
-    monkeypatch.setattr(packing, "SEGMENT_SUM", "sort")
-    with pytest.raises(ValueError, match="SEGMENT_SUM must be one of"):
+    monkeypatch.setattr(packing, "_segment_sum_route", lambda: "sort")
+    with pytest.raises(ValueError, match="segment sum route must be one of"):
         segment_rows(torch.ones(2, 3), PackSegments.build([1, 2], "cpu"))
 
 
