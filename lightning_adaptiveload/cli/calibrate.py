@@ -1,7 +1,10 @@
 """``lightning-adaptiveload calibrate``: the command line of :mod:`lightning_adaptiveload.tools.calibrate`.
 
-Reads the recipe and the flags, calls :func:`~lightning_adaptiveload.tools.calibrate.calibrate` and writes
-its YAML fragment (to stdout or ``--out``).
+Reads the recipe and the flags and measures the recipe's own model: ``VideoDiTModule`` (or a recipe without a
+``model`` section, or no recipe: ``--preset``) through :func:`~lightning_adaptiveload.tools.calibrate.calibrate`,
+any other ``model.class_path`` through :func:`~lightning_adaptiveload.tools.calibrate.calibrate_module`, built
+from its ``init_args`` by jsonargparse as ``fit`` builds it (the class must be a ``LightningModule``). Writes
+the YAML fragment (to stdout or ``--out``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_adaptiveload.tools.calibrate import PRECISIONS, calibrate, shape_for_seq_len
+from lightning_adaptiveload.tools.calibrate import PRECISIONS, calibrate, calibrate_module, shape_for_seq_len
 from lightning_adaptiveload.tools.calibrate_settings import (
     CalibratedTraining,
     CalibrateSettings,
     MemorySearch,
+    ModuleBatches,
 )
 
 __all__ = ["main"]
@@ -54,7 +58,7 @@ _MODEL_KEYS = (
     "checkpoint_policy",
 )
 # The settings group of VideoDiTModule that holds a model key in a recipe (model.init_args.memory.
-# activation_checkpointing); the others are top-level keys. The flat form of earlier releases is read too.
+# activation_checkpointing); the others are top-level keys of model.init_args.
 _MODEL_GROUPS = {
     "activation_checkpointing": "memory",
     "checkpoint_policy": "memory",
@@ -64,65 +68,12 @@ _MODEL_GROUPS = {
 _TRAINING_KEYS = frozenset(f.name for f in dataclasses.fields(CalibratedTraining))
 
 
-MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML
-MAX_RECIPE_VALUES = 1 << 16  # values after aliases (*name) are expanded: a "billion laughs" has 9^9
-
-
-def _expanded_size(root: Any, limit: int) -> int | None:
-    """How many values ``root`` holds with shared references counted each time (as a printer or a copy
-    would walk them), or None beyond ``limit`` or when it holds itself. Linear in the distinct nodes."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if not isinstance(node, dict | list):
-            continue
-        children = list(node.values()) + list(node.keys()) if isinstance(node, dict) else node
-        if done:
-            open_.discard(id(node))
-            total = 1 + sum(sizes.get(id(c), 1) for c in children)
-            if total > limit:
-                return None
-            sizes[id(node)] = total
-            continue
-        if id(node) in sizes:
-            continue
-        if id(node) in open_:
-            return None  # a node that contains itself (&a [*a])
-        open_.add(id(node))
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if isinstance(c, dict | list) and id(c) not in sizes)
-    return sizes.get(id(root), 1)
-
-
 def _load_recipe(path: str) -> Any:
-    """The recipe's YAML, read as untrusted text: a regular file of at most MAX_RECIPE_BYTES whose
-    values, aliases expanded, number at most MAX_RECIPE_VALUES (an alias bomb is small on disk and
-    explodes when printed or copied), nesting bounded."""
-    import yaml
+    """The recipe's YAML, read as untrusted text by the one recipe reader (``cli/recipe_file.py``: a regular
+    file, its size, aliases and nesting bounded; a ``ValueError`` naming ``--recipe PATH`` and the line)."""
+    from lightning_adaptiveload.cli.recipe_file import read_yaml
 
-    from lightning_adaptiveload.shards.paths import open_regular
-
-    try:
-        with open_regular(path) as f:
-            raw = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as err:
-        raise ValueError(f"--recipe {path}: cannot read it ({err})") from None
-    if len(raw) > MAX_RECIPE_BYTES:
-        raise ValueError(f"--recipe {path}: larger than {MAX_RECIPE_BYTES} bytes; is it a recipe?")
-    try:
-        recipe = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ValueError(f"--recipe {path}: not valid YAML ({err})") from None
-    except RecursionError:
-        raise ValueError(f"--recipe {path}: nested too deeply to be a recipe") from None
-    if _expanded_size(recipe, MAX_RECIPE_VALUES) is None:
-        raise ValueError(
-            f"--recipe {path}: its aliases (*name) expand to more than {MAX_RECIPE_VALUES} values, or a value "
-            "contains itself (an alias bomb?); write the values out"
-        )
-    return recipe
+    return read_yaml(path, what=f"--recipe {path}")
 
 
 def _mapping(value: Any, path: str, where: str) -> dict[str, Any]:
@@ -145,10 +96,17 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
     model = _mapping(recipe.get("model"), path, "model")
     args = _mapping(model.get("init_args", model), path, "model.init_args")
     out: dict[str, Any] = {}
+    class_path = model.get("class_path")
+    if class_path is not None:
+        if not isinstance(class_path, str) or not class_path.strip():
+            raise ValueError(f"--recipe {path}: model.class_path must be an import path, got {class_path!r}")
+        out["model_class_path"] = class_path.strip()
+        out["model_init_args"] = _mapping(model.get("init_args"), path, "model.init_args")
     for key in _MODEL_KEYS:
-        group = args.get(_MODEL_GROUPS.get(key, ""))
-        if isinstance(group, dict) and key in group:
-            out[key] = group[key]
+        if key in _MODEL_GROUPS:
+            group = args.get(_MODEL_GROUPS[key])
+            if isinstance(group, dict) and key in group:
+                out[key] = group[key]
         elif key in args:
             out[key] = args[key]
     if isinstance(out.get("compile"), dict):  # CompileSettings' fields: calibrate compiles with the defaults
@@ -165,6 +123,9 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
                     f"--recipe {path}: data.init_args.synthetic.text_len_range must be two integers, got {text_range!r}"
                 )
             out["text_len"] = int(text_range[1])
+    out["batches"] = _recipe_batches(path, data_args, synthetic)
+    if data_args.get("train_shards") is not None:
+        out["train_shards"] = data_args["train_shards"]
     precision = _mapping(recipe.get("trainer"), path, "trainer").get("precision")
     if precision is not None:
         if not isinstance(precision, str | int):
@@ -176,6 +137,27 @@ def _recipe_defaults(path: str) -> dict[str, Any]:
     return out
 
 
+def _recipe_batches(path: str, data_args: dict[str, Any], synthetic: Any) -> dict[str, Any]:
+    """The batch contract's fields a recipe's data section sets (``ModuleBatches``' keyword arguments)."""
+    batching = _mapping(data_args.get("batching"), path, "data.init_args.batching")
+    loader = _mapping(data_args.get("loader"), path, "data.init_args.loader")
+    plan = _mapping(data_args.get("plan"), path, "data.init_args.plan")
+    out: dict[str, Any] = {}
+    if batching.get("patch_size") is not None:
+        patch = batching["patch_size"]
+        out["patch_size"] = tuple(patch) if isinstance(patch, list | tuple) else patch
+    if loader.get("text_pad_to") is not None:
+        out["text_pad_to"] = loader["text_pad_to"]
+    if plan.get("schedule") is not None:
+        out["schedule"] = plan["schedule"]
+    if isinstance(synthetic, dict) and synthetic:
+        # What SyntheticShards writes (its defaults where the block leaves a key out).
+        no_text = "text_len_range" in synthetic and synthetic["text_len_range"] is None
+        out["text_dim"] = None if no_text else synthetic.get("text_dim", 32)
+        out["dtype"] = str(synthetic.get("dtype", "float16"))
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightning-adaptiveload calibrate",
@@ -184,10 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recipe",
-        help="read preset, model_overrides, activation_checkpointing, compile, weight_dtype, "
-        "trainer.precision and the synthetic data's mix from this recipe (flags override it)",
+        help="measure this recipe's model (model.class_path with its init_args; VideoDiTModule: its preset, "
+        "model_overrides, memory, optimizer and compile settings) with its trainer.precision, on batches shaped "
+        "by its data (the synthetic mix, else the training shards); flags override it",
     )
-    p.add_argument("--preset", help="model preset: tiny, wan-1.3b, wan-14b (default wan-1.3b)")
+    p.add_argument(
+        "--preset",
+        help="VideoDiTModule preset: tiny, wan-1.3b, wan-14b (default: the recipe's, else wan-1.3b); not with a "
+        "recipe whose model is another class",
+    )
     p.add_argument("--model-overrides", type=json.loads, help="JSON, e.g. '{\"num_layers\": 4}'")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--mix", help="length mix whose bucket shapes are measured (name or JSON path)")
@@ -225,7 +212,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto",),
         help="auto: fit the activation-memory model and write checkpoint_blocks: auto with it",
     )
-    p.add_argument("--text-len", type=int, help="padded text length (default 512 for Wan, 16 for tiny)")
+    p.add_argument(
+        "--text-len",
+        type=int,
+        help="text states per sample (default: the recipe's longest, else 512 for Wan, 16 for tiny)",
+    )
+    p.add_argument(
+        "--text-dim",
+        type=int,
+        help="width of the text states for a recipe's own model (default: the recipe's synthetic data's, else "
+        "its training shards'; 0: no text)",
+    )
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--vram-fraction", type=float, default=0.9, help="share of device memory to fill (0.9)")
     p.add_argument("--memory-budget-gb", type=float, help="memory budget in GiB instead of --vram-fraction")
@@ -251,9 +248,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--packs",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="time single samples and a designed set of packs at max_tokens through the packed forward, and "
-        "fit c0 + alpha*S + beta*S^2 to all of them (default: on; --no-packs: per-sample fit of batch times)",
+        "fit c0 + alpha*S + beta*S^2 to all of them (default: where the model takes packs: VideoDiTModule, or a "
+        "module with runs_packed_batches = True; --no-packs: per-sample fit of batch times)",
     )
     p.add_argument(
         "--results",
@@ -269,56 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-adaptiveload calibrate``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        if args.recipe:  # a packaged recipe by name, as `fit --config quickstart` takes it
-            from lightning_adaptiveload.cli.fit import resolve_recipe
-
-            args.recipe = resolve_recipe(args.recipe)
-        settings = _recipe_defaults(args.recipe) if args.recipe else {}
-        for key in (*_MODEL_KEYS, "precision", "checkpoint_blocks"):
-            value = getattr(args, key)
-            if value is not None:
-                settings[key] = value
-        settings.setdefault("preset", "wan-1.3b")
-        recipe_mix = settings.pop("mix", None)
-        recipe_text_len = settings.pop("text_len", None)
-        shapes = args.shapes
-        if args.seq_lens:
-            from lightning_adaptiveload.models import VideoDiTConfig
-
-            cfg = VideoDiTConfig.preset(settings["preset"], **(settings.get("model_overrides") or {}))
-            shapes = [shape_for_seq_len(s, cfg.in_channels, cfg.patch_size) for s in args.seq_lens]
-        training = CalibratedTraining(
-            **{k: settings.pop(k) for k in list(settings) if k in _TRAINING_KEYS},
-            device=args.device,
-            ddp=args.ddp,
-        )
-        memory = MemorySearch(
-            vram_fraction=args.vram_fraction,
-            memory_budget_gb=args.memory_budget_gb,
-            max_tokens=args.max_tokens,
-            max_batch=args.max_batch,
-        )
-        measured = CalibrateSettings(
-            shapes=shapes,
-            mix=args.mix or (recipe_mix if shapes is None and not args.seq_lens else None),
-            num_shapes=args.num_shapes,
-            batch_sizes=args.batch_sizes,
-            text_len=args.text_len if args.text_len is not None else recipe_text_len,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            kind=args.kind,
-            max_compute=args.max_compute,
-            seed=args.seed,
-            packs=args.packs,
-            training=training,
-            memory=memory,
-        )
-        result = calibrate(
-            settings.pop("preset"),
-            settings.pop("model_overrides", None),
-            measured,
-            progress=not args.no_progress,
-        )
+        result = _calibrate(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -337,9 +286,318 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(text)
         fit = result.cost_model.fit_info or {}
         print(
-            f"wrote {args.out}: max_tokens={result.max_tokens}, max_compute={result.max_compute}, "
-            f"cost model {result.cost_model.describe()}; relative error mean "
+            f"wrote {args.out}: {result.model.get('class_path', 'model')} measured; max_tokens={result.max_tokens}, "
+            f"max_compute={result.max_compute}, cost model {result.cost_model.describe()}; relative error mean "
             f"{100 * fit.get('mean_rel_error', float('nan')):.1f}%, max {100 * fit.get('max_rel_error', float('nan')):.1f}%",
             file=sys.stderr,
         )
     return 0
+
+
+# How recipes name VideoDiTModule: measured from its preset by calibrate() (no instance is built here).
+_VIDEO_DIT_PATHS = frozenset(
+    {
+        "VideoDiTModule",
+        "lightning_adaptiveload.VideoDiTModule",
+        "lightning_adaptiveload.models.VideoDiTModule",
+        "lightning_adaptiveload.models.module.VideoDiTModule",
+    }
+)
+# The flags that set VideoDiTModule's model, and their settings' names.
+_VIDEO_DIT_FLAGS = {
+    "preset": "--preset",
+    "model_overrides": "--model-overrides",
+    "activation_checkpointing": "--activation-checkpointing",
+    "compile": "--compile",
+    "weight_dtype": "--weight-dtype",
+    "checkpoint_policy": "--checkpoint-policy",
+    "checkpoint_blocks": "--checkpoint-blocks",
+}
+
+
+def _calibrate(args: argparse.Namespace) -> Any:
+    """The calibration the flags and the recipe ask for (the recipe's own model, or VideoDiTModule's preset)."""
+    if args.recipe:  # a packaged recipe by name, as `fit --config quickstart` takes it
+        from lightning_adaptiveload.cli.fit import resolve_recipe
+
+        args.recipe = resolve_recipe(args.recipe)
+    settings = _recipe_defaults(args.recipe) if args.recipe else {}
+    class_path = settings.pop("model_class_path", None)
+    init_args = settings.pop("model_init_args", {})
+    if class_path is not None and class_path not in _VIDEO_DIT_PATHS:
+        given = [flag for key, flag in _VIDEO_DIT_FLAGS.items() if getattr(args, key) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: {'these set' if len(given) > 1 else 'this sets'} VideoDiTModule's model, but "
+                f"--recipe {args.recipe} names model.class_path {class_path}, and calibrate measures the recipe's "
+                "own model: leave them out and set how the model trains in its model.init_args (or drop --recipe "
+                "to measure a VideoDiTModule preset)"
+            )
+        module, notes = _instantiate_model(args.recipe, class_path, init_args)
+        if not _is_video_dit(module):
+            return _calibrate_own_model(args, settings, module, class_path, init_args, notes)
+        settings.setdefault("preset", module.hparams.get("preset"))  # another name for VideoDiTModule
+    return _calibrate_video_dit(args, settings)
+
+
+def _is_video_dit(module: Any) -> bool:
+    cls = type(module)
+    return cls.__module__ == "lightning_adaptiveload.models.module" and cls.__qualname__ == "VideoDiTModule"
+
+
+def _measured_settings(args: argparse.Namespace, shapes: Any, mix: Any, text_len: Any, training: Any) -> Any:
+    return CalibrateSettings(
+        shapes=shapes,
+        mix=mix,
+        num_shapes=args.num_shapes,
+        batch_sizes=args.batch_sizes,
+        text_len=args.text_len if args.text_len is not None else text_len,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        kind=args.kind,
+        max_compute=args.max_compute,
+        seed=args.seed,
+        packs=args.packs,
+        training=training,
+        memory=MemorySearch(
+            vram_fraction=args.vram_fraction,
+            memory_budget_gb=args.memory_budget_gb,
+            max_tokens=args.max_tokens,
+            max_batch=args.max_batch,
+        ),
+    )
+
+
+def _calibrate_video_dit(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
+    """VideoDiTModule from its preset: the recipe's model settings and the flags."""
+    for key in (*_MODEL_KEYS, "precision", "checkpoint_blocks"):
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = value
+    if not settings.get("preset"):
+        settings["preset"] = "wan-1.3b"
+    recipe_mix = settings.pop("mix", None)
+    recipe_text_len = settings.pop("text_len", None)
+    settings.pop("batches", None)
+    train_shards = settings.pop("train_shards", None)
+    shapes = args.shapes
+    from_flags = args.mix or shapes is not None or args.seq_lens
+    if args.seq_lens or (not from_flags and not recipe_mix and train_shards is not None):
+        from lightning_adaptiveload.models import VideoDiTConfig
+
+        cfg = VideoDiTConfig.preset(settings["preset"], **(settings.get("model_overrides") or {}))
+        if args.seq_lens:
+            shapes = [shape_for_seq_len(s, cfg.in_channels, cfg.patch_size) for s in args.seq_lens]
+        else:  # no synthetic mix: the shapes of the training shards
+            data = _read_shards(args.recipe, train_shards, cfg.patch_size)
+            shapes = data["shapes"]
+            recipe_text_len = data["text_len"] or recipe_text_len
+    training = CalibratedTraining(
+        **{k: settings.pop(k) for k in list(settings) if k in _TRAINING_KEYS},
+        device=args.device,
+        ddp=args.ddp,
+    )
+    measured = _measured_settings(
+        args, shapes, args.mix or (recipe_mix if shapes is None else None), recipe_text_len, training
+    )
+    return calibrate(
+        settings.pop("preset"),
+        settings.pop("model_overrides", None),
+        measured,
+        progress=not args.no_progress,
+    )
+
+
+def _calibrate_own_model(
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    module: Any,
+    class_path: str,
+    init_args: dict[str, Any],
+    notes: dict[str, str],
+) -> Any:
+    """A recipe's own LightningModule: its training_step on batches shaped by the recipe's data."""
+    recipe = args.recipe
+    batch_args = dict(settings.pop("batches", {}))
+    recipe_mix = settings.pop("mix", None)
+    text_len = settings.pop("text_len", None)
+    train_shards = settings.pop("train_shards", None)
+    patch = batch_args.get("patch_size", (1, 2, 2))
+    shapes, mix = args.shapes, args.mix
+    if shapes is None and not mix and not args.seq_lens:
+        mix = recipe_mix
+    shard_data = None
+    # The data's shapes (and text) from the training shards where no synthetic block describes them.
+    needs_shards = (shapes is None and not mix and not args.seq_lens) or (
+        "text_dim" not in batch_args and args.text_dim is None
+    )
+    if needs_shards and train_shards is not None and not recipe_mix:
+        try:
+            shard_data = _read_shards(recipe, train_shards, patch)
+        except ValueError:
+            if shapes is None and not mix and not args.seq_lens:
+                raise
+    if shard_data is not None:
+        if shapes is None and not mix and not args.seq_lens:
+            shapes = shard_data["shapes"]
+        batch_args.setdefault("text_dim", shard_data["text_dim"])
+        batch_args.setdefault("dtype", shard_data["dtype"])
+        text_len = shard_data["text_len"] or text_len
+    if args.text_dim is not None:
+        batch_args["text_dim"] = args.text_dim or None
+    if "text_dim" not in batch_args:
+        raise ValueError(
+            f"--recipe {recipe}: the width of the text states of {class_path}'s batches is not known (no "
+            "data.init_args.synthetic block, and no readable train_shards): give --text-dim D (0: no text)"
+        )
+    if args.seq_lens:
+        channels = _channels(recipe_mix, shard_data)
+        if channels is None:
+            raise ValueError(
+                "--seq-lens: the latent channel count of the recipe's data is not known (no synthetic mix, no "
+                "readable train_shards); give --shapes CxTxHxW instead"
+            )
+        shapes = [shape_for_seq_len(s, channels, patch) for s in args.seq_lens]
+    try:
+        batches = ModuleBatches(**batch_args)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--recipe {recipe}: data.init_args: {err}") from None
+    training = CalibratedTraining(precision=settings.get("precision"), device=args.device, ddp=args.ddp)
+    measured = _measured_settings(args, shapes, mix, text_len, training)
+    return calibrate_module(
+        module,
+        measured,
+        batches,
+        class_path=class_path,
+        init_args=init_args,
+        notes=notes,
+        progress=not args.no_progress,
+    )
+
+
+def _channels(mix: Any, shard_data: dict[str, Any] | None) -> int | None:
+    if mix:
+        from lightning_adaptiveload.shards.mixes import load_mix
+
+        return int(load_mix(mix).buckets[0].latent_shape[0])
+    if shard_data is not None and shard_data["shapes"]:
+        return int(shard_data["shapes"][0][0])
+    return None
+
+
+def _instantiate_model(recipe: str, class_path: str, init_args: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """The recipe's model, built by jsonargparse as ``fit`` builds it: the class must be a ``LightningModule``
+    (``subprocess.Popen`` or a function is refused before anything is called), its ``init_args`` are checked
+    against its signature. A module that is not importable from here but sits beside the recipe (as
+    ``python -m`` from the recipe's folder finds it) is imported from the recipe's folder (appended to the
+    import path, after everything installed).
+
+    Returns:
+        The module, and lines for the record.
+
+    Raises:
+        ValueError: naming the recipe, the class and the reason.
+    """
+    import importlib.util
+
+    notes: dict[str, str] = {}
+    top = class_path.split(".")[0]
+    folder = os.path.dirname(os.path.abspath(recipe))
+    if "." in class_path and _find_spec(top) is None:
+        beside = os.path.join(folder, top + ".py"), os.path.join(folder, top, "__init__.py")
+        if any(os.path.isfile(p) for p in beside) and folder not in sys.path:
+            sys.path.append(folder)
+            importlib.invalidate_caches()
+            notes["imported"] = f"{top} from the recipe's folder {folder}"
+    try:
+        from jsonargparse import ArgumentParser
+        from lightning.pytorch import LightningModule
+    except ImportError as err:
+        raise ValueError(
+            f"--recipe {recipe}: building model.class_path {class_path} needs Lightning ({err})"
+        ) from None
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningModule, "model", required=True)
+    try:
+        cfg = parser.parse_object({"model": {"class_path": class_path, "init_args": dict(init_args)}})
+    except Exception as err:  # noqa: BLE001 - jsonargparse's ArgumentError, or the class module's import error
+        raise ValueError(
+            f"--recipe {recipe}: model.class_path {class_path} cannot be built: {_parser_reason(err)}"
+            + (
+                " (put its folder on PYTHONPATH, or run calibrate from it as fit runs)"
+                if "No module named" in str(err)
+                else ""
+            )
+        ) from None
+    try:
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+        module = instantiate(cfg).model
+    except Exception as err:  # noqa: BLE001 - the class's own __init__
+        raise ValueError(
+            f"--recipe {recipe}: cannot measure {class_path}: building it with its init_args failed "
+            f"({type(err).__name__}: {err})"
+        ) from None
+    return module, notes
+
+
+def _find_spec(name: str) -> Any:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def _parser_reason(err: BaseException) -> str:
+    """jsonargparse's reason in one line: the first error of its union (not the None alternative)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("- ") and "NoneType" not in line:
+            reason = line[2:]
+            if reason.endswith(":") and i + 1 < len(lines) and not lines[i + 1].startswith("- "):
+                reason = f"{reason} {lines[i + 1]}"
+            return reason
+    return lines[0] if lines else repr(err)
+
+
+def _read_shards(recipe: str | None, train_shards: Any, patch: Sequence[int]) -> dict[str, Any]:
+    """The training shards' distinct latent shapes, longest text, text width and dtype (from their index and
+    their first samples), as the DataModule would read them.
+
+    Raises:
+        ValueError: the shards cannot be read; names the recipe's key and what to give instead.
+    """
+    from lightning_adaptiveload.loading.datamodule_inputs import binary_index_of
+    from lightning_adaptiveload.planning.inputs import distinct_shapes
+    from lightning_adaptiveload.shards.index import ShardIndex
+    from lightning_adaptiveload.shards.reader import iter_shard
+
+    try:
+        binary = binary_index_of(train_shards)
+        if binary is not None:
+            from lightning_adaptiveload.shards.compact import load_checked_compact
+
+            index = load_checked_compact(binary, patch_size=tuple(patch), on_error="raise")
+            text_len = int(index.columns.text_len.max()) if index.num_samples else 0
+        else:
+            index = ShardIndex.for_paths(train_shards, patch_size=tuple(patch), progress=False)
+            text_len = max((t for s in index.shards for t in s.text_lengths), default=0)
+        shapes = sorted({tuple(int(d) for d in s) for s in distinct_shapes(index)})
+        text_dim, dtype = None, "float16"
+        if index.num_shards:
+            for i, sample in enumerate(iter_shard(index.shards[0], 0, patch_size=tuple(patch))):
+                dtype = str(sample["latent"].dtype).replace("torch.", "")
+                if sample.get("text") is not None:
+                    text_dim = int(sample["text"].shape[-1])
+                    break
+                if i >= 15:
+                    break
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--recipe {recipe}: data.init_args.train_shards {train_shards!r} cannot be read ({err}); give --mix, "
+            "--shapes or --seq-lens, or a data.init_args.synthetic block"
+        ) from None
+    if not shapes:
+        raise ValueError(f"--recipe {recipe}: data.init_args.train_shards {train_shards!r} holds no sample")
+    return {"shapes": shapes, "text_len": text_len, "text_dim": text_dim, "dtype": dtype}

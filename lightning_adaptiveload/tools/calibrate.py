@@ -2,19 +2,24 @@
 
 What it does, in order:
 
-1. Builds the training model (preset, overrides, precision, activation checkpointing, compile) from a recipe
-   and/or flags, and an AdamW optimizer whose state is allocated by one real step, so that memory is
-   measured as in training.
+1. Builds the training model and its optimizer, whose state is allocated by one real step, so that memory
+   is measured as in training. :func:`calibrate`: ``VideoDiTModule`` from a preset (overrides, precision,
+   activation checkpointing, compile) and AdamW. :func:`calibrate_module`: any LightningModule (a recipe's
+   ``model.class_path``, which the command line instantiates), built by its own ``configure_model`` and
+   ``configure_optimizers`` outside a Trainer, and refused with the reason (before anything is measured)
+   when one probe step of it cannot run.
 2. **Token budget**: at the longest latent shape, finds the largest batch whose forward + backward peak
    memory stays within ``--vram-fraction`` of the device memory (doubling, then bisection; an
    out-of-memory error counts as "does not fit"), then checks that budget at the shortest shape and lowers
    it if needed. ``max_tokens = B * S`` of the largest fitting batch. On CUDA the peak is the allocator's
-   ``max_memory_allocated``; on CPU it is an estimate (parameters, gradients and AdamW state plus the
+   ``max_memory_allocated``; on CPU it is an estimate (parameters, gradients and optimizer state plus the
    tensors autograd saves), which is what makes the command testable without a GPU.
-3. **Timing**: forward + backward of the actual training step (:meth:`VideoDiTModule.compute_loss` and
-   ``backward``; no optimizer step, whose cost does not depend on the batch) at every selected shape and
+3. **Timing**: forward + backward of the actual training step (:meth:`VideoDiTModule.compute_loss`, or a
+   recipe's module's own ``training_step`` on the DataModule's batch dicts, and ``backward``; no optimizer
+   step, whose cost does not depend on the batch) at every selected shape and
    batch size: ``--warmup`` untimed runs, then the median of ``--repeats`` timed runs (CUDA events on GPU).
-   With ``packs`` (the default) the selected shapes are timed as single samples and a designed set of
+   With packs (the default where the model takes them: ``VideoDiTModule``, or a module whose class sets
+   ``runs_packed_batches = True``) the selected shapes are timed as single samples and a designed set of
    packs at ``max_tokens`` runs through the packed forward
    (:mod:`~lightning_adaptiveload.tools.calibrate_packs`: images, clips, clip + images, mixed shapes).
 4. Fits :class:`~lightning_adaptiveload.planning.cost_model.CostModel`: with packs, ``c0 + sum alpha*S_i +
@@ -31,38 +36,47 @@ What it does, in order:
              max_compute: ...
              cost_model: {kind: quadratic, alpha: ..., beta: ..., gamma: ..., fit_info: {...}}
 
-   preceded by a comment block recording the device, software, model, precision, shapes, every timing and
-   every memory probe.
+   preceded by a comment block recording the device, software, the model measured (class path and init
+   args), precision, shapes, every timing and every memory probe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
 import torch
 
-from lightning_adaptiveload._legacy import settings_from_legacy
-from lightning_adaptiveload.tools.calibrate_bench import Bench, auto_checkpointing, physical_memory
+from lightning_adaptiveload.tools.calibrate_bench import (
+    Bench,
+    CannotCalibrate,
+    auto_checkpointing,
+    physical_memory,
+)
 from lightning_adaptiveload.tools.calibrate_settings import (
     CalibratedTraining,
     CalibrateSettings,
     MemorySearch,
+    ModuleBatches,
     Precision,
 )
 
 __all__ = [
     "PRECISIONS",
+    "CannotCalibrate",
     "CalibratedTraining",
     "CalibrateSettings",
     "CalibrationResult",
     "MemorySearch",
+    "ModuleBatches",
     "calibrate",
+    "calibrate_module",
     "shape_for_seq_len",
 ]
 
@@ -108,6 +122,8 @@ class CalibrationResult:
         cost_model: the fitted :class:`CostModel`.
         timings, probes: the raw measurements.
         info: device, software, model and settings, for the comment block.
+        model: the module measured: ``class_path``, the ``init_args`` it was built with and its number of
+            ``parameters`` (also in ``--results``).
     """
 
     max_tokens: int
@@ -120,11 +136,15 @@ class CalibrationResult:
     model_args: dict[str, Any] = field(
         default_factory=dict
     )  # model.init_args to set (compile, auto checkpointing)
+    model: dict[str, Any] = field(
+        default_factory=dict
+    )  # what was measured: class_path, init_args, parameters
 
     def to_results(self) -> dict[str, Any]:
         """Everything measured, as a plain dict for a results file (``--results``): the fragment, the
         settings, every fitted point with its prediction and relative error, the memory probes."""
         return {
+            "model": dict(self.model),
             "info": dict(self.info),
             "fragment": self.fragment(),
             "fit": dict(self.cost_model.fit_info or {}),
@@ -308,9 +328,10 @@ def calibrate(
     *,
     progress: bool = True,
     timer: Callable[[list[tuple[int, int, int, int]]], float | None] | None = None,
-    **legacy: Any,
 ) -> CalibrationResult:
-    """Measure the model, fit the cost model and find the token budget; see the module docstring.
+    """Measure ``VideoDiTModule``'s model, fit the cost model and find the token budget; see the module docstring.
+
+    A recipe's own LightningModule is measured by :func:`calibrate_module` instead.
 
     Args:
         preset, model_overrides: the model (``VideoDiTConfig.preset(preset, **model_overrides)``).
@@ -321,131 +342,322 @@ def calibrate(
         timer: seconds of one step of the given latent shapes (None: out of memory), used instead of running
             the model for every timing; for tests and for timings taken elsewhere. The memory search
             still runs the model (skip it with ``settings.memory.max_tokens``).
-        **legacy: deprecated: the fields of ``CalibrateSettings``, ``CalibratedTraining`` and ``MemorySearch``
-            as flat keywords (one release; warns).
 
     Returns:
         A :class:`CalibrationResult`; ``.to_yaml()`` is the fragment.
 
     Raises:
-        ValueError: no CUDA for a CUDA device, a shape the model cannot take, or even one sample of the
-            longest shape does not fit the budget (bad settings are rejected by the settings classes).
+        ValueError: no settings, no CUDA for a CUDA device, a shape the model cannot take, or even one sample
+            of the longest shape does not fit the budget (bad settings are rejected by the settings classes).
     """
     from lightning_adaptiveload.models.module import MemorySettings, OptimizerSettings, VideoDiTModule
-    from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-    cfg_all = settings_from_legacy(
-        CalibrateSettings,
-        settings,
-        legacy,
-        caller="calibrate",
-        nested={"training": CalibratedTraining, "memory": MemorySearch},
-    )
-    run, mem = cfg_all.training, cfg_all.memory
-    shapes, mix, num_shapes, batch_sizes = (
-        cfg_all.shapes,
-        cfg_all.mix,
-        cfg_all.num_shapes,
-        cfg_all.batch_sizes,
-    )
-    text_len, warmup, repeats, seed = cfg_all.text_len, cfg_all.warmup, cfg_all.repeats, cfg_all.seed
-    kind, max_compute, packs = cfg_all.kind, cfg_all.max_compute, cfg_all.packs
-    activation_checkpointing, compile, weight_dtype = (
-        run.activation_checkpointing,
-        run.compile,
-        run.weight_dtype,
-    )
-    checkpoint_policy, checkpoint_blocks = run.checkpoint_policy, run.checkpoint_blocks
-    vram_fraction, memory_budget_gb, max_tokens, max_batch = (
-        mem.vram_fraction,
-        mem.memory_budget_gb,
-        mem.max_tokens,
-        mem.max_batch,
-    )
+    cfg_all = _settings(settings)
+    run = cfg_all.training
     dev, precision, ddp = _resolve_device(run.device, run.precision, run.ddp)
     module = VideoDiTModule(
         preset=preset,
         model_overrides=model_overrides,
-        optimizer=OptimizerSettings(weight_dtype=weight_dtype),
+        optimizer=OptimizerSettings(weight_dtype=run.weight_dtype),
         memory=MemorySettings(
-            activation_checkpointing=activation_checkpointing, checkpoint_policy=checkpoint_policy
+            activation_checkpointing=run.activation_checkpointing, checkpoint_policy=run.checkpoint_policy
         ),
-        compile=compile,
+        compile=run.compile,
     )
     cfg = module.model_config
     patch = cfg.patch_size
-    all_shapes, mix_name = _shapes_to_measure(shapes, mix, cfg.in_channels, patch)
-    chosen = _select_shapes(all_shapes, patch, num_shapes)
-    seq = {s: tokens_per_sample(s, patch) for s in chosen}
-    longest, shortest = chosen[-1], chosen[0]
+    all_shapes, mix_name = _shapes_to_measure(cfg_all.shapes, cfg_all.mix, cfg.in_channels, patch)
+    text_len = cfg_all.text_len
     if text_len is None:
         text_len = 512 if cfg.text_dim == 4096 else 16
 
-    torch.manual_seed(seed)
+    torch.manual_seed(cfg_all.seed)
     module.configure_model()
     if precision == "bf16-true":
         module.model.to(torch.bfloat16)
     module.model.to(dev)
     module.model.train()
-    bench = Bench(module, dev, precision, text_len, ddp, seed)
-    bench.allocate_optimizer_state(shortest)
+    bench = Bench(module, dev, precision, text_len, ddp, cfg_all.seed)
+    chosen = _select_shapes(all_shapes, patch, cfg_all.num_shapes)
+    bench.allocate_optimizer_state(chosen[0])
 
-    total, device_name = _device_memory(dev)
-    budget = int(memory_budget_gb * _GIB) if memory_budget_gb is not None else int(vram_fraction * total)
+    def model_args_after_budget(max_tokens: int, budget: int, seq: dict) -> tuple[dict[str, Any], str | None]:
+        memory_args, memory_note = (
+            auto_checkpointing(bench, run.checkpoint_policy, chosen[-1], chosen[0], seq, max_tokens, budget)
+            if run.checkpoint_blocks == "auto"
+            else ({}, None)
+        )
+        # The fragment's model.init_args, in the module's settings groups (a second --config merges them).
+        model_args: dict[str, Any] = {}
+        if run.compile:  # what was measured: the fragment must not be trained eagerly by mistake
+            model_args["compile"] = True
+        if run.weight_dtype == "bf16":  # what was measured (its memory differs from fp32 weights')
+            model_args["optimizer"] = {"weight_dtype": "bf16"}
+        if memory_args:
+            model_args["memory"] = {"activation_checkpointing": True, **memory_args}
+        return model_args, memory_note
+
+    init_args = {"preset": preset, "model_overrides": dict(model_overrides or {})}
+    checkpointing = ("count per batch (auto)" if run.checkpoint_blocks == "auto" else
+                     "every block" if run.activation_checkpointing else "off")  # fmt: skip
+    return _measure(
+        _Run(
+            bench=bench,
+            settings=cfg_all,
+            all_shapes=all_shapes,
+            mix_name=mix_name,
+            patch=patch,
+            device=dev,
+            precision=precision,
+            ddp=ddp,
+            use_packs=cfg_all.packs is not False and cfg_all.kind == "quadratic",
+            model={"class_path": VIDEO_DIT_MODULE, "init_args": init_args, "parameters": bench.num_params},
+            model_info={
+                "model": f"{preset} {json.dumps(model_overrides or {})} ({VIDEO_DIT_MODULE}, "
+                f"{_parameters(bench.num_params)})",
+                "precision": precision,
+                "activation_checkpointing": run.activation_checkpointing,
+                "compile": run.compile,
+                "weight_dtype": run.weight_dtype,
+                "checkpointing": f"{run.checkpoint_policy}, {checkpointing}",
+                "text_len": text_len,
+            },
+            after_budget=model_args_after_budget,
+        ),
+        progress,
+        timer,
+    )
+
+
+def calibrate_module(
+    module: Any,
+    settings: CalibrateSettings | None = None,
+    batches: ModuleBatches | None = None,
+    *,
+    class_path: str | None = None,
+    init_args: Mapping[str, Any] | None = None,
+    notes: Mapping[str, str] | None = None,
+    progress: bool = True,
+    timer: Callable[[list[tuple[int, int, int, int]]], float | None] | None = None,
+) -> CalibrationResult:
+    """Measure any LightningModule through its own ``training_step``, fit the cost model, find the token budget.
+
+    What :func:`calibrate` does for ``VideoDiTModule``, on a recipe's own module
+    (:class:`~lightning_adaptiveload.tools.calibrate_bench.ModuleBench`): ``configure_model`` and
+    ``configure_optimizers`` run outside a Trainer, then every timed step is the module's ``training_step``
+    and the backward of the loss it returns, on the DataModule's batch dicts shaped by the data's latent
+    shapes and ``batches`` (bucketed; packs too where the class sets ``runs_packed_batches = True``, as the
+    DataModule asks). Before anything is measured, one probe step (one sample of the shortest shape, and a
+    pack where packs are timed) must run and reach the parameters.
+
+    Args:
+        module: the LightningModule, as its recipe builds it (``configure_model`` not yet run).
+        settings: what to measure and fit; its ``training`` group's model settings (activation checkpointing,
+            compile, weight dtype, checkpoint policy and blocks) are ``VideoDiTModule``'s and must be left at
+            their defaults: the module's own arguments say how it trains.
+        batches: the batch contract's fields (patch size, text, dtype, the recipe's schedule); None: the
+            defaults of :class:`~lightning_adaptiveload.tools.calibrate_settings.ModuleBatches`.
+        class_path, init_args: how the recipe names the module, for the record (default: its class's import
+            path, and no arguments).
+        notes: more lines for the record (e.g. where the class was imported from).
+        progress, timer: as for :func:`calibrate`.
+
+    Returns:
+        A :class:`CalibrationResult` whose record and ``model`` name the module that was measured.
+
+    Raises:
+        CannotCalibrate: (a ``ValueError``) the module cannot be measured: no ``training_step`` of its own,
+            manual optimization, a hook or the probe step fails, packs asked of a module that does not take
+            them; the message names the class and why.
+        ValueError: bad settings, no CUDA for a CUDA device, or one sample of the longest shape does not fit.
+    """
+    from lightning_adaptiveload.planning.schedules import SCHEDULE_TYPES
+    from lightning_adaptiveload.tools.calibrate_bench import ModuleBench, prepare_module
+
+    cfg_all = _settings(settings)
+    batches = batches if batches is not None else ModuleBatches()
+    if not isinstance(batches, ModuleBatches):
+        raise TypeError(f"calibrate_module: batches must be a ModuleBatches, got {type(batches).__name__}")
+    name = class_path or f"{type(module).__module__}.{type(module).__qualname__}"
+    run = cfg_all.training
+    video_dit_only = {
+        f.name: getattr(run, f.name)
+        for f in dataclasses.fields(CalibratedTraining)
+        if f.name in _VIDEO_DIT_TRAINING and getattr(run, f.name) != f.default
+    }
+    if video_dit_only:
+        raise CannotCalibrate(
+            f"calibrate: {', '.join(f'{k}={v!r}' for k, v in video_dit_only.items())} set VideoDiTModule's model, "
+            f"but the model measured is {name}: set how it trains in its own init_args (the recipe's "
+            "model.init_args) instead"
+        )
+    dev, precision, ddp = _resolve_device(run.device, run.precision, run.ddp)
+    patch = batches.patch_size
+    all_shapes, mix_name = _shapes_to_measure(cfg_all.shapes, cfg_all.mix, None, patch)
+    takes_packs = bool(getattr(module, "runs_packed_batches", False))
+    schedule = SCHEDULE_TYPES.get(batches.schedule) if batches.schedule else None
+    if schedule is not None and schedule.always_packs and not takes_packs:
+        raise CannotCalibrate(
+            f"calibrate: cannot measure {name}: the recipe's schedule 'packed' gives every training step a pack, "
+            f"but {type(module).__name__} does not set runs_packed_batches = True, so it cannot take them (the "
+            "DataModule refuses it too): set data.init_args.plan.schedule to 'lockstep' or 'independent', or make "
+            "its training_step take packs and set runs_packed_batches = True (docs/data_path.md, 'Packed batches')"
+        )
+    if cfg_all.packs is True and not takes_packs:
+        raise CannotCalibrate(
+            f"calibrate: cannot time packs of {name}: its class does not set runs_packed_batches = True, so its "
+            "training_step takes bucketed batches only; leave packs to the model (--packs not given) or --no-packs"
+        )
+    use_packs = takes_packs and cfg_all.packs is not False and cfg_all.kind == "quadratic"
+    if use_packs:
+        packs_note = "timed through its training_step (runs_packed_batches = True)"
+    elif not takes_packs:
+        packs_note = f"not timed: {type(module).__name__} does not set runs_packed_batches = True (bucketed batches only)"
+    else:
+        packs_note = (
+            "not timed (" + ("--no-packs" if cfg_all.packs is False else f"kind {cfg_all.kind}") + ")"
+        )
+    text_len = cfg_all.text_len
+    if batches.text_dim is None:
+        text_len = 0
+    elif text_len is None:
+        text_len = batches.text_pad_to or 16
+
+    torch.manual_seed(cfg_all.seed)
+    optimizers = prepare_module(module, dev, precision, name)
+    bench = ModuleBench(module, dev, precision, ddp, cfg_all.seed, batches, text_len, optimizers, name)
+    chosen = _select_shapes(all_shapes, patch, cfg_all.num_shapes)
+    probe_pack = None
+    if use_packs:
+        distinct = _select_shapes(all_shapes, patch, 0)
+        probe_pack = distinct[:2] if len(distinct) > 1 else distinct * 2
+    bench.probe(chosen[0], probe_pack)
+    bench.allocate_optimizer_state(chosen[0])
+    text = "no text" if text_len == 0 else f"text {text_len} x {batches.text_dim}"
+    if text_len and batches.text_pad_to:
+        text += f" padded to {max(batches.text_pad_to, text_len)}"
+    args_json = json.dumps(dict(init_args or {}), sort_keys=True, default=str)
+    optimizer_names = ", ".join(type(o).__name__ for o in optimizers) or "none"
+    return _measure(
+        _Run(
+            bench=bench,
+            settings=cfg_all,
+            all_shapes=all_shapes,
+            mix_name=mix_name,
+            patch=patch,
+            device=dev,
+            precision=precision,
+            ddp=ddp,
+            use_packs=use_packs,
+            model={"class_path": name, "init_args": dict(init_args or {}), "parameters": bench.num_params},
+            model_info={
+                "model": f"{name} {args_json} ({_parameters(bench.num_params)})",
+                **dict(notes or {}),
+                "step": f"{type(module).__name__}.training_step + backward of its loss, outside a Trainer "
+                "(one process; self.log off)",
+                "batches": f"the DataModule's batch dicts: latents {batches.dtype}, {text}, patch "
+                f"{list(patch)}; packs {packs_note}",
+                "optimizer": f"{optimizer_names} (configure_optimizers; its state allocated by one step)",
+                "precision": precision,
+                "text_len": text_len,
+            },
+            after_budget=None,
+            pack_path="its training_step",
+        ),
+        progress,
+        timer,
+    )
+
+
+# The CalibratedTraining fields that set VideoDiTModule's model (a recipe's own module has its own).
+_VIDEO_DIT_TRAINING = frozenset(
+    {"activation_checkpointing", "checkpoint_policy", "checkpoint_blocks", "compile", "weight_dtype"}
+)
+VIDEO_DIT_MODULE = "lightning_adaptiveload.VideoDiTModule"
+
+
+def _parameters(n: int) -> str:
+    return f"{n / 1e6:.1f}M parameters" if n >= 100_000 else f"{n:,} parameters"
+
+
+def _settings(settings: CalibrateSettings | None) -> CalibrateSettings:
+    if settings is None:
+        return CalibrateSettings()  # raises: the shapes or a mix must be given
+    if not isinstance(settings, CalibrateSettings):
+        raise TypeError(f"calibrate: settings must be a CalibrateSettings, got {type(settings).__name__}")
+    return settings
+
+
+@dataclass
+class _Run:
+    """One calibration's bench and what the record says of its model."""
+
+    bench: Any
+    settings: CalibrateSettings
+    all_shapes: list[tuple[int, ...]]
+    mix_name: str | None
+    patch: Sequence[int]
+    device: torch.device
+    precision: str
+    ddp: bool
+    use_packs: bool
+    model: dict[str, Any]
+    model_info: dict[str, Any]
+    # (max_tokens, budget bytes, tokens per shape) -> (the fragment's model.init_args, a memory note)
+    after_budget: Callable[[int, int, dict], tuple[dict[str, Any], str | None]] | None
+    pack_path: str = "the packed forward"  # what a pack runs through, for the record
+
+
+def _measure(r: _Run, progress: bool, timer: Callable | None) -> CalibrationResult:
+    """The budget search, the timings and the fit, on a bench whose model and optimizer state are ready."""
+    from lightning_adaptiveload.planning.sizing import tokens_per_sample
+
+    cfg, mem, bench, patch = r.settings, r.settings.memory, r.bench, r.patch
+    chosen = _select_shapes(r.all_shapes, patch, cfg.num_shapes)
+    seq = {s: tokens_per_sample(s, patch) for s in chosen}
+    longest, shortest = chosen[-1], chosen[0]
+    total, device_name = _device_memory(r.device)
+    budget = (
+        int(mem.memory_budget_gb * _GIB)
+        if mem.memory_budget_gb is not None
+        else int(mem.vram_fraction * total)
+    )
     probes: list[MemoryProbe] = []
+    max_tokens = mem.max_tokens
     if max_tokens is None:
-        max_tokens = _search_token_budget(bench, longest, shortest, seq, budget, max_batch, probes, progress)
+        max_tokens = _search_token_budget(
+            bench, longest, shortest, seq, budget, mem.max_batch, probes, progress
+        )
     elif max_tokens < seq[longest]:
         raise ValueError(
             f"calibrate: max_tokens={max_tokens} is below the longest shape's {seq[longest]} tokens per sample"
         )
-
-    memory_args, memory_note = (
-        auto_checkpointing(bench, checkpoint_policy, longest, shortest, seq, max_tokens, budget)
-        if checkpoint_blocks == "auto"
-        else ({}, None)
-    )
-    # The fragment's model.init_args, in the module's settings groups (a second --config merges them).
-    model_args: dict[str, Any] = {}
-    if compile:  # what was measured: the fragment must not be trained eagerly by mistake
-        model_args["compile"] = True
-    if weight_dtype == "bf16":  # what was measured (its memory differs from fp32 weights')
-        model_args["optimizer"] = {"weight_dtype": "bf16"}
-    if memory_args:
-        model_args["memory"] = {"activation_checkpointing": True, **memory_args}
-    use_packs = packs and kind == "quadratic"
-    if use_packs and not batch_sizes:
+    model_args, memory_note = r.after_budget(max_tokens, budget, seq) if r.after_budget else ({}, None)
+    batch_sizes = cfg.batch_sizes
+    if r.use_packs and not batch_sizes:
         batch_sizes = [1]
-    step_timer = timer
     timings = _time_points(
-        bench, chosen, seq, batch_sizes, max_batch, max_tokens, warmup, repeats, progress, step_timer
+        bench, chosen, seq, batch_sizes, mem.max_batch, max_tokens, cfg.warmup, cfg.repeats, progress, timer
     )
     points: list[Any] = []
-    if use_packs:
+    if r.use_packs:
         cost, points = _fit_with_packs(
-            bench, timings, all_shapes, patch, max_tokens, warmup, repeats, progress, step_timer
+            bench, timings, r.all_shapes, patch, max_tokens, cfg.warmup, cfg.repeats, progress, timer
         )
-        cap = _resolve_cap(cost, max_compute, max_tokens, patch, all_shapes)
+        cap = _resolve_cap(cost, cfg.max_compute, max_tokens, patch, r.all_shapes)
     else:
-        cost, cap = _fit_cost_model(timings, kind, max_compute, max_tokens, patch, all_shapes)
+        cost, cap = _fit_cost_model(timings, cfg.kind, cfg.max_compute, max_tokens, patch, r.all_shapes)
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{device_name}, {total / _GIB:.1f} GiB",
         "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
-        "model": f"{preset} {json.dumps(model_overrides or {})} ({bench.num_params / 1e6:.1f}M parameters)",
-        "precision": precision,
-        "activation_checkpointing": activation_checkpointing,
-        "compile": compile,
-        "weight_dtype": weight_dtype,
-        "checkpointing": f"{checkpoint_policy}, "
-        + ("count per batch (auto)" if memory_args else "every block" if activation_checkpointing else "off"),
-        "text_len": text_len,
-        "shapes": f"{len(chosen)} of {len(set(all_shapes))} distinct"
-        + (f" from mix {mix_name}" if mix_name else ""),
-        "memory": _memory_note(budget, total, vram_fraction, memory_budget_gb, dev, ddp),
-        "timing": f"median of {repeats} after {warmup} warm-up, forward+backward, no optimizer step"
+        **r.model_info,
+        "shapes": f"{len(chosen)} of {len(set(r.all_shapes))} distinct"
+        + (f" from mix {r.mix_name}" if r.mix_name else ""),
+        "memory": _memory_note(budget, total, mem.vram_fraction, mem.memory_budget_gb, r.device, r.ddp),
+        "timing": f"median of {cfg.repeats} after {cfg.warmup} warm-up, forward+backward, no optimizer step"
         + (", injected timer" if timer is not None else "")
-        + (f"; {len(points) - len(timings)} designed packs through the packed forward" if use_packs else ""),
+        + (f"; {len(points) - len(timings)} designed packs through {r.pack_path}" if r.use_packs else ""),
         "max_tokens": f"{max_tokens} "
         + (
             f"(= largest fitting batch at the longest shape, {seq[longest]} tokens per sample)"
@@ -457,7 +669,7 @@ def calibrate(
         if cap != "auto"
         else "auto (resolved by the data module)",
     }
-    return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points, model_args)
+    return CalibrationResult(max_tokens, cap, cost, timings, probes, info, points, model_args, dict(r.model))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,9 +694,10 @@ def _resolve_device(
 
 
 def _shapes_to_measure(
-    shapes: Sequence[Sequence[int]] | None, mix: str | None, channels: int, patch: Sequence[int]
+    shapes: Sequence[Sequence[int]] | None, mix: str | None, channels: int | None, patch: Sequence[int]
 ) -> tuple[list[tuple[int, ...]], str | None]:
-    """The latent shapes given, or those of the mix's buckets, checked against the model; and the mix name."""
+    """The latent shapes given, or those of the mix's buckets, checked against the model's ``channels`` (None:
+    one channel count for all, as one VAE writes them); and the mix name."""
     from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
     mix_name = None  # CalibrateSettings made sure that one of shapes and mix is given
@@ -495,6 +708,13 @@ def _shapes_to_measure(
         mix_name = loaded.name
         shapes = [b.latent_shape for b in loaded.buckets]
     shapes = [tuple(int(d) for d in s) for s in shapes]
+    if channels is None and shapes:
+        channels = shapes[0][0]
+        if len({s[0] for s in shapes}) > 1:
+            raise ValueError(
+                f"calibrate: the latent shapes have {sorted({s[0] for s in shapes})} channels; the data of one "
+                "model has one channel count (one VAE)"
+            )
     for s in shapes:
         if s[0] != channels:
             raise ValueError(
@@ -660,7 +880,7 @@ def _memory_note(
         + (
             " measured with the CUDA allocator"
             if dev.type == "cuda"
-            else " CPU estimate: params+grads+AdamW+saved activations"
+            else " CPU estimate: params+grads+optimizer state+saved activations"
         )
         + (", DDP gradient buckets counted" if ddp else "")
     )

@@ -1,9 +1,10 @@
 """The settings of the calibration (:func:`lightning_adaptiveload.tools.calibrate.calibrate`).
 
-Three frozen, keyword-only groups, each validated once in its ``__post_init__``: what is measured
-(:class:`CalibrateSettings`), how the measured training step runs (:class:`CalibratedTraining`) and how the token
-budget is searched (:class:`MemorySearch`). The command line (:mod:`lightning_adaptiveload.cli.calibrate`) builds
-them from its arguments and the recipe.
+Frozen, keyword-only groups, each validated once in its ``__post_init__``: what is measured
+(:class:`CalibrateSettings`), how the measured training step runs (:class:`CalibratedTraining`), how the token
+budget is searched (:class:`MemorySearch`) and, for a recipe's own LightningModule, the batches its
+``training_step`` is timed on (:class:`ModuleBatches`). The command line (:mod:`lightning_adaptiveload.cli.calibrate`)
+builds them from its arguments and the recipe.
 
 Example:
     >>> from lightning_adaptiveload.tools.calibrate_settings import CalibrateSettings, CalibratedTraining
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-__all__ = ["CalibrateSettings", "CalibratedTraining", "MemorySearch", "Precision"]
+__all__ = ["CalibrateSettings", "CalibratedTraining", "MemorySearch", "ModuleBatches", "Precision"]
 
 #: Lightning precision of the measured step.
 Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -153,9 +154,11 @@ class CalibrateSettings:
     """``"resolve"`` writes the number the batcher's ``"auto"`` rule gives on the measured shapes; ``"auto"``
     writes ``auto`` (resolved from the training data's shapes)."""
 
-    packs: bool = True
+    packs: bool | None = None
     """Time single samples and the designed packs at ``max_tokens`` and fit ``c0``, alpha, beta to all of
-    them (quadratic ``kind`` only)."""
+    them (quadratic ``kind`` only). None: where the model takes packs (``VideoDiTModule`` does; a recipe's own
+    module when its class sets ``runs_packed_batches = True``, as the DataModule asks); True: the model must
+    take them; False: bucketed batches only (a per-sample fit of the batch times)."""
 
     training: CalibratedTraining = field(default_factory=CalibratedTraining)
     """How the measured step runs."""
@@ -177,6 +180,10 @@ class CalibrateSettings:
             raise ValueError(f"calibrate: kind must be 'quadratic' or 'power', got {self.kind!r}")
         if self.max_compute not in ("resolve", "auto"):
             raise ValueError(f"calibrate: max_compute must be 'resolve' or 'auto', got {self.max_compute!r}")
+        if self.packs not in (None, True, False):
+            raise ValueError(
+                f"calibrate: packs must be True, False or None (where the model takes packs), got {self.packs!r}"
+            )
         if self.batch_sizes is not None and any(int(b) < 1 for b in self.batch_sizes):
             raise ValueError(f"calibrate: batch_sizes must be positive, got {list(self.batch_sizes)!r}")
         if not isinstance(self.training, CalibratedTraining) or not isinstance(self.memory, MemorySearch):
@@ -184,3 +191,58 @@ class CalibrateSettings:
                 "calibrate: training must be a CalibratedTraining and memory a MemorySearch, got "
                 f"{type(self.training).__name__} and {type(self.memory).__name__}"
             )
+
+
+#: dtypes of the latents and text states of a timed batch (those the shards store).
+BatchDtype = Literal["float16", "float32"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleBatches:
+    """The batches a recipe's own LightningModule is timed on (:func:`~lightning_adaptiveload.tools.calibrate.calibrate_module`).
+
+    They are the DataModule's batch dicts (``docs/data_path.md``): bucketed ones from
+    :func:`~lightning_adaptiveload.loading.collate.collate`, and packs from
+    :func:`~lightning_adaptiveload.loading.packed_collate.collate_packed` where the module takes them. The
+    command line reads these fields from the recipe's ``data.init_args`` (``batching.patch_size``,
+    ``loader.text_pad_to``, ``plan.schedule``, the ``synthetic`` block or the training shards).
+
+    Raises:
+        ValueError: a bad value; the message names the field and the value.
+    """
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """(pt, ph, pw): the data's patch size, which counts the tokens (the model's own, as for the DataModule)."""
+
+    text_dim: int | None = 32
+    """D_text of the text states; None: batches without text (``text`` and ``text_mask`` None)."""
+
+    text_pad_to: int | None = None
+    """Pad every batch's text to this many states (``loader.text_pad_to``); None: the sample's own length."""
+
+    dtype: BatchDtype = "float16"
+    """dtype of the latents and text states, as the shards store them (the synthetic data's default)."""
+
+    schedule: str | None = None
+    """The recipe's ``plan.schedule``: ``"packed"`` refuses a module that does not take packs, as the
+    DataModule does before its first step."""
+
+    def __post_init__(self) -> None:
+        patch = tuple(self.patch_size) if isinstance(self.patch_size, Sequence) else ()
+        if len(patch) != 3 or not all(type(p) is int and p >= 1 for p in patch):
+            raise ValueError(
+                f"calibrate: patch_size must be three positive integers, got {self.patch_size!r}"
+            )
+        object.__setattr__(self, "patch_size", patch)
+        if self.text_dim is not None and not (type(self.text_dim) is int and self.text_dim >= 1):
+            raise ValueError(
+                f"calibrate: text_dim must be a positive integer or None (no text), got {self.text_dim!r}"
+            )
+        if self.text_pad_to is not None and not (type(self.text_pad_to) is int and self.text_pad_to >= 1):
+            raise ValueError(
+                f"calibrate: text_pad_to must be a positive integer or None, got {self.text_pad_to!r}"
+            )
+        if self.dtype not in get_args(BatchDtype):
+            raise ValueError(f"calibrate: dtype must be one of {get_args(BatchDtype)}, got {self.dtype!r}")
+        if self.schedule is not None and not isinstance(self.schedule, str):
+            raise ValueError(f"calibrate: schedule must be a schedule name or None, got {self.schedule!r}")

@@ -1,10 +1,9 @@
-"""CalibrateSettings, CalibratedTraining, MemorySearch: each bad value rejected once, in one place; the deprecated
-flat keywords of calibrate() still work, warn once and give the same result."""
+"""CalibrateSettings, CalibratedTraining, MemorySearch, ModuleBatches: each bad value rejected once, in one place;
+calibrate() takes its knobs in them only."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 
@@ -13,6 +12,7 @@ from lightning_adaptiveload.tools.calibrate_settings import (
     CalibratedTraining,
     CalibrateSettings,
     MemorySearch,
+    ModuleBatches,
 )
 
 _OK = dict(mix="tiny")
@@ -28,6 +28,7 @@ _OK = dict(mix="tiny")
         (CalibrateSettings, dict(_OK, max_compute="search"), "max_compute"),
         (CalibrateSettings, dict(_OK, batch_sizes=[0]), "batch_sizes"),
         (CalibrateSettings, dict(_OK, training={"device": "cpu"}), "training"),
+        (CalibrateSettings, dict(_OK, packs="auto"), "packs"),
         (CalibratedTraining, dict(precision="fp8"), "precision"),
         (CalibratedTraining, dict(device="gpu"), "device"),
         (CalibratedTraining, dict(checkpoint_blocks="all"), "checkpoint_blocks"),
@@ -36,6 +37,11 @@ _OK = dict(mix="tiny")
         (MemorySearch, dict(memory_budget_gb=0.0), "memory_budget_gb"),
         (MemorySearch, dict(max_tokens=0), "max_tokens"),
         (MemorySearch, dict(max_batch=0), "max_batch"),
+        (ModuleBatches, dict(patch_size=(1, 2)), "patch_size"),
+        (ModuleBatches, dict(text_dim=0), "text_dim"),
+        (ModuleBatches, dict(text_pad_to=-3), "text_pad_to"),
+        (ModuleBatches, dict(dtype="bfloat16"), "dtype"),
+        (ModuleBatches, dict(schedule=3), "schedule"),
     ],
 )
 def test_each_bad_value_is_rejected_once_by_its_settings_class(cls, kwargs, field):
@@ -57,38 +63,18 @@ def test_settings_are_frozen_and_keyword_only():
     assert settings.training == CalibratedTraining() and settings.memory == MemorySearch()
 
 
-def _timer(shapes):
-    return 1e-6 * sum(t * h * w for _, t, h, w in shapes)
+def test_calibrate_takes_no_flat_keywords():
+    # The flat keywords of earlier releases are gone: the settings objects are the one way in.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mix'"):
+        calibrate(preset="tiny", mix="tiny", device="cpu")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="give the shapes to measure"):
+        calibrate("tiny")  # no settings: nothing says what to measure
+    with pytest.raises(TypeError, match="CalibrateSettings"):
+        calibrate("tiny", settings={"mix": "tiny"})  # type: ignore[arg-type]
 
 
-@pytest.mark.timeout(240)
-def test_the_flat_keywords_still_work_warn_once_and_give_the_same_result():
-    settings = CalibrateSettings(
-        mix="tiny",
-        num_shapes=3,
-        warmup=0,
-        repeats=1,
-        packs=False,
-        training=CalibratedTraining(device="cpu"),
-        memory=MemorySearch(max_tokens=900),
-    )
-    new = calibrate("tiny", settings=settings, progress=False, timer=_timer)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = calibrate(
-            preset="tiny", mix="tiny", num_shapes=3, warmup=0, repeats=1, packs=False, device="cpu",
-            max_tokens=900, progress=False, timer=_timer,
-        )  # fmt: skip
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1 and "CalibrateSettings(" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__
-    assert (old.max_tokens, old.max_compute, old.cost_model) == (
-        new.max_tokens,
-        new.max_compute,
-        new.cost_model,
-    )
-    assert old.timings == new.timings
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="vram_fraction"):
-        calibrate(preset="tiny", mix="tiny", vram_fraction=2.0)  # the flat keyword reaches the same one check
-    with pytest.raises(TypeError, match="did you mean 'repeats'"):
-        calibrate(preset="tiny", mix="tiny", repeat=1)
+def test_module_batches_defaults_are_the_synthetic_datas():
+    batches = ModuleBatches(patch_size=[1, 2, 2])
+    assert batches.patch_size == (1, 2, 2) and batches.text_dim == 32 and batches.dtype == "float16"
+    assert ModuleBatches(text_dim=None).text_dim is None  # batches without text
+    assert CalibrateSettings(mix="tiny").packs is None  # packs where the model takes them
