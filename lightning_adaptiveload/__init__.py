@@ -29,6 +29,7 @@ _EXPORTS = {
     "write_synthetic_shards": "shards.synthetic",
     # callbacks
     "LoadBalanceMonitor": "callbacks.load_balance",
+    "ClosedLoop": "callbacks.closed_loop",
     "AlignedGC": "callbacks.aligned_gc",
     "KernelWarmup": "callbacks.kernel_warmup",
     # the fused op and the fusion pass

@@ -7,7 +7,7 @@ noise and outliers for the refit to see through), so the monitor measures exactl
     python tests/_refit_runner.py CONFIG.json
 
 CONFIG: {"data", "out", "world", "true": CostModel dict, "runs": [{"name", "schedule", "max_epochs",
-"max_tokens", "cost_model": dict, "refit": bool | dict, "ckpt": bool, "ckpt_every": steps | null,
+"max_tokens", "cost_model": dict, "refit": bool | dict (the ClosedLoop's; False: the monitor alone), "ckpt": bool, "ckpt_every": steps | null,
 "kill_at": global step | null, "num_workers": int, "noise": bool, "resume": path | null}]}. Per rank and run it writes
 ``<out>/<name>.rank<r>.jsonl``: one line per training step (epoch, step, keys, true cost), one per epoch start
 (``{"epoch_start": e, "model": the data module's cost model}``) and one per plan segment that starts in an
@@ -32,10 +32,13 @@ from lightning.pytorch.strategies import DDPStrategy
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
 from _ddp_data_runner import CrashAt, SimulatedCrash, launch  # noqa: E402,F401 - launch is re-exported
 
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.callbacks.closed_loop import ClosedLoop  # noqa: E402
 from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.loading.settings import Loader  # noqa: E402
 from lightning_adaptiveload.monitor.timing import ManualClock  # noqa: E402
 from lightning_adaptiveload.planning.cost_model import CostModel  # noqa: E402
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -134,23 +137,25 @@ def main() -> None:
         path = os.path.join(cfg["out"], f"{run['name']}.rank{rank}.jsonl")
         dm = AdaptiveLoadDataModule(
             train_shards=cfg["data"],
-            max_tokens=run.get("max_tokens", 512),
-            schedule=run["schedule"],
-            num_workers=run.get("num_workers", 0),
-            cost_model=run["cost_model"],
+            batching=Batching(max_tokens=run.get("max_tokens", 512), cost_model=run["cost_model"]),
+            plan=PlanSettings(schedule=run["schedule"], chunk_samples=500_000),  # the DataModule's default
+            loader=Loader(num_workers=run.get("num_workers", 0)),
         )
         clock = ManualClock()
         monitor = LoadBalanceMonitor(
             dirpath=os.path.join(cfg["out"], run["name"] + "-monitor"),
-            # Lockstep plans bucketed batches in mode "dual" here, where applying a refit resizes batches:
-            # an opt-in (packs are sized by max_tokens alone, so the packed run needs none).
-            refit=run.get("refit", {"resize_batches": True}),
             clock=clock,
             count_flops=False,  # the FLOP count runs training_step on a meta copy: it would write rows too
             plots=False,
             print_summary=False,
         )
-        callbacks: list[Callback] = [monitor, ModelRecorder(path), SegmentRecorder(path)]
+        callbacks: list[Callback] = [monitor]
+        # Lockstep plans bucketed batches with sizing "dual" here, where applying a refit resizes batches: an
+        # opt-in (packs are sized by max_tokens alone, so the packed run needs none).
+        refit = run.get("refit", {"resize_batches": True})
+        if refit is not False:
+            callbacks.append(ClosedLoop(refit=refit))
+        callbacks += [ModelRecorder(path), SegmentRecorder(path)]
         if run.get("ckpt_every"):
             callbacks.append(
                 ModelCheckpoint(

@@ -8,9 +8,9 @@
 #                  a 32,760-token clip like 21 images of 1,560 tokens.
 # MIX (wan21_480p by default; native_480p: every sample its own shape, where packs of equal tokens differ
 # most in compute, so a wrong model costs the most there).
-# Twice: the monitor's cost refit on (the default: refitted at the end of epoch 1, epoch 2 planned with it)
-# and off (the control: both epochs with the starting model). Then benchmarks/balance/closed_loop_report.py:
-# each epoch's straggler wait, and the refit's error beside the starting model's. Comes back in $OUT:
+# Twice: the cost refit on (the monitor and a ClosedLoop: refitted at the end of epoch 1, epoch 2 planned
+# with it) and off (the monitor alone, the control: both epochs with the starting model). Then
+# benchmarks/balance/closed_loop_report.py: each epoch's straggler wait, and the refit's error beside the starting model's. Comes back in $OUT:
 # closed_loop_<start>_<mix>.{log,json,tgz} (both runs' monitor files and
 # configs). Carry .whl (see docs/load_balance_report.md).
 #   NGPU=2 SAMPLES=144 MIX=native_480p SCHEDULE=packed START=linear TOTAL=560 bash benchmarks/balance/gpu_closed_loop.sh
@@ -41,14 +41,15 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 timeout 150 python3 -m lightning_adaptiveload build-ops 2>&1 | tail -2
 RUN=/tmp/closed_loop_$TAG; rm -rf "$RUN"; mkdir -p "$RUN"
 python3 benchmarks/balance/ddp_modes.py --shards-only --mix "$MIX" --samples "$SAMPLES" --devices "$NGPU" --out "$RUN" 2>&1 | tail -2
-MON='lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor'
+MON='{"class_path": "lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor"}'
+LOOP='{"class_path": "lightning_adaptiveload.callbacks.closed_loop.ClosedLoop", "init_args": {"refit": true}}'
 for variant in on off; do
   [ "$variant" = on ] && budget=$(( ($(left) - 40) / 2 )) || budget=$(( $(left) - 40 ))
-  refit=true; [ "$variant" = off ] && refit=false
+  callbacks="[$MON, $LOOP]"; [ "$variant" = off ] && callbacks="[$MON]"
   echo "== refit $variant: $SCHEDULE on $MIX from $START, 2 epochs, $budget s $(el)"
   python3 benchmarks/balance/ddp_modes.py --modes "$SCHEDULE" --mix "$MIX" --devices "$NGPU" --samples "$SAMPLES" --steps 100000 \
     --out "$RUN/$variant" --time-budget-s "$budget" --set trainer.max_epochs=2 "${start_set[@]}" \
-    --set "trainer.callbacks=[{\"class_path\": \"$MON\", \"init_args\": {\"refit\": $refit}}]" \
+    --set "trainer.callbacks=$callbacks" \
     > "$RUN/fit_$variant.log" 2>&1
   echo "rc=$? $(el)"; grep -E "epoch [0-9]+:|refit|Time limit|max_epochs|Error|error" "$RUN/fit_$variant.log" | tail -12
 done

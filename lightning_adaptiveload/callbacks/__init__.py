@@ -9,6 +9,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "AlignedGC": "aligned_gc",
+        "ClosedLoop": "closed_loop",
         "KernelWarmup": "kernel_warmup",
         "LoadBalanceMonitor": "load_balance",
     },

@@ -11,7 +11,8 @@ balance statistics of :mod:`lightning_adaptiveload.stats`. See ``docs/monitor.md
 
 This module holds the Lightning hooks only: the clocks and the DDP hook are in
 :mod:`~lightning_adaptiveload.monitor.timing`, the per-step table in :mod:`~lightning_adaptiveload.monitor.steps`,
-the files and plots in :mod:`~lightning_adaptiveload.monitor.report`.
+the files and plots in :mod:`~lightning_adaptiveload.monitor.report`. The monitor only measures: the closed loop
+that plans with its measurements is :class:`~lightning_adaptiveload.callbacks.closed_loop.ClosedLoop`.
 """
 
 from __future__ import annotations
@@ -27,20 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload import _dist
-from lightning_adaptiveload.monitor import report
+from lightning_adaptiveload import _dist, _lightning_compat
+from lightning_adaptiveload.monitor import loop_state, report
 from lightning_adaptiveload.monitor import steps as step_table
-from lightning_adaptiveload.monitor.cost_refit import (
-    RESIZE_OPT_IN,
-    CostRefitter,
-    apply_to_datamodule,
-    refit_metrics,
-)
 from lightning_adaptiveload.monitor.flops import BatchFlops, resolve_peak
-from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_if_waiting
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
     CudaClock,
@@ -50,8 +44,6 @@ from lightning_adaptiveload.monitor.timing import (
     StallStacks,
     StepCompiles,
 )
-from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.refit import RefitConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,6 +53,9 @@ __all__ = ["LoadBalanceMonitor"]
 _log = logging.getLogger(__name__)
 
 _WORK_KEYS = ("cost", "num_tokens", "batch_size", "seq_len")
+
+#: ``listener(steps, table)``: a gathered block ``(K steps, world, FIELDS)`` and its step table.
+GatherListener = Callable[[np.ndarray, dict[str, np.ndarray]], None]
 
 
 class LoadBalanceMonitor(Callback):
@@ -105,14 +100,11 @@ class LoadBalanceMonitor(Callback):
     ``steps_compiling`` and ``compiles_rank0`` (rank 0's ``[step, seconds compiling]``: a slow step not
     listed did not compile on rank 0).
 
-    **Closed loop** (``refit``, on by default; ``docs/closed_loop.md``): at the end of every training epoch
-    (and every ``every_n_steps``) the cost model is refitted from every rank's gathered steps
-    (:func:`~lightning_adaptiveload.planning.refit.refit_cost_model`, identically on every rank) and handed
-    to the data module, whose next epoch is planned with it (an ``AdaptiveLoadDataModule`` with
-    ``max_compute="auto"``; otherwise the refit is logged only). Its terms and error are logged under
-    ``prefix + "refit/"`` and appended to ``cost_refit.jsonl``; the learned model and its measurements are
-    saved in the checkpoint (:meth:`state_dict`), so that a resumed run plans with them. With
-    ``RefitConfig(replan_wait=...)`` a window whose wait passes it replans the running epoch's rest (``monitor/replan.py``).
+    **It only measures.** The plan is changed by :class:`~lightning_adaptiveload.callbacks.closed_loop.ClosedLoop`
+    (after the monitor in ``callbacks``; ``docs/closed_loop.md``), which the monitor feeds through
+    :meth:`add_listener` (every gathered block and its step table, on every rank), :meth:`flush`,
+    :attr:`gathered_through`, :attr:`timing_exact` and :attr:`outdir`. The monitor keeps nothing in a
+    checkpoint.
 
     Args:
         dirpath: where to write the files; ``None`` for ``trainer.log_dir`` (the logger's directory, or
@@ -135,8 +127,6 @@ class LoadBalanceMonitor(Callback):
         print_summary: print the summary table on rank 0 at the end of fit.
         max_buffered_steps: flush (gather) at least every this many batches even when nothing is logged
             (``log_every_n_steps=0``), to bound the buffer.
-        refit: refit the cost model from the run (``True``: :class:`RefitConfig` defaults; a
-            :class:`RefitConfig` or its dict; ``False``: off).
         clock: the clock the steps are timed with; None: CUDA events on GPU, the host clock on CPU. A
             :class:`~lightning_adaptiveload.monitor.timing.ManualClock` replaces the measured time by a known
             one (tests, simulations).
@@ -155,6 +145,7 @@ class LoadBalanceMonitor(Callback):
         from lightning_adaptiveload import LoadBalanceMonitor
 
         trainer = Trainer(strategy="ddp", devices=8, log_every_n_steps=20, callbacks=[LoadBalanceMonitor()])
+        # and to plan the next epochs with the measured costs: callbacks=[LoadBalanceMonitor(), ClosedLoop()]
     """
 
     def __init__(
@@ -168,7 +159,6 @@ class LoadBalanceMonitor(Callback):
         plots: bool = True,
         print_summary: bool = True,
         max_buffered_steps: int = 1000,
-        refit: bool | RefitConfig | Mapping[str, Any] = True,
         clock: HostClock | ManualClock | None = None,
         stall_stacks_s: float | None = None,
     ) -> None:
@@ -192,20 +182,12 @@ class LoadBalanceMonitor(Callback):
         self.plots = plots
         self.print_summary = print_summary
         self.max_buffered_steps = max_buffered_steps
-        if isinstance(refit, Mapping):
-            refit = RefitConfig.from_dict(refit)
-        if not isinstance(refit, bool | RefitConfig):
-            raise ValueError(
-                f"LoadBalanceMonitor: refit must be True, False, a RefitConfig or its dict, got {refit!r}"
-            )
-        self.refit = refit
-        # Outside _reset: the learned model outlives on_train_start (a checkpoint restores it before).
-        self._refitter = CostRefitter(RefitConfig() if refit is True else refit) if refit else None
-        self._trigger = ReplanTrigger(self._refitter.config) if self._refitter is not None else None
+        # Outside _reset: a ClosedLoop subscribes in setup, before on_train_start.
+        self._listeners: list[GatherListener] = []
         self._fixed_clock = clock
         self._stacks = StallStacks(stall_stacks_s) if stall_stacks_s is not None else None
         self.stall_stacks_s = stall_stacks_s
-        self._trainer: Any = None  # set in setup: load_state_dict hands a restored model to its data module
+        self._trainer: Any = None  # set in setup
         self.summary: dict[str, Any] = {}
         self._reset()
 
@@ -220,7 +202,7 @@ class LoadBalanceMonitor(Callback):
         self._fsdp_timer: Any = None  # FSDP2: FsdpStepTimer, whose all-gather waits come off the compute time
         self._timing_method = "step"
         self._timing_exact = True  # False where compute times include waits the monitor cannot bracket
-        self._refit_step = -1  # the optimizer step of the last every_n_steps refit
+        self._gathered_through = -1  # total batch index of the last gathered step
         self._flops: BatchFlops | None = None
         self._counted_step = False  # FLOPs were counted before this step
         self._compiling = StepCompiles()  # did torch.compile compile in this step (this rank's log)
@@ -256,26 +238,50 @@ class LoadBalanceMonitor(Callback):
         self._trainer = trainer
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        """The cost refit's state (``{}`` with ``refit=False``). Gathers the buffered steps first, so that the
-        window is saved whole: a collective, which every rank runs when Lightning saves a checkpoint."""
-        if self._refitter is None:
-            return {}
-        if self._pending and self._trainer is not None:
-            self._flush(self._trainer, self._trainer.lightning_module, log=False)
-        replan = {} if self._trigger is None else {"replan": self._trigger.state_dict()}
-        return {"cost_refit": self._refitter.state_dict(), **replan}
-
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._refitter is None or "cost_refit" not in state_dict:
-            return
-        self._refitter.load_state_dict(state_dict["cost_refit"])
-        if self._trigger is not None and "replan" in state_dict:
-            self._trigger.load_state_dict(state_dict["replan"])
-        # Lightning restores callbacks after `setup` and before the first epoch is planned.
-        if self._refitter.model is not None and self._refitter.applied and self._trainer is not None:
-            self._apply(self._trainer, self._refitter.model)
+        # The monitor keeps no state; a 0.1.0 monitor kept its closed loop's here, which a ClosedLoop reads.
+        if loop_state.holds_loop_state(state_dict) and not self._listeners:
+            self._warn_once(
+                "loop_state",
+                "LoadBalanceMonitor: the checkpoint holds the cost model that a 0.1.0 LoadBalanceMonitor learned "
+                "(its refit); the monitor only measures now and leaves it unused. To plan with it, add "
+                "lightning_adaptiveload.ClosedLoop after the monitor in the trainer's callbacks.",
+            )
+
+    # ------------------------------------------------------------------ for the closed loop
+
+    def add_listener(self, listener: GatherListener) -> None:
+        """Call ``listener(steps, table)`` after every gather, on every rank: ``steps`` is the gathered block
+        ``(K steps, world, FIELDS)`` of :mod:`~lightning_adaptiveload.monitor.steps` (the same array on every
+        rank), ``table`` its step table (one entry per step). Adding the same listener again does nothing."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps recorded on this rank and not gathered yet."""
+        return len(self._pending)
+
+    @property
+    def gathered_through(self) -> int:
+        """The total batch index (over the fit) of the last gathered step; -1 before the first gather."""
+        return self._gathered_through
+
+    @property
+    def timing_exact(self) -> bool:
+        """Whether each rank's compute time excludes its waits for the others (DDP, FSDP2, one process)."""
+        return self._timing_exact
+
+    @property
+    def outdir(self) -> str | None:
+        """Where the monitor writes its files: set on rank 0 at train start, None elsewhere or before."""
+        return self._outdir
+
+    def flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Gather the buffered steps now, without logging (a collective: every rank calls it at the same
+        point; nothing happens where nothing is buffered, which is then the case on every rank)."""
+        if self._pending:
+            self._flush(trainer, pl_module, log=False)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -379,7 +385,7 @@ class LoadBalanceMonitor(Callback):
             )
         self._pending.append(
             PendingStep(
-                batch_idx=int(trainer.fit_loop.total_batch_idx),
+                batch_idx=_lightning_compat.total_batch_idx(trainer),
                 step=int(trainer.global_step),
                 epoch=int(trainer.current_epoch),
                 work=self._work(batch),
@@ -401,24 +407,6 @@ class LoadBalanceMonitor(Callback):
             self._flush(trainer, pl_module, log=True)
         elif len(self._pending) >= self.max_buffered_steps:
             self._flush(trainer, pl_module, log=False)
-        # Just gathered (nothing pending after this step's record): check the window's wait.
-        if not self._pending and self._trigger is not None and self._trigger.armed:
-            replan_if_waiting(self, trainer, pl_module)
-        every = self._refitter.config.every_n_steps if self._refitter is not None else None
-        step = int(trainer.global_step)
-        if every and step % every == 0 and step != self._refit_step:  # once per optimizer step
-            self._refit_step = step
-            self._refit(trainer, pl_module)
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._trigger is not None:
-            self._trigger.start_epoch(int(trainer.current_epoch))
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._refitter is not None:
-            self._refit(trainer, pl_module)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -467,7 +455,7 @@ class LoadBalanceMonitor(Callback):
         self._timing_exact = True
         if isinstance(model, DistributedDataParallel):
             if getattr(model, "_comm_hooks", None):
-                self._timing_exact = False  # the refit is logged only: the times may hold the wait
+                self._timing_exact = False  # a ClosedLoop logs its refit only: the times may hold the wait
                 self._warn_once(
                     "python_hook",
                     "LoadBalanceMonitor: a Python DDP communication hook is registered. On GPUs, under Lightning, "
@@ -524,21 +512,14 @@ class LoadBalanceMonitor(Callback):
         return (*work, square)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
-        # Same rule as Lightning's ThroughputMonitor: Lightning's own logging cadence, at optimizer steps only
-        # (with gradient accumulation every micro-batch of a logging step would match otherwise).
-        try:
-            if trainer.fit_loop._should_accumulate():
-                return False
-            return bool(trainer._logger_connector.should_update_logs)
-        except AttributeError:  # a Lightning without these internals: fall back to the public step counter
-            n = trainer.log_every_n_steps
-            return n > 0 and trainer.global_step % n == 0
+        return _lightning_compat.is_logging_step(trainer)
 
     # ------------------------------------------------------------------ gather and statistics
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
         pending, self._pending = self._pending, []
         self._clock.wait(pending[-1].end)  # the one host synchronisation per flush (no-op on CPU)
+        self._gathered_through = int(pending[-1].batch_idx)
         block: list[float] = [float(len(pending)), self._peak, self._device_total]
         for p in pending:
             block.extend(p.resolve(self._clock))
@@ -552,10 +533,8 @@ class LoadBalanceMonitor(Callback):
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
         table = step_table.step_table(steps, self._peaks_flops, self._totals, self._max_tokens)
-        if self._refitter is not None:
-            self._refitter.add_steps(steps)
-        if self._trigger is not None:
-            self._trigger.add(table)
+        for listener in self._listeners:
+            listener(steps, table)
         if self._rank == 0:
             self._record(steps, table)
         if log:
@@ -567,60 +546,6 @@ class LoadBalanceMonitor(Callback):
                     on_epoch=False,
                     batch_size=1,
                 )
-
-    def _refit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Gather what is buffered, refit the cost model on every rank, hand it to the data module and log it;
-        returns whether it was handed over."""
-        assert self._refitter is not None
-        if self._pending:
-            self._flush(trainer, pl_module, log=False)  # every rank runs the same steps: all flush here
-        if self._refitter.window_rows == 0:
-            return False
-        datamodule = getattr(trainer, "datamodule", None)
-        batcher = getattr(datamodule, "batcher", None)
-        prior = getattr(batcher, "cost_model", None) or self._refitter.model or CostModel.default()
-        agree = None
-        if self._world > 1:  # rank 0's fit on every rank: the next plans must agree bit for bit
-
-            def agree(result: Any) -> Any:
-                return trainer.strategy.broadcast(result, src=0)
-
-        result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step), agree)
-        if not self._timing_exact:
-            why_not = "the compute times include waits inside the step (see the warning above): logged only"
-        elif result.status == "kept":
-            why_not = "nothing to apply: " + result.reason
-        else:
-            why_not = self._apply(trainer, result.model)
-        if result.status != "kept":  # a kept prior is what the data module plans with already
-            self._refitter.applied = why_not == ""
-        self._refitter.history[-1]["applied"] = why_not == ""
-        self._refitter.history[-1]["not_applied_because"] = why_not
-        if why_not and result.status != "kept" and datamodule is not None:
-            message = f"LoadBalanceMonitor: cost model refitted, not applied: {why_not}"
-            if RESIZE_OPT_IN in why_not:  # the default in dual mode, not a problem: said once, as information
-                if "refit_resize" not in self._warned:
-                    self._warned.add("refit_resize")
-                    rank_zero_info(message)
-            else:
-                self._warn_once("refit_" + why_not[:40], message)
-        try:
-            # The values are the same on every rank (rank 0's fit); sync_dist only spares the user Lightning's
-            # epoch-level warning, one per key, at a few scalars' all-reduce per refit.
-            pl_module.log_dict(
-                {self.prefix + k: v for k, v in refit_metrics(result).items()}, batch_size=1, sync_dist=True
-            )
-        except Exception as err:  # noqa: BLE001 - a hook where Lightning refuses logging: the file still has it
-            self._warn_once("refit_log", f"LoadBalanceMonitor: the refit could not be logged here ({err})")
-        if self._rank == 0 and self._outdir is not None and self.write_files:
-            report.append_json_line(
-                os.path.join(self._outdir, "cost_refit.jsonl"), self._refitter.history[-1]
-            )
-        return why_not == ""
-
-    def _apply(self, trainer: pl.Trainer, model: Any) -> str:
-        resize = self._refitter is not None and self._refitter.config.resize_batches
-        return apply_to_datamodule(getattr(trainer, "datamodule", None), model, resize)
 
     def _record(self, steps: np.ndarray, table: dict[str, np.ndarray]) -> None:
         """Rank 0 keeps the per-step table and, for the plots, per-rank compute time and peak memory."""

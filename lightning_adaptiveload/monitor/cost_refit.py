@@ -1,11 +1,12 @@
-"""The closed loop of the LoadBalanceMonitor: refit the cost model from the steps it gathered.
+"""The closed loop's cost refit: the cost model refitted from the steps the LoadBalanceMonitor gathered.
 
 :class:`CostRefitter` turns the monitor's gathered per-step records (every rank's, the same array on every
 rank after the monitor's one collective per flush) into :class:`~lightning_adaptiveload.planning.refit.StepMeasurements`,
 refits with :func:`~lightning_adaptiveload.planning.refit.refit_cost_model` (identically on every rank: same
 rows, same order, float64), keeps the learned model and its measurements for the checkpoint, and hands the
-model to a data module that plans with it (:func:`apply_to_datamodule`). No Lightning here: the monitor's
-hooks call it (``docs/closed_loop.md``).
+model to a data module that plans with it (:func:`apply_to_datamodule`, which decides where a refit may be
+applied). No Lightning here: the hooks of :class:`~lightning_adaptiveload.callbacks.closed_loop.ClosedLoop`
+call it (``docs/closed_loop.md``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "measurements_from_steps",
     "measurements_from_ranks_csv",
     "apply_to_datamodule",
+    "withheld_because",
     "refit_metrics",
     "format_refit",
     "STATE_VERSION",
@@ -164,6 +166,21 @@ def format_refit(result: RefitResult) -> str:
 RESIZE_OPT_IN = "resize_batches"
 
 
+def withheld_because(result: RefitResult, timing_exact: bool) -> str:
+    """Why a refit is not even offered to the data module (``""``: offer it, :func:`apply_to_datamodule`).
+
+    Args:
+        result: the refit.
+        timing_exact: whether the monitor timed each rank's compute apart from its waits (DDP, FSDP2, one
+            process); under FSDP v1 or DeepSpeed ZeRO-3 the times hold the parameter all-gather waits.
+    """
+    if not timing_exact:
+        return "the compute times include waits inside the step (see the warning above): logged only"
+    if result.status == "kept":
+        return "nothing to apply: " + result.reason
+    return ""
+
+
 def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool = False) -> str:
     """Give ``model`` to the data module so that its next epoch is planned with it.
 
@@ -187,11 +204,11 @@ def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool 
             f"max_compute={batcher.max_compute!r} is a number in the starting cost model's unit; a refit model "
             "would change its meaning, so it is logged only. Use max_compute='auto' to plan with the refit model"
         )
-    sizes = batcher is not None and getattr(batcher, "mode", None) == "dual"
+    sizes = batcher is not None and getattr(batcher, "sizing", None) == "dual"
     if sizes and not resize_batches and getattr(datamodule, "schedule", None) != "packed":
         return (
-            'in mode "dual" the cost model sizes the batches, and a refit would change the long samples\' batch '
-            f"sizes between epochs; it is logged only (LoadBalanceMonitor(refit={{'{RESIZE_OPT_IN}': True}}) "
+            'with sizing="dual" the cost model sizes the batches, and a refit would change the long samples\' '
+            f"batch sizes between epochs; it is logged only (ClosedLoop(refit={{'{RESIZE_OPT_IN}': True}}) "
             "applies it)"
         )
     setter(model)
@@ -199,7 +216,7 @@ def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool 
 
 
 def refit_metrics(result: RefitResult) -> dict[str, float]:
-    """What the monitor logs of one refit (under its prefix): the new terms, the error on the window's kept
+    """What the closed loop logs of one refit (under the monitor's prefix): the new terms, the error on the window's kept
     steps (mean and worst, relative), the prior's error after its best scale, the rows used, and whether
     the change was clamped."""
     quadratic = result.model.kind == "quadratic"
@@ -257,7 +274,7 @@ class CostRefitter:
     ) -> RefitResult:
         """Refit on the window's rows, starting from ``prior``; the window then starts empty.
 
-        ``agree``: given this rank's result, returns the one every rank keeps (the monitor passes a broadcast
+        ``agree``: given this rank's result, returns the one every rank keeps (the closed loop passes a broadcast
         of rank 0's). Every rank fits the same rows in the same order, but an SVD, ``exp``/``log`` and least
         squares may round differently on another CPU or BLAS build, and the plans of the next epoch must
         agree bit for bit across ranks.
@@ -272,6 +289,13 @@ class CostRefitter:
         self._last = window.take(np.arange(max(0, len(window) - keep), len(window)))
         self.history.append({"epoch": int(epoch), "step": int(step), **result.to_dict()})
         return result
+
+    def settle(self, result: RefitResult, why_not: str) -> None:
+        """Record whether the last refit was handed to the data module (``why_not == ""``) or why not."""
+        if result.status != "kept":  # a kept prior is what the data module plans with already
+            self.applied = why_not == ""
+        self.history[-1]["applied"] = why_not == ""
+        self.history[-1]["not_applied_because"] = why_not
 
     def state_dict(self) -> dict[str, Any]:
         """The learned model, the measurements of its last refit, the window gathered since (so that a run
@@ -298,7 +322,7 @@ class CostRefitter:
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"cost refit state has version {state.get('version')!r}, this code reads version {STATE_VERSION}; "
-                "resume with the code that wrote the checkpoint, or drop the monitor's state from it"
+                "resume with the code that wrote the checkpoint, or drop the ClosedLoop's state from it"
             )
         model = state.get("model")
         self.model = None if model is None else CostModel.from_dict(model)

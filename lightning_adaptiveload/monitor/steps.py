@@ -193,7 +193,9 @@ def step_table(
     }
     t["compute_cv"], t["compute_imbalance"], _ = stats.balance_rows(col("cost"))
     t["token_cv"], _, _ = stats.balance_rows(col("num_tokens"))
-    t["step_time_cv"], t["imbalance"], t["straggler_wait"] = stats.balance_rows(col("compute_time_s"))
+    times = stats.balance_rows(col("compute_time_s"))  # a bad reading is left out (nan), never raised
+    t["step_time_cv"], t["imbalance"], t["straggler_wait"] = times
+    t["bad_time_reading"] = times.bad.astype(np.float64)  # not a CSV column: counted in the summary
     t["compute_time_max_s"] = col("compute_time_s").max(axis=1)
     t["measured_wait"], t["sync_tail_s"] = stats.measured_wait_rows(col("sync_wait_s"), col("compute_time_s"))
     t["step_time_s"] = col("step_time_s").max(axis=1)
@@ -347,6 +349,8 @@ def summarize_table(
     overall["measured_straggler_wait"] = measured_straggler_wait(table)
     overall["tokens"] = float(np.nansum(table["tokens"]))
     overall["samples"] = float(np.nansum(table["samples"]))
+    # steps left out of the time statistics: a rank's compute time negative, nan, inf or subnormal
+    overall["skipped_time_readings"] = float(np.sum(table.get("bad_time_reading", 0.0)))
     if rank_peaks and world <= MAX_PLOTTED_RANKS:
         peaks = np.concatenate(rank_peaks).astype(np.float64)
         if not np.isnan(peaks).any():

@@ -136,18 +136,19 @@ def test_ddp_modes_passes_callbacks(monkeypatch, capsys, tmp_path):
         )  # fmt: skip
         return json.loads(cmd[cmd.index("--trainer.callbacks") + 1])
 
-    # The recipe as shipped: its KernelWarmup kept, its checkpoints and its own monitor left out.
+    # The recipe as shipped: its ClosedLoop and KernelWarmup kept, its checkpoints and its own monitor left out.
     callbacks = callbacks_of(recipe, [extra])
     assert [c["class_path"] for c in callbacks] == [
         "lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor",
+        "lightning_adaptiveload.ClosedLoop",
         "lightning_adaptiveload.KernelWarmup",
         extra["class_path"],
     ]
-    assert callbacks[2] == extra
+    assert callbacks[3] == extra
     # A callback given again replaces the recipe's.
     mine = {"class_path": "lightning_adaptiveload.KernelWarmup", "init_args": {}}
-    assert callbacks_of(recipe, [mine])[1:] == [mine]
-    assert len(callbacks_of(recipe, [], without=["KernelWarmup"])) == 1  # WARMUP=0 of gpu_ddp_modes_x4.sh
+    assert callbacks_of(recipe, [mine])[2:] == [mine]
+    assert len(callbacks_of(recipe, [], without=["KernelWarmup"])) == 2  # WARMUP=0 of gpu_ddp_modes_x4.sh
     bare = tmp_path / "bare.yaml"
     bare.write_text("trainer:\n  max_steps: 3\n")
     assert len(callbacks_of(bare, [])) == 1

@@ -15,16 +15,15 @@ import pytest
 from _fixtures import assert_each_key_once, index_keys
 
 from lightning_adaptiveload import _dist
+from lightning_adaptiveload._lightning_compat import epoch_length_fixed_because as check_trainer
+from lightning_adaptiveload._lightning_compat import set_epoch_length
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.loading.replan import ReplanError
 from lightning_adaptiveload.loading.resume import check_state
-from lightning_adaptiveload.monitor.replan import (
-    ReplanTrigger,
-    check_trainer,
-    replan_metrics,
-    set_epoch_length,
-)
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_metrics
 from lightning_adaptiveload.planning.refit import RefitConfig
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 SIZES = [21, 4, 15, 9, 30, 7, 12, 18]
 LINEAR = {"kind": "quadratic", "alpha": 1.0, "beta": 0.0, "gamma": 0.0}
@@ -42,12 +41,9 @@ def make_dm(
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
     dm = AdaptiveLoadDataModule(
         train_shards=data,
-        max_tokens=512,
-        num_workers=workers,
-        schedule=schedule,
-        seed=7,
-        cost_model=LINEAR,
-        mode="equal_tokens" if schedule == "independent" else "dual",
+        batching=Batching(max_tokens=512, cost_model=LINEAR, sizing="equal_tokens" if schedule == "independent" else "dual"),
+        plan=PlanSettings(schedule=schedule),
+        loader=Loader(num_workers=workers, seed=7),
     )
     dm.setup("fit")
     return dm

@@ -9,9 +9,8 @@ from _tiny_models import tiny_wan
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
-
 from lightning_adaptiveload import token_weighted_loss
+from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.wan_flops import find_wan_config, wan_flops_per_batch
 from lightning_adaptiveload.monitor.flops import BatchFlops, meta_copy, meta_training_flops
 

@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_adaptiveload import _dist, stats
-from lightning_adaptiveload.monitor import steps as monitor_mod
 from lightning_adaptiveload.callbacks.load_balance import LoadBalanceMonitor
+from lightning_adaptiveload.monitor import steps as monitor_mod
 
 D_IN, D_OUT = 8, 16
 

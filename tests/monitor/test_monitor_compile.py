@@ -86,7 +86,7 @@ def test_monitor_flags_the_compiling_step_of_compiled_blocks(tmp_path):
         }
         for _ in range(3)
     ]
-    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False, refit=False)
+    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)
     trainer = quiet_cpu_trainer(tmp_path, max_steps=3, callbacks=[monitor])
     trainer.fit(_CompiledDiTModule(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     steps = json.load(open(tmp_path / "load_balance.json"))["steps"]

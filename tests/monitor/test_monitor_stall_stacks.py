@@ -43,9 +43,7 @@ class _SleepyModule(L.LightningModule):
 
 def test_a_slow_step_leaves_its_stack_and_fast_steps_leave_nothing(tmp_path, monkeypatch):
     batches = [{"x": torch.randn(2, 4), "num_tokens": 8, "batch_size": 2, "seq_len": 4} for _ in range(6)]
-    monitor = LoadBalanceMonitor(
-        dirpath=tmp_path, plots=False, print_summary=False, refit=False, stall_stacks_s=0.3
-    )
+    monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False, stall_stacks_s=0.3)
     trainer = quiet_cpu_trainer(tmp_path, max_steps=6, callbacks=[monitor])
     trainer.fit(_SleepyModule(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     text = (tmp_path / "stall_stacks_rank0.txt").read_text()

@@ -108,7 +108,7 @@ PACKAGE = "lightning_adaptiveload"
 # folder but `cli`; `cli` is imported by nothing but `__main__`. The top-level leaves: `stats` (the balance
 # statistics), `_dist`, `_lazy`.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "_lazy", "_dist", "_legacy", "_lightning_compat", "stats"),
+    ("", "_lazy", "_dist", "_lightning_compat", "stats"),
     ("planning",),
     ("shards",),
     ("loading",),
