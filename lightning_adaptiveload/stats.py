@@ -4,7 +4,9 @@ Plain Python and numpy (no torch, no Lightning): every function takes plain sequ
 per rank (or per rank and step), so the planner, the simulator and the :class:`~lightning_adaptiveload.
 monitor.LoadBalanceMonitor` callback share one definition of each statistic, and a plain-PyTorch user can
 call them too. :func:`balance_rows` computes the three balance statistics for many steps at once (the
-monitor's path); it is tested against the scalar functions.
+monitor's path); it is tested against the scalar functions. A bad reading there (a negative, NaN, infinite
+or subnormal value) never raises: its row is flagged, counted by reason and left out (its statistics are
+``nan``, which :func:`summarize_steps` skips); observability never stops training.
 
 Definitions (``x`` holds one non-negative value per rank, for example the compute time of one step):
 
@@ -43,6 +45,8 @@ __all__ = [
     "straggler_wait",
     "step_wait_mean",
     "balance_rows",
+    "BalanceRows",
+    "BAD_READINGS",
     "measured_wait_rows",
     "BALANCE_FIGURES",
     "summarize_steps",
@@ -169,28 +173,95 @@ def step_wait_mean(x: np.ndarray) -> float:
     return balance_summary(x)["step_wait_mean"]
 
 
-def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+# Why a row of readings is left out, in the order a row is counted under (one reason a row).
+BAD_READINGS = ("negative", "nan", "inf", "subnormal")
+_TINY = np.finfo(np.float64).tiny  # the smallest normal float64; a nonzero value below it is no measurement
+
+
+class BalanceRows(tuple):
+    """:func:`balance_rows`' three arrays ``(cv, imbalance, straggler_wait)``, unpacked as before, with the
+    rows left out.
+
+    Attributes:
+        bad: bool (steps,): the rows holding a bad reading (their three statistics are ``nan``).
+        skipped: ``{reason: rows}`` over :data:`BAD_READINGS` (a row counts once, under its first reason).
+    """
+
+    bad: np.ndarray
+    skipped: dict[str, int]
+
+    def __new__(
+        cls, cv_: np.ndarray, imb: np.ndarray, wait: np.ndarray, bad: np.ndarray, skipped: dict[str, int]
+    ) -> BalanceRows:
+        out = super().__new__(cls, (cv_, imb, wait))
+        out.bad, out.skipped = bad, skipped
+        return out
+
+    @property
+    def skipped_rows(self) -> int:
+        """How many rows were left out (``bad.sum()``)."""
+        return int(sum(self.skipped.values()))
+
+    def describe_skipped(self, what: str = "rows") -> str:
+        """``"2 rows left out (1 negative, 1 nan)"``, or ``""`` when none was."""
+        if not self.skipped_rows:
+            return ""
+        parts = ", ".join(f"{n} {reason}" for reason, n in self.skipped.items() if n)
+        return f"{self.skipped_rows} {what} left out ({parts})"
+
+
+def _bad_rows(a: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+    """Rows of ``a`` holding a negative, nan, infinite or subnormal value, and their count by reason."""
+    magnitude = np.abs(a)
+    tests = {
+        "negative": a < 0,
+        "nan": np.isnan(a),
+        "inf": np.isinf(a),
+        "subnormal": (magnitude > 0) & (magnitude < _TINY),
+    }
+    bad = np.zeros(a.shape[0], dtype=bool)
+    counts: dict[str, int] = {}
+    for reason in BAD_READINGS:
+        rows = tests[reason].any(axis=1) & ~bad
+        counts[reason] = int(rows.sum())
+        bad |= rows
+    return bad, counts
+
+
+def balance_rows(x: np.ndarray, *, strict: bool = False) -> BalanceRows:
     """:func:`cv`, :func:`imbalance` and :func:`straggler_wait` of every row at once.
 
     Args:
-        x: float array of shape (steps, ranks), non-negative; a row holding ``nan`` gives ``nan``.
+        x: float array of shape (steps, ranks), non-negative.
+        strict: raise on a bad reading instead of leaving its row out.
+
+    A row holding a bad reading (:data:`BAD_READINGS`: a negative value, ``nan``, an infinity or a subnormal
+    number, none of which a step time, a token count or a cost can be) gives ``nan`` for its three
+    statistics and is counted in the result's ``skipped``; it never raises (the monitor flushes through here:
+    one bad timer reading must not stop training).
 
     Returns:
-        Three float64 arrays of shape (steps,): CV, imbalance and straggler wait of each row; exactly ``0.0``
-        for a row of equal values (all zeros included), each clamped to its range (see above).
+        A :class:`BalanceRows`: three float64 arrays of shape (steps,), CV, imbalance and straggler wait of
+        each row (exactly ``0.0`` for a row of equal values, all zeros included, each clamped to its range,
+        see above), and ``.bad`` / ``.skipped`` / ``.skipped_rows``, the rows left out.
 
     Raises:
-        ValueError: if ``x`` is not 2-D, has no column, or holds a negative number.
+        ValueError: if ``x`` is not 2-D or has no column; with ``strict``, a bad reading (naming its row, its
+            value and the rule).
     """
     a = np.asarray(x, dtype=np.float64)
     if a.ndim != 2 or a.shape[1] == 0:
         raise ValueError(
             f"balance_rows: expected an array of shape (steps, ranks) with ranks >= 1, got {a.shape}"
         )
-    if np.any(a < 0):
+    bad, skipped = _bad_rows(a)
+    if strict and bad.any():
+        row = int(np.flatnonzero(bad)[0])
         raise ValueError(
-            f"balance_rows: got a negative value {a[a < 0][0]!r}; work and time are non-negative"
+            f"balance_rows: row {row} holds {a[row].tolist()!r}: {_reason(a[row])}; work, time and "
+            "memory are finite, non-negative and normal (or 0)"
         )
+    a = np.where(bad[:, None], 0.0, a)  # computed as a zero row (no warning), then set to nan below
     n = a.shape[1]
     mean = a.mean(axis=1)
     top = a.max(axis=1)
@@ -201,9 +272,22 @@ def balance_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         wait = np.clip(1.0 - mean / top, 0.0, 1.0 - 1.0 / n)
     equal = top == a.min(axis=1)  # balanced (or all zero): exactly 0, whatever the rounding of the mean
     cv_[equal], imb[equal], wait[equal] = 0.0, 0.0, 0.0
-    nan = np.isnan(mean)  # np.clip keeps nan, but `equal` is False for nan rows: keep nan explicit
-    cv_[nan], imb[nan], wait[nan] = np.nan, np.nan, np.nan
-    return cv_, imb, wait
+    cv_[bad], imb[bad], wait[bad] = np.nan, np.nan, np.nan
+    return BalanceRows(cv_, imb, wait, bad, skipped)
+
+
+def _reason(row: Sequence[float] | np.ndarray) -> str:
+    """Why :func:`balance_rows` leaves ``row`` out (its first :data:`BAD_READINGS`), or ``""``."""
+    bad, counts = _bad_rows(np.asarray(row, dtype=np.float64).reshape(1, -1))
+    if not bad[0]:
+        return ""
+    reason = next(r for r in BAD_READINGS if counts[r])
+    return {
+        "negative": "a negative value",
+        "nan": "a nan (not measured)",
+        "inf": "an infinite value",
+        "subnormal": f"a subnormal value (nonzero, below {_TINY:.3g})",
+    }[reason]
 
 
 def measured_wait_rows(sync_wait: np.ndarray, compute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -224,12 +308,16 @@ def measured_wait_rows(sync_wait: np.ndarray, compute: np.ndarray) -> tuple[np.n
         compute: float (steps, ranks), each rank's own compute time in seconds.
 
     Returns:
-        ``(measured_wait, tail_s)``: float64 (steps,) each; nan for a step with a nan.
+        ``(measured_wait, tail_s)``: float64 (steps,) each; nan for a step with a nan, and for a step whose
+        compute times hold a bad reading (:func:`balance_rows`' rule; never raised).
     """
     w = np.asarray(sync_wait, dtype=np.float64)
     c = np.asarray(compute, dtype=np.float64)
     if w.shape != c.shape or w.ndim != 2:
         raise ValueError(f"measured_wait_rows: shapes {w.shape} and {c.shape} must be equal (steps, ranks)")
+    bad = _bad_rows(c)[0] | np.isinf(w).any(axis=1)
+    w = np.where(bad[:, None], np.nan, w)
+    c = np.where(bad[:, None], np.nan, c)
     tail = w.min(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = (w - tail[:, None]).mean(axis=1) / c.max(axis=1)
@@ -542,12 +630,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def describe(values: Sequence[float]) -> dict[str, float]:
-    """Mean, median, p95, min and max of ``values`` ignoring ``nan``; all ``nan`` when nothing is left.
+    """Mean, median, p95, min and max of the finite ``values`` (``nan`` and infinities, readings no step
+    gives, are left out); all ``nan`` when nothing is left.
 
     Returns:
         ``{"mean", "p50", "p95", "min", "max", "n"}``; ``n`` counts the finite values.
     """
     x = np.asarray([float(v) for v in values], dtype=np.float64)
+    x = np.where(np.isinf(x), np.nan, x)
     n = int(np.count_nonzero(~np.isnan(x)))
     if not n:  # numpy's nan-functions would warn on an empty or all-nan input
         return {"mean": math.nan, "p50": math.nan, "p95": math.nan, "min": math.nan, "max": math.nan, "n": 0}

@@ -20,8 +20,11 @@ A downloaded folder is untrusted input (threat model: ``docs/reliability.md``): 
 shard index are read with a size and nesting cap, every config value is type- and range-checked with the
 file named, and the model the config describes must fit in the bytes of the weight files (a
 ``num_layers: 10**7`` would otherwise build for half a minute and run out of memory); shard files named
-by ``weight_map`` must lie inside the folder; tensors must be float32, bfloat16 or float16, finite, and
-representable in the model's dtype: nothing is cast silently.
+by ``weight_map`` must lie inside the folder, every one of them checked before any file is opened; each
+weight file's safetensors header is checked (length, JSON, every tensor's byte range within the file) before
+the config is compared with the weights' size, so that a corrupt file is reported as corrupt, with its rule;
+tensors must be float32, bfloat16 or float16, finite, and representable in the model's dtype: nothing is cast
+silently.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ _INT_RANGES = {
     "text_len": (1, 1 << 16),
 }
 _MIN_BYTES_PER_PARAMETER = 2  # bf16 / fp16, the narrowest dtype of WEIGHT_DTYPES
+# A safetensors header: an 8-byte little-endian length, then that many bytes of JSON (safetensors' own cap).
+MAX_SAFETENSORS_HEADER = 100_000_000
+_SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+    "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
 
 # diffusers name fragment -> Wan name fragment. Applied to whole dotted components (see
 # diffusers_to_wan_key); the order matters only in that longer prefixes come first.
@@ -105,6 +114,10 @@ _IMAGE_MARKERS = ("img_emb", "image_embedder", "add_k_proj", "add_v_proj", "norm
 
 class PretrainedError(ValueError):
     """A checkpoint folder that cannot be loaded into :class:`VideoDiT` (the message says why and what to do)."""
+
+
+class _NoWeights(PretrainedError):
+    """The folder holds no weight file at all (a config alone is still readable)."""
 
 
 def diffusers_to_wan_key(key: str) -> str | None:
@@ -199,11 +212,17 @@ def _parameters_at_least(cfg: VideoDiTConfig) -> int:
 
 
 def _check_fits_weights(cfg: VideoDiTConfig, file: str, folder: str) -> None:
-    """The model the config describes must fit in the folder's weight files (when it has some)."""
+    """The model the config describes must fit in the folder's weight files (when it has some).
+
+    The weight files are checked first (every path, then each file's header), so that a bad shard path or a
+    corrupt file is reported as such, not as a config that does not describe the weights.
+    """
     try:
         files = _weight_files(folder)
-    except PretrainedError:
+    except _NoWeights:
         return  # no weights here: loading them, later, says what is missing
+    for f in files:
+        _check_safetensors_header(f)
     available = sum(os.path.getsize(f) for f in files)
     need = _parameters_at_least(cfg) * _MIN_BYTES_PER_PARAMETER
     if need > available:
@@ -324,6 +343,8 @@ def config_from_folder(path: str | os.PathLike, **overrides: Any) -> VideoDiTCon
 
 
 def _weight_files(folder: str) -> list[str]:
+    """The folder's weight files, every path checked (:func:`_shard_name`) and each a regular file, before any
+    is opened: nothing outside the folder is opened, whatever the index names."""
     names = sorted(os.listdir(folder))
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     if len(indexes) > 1:
@@ -342,7 +363,7 @@ def _weight_files(folder: str) -> list[str]:
             raise PretrainedError(
                 f"{index_path} lists shard file(s) {missing[:3]} that are not in {folder}; download them"
             )
-        return [os.path.join(folder, f) for f in files]
+        return [_regular(os.path.join(folder, f)) for f in files]
     files = [n for n in names if n.endswith(".safetensors")]
     if not files:
         pickles = [n for n in names if n.endswith((".pth", ".pt", ".bin", ".ckpt"))]
@@ -352,13 +373,101 @@ def _weight_files(folder: str) -> list[str]:
             if pickles
             else ""
         )
-        raise PretrainedError(f"{folder} holds no .safetensors weights{hint}")
+        raise _NoWeights(f"{folder} holds no .safetensors weights{hint}")
     if len(files) > 1:
         raise PretrainedError(
             f"{folder} holds several .safetensors files {files[:4]} but no *.safetensors.index.json saying "
             "which make up the model; add the index or keep one file"
         )
-    return [os.path.join(folder, files[0])]
+    return [_regular(os.path.join(folder, files[0]))]
+
+
+def _regular(file: str) -> str:
+    """``file``, if it is a regular file (a symbolic link to one is followed); a stat, nothing is opened."""
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as err:
+        raise PretrainedError(f"{file}: cannot read it ({err})") from None
+    if not stat.S_ISREG(mode):
+        raise PretrainedError(f"{file}: not a regular file (a FIFO, device or directory); give a weight file")
+    return file
+
+
+def _corrupt(file: str, rule: str) -> PretrainedError:
+    return PretrainedError(
+        f"{file}: not a readable safetensors file, corrupt: {rule}; re-download it (or re-save it with "
+        "safetensors.torch.save_file)"
+    )
+
+
+def _check_safetensors_header(file: str) -> None:
+    """The safetensors header of ``file``, checked without reading its tensors: the 8-byte length fits the
+    file and :data:`MAX_SAFETENSORS_HEADER`, the header is a JSON object, and every tensor has a dtype, a
+    shape and byte offsets that lie inside the file's data and match its dtype and shape.
+
+    Raises:
+        PretrainedError: naming the file and the rule it breaks.
+    """
+    from lightning_adaptiveload.shards.paths import open_regular
+    from lightning_adaptiveload.shards.untrusted import Refused, load_json
+
+    try:
+        size = os.stat(file).st_size
+        with open_regular(file) as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _corrupt(file, f"{len(head)} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise _corrupt(
+                    file,
+                    f"its header length says {n:,} bytes but the file holds {size:,}: truncated, or not "
+                    "a safetensors file",
+                )
+            if n > MAX_SAFETENSORS_HEADER:
+                raise _corrupt(file, f"a header of {n:,} bytes, over safetensors' {MAX_SAFETENSORS_HEADER:,}")
+            raw = f.read(n)
+    except OSError as err:
+        raise PretrainedError(f"{file}: cannot read it ({err})") from None
+    try:
+        header = load_json(raw)
+    except Refused as err:
+        raise _corrupt(file, f"its header {err}") from None
+    if not isinstance(header, dict):
+        raise _corrupt(file, f"its header is a JSON {type(header).__name__}, not an object")
+    data = size - 8 - n  # the bytes of the tensors
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"tensor {str(name)[:80]!r}"
+        if not isinstance(entry, dict):
+            raise _corrupt(file, f"{where} is described by a {type(entry).__name__}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise _corrupt(file, f"{where} has no dtype")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise _corrupt(file, f"{where} has shape {str(shape)[:60]}, not a list of sizes >= 0")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise _corrupt(
+                file, f"{where} has data_offsets {str(offsets)[:60]}, not [begin, end] with begin <= end"
+            )
+        if offsets[1] > data:
+            raise _corrupt(
+                file,
+                f"{where} ends at byte {offsets[1]:,} of a {data:,}-byte data section: the file is truncated",
+            )
+        width = _SAFETENSORS_DTYPE_BYTES.get(dtype)
+        if width is not None and offsets[1] - offsets[0] != math.prod(shape) * width:
+            raise _corrupt(
+                file,
+                f"{where} ({dtype}, shape {shape}) needs {math.prod(shape) * width:,} bytes but its offsets "
+                f"span {offsets[1] - offsets[0]:,}",
+            )
 
 
 def _shard_name(index_path: str, folder: str, tensor: Any, name: Any) -> str:
@@ -383,12 +492,9 @@ def _shard_name(index_path: str, folder: str, tensor: Any, name: Any) -> str:
 def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    _check_safetensors_header(_regular(file))
     try:
-        if not stat.S_ISREG(os.stat(file).st_mode):
-            raise PretrainedError(f"{file}: not a regular file (a FIFO, device or directory)")
         return load_file(file, device="cpu")
-    except PretrainedError:
-        raise
     except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
         raise PretrainedError(
             f"{file}: not a readable safetensors file ({type(err).__name__}: {err}); re-download it"
@@ -408,7 +514,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise PretrainedError("reading checkpoints needs safetensors: pip install safetensors") from None
     path = os.fspath(path)
     if os.path.isdir(path):
-        files = _weight_files(path)
+        files = _weight_files(path)  # every path checked before any file is opened
     elif os.path.isfile(path) and path.endswith(".safetensors"):
         files = [path]
     else:

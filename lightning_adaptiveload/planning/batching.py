@@ -27,14 +27,13 @@ only.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.settings import Batching
-from lightning_adaptiveload.planning.sizing import BatchSizer
+from lightning_adaptiveload.planning.sizing import BatchSizer, tokens_per_sample
 
 __all__ = ["DualConstraintBatcher"]
 
@@ -58,7 +57,6 @@ class DualConstraintBatcher:
         partial: pipeline stage only: at the end of the input, ``"emit"`` the incomplete buckets as smaller
             batches (counted in ``stats["partial_batches"]``) or ``"carry"`` them into the next call (counted
             in ``stats["carried"]``).
-        mode: the old name of ``sizing`` (deprecated, removed in the next release).
 
     The settings are checked by :class:`~.settings.Batching` (:meth:`from_settings` takes one), the one place.
 
@@ -84,17 +82,7 @@ class DualConstraintBatcher:
         patch_size: Sequence[int] = (1, 2, 2),
         oversize: str = "raise",
         partial: str = "emit",
-        *,
-        mode: str | None = None,
     ) -> None:
-        if mode is not None:
-            warnings.warn(
-                f"DualConstraintBatcher(mode={mode!r}) is deprecated and will be removed in the next release; "
-                f"pass sizing={mode!r} instead",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            sizing = mode
         if partial not in _PARTIAL:
             raise ValueError(f"partial must be one of {_PARTIAL}, got {partial!r}")
         settings = Batching(
@@ -150,16 +138,6 @@ class DualConstraintBatcher:
         return self._sizer.sizing
 
     @property
-    def mode(self) -> str:
-        """Deprecated alias of :attr:`sizing` (removed in the next release)."""
-        warnings.warn(
-            "DualConstraintBatcher.mode is deprecated and will be removed in the next release; use .sizing",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self._sizer.sizing
-
-    @property
     def patch_size(self) -> tuple[int, int, int]:
         """(pt, ph, pw) of the model."""
         return self._sizer.patch_size
@@ -191,17 +169,22 @@ class DualConstraintBatcher:
         """Plan with ``cost_model`` from now on; an ``"auto"`` cap is resolved again from ``latent_shapes``.
 
         Raises:
-            ValueError: the compute cap is a number (in the old model's unit; :attr:`cap_follows_cost_model`).
+            ValueError: the compute cap is a number (in the old model's unit; :attr:`cap_follows_cost_model`),
+                or the model's cost is not positive at a length of ``latent_shapes`` (naming the coefficient);
+                the current model is kept then.
         """
         if not self.cap_follows_cost_model:
             raise ValueError(
                 f"max_compute={self.max_compute!r} is in the unit of the current cost model; a new cost model would "
                 "change its meaning. Use max_compute='auto' to change the cost model during training"
             )
-        self._sizer = replace(self._sizer, cost_model=CostModel.from_dict(cost_model), max_compute=None)
+        model = CostModel.from_dict(cost_model)
+        shapes = [tuple(s) for s in latent_shapes]
+        model.check_positive(sorted({tokens_per_sample(s, self.patch_size) for s in set(shapes)}))
+        self._sizer = replace(self._sizer, cost_model=model, max_compute=None)
         self._explicit_cost_model = True
         if self.sizing == "dual":
-            self.resolve_max_compute(latent_shapes)
+            self.resolve_max_compute(shapes)
 
     def config(self) -> dict[str, Any]:
         """Settings that rebuild this batcher (``DualConstraintBatcher(**config)``), with the resolved cap."""
@@ -219,11 +202,10 @@ class DualConstraintBatcher:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DualConstraintBatcher:
-        """Inverse of :meth:`config` (a resolved "auto" cap comes back as that number). A config saved before
-        the rename (in a checkpoint's resume state) names the sizing rule ``"mode"``: read as ``"sizing"``."""
+        """Inverse of :meth:`config` (a resolved "auto" cap comes back as that number). A config saved in an
+        older checkpoint is brought to this layout by :func:`~lightning_adaptiveload.loading.resume.read_state`
+        first."""
         cfg = dict(config)
-        if "mode" in cfg:
-            cfg["sizing"] = cfg.pop("mode")
         dual = cfg.get("sizing", "dual") == "dual"
         batcher = cls(**{**cfg, "max_compute": None if dual else cfg.get("max_compute")})
         if dual and isinstance(cfg.get("max_compute"), int | float):

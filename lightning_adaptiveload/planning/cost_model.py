@@ -71,7 +71,13 @@ class CostModel:
         if self.kind not in KINDS:
             raise ValueError(f"CostModel kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("alpha", "beta", "gamma", "p", "scale", "c0"):
-            value = float(getattr(self, name))
+            raw = getattr(self, name)
+            try:
+                value = float(raw) if not isinstance(raw, bool) else None
+            except (TypeError, ValueError):
+                value = None
+            if value is None:  # a bool, a string, ...: named, not "could not convert string to float"
+                raise ValueError(f"CostModel {name} must be a number, got {raw!r}")
             if not math.isfinite(value):
                 raise ValueError(f"CostModel {name} must be finite, got {value!r}")
             setattr(self, name, value)
@@ -142,9 +148,14 @@ class CostModel:
         for s in sorted(set(int(x) for x in seq_lens)):
             c = self.cost(s)
             if not c > 0:
+                cause = (
+                    f" (its gamma={self.gamma!r}, the cost per sample, is negative)"
+                    if self.kind == "quadratic" and self.gamma < 0
+                    else ""
+                )
                 raise ValueError(
-                    f"cost model {self.describe()} gives cost {c:.6g} <= 0 for a sample of {s} tokens; refit it "
-                    "with data that covers this length, or set gamma=0"
+                    f"cost model {self.describe()} gives cost {c:.6g} <= 0 for a sample of {s} tokens{cause}; "
+                    "refit it with data that covers this length, or set gamma=0"
                 )
 
     def describe(self) -> str:

@@ -7,7 +7,9 @@ starts); change nothing that trains (parameters, gradients, the random streams);
 
 from __future__ import annotations
 
+import contextlib
 import random
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -16,17 +18,19 @@ import torch._dynamo
 from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import Batching, Loader, PlanSettings
+from lightning_adaptiveload.callbacks.kernel_warmup import KernelWarmup
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.models.acceleration import compile_blocks, compiled_graphs
 from lightning_adaptiveload.models.kernel_warmup import (
+    plan_warmup,
     planned_batches,
+    run_budgeted,
     warm_kernels,
     warm_packs,
 )
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.models.pack_attention import equal_runs
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig
-from lightning_adaptiveload.callbacks.kernel_warmup import KernelWarmup
 
 _CFG = dict(dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=32)
 PATCH = (1, 2, 2)
@@ -69,7 +73,9 @@ def test_warm_packs_take_every_dense_batch_and_every_run_once(seed):
     runs_out = [r for p in mixed_out for r in _runs(p)]
     assert runs_in <= set(runs_out)  # every run, as a run of a mixed pack (never merged with a neighbour)
     counts_in = {len(b) for b in batches if len(set(map(_tokens, b))) > 1}
-    assert counts_in <= {len(p) for p in mixed_out}  # every sample count of a mixed pack (torch 2.11 guards it)
+    assert counts_in <= {
+        len(p) for p in mixed_out
+    }  # every sample count of a mixed pack (torch 2.11 guards it)
     assert len(mixed_out) <= len(runs_in) + len(counts_in)
     cap = max(sum(map(_tokens, b)) for b in batches)
     shortest = min(_tokens(s) for b in batches if len(set(map(_tokens, b))) > 1 for s in b)
@@ -196,6 +202,23 @@ def test_in_a_fit_it_runs_each_epoch_and_training_is_unchanged(tmp_path, shards,
     assert warm.history[0]["packs"] > 0
     assert sum(h["batches"] for h in warm.history) == len(losses)  # every planned batch read, one per step
     assert "[adaptiveload] kernel warm-up, epoch 0:" in caplog.text
+    first = warm.history[0]
+    assert first["packs"] == first["planned_packs"] <= warm.max_shapes  # the default budget held
+    assert first["warmed"] + first["skipped_shapes"] == first["shapes"]
+    assert "new shapes" in caplog.text  # the estimate before it runs
+
+
+def test_in_a_fit_a_budget_of_one_shape_warms_one_and_says_what_it_skipped(tmp_path, shards, caplog):
+    caplog.set_level("INFO")
+    warm = KernelWarmup(max_shapes=1, min_count=1)
+    _, losses = _fit(tmp_path, shards, [warm], epochs=1)
+    (entry,) = warm.history
+    assert entry["packs"] == 1 and entry["shapes"] > 1
+    assert entry["skipped_shapes"] == entry["shapes"] - entry["warmed"] > 0
+    assert entry["skipped"]["over_max_shapes"] == entry["skipped_shapes"]
+    assert 0 < entry["skipped_steps"] <= entry["batches"] == len(losses)
+    assert f"skipped {entry['skipped_shapes']} shapes" in caplog.text
+    assert f"met by {entry['skipped_steps']} of the {entry['batches']} steps" in caplog.text
 
 
 class _OwnModel(pl.LightningModule):
@@ -231,7 +254,7 @@ def test_it_refuses_a_model_it_cannot_run_and_data_without_a_plan(tmp_path, shar
 
 def test_under_fsdp2_it_steps_aside_with_a_warning(tmp_path, shards, monkeypatch):
     # The two-process FSDP2 tests cost minutes; the decision is the model's sharding, faked here.
-    from lightning_adaptiveload.models import warmup_callback
+    from lightning_adaptiveload.callbacks import kernel_warmup as warmup_callback
 
     monkeypatch.setattr(warmup_callback, "is_fsdp2_sharded", lambda module: True)
     warm = KernelWarmup()
@@ -269,3 +292,232 @@ def test_on_a_gpu_a_compiled_model_under_autocast_compiles_nothing_more_after_th
         assert torch.isfinite(loss)
         counts.append(compiled_graphs() - start)
     assert counts == [0] * len(batches), counts
+
+
+# -- the budget (issue 63): shapes chosen by the plan's counts, a cap in shapes and in seconds ------------------
+
+
+def _dense(grid, n=2):
+    return (_shape(grid),) * n
+
+
+def test_the_plan_counts_shapes_and_warms_those_that_recur_most_frequent_first():
+    a, b, c = _dense((1, 4, 4)), _dense((2, 4, 4)), _dense((1, 6, 6))
+    mixed = (_shape((1, 4, 4)), _shape((1, 6, 6)), _shape((1, 6, 6)))  # runs (4, 1), (9, 2); 3 samples
+    batches = [a, b, a, mixed, a, b, c, mixed, a]
+    plan = plan_warmup(batches, PATCH, min_count=2)
+    assert plan.steps == 9
+    assert plan.shapes == 6  # a, b, c, the runs (4, 1) and (9, 2), the mixed count 3
+    assert plan.recurring == 5 and plan.chosen == 5  # c is met once
+    assert plan.packs[0] == list(a) and plan.packs[1] == list(b)  # most frequent first (4, then 2 steps)
+    assert list(c) not in plan.packs
+    assert plan.skipped() == {"shapes": 1, "once": 1, "over_max_shapes": 0, "over_max_seconds": 0, "steps": 1}
+    # Shapes met before are neither counted nor run again; shapes met once are still "seen" after the epoch
+    # (its training built them).
+    seen = plan.seen_after()
+    assert ("dense", c) in seen
+    again = plan_warmup(batches, PATCH, seen, min_count=2)
+    assert again.shapes == 0 and again.packs == [] and again.skipped()["steps"] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_max_shapes_caps_the_passes_and_keeps_the_most_frequent(seed):
+    batches = _random_batches(seed, 60)
+    full = plan_warmup(batches, PATCH)
+    counts = {}
+    for b in batches:
+        units = plan_warmup([b], PATCH)._units
+        for u in units:
+            counts[u] = counts.get(u, 0) + 1
+    assert full.shapes == len(counts) and full.skipped()["shapes"] == 0
+    for cap in (0, 1, 2, 5, full.shapes):
+        plan = plan_warmup(batches, PATCH, max_shapes=cap)
+        assert len(plan.packs) <= cap and plan.chosen == min(cap, full.shapes)
+        built = set().union(*plan._covers) if plan._covers else set()
+        top = sorted(counts.values(), reverse=True)[:cap]
+        warmed_counts = sorted((counts[plan._units[i]] for i in built), reverse=True)[:cap]
+        assert warmed_counts == top  # the most frequent shapes are among those warmed
+        left = plan.skipped()
+        assert left["shapes"] == full.shapes - len(built) == left["over_max_shapes"]
+        assert left["steps"] == sum(
+            1
+            for b in batches
+            if any(
+                counts.get(u) and u not in {plan._units[i] for i in built}
+                for u in plan_warmup([b], PATCH)._units
+            )
+        )
+
+
+def _distinct_shapes(n):
+    """n distinct latent shapes (C, T, H, W) of the tiny model's patch (1, 2, 2)."""
+    out = []
+    for t in range(1, 1000):
+        for h in range(1, 200):
+            out.append((16, t, 2 * h, 2))
+            if len(out) == n:
+                return out
+    raise AssertionError
+
+
+def test_20000_distinct_shapes_each_met_once_warm_nothing():
+    """Issue 63: an index of 20,000 distinct shapes took 20,000 warm-up passes (independent) before step 1."""
+    shapes = _distinct_shapes(20_000)
+    plan = plan_warmup(((s,) for s in shapes), PATCH, max_shapes=64, min_count=2)
+    assert plan.steps == plan.shapes == plan.met_once == 20_000 and plan.mostly_once
+    assert plan.packs == [] and plan.chosen == 0
+    assert plan.skipped() == {
+        "shapes": 20_000,
+        "once": 20_000,
+        "over_max_shapes": 0,
+        "over_max_seconds": 0,
+        "steps": 20_000,
+    }
+    # Told to warm shapes met once too, the cap still bounds the passes.
+    forced = plan_warmup(((s,) for s in shapes), PATCH, max_shapes=64, min_count=1)
+    assert len(forced.packs) == 64 and forced.skipped()["over_max_shapes"] == 20_000 - 64
+
+
+def test_20000_distinct_shapes_in_packs_are_bounded_by_shapes_and_seconds():
+    """The packed case of issue 63 (1,803 passes): the cap bounds the passes, the clock bounds the time."""
+    rng = random.Random(0)
+    shapes = _distinct_shapes(20_000)
+    rng.shuffle(shapes)
+    packs = []
+    i = 0
+    while i < len(shapes):
+        n = rng.randint(2, 8)
+        packs.append(tuple(shapes[i : i + n]))
+        i += n
+    plan = plan_warmup(packs, PATCH, max_shapes=64, min_count=1)
+    assert plan.shapes > 1000 and len(plan.packs) <= 64
+    ran = []
+    now = [0.0]
+
+    def warm_one(pack):  # a cheap warm function on a fake clock: 3.4 s a pass (an H200, compiled blocks)
+        ran.append(pack)
+        now[0] += 3.4
+
+    assert len(plan.packs) > 3
+    done = run_budgeted(plan.packs, warm_one, max_seconds=12.0, clock=lambda: now[0])
+    assert done == len(ran) == 3 and now[0] <= 12.0  # 3 x 3.4 = 10.2; a 4th would end at 13.6
+    left = plan.skipped(done)
+    assert left["over_max_seconds"] > 0 and left["shapes"] == plan.shapes - len(
+        set().union(*plan._covers[:done])
+    )
+
+
+def test_run_budgeted_always_runs_the_first_pass_and_stops_at_the_mean_rate():
+    now = [0.0]
+    steps = iter([100.0, 1.0, 1.0])
+
+    def slow_first(_):
+        now[0] += next(steps)
+
+    assert run_budgeted([[1], [2], [3]], slow_first, max_seconds=50.0, clock=lambda: now[0]) == 1
+    assert run_budgeted([[1]] * 5, lambda _: None, max_seconds=None, clock=lambda: 0.0) == 5
+    with pytest.raises(ValueError, match="max_seconds must be a number > 0"):
+        run_budgeted([], lambda _: None, max_seconds=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_shapes": 0}, "max_shapes=0"),
+        ({"max_shapes": 2.5}, "max_shapes=2.5"),
+        ({"max_seconds": float("inf")}, "max_seconds=inf"),
+        ({"max_seconds": -1}, "max_seconds=-1"),
+        ({"min_count": 0}, "min_count=0"),
+        ({"min_count": True}, "min_count=True"),
+    ],
+)
+def test_a_budget_that_means_nothing_is_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        KernelWarmup(**kwargs)
+
+
+class _FakeBlockModel:
+    """Just what warm_kernels calls, cheap: counts the passes and moves a fake clock by 3.4 s each."""
+
+    def __init__(self, clock):
+        self.config = SimpleNamespace(patch_size=PATCH, text_dim=16)
+        self.passes = 0
+        self.clock = clock
+        self.blocks = [self._block]
+
+    def pack_prologue(self, latents, timestep, context, mask):
+        h = torch.zeros(2, requires_grad=True)
+        return h, None, (), None, None, None
+
+    def _block(self, h):
+        self.passes += 1
+        self.clock.now += 3.4
+        return h * 2
+
+
+def _fake_fit_objects(batches):
+    """A trainer and a module as the callback sees them, over a plan of ``batches`` (dense or packs)."""
+    refs = {}
+    streams, buckets, kinds = [], {}, []
+    for j, b in enumerate(batches):
+        packed = len(set(b)) > 1
+        kinds.append(packed)
+        row = []
+        for s in b:
+            refs[len(refs)] = s
+            row.append(len(refs) - 1)
+        streams.append(row)
+        buckets[j] = {"shape": b[0]}
+    plan = SimpleNamespace(
+        step_order={0: [(0, j) for j in range(len(batches))]},
+        streams={(0, 0): streams},
+        buckets=buckets,
+        batch_buckets={(0, 0): list(range(len(batches)))},
+        is_pack=lambda stream, j: kinds[j],
+    )
+    ds = SimpleNamespace(plan=plan, rank=0, index=SimpleNamespace(latent_shape=refs.__getitem__))
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(train_dataset=ds),
+        precision_plugin=SimpleNamespace(train_step_context=contextlib.nullcontext),
+        global_rank=0,
+        current_epoch=0,
+    )
+    return trainer
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_callback_on_20000_distinct_shapes_is_bounded(packed, caplog):
+    caplog.set_level("INFO")
+    shapes = _distinct_shapes(20_000)
+    if packed:
+        batches = [tuple(shapes[i : i + 4]) for i in range(0, len(shapes), 4)]
+    else:
+        batches = [(s,) for s in shapes]
+    for kwargs, most in (({}, 64), ({"max_shapes": 20_000, "min_count": 1, "max_seconds": 60.0}, 18)):
+        clock = _Clock()
+        model = _FakeBlockModel(clock)
+        warm = KernelWarmup(**kwargs)
+        warm._clock = clock
+        module = SimpleNamespace(model=model, device=torch.device("cpu"))
+        trainer = _fake_fit_objects(batches)
+        warm.on_train_epoch_start(trainer, module)
+        warm.on_train_batch_start(trainer, module, {}, 0)
+        (entry,) = warm.history
+        assert model.passes == entry["packs"] <= most  # never 20,000 passes
+        assert entry["batches"] == len(batches) and entry["shapes"] >= (20_000 if not packed else 5000)
+        assert entry["skipped_shapes"] > 0 and entry["skipped_steps"] > 0
+        assert clock.now <= warm.max_seconds  # within its budget, on its clock
+        if not packed and not kwargs:
+            assert model.passes == 0 and "Nearly every shape is met once (20000 of 20000)" in caplog.text
+            assert "nothing is warmed" in caplog.text
+        if kwargs:
+            assert entry["skipped"]["over_max_seconds"] > 0
+            assert "stops it after about" in caplog.text  # the estimate after the first three passes

@@ -103,6 +103,144 @@ def test_weight_map_cannot_name_files_outside_the_folder(tmp_path, state, monkey
     assert not any("outside" in f for f in opened)
 
 
+def _refuse_opening(monkeypatch, outside):
+    """Every way a file could be opened fails loudly for a path under ``outside``; returns the weight files
+    (inside or not) opened, in order."""
+    import builtins
+    import os
+
+    import safetensors
+
+    opened = []
+
+    def guard(real, name):
+        def wrapper(file, *args, **kwargs):
+            path = os.fspath(file) if isinstance(file, str | os.PathLike) else str(file)
+            if path.endswith(".safetensors"):
+                opened.append(path)
+            if str(outside) in os.path.realpath(path) if isinstance(file, str | os.PathLike) else False:
+                raise AssertionError(f"{name} opened {path}, outside the folder")
+            return real(file, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
+    monkeypatch.setattr(os, "open", guard(os.open, "os.open"))
+    monkeypatch.setattr(safetensors_torch, "load_file", guard(safetensors_torch.load_file, "load_file"))
+    monkeypatch.setattr(safetensors, "safe_open", guard(safetensors.safe_open, "safe_open"))
+    return opened
+
+
+@pytest.mark.parametrize("first", [True, False])  # the bad entry before or after the good ones (sorted)
+@pytest.mark.parametrize("how", ["from_pretrained", "config", "load", "read", "module"])
+def test_a_weight_map_naming_outside_is_refused_before_any_weight_file_is_opened(
+    tmp_path, state, monkeypatch, first, how
+):
+    """Issue 63: ``../../outside/w.safetensors`` was refused only after the file outside had been opened."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    safetensors_torch.save_file(state, str(outside / "w.safetensors"))
+    folder = _folder(tmp_path / "a" / "b", state, sharded=True)
+    index = folder / f"{WEIGHTS}.index.json"
+    data = json.loads(index.read_text())
+    key = sorted(data["weight_map"])[0 if first else -1]
+    data["weight_map"][key] = "../../outside/w.safetensors"
+    index.write_text(json.dumps(data))
+    opened = _refuse_opening(monkeypatch, outside)
+    with pytest.raises(AssertionError, match="outside the folder"):  # the guard works: the test can fail
+        safetensors_torch.load_file(str(outside / "w.safetensors"))
+    opened.clear()
+    with pytest.raises(PretrainedError) as err:
+        if how == "from_pretrained":
+            VideoDiT.from_pretrained(folder)
+        elif how == "config":
+            config_from_folder(folder)
+        elif how == "load":
+            load_pretrained(VideoDiT(CFG), folder)
+        elif how == "read":
+            pre.read_checkpoint(folder)
+        else:
+            from lightning_adaptiveload.models.module import VideoDiTModule
+
+            VideoDiTModule(init_from=str(folder))
+    message = str(err.value)
+    assert f"weight_map[{key!r}]" in message and "climbs out of" in message and str(index) in message, message
+    assert opened == []  # every path checked before any weight file, inside or out, was opened
+
+
+def _rewrite_header(path, change):
+    """``change`` the JSON header of a safetensors file, its tensors' bytes kept as they are."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text = text.ljust(-(-len(text) // 8) * 8, b" ")
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _grow_first_tensor(header):
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    header[name]["shape"] = [d + 1 for d in header[name]["shape"]]
+
+
+def _past_the_end(header):
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    header[name]["data_offsets"] = [header[name]["data_offsets"][0], 10**9]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize(
+    "damage, rule",
+    [
+        ("truncate", "the file is truncated"),
+        ("garbage", "its header length says"),
+        ("header", "its header length says 1,000,000,000,000 bytes"),
+        ("not json", "its header does not parse"),
+        ("shape", "needs"),
+        ("offsets", "ends at byte 1,000,000,000"),
+        ("empty", "0 bytes, shorter than the 8-byte header length"),
+    ],
+)
+def test_a_corrupt_safetensors_is_reported_as_corrupt_not_as_a_config_mismatch(
+    tmp_path, state, sharded, damage, rule
+):
+    """Issue 63: a corrupt file was reported as "the config does not describe these weights" (the config's
+    size check ran on the file's bytes before the file was read)."""
+    folder = _folder(tmp_path / "f", state, sharded=sharded)
+    path = folder / ("b.safetensors" if sharded else WEIGHTS)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    if damage == "truncate":
+        path.write_bytes(raw[: 8 + n + (len(raw) - 8 - n) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\xff" * 64)
+    elif damage == "header":
+        path.write_bytes((10**12).to_bytes(8, "little") + raw[8:])
+    elif damage == "not json":
+        path.write_bytes(raw[:8] + b"x" * n + raw[8 + n :])
+    elif damage == "shape":
+        _rewrite_header(path, _grow_first_tensor)
+    elif damage == "offsets":
+        _rewrite_header(path, _past_the_end)
+    else:
+        path.write_bytes(b"")
+    for load in (VideoDiT.from_pretrained, config_from_folder, lambda f: load_pretrained(VideoDiT(CFG), f)):
+        with pytest.raises(PretrainedError) as err:
+            load(folder)
+        message = str(err.value)
+        assert message.startswith(f"{path}: not a readable safetensors file, corrupt: "), message
+        assert rule in message, message
+        assert "does not describe these weights" not in message
+
+
+def test_a_config_too_big_for_sound_weights_is_still_a_config_mismatch(tmp_path, state):
+    folder = _folder(tmp_path / "f", state)
+    (folder / "config.json").write_text(json.dumps({**WAN_CONFIG, "num_layers": 1000}))
+    with pytest.raises(PretrainedError, match="the config does not describe these weights"):
+        VideoDiT.from_pretrained(folder)
+
+
 # -- config values ---------------------------------------------------------------------------------
 
 

@@ -213,8 +213,128 @@ def test_balance_rows_matches_scalar_functions():
     assert (c[3], i[3], w[3]) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="shape"):
         stats.balance_rows(np.ones(3))
-    with pytest.raises(ValueError, match="negative"):
-        stats.balance_rows(np.array([[1.0, -2.0]]))
+    with pytest.raises(ValueError, match=r"row 0 holds \[1.0, -2.0\]: a negative value"):
+        stats.balance_rows(np.array([[1.0, -2.0]]), strict=True)
+
+
+# -- bad readings (issue 63): flagged, counted and left out, never raised ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [(-1.0, "negative"), (-1e-9, "negative"), (math.nan, "nan"), (math.inf, "inf"), (-math.inf, "negative"),
+     (5e-324, "subnormal"), (1e-310, "subnormal")],
+)  # fmt: skip
+def test_one_bad_reading_is_flagged_counted_and_left_out(bad, reason):
+    """Issue 63: one negative step time raised at the monitor's first flush and killed the run."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.5, 2.0, size=(8, 4))
+    x[5] = 0.0  # no work: a good row
+    good = stats.balance_rows(x)
+    assert good.skipped_rows == 0 and not good.bad.any() and good.describe_skipped() == ""
+    x[3, 2] = bad
+    rows = stats.balance_rows(x)
+    c, i, w = rows  # unpacks as the three arrays it always gave
+    assert rows.skipped == {r: int(r == reason) for r in stats.BAD_READINGS}
+    assert rows.skipped_rows == 1 and rows.bad.tolist() == [r == 3 for r in range(8)]
+    assert math.isnan(c[3]) and math.isnan(i[3]) and math.isnan(w[3])
+    keep = np.arange(8) != 3
+    for got, want in zip(rows, good):
+        assert got[keep] == pytest.approx(want[keep], rel=1e-12, abs=0)  # the other rows as before
+    assert rows.describe_skipped("steps") == f"1 steps left out (1 {reason})"
+    # The summaries leave the row out, as if the step had not run.
+    assert stats.balance_summary(x) == pytest.approx(stats.balance_summary(x[keep]), rel=1e-12)
+    share, _ = stats.measured_wait_rows(np.zeros_like(x), x)
+    assert math.isnan(share[3]) and not np.isnan(share[keep & (np.arange(8) != 5)]).any()  # 5: 0 / 0
+    with pytest.raises(
+        ValueError, match=f"row 3 holds .*: {'a nan' if reason == 'nan' else 'an? ' + reason[:3]}"
+    ):
+        stats.balance_rows(x, strict=True)
+
+
+def test_a_row_counts_once_under_its_first_reason():
+    x = np.array([[-1.0, math.nan], [math.inf, 5e-324], [1.0, 1.0], [5e-324, 0.0]])
+    rows = stats.balance_rows(x)
+    assert rows.skipped == {"negative": 1, "nan": 0, "inf": 1, "subnormal": 1}
+    assert rows.bad.tolist() == [True, True, False, True]
+    assert [rows[k][2] for k in range(3)] == [0.0, 0.0, 0.0]  # the balanced row
+    everything = stats.balance_rows(np.full((3, 2), math.nan))
+    assert everything.skipped_rows == 3 and np.isnan(everything[0]).all()
+    assert math.isnan(stats.balance_summary(np.full((3, 2), -1.0))["straggler_wait"])  # nothing left: nan
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, 5e-324])
+def test_the_monitors_flush_survives_a_bad_step_time_and_counts_it(bad):
+    """The monitor's path (monitor/steps.py: step_table, window_metrics, summarize_table) on one bad rank
+    reading: no exception, the step left out of the time statistics, the count in the summary."""
+    import warnings
+
+    from lightning_adaptiveload.monitor import steps as st
+
+    rng = np.random.default_rng(0)
+    k, world = 6, 2
+    steps = rng.uniform(0.5, 1.0, size=(k, world, st.NUM_FIELDS))
+    steps[:, :, st.FIELD_INDEX["batch_idx"]] = np.arange(k)[:, None]
+    steps[:, :, st.FIELD_INDEX["flags"]] = 0
+    clean = steps.copy()
+    steps[2, 1, st.FIELD_INDEX["compute_time_s"]] = bad
+    nan = np.full(world, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # not even a numpy warning
+        table = st.step_table(steps, nan, nan, 100.0)
+        window = st.window_metrics(steps, table, nan, 1.0)
+        _, overall = st.summarize_table(table, world, nan, [st.rank_band(steps, "peak_allocated_bytes")], 1.0)
+    assert table["bad_time_reading"].tolist() == [0, 0, 1, 0, 0, 0] and math.isnan(table["straggler_wait"][2])
+    assert overall["skipped_time_readings"] == 1.0
+    keep = np.arange(k) != 2
+    clean_table = st.step_table(clean[keep], nan, nan, 100.0)
+    assert window["straggler_wait"] == pytest.approx(st.balance_figures(clean_table)["straggler_wait"])
+    band = [st.rank_band(clean[keep], "peak_allocated_bytes")]
+    _, clean_overall = st.summarize_table(clean_table, world, nan, band, 1.0)
+    assert clean_overall["skipped_time_readings"] == 0.0
+
+
+# -- a cost model it cannot use (issue 63): refused, naming the coefficient --------------------------------
+
+
+@pytest.mark.parametrize("sizing", ["dual", "equal_tokens"])
+def test_set_cost_model_refuses_a_model_that_costs_nothing_on_the_data_and_keeps_the_old(sizing):
+    """Issue 63: a restored cost model with gamma = -1e9 was applied; the next epoch died in balance_rows."""
+    from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+
+    batcher = DualConstraintBatcher(max_tokens=1000, sizing=sizing)
+    shapes = [(16, 1, 8, 8), (16, 2, 8, 8)]
+    if sizing == "dual":
+        batcher.resolve_max_compute(shapes)
+    before, cap = batcher.cost_model, batcher.max_compute
+    bad = {"kind": "quadratic", "alpha": 1e-3, "beta": 0.0, "gamma": -1e9}
+    with pytest.raises(ValueError, match=r"gamma=-1000000000.0, the cost per sample, is negative"):
+        batcher.set_cost_model(bad, iter(shapes))
+    assert batcher.cost_model == before and batcher.max_compute == cap  # the old model kept
+    batcher.set_cost_model({**bad, "gamma": -0.001}, iter(shapes))  # a fitted small negative gamma is fine
+    assert batcher.cost_model.gamma == -0.001
+    if sizing == "dual":
+        assert batcher.max_compute is not None  # the "auto" cap resolved from the same (iterated) shapes
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("gamma", math.inf, "CostModel gamma must be finite, got inf"),
+        ("alpha", math.nan, "CostModel alpha must be finite, got nan"),
+        ("alpha", -1.0, "alpha >= 0"),
+        ("beta", -1.0, "beta >= 0"),
+        ("c0", -1.0, "CostModel c0 (cost per pack) must be >= 0"),
+        ("alpha", True, "CostModel alpha must be a number, got True"),
+        ("gamma", "abc", "CostModel gamma must be a number, got 'abc'"),
+    ],
+)
+def test_a_cost_model_with_a_bad_coefficient_is_refused_by_name(key, value, words):
+    from lightning_adaptiveload.planning.cost_model import CostModel
+
+    with pytest.raises(ValueError) as err:
+        CostModel.from_dict({"kind": "quadratic", "alpha": 1.0, "beta": 0.0, "gamma": 0.0, key: value})
+    assert words in str(err.value), str(err.value)
 
 
 def test_measured_wait_rows_equals_the_derived_wait_when_waits_are_exact():
