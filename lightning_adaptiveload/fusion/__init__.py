@@ -1,8 +1,10 @@
 """The norm+modulate fusion pass, its adapter registry and the adapters for the model families it knows.
 
 ``registry.py`` holds the pass and the registry, ``adapter.py`` the adapter interface, ``probe.py`` the
-numerical check; ``video_dit.py``, ``wan.py`` and ``dit.py`` the built-in adapters of each model family;
-``mixin.py`` the LightningModule mixin.
+numerical check (on a perturbed copy), ``sites.py`` one fused site (``norm_modulate``: LayerNorm or RMSNorm);
+``video_dit.py``, ``wan.py``, ``dit.py``, ``diffusers_norms.py`` (diffusers' modulated norm classes) and
+``diffusers_blocks.py`` (the diffusers blocks that modulate inline) the built-in adapters; ``mixin.py`` the
+LightningModule mixin.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "FusionAdapter": "adapter",
         "FusionError": "adapter",
         "FusionReport": "registry",
+        "ProbeResult": "probe",
         "ReplaceForward": "adapter",
         "SkippedModule": "registry",
         "fuse_norm_modulate": "registry",
+        "norm_modulate": "sites",
+        "norm_site_reason": "sites",
         "register_fusion_adapter": "registry",
         "unfuse_norm_modulate": "registry",
         "unregister_fusion_adapter": "registry",

@@ -10,15 +10,18 @@ recognises a site it deliberately leaves alone. The model-family adapters (``vid
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_adaptiveload.fusion.probe import run_probe
+from lightning_adaptiveload.fusion.probe import ProbeResult, run_probe
 
 __all__ = [
+    "ClassForward",
     "FlagAdapter",
     "FusionAdapter",
     "FusionError",
@@ -61,13 +64,14 @@ class FusionAdapter:
         """Whether ``module`` already uses the fused op without this adapter having changed it."""
         return False
 
-    def verify(self, module: nn.Module) -> tuple[str, str]:
+    def verify(self, module: nn.Module) -> ProbeResult | tuple[str, str]:
         """Compare the fused and the original computation on a small probe, before fusing.
 
         Returns:
-            ``(status, message)`` with status ``"ok"``, ``"mismatch"`` (the message says by how much; the
-            module is skipped), ``"unverifiable"`` (e.g. parameters on the meta device; fused anyway, the
-            message goes to ``report.checks``) or ``"unavailable"`` (this adapter has no probe).
+            A :class:`~lightning_adaptiveload.fusion.probe.ProbeResult`, or a pair ``(status, message)``,
+            with status ``"ok"``, ``"mismatch"`` (the message says by how much; the module is skipped),
+            ``"unverifiable"`` (e.g. parameters on the meta device; fused anyway, the message goes to
+            ``report.checks``) or ``"unavailable"`` (this adapter has no probe).
         """
         return "unavailable", ""
 
@@ -123,8 +127,9 @@ class ReplaceForward(FusionAdapter):
         check: optional ``check(module) -> str | None``: why a module cannot be fused, or None.
         probe: optional ``probe(module, generator) -> list[(args, kwargs)]``: small inputs on the module's
             device and dtype (drawn with ``generator``) on which the original and the fused forward are
-            compared before the first module of each class is fused; a module whose outputs differ beyond
-            rounding is skipped with the error in the report.
+            compared, forward and gradients, on a perturbed copy of the module (fp32, then bf16), before
+            the first module of each class is fused; a class whose results differ beyond rounding is
+            skipped with the error in the report (see :func:`~lightning_adaptiveload.fusion.probe.run_probe`).
         expected_forward: the class forward ``forward`` was written for. A module whose class resolves
             ``forward`` to another function (a subclass that overrides it) is skipped, because the
             replacement would silently drop the subclass's changes. Set for class targets by
@@ -169,7 +174,7 @@ class ReplaceForward(FusionAdapter):
             )
         return self._check(module) if self._check is not None else None
 
-    def verify(self, module: nn.Module) -> tuple[str, str]:
+    def verify(self, module: nn.Module) -> ProbeResult | tuple[str, str]:
         if self._probe is None:
             return "unavailable", ""
         return run_probe(module, self._probe, class_forward(module), self.forward)
@@ -195,6 +200,68 @@ class ReplaceForward(FusionAdapter):
             )
         del module.__dict__["forward"]
         return None
+
+
+def diffusers_version() -> str:
+    """The version of the diffusers already imported (``"unknown"`` when it is not)."""
+    return getattr(sys.modules.get("diffusers"), "__version__", "unknown")
+
+
+class ClassForward(ReplaceForward):
+    """:class:`ReplaceForward` for a class named by module path and class name, looked up only once imported.
+
+    The class's forward (the one the fused forward was written for) is resolved when a module is checked,
+    so that nothing imports diffusers; a module whose forward takes other parameters than ``params`` (the
+    class changed in another diffusers version) is skipped with a reason naming the installed version.
+
+    Args:
+        forward, name, sites, check, probe: as for :class:`ReplaceForward`.
+        where: ``(module path, class name)`` of the class.
+        params: the names of the class forward's parameters after ``self``, or None for no such check.
+        owns_subtree: False for an adapter of a block whose own norm modules other adapters fuse (the
+            block's adapter fuses only the sites written inline in the block's forward).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        *,
+        where: tuple[str, str],
+        params: list[str] | None = None,
+        owns_subtree: bool = True,
+        name: str | None = None,
+        sites: int | Callable[[nn.Module], int] = 1,
+        check: Callable[[nn.Module], str | None] | None = None,
+        probe: Callable[[nn.Module, torch.Generator], list[tuple[tuple, dict]]] | None = None,
+    ) -> None:
+        super().__init__(forward, name=name, sites=sites, check=self._versioned(check), probe=probe)
+        self.where = where
+        self.params = params
+        self.owns_subtree = owns_subtree
+
+    def resolve(self) -> type | None:
+        """The class, if its module is imported."""
+        return getattr(sys.modules.get(self.where[0]), self.where[1], None)
+
+    def _versioned(
+        self, check: Callable[[nn.Module], str | None] | None
+    ) -> Callable[[nn.Module], str | None]:
+        def versioned(module: nn.Module) -> str | None:
+            if self.params is not None:
+                actual = list(inspect.signature(class_forward(module)).parameters)[1:]
+                if actual != self.params:
+                    return (
+                        f"diffusers {diffusers_version()}: {type(module).__qualname__}.forward takes "
+                        f"({', '.join(actual)}), the fused forward was written for ({', '.join(self.params)})"
+                    )
+            reason = check(module) if check is not None else None
+            return None if reason is None else f"diffusers {diffusers_version()}: {reason}"
+
+        return versioned
+
+    def check(self, module: nn.Module) -> str | None:
+        self.expected_forward = getattr(self.resolve(), "forward", None)
+        return super().check(module)
 
 
 class FlagAdapter(FusionAdapter):

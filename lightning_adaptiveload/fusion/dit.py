@@ -2,7 +2,10 @@
 
 A ``DiTBlock`` has exactly the children ``norm1``, ``attn``, ``norm2``, ``mlp`` and ``adaLN_modulation``
 (6 chunks); a ``FinalLayer`` has ``norm_final``, ``linear`` and ``adaLN_modulation`` (2 chunks). Their
-forwards are replaced by fused ones that compute the same thing with ``layer_norm_modulate``.
+forwards are replaced by fused ones that compute the same thing with ``layer_norm_modulate`` (or
+``rms_norm_modulate`` for a norm that is an RMSNorm). The chunk order is the DiT one (shift, scale, gate):
+a block that reads them in another order has the structure but not the computation, and the probe, which
+compares on perturbed weights, refuses it.
 """
 
 from __future__ import annotations
@@ -13,14 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_adaptiveload import ops as _ops
-from lightning_adaptiveload.fusion.adapter import (
-    FusionAdapter,
-    ReplaceForward,
-    class_forward,
-    layer_norm_args,
-)
+from lightning_adaptiveload.fusion.adapter import FusionAdapter, ReplaceForward, class_forward
 from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
+from lightning_adaptiveload.fusion.sites import norm_modulate, norm_site_reason, norm_width
 
 __all__ = ["builtin_entries"]
 
@@ -36,9 +34,10 @@ def _adaln_check(module: nn.Module, norms: tuple[str, ...], chunks: int, uses: t
     dims = set()
     for n in norms:
         norm = getattr(module, n)
-        if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
-            return f"{n} is {type(norm).__name__}, expected an nn.LayerNorm over the last dimension"
-        dims.add(norm.normalized_shape[0])
+        reason = norm_site_reason(norm, n)
+        if reason is not None:
+            return reason
+        dims.add(norm_width(norm))
     if len(dims) != 1:
         return f"{' and '.join(norms)} normalise different widths {sorted(dims)}"
     dim = dims.pop()
@@ -73,22 +72,16 @@ def _dit_final_check(layer: nn.Module) -> str | None:
 def _dit_block_forward_fused(block: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """DiTBlock.forward with both norm + modulate sites fused. x (B, S, D); c (B, D_c)."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaLN_modulation(c).chunk(6, dim=1)
-    h = _ops.layer_norm_modulate(
-        x, shift_msa.unsqueeze(1), scale_msa.unsqueeze(1), **layer_norm_args(block.norm1)
-    )
+    h = norm_modulate(block.norm1, x, shift_msa.unsqueeze(1), scale_msa.unsqueeze(1))
     x = x + gate_msa.unsqueeze(1) * block.attn(h)
-    h = _ops.layer_norm_modulate(
-        x, shift_mlp.unsqueeze(1), scale_mlp.unsqueeze(1), **layer_norm_args(block.norm2)
-    )
+    h = norm_modulate(block.norm2, x, shift_mlp.unsqueeze(1), scale_mlp.unsqueeze(1))
     return x + gate_mlp.unsqueeze(1) * block.mlp(h)
 
 
 def _dit_final_forward_fused(layer: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """DiT FinalLayer.forward with its norm + modulate site fused. x (B, S, D); c (B, D_c)."""
     shift, scale = layer.adaLN_modulation(c).chunk(2, dim=1)
-    h = _ops.layer_norm_modulate(
-        x, shift.unsqueeze(1), scale.unsqueeze(1), **layer_norm_args(layer.norm_final)
-    )
+    h = norm_modulate(layer.norm_final, x, shift.unsqueeze(1), scale.unsqueeze(1))
     return layer.linear(h)
 
 
@@ -98,7 +91,7 @@ def _dit_probe(module: nn.Module, generator: torch.Generator) -> list[tuple[tupl
     ada = module.adaLN_modulation
     last = ada[-1] if isinstance(ada, nn.Sequential) else ada
     first = next((m for m in ada.modules() if isinstance(m, nn.Linear)), last)
-    dim, cond_dim = norm.normalized_shape[0], first.in_features
+    dim, cond_dim = norm_width(norm), first.in_features
     x = probe_randn((2, 5, dim), generator, device, dtype)
     c = probe_randn((2, cond_dim), generator, device, dtype)
     return [((x, c), {})]

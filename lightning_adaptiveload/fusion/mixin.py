@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from typing_extensions import override
 
 from lightning_adaptiveload.fusion.adapter import FusionError
-from lightning_adaptiveload.fusion.registry import FusionReport, fuse_norm_modulate
+from lightning_adaptiveload.fusion.registry import FusionReport, fuse_norm_modulate, nothing_found_message
 
 __all__ = ["FusedNormModulateMixin"]
 
@@ -49,15 +50,16 @@ class FusedNormModulateMixin:
 
     Attributes:
         fuse_enabled: set False to train unfused (e.g. to compare).
-        fuse_allow_empty: do not raise when no site is found.
+        fuse_allow_empty: when no site is found, warn (on rank zero, saying which classes hold a norm no
+            adapter knows) and train unfused; the default. Set False to make it an error instead.
         fuse_verify: check each fused block class numerically on a tiny probe first (see
             :func:`fuse_norm_modulate`).
         fuse_submodule: dotted name of the submodule to fuse (e.g. ``"model"``); None fuses the whole
             LightningModule.
 
     Raises:
-        FusionError: from ``configure_model``, when no site is found and ``fuse_allow_empty`` is False, or
-            ``fuse_submodule`` names no submodule.
+        FusionError: from ``configure_model``, when ``fuse_allow_empty`` is False and no site is found, or
+            when ``fuse_submodule`` names no submodule.
 
     Example::
 
@@ -65,7 +67,7 @@ class FusedNormModulateMixin:
             pass
 
         class MyModule(FusedNormModulateMixin, L.LightningModule):
-            fuse_allow_empty = False
+            fuse_allow_empty = False  # an error, not a warning, when nothing is fused
 
             def configure_model(self):
                 if self.model is None:
@@ -73,7 +75,7 @@ class FusedNormModulateMixin:
     """
 
     fuse_enabled: bool = True
-    fuse_allow_empty: bool = False
+    fuse_allow_empty: bool = True
     fuse_verify: bool = True
     fuse_submodule: str | None = None
 
@@ -112,6 +114,7 @@ class FusedNormModulateMixin:
                 setattr(self, key, value)
         self.fusion_report: FusionReport | None = None
 
+    @override
     def configure_model(self) -> None:
         """Run the next ``configure_model`` in the MRO, then fuse (see the class docstring)."""
         parent = getattr(super(), "configure_model", None)
@@ -133,6 +136,13 @@ class FusedNormModulateMixin:
                 ) from exc
         report = fuse_norm_modulate(target, allow_empty=self.fuse_allow_empty, verify=self.fuse_verify)
         self.fusion_report = report
-        from lightning.pytorch.utilities import rank_zero_info
+        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
         rank_zero_info(str(report))
+        if not report.found:
+            # Training goes on unfused: say so once, with what to do (fuse_allow_empty=False makes it an error).
+            rank_zero_warn(
+                f"{type(self).__name__} (FusedNormModulateMixin) trains unfused: {nothing_found_message(target, report)} "
+                f"Set {type(self).__name__}.fuse_enabled = False to silence this, or fuse_allow_empty = False to "
+                "make it an error."
+            )

@@ -2,8 +2,9 @@
 the :class:`FusionReport` they return.
 
 The pass walks a model's modules, hands each to the first registered adapter whose target matches it (user
-adapters first, most recent first; then the built-in ones of ``video_dit.py``, ``wan.py`` and ``dit.py``),
-checks the fused forward numerically once per class, fuses, and records on the module what to undo.
+adapters first, most recent first; then the built-in ones of ``video_dit.py``, ``wan.py``, ``dit.py``,
+``diffusers_blocks.py`` and ``diffusers_norms.py``), checks the fused forward numerically once per class on a
+perturbed copy (``probe.py``), fuses, and records on the module what to undo.
 Nothing but the instance ``forward`` (or a switch the block has) changes, so ``state_dict`` is untouched
 and :func:`unfuse_norm_modulate` restores each module exactly. Users add adapters for their own blocks with
 :func:`register_fusion_adapter`; see ``docs/fusion.md``.
@@ -21,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_adaptiveload.fusion import dit, video_dit, wan
+from lightning_adaptiveload.fusion import diffusers_blocks, diffusers_norms, dit, video_dit, wan
 from lightning_adaptiveload.fusion.adapter import FlagAdapter, FusionAdapter, FusionError, ReplaceForward
+from lightning_adaptiveload.fusion.probe import ProbeResult
+from lightning_adaptiveload.fusion.sites import norm_kind
 
 __all__ = [
     "FusionReport",
@@ -71,13 +74,17 @@ class FusionReport:
         modules: modules changed by this call, per class.
         adapters: the adapter used for each class.
         checks: for each class changed, the outcome of the numerical check against the original forward
-            (``verify=True``): ``"matches the original forward (...)"``, ``"not checked: <why>"`` or
-            ``"no probe"``.
+            (``verify=True``): ``"matches the original forward and gradients on a perturbed copy (...)"``
+            with the errors per dtype, ``"not checked: <why>"`` or ``"no probe"``.
+        probes: for each class checked, the :class:`~lightning_adaptiveload.fusion.probe.ProbeResult`
+            (what was perturbed, the dtypes compared, the largest errors and the tolerances); also for a
+            class the probe refused (its modules are in ``skipped``).
         already_fused: modules that were fused before this call (by an earlier call, or built fused), per
             class; they count as found. For ``unfuse``: modules built fused, which are left as they are.
         skipped: modules recognised but not changed, with the reason.
-        unrecognized: classes that hold a LayerNorm, with no recognised module inside, that no adapter
-            recognised (left as they are), with how many modules of each.
+        unrecognized: classes that hold a LayerNorm or an RMSNorm (other than an attention's q / k norms),
+            with no recognised module inside, that no adapter recognised (left as they are), with how many
+            modules of each.
     """
 
     action: str
@@ -86,6 +93,7 @@ class FusionReport:
     modules: dict[str, int] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)
     checks: dict[str, str] = field(default_factory=dict)
+    probes: dict[str, ProbeResult] = field(default_factory=dict)
     already_fused: dict[str, int] = field(default_factory=dict)
     skipped: list[SkippedModule] = field(default_factory=list)
     unrecognized: dict[str, int] = field(default_factory=dict)
@@ -110,10 +118,10 @@ class FusionReport:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        verb = "now use" if self.action == "fuse" else "restored from"
+        verb = "now run through the fused ops" if self.action == "fuse" else "restored to their own forward"
         lines = [
             f"{self.action}_norm_modulate({self.model}): {self.num_sites} norm+modulate site(s) in "
-            f"{self.num_modules} module(s) {verb} layer_norm_modulate"
+            f"{self.num_modules} module(s) {verb}"
         ]
         for cls, n in self.modules.items():
             detail = f"adapter: {self.adapters.get(cls, '?')}"
@@ -164,7 +172,7 @@ class _Entry:
 def _builtin_entries() -> list[_Entry]:
     return [
         _Entry(target, adapter, True)
-        for family in (video_dit, wan, dit)
+        for family in (video_dit, wan, dit, diffusers_blocks, diffusers_norms)
         for target, adapter in family.builtin_entries()
     ]
 
@@ -258,9 +266,17 @@ def _inside(name: str, owned: list[str]) -> bool:
     return any(name.startswith(prefix + ".") if prefix else True for prefix in owned)
 
 
-def _holds_layernorm(module: nn.Module) -> bool:
-    return not isinstance(module, nn.LayerNorm) and any(
-        isinstance(child, nn.LayerNorm) for child in module.children()
+# Children that normalise an attention's queries and keys: never modulated, so not a hint for an adapter.
+_QK_NORMS = frozenset({"norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_norm", "k_norm", "norm_cross"})
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or norm_kind(module) == "rms_norm"
+
+
+def _holds_norm(module: nn.Module) -> bool:
+    return not _is_norm(module) and any(
+        _is_norm(child) and name not in _QK_NORMS for name, child in module.named_children()
     )
 
 
@@ -269,20 +285,24 @@ def _bump(counter: dict[str, int], key: str, n: int = 1) -> None:
 
 
 def fuse_norm_modulate(module: nn.Module, *, allow_empty: bool = False, verify: bool = True) -> FusionReport:
-    """Route every recognised LayerNorm + modulate site in ``module`` through ``layer_norm_modulate``.
+    """Route every recognised norm + modulate site in ``module`` through the fused ops.
 
-    Changes modules in place (instance ``forward`` or a ``fused`` switch); parameters, buffers and
-    ``state_dict`` are untouched. Idempotent: modules fused before are counted as ``already_fused``. Call it
-    before FSDP wrapping and ``torch.compile``, or at least before the first compiled forward.
+    LayerNorm sites go through ``layer_norm_modulate``, RMSNorm sites (LTX-Video) through
+    ``rms_norm_modulate``. Changes modules in place (instance ``forward`` or a ``fused`` switch);
+    parameters, buffers and ``state_dict`` are untouched. Idempotent: modules fused before are counted as
+    ``already_fused``. Call it before FSDP wrapping and ``torch.compile``, or at least before the first
+    compiled forward.
 
     Args:
         module: any model; its submodules are searched (the model itself included).
         allow_empty: when False (default), raise if no site is found; the error names the classes that hold a
-            LayerNorm, which are the ones to register an adapter for.
-        verify: compare the fused and the original forward numerically on a tiny random probe, once per block
-            class, before fusing (adapters that provide a probe: the DiT and Wan ones). A class that fails is
-            skipped with the error in the report. Skipped automatically, with a note, for parameters on the
-            meta device or sharded.
+            LayerNorm or RMSNorm, which are the ones to register an adapter for.
+        verify: compare the fused and the original forward, outputs and gradients, once per block class
+            before fusing, on a deep copy of the first module whose parameters are perturbed (non-zero
+            shift, scale and gate even at adaLN-Zero initialisation), in fp32 and in bf16 (adapters that
+            provide a probe: all built-in ones). A class that fails is skipped with the error in the report;
+            ``report.probes`` says what each probe perturbed, compared and found. Skipped automatically,
+            with a note, for parameters on the meta device or sharded.
 
     Returns:
         A :class:`FusionReport`.
@@ -299,7 +319,7 @@ def fuse_norm_modulate(module: nn.Module, *, allow_empty: bool = False, verify: 
         walk.visit(name, sub)
     walk.count_unrecognized()
     if not report.found and not allow_empty:
-        raise FusionError(_nothing_found_message(module, report))
+        raise FusionError(nothing_found_message(module, report))
     return report
 
 
@@ -322,14 +342,16 @@ class _FuseWalk:
         if _inside(name, self.owned):
             return
         cls = type(sub).__name__
-        if isinstance(sub.__dict__.get(_RECORD_ATTR), _Record):
+        record = sub.__dict__.get(_RECORD_ATTR)
+        if isinstance(record, _Record):
             _bump(self.report.already_fused, cls)
-            self.owned.append(name)
+            if record.adapter.owns_subtree:
+                self.owned.append(name)
             self.recognised.append(name)
             return
         entry = next((e for e in self.entries if e.matches(sub)), None)
         if entry is None:
-            if _holds_layernorm(sub):
+            if _holds_norm(sub):
                 self.holders.append((name, cls))
             return
         adapter = entry.adapter
@@ -348,19 +370,24 @@ class _FuseWalk:
         self._fuse(sub, adapter)
 
     def _passes_probe(self, name: str, sub: nn.Module, adapter: FusionAdapter) -> bool:
-        # One verdict per adapter and block class: the probe compares computations, not weights.
+        # One verdict per adapter and block class: the probe compares computations (on a perturbed copy),
+        # not this module's weights.
         cls = type(sub).__name__
         key = (id(adapter), type(sub))
         if key not in self.verdicts:
-            self.verdicts[key] = adapter.verify(sub)
-        status, message = self.verdicts[key]
-        if status == "mismatch":
-            self.report.skipped.append(SkippedModule(name, cls, message))
+            self.verdicts[key] = ProbeResult.coerce(adapter.verify(sub))
+        result = self.verdicts[key]
+        if result.status in ("ok", "mismatch") and result.dtypes:
+            self.report.probes[cls] = result
+        if result.status == "mismatch":
+            self.report.skipped.append(SkippedModule(name, cls, f"the probe refused it: {result.message}"))
             return False
-        if status == "ok":
-            self.report.checks[cls] = f"matches the original forward (max relative error {message})"
-        elif status == "unverifiable":
-            self.report.checks[cls] = f"not checked: {message}"
+        if result.status == "ok":
+            self.report.checks[cls] = (
+                result.message if result.dtypes else f"matches the original forward ({result.message})"
+            )
+        elif result.status == "unverifiable":
+            self.report.checks[cls] = f"not checked: {result.message}"
         elif isinstance(adapter, ReplaceForward):  # a switch (NormModulate) has nothing to compare
             self.report.checks[cls] = "no probe"
         return True
@@ -383,12 +410,16 @@ class _FuseWalk:
                 _bump(self.report.unrecognized, cls)
 
 
-def _nothing_found_message(module: nn.Module, report: FusionReport) -> str:
+def nothing_found_message(module: nn.Module, report: FusionReport) -> str:
+    """Why nothing was fused in ``module`` and what to do: the text of the FusionError (and the mixin's warning)."""
     model = type(module).__name__
-    parts = [f"fuse_norm_modulate: no LayerNorm + modulate site could be fused in {model}."]
+    parts = [f"fuse_norm_modulate: no norm + modulate site (LayerNorm or RMSNorm) could be fused in {model}."]
     if report.unrecognized:
         holders = ", ".join(f"{c} (x{n})" for c, n in report.unrecognized.items())
-        parts.append(f"Classes that hold a LayerNorm but no adapter recognises: {holders}.")
+        parts.append(
+            f"Classes that hold a LayerNorm or RMSNorm but no adapter recognises: {holders}; both kinds can be "
+            "fused (layer_norm_modulate, rms_norm_modulate) once an adapter says where the site is."
+        )
     else:
         blocks = sorted(
             {
@@ -400,8 +431,9 @@ def _nothing_found_message(module: nn.Module, report: FusionReport) -> str:
             or {type(m).__name__ for m in module.children()}
         )
         parts.append(
-            f"It holds no nn.LayerNorm module (its block classes: {', '.join(blocks) or 'none'}); a norm "
-            "written as a function call is not found by structure."
+            f"It holds no nn.LayerNorm or RMSNorm module (its block classes: {', '.join(blocks) or 'none'}); a "
+            "norm written as a function call (F.layer_norm, F.rms_norm) is not found by structure: write an adapter "
+            "for the block that calls it."
         )
     if report.skipped:
         reasons = "; ".join(f"{s.name or '(model)'} ({s.cls}): {s.reason}" for s in report.skipped[:5])
@@ -409,8 +441,8 @@ def _nothing_found_message(module: nn.Module, report: FusionReport) -> str:
         parts.append(f"Recognised but skipped: {reasons}{more}.")
     parts.append(
         "Register an adapter for your block class with register_fusion_adapter(BlockClass, fused_forward) "
-        "(docs/fusion.md shows how), or pass allow_empty=True (FusedNormModulateMixin: fuse_allow_empty=True) "
-        "to train unfused."
+        "(docs/fusion.md shows how), or pass allow_empty=True to train unfused (FusedNormModulateMixin does, "
+        "with a warning, unless fuse_allow_empty=False)."
     )
     return " ".join(parts)
 

@@ -159,6 +159,20 @@ def op_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def rms_calls(monkeypatch):
+    """Counts calls to ops.rms_norm_modulate (the fused RMSNorm sites look it up at call time)."""
+    calls: list[tuple[int, ...]] = []
+    real = ops.rms_norm_modulate
+
+    def counting(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "rms_norm_modulate", counting)
+    return calls
+
+
 def _output(out):
     return out.sample if hasattr(out, "sample") else out
 
@@ -250,19 +264,37 @@ def test_dit_style_lookalikes_are_skipped_with_reasons():
         def forward(self, x, c, mask=None):
             return super().forward(x, c)
 
-    class RMS(DiTBlock):
+    class Group(DiTBlock):
         def __init__(self):
             super().__init__(16, 2)
-            self.norm1 = nn.RMSNorm(16)
+            self.norm1 = nn.GroupNorm(1, 16)
 
-    model = nn.ModuleDict({"a": FourChunks(), "b": ExtraArg(16, 2), "c": RMS()})
+    model = nn.ModuleDict({"a": FourChunks(), "b": ExtraArg(16, 2), "c": Group()})
     report = fuse_norm_modulate(model, allow_empty=True)
     reasons = {s.name: s.reason for s in report.skipped}
     assert "6 chunks" in reasons["a"] and "out_features=64" in reasons["a"]
     assert "(x, c, mask)" in reasons["b"]
-    assert "RMSNorm" in reasons["c"]
+    assert "norm1 is GroupNorm" in reasons["c"] and "RMSNorm" in reasons["c"]  # says what would do
     assert report.num_modules == 0
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_dit_style_with_rmsnorm_fuses_through_the_rms_op(op_calls, rms_calls):
+    class RMS(DiTBlock):
+        def __init__(self):
+            super().__init__(16, 2)
+            self.norm1 = nn.RMSNorm(16, eps=1e-6)
+
+    torch.manual_seed(0)
+    block = RMS()
+    reference = copy.deepcopy(block)
+    report = fuse_norm_modulate(block)
+    assert report.sites == {"RMS": 2} and report.probes["RMS"].status == "ok"
+    rms_calls.clear(), op_calls.clear()  # the probe's calls
+    g = torch.Generator().manual_seed(4)
+    args = (torch.randn(2, 5, 16, generator=g), torch.randn(2, 16, generator=g))
+    _assert_same_training_signal(reference, block, args)
+    assert len(rms_calls) == 1 and len(op_calls) == 1  # norm1 through rms_norm_modulate, norm2 through LN
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -600,7 +632,7 @@ def test_nothing_found_raises_naming_block_classes():
 
 def test_nothing_found_without_any_layernorm_names_the_blocks():
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
-    with pytest.raises(FusionError, match="holds no nn.LayerNorm module.*Linear"):
+    with pytest.raises(FusionError, match="holds no nn.LayerNorm or RMSNorm module.*Linear"):
         fuse_norm_modulate(model)
 
 
@@ -685,7 +717,7 @@ def test_report_reads_well():
     report = fuse_norm_modulate(model)
     text = str(report)
     assert text.splitlines()[0] == (
-        "fuse_norm_modulate(ModuleDict): 3 norm+modulate site(s) in 2 module(s) now use layer_norm_modulate"
+        "fuse_norm_modulate(ModuleDict): 3 norm+modulate site(s) in 2 module(s) now run through the fused ops"
     )
     assert re.search(r"DiTBlock: 1 module\(s\), 2 site\(s\) \[adapter: dit-block; probe: matches", text)
     assert "dit.blocks.1 (DiTBlock): norm1 is GroupNorm" in text
@@ -783,6 +815,14 @@ def test_docs_custom_adapter_example_runs(user_adapters, op_calls):
     assert match, f"{DOCS} lost its tested custom-adapter example"
     exec(compile(match.group(1), str(DOCS), "exec"), {"__name__": "docs_example"})
     assert len(op_calls) > 0
+
+
+def test_docs_norm_adapter_example_runs(user_adapters, rms_calls):
+    text = DOCS.read_text()
+    match = re.search(r"<!-- tested: norm-adapter -->\s*```python\n(.*?)```", text, re.S)
+    assert match, f"{DOCS} lost its tested norm-adapter example"
+    exec(compile(match.group(1), str(DOCS), "exec"), {"__name__": "docs_example"})
+    assert len(rms_calls) > 0  # the probe ran the fused forward through the RMSNorm op
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -933,16 +973,19 @@ def test_mixin_options_from_class_attributes_and_kwargs():
         def configure_model(self):
             self.net = nn.Sequential(nn.Linear(4, 4), _PlainBlock(4))
 
-    with pytest.raises(FusionError, match="_PlainBlock"):
-        Empty().configure_model()
-    module = Empty(fuse_allow_empty=True)
-    module.configure_model()
+    # By default a model with nothing to fuse trains unfused, with a warning naming the classes to adapt.
+    module = Empty()
+    with pytest.warns(UserWarning, match="trains unfused: .*_PlainBlock \\(x1\\).*fuse_allow_empty = False"):
+        module.configure_model()
     assert module.fusion_report.unrecognized == {"_PlainBlock": 1}
+    with pytest.raises(FusionError, match="_PlainBlock"):
+        Empty(fuse_allow_empty=False).configure_model()
 
-    class AllowEmpty(Empty):
-        fuse_allow_empty = True
+    class Strict(Empty):
+        fuse_allow_empty = False
 
-    AllowEmpty().configure_model()
+    with pytest.raises(FusionError, match="_PlainBlock"):
+        Strict().configure_model()
     off = _FusedLit()
     off.fuse_enabled = False
     off.configure_model()

@@ -1,0 +1,335 @@
+"""Fusion adapters for diffusers' modulated norm classes, wherever they sit.
+
+diffusers builds the adaLN sites of its DiT and MMDiT blocks from a few norm modules that compute
+``norm(x) * (1 + scale) + shift`` themselves and return the remaining modulation (gates, the FFN's shift and
+scale) to the block. Fusing those modules, rather than whole blocks, covers every family that uses them:
+
+| class | used by | sites |
+|---|---|---|
+| ``AdaLayerNormZero`` | SD3, Flux, HunyuanVideo (``norm1``, ``norm1_context``), DiT (``BasicTransformerBlock``) | 1 |
+| ``AdaLayerNormZeroSingle`` | Flux, HunyuanVideo single-stream blocks | 1 |
+| ``AdaLayerNormContinuous`` | output heads of SD3, Flux, HunyuanVideo; SD3's last context norm | 1 |
+| ``SD35AdaLayerNormZeroX`` | SD3.5's dual-attention blocks | 2 |
+| ``CogVideoXLayerNormZero`` | CogVideoX (video and text streams) | 2 |
+| ``AdaLayerNorm`` | CogVideoX's output head (``chunk_dim=1``), ``ada_norm`` blocks | 1 |
+| ``CogView3PlusAdaLayerNormZeroTextImage`` | CogView3-Plus | 2 |
+| ``SanaModulatedNorm`` | Sana's output head | 1 |
+| ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
+
+Each fused forward is the class's forward with its site written as one call of
+:func:`~lightning_adaptiveload.fusion.sites.norm_modulate` (LayerNorm or RMSNorm, whichever the module holds);
+everything else (the SiLU + Linear projection, the chunk order, the ``[:, None]`` layouts, the returned
+modulation) is as diffusers computes it. The blocks' own inline sites (the FFN's ``norm2``) are fused by
+``diffusers_blocks.py``. Classes are looked up in modules already imported only, so nothing here imports
+diffusers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_adaptiveload.fusion.adapter import ClassForward, FusionAdapter
+from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
+from lightning_adaptiveload.fusion.sites import norm_modulate, norm_site_reason, norm_width
+
+__all__ = ["builtin_entries"]
+
+_NORMS = "diffusers.models.normalization"
+_SANA = "diffusers.models.transformers.sana_transformer"
+_HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _projection_check(
+    module: nn.Module, chunks: int, linear: str = "linear", norm: str = "norm"
+) -> str | None:
+    """The norm is fusable and the projection ``linear`` gives ``chunks`` chunks of its width."""
+    dim = (
+        norm_width(getattr(module, norm, None))
+        if isinstance(getattr(module, norm, None), nn.Module)
+        else None
+    )
+    reason = norm_site_reason(getattr(module, norm, None), norm, dim)
+    if reason is not None:
+        return f"{type(module).__name__}: {reason}"
+    proj = getattr(module, linear, None)
+    if not isinstance(proj, nn.Linear) or proj.out_features != chunks * dim:
+        found = (
+            f"nn.Linear(out_features={proj.out_features})"
+            if isinstance(proj, nn.Linear)
+            else type(proj).__name__
+        )
+        return (
+            f"{type(module).__name__}.{linear} should be an nn.Linear giving {chunks} chunks of D={dim} "
+            f"(out_features={chunks * dim}), found {found}"
+        )
+    return None
+
+
+def _ada_layer_norm_check(module: nn.Module) -> str | None:
+    if getattr(module, "chunk_dim", None) not in (0, 1):
+        return f"AdaLayerNorm.chunk_dim is {getattr(module, 'chunk_dim', None)!r}, the fused forward knows 0 and 1"
+    return _projection_check(module, 2)
+
+
+def _cogview_check(module: nn.Module) -> str | None:
+    return _projection_check(module, 12, norm="norm_x") or _projection_check(module, 12, norm="norm_c")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fused forwards (each the class's forward with its site(s) through norm_modulate)
+
+
+def _ada_zero_fused(
+    norm: nn.Module,
+    x: torch.Tensor,
+    timestep: torch.Tensor | None = None,
+    class_labels: torch.LongTensor | None = None,
+    hidden_dtype: torch.dtype | None = None,
+    emb: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """AdaLayerNormZero: 6 chunks (shift, scale, gate of attention, then of the FFN); attention's site fused."""
+    if norm.emb is not None:
+        emb = norm.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(
+        6, dim=1
+    )
+    x = norm_modulate(norm.norm, x, shift_msa[:, None], scale_msa[:, None])
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _ada_zero_single_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None):
+    """AdaLayerNormZeroSingle: 3 chunks (shift, scale, gate)."""
+    shift_msa, scale_msa, gate_msa = norm.linear(norm.silu(emb)).chunk(3, dim=1)
+    return norm_modulate(norm.norm, x, shift_msa[:, None], scale_msa[:, None]), gate_msa
+
+
+def _ada_continuous_fused(
+    norm: nn.Module, x: torch.Tensor, conditioning_embedding: torch.Tensor
+) -> torch.Tensor:
+    """AdaLayerNormContinuous: 2 chunks in the order (scale, shift); the condition cast to x's dtype first."""
+    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return norm_modulate(norm.norm, x, shift[:, None, :], scale[:, None, :])
+
+
+def _sd35_zero_x_fused(norm: nn.Module, hidden_states: torch.Tensor, emb: torch.Tensor | None = None):
+    """SD35AdaLayerNormZeroX: 9 chunks; one norm feeds two sites (attention and the second attention)."""
+    (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2) = (
+        norm.linear(norm.silu(emb)).chunk(9, dim=1)
+    )
+    first = norm_modulate(norm.norm, hidden_states, shift_msa[:, None], scale_msa[:, None])
+    second = norm_modulate(norm.norm, hidden_states, shift_msa2[:, None], scale_msa2[:, None])
+    return first, gate_msa, shift_mlp, scale_mlp, gate_mlp, second, gate_msa2
+
+
+def _cogvideox_zero_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor
+):
+    """CogVideoXLayerNormZero: one norm and one projection for the video and the text stream (2 sites)."""
+    shift, scale, gate, enc_shift, enc_scale, enc_gate = norm.linear(norm.silu(temb)).chunk(6, dim=1)
+    hidden_states = norm_modulate(norm.norm, hidden_states, shift[:, None, :], scale[:, None, :])
+    encoder_hidden_states = norm_modulate(
+        norm.norm, encoder_hidden_states, enc_shift[:, None, :], enc_scale[:, None, :]
+    )
+    return hidden_states, encoder_hidden_states, gate[:, None, :], enc_gate[:, None, :]
+
+
+def _ada_layer_norm_fused(
+    norm: nn.Module, x: torch.Tensor, timestep: torch.Tensor | None = None, temb: torch.Tensor | None = None
+) -> torch.Tensor:
+    """AdaLayerNorm: (shift, scale) along dim 1 (CogVideoX's head) or (scale, shift) along dim 0."""
+    if norm.emb is not None:
+        temb = norm.emb(timestep)
+    temb = norm.linear(norm.silu(temb))
+    if norm.chunk_dim == 1:
+        shift, scale = temb.chunk(2, dim=1)
+        shift, scale = shift[:, None, :], scale[:, None, :]
+    else:
+        scale, shift = temb.chunk(2, dim=0)
+    return norm_modulate(norm.norm, x, shift, scale)
+
+
+def _cogview_fused(norm: nn.Module, x: torch.Tensor, context: torch.Tensor, emb: torch.Tensor | None = None):
+    """CogView3PlusAdaLayerNormZeroTextImage: 12 chunks, image then text; one site per stream."""
+    chunks = norm.linear(norm.silu(emb)).chunk(12, dim=1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks[:6]
+    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = chunks[6:]
+    x = norm_modulate(norm.norm_x, x, shift_msa[:, None], scale_msa[:, None])
+    context = norm_modulate(norm.norm_c, context, c_shift_msa[:, None], c_scale_msa[:, None])
+    return (
+        x,
+        gate_msa,
+        shift_mlp,
+        scale_mlp,
+        gate_mlp,
+        context,
+        c_gate_msa,
+        c_shift_mlp,
+        c_scale_mlp,
+        c_gate_mlp,
+    )
+
+
+def _sana_modulated_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor, scale_shift_table: torch.Tensor
+) -> torch.Tensor:
+    """SanaModulatedNorm: (shift, scale) from the model's (2, D) table plus the embedded timestep."""
+    shift, scale = (scale_shift_table[None] + temb[:, None].to(scale_shift_table.device)).chunk(2, dim=1)
+    return norm_modulate(norm.norm, hidden_states, shift, scale)
+
+
+def _token_replace_sites(norm, hidden_states, first, mods, tr_mods):
+    # The first-frame tokens take the token-replace modulation, the others the timestep's; one site each.
+    (shift, scale), (tr_shift, tr_scale) = mods, tr_mods
+    head = norm_modulate(norm.norm, hidden_states[:, :first], tr_shift[:, None], tr_scale[:, None])
+    tail = norm_modulate(norm.norm, hidden_states[:, first:], shift[:, None], scale[:, None])
+    return torch.cat([head, tail], dim=1)
+
+
+def _hunyuan_token_replace_fused(norm, hidden_states, emb, token_replace_emb, first_frame_num_tokens):
+    """HunyuanVideoTokenReplaceAdaLayerNormZero: 6 chunks for each of the two embeddings."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(
+        6, dim=1
+    )
+    tr = norm.linear(norm.silu(token_replace_emb)).chunk(6, dim=1)
+    tr_shift_msa, tr_scale_msa, tr_gate_msa, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = tr
+    out = _token_replace_sites(
+        norm, hidden_states, first_frame_num_tokens, (shift_msa, scale_msa), (tr_shift_msa, tr_scale_msa)
+    )
+    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, tr_gate_msa, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp
+
+
+def _hunyuan_token_replace_single_fused(norm, hidden_states, emb, token_replace_emb, first_frame_num_tokens):
+    """HunyuanVideoTokenReplaceAdaLayerNormZeroSingle: 3 chunks for each of the two embeddings."""
+    shift_msa, scale_msa, gate_msa = norm.linear(norm.silu(emb)).chunk(3, dim=1)
+    tr_shift_msa, tr_scale_msa, tr_gate_msa = norm.linear(norm.silu(token_replace_emb)).chunk(3, dim=1)
+    out = _token_replace_sites(
+        norm, hidden_states, first_frame_num_tokens, (shift_msa, scale_msa), (tr_shift_msa, tr_scale_msa)
+    )
+    return out, gate_msa, tr_gate_msa
+
+
+# --------------------------------------------------------------------------------------------------------
+# Probes: small inputs on the module's device and dtype
+
+
+def _draw(module: nn.Module, generator: torch.Generator, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    device, dtype = probe_device_dtype(module)
+    return [probe_randn(shape, generator, device, dtype) for shape in shapes]
+
+
+def _dims(module: nn.Module, norm: str = "norm", linear: str = "linear") -> tuple[int, int]:
+    return norm_width(getattr(module, norm)), getattr(module, linear).in_features
+
+
+def _labels(n: int, high: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randint(0, max(int(high), 1), (n,), generator=generator, device=device)
+
+
+def _ada_zero_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm)
+    if norm.emb is None:
+        x, emb = _draw(norm, generator, (2, 5, dim), (2, cond))
+        return [((x, None, None, None, emb), {})]
+    device, dtype = probe_device_dtype(norm)
+    (x,) = _draw(norm, generator, (2, 5, dim))
+    t = _labels(2, 1000, generator, device)
+    labels = _labels(
+        2, getattr(getattr(norm.emb, "class_embedder", None), "num_classes", 1), generator, device
+    )
+    return [((x, t, labels), {"hidden_dtype": dtype})]
+
+
+def _x_emb_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm)
+    x, emb = _draw(norm, generator, (2, 5, dim), (2, cond))
+    return [((x, emb), {})]
+
+
+def _cogvideox_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm)
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, 3, dim), (2, cond))), {})]
+
+
+def _ada_layer_norm_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm)
+    device, _ = probe_device_dtype(norm)
+    (x,) = _draw(norm, generator, (2, 5, dim))
+    if norm.emb is not None:
+        steps = norm.emb.num_embeddings
+        t = (
+            _labels(2, steps, generator, device)
+            if norm.chunk_dim == 1
+            else _labels(1, steps, generator, device)[0]
+        )
+        return [((x, t), {})]
+    (temb,) = _draw(norm, generator, (2, cond) if norm.chunk_dim == 1 else (cond,))
+    return [((x, None, temb), {})]
+
+
+def _cogview_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm, norm="norm_x")
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, 3, dim), (2, cond))), {})]
+
+
+def _sana_probe(norm: nn.Module, generator: torch.Generator):
+    dim = norm_width(norm.norm)
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, dim), (2, dim))), {})]
+
+
+def _token_replace_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm)
+    x, emb, tr = _draw(norm, generator, (2, 6, dim), (2, cond), (2, cond))
+    return [((x, emb, tr, 2), {})]
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
+    """The ``(target, adapter)`` pairs of this family, in the order the registry tries them."""
+    table = [
+        # (module, class, fused forward, forward's parameters, sites, check, probe)
+        (_NORMS, "AdaLayerNormZero", _ada_zero_fused, ["x", "timestep", "class_labels", "hidden_dtype", "emb"],
+         1, lambda m: _projection_check(m, 6), _ada_zero_probe),
+        (_NORMS, "AdaLayerNormZeroSingle", _ada_zero_single_fused, ["x", "emb"],
+         1, lambda m: _projection_check(m, 3), _x_emb_probe),
+        (_NORMS, "AdaLayerNormContinuous", _ada_continuous_fused, ["x", "conditioning_embedding"],
+         1, lambda m: _projection_check(m, 2), _x_emb_probe),
+        (_NORMS, "SD35AdaLayerNormZeroX", _sd35_zero_x_fused, ["hidden_states", "emb"],
+         2, lambda m: _projection_check(m, 9), _x_emb_probe),
+        (_NORMS, "CogVideoXLayerNormZero", _cogvideox_zero_fused, ["hidden_states", "encoder_hidden_states", "temb"],
+         2, lambda m: _projection_check(m, 6), _cogvideox_probe),
+        (_NORMS, "AdaLayerNorm", _ada_layer_norm_fused, ["x", "timestep", "temb"],
+         1, _ada_layer_norm_check, _ada_layer_norm_probe),
+        (_NORMS, "CogView3PlusAdaLayerNormZeroTextImage", _cogview_fused, ["x", "context", "emb"],
+         2, _cogview_check, _cogview_probe),
+        (_SANA, "SanaModulatedNorm", _sana_modulated_fused, ["hidden_states", "temb", "scale_shift_table"],
+         1, lambda m: norm_site_reason(m.norm, "norm"), _sana_probe),
+        (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZero", _hunyuan_token_replace_fused,
+         ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
+         2, lambda m: _projection_check(m, 6), _token_replace_probe),
+        (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle", _hunyuan_token_replace_single_fused,
+         ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
+         2, lambda m: _projection_check(m, 3), _token_replace_probe),
+    ]  # fmt: skip
+    entries: list[tuple[Any, FusionAdapter]] = []
+    for module, cls, forward, params, sites, check, probe in table:
+        adapter = ClassForward(
+            forward,
+            where=(module, cls),
+            params=params,
+            name=f"diffusers-{cls}",
+            sites=sites,
+            check=check,
+            probe=probe,
+        )
+        entries.append(((module, cls), adapter))
+    return entries

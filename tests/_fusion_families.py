@@ -1,0 +1,205 @@
+"""Tiny random configs of the nine diffusers DiT / MMDiT families the fusion pass knows, with inputs.
+
+Each builder returns a :class:`Family`: the model (built under a fixed seed, then every floating-point
+parameter randomised by :func:`randomise`, adaLN and modulation weights included, none left zero), the
+forward's keyword arguments, and the names of the float inputs whose gradients the tests compare. A family
+whose class the installed diffusers lacks is skipped. Small enough for CPU: a forward + backward of each
+takes well under a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+
+@dataclass
+class Family:
+    model: nn.Module
+    kwargs: dict[str, Any]
+    grad_inputs: tuple[str, ...]
+    # The sites fuse_norm_modulate fuses with diffusers 0.42, per class (the fused module's class).
+    sites: dict[str, int] = field(default_factory=dict)
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every floating-point parameter drawn at random: matrices N(0, 1/fan_in), norm weights 1 + N(0, 0.3^2),
+    biases and other vectors N(0, 0.3^2), modulation tables N(0, 0.5^2). Nothing is zero (adaLN-Zero's zeroed
+    projections included), so shift, scale and gate all matter."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        noise = torch.randn(p.shape, generator=g)
+        if "scale_shift_table" in name:
+            value = 0.5 * noise
+        elif p.dim() >= 2:
+            value = noise * (p[0].numel() ** -0.5)
+        elif name.endswith("weight"):
+            value = 1 + 0.3 * noise
+        else:
+            value = 0.3 * noise
+        p.copy_(value.to(p.dtype))
+    return model
+
+
+def _cls(name: str) -> Callable[..., nn.Module]:
+    diffusers = pytest.importorskip("diffusers")
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        pytest.skip(f"diffusers {diffusers.__version__} has no {name}")
+    return cls
+
+
+def _build(name: str, **config: Any) -> nn.Module:
+    cls = _cls(name)
+    torch.manual_seed(0)
+    return randomise(cls(**config).eval())
+
+
+def wan() -> Family:
+    model = _build(
+        "WanTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"WanTransformerBlock": 4})
+
+
+def sd3(dual: bool = False) -> Family:
+    config = dict(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=8,
+    )  # fmt: skip
+    if dual:  # SD3.5: dual attention in block 0 (SD35AdaLayerNormZeroX), RMS q/k norms
+        config.update(dual_attention_layers=(0,), qk_norm="rms_norm")
+    model = _build("SD3Transformer2DModel", **config)
+    kwargs = dict(hidden_states=_randn(2, 4, 8, 8, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  pooled_projections=_randn(2, 16, seed=3), timestep=torch.tensor([3, 500]))  # fmt: skip
+    norm1 = {"SD35AdaLayerNormZeroX": 2, "AdaLayerNormZero": 2} if dual else {"AdaLayerNormZero": 3}
+    # Block 1 is the last: context_pre_only, its context norm an AdaLayerNormContinuous and no context FFN.
+    sites = {"JointTransformerBlock": 3, **norm1, "AdaLayerNormContinuous": 2}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
+
+
+def flux() -> Family:
+    model = _build(
+        "FluxTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    ids = torch.randint(0, 4, (16, 3), generator=torch.Generator().manual_seed(4)).float()
+    kwargs = dict(hidden_states=_randn(2, 16, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  pooled_projections=_randn(2, 16, seed=3), timestep=torch.tensor([0.3, 0.7]), img_ids=ids,
+                  txt_ids=torch.zeros(5, 3))  # fmt: skip
+    sites = {
+        "FluxTransformerBlock": 2,
+        "AdaLayerNormZero": 2,
+        "AdaLayerNormZeroSingle": 1,
+        "AdaLayerNormContinuous": 1,
+    }
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
+
+
+def cogvideox() -> Family:
+    model = _build(
+        "CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        time_embed_dim=4, text_embed_dim=16, num_layers=1, sample_width=8, sample_height=8, sample_frames=9,
+        patch_size=2, temporal_compression_ratio=4, max_text_seq_length=8,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 3, 4, 8, 8, seed=1), encoder_hidden_states=_randn(2, 8, 16, seed=2),
+                  timestep=torch.tensor([3, 500]))  # fmt: skip
+    return Family(
+        model,
+        kwargs,
+        ("hidden_states", "encoder_hidden_states"),
+        {"CogVideoXLayerNormZero": 4, "AdaLayerNorm": 1},
+    )
+
+
+def ltx() -> Family:
+    model = _build(
+        "LTXVideoTransformer3DModel", in_channels=4, out_channels=4, patch_size=1, patch_size_t=1,
+        num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 32, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 5), num_frames=2, height=4,
+                  width=4)  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"LTXVideoTransformerBlock": 2})
+
+
+def hunyuan() -> Family:
+    model = _build(
+        "HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 2, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2), encoder_attention_mask=torch.ones(2, 5),
+                  pooled_projections=_randn(2, 8, seed=3), guidance=torch.tensor([3000.0, 3000.0]))  # fmt: skip
+    sites = {"HunyuanVideoTransformerBlock": 2, "AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1,
+             "AdaLayerNormContinuous": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
+
+
+def pixart() -> Family:
+    model = _build(
+        "PixArtTransformer2DModel", sample_size=8, num_layers=1, patch_size=2, attention_head_dim=8,
+        num_attention_heads=2, caption_channels=16, in_channels=4, cross_attention_dim=16, out_channels=8,
+        norm_type="ada_norm_single",
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 8, 8, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([3, 500]), added_cond_kwargs={"resolution": None, "aspect_ratio": None})  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"BasicTransformerBlock": 2})
+
+
+def dit() -> Family:
+    model = _build(
+        "DiTTransformer2DModel", sample_size=8, num_layers=1, patch_size=2, attention_head_dim=8,
+        num_attention_heads=2, in_channels=4, out_channels=8, num_embeds_ada_norm=10,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 8, 8, seed=1), timestep=torch.tensor([3, 500]),
+                  class_labels=torch.tensor([1, 7]))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states",), {"BasicTransformerBlock": 1, "AdaLayerNormZero": 1})
+
+
+def sana() -> Family:
+    model = _build(
+        "SanaTransformer2DModel", patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=4,
+        num_attention_heads=2, num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8,
+        caption_channels=8, sample_size=8,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 8, 8, seed=1), encoder_hidden_states=_randn(2, 5, 8, seed=2),
+                  timestep=torch.tensor([3, 500]))  # fmt: skip
+    return Family(
+        model,
+        kwargs,
+        ("hidden_states", "encoder_hidden_states"),
+        {"SanaTransformerBlock": 2, "SanaModulatedNorm": 1},
+    )
+
+
+FAMILIES: dict[str, Callable[[], Family]] = {
+    "wan": wan,
+    "sd3": sd3,
+    "sd3.5": lambda: sd3(dual=True),
+    "flux": flux,
+    "cogvideox": cogvideox,
+    "ltx-video": ltx,
+    "hunyuanvideo": hunyuan,
+    "pixart": pixart,
+    "dit": dit,
+    "sana": sana,
+}
