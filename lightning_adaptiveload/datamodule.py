@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload._lightning_compat import end_exhausted_restart
@@ -42,7 +43,7 @@ from lightning_adaptiveload.loading.loader import (
     loader_context,
 )
 from lightning_adaptiveload.loading.replan import Replanned, replan_rest
-from lightning_adaptiveload.loading.resume import check_state, position_state, resume_plan
+from lightning_adaptiveload.loading.resume import position_state, read_state, resume_plan
 from lightning_adaptiveload.loading.settings import DATAMODULE_DEFAULTS, DataModuleGroups, Loader, Source
 from lightning_adaptiveload.loading.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -144,14 +145,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             batched (augmentation, caption dropout); it must keep the latent's shape (checked: the plan
             fixed it). An import path in a YAML recipe. See :func:`apply_sample_transform`. Applies to
             training data only; evaluation data is read as stored.
-        **legacy: deprecated (removed in the next release): the 27 flat keywords this class took before,
-            each routed into its group with one ``DeprecationWarning`` per call that names the new form
-            (``max_tokens=`` -> ``batching=Batching(max_tokens=...)``; ``mode=`` is ``Batching.sizing``,
-            ``plan_chunk_samples=`` is ``PlanSettings.chunk_samples``).
 
     Raises:
         ValueError: a bad setting, from the settings class that holds it (each is checked in one place).
-        TypeError: an unknown keyword (the nearest is suggested), or a group given both ways.
+        TypeError: a settings group of another type, or a group's dict with a key that is no field of it.
 
     Example:
         >>> dm = AdaptiveLoadDataModule(  # doctest: +SKIP
@@ -164,7 +161,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     Attributes:
         epoch_report: the current training epoch's report (plan counts, runtime skips; see
             ``docs/data_path.md``).
-        batching, loader, source: the settings groups in use (given, or built from the flat keywords).
+        batching, loader, source: the settings groups in use (given, or the defaults).
         plan_settings: the training split's :class:`~lightning_adaptiveload.planning.settings.PlanSettings`
             (the ``plan`` argument).
         eval_plan_settings: the validation, test and predict splits' (one fixed independent plan, planned
@@ -191,11 +188,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         test_shards: str | list[str] | None = None,
         predict_shards: str | list[str] | None = None,
         sample_transform: Callable[[dict], dict] | None = None,
-        **legacy: Any,
     ) -> None:
         super().__init__()
         given = {"batching": batching, "plan": plan, "loader": loader, "source": source}
-        groups = DataModuleGroups.of(type(self).__name__, given, legacy)  # the defaults are not "given"
+        groups = DataModuleGroups.of(given)  # the defaults are not "given"
         self.batching, self.loader, self.source = groups.batching, groups.loader, groups.source
         # The plan settings, checked where they are built (PlanSettings): the training split's, and the
         # evaluation splits' (one fixed independent plan, padded or refused where underfull, at once).
@@ -260,6 +256,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     # -- data preparation ------------------------------------------------------------------------------
 
+    @override
     def prepare_data(self) -> None:
         """Generate synthetic shards when ``synthetic`` is set, and write ``index.json`` if missing.
 
@@ -299,6 +296,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                     **self._index_trust,
                 )
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Load the indexes and build the datasets; rank and world size come from the trainer.
 
@@ -465,6 +463,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     # -- loaders ---------------------------------------------------------------------------------------
 
+    @override
     def train_dataloader(self) -> PlannedDataLoader:
         if self.train_dataset is None:
             self.setup("fit")
@@ -483,6 +482,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         return self._train_loader
 
     @_only_with("val_shards")
+    @override
     def val_dataloader(self) -> PlannedDataLoader | list:
         if self.val_shards is None:
             return []
@@ -491,6 +491,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         assert self.val_dataset is not None
         return self._eval_loader(self.val_dataset)
 
+    @override
     def test_dataloader(self) -> PlannedDataLoader | list:
         if self.test_shards is None:
             return []
@@ -499,6 +500,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         assert self.test_dataset is not None
         return self._eval_loader(self.test_dataset)
 
+    @override
     def predict_dataloader(self) -> PlannedDataLoader | list:
         if self.predict_shards is None:
             return []
@@ -605,11 +607,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
                 f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
                 f"partial {rep['partial_batches']}, split {rep['split_batches']}, "
-                f"{batching_label(rep['mode'], self.batcher.sizing)}"
+                f"{batching_label(rep['schedule'], self.batcher.sizing)}"
                 + (
                     f", lockstep tail steps {rep['lockstep_tail_steps']}, packed tail steps "
                     f"{rep.get('packed_tail_steps', 0)}"
-                    if getattr(SCHEDULE_TYPES.get(rep["mode"]), "has_lockstep_tail", False)
+                    if getattr(SCHEDULE_TYPES.get(rep["schedule"]), "has_lockstep_tail", False)
                     else ""
                 )
                 + f", est. compute CV {rep['est_compute_cv']:.3f}, plan {rep['plan_seconds']:.2f}s"
@@ -663,26 +665,31 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             return total  # the epoch ended (and the trainer went on) before this state was asked for
         return min(total, self._segment_base + ds.batches_yielded)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The training epoch's position, for mid-epoch resume (gathers every rank's count: collective).
 
         Returns:
             ``{"version", "fingerprint", "epoch", "segments": [{"kind", "world_size", "num_workers",
-            "seed", "mode", "batcher", "max_buffered_samples", "lockstep_tolerance", "consumed":
-            [per rank], "digest", "digests": [per rank]}]}``, or ``{}`` before the first training epoch. Every rank must call it (as
-            ``Trainer.save_checkpoint`` does).
+            "seed", "schedule", "batcher", "max_buffered_samples", "lockstep_tolerance", "lockstep_tail",
+            "chunk_samples", "consumed": [per rank], "digest", "digests": [per rank]}]}`` (the layout of
+            :data:`~lightning_adaptiveload.loading.resume.STATE_VERSION`), or ``{}`` before the first
+            training epoch. Every rank must call it (as ``Trainer.save_checkpoint`` does).
         """
         ds = self.train_dataset
         if ds is None or ds.plan is None or not self._segments:
             return {}
         return position_state(ds, self._segments, self._consumed_now() - self._segment_base)
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the position saved by :meth:`state_dict`; applied when that epoch's loader starts."""
+        """Restore the position saved by :meth:`state_dict` (by this release or an earlier one: an older layout
+        is read into the current one, :func:`~lightning_adaptiveload.loading.resume.read_state`); applied when
+        that epoch's loader starts."""
         if not state_dict:
             return
-        check_state(state_dict)  # layout, types and bounds, now; the digest when the epoch is replayed
-        self._resume = dict(state_dict)
+        # Layout, types and bounds, now (an older layout migrated); the digest when the epoch is replayed.
+        self._resume = read_state(state_dict)
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
         resumed = resume_plan(ds, state)  # this rank's plan at its position, or the rest replanned

@@ -28,8 +28,10 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.callbacks.aligned_gc import AlignedGC
+from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 torch.set_num_threads(1)
 
@@ -90,13 +92,13 @@ def main() -> None:
         path = os.path.join(cfg["out"], f"{run['name']}.rank{rank}.jsonl")
         dm = AdaptiveLoadDataModule(
             train_shards=cfg["data"],
-            max_tokens=run.get("max_tokens", 512),
-            schedule=run["schedule"],
-            num_workers=run["num_workers"],
-            seed=run.get("seed", 0),
-            mode=run.get("mode", "dual"),
-            lockstep_tail=run.get("lockstep_tail", "packed"),
-            plan_chunk_samples=run.get("plan_chunk_samples", 1_000_000),
+            batching=Batching(max_tokens=run.get("max_tokens", 512), sizing=run.get("sizing", "dual")),
+            plan=PlanSettings(
+                schedule=run["schedule"],
+                lockstep_tail=run.get("lockstep_tail", "packed"),
+                chunk_samples=run.get("chunk_samples", 1_000_000),
+            ),
+            loader=Loader(num_workers=run["num_workers"], seed=run.get("seed", 0)),
         )
         callbacks: list[Callback] = []
         if run.get("ckpt_every"):

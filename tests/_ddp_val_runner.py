@@ -18,7 +18,9 @@ import torchmetrics
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import VideoDiTModule
+from lightning_adaptiveload.planning.settings import Batching
 
 torch.set_num_threads(1)
 
@@ -53,9 +55,9 @@ def main() -> None:
         return AdaptiveLoadDataModule(
             train_shards=cfg["train"],
             val_shards=cfg["val"],
-            max_tokens=512,
-            num_workers=cfg.get("num_workers", 0),
             val_underfull=cfg["val_underfull"],
+            batching=Batching(max_tokens=512),
+            loader=Loader(num_workers=cfg.get("num_workers", 0)),
         )
 
     def trainer() -> pl.Trainer:

@@ -41,7 +41,9 @@ from _ddp_data_runner import CrashAt, SimulatedCrash  # noqa: E402
 from lightning_adaptiveload import LoadBalanceMonitor  # noqa: E402
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.fusion import FusedNormModulateMixin  # noqa: E402
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import VideoDiTModule  # noqa: E402
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 torch.set_num_threads(1)
 
@@ -151,17 +153,11 @@ def main() -> None:
         evaluating = bool(run.get("evaluate"))
         dm = AdaptiveLoadDataModule(
             train_shards=cfg["data"],
-            max_tokens=run.get("max_tokens", 512),
-            schedule=run.get("schedule", "lockstep"),
-            lockstep_tail=run.get("lockstep_tail", "packed"),
-            num_workers=0,
-            seed=0,
             sample_transform=drop_image_text if run.get("drop_image_text") else None,
-            **(
-                {"val_shards": cfg["data"], "test_shards": cfg["data"], "predict_shards": cfg["data"]}
-                if evaluating
-                else {}
-            ),
+            **({"val_shards": cfg["data"], "test_shards": cfg["data"], "predict_shards": cfg["data"]} if evaluating else {}),
+            batching=Batching(max_tokens=run.get("max_tokens", 512)),
+            plan=PlanSettings(schedule=run.get("schedule", "lockstep"), lockstep_tail=run.get("lockstep_tail", "packed")),
+            loader=Loader(num_workers=0, seed=0),
         )
         cls = (
             NoSharding

@@ -28,6 +28,7 @@ from lightning_adaptiveload.shards.mixes import load_mix
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.planner import plan_epoch
+from lightning_adaptiveload.planning.settings import PlanSettings
 
 # (max_tokens, max_compute) per mix: the tiny mix's samples are 24 to 225 tokens.
 _MIX_TOKENS = {"wan21_480p": 65520, "native_480p": 65520, "tiny": 900}
@@ -65,10 +66,10 @@ def make_index(mix: str, n: int, seed: int) -> list[list[tuple]]:
     return index
 
 
-def make_batcher(mix: str, mode: str, variant: int) -> DualConstraintBatcher:
+def make_batcher(mix: str, schedule: str, variant: int) -> DualConstraintBatcher:
     if mix == "many":
         return DualConstraintBatcher(400, sizing="equal_tokens", cost_model=CostModel(kind="power", p=1.5))
-    max_compute = None if mode == "packed" or variant % 2 else "auto"
+    max_compute = None if schedule == "packed" or variant % 2 else "auto"
     return DualConstraintBatcher(_MIX_TOKENS[mix], max_compute=max_compute, partial="emit")
 
 
@@ -84,14 +85,14 @@ def cases(quick: bool = False) -> list[dict[str, Any]]:
     workers = [0, 1, 2, 3]
     mixes = ["wan21_480p", "native_480p", "tiny", "many"]
     out = []
-    for k, ((mode, tail), world, nw, mix) in enumerate(itertools.product(schedules, worlds, workers, mixes)):
+    for k, ((schedule, tail), world, nw, mix) in enumerate(itertools.product(schedules, worlds, workers, mixes)):
         for resume in (False, True):
             if quick and (k % 7 or resume != (k % 2 == 0)):
                 continue
             n = 300 + 40 * world + (k * 37) % 500
             out.append(
                 dict(
-                    mode=mode,
+                    schedule=schedule,
                     tail=tail,
                     world=world,
                     workers=nw,
@@ -116,12 +117,12 @@ def large_cases() -> list[dict[str, Any]]:
         ("packed", "packed"),
     ]
     out = []
-    for k, ((mode, tail), world, nw, mix, resume) in enumerate(
+    for k, ((schedule, tail), world, nw, mix, resume) in enumerate(
         itertools.product(schedules, [8, 64], [1, 2], ["wan21_480p", "native_480p"], [False, True])
     ):
         out.append(
             dict(
-                mode=mode,
+                schedule=schedule,
                 tail=tail,
                 world=world,
                 workers=nw,
@@ -154,13 +155,19 @@ def timeless_report(report: dict) -> dict:
     return {k: x for k, x in report.items() if k != "plan_seconds"}
 
 
+# The report keys renamed since the digests were pinned (now -> then): the digest hashes the report under
+# the names it had then, so that a rename alone leaves every digest as it was (0.2.0: ``mode`` is ``schedule``).
+_PINNED_REPORT_KEYS = {"schedule": "mode"}
+
+
 def digest_plan(plan: Any) -> dict[str, str]:
-    """Per field, the SHA-256 of a canonical text of it (the report without plan_seconds)."""
+    """Per field, the SHA-256 of a canonical text of it (the report without plan_seconds, its renamed keys
+    under their pinned names)."""
     out = {}
     for f in FIELDS:
         v = getattr(plan, f)
         if f == "report":
-            v = timeless_report(v)
+            v = {_PINNED_REPORT_KEYS.get(k, k): x for k, x in timeless_report(v).items()}
         out[f] = hashlib.sha256(repr(_canon(v)).encode()).hexdigest()[:16]
     return out
 
@@ -171,7 +178,7 @@ def plan_case(c: dict[str, Any]) -> Any:
     if c["resume"]:
         rng = random.Random(c["variant"])
         exclude = [(s, i) for s, sh in enumerate(index) for i in range(len(sh)) if rng.random() < 0.3]
-    b = make_batcher(c["mix"], c["mode"], c["variant"])
+    b = make_batcher(c["mix"], c["schedule"], c["variant"])
     bound = c["bound"]
     if bound is not None:  # a multiple of the largest batch size: small bounds emit bound-partial batches
         b.resolve_max_compute(s for shard in index for s in shard)
@@ -183,16 +190,13 @@ def plan_case(c: dict[str, Any]) -> Any:
         b,
         c["seed"],
         c["epoch"],
-        mode=c["mode"],
+        PlanSettings(schedule=c["schedule"], max_buffered_samples=bound, underfull="pad", lockstep_tail=c["tail"]),
         exclude=exclude,
-        max_buffered_samples=bound,
-        underfull="pad",
-        lockstep_tail=c["tail"],
     )
 
 
 def case_key(c: dict[str, Any]) -> str:
-    return "{mode}/{tail}/R{world}/W{workers}/{mix}/n{n}/s{seed}e{epoch}/resume{resume}/b{bound}/v{variant}".format(
+    return "{schedule}/{tail}/R{world}/W{workers}/{mix}/n{n}/s{seed}e{epoch}/resume{resume}/b{bound}/v{variant}".format(
         **c
     )
 

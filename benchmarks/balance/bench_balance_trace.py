@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             mix,
             settings=SimulateSettings(
                 world_sizes=sizes,
-                modes=modes,
+                variants=modes,
                 max_tokens=args.max_tokens,
                 min_steps_per_rank=args.min_steps_per_rank,
                 max_candidates=args.candidates,
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 mix,
                 settings=SimulateSettings(
                     world_sizes=sizes,
-                    modes=["lockstep"],
+                    variants=["lockstep"],
                     max_tokens=args.max_tokens,
                     min_steps_per_rank=args.min_steps_per_rank,
                     recommend=False,
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             label = f"lockstep_buffer{args.lockstep_buffer}"
             for row in extra.rows:
-                if row["mode"] == "lockstep":
-                    row["mode"] = label
+                if row["variant"] == "lockstep":
+                    row["variant"] = label
                     result.rows.append(row)
                     result.per_step_cv[(label, row["world_size"])] = extra.per_step_cv[
                         ("lockstep", row["world_size"])
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 mix,
                 settings=SimulateSettings(
                     world_sizes=[args.large],
-                    modes=modes,
+                    variants=modes,
                     max_tokens=args.max_tokens,
                     min_steps_per_rank=args.large_steps,
                     recommend=False,
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": [
                     {
                         k: r[k]
-                        for k in ("mode", "steps", "cv_mean", "cv_p95", "wait_share", "tokens_per_s_ratio")
+                        for k in ("variant", "steps", "cv_mean", "cv_p95", "wait_share", "tokens_per_s_ratio")
                     }
                     for r in big.rows
                 ],

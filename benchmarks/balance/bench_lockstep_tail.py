@@ -119,7 +119,7 @@ def main() -> None:
                     source,
                     settings=SimulateSettings(
                         world_sizes=[world],
-                        modes=["lockstep"],
+                        variants=["lockstep"],
                         max_tokens=max_tokens,
                         recommend=False,
                         min_steps_per_rank=args.steps,
@@ -131,7 +131,7 @@ def main() -> None:
                     progress=False,
                 )
                 for row in res.rows:
-                    if row["mode"] != "lockstep":
+                    if row["variant"] != "lockstep":
                         continue
                     rep = row.get("plan_report") or {}
                     steps = row.get("steps") or 0

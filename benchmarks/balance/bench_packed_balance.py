@@ -68,7 +68,7 @@ def main() -> None:
                 mix,
                 settings=SimulateSettings(
                     world_sizes=[world],
-                    modes=modes,
+                    variants=modes,
                     max_tokens=max_tokens,
                     recommend=False,
                     min_steps_per_rank=args.steps,
@@ -85,7 +85,7 @@ def main() -> None:
                         "mix": mix,
                         "max_tokens": max_tokens,
                         "world_size": world,
-                        "schedule": row["mode"],
+                        "schedule": row["variant"],
                         "steps": row.get("steps"),
                         "cv_mean": row["cv_mean"],
                         "cv_p95": row["cv_p95"],

@@ -294,11 +294,9 @@ def run_one(
         val_max_tokens=args.max_tokens,
         train_shards=train,
         val_shards=val,
-        max_tokens=max_tokens,
-        mode="equal_tokens",
-        schedule=schedule,
-        num_workers=0,
-        seed=seed,
+        batching=Batching(max_tokens=max_tokens, sizing="equal_tokens"),
+        plan=PlanSettings(schedule=schedule, chunk_samples=500_000),
+        loader=Loader(num_workers=0, seed=seed),
     )
     curve_path = os.path.join(workdir, f"curve_{schedule}_{seed}.json")
     curve = _Curve(curve_path)

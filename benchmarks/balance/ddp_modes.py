@@ -62,7 +62,7 @@ MODES = ("equal_tokens", "dual", "lockstep", "packed")
 SETTINGS = ("eager", "fast")
 # mode -> (the DataModule's batching mode, its schedule). The packed schedule sizes no batches: its batcher
 # only carries max_tokens and the cost model, and equal_tokens is the mode that needs no max_compute (as in
-# lightning_adaptiveload.tools.replay.MODES).
+# lightning_adaptiveload.tools.replay.VARIANTS).
 _MODE_SETTINGS = {
     "equal_tokens": ("equal_tokens", "independent"),
     "dual": ("dual", "independent"),

@@ -29,7 +29,7 @@ steps.
   utilisation efficiency" ``mean / max`` of the per-step peaks.
 
 **Simulated, for the same settings** (labelled so): the simulator's planner and replay
-(:func:`lightning_adaptiveload.tools.replay.run_mode`) plan the very epochs the runs trained on (the same
+(:func:`lightning_adaptiveload.tools.replay.run_variant`) plan the very epochs the runs trained on (the same
 shards, world size, ``max_tokens``, seed, workers and planning options, from ``config.yaml``), and price
 each step with times measured in these runs: a bucketed batch by the per-(length, batch size) medians of
 the bucketed modes' steps (:meth:`StepTimeTable.from_monitor_csv`, packs of mixed lengths left out), a pack by the

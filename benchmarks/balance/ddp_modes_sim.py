@@ -153,7 +153,7 @@ def predict_mode(
     finite ``noise`` (:func:`identical_work_noise`), also its tokens/s and wait with every replayed rank time
     scaled by ``1 + noise * N(0, 1)``: the mean over the simulator's default ``noise_draws`` seeded draws (``noisy_balance``)."""
     from lightning_adaptiveload import stats
-    from lightning_adaptiveload.tools.replay import run_mode
+    from lightning_adaptiveload.tools.replay import run_variant
     from lightning_adaptiveload.tools.step_times import BatchCoster
 
     ranks = m["ranks"]
@@ -166,7 +166,7 @@ def predict_mode(
     seconds, tokens, cost = [], [], []
     epoch = 0
     while sum(len(x) for x in seconds) < need and epoch < 50:
-        _, _, rep, _ = run_mode(
+        _, _, rep, _ = run_variant(
             index,
             world,
             mode,
@@ -237,7 +237,7 @@ def simulate_more_ranks(
         load_mix(mix_name),
         settings=SimulateSettings(
             world_sizes=sizes,
-            modes=modes,
+            variants=modes,
             max_tokens=max_tokens,
             min_steps_per_rank=steps_per_rank,
             noise=noise,
@@ -249,7 +249,7 @@ def simulate_more_ranks(
     print(result.table())
     for note in result.notes:
         print(f"  note: {note}")
-    keys = ("mode", "world_size", "cv_mean", "cv_p95", "imbalance_mean", "wait_share", "tokens_per_s_ratio")
+    keys = ("variant", "world_size", "cv_mean", "cv_p95", "imbalance_mean", "wait_share", "tokens_per_s_ratio")
     keys += ("noise", "wait_share_noise", "tokens_per_s_ratio_noise") if noise else ()
     return {
         "rows": [{k: r[k] for k in keys} for r in result.rows],

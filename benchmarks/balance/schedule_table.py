@@ -71,7 +71,7 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         out.append(
-            f"| {r['max_tokens']:,} | {LABELS.get(r['mode'], r['mode'])} | {r['steps']} | "
+            f"| {r['max_tokens']:,} | {LABELS.get(r['variant'], r['variant'])} | {r['steps']} | "
             f"{100 * r['imbalance_mean']:.1f}% | {100 * r['cv_mean']:.1f}% | {100 * r['straggler_wait']:.1f}% | "
             f"{100 * (r['tokens_per_s_ratio'] - 1):+.1f}% | {100 * r['token_fill']:.1f}% |"
         )
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             args.mix,
             settings=SimulateSettings(
                 world_sizes=[args.world],
-                modes=args.schedules.split(","),
+                variants=args.schedules.split(","),
                 max_tokens=max_tokens,
                 recommend=False,
                 min_steps_per_rank=args.steps,
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         for row in res.rows:
             keep = (
-                "mode",
+                "variant",
                 "schedule",
                 "batching",
                 "world_size",

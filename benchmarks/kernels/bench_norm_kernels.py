@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -178,10 +179,14 @@ def sweep(dev, iters):
         "rms_rope_fwd bf16": (lambda: norm_kernels.rms_norm_rope(x16, w, cos, sin, 1e-6), x16.nbytes * 2),
     }
     rows = []
+    # The launch heuristic is overridden by wrapping it (the package keeps no tuning switches).
+    launch_shape = norm_kernels._launch_shape
     for programs in (528, 1056, 2112):
         for block_m in (1, 2, 4):
             for warps in (4, 8):
-                norm_kernels._TUNING.update(programs=programs, block_m=block_m, warps=warps)
+                norm_kernels._launch_shape = functools.partial(
+                    launch_shape, programs=programs, block_m=block_m, num_warps=warps
+                )
                 for case, (fn, nbytes) in cases.items():
                     try:
                         ms = statistics.median(cuda_event_times(fn, iters, warmup=2))
@@ -202,7 +207,7 @@ def sweep(dev, iters):
                             tb_s=nbytes / ms / 1e9,
                         )
                     )
-    norm_kernels._TUNING.clear()
+    norm_kernels._launch_shape = launch_shape
     for case in cases:
         ok = sorted((r for r in rows if r["case"] == case and "ms" in r), key=lambda r: r["ms"])
         for r in ok[:3]:

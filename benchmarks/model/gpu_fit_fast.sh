@@ -27,7 +27,7 @@ fit() {
     --model.init_args.memory.checkpoint_policy save_matmuls --model.init_args.memory.checkpoint_blocks auto \
     --model.init_args.memory.activation_memory "$MEMORY" \
     --model.init_args.attention_backend auto \
-    --data.init_args.max_tokens 32760 --data.init_args.train_shards /tmp/wan480/train --data.init_args.num_workers 4 \
+    --data.init_args.batching.max_tokens 32760 --data.init_args.train_shards /tmp/wan480/train --data.init_args.loader.num_workers 4 \
     --data.init_args.synthetic '{"mix":"wan21_480p","num_samples":160,"samples_per_shard":16,"text_dim":4096,"text_len_range":[16,256],"seed":0}' \
     "$@" 2>&1 | grep -v "^\s*$\|^USDT\|^W1\|^W0"
 }

@@ -51,6 +51,7 @@ def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
     from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.planning.settings import PlanSettings
 
     mix = load_mix("wan21_480p")
     b = mix.sample_buckets(np.random.default_rng(0), n)
@@ -67,7 +68,7 @@ def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
         prof = cProfile.Profile()
         prof.enable()
     t = time.perf_counter()
-    plan = plan_epoch(index, world, workers, batcher, 0, 0, mode=mode)
+    plan = plan_epoch(index, world, workers, batcher, 0, 0, PlanSettings(schedule=mode))
     seconds = time.perf_counter() - t
     if prof is not None:
         import pstats

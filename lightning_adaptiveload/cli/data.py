@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+from lightning_adaptiveload.cli.recipe_file import check_regular
 from lightning_adaptiveload.shards.columnar import BINARY_INDEX_NAME, is_binary_index
 from lightning_adaptiveload.shards.format import (
     DEFAULT_PATCH,
@@ -106,6 +107,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     """
     args = synth_parser().parse_args(argv)
     try:
+        check_regular(args.mix, what=f"--mix {args.mix}")  # a FIFO would block the mix's reader
         mix = load_mix(args.mix)
         settings = SyntheticShards(
             mix=mix,

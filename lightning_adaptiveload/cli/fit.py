@@ -18,13 +18,15 @@ from lightning_adaptiveload import _dist
 
 __all__ = [
     "LIGHTNING_COMMANDS",
+    "PARSER_MODE",
     "TRAINER_DEFAULTS",
     "argument_message",
     "build_cli",
+    "group_flags",
     "packaged_recipes",
+    "register_loader",
     "resolve_configs",
     "resolve_recipe",
-    "route_legacy_keywords",
 ]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -74,83 +76,55 @@ def resolve_configs(argv: list[str]) -> list[str]:
     return out
 
 
-def _deprecated_keywords(class_path: str) -> frozenset[str]:
-    """The flat keywords a class still takes for one release (its ``deprecated_keywords``), else none."""
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
-        return frozenset()
-    return frozenset(getattr(cls, "deprecated_keywords", ()))
+#: The jsonargparse parser mode of the package's LightningCLI: YAML, read with the limits of
+#: :func:`~lightning_adaptiveload.cli.recipe_file.parser_loader`.
+PARSER_MODE = "adaptiveload_yaml"
+_GROUP_FLAG_PREFIXES = ("--data.init_args.", "--data.")
+_NULLS = ("null", "Null", "NULL", "~")
 
 
-def route_legacy_keywords(argv: Sequence[str], default_model: str | None = DEFAULT_MODEL) -> list[str] | None:
-    """``argv`` with the model's deprecated flat keywords moved to ``model.dict_kwargs``, or None if it has none.
-
-    LightningCLI accepts only a class's named parameters under ``init_args``; the flat keywords that
-    ``VideoDiTModule`` still takes for one release (its ``deprecated_keywords``: ``lr``, ``shift``,
-    ``activation_checkpointing``, ...) go to its ``**legacy``, which the parser passes through as
-    ``dict_kwargs``. The module then merges them into their settings groups and warns once
-    (``models/module_settings.py``). Moved: those keys of a ``--config`` file's ``model.init_args`` (the
-    file is then given as inline YAML) and ``--model.init_args.KEY`` flags. Any other key stays, for the
-    parser to check.
-
-    Args:
-        argv: the command line, subcommand first.
-        default_model: the class a recipe without ``model.class_path`` builds.
-    """
-    out, changed = list(argv), False
-    deprecated = _deprecated_keywords(default_model) if default_model else frozenset()
-    for i, arg in enumerate(out):
-        flag, eq, value = arg.partition("=")
-        has_value = bool(eq) or i + 1 < len(out)
-        if flag in ("--model.class_path", "--model") and has_value:
-            class_path = value if eq else out[i + 1]
-            deprecated = _deprecated_keywords(class_path) if "." in class_path else frozenset()
-        elif flag == "--config" and has_value:
-            recipe = _read_recipe(value if eq else out[i + 1])
-            model = recipe.get("model") if recipe else None
-            if not isinstance(model, dict):
-                continue
-            if isinstance(model.get("class_path"), str):
-                deprecated = _deprecated_keywords(model["class_path"])
-            init_args = model.get("init_args")
-            flat = (
-                {k: v for k, v in init_args.items() if k in deprecated} if isinstance(init_args, dict) else {}
-            )
-            if flat:
-                import yaml
-
-                model["init_args"] = {k: v for k, v in init_args.items() if k not in flat}
-                model["dict_kwargs"] = {**(model.get("dict_kwargs") or {}), **flat}
-                inline = yaml.safe_dump(recipe, sort_keys=False)
-                if eq:
-                    out[i] = f"--config={inline}"
-                else:
-                    out[i + 1] = inline
-                changed = True
-        elif flag.startswith("--model.init_args.") and flag[len("--model.init_args.") :] in deprecated:
-            out[i] = "--model.dict_kwargs." + flag[len("--model.init_args.") :] + eq + value
-            changed = True
-    return out if changed else None
-
-
-# A recipe is a page of YAML; a larger --config is left to the parser as it is.
-_MAX_RECIPE_BYTES = 1 << 20
-
-
-def _read_recipe(path: str) -> dict[str, Any] | None:
-    """A ``--config`` file's YAML, or None: not a regular file, larger than a recipe, or not a mapping."""
+def register_loader() -> str:
+    """Register :func:`~lightning_adaptiveload.cli.recipe_file.parser_loader` as the loader of
+    :data:`PARSER_MODE` with jsonargparse; returns the mode."""
     import yaml
+    from jsonargparse import set_loader
 
-    try:
-        if not os.path.isfile(path) or os.path.getsize(path) > _MAX_RECIPE_BYTES:
-            return None
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # the parser reports it in its own words
-        return None
-    return recipe if isinstance(recipe, dict) else None
+    from lightning_adaptiveload.cli.recipe_file import RecipeFileError, parser_loader
+
+    set_loader(PARSER_MODE, parser_loader, exceptions=(yaml.YAMLError, RecipeFileError))
+    return PARSER_MODE
+
+
+def group_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every flag of a DataModule settings group in the ``--data.init_args.GROUP.FIELD`` form
+    (``--data.batching.max_tokens 512`` -> ``--data.init_args.batching.max_tokens=512``).
+
+    A field set to null (``--data.init_args.batching.max_compute=null``) is passed as
+    ``--data.init_args.batching={"max_compute": null}``, which sets that field alone: jsonargparse (4.53)
+    reads a null given to a nested dataclass field as the string ``"None"``.
+    """
+    import json
+
+    from lightning_adaptiveload.loading.settings import DATAMODULE_GROUPS
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        prefix = next((p for p in _GROUP_FLAG_PREFIXES if arg.startswith(p)), None)
+        name, eq, value = arg[len(prefix) :].partition("=") if prefix else ("", "", "")
+        group, _, field = name.partition(".")
+        if prefix is None or group not in DATAMODULE_GROUPS or not field or "." in field:
+            out.append(arg)
+            continue
+        if not eq and i < len(argv) and not argv[i].startswith("--"):
+            value, eq = argv[i], "="
+            i += 1
+        if eq and value.strip() in _NULLS:
+            out.append(f"--data.init_args.{group}={json.dumps({field: None})}")
+        else:
+            out.append(f"--data.init_args.{group}.{field}{eq}{value}")
+    return out
 
 
 def build_cli(
@@ -182,12 +156,16 @@ def build_cli(
             "(pip install -e .) or install the missing dependency"
         ) from None
 
-    from lightning_adaptiveload.cli.recipe_forms import nest_flags, register_loader
+    import sys
 
-    # Recipes and flags of the last release (flat DataModule keys) are nested into the settings groups.
+    from lightning_adaptiveload.cli.recipe_file import check_config_files
+
+    # Every file the parser will read, read first with the limits of cli/recipe_file.py (a FIFO is refused
+    # here, before jsonargparse would block on it); the parser's own YAML reading has them too.
+    check_config_files(sys.argv[1:] if args is None else list(args))
     mode = register_loader()
     if args is not None:
-        args = nest_flags(args)
+        args = group_flags(args)
     options: dict[str, Any] = dict(
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -233,18 +211,6 @@ def _cli_class(default_model: bool) -> type:
         def add_arguments_to_parser(self, parser: Any) -> None:
             if default_model:
                 parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
-
-        def parse_arguments(self, parser: Any, args: Any) -> None:
-            # The model's deprecated flat keywords (one release): to its **legacy, which warns.
-            if args is None or isinstance(args, list | tuple):
-                import sys
-
-                argv = sys.argv[1:] if args is None else list(args)
-                routed = route_legacy_keywords(argv, DEFAULT_MODEL if default_model else None)
-                if routed is not None:
-                    self.config = parser.parse_args(routed)
-                    return
-            super().parse_arguments(parser, args)
 
         def before_fit(self) -> None:
             _check_before_fit(self.trainer, self.datamodule, self.model)
@@ -434,8 +400,13 @@ def argument_message(argv: Sequence[str], err: Exception) -> str:
         lines.append(f"  {class_path} has no setting {group}.{key}")
         lines.append(_hint(key, _group_fields(class_path, group), f"key of {group}"))
     elif in_class:
-        lines.append(f"  {in_class.group(1)} has no argument {in_class.group(2)!r}")
-        lines.append(_hint(in_class.group(2), _init_params(in_class.group(1)), "argument"))
+        class_path, key = in_class.groups()
+        lines.append(f"  {class_path} has no argument {key!r}")
+        groups = [g for g in _init_params(class_path) if key in _group_fields(class_path, g)]
+        if groups:  # a setting of one of its groups, given at the top (the flat form of 0.1.0)
+            lines.append(f"  {key!r} is a setting of its group {groups[0]!r}: write it as {groups[0]}.{key}")
+        else:
+            lines.append(_hint(key, _init_params(class_path), "argument"))
     elif in_group or anywhere:
         group, key = in_group.groups() if in_group else ("", anywhere.group(1).lstrip("-"))
         parts = [*group.split("."), *key.split(".")] if group else key.split(".")

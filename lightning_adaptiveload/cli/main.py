@@ -31,11 +31,12 @@ from lightning_adaptiveload.cli.fit import (
     LIGHTNING_COMMANDS,
     argument_message,
     build_cli,
+    group_flags,
     packaged_recipes,
     resolve_configs,
     resolve_recipe,
 )
-from lightning_adaptiveload.cli.recipe_forms import nest_flags
+from lightning_adaptiveload.cli.recipe_file import RecipeFileError, check_config_files, read_yaml
 
 # build_cli, resolve_recipe and packaged_recipes live in cli/fit.py; they stay importable from here.
 __all__ = ["build_cli", "main", "COMMANDS", "resolve_recipe", "packaged_recipes"]
@@ -269,11 +270,8 @@ def _recipe_of(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
     if path is None:
         return None, {}
     try:
-        import yaml
-
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f)
-    except (OSError, ValueError, ImportError):
+        recipe = read_yaml(path)
+    except (RecipeFileError, ImportError):
         return path, {}
     return path, recipe if isinstance(recipe, dict) else {}
 
@@ -373,10 +371,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f"; did you mean {near[0]!r}?" if near else ""
         print(f"lightning-adaptiveload: unknown command {argv[0]!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    argv = nest_flags(resolve_configs(argv))
+    argv = group_flags(resolve_configs(argv))
     missing = _missing_recipe(argv)
     if missing is not None:
         print(missing, file=sys.stderr)
+        return 2
+    try:
+        check_config_files(argv)  # a FIFO, a huge file or an alias bomb: refused before the parser reads it
+    except RecipeFileError as err:
+        print(f"lightning-adaptiveload {argv[0]}: {err}", file=sys.stderr)
         return 2
     if from_command_line:
         # DDP re-launches sys.argv: the ranks it starts get the resolved recipe paths too.

@@ -1,6 +1,7 @@
 """``lightning-adaptiveload simulate``: the planning simulator's command line.
 
-Parses the flags, maps ``--modes``/``--schedules`` to the simulator's configurations, runs
+Parses the flags, maps ``--schedules`` and ``--modes`` (the sizing rules) to the simulator's
+configurations (:data:`~lightning_adaptiveload.tools.replay.VARIANTS`), runs
 :func:`lightning_adaptiveload.tools.simulate.simulate` and prints its table; the library itself never
 parses arguments.
 """
@@ -13,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_adaptiveload.cli.recipe_file import check_regular
 from lightning_adaptiveload.planning.plan import batching_label
-from lightning_adaptiveload.tools.simulate import DEFAULT_MODES, DEFAULT_WORLD_SIZES, MODES, simulate
+from lightning_adaptiveload.tools.simulate import DEFAULT_VARIANTS, DEFAULT_WORLD_SIZES, VARIANTS, simulate
 from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
 from lightning_adaptiveload.tools.step_times import DEFAULT_PATCH
 
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lightning-adaptiveload simulate",
         description=(
-            "Plan one epoch with the real planner for each batching mode and world size, replay per-rank step "
+            "Plan one epoch with the real planner for each schedule, sizing rule and world size, replay per-rank step "
             "times and report the compute CV, straggler wait, tokens/s, memory fill and a recommended max_compute."
         ),
     )
@@ -62,17 +64,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--modes",
+        dest="sizings",
         default=None,
-        help="batcher modes, comma-separated, from dual,equal_tokens (default with --schedules: both; with "
-        f"neither flag: the configurations {','.join(DEFAULT_MODES)}). Deprecated: the configuration names "
-        f"{','.join(n for n in MODES if n not in _BATCHER_MODES)} here still work",
+        help="batch sizing rules, comma-separated, from dual,equal_tokens (default with --schedules: both; with "
+        f"neither flag: the configurations {','.join(DEFAULT_VARIANTS)})",
     )
     ap.add_argument(
         "--schedules",
         default=None,
         help="schedules, comma-separated, from independent,lockstep,packed (default with --modes: independent); "
-        "every schedule is simulated with every mode, except packed, which has no batcher mode (its packs fill "
-        "--max-tokens and are balanced by the cost model) and is simulated once",
+        "every schedule is simulated with every sizing rule, except packed, which sizes no batches (its packs "
+        "fill --max-tokens and are balanced by the cost model) and is simulated once",
     )
     ap.add_argument(
         "--max-tokens", type=int, default=32760, help="token budget per rank and step (memory cap)"
@@ -140,47 +142,40 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-_BATCHER_MODES = ("dual", "equal_tokens")
+_SIZINGS = ("dual", "equal_tokens")
 
 
-def _configurations(modes: str | None, schedules: str | None) -> list[str]:
-    """The configuration names (keys of :data:`MODES`) for the ``--modes`` and ``--schedules`` flags.
+def _configurations(sizings: str | None, schedules: str | None) -> list[str]:
+    """The configuration names (keys of :data:`~lightning_adaptiveload.tools.replay.VARIANTS`) for the
+    ``--modes`` (sizing rules) and ``--schedules`` flags.
 
-    Every schedule is taken with every mode, but the packed schedule has no batcher mode (its packs are
-    filled up to ``--max-tokens`` and balanced by the cost model, whatever the mode): it is simulated once,
+    Every schedule is taken with every sizing rule, but the packed schedule sizes no batches (its packs are
+    filled up to ``--max-tokens`` and balanced by the cost model, whatever the rule): it is simulated once,
     as ``packed``, and a note says so when ``--modes`` was given.
 
     Raises:
-        ValueError: a mode or schedule that is not one of the choices (the message lists them).
+        ValueError: a sizing rule or schedule that is not one of the choices (the message lists them).
     """
-    if modes is None and schedules is None:
-        return list(DEFAULT_MODES)
-    mode_list = [m for m in (modes or ",".join(_BATCHER_MODES)).split(",") if m]
-    legacy = [m for m in mode_list if m not in _BATCHER_MODES]
-    if legacy and schedules is None and all(m in MODES for m in legacy):
-        print(
-            f"note: --modes {','.join(legacy)} names schedule+mode configurations; this spelling is deprecated: "
-            "use --schedules independent,lockstep,packed --modes dual,equal_tokens",
-            file=sys.stderr,
-        )
-        return mode_list
+    if sizings is None and schedules is None:
+        return list(DEFAULT_VARIANTS)
+    sizing_list = [m for m in (sizings or ",".join(_SIZINGS)).split(",") if m]
     schedule_list = [x for x in (schedules or "independent").split(",") if x]
     for value, valid, flag in (
-        (mode_list, _BATCHER_MODES, "--modes"),
+        (sizing_list, _SIZINGS, "--modes"),
         (schedule_list, _SCHEDULE_NAMES, "--schedules"),
     ):
         bad = [v for v in value if v not in valid]
         if bad:
             raise ValueError(f"{flag} {','.join(bad)}: not one of {','.join(valid)}")
-    if "packed" in schedule_list and modes is not None:
+    if "packed" in schedule_list and sizings is not None:
         print(
-            f"note: --modes {modes} does not apply to the packed schedule (it sizes no batches: each pack is "
+            f"note: --modes {sizings} does not apply to the packed schedule (it sizes no batches: each pack is "
             "filled up to --max-tokens and the packs of a step are balanced by the cost model); packed is "
             "simulated once",
             file=sys.stderr,
         )
-    by_pair = {pair: name for name, pair in MODES.items()}
-    names = ["packed" if sch == "packed" else by_pair[(sch, m)] for sch in schedule_list for m in mode_list]
+    by_pair = {pair: name for name, pair in VARIANTS.items()}
+    names = ["packed" if sch == "packed" else by_pair[(sch, m)] for sch in schedule_list for m in sizing_list]
     return list(dict.fromkeys(names))
 
 
@@ -190,7 +185,7 @@ _SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 def _describe(names: Sequence[str], times: Any) -> list[str]:
     """What the output's configuration names mean, and where the step times come from."""
     lines = [
-        "configurations: " + "; ".join(f"{n} = {batching_label(*MODES[n])}" for n in names if n in MODES)
+        "configurations: " + "; ".join(f"{n} = {batching_label(*VARIANTS[n])}" for n in names if n in VARIANTS)
     ]
     if times is None:
         lines.append(
@@ -213,12 +208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _replay(args.replay, args.times, args.out)
     source = args.index if args.index is not None else (args.mix or "wan21_480p")
     try:
-        names = _configurations(args.modes, args.schedules)
+        for flag, value in (("--mix", args.mix), ("--times", args.times)):
+            if value is not None:
+                check_regular(value, what=f"{flag} {value}")
+        names = _configurations(args.sizings, args.schedules)
         for line in _describe(names, args.times):
             print(line)
         settings = SimulateSettings(
             world_sizes=args.world_sizes,
-            modes=names,
+            variants=names,
             max_tokens=args.max_tokens,
             max_compute=args.max_compute,
             p=args.p,
@@ -264,8 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _replay(csv_path: str, times: str | None, out: str) -> int:
     """The refit of a run's own steps: the starting model's error on them, the refit's terms and error."""
-    import json
-
+    from lightning_adaptiveload.cli.recipe_file import read_json
     from lightning_adaptiveload.monitor.cost_refit import format_refit, measurements_from_ranks_csv
     from lightning_adaptiveload.monitor.report import write_json
     from lightning_adaptiveload.planning.cost_model import CostModel
@@ -275,8 +272,7 @@ def _replay(csv_path: str, times: str | None, out: str) -> int:
         if times is not None and not times.endswith(".json"):
             raise ValueError(f"--times {times!r}: with --replay, give the starting cost model as a JSON file")
         if times is not None:
-            with open(times, encoding="utf-8") as f:
-                prior = CostModel.from_dict(json.load(f))
+            prior = CostModel.from_dict(read_json(times, what=f"--times {times}"))
         else:
             prior = CostModel.default()
         result = refit_cost_model(prior, measurements_from_ranks_csv(csv_path), RefitConfig())

@@ -36,6 +36,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
 
 from lightning_adaptiveload.ingest.demo import (
     DEMO_ENCODER,
@@ -44,17 +45,7 @@ from lightning_adaptiveload.ingest.demo import (
     tiny_random_text_encoder,
     tiny_random_vae,
 )
-from lightning_adaptiveload.ingest.output import (  # noqa: F401  (done_keys, skipped_inputs: public here too)
-    _SHARD,
-    _STALE_TMP,
-    _WRITER_INDEX,
-    DEMO_MARKER,
-    MAX_SKIP_LOG_BYTES,
-    _complete_shards,
-    done_keys,
-    skipped_inputs,
-)
-from lightning_adaptiveload.ingest.settings import IngestSettings
+from lightning_adaptiveload.ingest.encode import encode_text, encode_video
 from lightning_adaptiveload.ingest.media import (
     IMAGE_EXTENSIONS,
     INPUT_REASONS,
@@ -71,7 +62,17 @@ from lightning_adaptiveload.ingest.media import (
     size_plan,
     wan_frame_count,
 )
-from lightning_adaptiveload.ingest.encode import encode_text, encode_video
+from lightning_adaptiveload.ingest.output import (  # noqa: F401  (done_keys, skipped_inputs: public here too)
+    _SHARD,
+    _STALE_TMP,
+    _WRITER_INDEX,
+    DEMO_MARKER,
+    MAX_SKIP_LOG_BYTES,
+    _complete_shards,
+    done_keys,
+    skipped_inputs,
+)
+from lightning_adaptiveload.ingest.settings import IngestSettings
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class IngestModule(pl.LightningModule):
         self.already_done = 0
         self.already_skipped = 0
 
+    @override
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
         """This rank's share of the inputs neither in a complete shard of ``out`` nor skipped before.
 
@@ -205,6 +207,7 @@ class IngestModule(pl.LightningModule):
             num_workers=self.num_workers,
         )
 
+    @override
     def configure_model(self) -> None:
         if self.vae is not None:
             return
@@ -241,6 +244,7 @@ class IngestModule(pl.LightningModule):
                 tok = AutoTokenizer.from_pretrained(os.fspath(tok))
             self.tokenizer = tok
 
+    @override
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         if "error" in batch:
             return batch
@@ -306,6 +310,7 @@ class ShardPredictionWriter(BasePredictionWriter):
         self._rank = 0
         self._t0 = 0.0
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         from lightning_adaptiveload.shards.writer import ShardWriter
 
@@ -337,6 +342,7 @@ class ShardPredictionWriter(BasePredictionWriter):
 
             self._bar = tqdm(total=total, desc="ingest (rank 0)", unit="sample")
 
+    @override
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
     ) -> None:
@@ -379,6 +385,7 @@ class ShardPredictionWriter(BasePredictionWriter):
                 video_h=f"{self.video_seconds / 3600:.3f}",
             )
 
+    @override
     def on_predict_end(self, trainer, pl_module) -> None:
         self.writer.close()
         if self._bar is not None:
@@ -451,7 +458,6 @@ def ingest(
     callbacks: Iterable[pl.Callback] = (),
     progress: bool = True,
     limits: DecodeLimits | None = None,
-    **legacy: Any,
 ) -> dict[str, Any]:
     """Encode videos and images into latent shards under ``out`` with ``Trainer.predict``.
 
@@ -475,7 +481,6 @@ def ingest(
         progress: show the progress bar on rank 0.
         limits: caps on what one input may make the decoder allocate (:class:`DecodeLimits`; default:
             its defaults). Captions beside files in a folder are read with its ``max_caption_bytes``.
-        **legacy: deprecated: the fields of ``IngestSettings`` as flat keywords (one release; warns).
 
     Returns:
         This rank's summary: ``written``, ``skipped`` (reason -> count), ``video_hours``, ``seconds``,
@@ -488,9 +493,7 @@ def ingest(
     """
     import importlib.util
 
-    from lightning_adaptiveload._legacy import settings_from_legacy
-
-    cfg = settings_from_legacy(IngestSettings, settings, legacy, caller="ingest")  # checked before any I/O
+    cfg = IngestSettings() if settings is None else settings
     for module, package in (("av", "av"), ("PIL", "pillow"), ("diffusers", "diffusers")):
         if importlib.util.find_spec(module) is None:
             raise ModuleNotFoundError(

@@ -11,7 +11,6 @@ import copy
 import multiprocessing
 import pickle
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -89,9 +88,6 @@ class PlannedShardDataset(IterableDataset):
         text_pad_to: pad text to this many states in every batch (see :func:`~.collate.collate`).
         placement: ``(rank, world size)`` the plans are made for; fixed for the dataset's life
             (:meth:`on_ranks` gives the dataset of another placement).
-        legacy: deprecated: the settings as flat keywords (``schedule=``, ``lockstep_tail=``,
-            ``underfull=``, ``max_buffered_samples=``, ``lockstep_tolerance=``, ``chunk_samples=``,
-            ``plan_processes=``), accepted for one release with a ``DeprecationWarning``.
     """
 
     def __init__(
@@ -108,23 +104,8 @@ class PlannedShardDataset(IterableDataset):
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
         placement: tuple[int, int] = (0, 1),
-        **legacy: Any,
     ) -> None:
         super().__init__()
-        if legacy:
-            if settings is not None:
-                raise TypeError(
-                    f"PlannedShardDataset takes its plan settings either as settings=PlanSettings(...) or as the "
-                    f"deprecated flat keywords, not both; move {sorted(legacy)} into the PlanSettings"
-                )
-            warnings.warn(
-                "PlannedShardDataset's flat plan-setting keywords (schedule=, lockstep_tail=, underfull=, ...) are "
-                "deprecated and will be removed in the next release: pass settings=PlanSettings(...) "
-                "(lightning_adaptiveload.planning.settings)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            settings = PlanSettings.from_legacy(legacy)
         self.settings = PlanSettings() if settings is None else settings
         self.max_member_bytes = max_member_bytes
         self.index = index
@@ -181,13 +162,13 @@ class PlannedShardDataset(IterableDataset):
     # -- planning (main process) -----------------------------------------------------------------------
 
     def plan_settings(self) -> dict[str, Any]:
-        """What a fresh plan of an epoch depends on besides the index, as saved with resume state (the
-        checkpoint's form, kept as it was: ``"mode"`` is :attr:`settings`' ``schedule``)."""
+        """What a fresh plan of an epoch depends on besides the index, as saved with resume state (a
+        segment of :data:`~.resume.STATE_VERSION`'s layout, without its kind and counts)."""
         return {
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "seed": self.seed,
-            "mode": self.settings.schedule,
+            "schedule": self.settings.schedule,
             "batcher": self.batcher.config(),
             "max_buffered_samples": self.settings.max_buffered_samples,
             "lockstep_tolerance": self.settings.lockstep_tolerance,

@@ -17,8 +17,8 @@ resume-by-position machinery (``loading/resume.py``).
 4. **Continue the loader** with the new plan (:meth:`~.loader.PlannedDataLoader.restart`): the next batch is
    the new plan's first; with workers, they are restarted with it.
 
-Pure PyTorch (no Lightning): the Lightning side (the trainer's count of the epoch's batches) is the monitor's
-(``monitor/replan.py``).
+Pure PyTorch (no Lightning): the Lightning side is the ``ClosedLoop`` callback's (``callbacks/closed_loop.py``),
+which tells the trainer the epoch's new batch count (``_lightning_compat.set_epoch_length``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Mid-epoch resume: the saved data position's version, and the replay that plans the rest of the epoch.
+"""Mid-epoch resume: the saved data position's layout and versions, and the replay that plans the rest of
+the epoch.
 
 The DataModule saves, per epoch, its *segments*: the plan settings of each run of the epoch and how many
-batches every rank consumed in it. :func:`resume_plan` replays them (re-planning each segment with the
-samples consumed before it left out) and continues the last plan where it stopped, or re-plans the
-remaining samples when the world size changed or the ranks stopped at different batches. Pure (no
-Lightning).
+batches every rank consumed in it. :func:`read_state` reads a saved state of any version this release
+reads into the current layout (:func:`_migrate_state`, the one place where older layouts are translated)
+and checks it; :func:`resume_plan` replays its segments (re-planning each with the samples consumed before
+it left out) and continues the last plan where it stopped, or re-plans the remaining samples when the
+world size changed or the ranks stopped at different batches. Pure (no Lightning).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ __all__ = [
     "ResumeStateError",
     "Resumed",
     "check_state",
-    "check_state_version",
     "consumed_mask",
     "digest_text",
     "position_state",
+    "read_state",
     "resume_plan",
 ]
 
@@ -37,9 +39,25 @@ log = logging.getLogger(__name__)
 
 #: Version of ``AdaptiveLoadDataModule.state_dict()``'s layout. 2 adds each segment's ``digest`` of the
 #: samples it consumed; 3 adds ``digests``, each rank's part of it (so that a rank resuming at its position
-#: checks its own part without the other ranks' plans). Versions 1 (no digest) and 2 are still read.
-STATE_VERSION = 3
-_READS = (1, 2, 3)
+#: checks its own part without the other ranks' plans); 4 (release 0.2.0) names each segment's schedule
+#: ``schedule`` (``mode`` before) and always holds its ``lockstep_tail`` and ``chunk_samples``. Versions 1
+#: to 3 are still read: :func:`_migrate_state` brings them to this layout.
+STATE_VERSION = 4
+_READS = (1, 2, 3, 4)
+#: The plan settings every segment of the current layout holds (besides its kind and counts).
+_SEGMENT_KEYS = (
+    "kind",
+    "world_size",
+    "num_workers",
+    "seed",
+    "schedule",
+    "batcher",
+    "max_buffered_samples",
+    "lockstep_tolerance",
+    "lockstep_tail",
+    "chunk_samples",
+    "consumed",
+)
 #: Bounds on a saved segment's settings: beyond them the replay would plan for a machine that does not
 #: exist (``world_size=10**9`` ran into MemoryError).
 MAX_WORLD_SIZE = 1 << 16
@@ -79,12 +97,51 @@ def digest_text(value: int) -> str:
     return f"{value & ((1 << 64) - 1):016x}"
 
 
-def check_state(state: Any) -> None:
-    """Check the layout, types and ranges of a saved resume state (``AdaptiveLoadDataModule.state_dict()``).
+def _migrate_state(version: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state``, saved in the layout of ``version``, in the layout of :data:`STATE_VERSION`: the one place
+    where the key names and defaults of older layouts are translated. A copy (``state`` is left as it was);
+    what is not where the layout puts it is left for :func:`read_state`'s checks to name.
+
+    Versions 1 to 3 (releases up to 0.1.0) to 4:
+
+    * a segment's ``mode`` (its schedule) is ``schedule``;
+    * a segment's batcher settings name the sizing rule ``sizing`` (``mode`` in states written before the
+      sizing rule was named so);
+    * a segment saved without ``lockstep_tail`` was planned before the packed tail existed: ``"bucketed"``;
+      one without ``chunk_samples`` before chunked planning existed: ``None`` (planned at once); one
+      without ``max_buffered_samples`` or ``lockstep_tolerance``: their defaults (None and 0.05).
+    """
+    out = dict(state)
+    if version >= STATE_VERSION or not isinstance(state.get("segments"), list):
+        return out
+    segments = []
+    for seg in state["segments"]:
+        if isinstance(seg, Mapping):
+            seg = dict(seg)
+            if "mode" in seg and "schedule" not in seg:
+                seg["schedule"] = seg.pop("mode")
+            batcher = seg.get("batcher")
+            if isinstance(batcher, Mapping) and "mode" in batcher and "sizing" not in batcher:
+                batcher = dict(batcher)
+                batcher["sizing"] = batcher.pop("mode")
+                seg["batcher"] = batcher
+            seg.setdefault("lockstep_tail", "bucketed")
+            seg.setdefault("chunk_samples", None)
+            seg.setdefault("max_buffered_samples", None)
+            seg.setdefault("lockstep_tolerance", 0.05)
+        segments.append(seg)
+    out["segments"] = segments
+    out["version"] = STATE_VERSION
+    return out
+
+
+def read_state(state: Any) -> dict[str, Any]:
+    """A saved resume state (``AdaptiveLoadDataModule.state_dict()``, of any version this release reads) in
+    the current layout (:func:`_migrate_state`), its layout, types and ranges checked.
 
     Raises:
         ResumeStateError: (a ``ValueError``) naming the field (``segments[1].world_size``), its value and
-            the rule, and saying what to do.
+            the rule, and saying what to do; or a version this release does not read.
     """
     if not isinstance(state, Mapping):
         raise _bad("the state", f"is {_describe(state)}, not a dict")
@@ -93,6 +150,22 @@ def check_state(state: Any) -> None:
             f"AdaptiveLoadDataModule state version {state.get('version')!r} is not supported "
             f"(this version reads {list(_READS)}); resume without the datamodule state or from a newer checkpoint"
         )
+    state = _migrate_state(state["version"], state)
+    _check_layout(state)
+    return state
+
+
+def check_state(state: Any) -> None:
+    """Check a saved resume state as :func:`read_state` reads it (any version this release reads).
+
+    Raises:
+        ResumeStateError: as :func:`read_state`.
+    """
+    read_state(state)
+
+
+def _check_layout(state: Mapping[str, Any]) -> None:
+    """Check the layout, types and ranges of a resume state in the current layout."""
     if not isinstance(state.get("fingerprint"), str):
         raise _bad("fingerprint", f"is {_describe(state.get('fingerprint'))}, not a string")
     _int(state.get("epoch"), "epoch", 0, 1 << 40)
@@ -103,11 +176,7 @@ def check_state(state: Any) -> None:
         where = f"segments[{i}]"
         if not isinstance(seg, Mapping):
             raise _bad(where, f"is {_describe(seg)}, not a dict")
-        missing = [
-            k
-            for k in ("kind", "world_size", "num_workers", "seed", "mode", "batcher", "consumed")
-            if k not in seg
-        ]
+        missing = [k for k in _SEGMENT_KEYS if k not in seg]
         if missing:
             raise _bad(where, f"lacks {missing}")
         if seg["kind"] not in _KINDS:
@@ -121,18 +190,18 @@ def check_state(state: Any) -> None:
                 f"{_MAX_STREAMS}",
             )
         _int(seg["seed"], f"{where}.seed", -(1 << 63), (1 << 64) - 1)
-        if not isinstance(seg["mode"], str):
-            raise _bad(f"{where}.mode", f"is {_describe(seg['mode'])}, not a schedule name")
+        if not isinstance(seg["schedule"], str):
+            raise _bad(f"{where}.schedule", f"is {_describe(seg['schedule'])}, not a schedule name")
         if not isinstance(seg["batcher"], Mapping):
             raise _bad(f"{where}.batcher", f"is {_describe(seg['batcher'])}, not a dict")
         if seg.get("max_buffered_samples") is not None:
             _int(seg["max_buffered_samples"], f"{where}.max_buffered_samples", 0, _MAX_COUNT)
         if seg.get("chunk_samples") is not None:
             _int(seg["chunk_samples"], f"{where}.chunk_samples", 1, _MAX_COUNT)
-        tol = seg.get("lockstep_tolerance", 0.05)
+        tol = seg["lockstep_tolerance"]
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not (math.isfinite(tol) and tol >= 0):
             raise _bad(f"{where}.lockstep_tolerance", f"is {_describe(tol)}; expected a finite number >= 0")
-        if seg.get("lockstep_tail") is not None and not isinstance(seg["lockstep_tail"], str):
+        if not isinstance(seg["lockstep_tail"], str):
             raise _bad(f"{where}.lockstep_tail", f"is {_describe(seg['lockstep_tail'])}, not a string")
         consumed = seg["consumed"]
         if not isinstance(consumed, list) or len(consumed) != world:
@@ -162,11 +231,6 @@ def _is_digest(value: Any) -> bool:
     return value is None or (
         isinstance(value, str) and len(value) == 16 and all(ch in "0123456789abcdef" for ch in value)
     )
-
-
-def check_state_version(state: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` unless ``state`` is a resume state this version reads (see :func:`check_state`)."""
-    check_state(state)
 
 
 @dataclass
@@ -208,11 +272,11 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
         state: ``AdaptiveLoadDataModule.state_dict()``'s dict.
 
     Raises:
-        ResumeStateError: a malformed state (:func:`check_state`), a segment that cannot be replayed, or
+        ResumeStateError: a malformed state (:func:`read_state`), a segment that cannot be replayed, or
             one whose replay consumed other samples than were consumed (its digest differs).
         ValueError: the state belongs to other shards (another index fingerprint).
     """
-    check_state(state)
+    state = read_state(state)
     if state["fingerprint"] != ds.fingerprint:
         raise ValueError(
             "the checkpoint's data position belongs to other shards (index fingerprint "
@@ -220,11 +284,8 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
             "datamodule state from the checkpoint to start the epoch afresh"
         )
     segments = [dict(s) for s in state["segments"]]
-    if state["version"] < 2:
-        log.warning(
-            "resume state version %s holds no digest of the consumed samples: the replay is not verified",
-            state["version"],
-        )
+    if not any("digest" in s or "digests" in s for s in segments):  # saved in layout 1
+        log.warning("the resume state holds no digest of the consumed samples: the replay is not verified")
     refit = _continues_refit(segments, ds.world_size)
     if _continues(segments, ds.world_size):
         plan, consumed_samples = _continue_at_position(ds, int(state["epoch"]), segments)
@@ -279,7 +340,7 @@ def _digest_error(i: int, seg: Mapping[str, Any], saved: str, replayed: str) -> 
     return ResumeStateError(
         f"AdaptiveLoadDataModule resume state: segments[{i}] consumed other samples than its replay "
         f"gives (digest {saved} saved, {replayed} replayed): the saved plan settings (seed "
-        f"{seg['seed']}, schedule {seg['mode']!r}, batcher) or the planner changed since the "
+        f"{seg['seed']}, schedule {seg['schedule']!r}, batcher) or the planner changed since the "
         "checkpoint, so resuming would repeat some samples and skip others. What to do: resume with "
         "the version and settings that saved it, or drop the datamodule's entry from the checkpoint "
         "to start the epoch afresh"

@@ -20,13 +20,11 @@ from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 __all__ = [
     "DATAMODULE_DEFAULTS",
     "DATAMODULE_GROUPS",
-    "RENAMED_KEYWORDS",
     "DataModuleGroups",
     "Loader",
     "OnError",
     "Source",
     "StartMethod",
-    "group_of_keyword",
 ]
 
 #: A bad shard or sample (index build and reading): ``"raise"`` or ``"skip"`` (left out, counted).
@@ -164,11 +162,7 @@ def _integer(value: Any, name: str) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class DataModuleGroups:
-    """The settings groups of ``AdaptiveLoadDataModule``, with its defaults.
-
-    The DataModule's flat keywords of the last release are read into these groups by
-    :func:`~lightning_adaptiveload._legacy.settings_from_legacy` (:meth:`of`), with one deprecation warning.
-    """
+    """The settings groups of ``AdaptiveLoadDataModule``, with its defaults."""
 
     batching: Batching = dataclasses.field(default_factory=Batching)
     # Chunked planning is on by default in the DataModule (plan_epoch's own default plans at once).
@@ -177,33 +171,34 @@ class DataModuleGroups:
     source: Source = dataclasses.field(default_factory=Source)
 
     @classmethod
-    def of(cls, caller: str, given: Mapping[str, Any], legacy: Mapping[str, Any]) -> DataModuleGroups:
-        """The groups of a DataModule call: those ``given`` (None or the default object itself: not given; a
-        dict: the group's fields), with the deprecated flat keywords ``legacy`` routed into theirs (``mode``
-        is ``Batching.sizing``, ``plan_chunk_samples`` is ``PlanSettings.chunk_samples``).
+    def of(cls, given: Mapping[str, Any]) -> DataModuleGroups:
+        """The groups of a DataModule call: those ``given`` (None or the default object itself: not given, the
+        default; a dict: the group's fields, as a checkpoint's hyper-parameters and a recipe hold them).
 
         Raises:
-            TypeError: an unknown keyword (the nearest is suggested), or a group given both ways.
+            TypeError: a group that is neither its settings class, a dict of its fields nor None (the
+                message names the group and its class), or a dict with a key that is no field of it.
         """
-        from lightning_adaptiveload._legacy import settings_from_legacy
-
-        groups = {
-            # A group's dict (from a checkpoint's hyperparameters, or written by hand) is read as the group.
-            k: DATAMODULE_GROUPS[k](**v) if isinstance(v, Mapping) else v
-            for k, v in given.items()
-            if v is not None and v is not getattr(DATAMODULE_DEFAULTS, k)
-        }
-        return settings_from_legacy(
-            cls,
-            None,
-            legacy,
-            caller=caller,
-            required=groups,
-            nested=DATAMODULE_GROUPS,
-            renamed=RENAMED_KEYWORDS,
-            spread=True,
-            stacklevel=4,  # warnings.warn in settings_from_legacy <- of <- the DataModule's __init__ <- its caller
-        )
+        groups = {}
+        for name, value in given.items():
+            if value is None or value is getattr(DATAMODULE_DEFAULTS, name):
+                continue
+            kind = DATAMODULE_GROUPS[name]
+            if isinstance(value, Mapping):
+                fields = [f.name for f in dataclasses.fields(kind)]
+                unknown = sorted(set(value) - set(fields))
+                if unknown:
+                    raise TypeError(
+                        f"AdaptiveLoadDataModule {name}: unknown key(s) {unknown}; {kind.__name__} has {fields}"
+                    )
+                value = kind(**value)
+            elif not isinstance(value, kind):
+                raise TypeError(
+                    f"AdaptiveLoadDataModule {name}: expected a {kind.__name__} (or a dict of its fields), got "
+                    f"{value!r}"
+                )
+            groups[name] = value
+        return cls(**groups)
 
     def as_dict(self) -> dict[str, Any]:
         """The groups by name (the values themselves, not copies)."""
@@ -221,19 +216,3 @@ DATAMODULE_GROUPS: dict[str, type] = {
     "loader": Loader,
     "source": Source,
 }
-#: The DataModule's old flat keywords whose field has another name now (old -> new).
-RENAMED_KEYWORDS = {"mode": "sizing", "plan_chunk_samples": "chunk_samples"}
-
-
-def group_of_keyword(key: str) -> tuple[str, str] | None:
-    """Where one of the DataModule's old flat keywords goes now: ``(group, field)``, or None (not one of them).
-
-    Example:
-        >>> group_of_keyword("mode")
-        ('batching', 'sizing')
-    """
-    name = RENAMED_KEYWORDS.get(key, key)
-    for group, cls in DATAMODULE_GROUPS.items():
-        if name in {f.name for f in dataclasses.fields(cls)}:
-            return group, name
-    return None

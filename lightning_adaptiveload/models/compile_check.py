@@ -99,7 +99,6 @@ def compare_compiled(
     settings: CompileSettings | None = None,
     ignore: Iterable[str] = (),
     seed: int = 0,
-    **legacy: Any,
 ) -> dict[str, float]:
     """Relative differences between ``module`` compiled and eager: forward, then backward of one gradient.
 
@@ -118,7 +117,6 @@ def compare_compiled(
         ignore: name endings of parameters to leave out, for gradients that are zero in theory and rounding
             in practice (a key projection's bias: softmax ignores a shift shared by all keys; ``"k.bias"``).
         seed: for ``grad_output``.
-        **legacy: deprecated: the fields of ``CompileSettings`` as flat keywords (one release; warns).
 
     Returns:
         ``{"out": ..., "args[0]": ..., "<kwarg>": ..., "<parameter name>": ...}``: each a
@@ -128,10 +126,9 @@ def compare_compiled(
     Raises:
         TypeError: the module returned no tensor (nor a tuple or list starting with one).
     """
-    from lightning_adaptiveload._legacy import settings_from_legacy
     from lightning_adaptiveload.models.acceleration import _inductor_settings
 
-    cfg = settings_from_legacy(CompileSettings, settings, legacy, caller="compare_compiled")
+    cfg = CompileSettings() if settings is None else settings
     kwargs = dict(kwargs or {})
     ignore = tuple(ignore)
     leaves = [(f"args[{i}]", a) for i, a in enumerate(args) if _is_leaf_input(a)]

@@ -42,17 +42,17 @@ from typing import Any
 import lightning as L
 import torch
 from torchmetrics import MeanMetric, Metric
+from typing_extensions import override
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.models.compile_check import CompileSettings
 from lightning_adaptiveload.models.config import padded_text_len
 from lightning_adaptiveload.models.loss import global_token_count, rank_noise_generator
 from lightning_adaptiveload.models.module_settings import (
-    DEPRECATED_KEYWORDS,
     MemorySettings,
     OptimizerSettings,
     SamplingSettings,
-    settings_from_keywords,
+    module_settings,
 )
 from lightning_adaptiveload.models.video_dit import VideoDiT, VideoDiTConfig, forward_flops
 
@@ -133,18 +133,11 @@ class VideoDiTModule(L.LightningModule):
             where flash-attn-4 is installed on Hopper/Blackwell, else cuDNN first on Hopper), ``"fa4"``,
             ``"fa3"``, ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``; see
             :mod:`lightning_adaptiveload.models.attention`.
-        **legacy: deprecated: the flat keywords of earlier releases (``lr=``, ``shift=``,
-            ``activation_checkpointing=``, ...), each routed into its group with a ``DeprecationWarning``
-            (one release; :func:`~lightning_adaptiveload.models.module_settings.settings_from_keywords`).
 
     Raises:
         ValueError: a bad setting (the message names its recipe key) or preset.
-        TypeError: an unknown keyword, or a flat keyword beside its group given with other values.
+        TypeError: an unknown keyword, or a settings group of another type (or with a key it lacks).
     """
-
-    #: The flat keywords of earlier releases, taken for one release (``**legacy``, with a warning); the CLI
-    #: passes these keys of a recipe's ``model.init_args`` through to it.
-    deprecated_keywords: frozenset[str] = DEPRECATED_KEYWORDS
 
     #: Runs packed batches (``compute_loss`` takes a pack): the DataModule may give lockstep epochs a
     #: packed tail (``AdaptiveLoadDataModule(plan=PlanSettings(lockstep_tail="packed"))``).
@@ -161,12 +154,9 @@ class VideoDiTModule(L.LightningModule):
         memory: MemorySettings = _DEFAULT_MEMORY,
         compile: bool | CompileSettings = False,
         attention_backend: str = "default",
-        **legacy: Any,
     ) -> None:
         super().__init__()
-        settings = settings_from_keywords(
-            {"optimizer": optimizer, "sampling": sampling, "memory": memory}, legacy
-        )
+        settings = module_settings({"optimizer": optimizer, "sampling": sampling, "memory": memory})
         if isinstance(compile, Mapping):  # a checkpoint's hyper-parameters keep the plain form
             compile = CompileSettings(**compile)
         if not isinstance(compile, bool | CompileSettings):
@@ -220,6 +210,7 @@ class VideoDiTModule(L.LightningModule):
 
     # -- model -------------------------------------------------------------------------------------
 
+    @override
     def configure_model(self) -> None:
         """Build the network once (Lightning may call this hook for every stage).
 
@@ -300,6 +291,7 @@ class VideoDiTModule(L.LightningModule):
             self.configure_model()
         return self.model
 
+    @override
     def forward(self, x, timestep, context=None, context_mask=None) -> torch.Tensor:
         """The velocity prediction; see :meth:`VideoDiT.forward` for shapes."""
         return self._require_model()(x, timestep, context, context_mask)
@@ -343,6 +335,7 @@ class VideoDiTModule(L.LightningModule):
             self._saved_noise_states = None
         return self._noise_generator
 
+    @override
     def on_validation_epoch_start(self) -> None:
         """Make the metric states ordinary tensors again where an earlier ``trainer.validate`` (run under
         inference mode) left inference tensors: a later ``fit`` validates without inference mode, where the
@@ -355,6 +348,7 @@ class VideoDiTModule(L.LightningModule):
                         if isinstance(value, torch.Tensor) and value.is_inference():
                             setattr(metric, name, value.clone())
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save every rank's noise/timestep generator state (one small gather: Lightning calls this on every
         rank, and rank 0 writes the checkpoint), so that a resumed run continues with the same losses."""
@@ -363,6 +357,7 @@ class VideoDiTModule(L.LightningModule):
             gen.get_state() if gen is not None else None
         )
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Applied when the generator is next made (on the batch's device); ignored for another world size.
         self._saved_noise_states = checkpoint.get("noise_generator_states")
@@ -474,6 +469,7 @@ class VideoDiTModule(L.LightningModule):
 
     # -- Lightning hooks ---------------------------------------------------------------------------
 
+    @override
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, mse = self.compute_loss(batch)
         b = max(1, len(batch["latents"]))  # a tensor (bucketed) or a list (packed)
@@ -481,6 +477,7 @@ class VideoDiTModule(L.LightningModule):
         self.log("train/lr", self._current_lr(), on_step=True, on_epoch=False, batch_size=b)
         return loss
 
+    @override
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # An empty step (a rank with no validation sample left) runs its zero samples through the model
         # too: under FSDP every forward gathers parameters with all ranks. Its weight is 0.
@@ -508,12 +505,14 @@ class VideoDiTModule(L.LightningModule):
             losses.append(self.compute_loss(local, noise=noise, t=t)[1])
         return torch.stack(losses).mean(), tokens
 
+    @override
     def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """``test/loss``: the validation measure (fixed times and noise) on the test data."""
         mse, tokens = self._fixed_time_mse(batch, batch_idx)
         self.log("test/loss", mse, on_epoch=True, sync_dist=True, batch_size=max(tokens, 1))
         return mse
 
+    @override
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, Any]:
         """Per-sample loss at the validation times: ``{"keys": [...], "loss": Tensor (B,)}``.
 
@@ -540,6 +539,7 @@ class VideoDiTModule(L.LightningModule):
             return float(self.optimizer_settings.lr)
         return float(self.trainer.optimizers[0].param_groups[0]["lr"])
 
+    @override
     def configure_optimizers(self) -> dict:
         model = self._require_model()
         decay, no_decay = [], []

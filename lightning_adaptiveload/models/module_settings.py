@@ -21,9 +21,8 @@ Each field is validated once, in its class's ``__post_init__``; the message name
         sampling: {shift: 5.0}
         memory: {activation_checkpointing: true}
 
-The flat keywords of earlier releases (``lr=``, ``shift=``, ``activation_checkpointing=``, ...) still work
-for one release: :func:`settings_from_keywords` merges each into its group and warns once
-(:func:`~lightning_adaptiveload._legacy.settings_from_legacy`).
+:func:`module_settings` reads the three groups of a call (each an object, a dict of its fields as a
+checkpoint's hyper-parameters keep it, or None for the defaults).
 """
 
 from __future__ import annotations
@@ -34,15 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from lightning_adaptiveload._legacy import settings_from_legacy
-
 __all__ = [
-    "DEPRECATED_KEYWORDS",
     "MemorySettings",
     "ModuleSettings",
     "OptimizerSettings",
     "SamplingSettings",
-    "settings_from_keywords",
+    "module_settings",
 ]
 
 T = TypeVar("T")
@@ -240,18 +236,10 @@ def _groups() -> dict[str, type]:
     return {"optimizer": OptimizerSettings, "sampling": SamplingSettings, "memory": MemorySettings}
 
 
-#: The flat keywords of earlier releases: every field of the three groups.
-# Settings added after the groups exist are given in their group only.
-_GROUP_ONLY = frozenset({"expandable_segments"})
-DEPRECATED_KEYWORDS = frozenset(
-    f.name for cls in _groups().values() for f in dataclasses.fields(cls) if f.name not in _GROUP_ONLY
-)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModuleSettings:
     """The three groups of :class:`~lightning_adaptiveload.models.module.VideoDiTModule` together, as
-    :func:`settings_from_keywords` returns them."""
+    :func:`module_settings` returns them."""
 
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
@@ -276,54 +264,17 @@ def _as_settings(cls: type[T], value: Any, name: str) -> T:
     )
 
 
-def settings_from_keywords(
-    given: Mapping[str, Any], legacy: Mapping[str, Any], *, stacklevel: int = 4
-) -> ModuleSettings:
-    """The module's settings groups: each given one, with the deprecated flat keywords merged into theirs.
+def module_settings(given: Mapping[str, Any]) -> ModuleSettings:
+    """The module's settings groups, each given one read as its class.
 
     Args:
         given: ``{"optimizer": ..., "sampling": ..., "memory": ...}``: each a settings object, a mapping of
             its fields (a checkpoint's hyper-parameters) or None (the defaults).
-        legacy: the deprecated flat keywords (``lr=``, ``shift=``, ``activation_checkpointing=``, ...); each
-            goes into the group that has the field (an old-form recipe with a new-form calibration
-            fragment merges so). Any of them warns once with a ``DeprecationWarning``.
-        stacklevel: the warning's stack level (4: the caller of ``VideoDiTModule(...)``).
 
     Raises:
-        TypeError: a flat keyword that is no field of any group (the closest is suggested), or one whose
-            field the group also sets, to another value.
+        TypeError: a group of another type, or a mapping with a key that is no field of its group (the
+            message names the recipe key, ``model.init_args.optimizer``).
     """
-    groups = _groups()
-    resolved = {name: _as_settings(cls, given.get(name), name) for name, cls in groups.items()}
-    fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in groups.items()}
-    used = {name: [k for k in legacy if k in fields[name]] for name in groups}
-    instead = ", ".join(
-        f"{name}={groups[name].__name__}({', '.join(f'{k}=...' for k in keys)})"
-        for name, keys in used.items()
-        if keys
+    return ModuleSettings(
+        **{name: _as_settings(cls, given.get(name), name) for name, cls in _groups().items()}
     )
-    # Warns, refuses an unknown keyword, and validates the flat values in their groups.
-    flat = settings_from_legacy(
-        ModuleSettings,
-        None,
-        legacy,
-        caller="VideoDiTModule",
-        nested=groups,
-        stacklevel=stacklevel,
-        instead=instead or None,
-    )
-    merged = {}
-    for name, cls in groups.items():
-        default, group, values = (
-            cls(),
-            resolved[name],
-            {k: getattr(getattr(flat, name), k) for k in used[name]},
-        )
-        both = [k for k, v in values.items() if getattr(group, k) not in (getattr(default, k), v)]
-        if both:
-            raise TypeError(
-                f"VideoDiTModule: {both[0]}={values[both[0]]!r} as a flat keyword and {name}.{both[0]}="
-                f"{getattr(group, both[0])!r}; set it once, in model.init_args.{name}.{both[0]}"
-            )
-        merged[name] = dataclasses.replace(group, **values) if values else group
-    return ModuleSettings(**merged)

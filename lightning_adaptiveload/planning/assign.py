@@ -216,8 +216,9 @@ def assign(
 ) -> tuple[dict[Stream, list[Piece]], int]:
     """Pieces -> streams. Returns the assignment and how many pieces were split.
 
-    Independent mode balances ranks (LPT over ranks, then over each rank's workers). Lockstep mode pairs
-    the streams of one worker index across ranks, so it balances every stream (LPT over all R * W).
+    The independent schedule balances ranks (LPT over ranks, then over each rank's workers). The lockstep
+    schedule pairs the streams of one worker index across ranks, so it balances every stream (LPT over all
+    R * W).
     """
     pieces = list(pieces)
     splits = 0

@@ -94,9 +94,9 @@ class BatchArrays:
 
     @classmethod
     def from_batches(cls, batches: list[Batch]) -> BatchArrays:
-        """The same batches as columns (independent-mode batches: no ``equal`` or ``pack`` ones)."""
+        """The same batches as columns (batches of the independent schedule: no ``equal`` or ``pack`` ones)."""
         if any(bt.equal or bt.pack for bt in batches):
-            raise ValueError("BatchArrays holds independent-mode batches only (no equal or pack batches)")
+            raise ValueError("BatchArrays holds batches of the independent schedule only (no equal or pack batches)")
         m = len(batches)
         n = np.fromiter(map(len, map(_REFS, batches)), dtype=_I64, count=m)
         flat = [ref for bt in batches for ref in bt.refs]

@@ -67,7 +67,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
     Args:
         job: what to plan (:class:`~.job.PlanJob`).
         schedule: the :class:`~.schedules.Independent` or :class:`~.schedules.Lockstep` schedule: its
-            ``name`` (the plan's ``mode``), ``lockstep`` (step-aligned batches of one class on every rank),
+            ``name`` (the plan's ``schedule``), ``lockstep`` (step-aligned batches of one class on every rank),
             ``tail`` and ``packs_tail`` (lockstep's end of epoch) and ``tolerance`` (groups buckets into lockstep classes; an
             independent plan reports the classes too).
     """
@@ -75,7 +75,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
     seed, epoch, exclude, t0, keep = job.seed, job.epoch, job.exclude, job.t0, job.rank
     settings = job.settings
     workers = job.workers
-    mode, lockstep, underfull = schedule.name, bool(schedule.lockstep), settings.underfull
+    name, lockstep, underfull = schedule.name, bool(schedule.lockstep), settings.underfull
     lockstep_tail = schedule.tail
     packed_end = lockstep and schedule.packs_tail and world > 1  # lockstep's packed tail
     batcher.resolve_max_compute(distinct_shapes(data))
@@ -85,7 +85,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
     cost_of = [bk.cost for bk in buckets]
     bound = buffer_bound(settings.max_buffered_samples, sizes, buckets)
     class_of, class_size = lockstep_classes(buckets, schedule.tolerance)
-    # Load of a sample for the assignment. Independent mode: its share of a batch (1/B), so that ranks get
+    # Load of a sample for the assignment. Independent schedule: its share of a batch (1/B), so that ranks get
     # near-equal step counts and few batches must be split. Lockstep: its cost (class counts are then
     # equalised by moving samples, which also equalises the steps).
     weight_of = cost_of if lockstep else [1.0 / s for s in sizes]
@@ -137,7 +137,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
         # step counts are equal, which the equal-steps pass would leave as they are.
         n_reads = sum(local.lockstep_reads.values())
     else:
-        _equal_steps(sim, reads, world, workers, mode, sizes, cost_of, counts)
+        _equal_steps(sim, reads, world, workers, name, sizes, cost_of, counts)
     if local is None:
         samples_per_rank = [sum(_samples(sim[(r, w)]) for w in range(workers)) for r in range(world)]
     else:
@@ -172,7 +172,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
         max_buffered_samples=bound,
     )
     report = _report(
-        epoch, mode, lockstep, world, num_workers, counts, sim, reads, steps, len(class_size), batcher.max_compute
+        epoch, name, lockstep, world, num_workers, counts, sim, reads, steps, len(class_size), batcher.max_compute
     )  # fmt: skip
     if n_reads is not None:
         report["reads"] = n_reads
@@ -189,7 +189,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
         num_workers=int(num_workers),
         seed=int(seed),
         epoch=int(epoch),
-        mode=mode,
+        schedule=name,
         buckets=_bucket_dicts(buckets, class_of),
         streams={st: _refs_lists(sim[st]) for st in kept},
         batch_buckets={st: _bucket_list(sim[st]) for st in kept},
@@ -211,7 +211,7 @@ def plan_bucketed(job: PlanJob, schedule: Any) -> EpochPlan:
 
 def _report(
     epoch: int,
-    mode: str,
+    schedule: str,
     lockstep: bool,
     world: int,
     num_workers: int,
@@ -225,7 +225,7 @@ def _report(
     """The plan's report (keys in :func:`~.planner.plan_epoch`), but ``samples_per_rank`` and ``plan_seconds``."""
     return {
         "epoch": int(epoch),
-        "mode": mode,
+        "schedule": schedule,
         "world_size": world,
         "num_workers": int(num_workers),
         "samples": counts["samples"],
@@ -268,7 +268,7 @@ def _equal_steps(
     reads: MutableMapping[Stream, list[Read]],
     world: int,
     workers: int,
-    mode: str,
+    schedule: str,
     sizes: list[int],
     cost_of: list[float],
     counts: dict[str, int],
@@ -277,7 +277,7 @@ def _equal_steps(
     moves: list[Move] = []
     # Empty batches take the cheapest bucket's shape (they carry no sample; the shape only types them).
     pad_bucket = min(range(len(cost_of)), key=lambda b: (cost_of[b], b)) if cost_of else None
-    deficit = equalise(sim, world, workers, mode, sizes, counts, moves, pad_bucket)
+    deficit = equalise(sim, world, workers, schedule, sizes, counts, moves, pad_bucket)
     if deficit is not None:
         raise RuntimeError(
             f"plan_epoch could not equalise the step counts at world size {world} ({deficit['short']}); "

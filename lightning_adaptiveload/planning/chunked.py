@@ -49,7 +49,7 @@ __all__ = ["local_plan", "plan_segments", "segment_count", "split_shards"]
 _MIN_PER_STREAM = 16
 
 # Report keys merged other than by summing (ints) or step-weighted averaging (floats).
-_SAME = ("epoch", "mode", "world_size", "num_workers", "lockstep_tail", "max_compute")
+_SAME = ("epoch", "schedule", "world_size", "num_workers", "lockstep_tail", "max_compute")
 _MAX = ("max_buffered_samples",)
 _MIN = ("fill_min",)
 _RECOMPUTED = ("est_compute_cv", "est_straggler_wait", "est_wait_share", "lockstep_classes", "plan_seconds")
@@ -193,7 +193,6 @@ def plan_segments(job: PlanJob, schedule: EpochSchedule, groups: int) -> EpochPl
         del seg
         if progress is not None:
             progress(g + 1, groups)
-    mode = schedule.name
     _global_classes(bucket_dicts, schedule.tolerance)  # type: ignore[attr-defined]
     report = _merge_reports(reports, balance, len({d["lockstep_class"] for d in bucket_dicts}))
     report.update(segments=groups, segment_steps=[int(r["steps"]) for r in reports])
@@ -205,7 +204,7 @@ def plan_segments(job: PlanJob, schedule: EpochSchedule, groups: int) -> EpochPl
         num_workers=int(num_workers),
         seed=int(seed),
         epoch=int(epoch),
-        mode=mode,
+        schedule=schedule.name,
         buckets=bucket_dicts,
         streams=kept.streams,
         batch_buckets=kept.buckets,

@@ -40,7 +40,7 @@ def equalise(
     sim: dict[Stream, list[Batch]],
     world: int,
     workers: int,
-    mode: str,
+    schedule: str,
     sizes: list[int],
     counts: dict[str, int],
     moves: list[Move],
@@ -53,7 +53,7 @@ def equalise(
     index holds too few samples for that, the ranks are equalised as wholes (the steps after the first
     unequal one are then counted in ``unequal_steps``). Returns None on success, else the shortfall.
     """
-    if mode == "lockstep" and world > 1:
+    if schedule == "lockstep" and world > 1:
         for w in range(workers):
             _equal_counts(sim, [[(r, w)] for r in range(world)], sizes, counts, moves, None)
     return _equal_counts(

@@ -74,7 +74,7 @@ class EpochSchedule(Protocol):
 
     @property
     def name(self) -> str:
-        """The name plans and reports carry (``EpochPlan.mode``, ``report["mode"]``)."""
+        """The name plans and reports carry (``EpochPlan.schedule``, ``report["schedule"]``)."""
         ...
 
     def segments(self, job: PlanJob) -> int:

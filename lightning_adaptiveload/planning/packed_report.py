@@ -73,7 +73,7 @@ def packed_report(
     max_tokens = float(batcher.max_tokens)
     return {
         "epoch": int(epoch),
-        "mode": "packed",
+        "schedule": "packed",
         "world_size": world,
         "num_workers": int(num_workers),
         "samples": int(n_samples),
@@ -161,7 +161,7 @@ def packed_plan(
         num_workers=int(num_workers),
         seed=int(seed),
         epoch=int(epoch),
-        mode="packed",
+        schedule="packed",
         buckets=buckets,
         streams=layout.streams,
         batch_buckets=layout.batch_buckets,

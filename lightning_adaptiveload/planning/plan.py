@@ -28,7 +28,7 @@ __all__ = [
 Ref = tuple[int, int]  # a sample: (shard id, sample id)
 Stream = tuple[int, int]  # (rank, worker)
 Read = tuple[int, list[int]]  # (shard id, sample ids ascending): what a stream reads of one shard
-#: The schedules a plan is made with (``plan.mode``); see ``docs/schedules.md``.
+#: The schedules a plan is made with (``plan.schedule``); see ``docs/schedules.md``.
 SCHEDULES = ("independent", "lockstep", "packed")
 #: The schedules a setting may name: :data:`SCHEDULES` or ``"auto"`` (lockstep, or packed where lockstep's
 #: estimated straggler wait exceeds :data:`AUTO_MAX_WAIT`; :func:`~.planner.plan_epoch`).
@@ -68,7 +68,7 @@ class Batch:
         bucket: bucket id (index into the plan's buckets).
         refs: the batch's samples, in file order; empty for an empty (zero-weight) batch.
         equal: a lockstep step shared by every rank (same class and size): it must keep its step.
-        bound: emitted early at the independent mode's buffer bound: never packed with a later batch.
+        bound: emitted early at the independent schedule's buffer bound: never packed with a later batch.
         pack: a pack of samples of any shapes (lockstep's packed tail, :mod:`.tail`), collated as a pack;
             ``bucket`` is then its largest sample's bucket.
     """
@@ -85,7 +85,7 @@ class EpochPlan:
     """The plan of one epoch for every stream; identical on every rank.
 
     Attributes:
-        world_size, num_workers, seed, epoch, mode: the settings planned for (``num_workers`` as given;
+        world_size, num_workers, seed, epoch, schedule: the settings planned for (``num_workers`` as given;
             0 means one stream per rank, worker 0).
         buckets: per bucket id: ``{"shape": (C, T, H, W), "seq_len": S, "batch_size": B, "cost": cost(S),
             "lockstep_class": int}``.
@@ -94,40 +94,42 @@ class EpochPlan:
         batch_buckets: ``batch_buckets[(rank, worker)][j]`` is the bucket id of batch j.
         batch_steps: ``batch_steps[(rank, worker)][j]`` is the rank step at which batch j is taken.
         reads: ``reads[(rank, worker)]`` is the list of ``(shard_id, sample_ids)`` the stream reads (sample
-            ids ascending). Independent mode: one read per piece, in order. Lockstep mode: per bucket, the
-            runs of that bucket's samples in each shard, so that the stream can take the next samples of
-            any bucket without buffering others; a shard is then opened once per bucket it holds (seeking
-            over the other members). Packed mode: per pack, the runs of its samples in each shard. A reader
-            opens a read when a batch first needs it.
+            ids ascending). Independent schedule: one read per piece, in order. Lockstep schedule: per
+            bucket, the runs of that bucket's samples in each shard, so that the stream can take the next
+            samples of any bucket without buffering others; a shard is then opened once per bucket it holds
+            (seeking over the other members). Packed schedule: per pack, the runs of its samples in each
+            shard. A reader opens a read when a batch first needs it.
         step_order: ``step_order[rank][k] = (worker, j)``: the batch the rank takes at step k.
         steps: steps per rank (the same for every rank).
         global_tokens: per step, the sum of the batch tokens over all ranks.
-        report: counters of the plan: epoch, mode, world_size, num_workers, samples, batches, steps, tokens,
+        report: counters of the plan: epoch, schedule, world_size, num_workers, samples, batches, steps,
+            tokens,
             padding_tokens (0: latents are never padded), skipped (reason -> count; ``oversize`` here),
             excluded, partial_batches (end of stream), bound_partial_batches (emitted early at the buffer
             bound), split_batches (batches added to equalise steps), merged_batches (partial batches packed
             into fewer to equalise steps), empty_batches (zero-sample batches, see ``underfull``),
-            reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep mode:
-            steps whose batches differ in lockstep class or size across ranks; 0 in independent mode),
-            unequal_steps (the same count in any mode), lockstep_classes, moved_samples, moved_batches,
+            reduced_steps (lockstep steps with a smaller common B), lockstep_tail_steps (lockstep schedule:
+            steps whose batches differ in lockstep class or size across ranks; 0 in the independent
+            schedule), unequal_steps (the same count under any schedule), lockstep_classes, moved_samples,
+            moved_batches,
             shard_splits, reads, max_buffered_samples, max_compute, est_compute_cv (mean over steps of the
             CV of the batch costs across ranks), est_straggler_wait
             (:func:`~lightning_adaptiveload.stats.straggler_wait` over the steps: share of the summed
             step time spent waiting for the slowest rank, by the cost model; ``est_wait_share`` is its old
             name), samples_per_rank, plan_seconds. :func:`~.resume.continue_plan` adds resumed_at_step.
-            Lockstep mode adds lockstep_tail (the setting), packed_tail_steps (steps of packs at the end,
-            see :mod:`.tail`), packed_tail_samples, tail_fill_mean (mean tokens / max_tokens of the tail
+            The lockstep schedule adds lockstep_tail (the setting), packed_tail_steps (steps of packs at the
+            end, see :mod:`.tail`), packed_tail_samples, tail_fill_mean (mean tokens / max_tokens of the tail
             packs; 0 without a tail).
         pack_batches: ``pack_batches[(rank, worker)][j]``: whether batch j is a pack (samples of any shapes,
             collated by :func:`~lightning_adaptiveload.loading.packed_collate.collate_packed`) rather than a bucketed batch. Empty: no
-            batch is a pack, unless ``mode == "packed"`` (every batch is). Use :meth:`is_pack`.
+            batch is a pack, unless ``schedule == "packed"`` (every batch is). Use :meth:`is_pack`.
     """
 
     world_size: int
     num_workers: int
     seed: int
     epoch: int
-    mode: str
+    schedule: str
     buckets: list[dict[str, Any]]
     streams: dict[Stream, list[list[Ref]]]
     batch_buckets: dict[Stream, list[int]]
@@ -143,7 +145,7 @@ class EpochPlan:
 
     def is_pack(self, stream: Stream, j: int) -> bool:
         """Whether batch ``j`` of ``stream`` is a pack (collated as one, see ``docs/data_path.md``)."""
-        if self.mode == "packed":
+        if self.schedule == "packed":
             return True
         flags = self.pack_batches.get(stream)
         return bool(flags) and bool(flags[j])

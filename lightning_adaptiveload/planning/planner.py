@@ -9,9 +9,9 @@ The bucketed schedules (:mod:`.bucketed`) run these steps in order; each lives i
 
 1. **Buckets** (:mod:`.inputs`): every distinct latent shape sized once by the batcher's sizing rule.
 2. **Assignment** (:mod:`.assign`): in a shard order seeded by ``(seed, epoch)``, shards (or contiguous
-   halves of shards: *pieces*) go to streams by a greedy longest-processing-time partition: independent
-   mode balances ranks on their estimated batch count (sum of 1/B), then each rank's workers; lockstep
-   mode balances all R * W streams on estimated cost.
+   halves of shards: *pieces*) go to streams by a greedy longest-processing-time partition: the
+   independent schedule balances ranks on their estimated batch count (sum of 1/B), then each rank's
+   workers; the lockstep schedule balances all R * W streams on estimated cost.
 3. **Batches.** ``independent`` (:mod:`.independent`): each stream's batch list is the exact simulation
    of bucketing its samples in file order. ``lockstep`` (:mod:`.lockstep`): within each worker index,
    the R streams hold equal counts of every lockstep class and take, at every step, a batch of the same
@@ -34,7 +34,6 @@ torch.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,6 @@ def plan_epoch(
     exclude: Iterable[Ref] | Mapping[int, Collection[int]] | None = None,
     rank: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    **legacy: Any,
 ) -> EpochPlan:
     """Plan one epoch for every (rank, worker) stream, from the index alone.
 
@@ -118,9 +116,6 @@ def plan_epoch(
             those of the plan of every stream. What a training rank needs; :func:`~.resume.consumed_refs`
             needs a plan of every rank.
         progress: called with (segments planned, segments) after each segment of a chunked plan.
-        legacy: deprecated: the settings as flat keywords (``mode=`` for ``schedule``,
-            ``max_buffered_samples=``, ...), accepted for one release with a ``DeprecationWarning``; not
-            together with ``settings``.
 
     Returns:
         The :class:`~.plan.EpochPlan`; ``plan.report`` counts what the planning did (its keys: the
@@ -131,7 +126,7 @@ def plan_epoch(
         ValueError: bad settings, an oversize sample under ``oversize="raise"``, mixed C in a bucket.
     """
     t0 = time.perf_counter()
-    settings = _settings(settings, legacy)
+    settings = PlanSettings() if settings is None else settings
     _check_run(world_size, num_workers, batcher)
     world = int(world_size)
     if rank is not None and not 0 <= int(rank) < world:
@@ -153,26 +148,6 @@ def plan_epoch(
     if not settings.keep_step_costs:
         plan.step_costs = None
     return plan if rank is None or plan.rank is not None else local_plan(plan, int(rank))
-
-
-def _settings(settings: PlanSettings | None, legacy: Mapping[str, Any]) -> PlanSettings:
-    """``settings``, or (deprecated) the settings built from ``plan_epoch``'s old flat keywords."""
-    if not legacy:
-        return PlanSettings() if settings is None else settings
-    if settings is not None:
-        raise TypeError(
-            f"plan_epoch takes its settings either as settings=PlanSettings(...) or as the deprecated flat "
-            f"keywords, not both; move {sorted(legacy)} into the PlanSettings"
-        )
-    warnings.warn(
-        "plan_epoch's flat setting keywords (mode=, max_buffered_samples=, lockstep_tolerance=, underfull=, "
-        "lockstep_tail=, chunk_samples=, keep_step_costs=, plan_processes=) are deprecated and will be removed "
-        "in the next release: pass settings=PlanSettings(schedule=..., ...) "
-        "(lightning_adaptiveload.planning.settings)",
-        DeprecationWarning,
-        stacklevel=4,  # the caller of plan_epoch (through gc_paused)
-    )
-    return PlanSettings.from_legacy(legacy)
 
 
 def _check_run(world_size: int, num_workers: int, batcher: Any) -> None:

@@ -22,8 +22,8 @@ rows gets the same model bit for bit:
   the rescaled prior to the fit, and reported (``clamped``).
 
 Rows are sorted before fitting and all arithmetic is float64. Plain NumPy: no Lightning, no torch. The
-Lightning shell is :class:`~lightning_adaptiveload.callbacks.load_balance.LoadBalanceMonitor`'s ``refit`` option
-(``docs/closed_loop.md``).
+Lightning shell is :class:`~lightning_adaptiveload.callbacks.closed_loop.ClosedLoop` (its ``refit`` setting,
+``docs/closed_loop.md``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ __all__ = [
     "mark_warmup",
     "refit_cost_model",
     "shape_classes",
+    "DROP_REASONS",
 ]
 
 _TERMS = ("c0", "alpha", "beta")
@@ -284,6 +285,11 @@ class RefitResult:
         points_used: rows fitted.
         points_warmup: rows left out as warm-up.
         points_rejected: rows rejected as outliers.
+        points_dropped: rows that are no measurement, left out before the fit, by reason
+            (:data:`DROP_REASONS`: a compute time that is nan, infinite, negative, zero or subnormal, or a step
+            without usable token counts), and ``too_few_to_fit``: usable rows not fitted because there were
+            fewer than ``min_points_per_term``. ``points_used + points_rejected + points_warmup +
+            sum(points_dropped.values())`` is the number of rows given.
         error: per shape class and ``"all"``: ``{"n", "mean", "max"}``, the relative error of ``model`` on the
             kept rows (fractions).
         prior_error: the same for the prior, after the best common scale (its shape error).
@@ -300,6 +306,7 @@ class RefitResult:
     points_rejected: int
     error: dict[str, dict[str, float]] = field(default_factory=dict)
     prior_error: dict[str, dict[str, float]] = field(default_factory=dict)
+    points_dropped: dict[str, int] = field(default_factory=dict)
 
     def terms(self) -> dict[str, dict[str, float]]:
         """``{"before": {...}, "after": {...}}``: the models' c0, alpha, beta (gamma, p, scale when set)."""
@@ -327,30 +334,72 @@ def refit_cost_model(prior: CostModel, measurements: StepMeasurements, config: R
         config: the robustness settings.
 
     Returns:
-        A :class:`RefitResult`; never raises for too few or unusable rows (``status`` and ``reason`` say so).
+        A :class:`RefitResult`; never raises for too few or unusable rows, nor for numerical trouble (an SVD
+        that does not converge, an overflow): ``status`` is then ``"kept"`` and ``reason`` says why. Rows that
+        are no measurement (:data:`DROP_REASONS`) are left out and counted in ``points_dropped``.
     """
     m = measurements.sorted()
-    valid = (
-        (m.warmup == 0)
-        & np.isfinite(m.seconds)
-        & (m.seconds > 0)
-        & np.isfinite(m.token_sum)
-        & (m.token_sum > 0)
-        & np.isfinite(m.square_sum)
-        & (m.square_sum > 0)
-        & (m.count > 0)
-    )
-    n_warm = int(np.sum(m.warmup != 0))
-    rows = m.take(valid)
-    y = rows.seconds
-    prior_pred = _predict(prior, rows)
-    need_full = 3 * config.min_points_per_term
+    warm = m.warmup != 0
+    dropped, usable = _dropped_rows(m, warm)
+    n_warm = int(np.sum(warm))
+    rows = m.take(usable)
     if len(rows) < config.min_points_per_term:
         reason = (
             f"{len(rows)} usable steps, fewer than min_points_per_term={config.min_points_per_term}: "
             "the prior model is kept"
         )
-        return RefitResult(prior, prior, "kept", reason, False, 1.0, 0, n_warm, 0)
+        if len(rows):
+            dropped["too_few_to_fit"] = len(rows)
+        return RefitResult(prior, prior, "kept", reason, False, 1.0, 0, n_warm, 0, points_dropped=dropped)
+    try:
+        with np.errstate(all="ignore"):  # trouble shows as a non-finite result, handled below
+            return _refit_rows(prior, rows, config, n_warm, dropped)
+    except (np.linalg.LinAlgError, ValueError, FloatingPointError, OverflowError, ZeroDivisionError) as err:
+        reason = (
+            f"the fit failed numerically on {len(rows)} usable steps ({type(err).__name__}: {err}): the prior "
+            "model is kept"
+        )
+        dropped["fit_failed"] = len(rows)
+        return RefitResult(prior, prior, "kept", reason, False, 1.0, 0, n_warm, 0, points_dropped=dropped)
+
+
+#: Why a row is left out before the fit, in the order it is counted under (one reason a row).
+DROP_REASONS = ("nan_time", "inf_time", "negative_time", "zero_time", "subnormal_time", "no_work")
+# A nonzero time or count below the smallest normal float is no reading.
+_TINY = float(np.finfo(np.float64).tiny)
+
+
+def _dropped_rows(m: StepMeasurements, warm: np.ndarray) -> tuple[dict[str, int], np.ndarray]:
+    """The non-warm-up rows that are no measurement, counted by reason, and the usable rows (bool)."""
+    s = m.seconds
+    work_ok = np.ones(len(m), dtype=bool)
+    for x in (m.token_sum, m.square_sum, m.count):
+        work_ok &= np.isfinite(x) & (x >= _TINY)  # positive and normal
+    tests = {
+        "nan_time": np.isnan(s),
+        "inf_time": np.isinf(s),
+        "negative_time": s < 0,
+        "zero_time": s == 0,
+        "subnormal_time": (s > 0) & (s < _TINY),
+        "no_work": ~work_ok,
+    }
+    bad = warm.copy()
+    dropped: dict[str, int] = {}
+    for reason in DROP_REASONS:
+        rows = tests[reason] & ~bad
+        if rows.any():
+            dropped[reason] = int(rows.sum())
+        bad |= rows
+    return dropped, ~bad
+
+
+def _refit_rows(
+    prior: CostModel, rows: StepMeasurements, config: RefitConfig, n_warm: int, dropped: dict[str, int]
+) -> RefitResult:
+    """:func:`refit_cost_model` on its usable rows (at least ``min_points_per_term`` of them)."""
+    y = rows.seconds
+    prior_pred = _predict(prior, rows)
+    need_full = 3 * config.min_points_per_term
     kept = np.ones(len(rows), dtype=bool)
     status, reason, model = "fitted", "", prior
     for _ in range(config.max_outlier_rounds):
@@ -367,6 +416,9 @@ def refit_cost_model(prior: CostModel, measurements: StepMeasurements, config: R
     model, clamped, change = _clamp(prior, model, rows.take(kept), config.max_change)
     if status == "kept":
         model = prior
+    elif not bool(np.all(_predict(model, rows.take(kept)) > 0)):
+        reason = "the fitted model's cost of a kept step is not positive: the prior model is kept"
+        status, model = "kept", prior
     classes = _class_codes(rows)
     pred = _predict(model, rows)
     scale = _best_scale(prior_pred[kept], y[kept])
@@ -382,6 +434,7 @@ def refit_cost_model(prior: CostModel, measurements: StepMeasurements, config: R
         points_rejected=int((~kept).sum()),
         error=_errors(pred[kept], y[kept], classes[kept]),
         prior_error=_errors(scale * prior_pred[kept], y[kept], classes[kept]),
+        points_dropped=dropped,
     )
 
 

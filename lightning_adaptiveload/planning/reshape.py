@@ -42,7 +42,7 @@ def fixed_prefix(stream: list[Batch]) -> int:
 
 def pack_start(stream: list[Batch], sizes: list[int]) -> int:
     """Where the stream's packable batches begin: after its last lockstep batch and after its last batch
-    emitted early at the buffer bound (independent mode): packing such a batch with a later one would hold
+    emitted early at the buffer bound (the independent schedule): packing such a batch with a later one would hold
     its samples past the bound. (A lockstep stream reads each bucket on demand, so packing its tail batches
     holds nothing extra.)"""
     if isinstance(stream, BatchArrays):
@@ -76,7 +76,7 @@ def split_batches(stream: list[Batch], need: int) -> int:
 
     Only the batches after the stream's last equal (lockstep) batch are split first, largest piece first
     (latest on ties): splitting a batch shifts every later batch of the stream by one step, so earlier
-    steps must not move. Then equal batches, latest first. In independent mode no batch is "equal", so
+    steps must not move. Then equal batches, latest first. Under the independent schedule no batch is "equal", so
     the largest batches anywhere are split.
     """
     if isinstance(stream, BatchArrays):

@@ -209,7 +209,7 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
         num_workers=int(num_workers),
         seed=plan.seed,
         epoch=plan.epoch,
-        mode=plan.mode,
+        schedule=plan.schedule,
         buckets=plan.buckets,
         streams=streams,
         batch_buckets=buckets_of,
@@ -221,7 +221,7 @@ def continue_plan(plan: EpochPlan, steps_done: int, num_workers: int) -> EpochPl
         steps=steps,
         global_tokens=list(plan.global_tokens[steps_done:]),
         report=_rest_report(plan, steps_done, int(num_workers), streams, reads),
-        # A lockstep plan's packed tail stays packs (the packed schedule marks every batch by its mode).
+        # A lockstep plan's packed tail stays packs (the packed schedule marks every batch by its schedule).
         pack_batches=packs if plan.pack_batches else {},
         rank=plan.rank,
     )

@@ -52,8 +52,9 @@ class PlanSettings:
     """
 
     schedule: Schedule = "independent"
-    """``"independent"``, ``"lockstep"``, ``"packed"`` or ``"auto"`` (``docs/schedules.md``). Plans and
-    reports call it ``mode`` (``EpochPlan.mode``, ``report["mode"]``)."""
+    """``"independent"``, ``"lockstep"``, ``"packed"`` or ``"auto"`` (``docs/schedules.md``). A plan and its
+    report carry the schedule it was planned with under the same name (``EpochPlan.schedule``,
+    ``report["schedule"]``)."""
 
     lockstep_tolerance: float = 0.05
     """Relative cost tolerance, in [0, 1), that groups buckets into one lockstep class."""
@@ -110,30 +111,16 @@ class PlanSettings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_legacy(cls, legacy: Mapping[str, Any], **given: Any) -> PlanSettings:
-        """Settings from the flat keywords :func:`~.planner.plan_epoch` and the dataset took before
-        :class:`PlanSettings` (``mode`` is ``schedule``); ``given`` are defaults the caller sets."""
-        kw = {**given, **legacy}
-        if "mode" in kw:
-            kw["schedule"] = kw.pop("mode")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kw) - names)
-        if unknown:
-            raise TypeError(f"unknown plan setting(s) {unknown}: the settings are {sorted(names)}")
-        return cls(**kw)
-
-    @classmethod
     def from_saved(cls, saved: Mapping[str, Any], **given: Any) -> PlanSettings:
-        """The settings of a plan saved with resume state (the dataset's ``plan_settings()`` dict);
+        """The settings of a plan saved with resume state (the dataset's ``plan_settings()`` dict, in the
+        current layout: :func:`~lightning_adaptiveload.loading.resume.read_state` migrates an older one);
         ``given``: what the saved dict does not hold (``underfull``, ``plan_processes``)."""
         return cls(
-            schedule=saved["mode"],
-            max_buffered_samples=saved.get("max_buffered_samples"),
-            lockstep_tolerance=saved.get("lockstep_tolerance", 0.05),
-            # Saved before the packed tail existed: those epochs were planned with bucketed tails.
-            lockstep_tail=saved.get("lockstep_tail", "bucketed"),
-            # Saved before chunked planning existed: those epochs were planned at once.
-            chunk_samples=saved.get("chunk_samples"),
+            schedule=saved["schedule"],
+            max_buffered_samples=saved["max_buffered_samples"],
+            lockstep_tolerance=saved["lockstep_tolerance"],
+            lockstep_tail=saved["lockstep_tail"],
+            chunk_samples=saved["chunk_samples"],
             **given,
         )
 
@@ -176,8 +163,7 @@ class Batching:
     ``{"kind": "power", "p": 1.5}``) or a ``CostModel`` (held as its dict); None: :meth:`CostModel.default`."""
 
     sizing: Sizing = "dual"
-    """``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only: ``B = max_tokens // S``).
-    Called ``mode`` before (deprecated)."""
+    """``"dual"`` (token and compute caps) or ``"equal_tokens"`` (token cap only: ``B = max_tokens // S``)."""
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     """The model's patch size (pt, ph, pw): ``S = (T / pt) * (H / ph) * (W / pw)``."""

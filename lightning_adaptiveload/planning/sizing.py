@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lightning_adaptiveload.planning.cost_model import CostModel
 
-__all__ = ["MODES", "SIZINGS", "BatchSizer", "BucketSize", "tokens_per_sample"]
+__all__ = ["SIZINGS", "BatchSizer", "BucketSize", "tokens_per_sample"]
 
 #: The sizing rules of a batch (``BatchSizer.sizing``, ``Batching.sizing``).
 SIZINGS = ("dual", "equal_tokens")
-#: The old name of :data:`SIZINGS` (deprecated, removed in the next release).
-MODES = SIZINGS
 # Relative slack on the compute cap: the "auto" cap is itself a batch cost, and floor(cap / cost) must
 # not lose a sample to the last bit of a float division.
 _COMPUTE_RTOL = 1e-9
@@ -134,16 +131,6 @@ class BatchSizer:
                 raise ValueError(f"max_compute must be a positive number, got {cap!r}")
             cap = value
         object.__setattr__(self, "max_compute", cap)
-
-    @property
-    def mode(self) -> str:
-        """Deprecated alias of :attr:`sizing` (removed in the next release)."""
-        warnings.warn(
-            "BatchSizer.mode is deprecated and will be removed in the next release; use BatchSizer.sizing",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sizing
 
     def size(self, latent_shape: Sequence[int]) -> BucketSize:
         """(S, B) of a latent shape (C, T, H, W); B = 0 when S > max_tokens. Cached per shape.

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from lightning_adaptiveload._legacy import settings_from_legacy
 from lightning_adaptiveload.shards.format import (
     DEFAULT_PATCH,
     INDEX_NAME,
@@ -188,7 +187,6 @@ def write_synthetic_shards(
     settings: SyntheticShards | None = None,
     *,
     progress: bool = True,
-    **legacy: Any,
 ) -> ShardIndex:
     """Write shards of random latents whose shapes follow a length mix; deterministic for a seed.
 
@@ -200,21 +198,22 @@ def write_synthetic_shards(
         settings: what to write (a :class:`SyntheticShards`; its fields are documented there); None: its
             defaults.
         progress: tqdm bar over samples (always shown for a write over :data:`ANNOUNCE_BYTES`).
-        **legacy: deprecated: the fields of ``SyntheticShards`` as flat keywords (one release; warns). A mix
-            given as the second positional argument (the old signature) counts as ``mix=``.
 
     Returns:
         The index of the shards (as saved in ``directory/index.json``).
 
     Raises:
+        TypeError: ``settings`` is not a :class:`SyntheticShards` (a mix is its ``mix`` field).
         NotSyntheticDataError: ``directory`` holds data this function did not write.
         FileExistsError: it holds synthetic shards of other settings and ``overwrite`` is False.
         OSError: the disk holding ``directory`` has less free space than the write needs (checked first).
     """
     if settings is not None and not isinstance(settings, SyntheticShards):
-        legacy = {"mix": settings, **legacy}  # the old signature's positional mix
-        settings = None
-    cfg = settings_from_legacy(SyntheticShards, settings, legacy, caller="write_synthetic_shards")
+        raise TypeError(
+            f"write_synthetic_shards(directory, settings): settings must be a SyntheticShards, got {settings!r}; "
+            "a mix goes in it: SyntheticShards(mix=...)"
+        )
+    cfg = SyntheticShards() if settings is None else settings
     mix_obj = cfg.mix if isinstance(cfg.mix, Mix) else load_mix(cfg.mix)
     dt = np.dtype(cfg.dtype)
     num_samples, seed, text_range, text_dim = cfg.num_samples, cfg.seed, cfg.text_len_range, cfg.text_dim

@@ -1,6 +1,6 @@
 """One configuration of the simulator: plan an epoch with the real planner, replay it, measure it.
 
-Owns the configurations (:data:`MODES`: schedule and batcher mode), the populations a plan is made over
+Owns the configurations (:data:`VARIANTS`: a schedule and a sizing rule each), the populations a plan is made over
 (:func:`mix_population`: a mix's exact proportions; :func:`bucket_shares`), the replay of an
 :class:`~lightning_adaptiveload.planning.planner.EpochPlan` into per-(step, rank) times
 (:func:`replay_plan`), the balance figures of a replay (:func:`balance_metrics`, every formula from
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload import stats
-from lightning_adaptiveload.shards.mixes import Mix
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.shards.mixes import Mix
 from lightning_adaptiveload.tools.step_times import BatchCoster, StepTimeTable, tokens_per_sample
 
 __all__ = [
-    "MODES",
+    "VARIANTS",
     "Replay",
     "balance_metrics",
     "bucket_shares",
@@ -34,21 +34,22 @@ __all__ = [
     "replay_plan",
     "resolved_max_compute",
     "replay_packs",
-    "run_mode",
+    "run_variant",
 ]
 
-# configuration name -> (schedule passed to plan_epoch, batcher mode)
 # The lockstep schedule's target for step-time CV and straggler wait, checked and reported by
 # simulate and drawn in its plots (never asserted).
 TARGET_LOCKSTEP = 0.02
 
-MODES: dict[str, tuple[str, str]] = {
+#: The simulator's configurations (*variants*): name -> (the schedule passed to plan_epoch, the batcher's
+#: sizing rule).
+VARIANTS: dict[str, tuple[str, str]] = {
     "equal_tokens": ("independent", "equal_tokens"),
     "dual": ("independent", "dual"),
     "lockstep": ("lockstep", "dual"),
     "lockstep_equal_tokens": ("lockstep", "equal_tokens"),
     # One pack per rank and step (planning/packed.py). The packed schedule sizes no batches, so it has no
-    # batcher mode (planning.plan.batching_label): the batcher built for it only carries max_tokens and
+    # sizing rule (planning.plan.batching_label): the batcher built for it only carries max_tokens and
     # the cost model, and equal_tokens is the one that needs no max_compute.
     "packed": ("packed", "equal_tokens"),
 }
@@ -236,7 +237,7 @@ def replay_plan(plan: Any, coster: BatchCoster, plan_cost: CostModel, index: Any
 
 
 def make_batcher(batching: str, max_tokens: int, max_compute: Any, plan_cost: CostModel, patch) -> Any:
-    """The batcher of a configuration. Both modes carry ``plan_cost``: equal_tokens sizes batches without it,
+    """The batcher of a configuration. Both sizing rules carry ``plan_cost``: equal_tokens sizes batches without it,
     but the lockstep classes and the packed schedule's balance are costed with the batcher's cost model."""
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 
@@ -285,10 +286,10 @@ def noisy_balance(
     }
 
 
-def run_mode(
+def run_variant(
     index: Any,
     world: int,
-    mode: str,
+    variant: str,
     *,
     max_tokens: int,
     max_compute: Any,
@@ -300,7 +301,8 @@ def run_mode(
     epoch: int,
     plan_options: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], np.ndarray, Replay, Any]:
-    """Plan one epoch of configuration ``mode`` at ``world`` ranks and measure its replay.
+    """Plan one epoch of the configuration ``variant`` (a key of :data:`VARIANTS`) at ``world`` ranks and
+    measure its replay.
 
     Returns:
         ``(metrics, per-step compute CV, the replay, the batcher)``; metrics are :func:`balance_metrics`
@@ -309,17 +311,17 @@ def run_mode(
     from lightning_adaptiveload.planning.planner import plan_epoch
     from lightning_adaptiveload.planning.settings import PlanSettings
 
-    schedule, batching = MODES[mode]
+    schedule, batching = VARIANTS[variant]
     batcher = make_batcher(batching, max_tokens, max_compute, plan_cost, patch)
     settings = PlanSettings(schedule=schedule, **dict(plan_options or {}))
     plan = plan_epoch(index, world, num_workers, batcher, seed, epoch, settings)
-    if plan.mode == "packed":
+    if plan.schedule == "packed":
         rep = replay_packs(plan, index, coster, plan_cost)
     else:
         rep = replay_plan(plan, coster, plan_cost, index)
     if rep.seconds.shape[0] == 0:
         raise ValueError(
-            f"mode {mode!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
+            f"variant {variant!r} at world size {world}: the plan has no steps ({index.num_samples} samples); "
             "use more samples (min_steps_per_rank) or fewer ranks"
         )
     resolved = resolved_max_compute(batcher, index) if batching == "dual" else None

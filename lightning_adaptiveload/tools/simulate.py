@@ -1,11 +1,11 @@
-"""Planning simulator: how evenly each batching mode loads the ranks, before any GPU hour is spent.
+"""Planning simulator: how evenly each configuration loads the ranks, before any GPU hour is spent.
 
 For a data set (a length mix or the index of real shards), a model of what a batch costs (a fitted
 :class:`~lightning_adaptiveload.planning.cost_model.CostModel`, or step times measured per bucket), a set of world
 sizes and the budgets, the simulator plans one epoch with the real planner
 (:func:`lightning_adaptiveload.planning.planner.plan_epoch` and
 :class:`~lightning_adaptiveload.planning.batching.DualConstraintBatcher`, the very code the DataModule runs), replays
-each rank's batches step by step, and reports per mode:
+each rank's batches step by step, and reports per configuration (*variant*: a schedule and a sizing rule):
 
 - ``cv_mean``, ``cv_p95``: the compute CV across ranks of each step (population std / mean of the ranks'
   step times), mean and 95th percentile over steps;
@@ -14,7 +14,7 @@ each rank's batches step by step, and reports per mode:
   step's duration; :func:`lightning_adaptiveload.stats.straggler_wait`), and ``step_wait_mean`` (the same
   per-step figure, unweighted). These and the CV and imbalance figures are
   :data:`lightning_adaptiveload.stats.BALANCE_FIGURES`, the names the ``LoadBalanceMonitor`` summary uses
-  for measured runs. ``wait_share`` and ``wait_mean`` are their old names, kept in the rows;
+  for measured runs (the rows also hold them as ``wait_share`` and ``wait_mean``);
 - ``tokens_per_s`` and ``tokens_per_s_ratio``: total tokens / sum over steps of the slowest rank's time, and
   its ratio to ``equal_tokens`` at the same world size;
 - ``peak_tokens`` (the memory high-water mark in tokens per rank and step), ``token_fill`` (mean tokens of a
@@ -24,7 +24,7 @@ each rank's batches step by step, and reports per mode:
 - ``recommended_max_compute``: the candidate ``max_compute`` (cost-model units) with the highest tokens/s
   (within 0.5%: the largest such budget); every candidate respects ``max_tokens``, the memory cap.
 
-Modes (:data:`MODES`): ``equal_tokens`` (each rank on its own, ``B = max_tokens // S``: the baseline every
+Variants (:data:`VARIANTS`): ``equal_tokens`` (each rank on its own, ``B = max_tokens // S``: the baseline every
 trainer uses), ``dual`` (each rank on its own, the AdaptiveLoad paper's dual constraint), ``lockstep`` (all
 ranks take a batch of the same length class at each step, with the dual constraint) and
 ``lockstep_equal_tokens``.
@@ -41,7 +41,7 @@ Example:
     >>> from lightning_adaptiveload.tools.simulate_settings import SimulateSettings
     >>> settings = SimulateSettings(world_sizes=[4], max_tokens=512, min_steps_per_rank=8)
     >>> result = simulate("tiny", settings, progress=False)
-    >>> sorted({row["mode"] for row in result.rows})
+    >>> sorted({row["variant"] for row in result.rows})
     ['dual', 'equal_tokens', 'lockstep']
 """
 
@@ -57,13 +57,12 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload._legacy import settings_from_legacy
-from lightning_adaptiveload.shards.mixes import Mix, load_mix
 from lightning_adaptiveload.monitor.report import jsonable, machine_info, write_json
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.shards.mixes import Mix, load_mix
 from lightning_adaptiveload.tools.replay import (
-    MODES,
     TARGET_LOCKSTEP,
+    VARIANTS,
     balance_metrics,
     bucket_shares,
     budget_candidates,
@@ -72,10 +71,10 @@ from lightning_adaptiveload.tools.replay import (
     mix_population,
     noisy_balance,
     resolved_max_compute,
-    run_mode,
+    run_variant,
 )
 from lightning_adaptiveload.tools.simulate_settings import (
-    DEFAULT_MODES,
+    DEFAULT_VARIANTS,
     DEFAULT_WORLD_SIZES,
     SimulateSettings,
 )
@@ -87,8 +86,8 @@ from lightning_adaptiveload.tools.step_times import (
 )
 
 __all__ = [
-    "MODES",
-    "DEFAULT_MODES",
+    "VARIANTS",
+    "DEFAULT_VARIANTS",
     "DEFAULT_WORLD_SIZES",
     "StepTimeTable",
     "SimulationResult",
@@ -110,11 +109,11 @@ class SimulationResult:
     """What :func:`simulate` found.
 
     Attributes:
-        rows: one dict per (mode, world size): the :func:`balance_metrics` keys plus ``mode``,
+        rows: one dict per (variant, world size): the :func:`balance_metrics` keys plus ``variant``,
             ``world_size``, ``schedule``, ``batching``, ``max_compute``, ``tokens_per_s_ratio``,
             ``samples``, ``recommended_max_compute`` and ``candidates`` (the search's table).
-        per_step_cv: (mode, world size) -> per-step compute CV array, for plots.
-        buckets: per bucket: latent shape, share, tokens, and per mode its batch size and batch seconds.
+        per_step_cv: (variant, world size) -> per-step compute CV array, for plots.
+        buckets: per bucket: latent shape, share, tokens, and per variant its batch size and batch seconds.
         meta: settings, machine, date, sources, planner and cost model used.
         notes: caveats found while simulating (extrapolated step times, small populations, ...).
     """
@@ -125,22 +124,22 @@ class SimulationResult:
     meta: dict[str, Any]
     notes: list[str]
 
-    def row(self, mode: str, world_size: int) -> dict[str, Any]:
-        """The row of ``mode`` at ``world_size``; KeyError if it was not simulated."""
+    def row(self, variant: str, world_size: int) -> dict[str, Any]:
+        """The row of ``variant`` at ``world_size``; KeyError if it was not simulated."""
         for r in self.rows:
-            if r["mode"] == mode and r["world_size"] == world_size:
+            if r["variant"] == variant and r["world_size"] == world_size:
                 return r
-        raise KeyError(f"no result for mode {mode!r} at world size {world_size}")
+        raise KeyError(f"no result for variant {variant!r} at world size {world_size}")
 
     def targets(self) -> dict[str, Any]:
         """Issue 7's targets: lockstep CV and wait <= 2% at every size; dual imbalance <= 18.9% at 16 ranks."""
         out: dict[str, Any] = {}
-        lock = [r for r in self.rows if r["mode"] == "lockstep"]
+        lock = [r for r in self.rows if r["variant"] == "lockstep"]
         if lock:
             out["lockstep_cv_le_2pct_all_sizes"] = all(r["cv_mean"] <= TARGET_LOCKSTEP for r in lock)
             out["lockstep_wait_le_2pct_all_sizes"] = all(r["wait_share"] <= TARGET_LOCKSTEP for r in lock)
             out["lockstep_worst_cv_p95"] = max(r["cv_p95"] for r in lock)
-        dual16 = [r for r in self.rows if r["mode"] == "dual" and r["world_size"] == 16]
+        dual16 = [r for r in self.rows if r["variant"] == "dual" and r["world_size"] == 16]
         if dual16:
             out["dual_imbalance_16"] = dual16[0]["imbalance_mean"]
             out["dual_imbalance_16_le_paper_18.9pct"] = dual16[0]["imbalance_mean"] <= _PAPER_IMBALANCE_DUAL
@@ -161,8 +160,8 @@ class SimulationResult:
     def table(self) -> str:
         """A plain-text table, one row per configuration and world size.
 
-        Columns: the configuration's name, its schedule and batcher mode (``-`` for the packed schedule, which
-        has none), ranks, steps per rank, the per-step compute CV (mean, 95th percentile and max over the
+        Columns: the configuration's name, its schedule and sizing rule (``-`` for the packed schedule, which
+        sizes no batches), ranks, steps per rank, the per-step compute CV (mean, 95th percentile and max over the
         steps: a mean above the p95 means that fewer than 5% of the steps carry the imbalance, the max shows
         how much), imbalance, straggler wait, tokens/s ratio, peak tokens, token fill, VRAM utilisation and
         the recommended ``max_compute`` in the planning cost model's unit (said below the table).
@@ -171,7 +170,7 @@ class SimulationResult:
         rec_head = f"rec. max_compute [{_short_unit(unit)}]"
         noisy = any("wait_share_noise" in r for r in self.rows)
         head = (
-            f"{'config':<22}{'schedule':<12}{'mode':<13}{'ranks':>6}{'steps':>7}{'CV mean':>9}{'CV p95':>9}"
+            f"{'config':<22}{'schedule':<12}{'sizing':<13}{'ranks':>6}{'steps':>7}{'CV mean':>9}{'CV p95':>9}"
             f"{'CV max':>9}{'imbal':>8}{'wait':>8}{'tok/s x':>9}"
             + (f"{'wait+noise':>11}{'x +noise':>9}" if noisy else "")
             + f"{'peak tok':>10}{'tok fill':>9}{'VRAM ut':>9}{rec_head:>{max(18, len(rec_head) + 2)}}"
@@ -179,9 +178,10 @@ class SimulationResult:
         lines = [head, "-" * len(head)]
         for r in self.rows:
             rec = r.get("recommended_max_compute")
-            schedule, mode = MODES[r["mode"]] if r["mode"] in MODES else (r.get("schedule", "?"), "?")
+            name = r["variant"]
+            schedule, sizing = VARIANTS[name] if name in VARIANTS else (r.get("schedule", "?"), "?")
             lines.append(
-                f"{r['mode']:<22}{schedule:<12}{('-' if schedule == 'packed' else mode):<13}"
+                f"{name:<22}{schedule:<12}{('-' if schedule == 'packed' else sizing):<13}"
                 f"{r['world_size']:>6}{r['steps']:>7}{100 * r['cv_mean']:>8.1f}%"
                 f"{100 * r['cv_p95']:>8.1f}%{100 * r.get('cv_max', math.nan):>8.1f}%"
                 f"{100 * r['imbalance_mean']:>7.1f}%{100 * r['wait_share']:>7.1f}%"
@@ -237,16 +237,15 @@ def simulate(
     out_dir: str | os.PathLike | None = None,
     plots: bool = True,
     progress: bool = True,
-    **legacy: Any,
 ) -> SimulationResult:
-    """Plan an epoch with the real planner for each mode and world size, and measure the balance.
+    """Plan an epoch with the real planner for each variant and world size, and measure the balance.
 
     Args:
         source: a packaged mix name, a mix JSON path or a :class:`~lightning_adaptiveload.shards.mixes.Mix`
             (a synthetic population is drawn from it at each world size), or a
             :class:`~lightning_adaptiveload.shards.index.ShardIndex` or the path of an ``index.json`` (real shards,
             planned as they are).
-        settings: world sizes, modes, budgets, search and population (a
+        settings: world sizes, variants, budgets, search and population (a
             :class:`~lightning_adaptiveload.tools.simulate_settings.SimulateSettings`); None: its defaults.
         times: what a batch costs in seconds: a :class:`StepTimeTable` or a trace path (``.jsonl``), a
             :class:`CostModel` (or its dict / JSON file). Default: :meth:`CostModel.default` (Wan 2.1 1.3B,
@@ -255,8 +254,7 @@ def simulate(
             given, or p fitted to ``times`` by least squares on log-log ("p fitted").
         out_dir: when given, ``simulate.json`` and (with ``plots``) PNG plots are written there.
         plots: write PNG plots to ``out_dir``.
-        progress: show a tqdm bar over (world size, mode) runs.
-        **legacy: deprecated: the fields of ``SimulateSettings`` as flat keywords (one release; warns).
+        progress: show a tqdm bar over (world size, variant) runs.
 
     Returns:
         A :class:`SimulationResult`.
@@ -265,8 +263,8 @@ def simulate(
         ValueError: bad source, or a bucket longer than ``max_tokens`` (bad settings are rejected by
             ``SimulateSettings``); the message names the argument and value.
     """
-    cfg = settings_from_legacy(SimulateSettings, settings, legacy, caller="simulate")
-    patch, sizes, mode_list = cfg.patch_size, list(cfg.world_sizes), cfg.modes_to_run
+    cfg = SimulateSettings() if settings is None else settings
+    patch, sizes, variants = cfg.patch_size, list(cfg.world_sizes), cfg.variants_to_run
     max_tokens, max_compute, p, step_overhead_s = cfg.max_tokens, cfg.max_compute, cfg.p, cfg.step_overhead_s
     mix, fixed_index = _load_source(source)
     shares = bucket_shares(mix if mix is not None else fixed_index)
@@ -296,8 +294,8 @@ def simulate(
         noise=float(cfg.noise),
         noise_draws=cfg.noise_draws,
     )
-    runs = _Runs(modes=mode_list)
-    bar = _progress(len(sizes) * len(mode_list), progress)
+    runs = _Runs(variants=variants)
+    bar = _progress(len(sizes) * len(variants), progress)
     started = time.perf_counter()
     for w in sizes:
         index, search_index = _populations(setup, mix, fixed_index, w, runs.notes)
@@ -312,7 +310,7 @@ def simulate(
         time_source,
         plan_cost,
         sizes,
-        mode_list,
+        variants,
         elapsed,
         **_settings(setup, step_overhead_s),
     )
@@ -387,7 +385,7 @@ class _Setup:
     noise_draws: int
 
     def run_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`~lightning_adaptiveload.tools.replay.run_mode` but the budget."""
+        """The keyword arguments of :func:`~lightning_adaptiveload.tools.replay.run_variant` but the budget."""
         return dict(
             max_tokens=self.max_tokens,
             plan_cost=self.plan_cost,
@@ -400,7 +398,7 @@ class _Setup:
         )
 
     def samples_per_batch(self) -> float:
-        """Samples per batch under equal_tokens, the mode with the biggest batches: sizes the population."""
+        """Samples per batch under equal_tokens, the variant with the biggest batches: sizes the population."""
         return 1.0 / sum(q / max(1, self.max_tokens // _tok(sh, self.patch)) for sh, q in self.shares.items())
 
 
@@ -408,14 +406,14 @@ class _Setup:
 class _Runs:
     """What the runs found so far: rows, per-step CVs, batch sizes per bucket, notes."""
 
-    modes: list[str]
+    variants: list[str]
     rows: list[dict[str, Any]] = field(default_factory=list)
     per_step_cv: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
     bucket_b: dict[str, dict[tuple[int, int, int, int], set[int]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.bucket_b = {m: {} for m in self.modes}
+        self.bucket_b = {v: {} for v in self.variants}
 
 
 def _populations(
@@ -441,9 +439,10 @@ def _populations(
 
 
 def _search_budget(
-    setup: _Setup, w: int, mode: str, search_index: Any
+    setup: _Setup, w: int, variant: str, search_index: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Try the ``max_compute`` candidates of a dual mode; returns every candidate's figures and the best."""
+    """Try the ``max_compute`` candidates of a variant with sizing ``dual``; returns every candidate's figures
+    and the best."""
     from lightning_adaptiveload.planning.plan import PlanError
 
     max_compute = setup.max_compute
@@ -458,7 +457,7 @@ def _search_budget(
     )
     for cand in cands:
         try:
-            m, _, _, _ = run_mode(search_index, w, mode, max_compute=cand, **setup.run_kwargs())
+            m, _, _, _ = run_variant(search_index, w, variant, max_compute=cand, **setup.run_kwargs())
         except PlanError as err:
             # Tiny budgets leave one sample per batch: ranks with fewer samples cannot match the step
             # count. Such a budget is unusable, not an error of the simulation.
@@ -476,7 +475,7 @@ def _search_budget(
         return search, max(near, key=lambda c: c["max_compute"])
     if max_compute == "search":
         raise ValueError(
-            f"mode {mode!r} at {w} ranks: no max_compute candidate gives a feasible plan "
+            f"variant {variant!r} at {w} ranks: no max_compute candidate gives a feasible plan "
             f"({search[0]['infeasible'] if search else 'no candidates'})"
         )
     return search, None
@@ -485,22 +484,22 @@ def _search_budget(
 def _simulate_world(
     setup: _Setup, w: int, index: Any, search_index: Any, *, from_index: bool, runs: _Runs, bar: Any
 ) -> None:
-    """Run every mode at ``w`` ranks (equal_tokens first: the reference) and add its row to ``runs``."""
+    """Run every variant at ``w`` ranks (equal_tokens first: the reference) and add its row to ``runs``."""
     base_tps = base_noisy = None
-    for mode in runs.modes:
-        schedule, batching = MODES[mode]
+    for variant in runs.variants:
+        schedule, batching = VARIANTS[variant]
         search: list[dict[str, Any]] = []
         best = None
         if batching == "dual" and (setup.recommend or setup.max_compute == "search"):
-            search, best = _search_budget(setup, w, mode, search_index)
+            search, best = _search_budget(setup, w, variant, search_index)
         budget = setup.max_compute
         if batching == "dual" and setup.max_compute == "search":
             budget = best["max_compute"]
-        m, cv, rep, _ = run_mode(index, w, mode, max_compute=budget, **setup.run_kwargs())
-        if mode == "equal_tokens":
+        m, cv, rep, _ = run_variant(index, w, variant, max_compute=budget, **setup.run_kwargs())
+        if variant == "equal_tokens":
             base_tps = m["tokens_per_s"]
         m.update(
-            mode=mode,
+            variant=variant,
             world_size=w,
             schedule=schedule,
             batching=batching,
@@ -512,7 +511,7 @@ def _simulate_world(
         )
         if setup.noise > 0:
             noisy = noisy_balance(rep.seconds, rep.tokens, setup.noise, setup.noise_draws)
-            base_noisy = noisy["tokens_per_s"] if mode == "equal_tokens" else base_noisy
+            base_noisy = noisy["tokens_per_s"] if variant == "equal_tokens" else base_noisy
             m.update(
                 noise=setup.noise,
                 wait_share_noise=noisy["straggler_wait"],
@@ -520,26 +519,26 @@ def _simulate_world(
                 tokens_per_s_ratio_noise=noisy["tokens_per_s"] / base_noisy if base_noisy else math.nan,
             )
         if m["steps"] < setup.min_steps_per_rank and from_index:
-            runs.notes.append(f"{mode} at {w} ranks: only {m['steps']} steps per rank in this index")
+            runs.notes.append(f"{variant} at {w} ranks: only {m['steps']} steps per rank in this index")
         runs.rows.append(m)
-        runs.per_step_cv[(mode, w)] = cv
+        runs.per_step_cv[(variant, w)] = cv
         for shape, bs in rep.batch_sizes.items():
-            runs.bucket_b[mode].setdefault(shape, set()).update(bs)
+            runs.bucket_b[variant].setdefault(shape, set()).update(bs)
         bar.update(1)
 
 
 def _bucket_table(setup: _Setup, runs: _Runs) -> list[dict[str, Any]]:
-    """Per bucket: latent shape, share, tokens, and per mode the batch sizes it got and their seconds."""
+    """Per bucket: latent shape, share, tokens, and per variant the batch sizes it got and their seconds."""
     buckets = []
     patch = setup.patch
     for shape, share in sorted(setup.shares.items(), key=lambda kv: (_tok(kv[0], patch), kv[0])):
         thw = (shape[1], shape[2], shape[3])
         entry: dict[str, Any] = {"latent_shape": list(shape), "share": share, "tokens": _tok(shape, patch)}
-        for mode in runs.modes:
-            bs = sorted(runs.bucket_b[mode].get(shape, ()))
-            entry[f"batch_sizes_{mode}"] = bs
+        for variant in runs.variants:
+            bs = sorted(runs.bucket_b[variant].get(shape, ()))
+            entry[f"batch_sizes_{variant}"] = bs
             if bs:
-                entry[f"batch_seconds_{mode}"] = [setup.coster(thw, b)[0] for b in bs]
+                entry[f"batch_seconds_{variant}"] = [setup.coster(thw, b)[0] for b in bs]
         buckets.append(entry)
     return buckets
 
@@ -550,7 +549,7 @@ def _meta(
     time_source: StepTimeTable | CostModel,
     plan_cost: CostModel,
     sizes: list[int],
-    mode_list: list[str],
+    variants: list[str],
     elapsed: float,
     **settings: Any,
 ) -> dict[str, Any]:
@@ -562,7 +561,7 @@ def _meta(
         "source": (mix.source or mix.name) if mix is not None else (fixed_index.source or "<ShardIndex>"),
         "source_kind": "mix" if mix is not None else "index",
         "world_sizes": sizes,
-        "modes": mode_list,
+        "variants": variants,
         "max_tokens": settings.pop("max_tokens"),
         "max_compute": settings.pop("max_compute"),
         "times": time_source.to_dict()

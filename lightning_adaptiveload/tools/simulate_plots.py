@@ -1,4 +1,4 @@
-"""PNG plots of a simulation: per-step CV per mode and world size, straggler wait and throughput.
+"""PNG plots of a simulation: per-step CV per variant and world size, straggler wait and throughput.
 
 Drawn with the figure helpers of :mod:`lightning_adaptiveload.monitor.report` (matplotlib's object API,
 no pyplot state), the same as the LoadBalanceMonitor's plots. No Lightning.
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lightning_adaptiveload.monitor.report import new_figure, save_figure
-from lightning_adaptiveload.tools.replay import MODES, TARGET_LOCKSTEP
+from lightning_adaptiveload.tools.replay import TARGET_LOCKSTEP, VARIANTS
 
 __all__ = ["plot_result"]
 
@@ -33,32 +33,32 @@ _COLORS = {
 _EXTRA_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
 
-def _color(mode: str, modes: list[str]) -> str:
-    if mode in _COLORS:
-        return _COLORS[mode]
-    extras = [m for m in modes if m not in _COLORS]
-    return _EXTRA_COLORS[extras.index(mode) % len(_EXTRA_COLORS)]
+def _color(variant: str, variants: list[str]) -> str:
+    if variant in _COLORS:
+        return _COLORS[variant]
+    extras = [m for m in variants if m not in _COLORS]
+    return _EXTRA_COLORS[extras.index(variant) % len(_EXTRA_COLORS)]
 
 
 def plot_result(
     result: SimulationResult, out_dir: str | os.PathLike, prefix: str = "simulate_"
 ) -> dict[str, str]:
-    """PNG plots: per-step CV distributions per mode, wait share and tokens/s ratio against world size."""
-    modes = list(dict.fromkeys(r["mode"] for r in result.rows))
+    """PNG plots: per-step CV distributions per variant, wait share and tokens/s ratio against world size."""
+    variants = list(dict.fromkeys(r["variant"] for r in result.rows))
     sizes = sorted({r["world_size"] for r in result.rows})
-    out: dict[str, str] = {"cv_png": _plot_cv(result, modes, sizes, os.path.join(out_dir, f"{prefix}cv.png"))}
-    out.update(_plot_against_world_size(result, modes, sizes, out_dir, prefix))
+    out: dict[str, str] = {"cv_png": _plot_cv(result, variants, sizes, os.path.join(out_dir, f"{prefix}cv.png"))}
+    out.update(_plot_against_world_size(result, variants, sizes, out_dir, prefix))
     return out
 
 
-def _plot_cv(result: SimulationResult, modes: list[str], sizes: list[int], path: str) -> str:
-    """CV distributions: one box per mode, grouped by world size."""
+def _plot_cv(result: SimulationResult, variants: list[str], sizes: list[int], path: str) -> str:
+    """CV distributions: one box per variant, grouped by world size."""
     fig = new_figure((max(6.0, 1.6 * len(sizes) + 2), 4.8), layout="tight")
     ax = fig.subplots()
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        data = [100 * result.per_step_cv.get((mode, w), np.zeros(1)) for w in sizes]
-        pos = [k + (i - (len(modes) - 1) / 2) * width for k in range(len(sizes))]
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        data = [100 * result.per_step_cv.get((variant, w), np.zeros(1)) for w in sizes]
+        pos = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(sizes))]
         bp = ax.boxplot(
             data,
             positions=pos,
@@ -76,9 +76,9 @@ def _plot_cv(result: SimulationResult, modes: list[str], sizes: list[int], path:
             },
         )
         for box in bp["boxes"]:
-            box.set_facecolor(_color(mode, modes))
+            box.set_facecolor(_color(variant, variants))
             box.set_alpha(0.75)
-        ax.plot([], [], color=_color(mode, modes), lw=8, alpha=0.75, label=_legend(mode))
+        ax.plot([], [], color=_color(variant, variants), lw=8, alpha=0.75, label=_legend(variant))
     ax.axhline(100 * TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
     ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
     ax.set_xlabel("ranks (data-parallel world size)")
@@ -88,13 +88,13 @@ def _plot_cv(result: SimulationResult, modes: list[str], sizes: list[int], path:
         "Per-step compute CV across ranks\n(box p25-p75, whiskers p5-p95, diamond: mean)", fontsize=10
     )
     # Below the axes: the boxes of the small world sizes reach the top.
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, len(modes) + 1))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, len(variants) + 1))
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, path)
 
 
 def _plot_against_world_size(
-    result: SimulationResult, modes: list[str], sizes: list[int], out_dir: str | os.PathLike, prefix: str
+    result: SimulationResult, variants: list[str], sizes: list[int], out_dir: str | os.PathLike, prefix: str
 ) -> dict[str, str]:
     """Wait share and tokens/s ratio against world size."""
     out: dict[str, str] = {}
@@ -116,9 +116,9 @@ def _plot_against_world_size(
     ):
         fig = new_figure((6.0, 4.0), layout="tight")
         ax = fig.subplots()
-        for mode in modes:
-            ys = [scale * result.row(mode, w)[key] for w in sizes]
-            ax.plot(sizes, ys, marker="o", color=_color(mode, modes), label=_legend(mode))
+        for variant in variants:
+            ys = [scale * result.row(variant, w)[key] for w in sizes]
+            ax.plot(sizes, ys, marker="o", color=_color(variant, variants), label=_legend(variant))
         if key == "wait_share":
             ax.axhline(100 * TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
         else:
@@ -135,8 +135,8 @@ def _plot_against_world_size(
 
 
 def _legend(name: str) -> str:
-    """A configuration's name with its schedule and mode, for plot legends."""
-    if name not in MODES:
+    """A configuration's name with its schedule and sizing rule, for plot legends."""
+    if name not in VARIANTS:
         return name
-    schedule, mode = MODES[name]
-    return f"{name} (packed: no batcher mode)" if schedule == "packed" else f"{name} ({schedule}, {mode})"
+    schedule, sizing = VARIANTS[name]
+    return f"{name} (packed: no batch sizing)" if schedule == "packed" else f"{name} ({schedule}, {sizing})"

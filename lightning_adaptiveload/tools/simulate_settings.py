@@ -20,12 +20,13 @@ import numpy as np
 
 from lightning_adaptiveload.tools.step_times import DEFAULT_PATCH
 
-__all__ = ["DEFAULT_MODES", "DEFAULT_WORLD_SIZES", "SimulateMode", "SimulateSettings"]
+__all__ = ["DEFAULT_VARIANTS", "DEFAULT_WORLD_SIZES", "SimulateSettings", "SimulateVariant"]
 
-#: A simulated configuration: a schedule and a batcher sizing rule (``tools.replay.MODES`` maps each name).
-SimulateMode = Literal["equal_tokens", "dual", "lockstep", "lockstep_equal_tokens", "packed"]
+#: A simulated configuration (a *variant*): a schedule and a batcher sizing rule (``tools.replay.VARIANTS``
+#: maps each name to the pair).
+SimulateVariant = Literal["equal_tokens", "dual", "lockstep", "lockstep_equal_tokens", "packed"]
 
-DEFAULT_MODES: tuple[SimulateMode, ...] = ("equal_tokens", "dual", "lockstep")
+DEFAULT_VARIANTS: tuple[SimulateVariant, ...] = ("equal_tokens", "dual", "lockstep")
 DEFAULT_WORLD_SIZES: tuple[int, ...] = (2, 8, 16, 64)
 
 
@@ -40,23 +41,24 @@ class SimulateSettings:
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES
     """Data-parallel ranks to simulate, each in 2..1024; stored sorted, without repeats."""
 
-    modes: Sequence[SimulateMode] = DEFAULT_MODES
-    """Configurations to simulate. ``equal_tokens`` is always simulated (the reference of
+    variants: Sequence[SimulateVariant] = DEFAULT_VARIANTS
+    """Configurations to simulate (:data:`SimulateVariant`). ``equal_tokens`` is always simulated (the reference of
     ``tokens_per_s_ratio``), even when not listed."""
 
     max_tokens: int = 32760
-    """The token budget per rank and step (the memory cap), identical in every mode."""
+    """The token budget per rank and step (the memory cap), identical in every variant."""
 
     max_compute: float | Literal["auto", "search"] = "auto"
-    """The dual modes' compute budget in planning-cost-model units, ``"auto"`` (the batcher's documented rule)
-    or ``"search"`` (the recommended value of the budget search)."""
+    """The compute budget of the variants with sizing ``dual``, in planning-cost-model units, ``"auto"`` (the
+    batcher's documented rule) or ``"search"`` (the recommended value of the budget search)."""
 
     p: float | None = None
     """Exponent of the planning model ``S^p`` (ignored when a planning cost model is given); None: fitted to
     the step times."""
 
     recommend: bool = True
-    """Search ``max_compute`` candidates for each dual mode and world size, keeping the highest tokens/s."""
+    """Search ``max_compute`` candidates for each variant with sizing ``dual`` and each world size, keeping the
+    highest tokens/s."""
 
     max_candidates: int = 10
     """At most this many ``max_compute`` candidates (break points of the batch sizes) in the search."""
@@ -106,11 +108,11 @@ class SimulateSettings:
             raise ValueError(
                 f"world_sizes must be integers in 2..1024, got {list(self.world_sizes)!r}; simulate at least 2 ranks"
             )
-        choices = get_args(SimulateMode)
-        modes = tuple(self.modes)
-        unknown = [m for m in modes if m not in choices]
+        choices = get_args(SimulateVariant)
+        variants = tuple(self.variants)
+        unknown = [m for m in variants if m not in choices]
         if unknown:
-            raise ValueError(f"modes: unknown mode(s) {unknown}; choose from {sorted(choices)}")
+            raise ValueError(f"variants: unknown variant(s) {unknown}; choose from {sorted(choices)}")
         if not (isinstance(self.max_tokens, int | np.integer) and not isinstance(self.max_tokens, bool)) or (
             self.max_tokens < 1
         ):
@@ -141,12 +143,12 @@ class SimulateSettings:
             raise ValueError(f"p must be a positive exponent or None (fitted), got {self.p!r}")
         object.__setattr__(self, "patch_size", patch)
         object.__setattr__(self, "world_sizes", tuple(sorted(set(sizes))))
-        object.__setattr__(self, "modes", modes)
+        object.__setattr__(self, "variants", variants)
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         if self.plan_options is not None:
             object.__setattr__(self, "plan_options", dict(self.plan_options))
 
     @property
-    def modes_to_run(self) -> list[SimulateMode]:
-        """The modes in the order they run: ``equal_tokens`` first, then the others as listed."""
-        return ["equal_tokens"] + [m for m in dict.fromkeys(self.modes) if m != "equal_tokens"]
+    def variants_to_run(self) -> list[SimulateVariant]:
+        """The variants in the order they run: ``equal_tokens`` first, then the others as listed."""
+        return ["equal_tokens"] + [m for m in dict.fromkeys(self.variants) if m != "equal_tokens"]

@@ -148,7 +148,7 @@ class StepTimeTable:
         bucket's; price them with :attr:`pack_model` (counted in :attr:`skipped_packs`).
 
         Args:
-            paths: one or more CSV files (e.g. the runs of several modes, for more (S, B) pairs).
+            paths: one or more CSV files (e.g. the runs of several configurations, for more (S, B) pairs).
             latent_shapes: the data set's latent shapes (C, T, H, W), e.g. a mix's buckets.
             patch_size: (pt, ph, pw) of the model.
             warmup_steps: leading steps of each file to leave out (compilation, allocator warm-up).

@@ -7,6 +7,9 @@ import os
 import pytest
 from _paths import ROOT
 
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+
 BALANCE = str(ROOT / "benchmarks" / "balance")
 
 
@@ -54,7 +57,10 @@ def test_planned_tokens_per_step_is_what_the_training_loader_yields(conv, train)
     probe = conv.PlanProbe(world_size=1, seeds=(3,), epochs=1)
     planned = conv.planned_tokens_per_step(train, "packed", 600, probe)
     dm = AdaptiveLoadDataModule(
-        train_shards=train, max_tokens=600, mode="equal_tokens", schedule="packed", num_workers=0, seed=3
+        train_shards=train,
+        batching=Batching(max_tokens=600, sizing="equal_tokens"),
+        plan=PlanSettings(schedule="packed"),
+        loader=Loader(num_workers=0, seed=3),
     )
     dm.setup("fit")
     tokens = [int(b["num_tokens"]) for b in dm.train_dataloader()]
@@ -92,10 +98,9 @@ def test_validation_batches_keep_their_cap_when_training_is_matched(conv, train,
         val_max_tokens=1024,
         train_shards=train,
         val_shards=train,
-        max_tokens=600,
-        mode="equal_tokens",
-        schedule="packed",
-        num_workers=0,
+        batching=Batching(max_tokens=600, sizing="equal_tokens"),
+        plan=PlanSettings(schedule="packed"),
+        loader=Loader(num_workers=0),
     )
     dm.setup("fit")
     assert dm.train_dataset.batcher.max_tokens == 600

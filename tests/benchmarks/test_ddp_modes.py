@@ -205,7 +205,7 @@ def _tokens(shape):
 def _fabricate(run, index, mode, steps_wanted=None):
     """A monitor CSV, config.yaml and metrics.csv of ``mode`` over the planned epoch 0 (see the constants)."""
     from lightning_adaptiveload.planning.planner import plan_epoch
-    from lightning_adaptiveload.tools.replay import MODES as SIM_MODES
+    from lightning_adaptiveload.tools.replay import VARIANTS as SIM_MODES
     from lightning_adaptiveload.tools.replay import make_batcher
 
     schedule, batching = SIM_MODES[mode]
@@ -495,7 +495,7 @@ def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, 
     from lightning_adaptiveload.shards.index import ShardIndex
     from lightning_adaptiveload.loading.loader import PlannedShardDataset
     from lightning_adaptiveload.planning.planner import plan_epoch
-    from lightning_adaptiveload.tools.replay import MODES as SIM_MODES
+    from lightning_adaptiveload.tools.replay import VARIANTS as SIM_MODES
     from lightning_adaptiveload.tools.replay import make_batcher
 
     ddp_modes, _ = bench

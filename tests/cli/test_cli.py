@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _paths import ASSETS, ROOT
+from _paths import ROOT
 
 from lightning_adaptiveload.cli import main as cli
 from lightning_adaptiveload.cli.calibrate import main as calibrate_main
@@ -175,78 +175,33 @@ def test_quickstart_runs_a_shortened_fit(tmp_path):
     assert saved and yaml.safe_load(saved[0].read_text())["trainer"]["max_steps"] == 3
 
 
-FLAT_FORM_QUICKSTART = str(ASSETS / "recipe_quickstart_flat_form.yaml")
-
-
-@needs_datamodule
-@pytest.mark.timeout(300)
-def test_quickstart_in_the_old_flat_form_still_runs_with_a_deprecation_warning(tmp_path):
-    # The quickstart as the last release shipped it (data.init_args.max_tokens, mode, schedule, num_workers,
-    # seed flat): it runs for one more release, says what to write instead, and is saved in the nested form.
-    proc = _run_cli(
-        [
-            "fit",
-            "--config",
-            FLAT_FORM_QUICKSTART,
-            "--trainer.max_steps=3",
-            "--data.init_args.schedule=lockstep",
-        ],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "the recipe uses the flat DataModule keys" in proc.stderr
-    assert "data.init_args.batching.sizing" in proc.stderr and "the command line uses the flat" in proc.stderr
-    out = proc.stdout + proc.stderr
-    assert "LoadBalanceMonitor" in out and "schedule lockstep, sizing dual" in out
-    saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
-    data = yaml.safe_load(saved[0].read_text())["data"]["init_args"]
-    assert (
-        data["batching"]["sizing"] == "dual" and data["plan"]["schedule"] == "lockstep" and "mode" not in data
-    )
-
-
-@needs_datamodule
-def test_both_recipe_forms_parse_to_the_same_config(capsys):
-    configs = []
-    for recipe in (str(ROOT / "recipes" / "quickstart.yaml"), FLAT_FORM_QUICKSTART):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["fit", "--config", recipe, "--print_config"])
-        assert exit_info.value.code in (0, None)
-        configs.append(yaml.safe_load(capsys.readouterr().out)["data"])
-    assert configs[0] == configs[1]
-    with pytest.warns(DeprecationWarning, match="nest them as data.init_args.batching.max_tokens"):
-        with pytest.raises(SystemExit):
-            cli.main(["fit", "--config", FLAT_FORM_QUICKSTART, "--print_config"])
-
-
-@needs_datamodule
-@pytest.mark.timeout(300)
-def test_quickstart_in_the_old_flat_form_still_runs_and_warns(tmp_path):
-    # Issue 39: recipes of the earlier release give VideoDiTModule's settings as flat keys of model.init_args
-    # (lr, warmup_steps, shift). They run for one release: the CLI passes them to the module's **legacy,
-    # which merges them into its settings groups and warns.
+def _flat_form(tmp_path, section: str, group: str) -> str:
+    """The quickstart with one settings group of ``section`` written flat, as 0.1.0's recipes did."""
     recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
-    args = recipe["model"]["init_args"]
-    for group in ("optimizer", "sampling", "memory"):
-        args.update(args.pop(group, None) or {})
-    assert {"lr", "warmup_steps", "shift"} <= set(args)
-    old = tmp_path / "old_quickstart.yaml"
-    old.write_text(yaml.safe_dump(recipe))
-    command = ["fit", "--config", str(old), "--trainer.max_steps=3"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_adaptiveload", *command],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "always::DeprecationWarning"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
-    assert "LoadBalanceMonitor" in out and "straggler_wait" in out
-    assert "the flat keywords are deprecated" in out and "sampling=SamplingSettings(shift=...)" in out
-    saved = yaml.safe_load(next((tmp_path / "runs" / "quickstart").rglob("config.yaml")).read_text())
-    assert saved["model"]["dict_kwargs"] == {"lr": 2e-3, "warmup_steps": 10, "shift": 1.0}
+    args = recipe[section]["init_args"]
+    args.update(args.pop(group))
+    path = tmp_path / f"flat_{section}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@needs_datamodule
+@pytest.mark.parametrize("section, group", [("data", "batching"), ("model", "optimizer"), ("model", "sampling")])
+def test_a_recipe_in_the_flat_form_of_0_1_0_is_refused_naming_the_group(tmp_path, capsys, section, group):
+    # 0.2.0 reads the settings groups only; a flat key gets a few lines saying where it goes now.
+    recipe = _flat_form(tmp_path, section, group)
+    assert cli.main(["fit", "--config", recipe, "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert "is not accepted" in err and f"is a setting of its group {group!r}: write it as {group}." in err, err
+    assert len(err.splitlines()) <= 5
+
+
+@needs_datamodule
+def test_a_flat_flag_is_refused_naming_the_group(capsys):
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    assert cli.main(["fit", "--config", recipe, "--data.init_args.max_tokens=512", "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert "has no argument 'max_tokens'" in err and "write it as batching.max_tokens" in err, err
 
 
 @needs_datamodule

@@ -18,7 +18,8 @@ from _fixtures import quiet_cpu_trainer
 from _paths import ROOT, TESTS
 
 from lightning_adaptiveload.cli import main as cli
-from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 QUICKSTART = str(ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml")
 # A short 2-process CPU DDP run of the quickstart recipe, without validation data.
@@ -212,7 +213,11 @@ def test_oversize_in_a_library_fit_is_the_error_raised(synthetic_shards, tmp_pat
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     train = synthetic_shards([8, 8], seed=0, name="train")
-    data = AdaptiveLoadDataModule(train, max_tokens=100, mode="equal_tokens", num_workers=0)
+    data = AdaptiveLoadDataModule(
+        train,
+        batching=Batching(max_tokens=100, sizing="equal_tokens"),
+        loader=Loader(num_workers=0),
+    )
     trainer = quiet_cpu_trainer(tmp_path, max_steps=1, reload_dataloaders_every_n_epochs=1)
     with pytest.raises(ValueError, match="more than max_tokens=100"):
         trainer.fit(VideoDiTModule(preset="tiny"), datamodule=data)
@@ -225,10 +230,10 @@ def test_no_validation_data_means_no_validation_loader(synthetic_shards, tmp_pat
     from lightning_adaptiveload.models.module import VideoDiTModule
 
     train = synthetic_shards([8, 8], seed=0, name="train")
-    data = AdaptiveLoadDataModule(train, max_tokens=1024, num_workers=0)
+    data = AdaptiveLoadDataModule(train, batching=Batching(max_tokens=1024), loader=Loader(num_workers=0))
     assert not is_overridden("val_dataloader", data)
     assert "val_dataloader" not in vars(data)  # decided by the class's hook, nothing rebound on the instance
-    with_val = AdaptiveLoadDataModule(train, val_shards=train, num_workers=0)
+    with_val = AdaptiveLoadDataModule(train, val_shards=train, loader=Loader(num_workers=0))
     assert is_overridden("val_dataloader", with_val)
     trainer = quiet_cpu_trainer(tmp_path, max_steps=1, reload_dataloaders_every_n_epochs=1)
     with warnings.catch_warnings(record=True) as seen:
@@ -326,17 +331,17 @@ def test_every_tool_flag_has_a_help_line(monkeypatch):
     assert not missing, missing
 
 
-def test_simulate_flags_separate_schedules_from_modes(capsys):
+def test_simulate_flags_separate_schedules_from_sizing_rules(capsys):
     from lightning_adaptiveload.cli import simulate
 
-    assert simulate._configurations(None, None) == list(simulate.DEFAULT_MODES)
+    assert simulate._configurations(None, None) == list(simulate.DEFAULT_VARIANTS)
     assert simulate._configurations("dual", "independent,lockstep") == ["dual", "lockstep"]
     assert simulate._configurations("equal_tokens", None) == ["equal_tokens"]
     with pytest.raises(ValueError, match="--schedules"):
         simulate._configurations("dual", "lockstp")
-    # The old spelling (a configuration name in --modes) still works, with a note.
-    assert simulate._configurations("lockstep,dual", None) == ["lockstep", "dual"]
-    assert "deprecated" in capsys.readouterr().err
+    # --modes takes sizing rules only (0.1.0 also took a configuration name there); the error lists them.
+    with pytest.raises(ValueError, match="--modes lockstep: not one of dual,equal_tokens"):
+        simulate._configurations("lockstep,dual", None)
     lines = simulate._describe(["lockstep"], None)
     assert "schedule lockstep, sizing dual" in lines[0] and "built-in cost model" in lines[1]
     assert "measured trace" in simulate._describe(["dual"], "trace.jsonl")[1]
@@ -366,7 +371,7 @@ def test_end_of_fit_balance_line_reuses_the_runs_plan_and_skips_the_baseline_at_
 
 def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(synthetic_shards, caplog):
     # The epoch line said "schedule packed, mode dual" while simulate called packed "equal_tokens": the
-    # packed schedule uses no batcher mode, and every place now says so in the same words.
+    # packed schedule uses no sizing rule, and every place now says so in the same words.
     import logging
     from types import SimpleNamespace
 
@@ -379,7 +384,10 @@ def test_packed_schedule_is_named_alike_in_the_run_the_end_of_fit_and_simulate(s
     assert f"packed = {label}" in simulate._describe(["packed"], None)[0]
 
     dm = AdaptiveLoadDataModule(
-        train_shards=synthetic_shards([12, 12], seed=0), max_tokens=512, schedule="packed", num_workers=0
+        train_shards=synthetic_shards([12, 12], seed=0),
+        batching=Batching(max_tokens=512),
+        plan=PlanSettings(schedule="packed"),
+        loader=Loader(num_workers=0),
     )
     dm.setup("fit")
     with caplog.at_level(logging.INFO):
@@ -396,11 +404,10 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
     # last epoch. Plan what the quickstart's line plans, from the recipe itself, and find it in the docs.
     import yaml
 
-    from lightning_adaptiveload.shards.index import ShardIndex
-
-    from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.shards.index import ShardIndex
+    from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
     recipe = yaml.safe_load(open(QUICKSTART))
     data, trainer = recipe["data"]["init_args"], recipe["trainer"]
@@ -428,9 +435,9 @@ def test_docs_quote_the_quickstarts_end_of_fit_balance_line(tmp_path):
 def test_the_oversize_error_gives_the_floor_max_tokens_must_reach(synthetic_shards):
     # "raise max_tokens to at least 216" named the first sample over the cap; following it failed again at a
     # 225-token sample. The error now names the largest sample's count and how many are over the cap.
-    from lightning_adaptiveload.shards.index import ShardIndex
     from lightning_adaptiveload.loading.datamodule_inputs import check_oversize
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
+    from lightning_adaptiveload.shards.index import ShardIndex
 
     index = ShardIndex.load(os.path.join(synthetic_shards([16] * 4, seed=0), "index.json"))
     shapes = [tuple(s) for shard in index.shards for s in shard.latent_shapes]
@@ -459,8 +466,10 @@ def test_synthetic_data_written_into_a_new_folder_is_announced_first(tmp_path, c
 
     folder = tmp_path / "data" / "nonexistent"
     dm = AdaptiveLoadDataModule(
-        train_shards=str(folder), max_tokens=900, num_workers=0,
+        train_shards=str(folder),
         synthetic={"mix": "tiny", "num_samples": 16, "samples_per_shard": 8},
+        batching=Batching(max_tokens=900),
+        loader=Loader(num_workers=0),
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
         dm.prepare_data()

@@ -10,19 +10,18 @@ import tarfile
 import pytest
 import torch
 
-from lightning_adaptiveload.shards.format import ShardError
-
-from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 from lightning_adaptiveload.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
+from lightning_adaptiveload.loading.settings import Loader, Source
 from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
+from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +44,9 @@ def epoch_keys(dm) -> tuple[list[list[str]], list[dict]]:
 def test_every_sample_once_per_epoch_and_batch_contract(data, workers, schedule):
     dm = AdaptiveLoadDataModule(
         train_shards=data,
-        max_tokens=600,
-        num_workers=workers,
-        schedule=schedule,
-        cost_model={"kind": "power", "p": 1.5},
+        batching=Batching(max_tokens=600, cost_model={"kind": "power", "p": 1.5}),
+        plan=PlanSettings(schedule=schedule),
+        loader=Loader(num_workers=workers),
     )
     dm.setup("fit")
     cm = CostModel(kind="power", p=1.5)
@@ -83,9 +81,9 @@ def test_synthetic_prepare_data_and_validation(tmp_path):
     dm = AdaptiveLoadDataModule(
         train_shards=train,
         val_shards=val,
-        max_tokens=512,
-        num_workers=0,
         synthetic={"mix": "tiny", "num_samples": 64, "samples_per_shard": 16, "val_num_samples": 20},
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=0),
     )
     dm.prepare_data()
     assert os.path.exists(os.path.join(train, "index.json")) and os.path.exists(
@@ -104,13 +102,13 @@ def test_synthetic_prepare_data_and_validation(tmp_path):
 
 def test_bad_settings_fail_at_construction(data):
     with pytest.raises(ValueError, match="schedule"):
-        AdaptiveLoadDataModule(train_shards=data, schedule="sync")
+        AdaptiveLoadDataModule(train_shards=data, plan=PlanSettings(schedule="sync"))
     with pytest.raises(ValueError, match="on_error"):
-        AdaptiveLoadDataModule(train_shards=data, on_error="ignore")
+        AdaptiveLoadDataModule(train_shards=data, source=Source(on_error="ignore"))
     with pytest.raises(ValueError, match="cost_model"):
-        AdaptiveLoadDataModule(train_shards=data, max_compute=3.0)
+        AdaptiveLoadDataModule(train_shards=data, batching=Batching(max_compute=3.0))
     with pytest.raises(ValueError, match="persistent_workers"):
-        dm = AdaptiveLoadDataModule(train_shards=data, num_workers=0)
+        dm = AdaptiveLoadDataModule(train_shards=data, loader=Loader(num_workers=0))
         dm.setup("fit")
         PlannedDataLoader(dm.train_dataset, num_workers=1, persistent_workers=True)
 
@@ -172,7 +170,11 @@ def poisoned(tmp_path) -> tuple[str, str]:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_sample_bad_at_read_time_raises_naming_shard_and_key(poisoned, workers):
     d, key = poisoned
-    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=workers)
+    dm = AdaptiveLoadDataModule(
+        train_shards=d,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=workers),
+    )
     dm.setup("fit")
     with pytest.raises(ShardError, match=rf"shard-000001\.tar, key '{key}'.*NaN"):
         list(dm.train_dataloader())
@@ -181,7 +183,12 @@ def test_sample_bad_at_read_time_raises_naming_shard_and_key(poisoned, workers):
 @pytest.mark.timeout(60)
 def test_sample_bad_at_read_time_is_skipped_and_counted(poisoned):
     d, key = poisoned
-    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=0, on_error="skip")
+    dm = AdaptiveLoadDataModule(
+        train_shards=d,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=0),
+        source=Source(on_error="skip"),
+    )
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     keys = collections.Counter(k for b in batches for k in b["keys"])
@@ -206,7 +213,11 @@ class _DyingDataset(PlannedShardDataset):
 
 @pytest.mark.timeout(90)
 def test_worker_death_is_an_error_not_a_hang(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=256, num_workers=2)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=256),
+        loader=Loader(num_workers=2),
+    )
     dm.setup("fit")
     ds = dm.train_dataset
     dying = _DyingDataset(ds.index, ds.batcher, num_workers=2)
@@ -217,7 +228,11 @@ def test_worker_death_is_an_error_not_a_hang(data):
 
 
 def test_loader_with_other_worker_count_than_planned_is_refused(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=512, num_workers=2)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=2),
+    )
     dm.setup("fit")
     ds = dm.train_dataset
     ds.begin_epoch(0)
@@ -250,7 +265,12 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     key = index.shards[0].keys[2]
     _add_pickle_member(index.shards[0].path, key)
     os.remove(os.path.join(d, "index.json"))  # index the changed shards afresh
-    dm = AdaptiveLoadDataModule(train_shards=d, max_tokens=512, num_workers=0, on_error="skip")
+    dm = AdaptiveLoadDataModule(
+        train_shards=d,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=0),
+        source=Source(on_error="skip"),
+    )
     dm.setup("fit")
     with caplog.at_level("WARNING"):
         batches = list(dm.train_dataloader())
@@ -273,10 +293,10 @@ def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, sch
     for shards in (data, binary):
         dm = AdaptiveLoadDataModule(
             train_shards=shards,
-            max_tokens=600,
-            num_workers=workers,
-            schedule=schedule,
-            index_allow_outside=True,
+            batching=Batching(max_tokens=600),
+            plan=PlanSettings(schedule=schedule),
+            loader=Loader(num_workers=workers),
+            source=Source(index_allow_outside=True),
         )
         dm.setup("fit")
         epochs.append([(b["keys"], b["step"], b["latents"].shape) for b in dm.train_dataloader()])
@@ -296,7 +316,11 @@ def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
     )
     ShardIndex.load(folder / "index.json").save(folder / "index.npidx")
     os.unlink(folder / "index.json")
-    dm = AdaptiveLoadDataModule(train_shards=str(folder), max_tokens=600, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(folder),
+        batching=Batching(max_tokens=600),
+        loader=Loader(num_workers=0),
+    )
     dm.prepare_data()
     assert not (folder / "index.json").exists()  # the binary index counts as the index beside the shards
     dm.setup("fit")
@@ -325,7 +349,11 @@ def test_an_evaluation_split_never_changes_the_training_cap(tmp_path):
     )
 
     def own_cap(split: str) -> float:
-        dm = AdaptiveLoadDataModule(str(tmp_path / split), max_tokens=512, max_compute="auto", num_workers=0)
+        dm = AdaptiveLoadDataModule(
+            str(tmp_path / split),
+            batching=Batching(max_tokens=512, max_compute="auto"),
+            loader=Loader(num_workers=0),
+        )
         dm.setup("fit")
         return dm.batcher.max_compute
 
@@ -333,8 +361,10 @@ def test_an_evaluation_split_never_changes_the_training_cap(tmp_path):
     assert train_cap != val_cap  # the two splits alone resolve different caps: the check below can fail
     for stages in (["fit"], ["validate", "fit"], ["fit", "validate"]):
         dm = AdaptiveLoadDataModule(
-            str(tmp_path / "train"), val_shards=str(tmp_path / "val"), max_tokens=512, max_compute="auto",
-            num_workers=0,
+            str(tmp_path / "train"),
+            val_shards=str(tmp_path / "val"),
+            batching=Batching(max_tokens=512, max_compute="auto"),
+            loader=Loader(num_workers=0),
         )  # fmt: skip
         for stage in stages:
             dm.setup(stage)

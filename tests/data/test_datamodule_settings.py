@@ -1,9 +1,9 @@
 """The DataModule's settings groups (issue 39, item 1): Batching, PlanSettings, Loader, Source.
 
 Each setting is checked in one place: a bad value raises one ValueError, from the same function whichever
-layer it came through (the DataModule's nested form, its deprecated flat keywords, the batcher, the
-settings class itself), naming the key and the value. The flat keywords of the last release still work,
-with one DeprecationWarning per call naming the new form.
+layer it came through (the DataModule with the group as an object or as its dict, the batcher, the
+settings class itself), naming the key and the value. The DataModule takes its settings as these groups
+only (0.2.0 removed the flat keywords of 0.1.0).
 """
 
 from __future__ import annotations
@@ -17,53 +17,52 @@ import pytest
 from _paths import ROOT
 
 from lightning_adaptiveload import AdaptiveLoadDataModule
-from lightning_adaptiveload.cli.recipe_forms import nest_data_args, nest_flags, nest_recipe
-from lightning_adaptiveload.loading.settings import DATAMODULE_GROUPS, Loader, Source, group_of_keyword
+from lightning_adaptiveload.cli.fit import group_flags
+from lightning_adaptiveload.loading.settings import DATAMODULE_GROUPS, Loader, Source
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import BatchSizer
 
 QUICKSTART = str(ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml")
 
-# (flat keyword, its group, the field there, a bad value, where it is checked: (file, function)).
+# (group, field, a bad value, where it is checked: (file, function)).
 BAD = [
-    ("max_tokens", "batching", "max_tokens", 0, ("planning/sizing.py", "__post_init__")),
-    ("max_tokens", "batching", "max_tokens", "many", ("planning/sizing.py", "__post_init__")),
-    ("mode", "batching", "sizing", "dual2", ("planning/sizing.py", "__post_init__")),
-    ("patch_size", "batching", "patch_size", (1, 2), ("planning/sizing.py", "_patch")),
-    ("max_compute", "batching", "max_compute", "lots", ("planning/settings.py", "__post_init__")),
-    ("oversize", "batching", "oversize", "drop", ("planning/settings.py", "__post_init__")),
-    ("schedule", "plan", "schedule", "sync", ("planning/settings.py", "__post_init__")),
-    ("lockstep_tail", "plan", "lockstep_tail", "none", ("planning/settings.py", "__post_init__")),
-    ("lockstep_tolerance", "plan", "lockstep_tolerance", 1.5, ("planning/settings.py", "__post_init__")),
-    ("plan_chunk_samples", "plan", "chunk_samples", 0, ("planning/settings.py", "__post_init__")),
-    ("plan_processes", "plan", "plan_processes", 0, ("planning/settings.py", "__post_init__")),
-    ("num_workers", "loader", "num_workers", -1, ("loading/settings.py", "__post_init__")),
-    ("num_workers", "loader", "num_workers", 1.5, ("loading/settings.py", "_integer")),
-    ("text_pad_to", "loader", "text_pad_to", 0, ("loading/settings.py", "__post_init__")),
-    ("on_error", "source", "on_error", "ignore", ("shards/format.py", "check_on_error")),
-    ("max_member_bytes", "source", "max_member_bytes", -5, ("loading/settings.py", "__post_init__")),
+    ("batching", "max_tokens", 0, ("planning/sizing.py", "__post_init__")),
+    ("batching", "max_tokens", "many", ("planning/sizing.py", "__post_init__")),
+    ("batching", "sizing", "dual2", ("planning/sizing.py", "__post_init__")),
+    ("batching", "patch_size", (1, 2), ("planning/sizing.py", "_patch")),
+    ("batching", "max_compute", "lots", ("planning/settings.py", "__post_init__")),
+    ("batching", "oversize", "drop", ("planning/settings.py", "__post_init__")),
+    ("plan", "schedule", "sync", ("planning/settings.py", "__post_init__")),
+    ("plan", "lockstep_tail", "none", ("planning/settings.py", "__post_init__")),
+    ("plan", "lockstep_tolerance", 1.5, ("planning/settings.py", "__post_init__")),
+    ("plan", "chunk_samples", 0, ("planning/settings.py", "__post_init__")),
+    ("plan", "plan_processes", 0, ("planning/settings.py", "__post_init__")),
+    ("loader", "num_workers", -1, ("loading/settings.py", "__post_init__")),
+    ("loader", "num_workers", 1.5, ("loading/settings.py", "_integer")),
+    ("loader", "text_pad_to", 0, ("loading/settings.py", "__post_init__")),
+    ("source", "on_error", "ignore", ("shards/format.py", "check_on_error")),
+    ("source", "max_member_bytes", -5, ("loading/settings.py", "__post_init__")),
 ]
 
 
 def _raise_site(call) -> tuple[ValueError, tuple[str, str]]:
     """The one ValueError ``call`` raises and the (file, function) that raised it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError) as info:
-            call()
+    with pytest.raises(ValueError) as info:
+        call()
     err = info.value
     last = traceback.extract_tb(err.__traceback__)[-1]
     path = last.filename.replace(os.sep, "/")
     return err, ("/".join(path.split("/")[-2:]), last.name)
 
 
-@pytest.mark.parametrize("flat, group, field, value, site", BAD, ids=[f"{b[0]}={b[3]!r}" for b in BAD])
-def test_each_bad_value_is_refused_once_from_one_place(flat, group, field, value, site):
+@pytest.mark.parametrize("group, field, value, site", BAD, ids=[f"{b[1]}={b[2]!r}" for b in BAD])
+def test_each_bad_value_is_refused_once_from_one_place(group, field, value, site):
     cls = DATAMODULE_GROUPS[group]
     calls = {
         "nested": lambda: AdaptiveLoadDataModule("data", **{group: cls(**{field: value})}),
-        "flat": lambda: AdaptiveLoadDataModule("data", **{flat: value}),
+        # A group's dict: what a checkpoint's hyper-parameters hold.
+        "dict": lambda: AdaptiveLoadDataModule("data", **{group: {field: value}}),
         "settings class": lambda: cls(**{field: value}),
     }
     if group == "batching":
@@ -75,9 +74,9 @@ def test_each_bad_value_is_refused_once_from_one_place(flat, group, field, value
         # One error: not one caught and raised again in another shape.
         assert err.__cause__ is None and err.__context__ is None, (how, err)
         message = str(err)
-        assert field in message or flat in message, (how, message)
+        assert field in message, (how, message)
         assert repr(value) in message or str(value) in message, (how, message)
-    assert sites == {site}, (flat, sites)
+    assert sites == {site}, (field, sites)
 
 
 def test_the_batch_sizer_checks_sizing_and_max_tokens_where_batching_does():
@@ -86,7 +85,7 @@ def test_the_batch_sizer_checks_sizing_and_max_tokens_where_batching_does():
     assert direct == nested == ("planning/sizing.py", "__post_init__")
 
 
-def test_nested_and_flat_forms_build_the_same_settings_and_the_flat_one_warns_once():
+def test_a_group_given_as_its_dict_builds_the_same_settings():
     nested = AdaptiveLoadDataModule(
         "data",
         batching=Batching(max_tokens=512, sizing="equal_tokens", oversize="skip"),
@@ -94,32 +93,19 @@ def test_nested_and_flat_forms_build_the_same_settings_and_the_flat_one_warns_on
         loader=Loader(num_workers=0, seed=3, text_pad_to=8),
         source=Source(on_error="skip", index_allow_outside=True),
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        flat = AdaptiveLoadDataModule(
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = AdaptiveLoadDataModule(
             "data",
-            max_tokens=512,
-            mode="equal_tokens",
-            oversize="skip",
-            schedule="lockstep",
-            lockstep_tail="bucketed",
-            plan_chunk_samples=1000,
-            num_workers=0,
-            seed=3,
-            text_pad_to=8,
-            on_error="skip",
-            index_allow_outside=True,
+            batching={"max_tokens": 512, "sizing": "equal_tokens", "oversize": "skip"},
+            plan={"schedule": "lockstep", "lockstep_tail": "bucketed", "chunk_samples": 1000},
+            loader={"num_workers": 0, "seed": 3, "text_pad_to": 8},
+            source={"on_error": "skip", "index_allow_outside": True},
         )
-    deprecations = [w for w in caught if w.category is DeprecationWarning]
-    assert len(deprecations) == 1 and deprecations[0].filename == __file__
-    message = str(deprecations[0].message)
-    for new in ("batching=Batching(", "plan=PlanSettings(", "loader=Loader(", "source=Source(", "sizing=..."):
-        assert new in message, message
-    assert "'mode' is now 'sizing'" in message and "'plan_chunk_samples' is now 'chunk_samples'" in message
     for name in ("batching", "plan_settings", "loader", "source"):
-        assert getattr(flat, name) == getattr(nested, name), name
-    assert flat.batcher.config() == nested.batcher.config() and flat.batcher.sizing == "equal_tokens"
-    assert (flat.num_workers, flat.seed, flat.text_pad_to, flat.on_error) == (0, 3, 8, "skip")
+        assert getattr(plain, name) == getattr(nested, name), name
+    assert plain.batcher.config() == nested.batcher.config() and plain.batcher.sizing == "equal_tokens"
+    assert (plain.num_workers, plain.seed, plain.text_pad_to, plain.on_error) == (0, 3, 8, "skip")
 
 
 def test_defaults_need_no_keyword_and_warn_nothing():
@@ -131,49 +117,30 @@ def test_defaults_need_no_keyword_and_warn_nothing():
     assert dm.plan_settings == PlanSettings(chunk_samples=500_000)
 
 
-def test_a_misspelt_keyword_and_a_group_given_twice_are_type_errors():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_token'; did you mean 'max_tokens'"):
-        AdaptiveLoadDataModule("data", max_token=512)
-    with pytest.raises(TypeError, match="pass plan=... or the old keywords of it, not both"):
-        AdaptiveLoadDataModule("data", plan=PlanSettings(schedule="lockstep"), schedule="packed")
-    with warnings.catch_warnings():  # flat keywords of another group beside a group: allowed (and warned)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        dm = AdaptiveLoadDataModule("data", plan=PlanSettings(schedule="lockstep"), num_workers=0)
+def test_a_flat_keyword_or_a_bad_group_is_a_type_error():
+    # The flat keywords of 0.1.0 are gone: each is a keyword the DataModule does not take.
+    for flat in ("max_tokens", "schedule", "num_workers", "mode", "plan_chunk_samples"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{flat}'"):
+            AdaptiveLoadDataModule("data", **{flat: 1})
+    with pytest.raises(TypeError, match=r"plan: unknown key\(s\) \['mode'\]; PlanSettings has"):
+        AdaptiveLoadDataModule("data", plan={"mode": "lockstep"})
+    with pytest.raises(TypeError, match="batching: expected a Batching"):
+        AdaptiveLoadDataModule("data", batching=PlanSettings(schedule="lockstep"))
+    dm = AdaptiveLoadDataModule("data", plan=PlanSettings(schedule="lockstep"), loader=Loader(num_workers=0))
     assert dm.schedule == "lockstep" and dm.num_workers == 0
 
 
-def test_the_batcher_takes_sizing_and_mode_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="pass sizing='equal_tokens' instead"):
-        old = DualConstraintBatcher(512, mode="equal_tokens")
-    assert old.config() == DualConstraintBatcher(512, sizing="equal_tokens").config()
-    with pytest.warns(DeprecationWarning, match="use .sizing"):
-        assert old.mode == "equal_tokens"
-    with pytest.warns(DeprecationWarning, match="BatchSizer.sizing"):
-        assert old.sizer.mode == "equal_tokens"
-    # The config names the rule "sizing"; one saved before (a checkpoint's resume state) said "mode".
-    config = old.config()
+def test_the_batcher_takes_sizing_only():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mode'"):
+        DualConstraintBatcher(512, mode="equal_tokens")  # type: ignore[call-arg]
+    batcher = DualConstraintBatcher(512, sizing="equal_tokens")
+    assert not hasattr(batcher, "mode") and not hasattr(batcher.sizer, "mode")
+    assert batcher.sizing == batcher.sizer.sizing == "equal_tokens"
+    config = batcher.config()
     assert config["sizing"] == "equal_tokens" and "mode" not in config
-    saved = {**{k: v for k, v in config.items() if k != "sizing"}, "mode": "equal_tokens"}
-    assert DualConstraintBatcher.from_config(saved).config() == config
+    assert DualConstraintBatcher.from_config(config).config() == config
     settings = Batching(max_tokens=512, sizing="equal_tokens")
     assert DualConstraintBatcher.from_settings(settings).config() == config
-
-
-def test_every_old_flat_keyword_has_one_place_in_a_group():
-    old = [
-        "max_tokens", "max_compute", "cost_model", "mode", "schedule", "patch_size", "num_workers", "seed",
-        "on_error", "oversize", "max_buffered_samples", "lockstep_tolerance", "pin_memory", "max_member_bytes",
-        "index_allow_schemes", "index_allow_outside", "text_pad_to", "lockstep_tail", "plan_chunk_samples",
-        "plan_processes",
-    ]  # fmt: skip
-    places = {key: group_of_keyword(key) for key in old}
-    assert all(places.values()), places
-    assert len(set(places.values())) == len(old)  # no two old keywords land on one field
-    # The DataModule's own parameters stay where they were.
-    for kept in ("train_shards", "val_shards", "synthetic", "val_underfull", "sample_transform"):
-        assert group_of_keyword(kept) is None
-    fields = {f.name for cls in DATAMODULE_GROUPS.values() for f in dataclasses.fields(cls)}
-    assert {field for _, field in places.values()} <= fields
 
 
 def test_settings_groups_are_frozen_and_keyword_only():
@@ -185,51 +152,24 @@ def test_settings_groups_are_frozen_and_keyword_only():
             value.__setattr__(dataclasses.fields(cls)[0].name, None)
 
 
-def test_an_old_form_recipe_is_nested_with_one_warning():
-    recipe = {
-        "trainer": {"max_steps": 2},
-        "data": {
-            "class_path": "lightning_adaptiveload.AdaptiveLoadDataModule",
-            "init_args": {"train_shards": "d", "max_tokens": 900, "mode": "dual", "schedule": "lockstep",
-                          "plan": {"lockstep_tail": "bucketed"}, "num_workers": 0},
-        },
-    }  # fmt: skip
-    with pytest.warns(DeprecationWarning, match="nest them as data.init_args.batching.max_tokens") as caught:
-        nested = nest_recipe(recipe)
-    assert len(caught) == 1
-    assert nested["data"]["init_args"] == {
-        "train_shards": "d",
-        "batching": {"max_tokens": 900, "sizing": "dual"},
-        "plan": {"lockstep_tail": "bucketed", "schedule": "lockstep"},
-        "loader": {"num_workers": 0},
-    }
-    assert nested["trainer"] == recipe["trainer"] and recipe["data"]["init_args"]["mode"] == "dual"  # a copy
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert nest_recipe(nested) == nested  # the new form: unchanged, no warning
-        assert nest_recipe([1, 2]) == [1, 2] and nest_recipe({"data": 3}) == {"data": 3}
-    with pytest.raises(ValueError, match="data.init_args.batching.max_tokens is given twice"):
-        nest_data_args({"max_tokens": 1, "batching": {"max_tokens": 2}})
-
-
-def test_old_form_flags_are_renamed_with_one_warning():
-    argv = ["fit", "--data.init_args.mode=equal_tokens", "--data.max_tokens", "900",
-            "--data.init_args.synthetic.num_samples=64", "--data.init_args.plan.schedule=lockstep"]  # fmt: skip
-    with pytest.warns(DeprecationWarning, match="the command line uses the flat DataModule keys") as caught:
-        out = nest_flags(argv)
-    assert len(caught) == 1
-    assert out == ["fit", "--data.init_args.batching.sizing=equal_tokens", "--data.init_args.batching.max_tokens=900",
-                   "--data.init_args.synthetic.num_samples=64", "--data.init_args.plan.schedule=lockstep"]  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert nest_flags(out) == out
+def test_group_flags_take_the_init_args_form():
+    argv = ["fit", "--data.batching.max_tokens", "900", "--data.init_args.synthetic.num_samples=64",
+            "--data.init_args.plan.schedule=lockstep", "--data.init_args.max_tokens=5"]  # fmt: skip
+    assert group_flags(argv) == [
+        "fit",
+        "--data.init_args.batching.max_tokens=900",
+        "--data.init_args.synthetic.num_samples=64",  # not a settings group: as it was
+        "--data.init_args.plan.schedule=lockstep",
+        "--data.init_args.max_tokens=5",  # a flat key: left for the parser to refuse, naming it
+    ]
+    assert group_flags(group_flags(argv)) == group_flags(argv)
 
 
 def test_a_null_flag_for_a_group_field_sets_that_field_alone():
     # jsonargparse reads `--data.init_args.batching.max_compute=null` as the string "None"; the CLI passes
     # the field inside its group instead, in either form, and the parsed value is None.
     flags = ["--data.init_args.batching.max_compute=null", "--data.init_args.plan.max_buffered_samples", "~"]
-    assert nest_flags(flags) == [
+    assert group_flags(flags) == [
         '--data.init_args.batching={"max_compute": null}',
         '--data.init_args.plan={"max_buffered_samples": null}',
     ]

@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.loading.index_agreement import index_disagreement
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
 
 
 def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], out_dir: str) -> None:
@@ -23,7 +25,11 @@ def _worker(rank: int, world: int, init_file: str, dirs: dict[str, list[str]], o
     )
     try:
         for case, per_rank in dirs.items():
-            dm = AdaptiveLoadDataModule(train_shards=per_rank[rank], max_tokens=512, num_workers=0)
+            dm = AdaptiveLoadDataModule(
+                train_shards=per_rank[rank],
+                batching=Batching(max_tokens=512),
+                loader=Loader(num_workers=0),
+            )
             try:
                 dm.setup("fit")
                 outcome = "ok"

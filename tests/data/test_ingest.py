@@ -20,11 +20,12 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from lightning_adaptiveload.shards.index import ShardIndex  # noqa: E402
-
-from lightning_adaptiveload.shards.reader import iter_shard  # noqa: E402
 from lightning_adaptiveload.ingest import job as ing  # noqa: E402
 from lightning_adaptiveload.ingest.settings import IngestSettings  # noqa: E402
+from lightning_adaptiveload.loading.settings import Loader  # noqa: E402
+from lightning_adaptiveload.planning.settings import Batching  # noqa: E402
+from lightning_adaptiveload.shards.index import ShardIndex  # noqa: E402
+from lightning_adaptiveload.shards.reader import iter_shard  # noqa: E402
 
 Z = 4  # latent channels of the tiny VAE
 ROOT = str(_paths.ROOT)
@@ -313,6 +314,7 @@ _RUNNER = textwrap.dedent("""
     torch.set_num_threads(1)
     from lightning.pytorch import Callback
     from lightning_adaptiveload.ingest import job as ing
+    from lightning_adaptiveload.ingest.settings import IngestSettings
     cfg = json.loads(sys.argv[1])
 
     class Kill(Callback):
@@ -321,8 +323,10 @@ _RUNNER = textwrap.dedent("""
                 os._exit(17)  # a hard kill: no close, no index
 
     kw = {"accelerator": "cpu", "devices": cfg["world"], "strategy": "ddp" if cfg["world"] > 1 else "auto"}
-    s = ing.ingest(cfg["src"], cfg["out"], cfg["vae"], fps=8.0, max_frames=5, buckets="32x48,32x32",
-                   samples_per_shard=cfg["per_shard"], num_workers=0, progress=False, trainer_kwargs=kw, callbacks=[Kill()])
+    settings = IngestSettings(fps=8.0, max_frames=5, buckets="32x48,32x32", samples_per_shard=cfg["per_shard"],
+                              num_workers=0)
+    s = ing.ingest(cfg["src"], cfg["out"], cfg["vae"], settings=settings, progress=False, trainer_kwargs=kw,
+                   callbacks=[Kill()])
     with open(os.path.join(cfg["out"], f"summary-{os.environ.get('LOCAL_RANK', '0')}.json"), "w") as f:
         json.dump(s, f)
 """)
@@ -414,7 +418,9 @@ def test_ingested_shards_train_with_quickstart_settings(tmp_path, vae_dir):
         trainer_kwargs={"accelerator": "cpu", "devices": 1},
     )
     data = AdaptiveLoadDataModule(
-        train_shards=str(out), max_tokens=1024, max_compute="auto", mode="dual", num_workers=0, seed=0
+        train_shards=str(out),
+        batching=Batching(max_tokens=1024, max_compute="auto", sizing="dual"),
+        loader=Loader(num_workers=0, seed=0),
     )
     model = VideoDiTModule(
         preset="tiny",
@@ -518,7 +524,11 @@ def test_training_on_demo_shards_warns(tmp_path):
     src = _dataset(tmp_path / "in", n_videos=2, corrupt=False)
     out = tmp_path / "train"
     ing.ingest(src, out, "tiny-random", settings=IngestSettings(fps=8.0, max_frames=5, buckets="32x48,32x32", num_workers=0), progress=False, trainer_kwargs={"accelerator": "cpu", "devices": 1})  # fmt: skip
-    data = AdaptiveLoadDataModule(train_shards=str(out), max_tokens=1024, num_workers=0)
+    data = AdaptiveLoadDataModule(
+        train_shards=str(out),
+        batching=Batching(max_tokens=1024),
+        loader=Loader(num_workers=0),
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
@@ -602,27 +612,3 @@ def test_ingest_where_every_input_fails_reports_it_and_writes_no_index(tmp_path,
     assert "DEMO shards" not in captured.err  # no training command for a folder without shards
     assert not (out / "index.json").exists()
     assert list(out.glob("ingest-skipped-r*.jsonl"))
-
-
-def test_the_flat_keywords_of_ingest_still_work_warn_once_and_write_the_same_shards(tmp_path):
-    import warnings
-
-    from lightning_adaptiveload.ingest.demo import write_demo_clips
-
-    src = tmp_path / "videos"
-    write_demo_clips(src, count=1, image=True)
-    common = dict(trainer_kwargs={"accelerator": "cpu", "devices": 1}, progress=False)
-    flat = dict(fps=8.0, max_frames=5, buckets="32x48,48x32,32x32", num_workers=0, samples_per_shard=1)
-    new = ing.ingest(src, tmp_path / "new", "tiny-random", settings=IngestSettings(**flat), **common)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = ing.ingest(src, tmp_path / "old", "tiny-random", **flat, **common)
-    deprecations = [
-        w for w in caught if issubclass(w.category, DeprecationWarning) and "flat keywords" in str(w.message)
-    ]
-    assert len(deprecations) == 1 and "IngestSettings(" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__
-    assert (old["written"], old["skipped"]) == (new["written"], new["skipped"]) and new["written"] == 2
-    a, b = ShardIndex.load(tmp_path / "old" / "index.json"), ShardIndex.load(tmp_path / "new" / "index.json")
-    assert [s.keys for s in a.shards] == [s.keys for s in b.shards]
-    assert [s.latent_shapes for s in a.shards] == [s.latent_shapes for s in b.shards]

@@ -12,15 +12,16 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
 from lightning_adaptiveload.cli.data import index_main
-from lightning_adaptiveload.shards.index import ShardIndex
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
-from lightning_adaptiveload.loading.collate import collate
 from lightning_adaptiveload.datamodule import (
     AdaptiveLoadDataModule,
     PlannedDataLoader,
     PlannedShardDataset,
 )
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
+from lightning_adaptiveload.loading.collate import collate
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,11 @@ def _keys(d: str) -> list[str]:
 
 
 def test_loader_length_is_each_epochs_planned_steps(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     dm.setup("fit")
     for epoch in range(3):
         loader = dm.train_dataloader()
@@ -93,8 +98,8 @@ def test_trainer_knows_epoch_length_and_runs_test_and_predict(data, tmp_path, mo
         val_shards=data,
         test_shards=data,
         predict_shards=data,
-        max_tokens=300,
-        num_workers=0,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
     )
     model = _Tiny()
     trainer = L.Trainer(
@@ -141,7 +146,12 @@ def test_every_epoch_is_planned_once(data, tmp_path, monkeypatch, caplog):
         return real(self, epoch, settings, exclude, local)
 
     monkeypatch.setattr(PlannedShardDataset, "make_plan", make_plan)
-    dm = AdaptiveLoadDataModule(train_shards=data, val_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        val_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     model = _Tiny()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -162,7 +172,12 @@ def test_every_epoch_is_planned_once(data, tmp_path, monkeypatch, caplog):
 
 
 def test_lightning_can_rebuild_the_loader_for_predict(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, predict_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        predict_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     dm.setup("predict")
     loader = dm.predict_dataloader()
     rebuilt = _update_dataloader(loader, None, mode=RunningStage.PREDICTING)
@@ -181,8 +196,17 @@ def _crop(sample):
 
 
 def test_sample_transform_runs_per_sample_and_keeps_the_planned_shape(data):
-    plain = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
-    flipped = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=2, sample_transform=_flip)
+    plain = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
+    flipped = AdaptiveLoadDataModule(
+        train_shards=data,
+        sample_transform=_flip,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=2),
+    )
     for dm in (plain, flipped):
         dm.setup("fit")
     a = {k: (b["latents"][i], b["text"]) for b in plain.train_dataloader() for i, k in enumerate(b["keys"])}
@@ -192,7 +216,12 @@ def test_sample_transform_runs_per_sample_and_keeps_the_planned_shape(data):
         assert torch.equal(b[k][0], a[k][0].flip(-1))  # in the workers, every sample once
         assert b[k][1] is None  # caption dropped by the transform
 
-    bad = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0, sample_transform=_crop)
+    bad = AdaptiveLoadDataModule(
+        train_shards=data,
+        sample_transform=_crop,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     bad.setup("fit")
     with pytest.raises(ValueError, match=r"sample_transform _crop changed sample '.+'s latent from"):
         list(bad.train_dataloader())
@@ -201,7 +230,11 @@ def test_sample_transform_runs_per_sample_and_keeps_the_planned_shape(data):
 
 
 def test_text_pad_to_gives_one_text_length(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0, text_pad_to=8)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0, text_pad_to=8),
+    )
     dm.setup("fit")
     for batch in dm.train_dataloader():
         assert batch["text"].shape[:2] == (batch["batch_size"], 8) == batch["text_mask"].shape
@@ -227,7 +260,11 @@ def test_video_dit_module_tests_and_predicts(data, tmp_path):
     from lightning_adaptiveload.models.module import SamplingSettings, VideoDiTModule
 
     dm = AdaptiveLoadDataModule(
-        train_shards=data, test_shards=data, predict_shards=data, max_tokens=300, num_workers=0
+        train_shards=data,
+        test_shards=data,
+        predict_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
     )
     trainer = L.Trainer(
         accelerator="cpu",

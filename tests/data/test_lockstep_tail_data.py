@@ -12,12 +12,13 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, epoch_rows, index_keys
 from _recording import fit_two_ranks
 
-from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.loading.loader import PlannedShardDataset
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
-from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+from lightning_adaptiveload.shards.index import ShardIndex
 
 SIZES = [9, 3, 7, 5, 8]
 MAX_TOKENS = 768
@@ -70,25 +71,40 @@ class _FakeTrainer:
 
 
 def test_datamodule_falls_back_to_a_bucketed_tail_for_a_module_without_packs(data):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="lockstep", num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=MAX_TOKENS),
+        plan=PlanSettings(schedule="lockstep"),
+        loader=Loader(num_workers=0),
+    )
     dm.trainer = _FakeTrainer(_NoPacks())
     with pytest.warns(UserWarning, match="runs_packed_batches"):
         assert dm._train_lockstep_tail() == "bucketed"
     dm.trainer = _FakeTrainer(VideoDiTModule(preset="tiny"))
     assert dm._train_lockstep_tail() == "packed"
     quiet = AdaptiveLoadDataModule(
-        train_shards=data, schedule="lockstep", lockstep_tail="bucketed", num_workers=0
+        train_shards=data,
+        plan=PlanSettings(schedule="lockstep", lockstep_tail="bucketed"),
+        loader=Loader(num_workers=0),
     )
     quiet.trainer = _FakeTrainer(_NoPacks())
     assert quiet._train_lockstep_tail() == "bucketed"
     with pytest.raises(ValueError, match="lockstep_tail"):
-        AdaptiveLoadDataModule(train_shards=data, schedule="lockstep", lockstep_tail="packs")
+        AdaptiveLoadDataModule(
+            train_shards=data,
+            plan=PlanSettings(schedule="lockstep", lockstep_tail="packs"),
+        )
 
 
 @pytest.mark.timeout(240)
 def test_lockstep_fit_with_packed_tail_two_ranks(data, tmp_path):
     base = str(tmp_path / "rec.rank{}.jsonl")
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=MAX_TOKENS, schedule="lockstep", num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=MAX_TOKENS),
+        plan=PlanSettings(schedule="lockstep"),
+        loader=Loader(num_workers=0),
+    )
     rows = fit_two_ranks(dm, base)
     assert len(rows[0]) == len(rows[1]) > 0  # equal steps
     for a, b in zip(*rows):  # aligned: both ranks at one plan step, both packs or both bucketed
@@ -150,7 +166,15 @@ def test_a_state_saved_before_the_packed_tail_replays_with_the_bucketed_tail(dat
     ds = PlannedShardDataset(
         index, DualConstraintBatcher(MAX_TOKENS), settings=PlanSettings(schedule="lockstep"), placement=(0, 2)
     )
-    old = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
+    from lightning_adaptiveload.loading.resume import read_state
+
+    # A segment saved before the packed tail existed (0.1.0's layout, version 2): no lockstep_tail, the
+    # schedule under "mode". The state's migration reads it as planned then: with the bucketed tail.
+    seg = {k: v for k, v in ds.plan_settings().items() if k != "lockstep_tail"}
+    seg["mode"] = seg.pop("schedule")
+    state = {"version": 2, "fingerprint": ds.fingerprint, "epoch": 0, "segments": [{"kind": "fresh", **seg, "consumed": [0, 0]}]}
+    (old,) = read_state(state)["segments"]
+    assert old["lockstep_tail"] == "bucketed"
     assert ds.make_plan(0, old).report["packed_tail_steps"] == 0
     assert ds.make_plan(0).report["packed_tail_steps"] >= 1
 

@@ -16,11 +16,12 @@ from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, index_keys, resumed_run
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
-from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+from lightning_adaptiveload.shards.index import ShardIndex
 
 SIZES = [21, 4, 15, 9, 30, 7, 12, 18]
 
@@ -36,11 +37,9 @@ def make_dm(
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
     dm = AdaptiveLoadDataModule(
         train_shards=data,
-        max_tokens=512,
-        num_workers=workers,
-        schedule=schedule,
-        seed=7,
-        plan_chunk_samples=chunk if chunk is not None else 1_000_000,
+        batching=Batching(max_tokens=512),
+        plan=PlanSettings(schedule=schedule, chunk_samples=chunk if chunk is not None else 1_000_000),
+        loader=Loader(num_workers=workers, seed=7),
     )
     dm.setup("fit")
     return dm

@@ -13,7 +13,9 @@ from _fixtures import index_keys
 
 from lightning_adaptiveload import _dist
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.loading.resume import ResumeStateError, check_state
+from lightning_adaptiveload.loading.resume import STATE_VERSION, ResumeStateError, check_state, read_state
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
 
 SIZES = [9, 4, 7, 12]
 
@@ -25,7 +27,11 @@ def shards(synthetic_shards) -> str:
 
 def make_dm(data: str, monkeypatch, rank: int = 0, world: int = 1, seed: int = 7) -> AdaptiveLoadDataModule:
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, world))
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=512, num_workers=0, seed=seed)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=0, seed=seed),
+    )
     dm.setup("fit")
     return dm
 
@@ -52,7 +58,7 @@ def saved(shards):
 
 def test_state_holds_a_digest_the_resume_verifies(shards, saved, monkeypatch):
     state, first = saved
-    assert state["version"] == 3 and len(state["segments"][0]["digest"]) == 16
+    assert state["version"] == STATE_VERSION == 4 and len(state["segments"][0]["digest"]) == 16
     assert state["segments"][0]["digests"] == [state["segments"][0]["digest"]]  # one rank: its part is all
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(copy.deepcopy(state))
@@ -93,12 +99,70 @@ def test_planner_change_is_refused(shards, saved, monkeypatch):
 def test_version_1_state_without_digest_still_resumes(shards, saved, monkeypatch, caplog):
     state = copy.deepcopy(saved[0])
     state["version"] = 1
-    del state["segments"][0]["digest"]
+    del state["segments"][0]["digest"], state["segments"][0]["digests"]  # layout 1 had neither
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(state)
     with caplog.at_level("WARNING"):
         rest = take(dm, None)
     assert rest and "not verified" in caplog.text
+
+
+def _as_0_1_0(state: dict) -> dict:
+    """``state`` in the layout 0.1.0 wrote (version 3): each segment's schedule under ``mode``."""
+    old = copy.deepcopy(state)
+    old["version"] = 3
+    for seg in old["segments"]:
+        seg["mode"] = seg.pop("schedule")
+    return old
+
+
+def test_a_0_1_0_state_is_read_through_the_one_migration(saved):
+    state = saved[0]
+    old = _as_0_1_0(state)
+    before = copy.deepcopy(old)
+    assert read_state(old) == state  # the current layout, key for key
+    assert old == before  # the saved state itself is left as it was
+    # Older still: the batcher's sizing rule under "mode", no lockstep tail or chunking saved (version 1).
+    older = copy.deepcopy(old)
+    older["version"] = 1
+    seg = older["segments"][0]
+    seg["batcher"]["mode"] = seg["batcher"].pop("sizing")
+    for key in ("lockstep_tail", "chunk_samples", "digest", "digests"):
+        seg.pop(key)
+    (got,) = read_state(older)["segments"]
+    assert got["schedule"] == state["segments"][0]["schedule"] and "mode" not in got
+    assert got["batcher"]["sizing"] == state["segments"][0]["batcher"]["sizing"] and "mode" not in got["batcher"]
+    assert (got["lockstep_tail"], got["chunk_samples"]) == ("bucketed", None)
+    # The current layout is not migrated: a version-4 state with the old key lacks the new one.
+    mixed = copy.deepcopy(old)
+    mixed["version"] = STATE_VERSION
+    with pytest.raises(ResumeStateError, match=r"segments\[0\] lacks \['schedule'\]"):
+        check_state(mixed)
+
+
+def test_a_0_1_0_state_resumes_every_sample_once(shards, saved, monkeypatch):
+    state, first = saved
+    dm = make_dm(shards, monkeypatch)
+    dm.load_state_dict(_as_0_1_0(state))
+    rest = take(dm, None)
+    seen = collections.Counter(k for b in first + rest for k in b)
+    assert sorted(seen) == sorted(index_keys(shards)) and max(seen.values()) == 1
+    assert dm.state_dict()["segments"][-1]["schedule"] == state["segments"][0]["schedule"]
+
+
+def test_the_0_1_0_quickstart_checkpoints_state_is_read():
+    """The DataModule state of the quickstart checkpoint 0.1.0 wrote (``tests/assets``), read as this
+    release's layout (the whole resume of it: ``tests/cli/test_resume_v010.py``)."""
+    import torch
+    from _paths import ASSETS
+
+    saved = torch.load(ASSETS / "quickstart_v0.1.0_step30.ckpt", map_location="cpu", weights_only=True)
+    old = saved["AdaptiveLoadDataModule"]
+    assert old["version"] == 3 and "mode" in old["segments"][0]
+    state = read_state(old)
+    (seg,) = state["segments"]
+    assert state["version"] == STATE_VERSION and seg["schedule"] == "lockstep" and "mode" not in seg
+    assert seg["consumed"] == [30, 30] and seg["digests"] == old["segments"][0]["digests"]
 
 
 def _edit(state, path, value):
@@ -154,14 +218,14 @@ def test_malformed_state_is_refused_on_load_naming_the_field(saved, path, value,
 
 def test_replay_errors_name_the_segment(shards, saved, monkeypatch):
     state = copy.deepcopy(saved[0])
-    state["segments"][0]["mode"] = "sideways"
+    state["segments"][0]["schedule"] = "sideways"
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(state)
     with pytest.raises(
         ResumeStateError, match=r"segments\[0\] cannot be replayed \(ValueError: schedule must be one of"
     ):
         take(dm, 1)
-    state["segments"][0]["mode"] = saved[0]["segments"][0]["mode"]
+    state["segments"][0]["schedule"] = saved[0]["segments"][0]["schedule"]
     state["segments"][0]["batcher"] = {"max_tokenz": 5}
     dm = make_dm(shards, monkeypatch)
     dm.load_state_dict(state)

@@ -1,11 +1,9 @@
 """SyntheticShards: each bad value rejected once, in one place; the recipe's ``synthetic:`` keys are its fields;
-the deprecated flat keywords (and the old positional mix) of write_synthetic_shards still work, warn once and
-write the same shards."""
+write_synthetic_shards takes them as one SyntheticShards (not as flat keywords or a positional mix)."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 
@@ -30,7 +28,7 @@ def test_each_bad_value_is_rejected_once_by_synthetic_shards(kwargs, field, tmp_
         SyntheticShards(**kwargs)
     # One error site: SyntheticShards.__post_init__ (or the helper it calls); write_synthetic_shards has none.
     assert "__post_init__" in {entry.name for entry in err.traceback}
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=field):
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
         write_synthetic_shards(tmp_path, progress=False, **kwargs)
     assert not (tmp_path / "index.json").exists()
 
@@ -53,23 +51,15 @@ def test_settings_are_frozen_keyword_only_and_normalised():
         SyntheticShards("tiny")  # type: ignore[misc]
 
 
-def test_flat_keywords_and_positional_mix_still_work_warn_once_and_write_the_same(tmp_path):
-    new = write_synthetic_shards(
+def test_the_settings_are_one_object_and_a_positional_mix_is_refused(tmp_path):
+    index = write_synthetic_shards(
         tmp_path / "new",
         SyntheticShards(mix="tiny", num_samples=6, samples_per_shard=3, seed=2),
         progress=False,
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = write_synthetic_shards(
-            tmp_path / "old", "tiny", num_samples=6, samples_per_shard=3, seed=2, progress=False
-        )
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1 and "SyntheticShards(" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__
-    assert old.metadata["synthetic"] == new.metadata["synthetic"]
-    assert [s.num_bytes for s in old.shards] == [s.num_bytes for s in new.shards]
-    for a, b in zip(old.shards, new.shards):
-        assert open(a.path, "rb").read() == open(b.path, "rb").read()
-    with pytest.raises(TypeError, match="did you mean 'num_samples'"):
-        write_synthetic_shards(tmp_path / "x", num_sample=6)
+    assert index.num_samples == 6 and index.metadata["synthetic"]["mix"] == "tiny"
+    with pytest.raises(TypeError, match=r"settings must be a SyntheticShards, got 'tiny'.*SyntheticShards\(mix=\.\.\.\)"):
+        write_synthetic_shards(tmp_path / "old", "tiny", progress=False)  # type: ignore[arg-type]
+    assert not (tmp_path / "old").exists()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_samples'"):
+        write_synthetic_shards(tmp_path / "x", num_samples=6)  # type: ignore[call-arg]

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
-from lightning_adaptiveload.shards.synthetic import SyntheticShards, structured_latent
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, structured_latent, write_synthetic_shards
 
 
 def _draw(shape, n, seed=0):
@@ -97,7 +97,7 @@ def test_datamodule_accepts_content_in_synthetic_settings(tmp_path):
     dm = AdaptiveLoadDataModule(
         train_shards=str(tmp_path / "train"),
         synthetic={"mix": "tiny", "num_samples": 4, "samples_per_shard": 2, "content": "structured"},
-        num_workers=0,
+        loader=Loader(num_workers=0),
     )
     dm.prepare_data()
     with open(tmp_path / "train" / "index.json") as f:

@@ -14,8 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.shards import synthetic as syn
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.shards import synthetic as syn
 from lightning_adaptiveload.shards.synthetic import (
     NotSyntheticDataError,
     SyntheticShards,
@@ -47,7 +48,11 @@ def test_synthetic_block_beside_real_shards_says_remove_the_block_and_touches_no
     folder = tmp_path / "train"
     before = _real_shards(folder)
     for extra in ({}, {"overwrite": True}):
-        data = AdaptiveLoadDataModule(str(folder), synthetic={**SMALL, **extra}, num_workers=0)
+        data = AdaptiveLoadDataModule(
+            str(folder),
+            synthetic={**SMALL, **extra},
+            loader=Loader(num_workers=0),
+        )
         with pytest.raises(NotSyntheticDataError) as err:
             data.prepare_data()
         text = str(err.value)

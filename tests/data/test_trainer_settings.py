@@ -14,10 +14,11 @@ import torch
 from _fixtures import quiet_cpu_trainer
 
 from lightning_adaptiveload import _dist
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.loading.loader import check_reload_every_epoch
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 ROOT = str(_paths.ROOT)
 
@@ -59,7 +60,11 @@ def test_check_reload_every_epoch_names_the_setting():
 
 @pytest.mark.timeout(120)
 def test_a_trainer_without_the_setting_is_refused_before_any_step_and_left_as_it_was(data, tmp_path):
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     trainer = quiet_cpu_trainer(tmp_path, max_epochs=2)
     model = _Tiny()
     with pytest.raises(ValueError, match=r"reload_dataloaders_every_n_epochs=1"):
@@ -71,11 +76,19 @@ def test_a_trainer_without_the_setting_is_refused_before_any_step_and_left_as_it
 @pytest.mark.timeout(120)
 def test_one_epoch_needs_no_setting_and_several_run_with_it(data, tmp_path):
     one = quiet_cpu_trainer(tmp_path, max_epochs=1)
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     one.fit(_Tiny(), datamodule=dm)
     assert one.global_step == dm.epoch_report["steps"] > 0
     several = quiet_cpu_trainer(tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1)
-    dm2 = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
+    dm2 = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     several.fit(_Tiny(), datamodule=dm2)
     steps = [dm2.train_dataset.make_plan(e).steps for e in range(2)]
     assert several.global_step == sum(steps)
@@ -99,7 +112,11 @@ def test_the_cli_sets_the_setting_unless_the_recipe_does(tmp_path):
 def test_the_resume_position_is_the_loaders_count_not_the_fit_loops(data, monkeypatch):
     # A trainer with no fit loop at all: the position can only come from the loader's counting iterator.
     monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (0, 1))
-    dm = AdaptiveLoadDataModule(train_shards=data, max_tokens=300, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=data,
+        batching=Batching(max_tokens=300),
+        loader=Loader(num_workers=0),
+    )
     dm.trainer = SimpleNamespace(current_epoch=0, lightning_module=None, global_rank=0, world_size=1)
     dm.setup("fit")
     it = iter(dm.train_dataloader())

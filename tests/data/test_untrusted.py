@@ -15,15 +15,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.shards.format import REASONS, ShardError
-
-from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.writer import ShardWriter
-
-from lightning_adaptiveload.shards.reader import iter_shard
-
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
 from lightning_adaptiveload.shards import untrusted
+from lightning_adaptiveload.shards.format import REASONS, ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 LOGGER = "lightning_adaptiveload.shards"  # parent of the shard I/O modules' loggers
 MiB = 1 << 20
@@ -182,12 +180,20 @@ def test_datamodule_refuses_a_pipe_in_its_index_but_takes_one_it_was_given(datas
     marker = tmp_path / "ran"
     shard = f"{dataset}/shard-000000.tar"
     index = _edit_index(dataset, path=f"pipe:touch {marker}; cat {shard}")
-    dm = AdaptiveLoadDataModule(train_shards=index, max_tokens=64, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=index,
+        batching=Batching(max_tokens=64),
+        loader=Loader(num_workers=0),
+    )
     with pytest.raises(ShardError, match="unsafe_index_path"):
         dm.setup("fit")
     assert not marker.exists()
     # a pipe the user wrote is a source like any other
-    dm = AdaptiveLoadDataModule(train_shards=[f"pipe:cat {shard}"], max_tokens=64, num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=[f"pipe:cat {shard}"],
+        batching=Batching(max_tokens=64),
+        loader=Loader(num_workers=0),
+    )
     dm.setup("fit")
     assert dm.train_index.shards[0].keys == ["k0", "k1"]
 

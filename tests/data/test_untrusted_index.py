@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 import lightning_adaptiveload
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching
+from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact
 from lightning_adaptiveload.shards.format import REASONS, ShardError
 from lightning_adaptiveload.shards.index import ShardIndex
-from lightning_adaptiveload.shards.writer import ShardWriter
 from lightning_adaptiveload.shards.reader import iter_shard
-from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 # The package under test (its folder goes on the subprocesses' PYTHONPATH).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightning_adaptiveload.__file__)))
@@ -102,7 +104,9 @@ def test_datamodule_epoch_refuses_a_lying_index(tmp_path):
     _shards(tmp_path, n_shards=2, per_shard=4, shape=(4, 4, 8, 8))
     _lie_about_shapes(tmp_path / "index.json", (4, 1, 2, 2))
     dm = AdaptiveLoadDataModule(
-        train_shards=str(tmp_path / "index.json"), max_tokens=64, num_workers=0, seed=0
+        train_shards=str(tmp_path / "index.json"),
+        batching=Batching(max_tokens=64),
+        loader=Loader(num_workers=0, seed=0),
     )
     dm.setup("fit")
     with pytest.raises(ShardError, match=r"shape_mismatch"):

@@ -13,6 +13,9 @@ import pytest
 from _ddp_data_runner import launch, read_records
 from _fixtures import assert_each_key_once, epoch_rows, index_keys
 
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+
 # Uneven shard sizes: from 3 to 29 samples.
 SIZES = [29, 3, 17, 11, 5, 23, 8, 14, 20, 6]
 
@@ -53,7 +56,7 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
     runs[0]["aligned_gc"] = True  # independent, 0 workers: collections at the same steps on both ranks
     runs += [
         {"name": f"{sched}-chunked", "schedule": sched, "num_workers": 0, "max_epochs": 2, "max_tokens": 512}
-        | {"plan_chunk_samples": 40}
+        | {"chunk_samples": 40}
         for sched in ("independent", "lockstep")
     ]
     out = str(tmp_path)
@@ -63,12 +66,12 @@ def test_ddp_two_ranks_both_schedules_0_and_2_workers(shards, tmp_path):
         rows = read_records(out, run["name"], 2)
         # A chunked lockstep epoch of 136 samples is mostly segment tails (bucketed here: the recorder runs
         # no packs), so its steps are not checked for equal batches; exactly once and equal steps are.
-        lockstep = run["schedule"] == "lockstep" and not run.get("plan_chunk_samples")
+        lockstep = run["schedule"] == "lockstep" and not run.get("chunk_samples")
         check_epochs(rows, keys, range(2), lockstep=lockstep)
         report = json.load(open(os.path.join(out, run["name"] + ".report.json")))
         assert report["samples"] == len(keys) and report["padding_tokens"] == 0
         assert report["steps"] == len([r for r in rows[0] if r["epoch"] == 1])
-        if run.get("plan_chunk_samples"):
+        if run.get("chunk_samples"):
             assert report["segments"] > 1
         # Under gloo the workers come from a fork server: a fork beside gloo's threads can hang a worker.
         if run.get("aligned_gc"):
@@ -89,7 +92,12 @@ def test_ddp_spawn_two_ranks(shards, tmp_path):
     from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
 
     base = str(tmp_path / "spawn")
-    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=512, schedule="lockstep", num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=shards,
+        batching=Batching(max_tokens=512),
+        plan=PlanSettings(schedule="lockstep"),
+        loader=Loader(num_workers=0),
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

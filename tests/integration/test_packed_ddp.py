@@ -12,7 +12,9 @@ from _fixtures import index_keys
 from _recording import fit_two_ranks
 
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import VideoDiTModule
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 SIZES = [9, 3, 7, 5]
 MAX_TOKENS = 768
@@ -25,7 +27,12 @@ def shards(synthetic_shards) -> str:
 
 def test_packed_fit_two_ranks(shards, tmp_path):
     base = str(tmp_path / "rec.rank{}.jsonl")
-    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0)
+    dm = AdaptiveLoadDataModule(
+        train_shards=shards,
+        batching=Batching(max_tokens=MAX_TOKENS),
+        plan=PlanSettings(schedule="packed"),
+        loader=Loader(num_workers=0),
+    )
     rows = fit_two_ranks(dm, base)
     assert len(rows[0]) == len(rows[1]) > 0  # equal steps
     assert all(r["packed"] for rank in rows for r in rank)
@@ -48,7 +55,10 @@ def test_packed_fit_two_ranks_with_the_kernel_warmup(shards, tmp_path, capfd):
     rows = []
     for name, callbacks in (("plain", None), ("warm", [KernelWarmup()])):
         dm = AdaptiveLoadDataModule(
-            train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed", num_workers=0
+            train_shards=shards,
+            batching=Batching(max_tokens=MAX_TOKENS),
+            plan=PlanSettings(schedule="packed"),
+            loader=Loader(num_workers=0),
         )
         rows.append(fit_two_ranks(dm, str(tmp_path / f"{name}.rank{{}}.jsonl"), callbacks))
     assert [[r["keys"] for r in rank] for rank in rows[0]] == [[r["keys"] for r in rank] for rank in rows[1]]
@@ -81,7 +91,11 @@ class _SaysNoPacks(_NoPacks):
 def test_packed_schedule_refuses_a_module_without_packs(shards, module):
     # Before, the packed schedule never asked: the module got packs and failed deep inside its first step
     # ("'list' object has no attribute 'float'"), or trained silently on what it misread.
-    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed")
+    dm = AdaptiveLoadDataModule(
+        train_shards=shards,
+        batching=Batching(max_tokens=MAX_TOKENS),
+        plan=PlanSettings(schedule="packed"),
+    )
     said = (
         "sets runs_packed_batches = False" if module is _SaysNoPacks else "does not set runs_packed_batches"
     )
@@ -93,7 +107,10 @@ def test_packed_schedule_refuses_a_module_without_packs(shards, module):
     dm.check_module(VideoDiTModule(preset="tiny"))  # runs packs
     dm.check_module(None)  # plain PyTorch: nobody to ask
     for schedule in ("independent", "lockstep"):
-        AdaptiveLoadDataModule(train_shards=dm.train_shards, schedule=schedule).check_module(module())
+        AdaptiveLoadDataModule(
+            train_shards=dm.train_shards,
+            plan=PlanSettings(schedule=schedule),
+        ).check_module(module())
 
 
 @pytest.mark.timeout(240)
@@ -101,7 +118,11 @@ def test_packed_schedule_refuses_before_the_first_step_on_every_rank(shards, tmp
     # 2 ranks (ddp_spawn, gloo): both raise in setup, before any collective of the fit, so neither waits
     # for the other; no training step runs.
     marker = str(tmp_path / "a_step_ran")
-    dm = AdaptiveLoadDataModule(train_shards=shards, max_tokens=MAX_TOKENS, schedule="packed")
+    dm = AdaptiveLoadDataModule(
+        train_shards=shards,
+        batching=Batching(max_tokens=MAX_TOKENS),
+        plan=PlanSettings(schedule="packed"),
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -125,7 +146,9 @@ def test_cli_refuses_the_module_before_it_prepares_data(tmp_path):
 
     where = tmp_path / "would_be_written"
     dm = AdaptiveLoadDataModule(
-        train_shards=str(where), schedule="packed", synthetic={"mix": "tiny", "num_samples": 8}
+        train_shards=str(where),
+        synthetic={"mix": "tiny", "num_samples": 8},
+        plan=PlanSettings(schedule="packed"),
     )
     with pytest.raises(ValueError, match="runs_packed_batches"):
         _check_before_fit(SimpleNamespace(local_rank=0), dm, _NoPacks())

@@ -17,6 +17,8 @@ import pytest
 import torch
 from _paths import ROOT
 
+from lightning_adaptiveload.loading.settings import Loader
+from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 pytest.importorskip("diffusers")
@@ -165,8 +167,8 @@ def test_compiled_module_under_default_monitor_compiles(tmp_path):
 
 def test_cli_takes_any_lightning_module_and_model_class(tmp_path, monkeypatch):
     from lightning_adaptiveload.cli import main as cli
-    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
     from lightning_adaptiveload.models.module import VideoDiTModule
+    from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(EXAMPLE))
@@ -228,8 +230,12 @@ def test_example_module_fits_the_packed_schedule(tmp_path):
 
     data = tmp_path / "d"
     write_synthetic_shards(data, settings=SyntheticShards(mix="tiny", num_samples=16, samples_per_shard=8, text_len_range=(1, 12), text_dim=16), progress=False)  # fmt: skip
-    dm = AdaptiveLoadDataModule(train_shards=str(data), max_tokens=512, schedule="packed", num_workers=0,
-                                text_pad_to=12)  # fmt: skip
+    dm = AdaptiveLoadDataModule(
+        train_shards=str(data),
+        batching=Batching(max_tokens=512),
+        plan=PlanSettings(schedule="packed"),
+        loader=Loader(num_workers=0, text_pad_to=12),
+    )  # fmt: skip
     monitor = LoadBalanceMonitor(dirpath=tmp_path, plots=False, print_summary=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,

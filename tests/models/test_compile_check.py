@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -204,7 +203,7 @@ def test_compile_settings_reject_each_bad_value_once(kwargs, field):
         CompileSettings(**kwargs)
     assert err.traceback[-1].name == "__post_init__"  # the one error site
     assert repr(next(iter(kwargs.values()))) in str(err.value)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=field):
+    with pytest.raises(TypeError, match="unexpected keyword argument"):  # settings=CompileSettings(...) only
         compare_compiled(nn.Linear(2, 2), (torch.randn(1, 2),), autocast_dtype=None, **kwargs)
 
 
@@ -217,21 +216,11 @@ def test_compile_settings_are_frozen_and_keyword_only():
         CompileSettings(True)  # type: ignore[misc]
 
 
-def test_the_flat_compile_keywords_still_work_warn_once_and_give_the_same_result():
+def test_compare_compiled_takes_its_settings_as_one_object():
     torch.manual_seed(0)
     module = _WrongWhenCompiled()
     x = torch.randn(5, 4, requires_grad=True)
-    new = compare_compiled(
-        module, (x, 2.0), settings=CompileSettings(backend="aot_eager"), autocast_dtype=None
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = compare_compiled(module, (x, 2.0), backend="aot_eager", autocast_dtype=None)
-    deprecations = [
-        w for w in caught if issubclass(w.category, DeprecationWarning) and "flat keywords" in str(w.message)
-    ]
-    assert len(deprecations) == 1 and "CompileSettings(" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__
-    assert old == new and new["lin.weight"] > 0.2
-    with pytest.raises(TypeError, match="did you mean 'backend'"):
-        compare_compiled(module, (x, 2.0), backnd="aot_eager")
+    got = compare_compiled(module, (x, 2.0), settings=CompileSettings(backend="aot_eager"), autocast_dtype=None)
+    assert got["lin.weight"] > 0.2
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backend'"):
+        compare_compiled(module, (x, 2.0), backend="aot_eager")  # type: ignore[call-arg]

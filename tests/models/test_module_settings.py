@@ -1,6 +1,6 @@
-"""VideoDiTModule's settings groups (issue 39, item 1): each setting validated in one place, the flat keywords
-of earlier releases merged into their groups with one DeprecationWarning, checkpoints with plain hyper-parameters,
-and recipes in both forms through the real LightningCLI path."""
+"""VideoDiTModule's settings groups (issue 39, item 1): each setting validated in one place, the groups as the
+only form (0.2.0 removed the flat keywords), checkpoints with plain hyper-parameters (0.1.0's included), and a
+recipe through the real LightningCLI path."""
 
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from _paths import ROOT
 
 from lightning_adaptiveload.models.compile_check import CompileSettings
 from lightning_adaptiveload.models.module import VideoDiTModule
 from lightning_adaptiveload.models.module_settings import (
-    DEPRECATED_KEYWORDS,
     MemorySettings,
     ModuleSettings,
     OptimizerSettings,
     SamplingSettings,
-    settings_from_keywords,
+    module_settings,
 )
 
 QUICKSTART = ROOT / "lightning_adaptiveload" / "recipes" / "quickstart.yaml"
@@ -67,15 +65,15 @@ def _site(err: BaseException) -> tuple[str, str]:
 def test_each_bad_value_has_exactly_one_error_site(cls, key, value):
     group = {OptimizerSettings: "optimizer", SamplingSettings: "sampling", MemorySettings: "memory"}[cls]
     sites, messages = set(), []
-    # The same bad value through every way in: the group itself, the module with the group, the flat keyword.
-    ways = [lambda: cls(**{key: value}), lambda: VideoDiTModule(**{group: {key: value}})]
-    if key in DEPRECATED_KEYWORDS:
-        ways.append(lambda: VideoDiTModule(**{key: value}))
+    # The same bad value through every way in: the group itself, the module with the group (object or dict).
+    ways = [
+        lambda: cls(**{key: value}),
+        lambda: VideoDiTModule(**{group: {key: value}}),
+        lambda: module_settings({group: {key: value}}),
+    ]
     for build in ways:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            with pytest.raises(ValueError) as err:
-                build()
+        with pytest.raises(ValueError) as err:
+            build()
         sites.add(_site(err.value))
         messages.append(str(err.value))
     assert sites == {("module_settings.py", "__post_init__")}
@@ -95,58 +93,27 @@ def test_good_values_are_normalised_once():
         OptimizerSettings(1e-3)  # type: ignore[misc]  # keyword-only
 
 
-def test_the_deprecated_keywords_are_the_fields_of_the_groups():
-    fields = {
-        f.name
-        for cls in (OptimizerSettings, SamplingSettings, MemorySettings)
-        for f in dataclasses.fields(cls)
-    } - {"expandable_segments"}  # new settings are given in their group only
-    assert DEPRECATED_KEYWORDS == fields and VideoDiTModule.deprecated_keywords == fields
-    assert len(fields) == 16  # 21 parameters before: these, plus the 5 that stay
-
-
-# ------------------------------------------------------------------------------------- flat keywords
-
-
-def test_flat_keywords_build_the_same_module_with_one_warning():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = VideoDiTModule(
-            lr=2e-3, warmup_steps=10, shift=1.0, activation_checkpointing=True, weight_dtype="bf16"
-        )
-    ours = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(ours) == 1 and ours[0].filename == __file__  # points at the caller
-    text = str(ours[0].message)
-    for part in ("optimizer=OptimizerSettings(lr=..., warmup_steps=..., weight_dtype=...)",
-                 "sampling=SamplingSettings(shift=...)", "memory=MemorySettings(activation_checkpointing=...)"):  # fmt: skip
-        assert part in text, text
+def test_the_groups_are_the_only_form():
+    # 0.1.0's flat keywords (lr=, shift=, activation_checkpointing=, ...) are keywords the module does not take.
+    for flat in ("lr", "warmup_steps", "shift", "activation_checkpointing", "weight_dtype"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{flat}'"):
+            VideoDiTModule(**{flat: 1})
+    assert not hasattr(VideoDiTModule, "deprecated_keywords")
+    got = module_settings({"optimizer": {"lr": 3e-3, "weight_dtype": "bf16"}, "sampling": None})
+    assert got == ModuleSettings(optimizer=OptimizerSettings(lr=3e-3, weight_dtype="bf16"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        new = VideoDiTModule(
+        module = VideoDiTModule(
             optimizer=OptimizerSettings(lr=2e-3, warmup_steps=10, weight_dtype="bf16"),
             sampling=SamplingSettings(shift=1.0),
             memory=MemorySettings(activation_checkpointing=True),
         )
-    for name in ("optimizer_settings", "sampling_settings", "memory_settings", "compile_settings"):
-        assert getattr(old, name) == getattr(new, name), name
-    assert dict(old.hparams) == dict(new.hparams)
+    assert module.optimizer_settings.lr == 2e-3 and module.memory_settings.activation_checkpointing
 
 
-def test_flat_keywords_merge_into_a_given_group_and_refuse_a_second_value():
-    with pytest.warns(DeprecationWarning):
-        got = settings_from_keywords({"optimizer": OptimizerSettings(weight_dtype="bf16")}, {"lr": 3e-3})
-    assert got == ModuleSettings(optimizer=OptimizerSettings(lr=3e-3, weight_dtype="bf16"))
-    with pytest.warns(DeprecationWarning):  # the same value both ways is not a conflict
-        VideoDiTModule(optimizer=OptimizerSettings(lr=3e-3), lr=3e-3)
-    with pytest.raises(TypeError, match=r"lr=0.003 as a flat keyword and optimizer.lr=0.001"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            VideoDiTModule(optimizer=OptimizerSettings(lr=1e-3), lr=3e-3)
-
-
-def test_unknown_keywords_name_the_nearest():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'; did you mean 'lr'"):
-        VideoDiTModule(lrr=1e-3)
+def test_unknown_keywords_are_refused_naming_them():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
+        VideoDiTModule(lrr=1e-3)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"model.init_args.memory: unknown key\(s\) \['checkpoint_blokcs'\]"):
         VideoDiTModule(memory={"checkpoint_blokcs": 2})
     with pytest.raises(TypeError, match="expected a SamplingSettings"):
@@ -190,82 +157,40 @@ def test_a_checkpoint_keeps_plain_hyper_parameters_and_restores_the_settings(tmp
         again = VideoDiTModule.load_from_checkpoint(path, weights_only=True)
     for name in ("optimizer_settings", "sampling_settings", "memory_settings", "compile_settings"):
         assert getattr(again, name) == getattr(module, name), name
-    # A checkpoint of an earlier release keeps the flat keywords: it loads, with the warning.
-    old = tmp_path / "old.ckpt"
-    flat = {"preset": "tiny", "lr": 3e-3, "shift": 1.0, "activation_checkpointing": True, "compile": False}
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": flat,
-                "pytorch-lightning_version": lightning.__version__}, old)  # fmt: skip
-    with pytest.warns(DeprecationWarning, match="flat keywords are deprecated"):
-        restored = VideoDiTModule.load_from_checkpoint(old, weights_only=True)
-    assert restored.optimizer_settings.lr == 3e-3 and restored.sampling_settings.shift == 1.0
+
+
+def test_the_hyper_parameters_of_a_0_1_0_checkpoint_rebuild_the_module():
+    # 0.1.0 saved the groups as their dicts already: they are read as they are.
+    from _paths import ASSETS
+
+    saved = torch.load(ASSETS / "quickstart_v0.1.0_step30.ckpt", map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = VideoDiTModule(**saved["hyper_parameters"])
+    assert module.optimizer_settings == OptimizerSettings(lr=2e-3, warmup_steps=10)
+    assert module.sampling_settings.shift == 1.0 and dict(module.hparams) == saved["hyper_parameters"]
 
 
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def _old_form(recipe: dict) -> dict:
-    """The recipe with its model section in the flat form of earlier releases."""
-    args = recipe["model"]["init_args"]
-    for group in ("optimizer", "sampling", "memory"):
-        args.update(args.pop(group, None) or {})
-    return recipe
-
-
-def test_route_legacy_keywords_moves_only_the_deprecated_keys(tmp_path):
-    from lightning_adaptiveload.cli.fit import route_legacy_keywords
-
-    old = tmp_path / "old.yaml"
-    old.write_text(yaml.safe_dump(_old_form(yaml.safe_load(QUICKSTART.read_text()))))
-    argv = [
-        "fit",
-        "--config",
-        str(old),
-        "--model.init_args.shift=2",
-        "--model.init_args.lrr=1",
-        "--trainer.devices=1",
-    ]
-    routed = route_legacy_keywords(argv)
-    assert routed[:2] == ["fit", "--config"]
-    assert routed[3:] == ["--model.dict_kwargs.shift=2", "--model.init_args.lrr=1", "--trainer.devices=1"]
-    model = yaml.safe_load(routed[2])["model"]
-    assert model["dict_kwargs"] == {"lr": 2e-3, "warmup_steps": 10, "shift": 1.0}
-    assert model["init_args"] == {"preset": "tiny"}
-    assert route_legacy_keywords(["fit", "--config", str(QUICKSTART)]) is None  # the new form: untouched
-    # A model class without deprecated keywords: its keys are the parser's to check.
-    other = _old_form(yaml.safe_load(QUICKSTART.read_text()))
-    other["model"]["class_path"] = "lightning.pytorch.demos.boring_classes.BoringModel"
-    old.write_text(yaml.safe_dump(other))
-    assert route_legacy_keywords(argv) is None
-
-
 @pytest.mark.timeout(240)
-def test_recipes_in_both_forms_build_the_same_module_through_the_cli(tmp_path, monkeypatch):
+def test_a_recipe_builds_the_module_through_the_cli(tmp_path, monkeypatch):
     import sys
 
     from lightning_adaptiveload.cli.fit import build_cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-adaptiveload"])
-    old = tmp_path / "old.yaml"
-    old.write_text(yaml.safe_dump(_old_form(yaml.safe_load(QUICKSTART.read_text()))))
     common = [
         "--trainer.devices=1",
         "--trainer.strategy=auto",
         "--trainer.logger=false",
         "--trainer.callbacks=[]",
     ]
-    built = {}
-    for form, recipe in (("new", QUICKSTART), ("old", old)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cli = build_cli(["--config", str(recipe), *common], run=False)
-        deprecations = [w for w in caught if "flat keywords are deprecated" in str(w.message)]
-        assert len(deprecations) == (form == "old"), form
-        assert isinstance(cli.model.optimizer_settings, OptimizerSettings)  # jsonargparse built the dataclass
-        built[form] = cli.model
-    for name in ("optimizer_settings", "sampling_settings", "memory_settings", "compile_settings"):
-        assert getattr(built["old"], name) == getattr(built["new"], name), name
-    assert built["new"].optimizer_settings.lr == 2e-3 and built["new"].sampling_settings.shift == 1.0
+    cli = build_cli(["--config", str(QUICKSTART), *common], run=False)
+    assert isinstance(cli.model.optimizer_settings, OptimizerSettings)  # jsonargparse built the dataclass
+    assert cli.model.optimizer_settings.lr == 2e-3 and cli.model.sampling_settings.shift == 1.0
     # compile: a bool, or CompileSettings' fields; a second value changes one field of a group.
     cli = build_cli(
         ["--config", str(QUICKSTART), *common, "--model.init_args.compile={backend: aot_eager, mode: null}",

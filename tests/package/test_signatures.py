@@ -1,6 +1,6 @@
 """No public function or constructor takes more than 12 parameters (issue 39, item 1): knobs travel in small
-frozen, keyword-only settings objects. ``**legacy`` (the deprecated flat keywords, kept one release) does not
-count; ``self`` and ``cls`` do not either."""
+frozen, keyword-only settings objects, and the callables that take them have no ``**`` catch-all for flat
+keywords (0.2.0 removed those of 0.1.0). ``self`` and ``cls`` do not count."""
 
 from __future__ import annotations
 
@@ -74,10 +74,28 @@ def test_the_split_tool_functions_take_at_most_12_parameters(name):
     assert counts[name] <= MAX_PARAMETERS, (name, counts[name])
 
 
+def _catch_alls() -> dict[str, str]:
+    """Every function of the package that takes ``**kwargs``: its name -> the catch-all's name."""
+    found: dict[str, str] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.args.kwarg is not None:
+                found[f"{path.relative_to(PACKAGE).as_posix()}::{node.name}"] = node.args.kwarg.arg
+    return found
+
+
+def test_no_callable_takes_flat_keywords_beside_its_settings():
+    found = _catch_alls()
+    assert not {name for name, arg in found.items() if arg == "legacy"}, "a **legacy catch-all is back"
+    # The callables whose settings were split into settings objects take those objects only.
+    assert not SPLIT & set(found), sorted(SPLIT & set(found))
+
+
 def test_the_checker_counts_what_it_should():
-    # self and **legacy do not count; a 13-parameter function is seen (the proof that the tests above can fail).
+    # self and **kwargs do not count; a 13-parameter function is seen (the proof that the tests above can fail).
     f, g = ast.parse(
-        "def f(self, a, b, *args, c, **legacy): pass\ndef g("
+        "def f(self, a, b, *args, c, **kwargs): pass\ndef g("
         + ", ".join(f"p{i}" for i in range(13))
         + "): pass"
     ).body

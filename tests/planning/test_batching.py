@@ -70,7 +70,7 @@ def test_settings_errors():
     with pytest.raises(ValueError, match="cost_model"):
         DualConstraintBatcher(1000, max_compute=5.0)  # a number needs the model whose unit it is
     for kwargs in (
-        {"mode": "x"},
+        {"sizing": "x"},
         {"oversize": "drop"},
         {"partial": "drop"},
         {"max_compute": "fast"},
@@ -149,11 +149,11 @@ SHAPES = [(4, t, h, w) for t in (1, 3, 5) for h, w in ((4, 6), (6, 4), (4, 4))]
 @given(
     picks=st.lists(st.integers(0, len(SHAPES) - 1), max_size=80),
     max_tokens=st.integers(4, 120),
-    mode=st.sampled_from(["dual", "equal_tokens"]),
+    sizing=st.sampled_from(["dual", "equal_tokens"]),
     p=st.floats(1.0, 2.5),
     oversize=st.sampled_from(["raise", "skip"]),
 )
-def test_property_every_batch_meets_both_caps_and_nothing_is_lost(picks, max_tokens, mode, p, oversize):
+def test_property_every_batch_meets_both_caps_and_nothing_is_lost(picks, max_tokens, sizing, p, oversize):
     """Every batch: one shape, B*S <= max_tokens, B*cost(S) <= max_compute unless B = 1 (a single sample
     whose own compute exceeds the cap is allowed, but never one over the token cap); the multiset of
     yielded keys + skipped oversize samples == the input's."""
@@ -161,10 +161,10 @@ def test_property_every_batch_meets_both_caps_and_nothing_is_lost(picks, max_tok
     fits = [tokens_per_sample(SHAPES[j]) <= max_tokens for j in picks]
     cm = CostModel(kind="power", p=p)
     if any(fits):
-        b = DualConstraintBatcher(max_tokens, cost_model=cm, sizing=mode, oversize=oversize)
+        b = DualConstraintBatcher(max_tokens, cost_model=cm, sizing=sizing, oversize=oversize)
         b.resolve_max_compute(SHAPES[j] for j in picks)
     else:  # "auto" needs a sample within the cap; use a numeric cap
-        b = DualConstraintBatcher(max_tokens, max_compute=10.0, cost_model=cm, sizing=mode, oversize=oversize)
+        b = DualConstraintBatcher(max_tokens, max_compute=10.0, cost_model=cm, sizing=sizing, oversize=oversize)
     too_big = fits.count(False)
     if too_big and oversize == "raise":
         with pytest.raises(ValueError, match="max_tokens"):
@@ -176,7 +176,7 @@ def test_property_every_batch_meets_both_caps_and_nothing_is_lost(picks, max_tok
         assert len({tuple(x.shape) for x in batch["latents"]}) == 1
         assert n * s <= max_tokens
         assert b.satisfies(n, s)
-        if mode == "dual" and n > 1:
+        if sizing == "dual" and n > 1:
             assert b.cost_model.batch_cost(n, s) <= b.max_compute * (1 + 1e-9)
     got = collections.Counter(k for batch in out for k in batch["keys"])
     want = collections.Counter(

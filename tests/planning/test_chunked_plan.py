@@ -17,12 +17,12 @@ from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
 from lightning_adaptiveload.planning.settings import PlanSettings
 
-GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
+GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "schedule", "seed", "epoch")
 
 
-def _batcher(rng: random.Random, mode: str) -> DualConstraintBatcher:
+def _batcher(rng: random.Random, schedule: str) -> DualConstraintBatcher:
     cost = CostModel(kind="power", p=rng.choice([1.0, 1.5, 2.0]))
-    if mode == "packed":
+    if schedule == "packed":
         return DualConstraintBatcher(rng.choice([200, 400]), cost_model=cost, partial="emit")
     return DualConstraintBatcher(
         rng.choice([96, 200, 400]), sizing=rng.choice(["dual", "equal_tokens"]), cost_model=cost
@@ -34,21 +34,21 @@ def _batcher(rng: random.Random, mode: str) -> DualConstraintBatcher:
     seed=st.integers(0, 10_000),
     world=st.integers(1, 6),
     workers=st.integers(0, 3),
-    mode=st.sampled_from(["independent", "lockstep", "packed"]),
+    schedule=st.sampled_from(["independent", "lockstep", "packed"]),
     tail=st.sampled_from(["packed", "bucketed"]),
     resumed=st.booleans(),
 )
-def test_chunked_plan_keeps_every_guarantee(seed, world, workers, mode, tail, resumed):
+def test_chunked_plan_keeps_every_guarantee(seed, world, workers, schedule, tail, resumed):
     rng = random.Random(seed)
     index = random_index(rng, rng.randint(12, 30), 60)
-    batcher = _batcher(rng, mode)
+    batcher = _batcher(rng, schedule)
     refs = all_refs(index)
     exclude = set(rng.sample(refs, rng.randint(0, len(refs) // 3))) if resumed else set()
     chunk = rng.randint(60, 250)
-    kw = dict(settings=PlanSettings(schedule=mode, lockstep_tail=tail, chunk_samples=chunk), exclude=exclude)
+    kw = dict(settings=PlanSettings(schedule=schedule, lockstep_tail=tail, chunk_samples=chunk), exclude=exclude)
     plan = plan_epoch(index, world, workers, batcher, seed=seed, epoch=1, **kw)
     # (The packed schedule plans large epochs on counts and never in segments.)
-    groups = 1 if mode == "packed" else segment_count(len(refs), chunk, world, max(1, workers))
+    groups = 1 if schedule == "packed" else segment_count(len(refs), chunk, world, max(1, workers))
     assert plan.report.get("segments", 1) == groups
     # Exactly once, equal steps, one shape per bucketed batch, packs within max_tokens, global tokens
     # per step recomputed from the batches, unequal/pack/empty counts as reported.
@@ -85,11 +85,11 @@ def test_at_most_chunk_samples_plans_exactly_as_at_once():
     rng = random.Random(3)
     index = random_index(rng, 20, 60)
     n = len(all_refs(index))
-    for mode in ("independent", "lockstep", "packed"):
-        batcher = _batcher(random.Random(1), mode)
-        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode))
+    for schedule in ("independent", "lockstep", "packed"):
+        batcher = _batcher(random.Random(1), schedule)
+        whole = plan_epoch(index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=schedule))
         same = plan_epoch(
-            index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=n)
+            index, 4, 2, batcher, seed=5, epoch=0, settings=PlanSettings(schedule=schedule, chunk_samples=n)
         )
         assert same.streams == whole.streams and same.global_tokens == whole.global_tokens
         assert "segments" not in same.report
@@ -161,18 +161,18 @@ def _read_ahead(reads, batches) -> int:
     return top
 
 
-@pytest.mark.parametrize("mode", ["independent", "lockstep"])
-def test_chunked_streams_read_about_one_batch_ahead(mode):
+@pytest.mark.parametrize("schedule", ["independent", "lockstep"])
+def test_chunked_streams_read_about_one_batch_ahead(schedule):
     # Segments dealt afresh to the workers read per batch: a stream reads ahead at most within one batch,
     # never holding a sample from the first batch that opens its shard until the last (what one read per
     # shard and stream would do: the test fails with resume.reads_per_shard in their place).
     for seed in range(12):
         rng = random.Random(seed)
         index = random_index(rng, 25, 60)
-        batcher = _batcher(rng, mode)
-        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode))
+        batcher = _batcher(rng, schedule)
+        whole = plan_epoch(index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=schedule))
         plan = plan_epoch(
-            index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=mode, chunk_samples=150)
+            index, 3, 2, batcher, seed=seed, epoch=0, settings=PlanSettings(schedule=schedule, chunk_samples=150)
         )
         assert plan.report["segments"] > 1
         largest = max(len(b) for v in plan.streams.values() for b in v)
@@ -182,12 +182,12 @@ def test_chunked_streams_read_about_one_batch_ahead(mode):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["lockstep", "independent"])
-def test_segments_planned_in_a_process_pool_give_the_same_plan(mode):
+@pytest.mark.parametrize("schedule", ["lockstep", "independent"])
+def test_segments_planned_in_a_process_pool_give_the_same_plan(schedule):
     rng = random.Random(11)
     index = random_index(rng, 30, 60)
-    batcher = _batcher(rng, mode)
-    s = PlanSettings(schedule=mode, chunk_samples=250)
+    batcher = _batcher(rng, schedule)
+    s = PlanSettings(schedule=schedule, chunk_samples=250)
     one = plan_epoch(index, 3, 2, batcher, 4, 2, s, rank=1)
     pool = plan_epoch(index, 3, 2, batcher, 4, 2, s.replace(plan_processes=2), rank=1)
     assert one.report["segments"] > 2

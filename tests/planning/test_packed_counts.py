@@ -27,7 +27,7 @@ from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
 from lightning_adaptiveload.planning.settings import PlanSettings
 
-GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "mode", "seed", "epoch")
+GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "schedule", "seed", "epoch")
 
 
 def _compact(index: list[list[tuple]]) -> CompactIndex:

@@ -35,10 +35,10 @@ def test_fixture_covers_the_quick_matrix():
     assert sorted(_expected()) == sorted(case_key(c) for c in cases(quick=True))
 
 
-@pytest.mark.parametrize("mode", ["independent", "lockstep", "packed"])
-def test_plans_are_unchanged(mode):
+@pytest.mark.parametrize("schedule", ["independent", "lockstep", "packed"])
+def test_plans_are_unchanged(schedule):
     expected = _expected()
-    picked = [c for c in cases(quick=True) if c["mode"] == mode]
+    picked = [c for c in cases(quick=True) if c["schedule"] == schedule]
     assert picked
     diffs, seen = [], set()
     for c in picked:
@@ -55,5 +55,5 @@ def test_plans_are_unchanged(mode):
         "independent": {"split_batches", "moved_batches", "bound_partial_batches"},
         "lockstep": {"reduced_steps", "moved_samples", "packed_tail_steps", "lockstep_tail_steps"},
         "packed": set(),
-    }[mode]
+    }[schedule]
     assert must <= seen, f"the quick matrix reaches none of {sorted(must - seen)}"

@@ -68,12 +68,12 @@ def check_plan(plan, index, batcher, exclude=()):
         assert plan.global_tokens[k] == total
         unequal += len(sig) > 1
         pack_steps += packs == {True}
-    if plan.mode == "lockstep":
+    if plan.schedule == "lockstep":
         assert pack_steps == plan.report["packed_tail_steps"]
         if plan.report["lockstep_tail"] == "packed":
             assert unequal == 0, "the packed tail leaves no unequal step"
     assert unequal == plan.report["unequal_steps"]
-    if plan.mode == "lockstep":
+    if plan.schedule == "lockstep":
         assert plan.report["lockstep_tail_steps"] == unequal
     assert plan.report["samples"] == len(refs) and plan.report["padding_tokens"] == 0
     assert empty == plan.report["empty_batches"]
@@ -87,13 +87,13 @@ def check_plan(plan, index, batcher, exclude=()):
     n_shards=st.integers(1, 16),
     world=st.integers(1, 16),
     workers=st.integers(0, 4),
-    mode=st.sampled_from(["independent", "lockstep"]),
-    batch_mode=st.sampled_from(["dual", "equal_tokens"]),
+    schedule=st.sampled_from(["independent", "lockstep"]),
+    sizing=st.sampled_from(["dual", "equal_tokens"]),
     resumed=st.booleans(),
     tail=st.sampled_from(["packed", "bucketed"]),
 )
 def test_property_exactly_once_equal_steps_constraints(
-    seed, n_shards, world, workers, mode, batch_mode, resumed, tail
+    seed, n_shards, world, workers, schedule, sizing, resumed, tail
 ):
     """Every epoch in which every rank can get a sample is planned (issue 13: no PlanError), any schedule,
     any worker count, fresh or after a resume (``exclude``)."""
@@ -101,7 +101,7 @@ def test_property_exactly_once_equal_steps_constraints(
     index = random_index(rng, n_shards, 40)
     batcher = DualConstraintBatcher(
         rng.choice([96, 200, 400]),
-        sizing=batch_mode,
+        sizing=sizing,
         cost_model=CostModel(kind="power", p=rng.choice([1.0, 1.5, 2.0])),
     )
     refs = all_refs(index)
@@ -119,7 +119,7 @@ def test_property_exactly_once_equal_steps_constraints(
         seed=seed,
         epoch=epoch,
         exclude=exclude,
-        settings=PlanSettings(schedule=mode, lockstep_tail=tail),
+        settings=PlanSettings(schedule=schedule, lockstep_tail=tail),
     )
     check_plan(plan, index, batcher, exclude)
     # resume with another worker count: the rest of the epoch, batch for batch, equal steps
@@ -136,7 +136,7 @@ def test_property_exactly_once_equal_steps_constraints(
     for st_, batches in rest.streams.items():
         read = sorted((s, i) for s, ids in rest.reads[st_] for i in ids)
         assert read == sorted(ref for b in batches for ref in b), "a resumed stream reads exactly its samples"
-    if mode == "independent":  # empty batches only where no common count of non-empty batches exists
+    if schedule == "independent":  # empty batches only where no common count of non-empty batches exists
         left = [index[s][i] for s, i in refs if (s, i) not in exclude]
         fewest = sum(-(-left.count(sh) // batcher.sizer.size(sh).batch_size) for sh in set(left))
         if -(-fewest // world) <= len(left) // world:
@@ -232,8 +232,8 @@ def test_continue_plan_keeps_the_uninterrupted_order():
     rng = random.Random(4)
     index = random_index(rng, 10, 30)
     batcher = DualConstraintBatcher(300)
-    for mode in ("independent", "lockstep"):
-        plan = plan_epoch(index, 2, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule=mode))
+    for schedule in ("independent", "lockstep"):
+        plan = plan_epoch(index, 2, 2, batcher, seed=1, epoch=0, settings=PlanSettings(schedule=schedule))
         for workers in (0, 1, 3):
             cont = continue_plan(plan, 5, workers)
             assert cont.steps == plan.steps - 5 and cont.global_tokens == plan.global_tokens[5:]
@@ -308,9 +308,9 @@ def test_wan21_mix_1024_samples_on_64_ranks_is_planned():
 
     index = _mix_population(load_mix("wan21_480p"), 1024, 64, seed=0)
     shapes = [s.latent_shapes for s in index.shards]
-    for mode in ("independent", "lockstep"):
+    for schedule in ("independent", "lockstep"):
         batcher = DualConstraintBatcher(32760, sizing="equal_tokens")
-        plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode))
+        plan = plan_epoch(index, 64, 0, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=schedule))
         check_plan(plan, shapes, batcher)
         assert plan.report["empty_batches"] == 0
 
@@ -353,9 +353,9 @@ def test_fewer_samples_than_ranks_pads_with_empty_batches_or_raises():
         PlanError, match=r"world size 4: 2 samples in 1 shards leave 2 rank\(s\).*underfull='pad'"
     ):
         plan_epoch(index, 4, 0, batcher, seed=0, epoch=0)
-    for mode in ("independent", "lockstep"):
+    for schedule in ("independent", "lockstep"):
         plan = plan_epoch(
-            index, 4, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=mode, underfull="pad")
+            index, 4, 2, batcher, seed=0, epoch=0, settings=PlanSettings(schedule=schedule, underfull="pad")
         )
         check_plan(plan, index, batcher)
         assert plan.steps == 1 and plan.report["empty_batches"] == 2

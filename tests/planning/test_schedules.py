@@ -82,7 +82,7 @@ def test_the_object_plans_what_plan_epoch_plans(name):
     settings = PlanSettings(schedule=name, keep_step_costs=True)
     plan = schedule_for(settings).plan(_job(settings))
     ref = plan_epoch(_data(), 2, 1, _batcher(), 3, 1, settings)
-    assert plan.mode == ref.mode == (name if name != "auto" else ref.report["schedule_auto"]["chose"])
+    assert plan.schedule == ref.schedule == (name if name != "auto" else ref.report["schedule_auto"]["chose"])
     assert plan.streams == ref.streams and plan.global_tokens == ref.global_tokens and plan.steps == ref.steps
 
 
@@ -93,7 +93,7 @@ def test_bucketed_schedules_plan_in_segments_and_packed_never_does():
     assert lockstep.segments(job) == independent.segments(job) > 1
     assert packed.segments(job) == 1 and Lockstep().segments(job) == 1
     plan = lockstep.plan(job)
-    assert plan.report["segments"] == lockstep.segments(job) and plan.mode == "lockstep"
+    assert plan.report["segments"] == lockstep.segments(job) and plan.schedule == "lockstep"
     # A segment's plan is the schedule's own plan_whole: the segments' steps add up to the epoch's.
     assert sum(plan.report["segment_steps"]) == plan.steps
 
@@ -119,20 +119,20 @@ def test_auto_routes_through_the_registry_and_says_why(monkeypatch):
     monkeypatch.setattr(schedules, "AUTO_MAX_WAIT", 1.0)  # any wait is within: lockstep
     plan = schedule_for(settings).plan(_job(settings, world=4))
     choice = plan.report["schedule_auto"]
-    assert plan.mode == choice["chose"] == "lockstep" and "within" in choice["why"]
+    assert plan.schedule == choice["chose"] == "lockstep" and "within" in choice["why"]
     monkeypatch.setattr(schedules, "AUTO_MAX_WAIT", -1.0)  # any wait is too much: packed
     plan = schedule_for(settings).plan(_job(settings, world=4))
-    assert plan.mode == plan.report["schedule_auto"]["chose"] == "packed"
+    assert plan.schedule == plan.report["schedule_auto"]["chose"] == "packed"
     no_packs = settings.replace(lockstep_tail="bucketed")  # a module that runs no packs keeps lockstep
     plan = schedule_for(no_packs).plan(_job(no_packs, world=4))
-    assert plan.mode == "lockstep" and "does not run packs" in plan.report["schedule_auto"]["why"]
+    assert plan.schedule == "lockstep" and "does not run packs" in plan.report["schedule_auto"]["why"]
 
 
 def test_plan_bucketed_takes_the_schedule_not_its_name():
     job = _job(PlanSettings(schedule="lockstep"))
     lock = plan_bucketed(job, Lockstep(tail="bucketed"))
     ind = plan_bucketed(job, Independent())
-    assert lock.mode == "lockstep" and ind.mode == "independent"
+    assert lock.schedule == "lockstep" and ind.schedule == "independent"
     assert lock.report["lockstep_tail"] == "bucketed" and "lockstep_tail" not in ind.report
 
 

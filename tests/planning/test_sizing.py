@@ -20,18 +20,18 @@ SHAPES = [(4, t, h, w) for t in (1, 3, 5, 9) for h, w in ((4, 6), (6, 4), (4, 4)
     max_tokens=st.integers(1, 2000),
     p=st.floats(0.5, 2.5),
     cap=st.floats(1.0, 1e5),
-    mode=st.sampled_from(["dual", "equal_tokens"]),
+    sizing=st.sampled_from(["dual", "equal_tokens"]),
 )
-def test_batch_size_is_the_largest_that_meets_both_caps(shape, max_tokens, p, cap, mode):
+def test_batch_size_is_the_largest_that_meets_both_caps(shape, max_tokens, p, cap, sizing):
     model = CostModel(kind="power", p=p)
-    sizer = BatchSizer(max_tokens, sizing=mode, max_compute=cap, cost_model=model)
+    sizer = BatchSizer(max_tokens, sizing=sizing, max_compute=cap, cost_model=model)
     s, b = sizer.size(shape)
     assert s == tokens_per_sample(shape)
     if s > max_tokens:
         assert b == 0 and not sizer.satisfies(1, s)
         return
     assert b >= 1 and b * s <= max_tokens
-    if mode == "dual" and b > 1:
+    if sizing == "dual" and b > 1:
         assert b * model.cost(s) <= cap * (1 + 1e-9)
     assert sizer.satisfies(b, s)
     assert not sizer.satisfies(b + 1, s), "one more sample must break a cap"

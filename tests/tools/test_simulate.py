@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import warnings
 from typing import get_args
 
 import numpy as np
@@ -14,14 +13,14 @@ import pytest
 
 from lightning_adaptiveload import stats
 from lightning_adaptiveload.cli.simulate import main
-from lightning_adaptiveload.shards.index import ShardIndex
-from lightning_adaptiveload.shards.format import ShardInfo
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
-from lightning_adaptiveload.tools.replay import MODES, balance_metrics
+from lightning_adaptiveload.shards.format import ShardInfo
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.tools.replay import VARIANTS, balance_metrics
 from lightning_adaptiveload.tools.replay import replay_plan as _replay
 from lightning_adaptiveload.tools.simulate import simulate
-from lightning_adaptiveload.tools.simulate_settings import SimulateMode, SimulateSettings
+from lightning_adaptiveload.tools.simulate_settings import SimulateSettings, SimulateVariant
 from lightning_adaptiveload.tools.step_times import BatchCoster as _Coster
 from lightning_adaptiveload.tools.step_times import StepTimeTable
 
@@ -201,7 +200,7 @@ def _hand_plan() -> EpochPlan:
         num_workers=2,
         seed=0,
         epoch=0,
-        mode="independent",
+        schedule="independent",
         buckets=buckets,
         streams=streams,
         batch_buckets=batch_buckets,
@@ -253,21 +252,21 @@ def test_simulate_tiny_mix_end_to_end(tmp_path):
         progress=False,
         out_dir=tmp_path,
     )
-    modes = [r["mode"] for r in result.rows]
-    assert modes == ["equal_tokens", "dual", "lockstep"]
+    variants = [r["variant"] for r in result.rows]
+    assert variants == ["equal_tokens", "dual", "lockstep"]
     base = result.row("equal_tokens", 4)
     assert base["tokens_per_s_ratio"] == pytest.approx(1.0)
     for r in result.rows:
-        # Every sample of the population is trained on exactly once in every mode.
+        # Every sample of the population is trained on exactly once in every variant.
         assert r["samples"] == r["population_samples"]
         assert r["peak_tokens"] <= 450
         assert 0.0 <= r["wait_share"] < 1.0 and r["cv_p95"] >= r["cv_p50"] >= 0
         assert r["steps"] >= 24 * 0.9
         assert r["tokens_per_s"] == pytest.approx(r["total_tokens"] / r["total_seconds"])
         assert r["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
-        assert len(result.per_step_cv[(r["mode"], 4)]) == r["steps"]
-    for mode in ("dual", "lockstep"):
-        r = result.row(mode, 4)
+        assert len(result.per_step_cv[(r["variant"], 4)]) == r["steps"]
+    for variant in ("dual", "lockstep"):
+        r = result.row(variant, 4)
         feasible = [c for c in r["candidates"] if "infeasible" not in c]
         assert feasible, r["candidates"]
         best = max(c["tokens_per_s"] for c in feasible)
@@ -338,7 +337,7 @@ def test_simulate_with_trace_and_given_p(tmp_path):
     [
         (dict(world_sizes=[1]), "world_sizes"),
         (dict(world_sizes=[2048]), "world_sizes"),
-        (dict(modes=["nope"]), "modes: unknown mode"),
+        (dict(variants=["nope"]), "variants: unknown variant"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=2.5), "max_tokens"),
         (dict(max_compute="fast"), "max_compute"),
@@ -361,9 +360,9 @@ def test_simulate_settings_reject_each_bad_value_once(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
         SimulateSettings(**kwargs)
     assert err.traceback[-1].name == "__post_init__"
-    assert repr(next(iter(kwargs.values()))) in str(err.value) or "unknown mode" in str(err.value)
-    # The deprecated flat keywords reach the same check (and warn first).
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=match):
+    assert repr(next(iter(kwargs.values()))) in str(err.value) or "unknown variant" in str(err.value)
+    # simulate() takes them in its settings only, not as flat keywords.
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
         simulate("tiny", progress=False, **kwargs)
 
 
@@ -373,34 +372,17 @@ def test_simulate_rejects_a_bucket_longer_than_max_tokens():
 
 
 def test_simulate_settings_are_frozen_keyword_only_and_normalised():
-    settings = SimulateSettings(world_sizes=[8, 2, 8], modes=["lockstep", "dual"], patch_size=[1, 2, 2])
+    settings = SimulateSettings(world_sizes=[8, 2, 8], variants=["lockstep", "dual"], patch_size=[1, 2, 2])
     assert settings.world_sizes == (2, 8) and settings.patch_size == (1, 2, 2)
-    assert settings.modes_to_run == ["equal_tokens", "lockstep", "dual"]
+    assert settings.variants_to_run == ["equal_tokens", "lockstep", "dual"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.max_tokens = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         SimulateSettings([2])  # type: ignore[misc]  # keyword-only
-    assert set(get_args(SimulateMode)) == set(MODES)  # the Literal lists exactly the simulator's modes
-
-
-def test_simulate_flat_keywords_still_work_warn_once_and_give_the_same_result():
-    kw = dict(world_sizes=[2], max_tokens=450, min_steps_per_rank=8, recommend=False)
-    new = simulate("tiny", SimulateSettings(**kw), progress=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = simulate("tiny", progress=False, **kw)
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1 and "SimulateSettings(" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__  # points at the caller
-    for row in old.rows + new.rows:
-        row["plan_report"].pop(
-            "plan_seconds"
-        )  # the planner's wall time, the one figure that is not the plan's
-    assert json.dumps(old.to_dict()["results"]) == json.dumps(new.to_dict()["results"])
-    with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
-        simulate("tiny", progress=False, max_token=450)
-    with pytest.raises(TypeError, match="not both"):
-        simulate("tiny", SimulateSettings(**kw), progress=False, seed=1)
+    assert set(get_args(SimulateVariant)) == set(VARIANTS)  # the Literal lists exactly the simulator's variants
+    # Each variant is a (schedule, sizing rule) pair.
+    assert VARIANTS["lockstep"] == ("lockstep", "dual")
+    assert VARIANTS["equal_tokens"] == ("independent", "equal_tokens")
 
 
 # --------------------------------------------------------------------------------------------- the CLI
@@ -418,7 +400,8 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "equal_tokens" in printed and "lockstep" in printed
     data = json.loads((out / "simulate.json").read_text())
-    assert {(r["mode"], r["world_size"]) for r in data["results"]} == {
+    assert data["meta"]["variants"] == ["equal_tokens", "dual", "lockstep"]
+    assert {(r["variant"], r["world_size"]) for r in data["results"]} == {
         (m, w) for m in ("equal_tokens", "dual", "lockstep") for w in (2, 4)
     }
     assert all(os.path.getsize(out / f"simulate_{k}.png") > 1000 for k in ("cv", "wait", "throughput"))
@@ -437,48 +420,48 @@ _CONFIG_OF = {
 }
 
 
-@pytest.mark.parametrize("modes", [None, "dual", "equal_tokens", "dual,equal_tokens"])
+@pytest.mark.parametrize("sizings", [None, "dual", "equal_tokens", "dual,equal_tokens"])
 @pytest.mark.parametrize("schedules", ["independent", "lockstep", "packed", "independent,lockstep,packed"])
-def test_cli_runs_every_schedule_with_every_mode(tmp_path, capsys, schedules, modes):
+def test_cli_runs_every_schedule_with_every_sizing_rule(tmp_path, capsys, schedules, sizings):
     # `--schedules packed` (alone or with others) raised KeyError: ('packed', 'dual') before.
     argv = [
         "--mix", "tiny", "--world-sizes", "2", "--max-tokens", "450", "--min-steps-per-rank", "8",
         "--candidates", "2", "--out", str(tmp_path), "--no-plots", "--no-progress", "--schedules", schedules,
     ]  # fmt: skip
-    argv += [] if modes is None else ["--modes", modes]
+    argv += [] if sizings is None else ["--modes", sizings]
     assert main(argv) == 0
     printed = capsys.readouterr()
     wanted = {"equal_tokens"}  # the reference of tokens_per_s_ratio, always simulated
     for schedule in schedules.split(","):
-        for mode in (modes or "dual,equal_tokens").split(","):
-            wanted.add("packed" if schedule == "packed" else _CONFIG_OF[(schedule, mode)])
+        for sizing in (sizings or "dual,equal_tokens").split(","):
+            wanted.add("packed" if schedule == "packed" else _CONFIG_OF[(schedule, sizing)])
     rows = json.loads((tmp_path / "simulate.json").read_text())["results"]
-    assert sorted(r["mode"] for r in rows) == sorted(wanted)  # packed once, whatever the modes
+    assert sorted(r["variant"] for r in rows) == sorted(wanted)  # packed once, whatever the sizing rules
     assert all(r["steps"] > 0 for r in rows)
     if "packed" in schedules:
         assert "packed = schedule packed (no batch sizing" in printed.out
         # An explicit --modes is said not to apply to the packed schedule; no note without one.
-        assert ("does not apply to the packed schedule" in printed.err) == (modes is not None)
+        assert ("does not apply to the packed schedule" in printed.err) == (sizings is not None)
 
 
-def test_table_splits_schedule_and_mode_and_gives_the_budget_unit():
+def test_table_splits_schedule_and_sizing_and_gives_the_budget_unit():
     settings = SimulateSettings(
-        world_sizes=[2], modes=["dual", "packed"], max_tokens=450, min_steps_per_rank=8, max_candidates=2
+        world_sizes=[2], variants=["dual", "packed"], max_tokens=450, min_steps_per_rank=8, max_candidates=2
     )
     result = simulate("tiny", settings, progress=False)
     lines = result.table().splitlines()
     head = lines[0].split()
-    assert head[:5] == ["config", "schedule", "mode", "ranks", "steps"]
+    assert head[:5] == ["config", "schedule", "sizing", "ranks", "steps"]
     assert "[s]" in lines[0]  # the budget's unit: p fitted to the step times, so seconds per batch
     rows = {line.split()[0]: line.split() for line in lines[2:] if line.split()[0] in ("dual", "packed")}
     assert rows["dual"][1:3] == ["independent", "dual"]
-    assert rows["packed"][1:3] == ["packed", "-"]  # the packed schedule has no batcher mode
+    assert rows["packed"][1:3] == ["packed", "-"]  # the packed schedule sizes no batches
     assert "seconds per batch" in lines[-1] and "cost_model" in lines[-1]
     assert result.meta["max_compute_unit"].startswith("seconds per batch")
     given_p = simulate(
         "tiny",
         SimulateSettings(
-            world_sizes=[2], modes=["dual"], max_tokens=450, p=1.5, min_steps_per_rank=8, max_candidates=2
+            world_sizes=[2], variants=["dual"], max_tokens=450, p=1.5, min_steps_per_rank=8, max_candidates=2
         ),
         progress=False,
     )
@@ -544,17 +527,17 @@ def test_noisy_balance_of_identical_work_is_the_noise_floor():
 
 def test_simulate_with_noise_adds_the_noisy_figures_and_leaves_the_exact_ones():
     base = dict(world_sizes=[2, 4], max_tokens=450, min_steps_per_rank=8, recommend=False)
-    modes = ("equal_tokens", "lockstep", "packed")
-    exact = simulate("tiny", SimulateSettings(**base, modes=modes), progress=False)
+    variants = ("equal_tokens", "lockstep", "packed")
+    exact = simulate("tiny", SimulateSettings(**base, variants=variants), progress=False)
     noisy = simulate(
-        "tiny", SimulateSettings(**base, modes=modes, noise=0.05, noise_draws=16), progress=False
+        "tiny", SimulateSettings(**base, variants=variants, noise=0.05, noise_draws=16), progress=False
     )
     assert all("wait_share_noise" not in r for r in exact.rows) and "wait+noise" not in exact.table()
     for e, n in zip(exact.rows, noisy.rows, strict=True):
-        assert (e["mode"], e["world_size"]) == (n["mode"], n["world_size"])
+        assert (e["variant"], e["world_size"]) == (n["variant"], n["world_size"])
         assert e["wait_share"] == n["wait_share"] and e["tokens_per_s"] == n["tokens_per_s"]
         assert n["noise"] == 0.05 and n["wait_share_noise"] > 0
-    rows = {(r["mode"], r["world_size"]): r for r in noisy.rows}
+    rows = {(r["variant"], r["world_size"]): r for r in noisy.rows}
     assert rows[("equal_tokens", 4)]["tokens_per_s_ratio_noise"] == 1.0
     # Balanced steps wait about the floor with noise, however little they wait without it.
     from lightning_adaptiveload.tools.replay import noise_floor
@@ -562,7 +545,7 @@ def test_simulate_with_noise_adds_the_noisy_figures_and_leaves_the_exact_ones():
     assert rows[("packed", 4)]["wait_share_noise"] >= 0.5 * noise_floor(0.05, 4)
     assert "wait+noise" in noisy.table() and noisy.meta["noise"] == 0.05 and noisy.meta["noise_draws"] == 16
     again = simulate(
-        "tiny", SimulateSettings(**base, modes=modes, noise=0.05, noise_draws=16), progress=False
+        "tiny", SimulateSettings(**base, variants=variants, noise=0.05, noise_draws=16), progress=False
     )
     assert [r["wait_share_noise"] for r in again.rows] == [r["wait_share_noise"] for r in noisy.rows]
 
