@@ -19,6 +19,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,12 +40,13 @@ from lightning_adaptiveload.monitor.cost_refit import (
     RESIZE_OPT_IN,
     CostRefitter,
     apply_to_datamodule,
+    describe_dropped,
     refit_metrics,
     withheld_because,
 )
 from lightning_adaptiveload.monitor.replan import ReplanTrigger, replan_metrics
 from lightning_adaptiveload.planning.cost_model import CostModel
-from lightning_adaptiveload.planning.refit import RefitConfig
+from lightning_adaptiveload.planning.refit import DROP_REASONS, RefitConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,7 +72,13 @@ class ClosedLoop(Callback):
       monitor's folder (rank 0).
     - **It is checkpointed** (:meth:`state_dict`): the learned model, its measurements and the window
       gathered since, so that a resumed run plans with them. A checkpoint of 0.1.0 kept them under the
-      monitor's state; they are read from there too (:mod:`~lightning_adaptiveload.monitor.loop_state`).
+      monitor's state; they are read from there too (:mod:`~lightning_adaptiveload.monitor.loop_state`, which
+      checks every field first: a bad one is a ``LoopStateError`` naming the checkpoint key, the field and the
+      rule). A restored model the data module refuses (a cost that is not positive at one of its lengths) is
+      dropped with a warning naming the checkpoint key, and the data module keeps its own.
+    - **It never stops training**: a refit that fails numerically keeps the last good model, rows that are no
+      measurement are left out and counted (``points_dropped``), each said in a warning; a
+      ``cost_refit.jsonl`` that cannot be written is reported once.
     - With ``RefitConfig(replan_wait=...)`` a window of steps whose straggler wait passes it refits and replans
       the rest of the running epoch (``docs/closed_loop.md``, "Mid-epoch replanning").
 
@@ -111,6 +119,7 @@ class ClosedLoop(Callback):
         self._rank, self._world = 0, 1
         self._refit_step = -1  # the optimizer step of the last every_n_steps refit
         self._warned: set[str] = set()
+        self._files = report.FileGuard("ClosedLoop", _warn_user)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -179,17 +188,14 @@ class ClosedLoop(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._refitter is None or not state_dict:
-            return
-        state = loop_state.current_loop_state(state_dict)
-        if "cost_refit" not in state:
-            return
-        self._refitter.load_state_dict(state["cost_refit"])
-        if self._trigger is not None and "replan" in state:
-            self._trigger.load_state_dict(state["replan"])
-        # Lightning restores callbacks after `setup` and before the first epoch is planned.
-        if self._refitter.model is not None and self._refitter.applied and self._trainer is not None:
-            self._apply(self._trainer, self._refitter.model)
+        """Restore :meth:`state_dict`'s output (Lightning passes the state under this callback's key), every
+        field checked first (:func:`~lightning_adaptiveload.monitor.loop_state.read_loop_state`).
+
+        Raises:
+            LoopStateError: (a ``ValueError``) a missing key, a value of the wrong type, a coefficient that is
+                not finite or negative: names the checkpoint key, the field and the rule.
+        """
+        self._load(state_dict, loop_state.state_where(self.state_key))
 
     @override
     def on_load_checkpoint(
@@ -201,9 +207,35 @@ class ClosedLoop(Callback):
         if self.state_key in states:
             return
         monitor_key = self._monitor.state_key if self._monitor is not None else None
-        found = loop_state.find_loop_state(states, self.state_key, monitor_key)
-        if found is not None:
-            self.load_state_dict(found)
+        found = states.get(monitor_key) if monitor_key is not None else None
+        if loop_state.holds_loop_state(found):
+            self._load(found, loop_state.state_where(str(monitor_key)))
+
+    def _load(self, state_dict: Any, where: str) -> None:
+        """Check and restore a state found at ``where``; hand its model to the data module, which plans the
+        next epoch with it, or drop the model (a warning names it and why) where the data module refuses it."""
+        if self._refitter is None or not state_dict:
+            return
+        state = loop_state.read_loop_state(state_dict, where)  # every part checked before any is restored
+        self._refitter.load_state_dict(state["cost_refit"], where)
+        if self._trigger is not None and "replan" in state:
+            self._trigger.load_state_dict(state["replan"], where)
+        # Lightning restores callbacks after `setup` and before the first epoch is planned.
+        refitter = self._refitter
+        if refitter.model is None or not refitter.applied or self._trainer is None:
+            return
+        datamodule = getattr(self._trainer, "datamodule", None)
+        why_not = self._apply(self._trainer, refitter.model)
+        if why_not and datamodule is not None:
+            self._warn_once(
+                "restored_model",
+                f"ClosedLoop: the cost model in {where}['cost_refit']['model'] ({refitter.model.describe()}), "
+                f"learned by the run that wrote the checkpoint, is not used: {why_not}. The data module plans "
+                "with its own cost model (the recipe's, or the one given to its set_cost_model) until the next "
+                "refit.",
+            )
+        if why_not:
+            refitter.model, refitter.applied = None, False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,7 +287,9 @@ class ClosedLoop(Callback):
             def agree(result: Any) -> Any:
                 return trainer.strategy.broadcast(result, src=0)
 
+        window_rows = self._refitter.window_rows
         result = self._refitter.refit(prior, int(trainer.current_epoch), int(trainer.global_step), agree)
+        self._say_what_was_left_out(result, prior, window_rows, trainer)
         exact = self._monitor.timing_exact if self._monitor is not None else True
         why_not = withheld_because(result, exact) or self._apply(trainer, result.model)
         self._refitter.settle(result, why_not)
@@ -280,6 +314,26 @@ class ClosedLoop(Callback):
         self._append_line(self._refitter.history[-1])
         return why_not == ""
 
+    def _say_what_was_left_out(self, result: Any, prior: CostModel, rows: int, trainer: pl.Trainer) -> None:
+        """Warn (once each) where a refit failed or left out rows that are no measurement; the numbers of every
+        refit are in ``cost_refit.jsonl`` (``points_dropped``)."""
+        at = f"at epoch {int(trainer.current_epoch)}, step {int(trainer.global_step)}"
+        if "fit_failed" in result.points_dropped:
+            self._warn_once(
+                "refit_failed",
+                f"ClosedLoop: the refit {at} failed: {result.reason}. The last good cost model "
+                f"({prior.describe()}) stays in use; training goes on.",
+            )
+        bad = {k: n for k, n in result.points_dropped.items() if k in DROP_REASONS}
+        if bad:
+            words = describe_dropped(replace(result, points_dropped=bad))
+            self._warn_once(
+                "refit_dropped",
+                f"ClosedLoop: the refit {at} {words} of the window's {rows} rows (rank-steps): readings that "
+                "are no measurement. The refit used the others; each refit's counts are in cost_refit.jsonl "
+                "(points_dropped).",
+            )
+
     def _apply(self, trainer: pl.Trainer, model: Any) -> str:
         resize = self._refitter is not None and self._refitter.config.resize_batches
         return apply_to_datamodule(getattr(trainer, "datamodule", None), model, resize)
@@ -289,11 +343,13 @@ class ClosedLoop(Callback):
         return self._monitor.prefix if self._monitor is not None else "balance/"
 
     def _append_line(self, line: Mapping[str, Any]) -> None:
-        """A line of ``cost_refit.jsonl`` in the monitor's folder (rank 0, where the monitor writes files)."""
+        """A line of ``cost_refit.jsonl`` in the monitor's folder (rank 0, where the monitor writes files). A file
+        that cannot be written is reported once, naming it, and training goes on (``docs/monitor.md``)."""
         monitor = self._monitor
         if self._rank != 0 or monitor is None or monitor.outdir is None or not monitor.write_files:
             return
-        report.append_json_line(os.path.join(monitor.outdir, "cost_refit.jsonl"), line)
+        path = os.path.join(monitor.outdir, "cost_refit.jsonl")
+        self._files.write(path, report.append_json_line, path, line)
 
     # ------------------------------------------------------------------ the mid-epoch replan
 
@@ -347,3 +403,8 @@ class ClosedLoop(Callback):
             done.steps_left_after,
         )
         self._append_line(line)
+
+
+def _warn_user(message: str) -> None:
+    """A UserWarning on rank 0 (a module function: the callback is pickled under ``ddp_spawn``)."""
+    rank_zero_warn(message, category=UserWarning)

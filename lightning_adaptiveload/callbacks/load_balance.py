@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_adaptiveload import _dist, _lightning_compat
@@ -88,9 +89,13 @@ class LoadBalanceMonitor(Callback):
     ``samples_per_s`` (summed over ranks), ``tflops_per_device``, ``mfu``,
     ``vram_efficiency_mean``/``_min``, ``peak_vram_util_eff``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``data_share``; each under ``prefix``.
 
-    **End of fit** (rank 0): a summary table is printed; ``load_balance_ranks.csv`` (one row per rank and
-    step), ``load_balance_steps.csv`` and ``load_balance.json`` (one row per step, summary, metadata) and PNG
-    plots are written to ``dirpath`` (default: ``trainer.log_dir``).
+    **End of fit** (rank 0): ``load_balance_ranks.csv`` (one row per rank and step), ``load_balance_steps.csv``
+    and ``load_balance.json`` (one row per step, summary, metadata) and PNG plots are written to ``dirpath``
+    (default: ``trainer.log_dir``; nothing under ``fast_dev_run`` unless ``dirpath`` is given), then a short
+    summary table is printed (:func:`~lightning_adaptiveload.monitor.report.format_summary`: the planned compute
+    CV beside the measured step-time CV, the steps used and left out, each epoch's last step where it stands
+    out), ending with where the files are (an INFO log line with ``print_summary=False``). A file that cannot be
+    written after the start is reported once, naming it, and training goes on.
 
     **Warm-up steps**: a step in which ``torch.compile`` compiled (:func:`~.timing.compile_count`) or
     before which FLOPs were counted is marked (``counted`` in the step table, ``flops_counted`` in the rank
@@ -225,6 +230,10 @@ class LoadBalanceMonitor(Callback):
         self._rank_peak: list[np.ndarray] = []
         self._outdir: str | None = None
         self._ranks_csv: str | None = None
+        self._no_files_because = ""  # why nothing is written (fast_dev_run), for the summary's last line
+        self._files = report.FileGuard("LoadBalanceMonitor", _warn_user)
+        self._started_at = 0.0  # wall clock at train start: files of this fit are those written since
+        self._plots_written: list[str] = []
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -239,7 +248,13 @@ class LoadBalanceMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # The monitor keeps no state; a 0.1.0 monitor kept its closed loop's here, which a ClosedLoop reads.
+        """The monitor keeps no state; a 0.1.0 monitor kept its closed loop's here, which a ClosedLoop reads.
+
+        Raises:
+            LoopStateError: (a ``ValueError``) a state that is neither empty nor a 0.1.0 closed loop's, or one of
+                those that breaks its schema (names the checkpoint key, the field and the rule).
+        """
+        loop_state.check_monitor_state(state_dict, loop_state.state_where(self.state_key))
         if loop_state.holds_loop_state(state_dict) and not self._listeners:
             self._warn_once(
                 "loop_state",
@@ -309,14 +324,31 @@ class LoadBalanceMonitor(Callback):
         self._flops = BatchFlops(pl_module, self.flops_fn, self.count_flops, self._warn_once)
         # trainer.log_dir broadcasts from rank 0, so every rank must ask (once, here).
         outdir = self.dirpath if self.dirpath is not None else (trainer.log_dir or trainer.default_root_dir)
+        self._started_at = time.time()
         if self._stacks is not None:
             os.makedirs(outdir, exist_ok=True)
             self._stacks.open(os.path.join(outdir, f"stall_stacks_rank{self._rank}.txt"))
+        if getattr(trainer, "fast_dev_run", False) and self.dirpath is None:
+            # Lightning writes no logs or checkpoints under fast_dev_run; files here would land in
+            # default_root_dir, where the next run overwrites them. An explicit dirpath is still written.
+            self._no_files_because = (
+                "none under fast_dev_run (Lightning writes no logs or checkpoints then either; "
+                "LoadBalanceMonitor(dirpath=...) keeps them)"
+            )
+            return
         if self._rank == 0 and self.write_files:
             self._outdir = outdir
-            os.makedirs(outdir, exist_ok=True)
             self._ranks_csv = os.path.join(outdir, "load_balance_ranks.csv")
-            report.write_ranks_header(self._ranks_csv)
+            try:  # before step 1: a folder that cannot be written is an error, naming it
+                os.makedirs(outdir, exist_ok=True)
+                report.write_ranks_header(self._ranks_csv)
+            except OSError as err:
+                raise OSError(
+                    err.errno,
+                    f"LoadBalanceMonitor cannot write its files in {outdir} ({err}); give it a writable folder "
+                    "(LoadBalanceMonitor(dirpath=...)) or LoadBalanceMonitor(write_files=False, plots=False)",
+                ) from err
+            self._files.written.append(self._ranks_csv)
         elif self._rank == 0:
             self._outdir = outdir
 
@@ -364,6 +396,8 @@ class LoadBalanceMonitor(Callback):
             _log.info("step %d: torch.compile compiled for %.1f s", *self._compiling.log[-1])
         if isinstance(batch, Mapping) and batch.get("packed"):
             flags |= step_table.FLAG_PACKED
+        if not getattr(trainer, "fast_dev_run", False) and batch_idx + 1 == trainer.num_training_batches:
+            flags |= step_table.FLAG_EPOCH_END  # the epoch's last batch: where its plan's remainder runs
         backward_end = sync_end = fsdp = None
         if self._timer is not None:
             self._timer.active = False
@@ -426,12 +460,20 @@ class LoadBalanceMonitor(Callback):
         if self._rank != 0:
             return
         self.summary = self._summarize()
+        if self._outdir is not None and self.write_files:
+            rows = report.step_rows(step_table.history(self._tables))
+            steps_csv = os.path.join(self._outdir, "load_balance_steps.csv")
+            self._files.write(steps_csv, report.write_steps_csv, steps_csv, rows)
+            payload = {"summary": self.summary, "steps": rows}
+            json_path = os.path.join(self._outdir, "load_balance.json")
+            self._files.write(json_path, report.write_json, json_path, payload)
+        if self._outdir is not None and self.plots and self._tables:
+            self._files.write(os.path.join(self._outdir, "load_balance_*.png"), self._write_plots)
+        self.summary["files"] = self._files_line()
         if self.print_summary:
             print(report.format_summary(self.summary), file=sys.stdout, flush=True)
-        if self._outdir is not None and self.write_files:
-            report.write_step_files(self._outdir, step_table.history(self._tables), self.summary)
-        if self._outdir is not None and self.plots and self._tables:
-            self._write_plots()
+        elif self.summary["files"]:
+            rank_zero_info(f"LoadBalanceMonitor: files: {self.summary['files']}")
 
     @override
     def on_exception(
@@ -554,7 +596,7 @@ class LoadBalanceMonitor(Callback):
         self._rank_compute.append(step_table.rank_band(steps, "compute_time_s"))
         self._rank_peak.append(step_table.rank_band(steps, "peak_allocated_bytes"))
         if self._ranks_csv is not None:
-            report.append_rank_rows(self._ranks_csv, steps)
+            self._files.write(self._ranks_csv, report.append_rank_rows, self._ranks_csv, steps)
 
     # ------------------------------------------------------------------ end of fit (rank 0)
 
@@ -586,7 +628,29 @@ class LoadBalanceMonitor(Callback):
             },
             "overall": overall,
             "table": described,
+            "rows": step_table.step_rows(table),
+            "epoch_ends": step_table.epoch_ends(table),
         }
+
+    def _files_line(self) -> str:
+        """Where this fit's files are, for the summary's last line: the folder and the names written (a file that
+        could not be written said so), or why none is."""
+        if self._no_files_because:
+            return self._no_files_because
+        if self._outdir is None:
+            return ""
+        names = [os.path.basename(p) for p in self._files.written if "*" not in p and os.path.exists(p)]
+        if self._plots_written:
+            names.append(f"{len(self._plots_written)} PNG plots (load_balance_*.png)")
+        for f in sorted(_listdir(self._outdir)):  # the closed loop's and the stall watchdog's, of this fit
+            if f == "cost_refit.jsonl" or (f.startswith("stall_stacks_rank") and f.endswith(".txt")):
+                if _mtime(os.path.join(self._outdir, f)) >= self._started_at - 1 and f not in names:
+                    names.append(f)
+        line = f"{os.path.abspath(self._outdir)}: {', '.join(names) or 'none written'}"
+        if self._files.failed:
+            failed = "; ".join(f"{os.path.basename(p)} ({e})" for p, e in self._files.failed.items())
+            line += f"; not written: {failed}"
+        return line
 
     def _format_summary(self) -> str:
         return report.format_summary(self.summary)
@@ -594,7 +658,7 @@ class LoadBalanceMonitor(Callback):
     def _write_plots(self) -> None:
         assert self._outdir is not None
         totals = self._totals if self._totals is not None else np.full(self._world, self._device_total)
-        report.write_monitor_plots(
+        self._plots_written = report.write_monitor_plots(
             self._outdir,
             step_table.history(self._tables),
             np.concatenate(self._rank_compute),
@@ -607,8 +671,27 @@ class LoadBalanceMonitor(Callback):
 # ---------------------------------------------------------------------- module helpers
 
 
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
+
+
 def _norm_modulate_path() -> str:
     """How the fused LayerNorm-Modulate op ran on this rank (``"not called"`` when the model never imported it)."""
     # Only where the model imported the op: importing it here would load (or build) the CUDA kernels.
     ops = sys.modules.get("lightning_adaptiveload.ops")
     return ops.fused_op_paths() if ops is not None else "not called"
+
+
+def _warn_user(message: str) -> None:
+    """A UserWarning on rank 0 (a module function: the callback is pickled under ``ddp_spawn``)."""
+    rank_zero_warn(message, category=UserWarning)

@@ -242,7 +242,7 @@ def _basic_fused(
     """BasicTransformerBlock, norm types ada_norm_zero (the FFN site) and ada_norm_single (both sites) fused."""
     if cross_attention_kwargs is not None and cross_attention_kwargs.get("scale", None) is not None:
         _basic_logger.warning(
-            "Passing `scale` to `cross_attention_kwargs` is deprecated. `scale` will be ignored."
+            "cross_attention_kwargs['scale'] has no effect on this block (the unfused block ignores it too)"
         )
     single = block.norm_type == "ada_norm_single"
     batch_size = hidden_states.shape[0]

@@ -1,7 +1,7 @@
 """Load-balance measurement, without Lightning: the per-step table (``steps``), result files (``report``,
 shared with the simulator), clocks (``timing``, ``fsdp_timing``), FLOPs (``flops``); and the pure parts of the
 closed loop that plans with those measurements: the cost-model refit (``cost_refit``), the mid-epoch replan
-decision (``replan``) and its checkpoint state's versions (``loop_state``). The callbacks that use them are in
+decision (``replan``) and its checkpoint state's versions and schema (``loop_state``). The callbacks that use them are in
 :mod:`lightning_adaptiveload.callbacks` (``LoadBalanceMonitor``, ``ClosedLoop``); the balance statistics are in
 :mod:`lightning_adaptiveload.stats`."""
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.monitor import loop_state
 from lightning_adaptiveload.monitor.steps import FIELD_INDEX, FLAG_COUNTED, FLAG_HOOK, FLAG_PACKED
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.refit import (
@@ -37,10 +38,11 @@ __all__ = [
     "withheld_because",
     "refit_metrics",
     "format_refit",
+    "describe_dropped",
     "STATE_VERSION",
 ]
 
-STATE_VERSION = 1
+STATE_VERSION = loop_state.COST_REFIT_VERSION
 
 
 def measurements_from_steps(steps: np.ndarray) -> StepMeasurements:
@@ -149,8 +151,9 @@ def format_refit(result: RefitResult) -> str:
         f"cost model refit: {result.status}" + (f" ({result.reason})" if result.reason else ""),
         f"  before: {result.prior.describe()}",
         f"  after:  {result.model.describe()}" + (" (clamped)" if result.clamped else ""),
-        f"  steps: {result.points_used} used, {result.points_rejected} outliers, {result.points_warmup} warm-up; "
-        f"shape change {result.change:.3g}x",
+        f"  steps: {result.points_used} used, {result.points_rejected} outliers, {result.points_warmup} warm-up"
+        + (f", {describe_dropped(result)}" if result.points_dropped else "")
+        + f"; shape change {result.change:.3g}x",
         f"  {'class':<12}{'steps':>7}{'before mean':>13}{'before max':>12}{'after mean':>12}{'after max':>11}",
     ]
     for cls, err in result.error.items():
@@ -161,6 +164,27 @@ def format_refit(result: RefitResult) -> str:
         )
     lines.append("  (before: the starting model after its best common scale, i.e. the error of its shape)")
     return "\n".join(lines)
+
+
+_DROPPED_WORDS = {
+    "nan_time": "compute time nan",
+    "inf_time": "compute time infinite",
+    "negative_time": "compute time negative",
+    "zero_time": "compute time zero",
+    "subnormal_time": "compute time subnormal",
+    "no_work": "no usable token counts",
+    "too_few_to_fit": "too few to fit",
+    "fit_failed": "the fit failed",
+}
+
+
+def describe_dropped(result: RefitResult) -> str:
+    """``"3 left out (2 compute time subnormal, 1 compute time negative)"``, or ``""`` when none was."""
+    if not result.points_dropped:
+        return ""
+    n = sum(result.points_dropped.values())
+    parts = ", ".join(f"{k} {_DROPPED_WORDS.get(r, r)}" for r, k in result.points_dropped.items())
+    return f"{n} left out ({parts})"
 
 
 RESIZE_OPT_IN = "resize_batches"
@@ -191,7 +215,9 @@ def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool 
 
     Returns:
         ``""`` when applied, else why not (no data module that takes a cost model, a numeric ``max_compute``
-        in the old model's unit, or batch sizes the model would change without ``resize_batches``).
+        in the old model's unit, batch sizes the model would change without ``resize_batches``, or a data
+        module that refused the model, e.g. a cost that is not positive at one of its lengths: it keeps its
+        own model then).
     """
     setter = getattr(datamodule, "set_cost_model", None)
     if setter is None:
@@ -211,7 +237,10 @@ def apply_to_datamodule(datamodule: Any, model: CostModel, resize_batches: bool 
             f"batch sizes between epochs; it is logged only (ClosedLoop(refit={{'{RESIZE_OPT_IN}': True}}) "
             "applies it)"
         )
-    setter(model)
+    try:
+        setter(model)
+    except ValueError as err:  # the data module refuses a model it cannot plan with, and keeps its own
+        return f"the data module refused it: {err}"
     return ""
 
 
@@ -281,7 +310,21 @@ class CostRefitter:
         """
         window = StepMeasurements.concat(self._window)
         self._window = []
-        result = refit_cost_model(prior, window, self.config)
+        try:
+            result = refit_cost_model(prior, window, self.config)
+        except Exception as err:  # noqa: BLE001 - the refit never stops training: the prior is kept, and said why
+            result = RefitResult(
+                prior,
+                prior,
+                "kept",
+                f"the refit failed ({type(err).__name__}: {err}): the prior model is kept",
+                False,
+                1.0,
+                0,
+                0,
+                0,
+                points_dropped={"fit_failed": len(window)},
+            )
         if agree is not None:
             result = agree(result)
         self.model = result.model
@@ -313,21 +356,25 @@ class CostRefitter:
             "history": list(self.history),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output.
+    def load_state_dict(self, state: Mapping[str, Any], where: str = "the cost refit state") -> None:
+        """Restore :meth:`state_dict`'s output, every field checked first
+        (:func:`~lightning_adaptiveload.monitor.loop_state.check_cost_refit_state`); nothing changes when a
+        check fails.
+
+        Args:
+            state: the state.
+            where: where it came from (a checkpoint key), for the messages.
 
         Raises:
-            ValueError: a state of another version or without its keys (names what was found).
+            LoopStateError: (a ``ValueError``) a state of another version, without one of its keys, or with a
+                field that breaks its rule: names ``where``, the field and the rule.
         """
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"cost refit state has version {state.get('version')!r}, this code reads version {STATE_VERSION}; "
-                "resume with the code that wrote the checkpoint, or drop the ClosedLoop's state from it"
-            )
-        model = state.get("model")
-        self.model = None if model is None else CostModel.from_dict(model)
-        self.applied = bool(state.get("applied", False))
-        self._last = StepMeasurements.from_dict(state["measurements"])
+        model = loop_state.check_cost_refit_state(state, where, "cost_refit")
+        last = StepMeasurements.from_dict(state["measurements"])
+        window = [StepMeasurements.from_dict(state["window"])] if "window" in state else []
+        self.model = model
+        self.applied = bool(state["applied"])
+        self._last = last
         self._seen = {(int(r), str(c)): int(n) for r, c, n in state.get("seen", [])}
         self.history = list(state.get("history", []))
-        self._window = [StepMeasurements.from_dict(state["window"])] if "window" in state else []
+        self._window = window

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.monitor import loop_state
 from lightning_adaptiveload.monitor.steps import balance_figures
 from lightning_adaptiveload.planning.refit import RefitConfig
 
@@ -62,7 +63,14 @@ class ReplanTrigger:
         """The epoch and its replans so far (a resumed epoch replans at most ``max_replans_per_epoch`` in all)."""
         return {"epoch": self.epoch, "replans": self.replans}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], where: str = "the replan state") -> None:
+        """Restore :meth:`state_dict`'s output, checked first
+        (:func:`~lightning_adaptiveload.monitor.loop_state.check_replan_state`).
+
+        Raises:
+            LoopStateError: (a ``ValueError``) a field that breaks its rule, named with ``where``.
+        """
+        loop_state.check_replan_state(state, where, "replan")
         self.epoch = None if state.get("epoch") is None else int(state["epoch"])
         self.replans = int(state.get("replans", 0))
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,8 +29,11 @@ __all__ = [
     "save_figure",
     "format_value",
     "format_summary",
+    "FileGuard",
     "write_ranks_header",
     "append_rank_rows",
+    "step_rows",
+    "write_steps_csv",
     "write_step_files",
     "write_monitor_plots",
 ]
@@ -49,6 +53,8 @@ _INT_COLUMNS = frozenset(
         "ooms",
         "counted",
         "hook_timed",
+        "packed",
+        "epoch_end",
         "tokens",
         "samples",
     )
@@ -134,27 +140,160 @@ def format_value(value: float) -> str:
     return f"{value:.4f}"
 
 
+def _percent(value: Any) -> str:
+    return f"{100 * value:.1f}%" if isinstance(value, int | float) and math.isfinite(value) else "-"
+
+
+def _rate(value: Any) -> str:
+    if not (isinstance(value, int | float) and math.isfinite(value)):
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _figure(table: dict[str, Any], key: str, stat: str = "mean") -> float:
+    d = table.get(key) or {}
+    return d.get(stat, math.nan) if d.get("n", 0) else math.nan
+
+
+def _rows_note(rows: dict[str, Any]) -> str:
+    """``"264 in the measured times; left out: 4 warm-up, 1 negative reading"``."""
+    left = {k: n for k, n in (rows.get("left_out") or {}).items() if n}
+    if not left:
+        return "all in the measured times"
+    words = {"warm_up": "warm-up (FLOPs counted or compiling)"}
+    parts = ", ".join(f"{n} {words.get(k, k + ' time reading')}" for k, n in left.items())
+    return f"{rows.get('used', 0)} in the measured times; left out: {parts}"
+
+
+def _epoch_end_line(ends: dict[str, Any]) -> str | None:
+    """The line that explains each epoch's last step, where it stands out."""
+    if not ends or not ends.get("stands_out"):
+        return None
+    worst = ends["worst"]
+    what = (
+        "a pack of the samples left over after the epoch's equal steps (lockstep's packed tail)"
+        if ends["packed"] == ends["steps"] and ends["others_packed"] < 0.5 * ends["other_steps"]
+        else "the epoch's remainder, the samples its plan could not pair into equal steps"
+    )
+    tokens = ""
+    if math.isfinite(worst["rank_tokens_max"]) and math.isfinite(worst["rank_tokens_min"]):
+        tokens = (
+            f"up to {worst['rank_tokens_max']:,.0f} tokens vs {worst['rank_tokens_min']:,.0f} on the ranks, "
+        )
+    return (
+        f"  last step of each epoch ({ends['steps']} steps): {tokens}token CV {_percent(ends['token_cv'])} "
+        f"(the other steps {_percent(ends['others_token_cv'])})\n    {what}; docs/monitor.md"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """The LoadBalanceMonitor's printed summary: a line of metadata, the statistics table, the whole job."""
-    meta, overall, table = summary["meta"], summary["overall"], summary["table"]
+    """The LoadBalanceMonitor's printed summary, read in ten seconds: a line of metadata, then a few rows (steps,
+    tokens/s, MFU, the planned compute CV beside the measured step-time CV, the straggler wait, VRAM efficiency),
+    a line on each epoch's last step where it stands out, and where the files are. Planned figures (the cost
+    model's estimate of the batches run) and measured ones (the ranks' own compute times) are named apart. Every
+    statistic's distribution is in ``load_balance.json`` (``summary.table``)."""
+    meta, overall, table = summary["meta"], summary.get("overall") or {}, summary.get("table") or {}
     source = meta.get("flops_source")
     flops = f"FLOPs by {source}" if source not in (None, "none") else "FLOPs not counted (no TFLOP/s or MFU)"
     lines = [
         f"LoadBalanceMonitor: {meta['num_steps']} steps x {meta['world_size']} ranks on {meta['device']}; "
         f"compute time by {meta['timing_method']}, {flops}",
-        f"{'statistic':<22}{'mean':>12}{'p50':>12}{'p95':>12}{'max':>12}",
     ]
-    for key, d in table.items():
-        if d["n"] == 0:
-            continue
-        lines.append(
-            f"{key:<22}" + "".join(f"{format_value(d[c]):>12}" for c in ("mean", "p50", "p95", "max"))
+
+    def row(label: str, value: str, note: str = "") -> None:
+        lines.append(f"  {label:<22}{value:>8}  {note}".rstrip())
+
+    if not meta.get("num_steps"):
+        lines.append("  no training step was measured")
+    else:
+        row("steps", f"{meta['num_steps']:,}", _rows_note(summary.get("rows") or {}))
+        row("tokens/s", _rate(overall.get("tokens_per_s", math.nan)), "summed over the ranks, whole job")
+        tflops = overall.get("tflops_per_device", math.nan)
+        mfu_note = f"{format_value(tflops)} TFLOP/s per device" if math.isfinite(tflops) else ""
+        if not math.isfinite(overall.get("mfu", math.nan)):
+            mfu_note = "; ".join(x for x in (mfu_note, f"no peak FLOP/s known for {meta['device']}") if x)
+        row("MFU", _percent(overall.get("mfu", math.nan)), mfu_note)
+        no_cost = (summary.get("rows") or {}).get("cost_left_out", 0)
+        row(
+            "planned compute CV",
+            _percent(_figure(table, "compute_cv")),
+            f"p95 {_percent(_figure(table, 'compute_cv', 'p95'))}; the cost model's estimate of the batches run"
+            + (
+                f" ({no_cost} steps without a usable cost left out)"
+                if 0 < no_cost < meta["num_steps"]
+                else ""
+            ),
         )
-    lines.append(
-        "whole job: " + ", ".join(f"{k}={format_value(v)}" for k, v in overall.items() if math.isfinite(v))
-    )
-    lines.append(f"layer_norm_modulate (rank 0): {meta.get('norm_modulate_path', 'not called')}")
+        row(
+            "measured step-time CV",
+            _percent(_figure(table, "step_time_cv")),
+            f"p95 {_percent(_figure(table, 'step_time_cv', 'p95'))}; the ranks' measured compute times",
+        )
+        measured = overall.get("measured_straggler_wait", math.nan)
+        row(
+            "straggler wait",
+            _percent(overall.get("straggler_wait", math.nan)),
+            "of the compute time, ranks waiting for the slowest"
+            + (f" (measured at the all-reduce: {_percent(measured)})" if math.isfinite(measured) else ""),
+        )
+        vram = _figure(table, "vram_efficiency_mean")
+        util = overall.get("peak_vram_util_eff", math.nan)
+        row(
+            "VRAM efficiency",
+            _percent(vram),
+            "peak allocated / device memory, mean"
+            + (f"; peak VRAM utilisation efficiency {_percent(util)}" if math.isfinite(util) else "")
+            if math.isfinite(vram)
+            else "CUDA only",
+        )
+    line = _epoch_end_line(summary.get("epoch_ends") or {})
+    if line:
+        lines.append(line)
+    files = summary.get("files")
+    if files:
+        lines.append(f"  files: {files}")
+    path = meta.get("norm_modulate_path", "not called")
+    if path != "not called":
+        lines.append(f"  layer_norm_modulate (rank 0): {path}")
     return "\n".join(lines)
+
+
+class FileGuard:
+    """Writes that must not stop training: the first ``OSError`` of each file (EFBIG, ENOSPC, a folder made
+    read-only after the start) is reported once through ``warn``, naming the file and the error, and that file
+    is written no more (a CSV with a gap would read as whole); the other files go on.
+
+    Args:
+        owner: who writes (the messages start with it).
+        warn: called with the message, once per file.
+
+    Attributes:
+        failed: path -> the error, for each file given up.
+        written: the paths written at least once, in order.
+    """
+
+    def __init__(self, owner: str, warn: Callable[[str], None]) -> None:
+        self.owner = owner
+        self.warn = warn
+        self.failed: dict[str, str] = {}
+        self.written: list[str] = []
+
+    def write(self, path: str, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)``, which writes ``path``; returns whether it ran without an ``OSError``."""
+        if path in self.failed:
+            return False
+        try:
+            fn(*args)
+        except OSError as err:
+            self.failed[path] = f"{type(err).__name__}: {err}"
+            self.warn(
+                f"{self.owner}: could not write {path} ({err}); this file is not written again in this fit, and "
+                "training goes on (docs/monitor.md, 'Files written at the end of fit')"
+            )
+            return False
+        if path not in self.written:
+            self.written.append(path)
+        return True
 
 
 def write_ranks_header(path: str | os.PathLike) -> None:
@@ -182,15 +321,26 @@ def append_rank_rows(path: str | os.PathLike, steps: np.ndarray) -> None:
                 )
 
 
-def write_step_files(outdir: str, table: dict[str, np.ndarray], summary: dict[str, Any]) -> None:
-    """Write ``load_balance_steps.csv`` (one row per step) and ``load_balance.json`` (summary and steps)."""
+def step_rows(table: dict[str, np.ndarray]) -> list[dict[str, float]]:
+    """The per-step table as one dict per step (the :data:`STEP_COLUMNS`), for the CSV and the JSON."""
     keys = list(STEP_COLUMNS)
-    rows = [dict(zip(keys, vals)) for vals in zip(*(table[k].tolist() for k in keys))] if table else []
-    with open(os.path.join(outdir, "load_balance_steps.csv"), "w", newline="") as f:
+    return [dict(zip(keys, vals)) for vals in zip(*(table[k].tolist() for k in keys))] if table else []
+
+
+def write_steps_csv(path: str | os.PathLike, rows: list[dict[str, float]]) -> None:
+    """Write ``load_balance_steps.csv``: one row per step (:func:`step_rows`)."""
+    keys = list(STEP_COLUMNS)
+    with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(keys)
         for row in rows:
             writer.writerow([_csv_cell(row[k], k) for k in keys])
+
+
+def write_step_files(outdir: str, table: dict[str, np.ndarray], summary: dict[str, Any]) -> None:
+    """Write ``load_balance_steps.csv`` (one row per step) and ``load_balance.json`` (summary and steps)."""
+    rows = step_rows(table)
+    write_steps_csv(os.path.join(outdir, "load_balance_steps.csv"), rows)
     write_json(os.path.join(outdir, "load_balance.json"), {"summary": summary, "steps": rows})
 
 
@@ -207,19 +357,31 @@ def _rolling_mean(values: np.ndarray, width: int) -> np.ndarray:
 
 
 def _plot_cv(outdir: str, table: dict[str, np.ndarray], world: int | None) -> str:
-    """Distribution of the per-step CVs across ranks."""
+    """Distribution of the per-step CVs across ranks; each epoch's last step (the plan's remainder) apart."""
     counted = table["counted"] > 0
+    ends = np.asarray(table.get("epoch_end", np.zeros(len(counted)))) > 0
+    if ends.all():  # one step an epoch: nothing to tell apart
+        ends = np.zeros(len(counted), dtype=bool)
     fig = new_figure((12, 3.8))
     for ax, key, label in zip(
         fig.subplots(1, 3),
         ("compute_cv", "token_cv", "step_time_cv"),
-        ("compute CV (cost-model estimate)", "token CV", "step-time CV (measured compute)"),
+        ("planned compute CV (cost-model estimate)", "token CV", "measured step-time CV (compute times)"),
     ):
-        vals = 100 * table[key][~counted] if key == "step_time_cv" else 100 * table[key]
-        vals = vals[~np.isnan(vals)]
-        if vals.size:
-            d = stats.describe(vals.tolist())
-            ax.hist(vals, bins=min(50, max(5, vals.size // 3)), color="tab:blue", alpha=0.8)
+        keep = ~counted if key == "step_time_cv" else np.ones(len(counted), dtype=bool)
+        vals = 100 * table[key]
+        keep &= ~np.isnan(vals)
+        if keep.any():
+            d = stats.describe(vals[keep].tolist())
+            bins = np.histogram_bin_edges(vals[keep], bins=min(50, max(5, int(keep.sum()) // 3)))
+            ax.hist(
+                [vals[keep & ~ends], vals[keep & ends]],
+                bins=bins,
+                stacked=True,
+                color=["tab:blue", "tab:orange"],
+                alpha=0.8,
+                label=["steps", "last step of each epoch" if (keep & ends).any() else "_nolegend_"],
+            )
             ax.axvline(d["mean"], color="k", linestyle="--", label=f"mean {d['mean']:.1f}%")
             ax.axvline(d["p95"], color="tab:red", linestyle=":", label=f"p95 {d['p95']:.1f}%")
             ax.legend(fontsize=8)

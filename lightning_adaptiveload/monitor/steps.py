@@ -25,6 +25,7 @@ __all__ = [
     "FLAG_HOOK",
     "FLAG_COMPILED",
     "FLAG_PACKED",
+    "FLAG_EPOCH_END",
     "STEP_COLUMNS",
     "MAX_PLOTTED_RANKS",
     "GIB",
@@ -37,6 +38,8 @@ __all__ = [
     "rank_band",
     "compiled_steps",
     "summarize_table",
+    "step_rows",
+    "epoch_ends",
     "history",
 ]
 
@@ -65,7 +68,8 @@ FIELDS = (
     "ooms",  # cumulative out-of-memory errors
     "flags",  # bit 0: warm-up step (FLOPs counted on a meta copy before it, or torch.compile compiled in
     # it: its times are inflated); bit 1: compute timed to the end of the backward; bit 2: torch.compile
-    # compiled in it; bit 3: the batch was a pack of mixed shapes (batch["packed"])
+    # compiled in it; bit 3: the batch was a pack of mixed shapes (batch["packed"]); bit 4: the last batch of
+    # its epoch (batch_idx + 1 == trainer.num_training_batches)
 )
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -74,13 +78,17 @@ FLAG_COUNTED = 1
 FLAG_HOOK = 2
 FLAG_COMPILED = 4
 FLAG_PACKED = 8
+FLAG_EPOCH_END = 16
 
 # Columns of the per-step table (load_balance_steps.csv, the "steps" of load_balance.json).
 STEP_COLUMNS = (
     "step",
     "batch_idx",
+    "epoch",
     "counted",  # 1 if some rank counted FLOPs or compiled (warm-up) at the step: its time statistics are left out
     "hook_timed",  # 1 if every rank's compute time ended at its backward's end (not the whole step)
+    "packed",  # 1 if some rank's batch was a pack of mixed shapes (the packed schedule, lockstep's packed tail)
+    "epoch_end",  # 1 for the last batch of an epoch (the plan's remainder: docs/monitor.md, "Summary")
     "compute_cv",
     "compute_imbalance",
     "token_cv",
@@ -188,14 +196,24 @@ def step_table(
     t: dict[str, np.ndarray] = {
         "step": col("step")[:, 0],
         "batch_idx": col("batch_idx")[:, 0],
+        "epoch": col("epoch")[:, 0],
         "counted": ((flags & FLAG_COUNTED) > 0).any(axis=1).astype(np.float64),
         "hook_timed": ((flags & FLAG_HOOK) > 0).all(axis=1).astype(np.float64),
+        "packed": ((flags & FLAG_PACKED) > 0).any(axis=1).astype(np.float64),
+        "epoch_end": ((flags & FLAG_EPOCH_END) > 0).any(axis=1).astype(np.float64),
     }
-    t["compute_cv"], t["compute_imbalance"], _ = stats.balance_rows(col("cost"))
+    costs = stats.balance_rows(col("cost"))  # a negative or missing estimate is left out (nan), never raised
+    t["compute_cv"], t["compute_imbalance"], _ = costs
     t["token_cv"], _, _ = stats.balance_rows(col("num_tokens"))
     times = stats.balance_rows(col("compute_time_s"))  # a bad reading is left out (nan), never raised
     t["step_time_cv"], t["imbalance"], t["straggler_wait"] = times
-    t["bad_time_reading"] = times.bad.astype(np.float64)  # not a CSV column: counted in the summary
+    # Not CSV columns: counted in the summary (step_rows, epoch_ends).
+    t["bad_time_reading"] = times.bad.astype(np.float64)
+    t["bad_time_reason"] = _reasons(col("compute_time_s"), times.bad)
+    t["bad_cost_reading"] = costs.bad.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        t["rank_tokens_max"] = col("num_tokens").max(axis=1)
+        t["rank_tokens_min"] = col("num_tokens").min(axis=1)
     t["compute_time_max_s"] = col("compute_time_s").max(axis=1)
     t["measured_wait"], t["sync_tail_s"] = stats.measured_wait_rows(col("sync_wait_s"), col("compute_time_s"))
     t["step_time_s"] = col("step_time_s").max(axis=1)
@@ -219,6 +237,16 @@ def step_table(
     t["peak_reserved_gib"] = col("peak_reserved_bytes").max(axis=1) / GIB
     t["fill"] = col("num_tokens").mean(axis=1) / max_tokens
     return t
+
+
+def _reasons(x: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """Per row: 0, or 1 + the index in :data:`stats.BAD_READINGS` of the reason :func:`stats.balance_rows` left
+    the row out for (asked of it row by row: bad rows are rare)."""
+    out = np.zeros(len(bad), dtype=np.float64)
+    for i in np.flatnonzero(bad):
+        skipped = stats.balance_rows(x[i : i + 1]).skipped
+        out[i] = 1 + next(k for k, r in enumerate(stats.BAD_READINGS) if skipped.get(r))
+    return out
 
 
 def balance_figures(table: dict[str, np.ndarray]) -> dict[str, float]:
@@ -360,6 +388,80 @@ def summarize_table(
         means = np.concatenate(rank_peaks)[:, 1].astype(np.float64)
         overall["peak_vram_util_eff"] = float(means.mean() / high_water)
     return described, overall
+
+
+def step_rows(table: dict[str, np.ndarray]) -> dict[str, Any]:
+    """How many steps the measured time figures (``step_time_cv``, ``imbalance``, ``straggler_wait``) used, and
+    how many they left out and why; ``used + sum(left_out.values()) == steps``.
+
+    Returns:
+        ``{"steps", "used", "left_out": {"warm_up": n, "negative": n, "nan": n, "inf": n, "subnormal": n},
+        "cost_left_out"}``: warm-up steps (FLOPs counted or compiling) first, then the bad readings of
+        :data:`stats.BAD_READINGS` (a rank's compute time negative, nan, infinite or subnormal) by reason; and
+        the steps the planned compute CV left out (a rank's ``batch["cost"]`` missing or a bad reading).
+    """
+    n = len(table.get("step", ()))
+    if not n:
+        return {"steps": 0, "used": 0, "left_out": {}, "cost_left_out": 0}
+    warm = table["counted"] > 0
+    reason = np.asarray(table.get("bad_time_reason", np.zeros(n)))
+    left_out = {"warm_up": int(warm.sum())}
+    for k, name in enumerate(stats.BAD_READINGS):
+        left_out[name] = int(((reason == k + 1) & ~warm).sum())
+    cost_left_out = int(np.sum(table.get("bad_cost_reading", np.zeros(n))))
+    return {
+        "steps": n,
+        "used": n - sum(left_out.values()),
+        "left_out": left_out,
+        "cost_left_out": cost_left_out,
+    }
+
+
+def epoch_ends(table: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The last step of each epoch beside the other steps: where an epoch's remainder (the samples its plan could
+    not pair into equal steps) runs, its balance differs.
+
+    Returns:
+        ``{}`` without such a step or without another step; else ``{"steps", "packed" (how many of them were
+        packs), "token_cv", "compute_cv" (their means), "others_token_cv", "others_compute_cv", "other_steps",
+        "others_packed",
+        "worst": {"step", "epoch", "token_cv", "rank_tokens_max", "rank_tokens_min"}, "stands_out"}``;
+        ``stands_out`` when their mean token or compute CV is over 5% and over twice the other steps'.
+    """
+    ends = np.asarray(table.get("epoch_end", ()), dtype=np.float64) > 0
+    if not ends.any() or ends.all():
+        return {}
+    others = ~ends
+    token_cv, compute_cv = table["token_cv"], table["compute_cv"]
+    figures = {
+        "token_cv": _nanmean(token_cv[ends]),
+        "compute_cv": _nanmean(compute_cv[ends]),
+        "others_token_cv": _nanmean(token_cv[others]),
+        "others_compute_cv": _nanmean(compute_cv[others]),
+    }
+    stands_out = any(
+        figures[k] > 0.05 and not figures[k] <= 2 * figures["others_" + k]
+        for k in ("token_cv", "compute_cv")
+        if math.isfinite(figures[k])
+    )
+    idx = np.flatnonzero(ends)
+    cvs = np.where(np.isnan(token_cv[idx]), -1.0, token_cv[idx])
+    w = int(idx[int(np.argmax(cvs))])
+    return {
+        "steps": int(ends.sum()),
+        "packed": int((table["packed"][ends] > 0).sum()),
+        **figures,
+        "other_steps": int(others.sum()),
+        "others_packed": int((table["packed"][others] > 0).sum()),
+        "worst": {
+            "step": int(table["step"][w]),
+            "epoch": int(table["epoch"][w]),
+            "token_cv": float(token_cv[w]),
+            "rank_tokens_max": float(table["rank_tokens_max"][w]),
+            "rank_tokens_min": float(table["rank_tokens_min"][w]),
+        },
+        "stands_out": bool(stands_out),
+    }
 
 
 def history(tables: list[dict[str, np.ndarray]]) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def test_a_0_1_0_checkpoint_with_the_state_under_the_monitor_restores(tmp_path):
 
 
 def test_loop_state_versions_are_read_in_one_place():
-    refit = {"version": 1, "model": None}
+    refit = CostRefitter(RefitConfig()).state_dict()
     assert loop_state.current_loop_state({"cost_refit": refit, "replan": {}}) == {
         "version": 2,
         "cost_refit": refit,

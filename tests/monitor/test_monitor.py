@@ -325,7 +325,12 @@ def test_one_collective_per_logged_step_and_files_cover_every_step(tmp_path, mon
     assert not any("vram" in k or "gib" in k for k in m)
     assert "balance/mfu" not in m  # no peak FLOP/s on CPU
     out = capsys.readouterr().out
-    assert "LoadBalanceMonitor: 8 steps x 1 ranks" in out and "token_cv" in out
+    assert "LoadBalanceMonitor: 8 steps x 1 ranks" in out
+    # the ten-second table: planned and measured CVs named apart, the steps counted, where the files are
+    assert "planned compute CV" in out and "measured step-time CV" in out and "whole job:" not in out
+    assert "4 in the measured times; left out: 4 warm-up" in out
+    assert f"files: {os.path.abspath(tmp_path / 'out')}: load_balance_ranks.csv" in out
+    assert max(len(line) for line in out.splitlines() if not line.lstrip().startswith("files:")) < 120
     summary = monitor.summary
     assert summary["meta"]["num_steps"] == STEPS
     assert summary["overall"]["tokens"] == sum(b * s for b, s in PLAN[0])
