@@ -43,7 +43,7 @@ from lightning_adaptiveload.loading.loader import (
     loader_context,
 )
 from lightning_adaptiveload.loading.replan import Replanned, replan_rest
-from lightning_adaptiveload.loading.resume import position_state, read_state, resume_plan
+from lightning_adaptiveload.loading.resume import ResumeStateError, position_state, read_state, resume_plan
 from lightning_adaptiveload.loading.settings import DATAMODULE_DEFAULTS, DataModuleGroups, Loader, Source
 from lightning_adaptiveload.loading.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
@@ -242,6 +242,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._segments: list[dict[str, Any]] = []  # the current epoch's plan segments (resume history)
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
         self._resume: dict[str, Any] | None = None
+        self._resume_source = "checkpoint"
         self._train_loader: PlannedDataLoader | None = None
 
     @property
@@ -585,13 +586,23 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         ds.plan_progress = PlanProgressBar() if rank == 0 else None
         epoch = self._current_epoch()
         resume, self._resume = self._resume, None
+        if resume is not None and int(resume["epoch"]) > epoch:
+            # Not the past epoch of a state saved at an epoch's end: a position ahead of the fit loop,
+            # whose epochs before it would be trained again silently.
+            raise ResumeStateError(
+                f"{self._resume_source}: the AdaptiveLoadDataModule resume state's epoch is {resume['epoch']}, "
+                f"but training is at epoch {epoch}: the state belongs to another run or checkpoint, and "
+                f"starting fresh would train epochs {epoch} to {int(resume['epoch']) - 1} again. What to do: "
+                "resume with the checkpoint that saved this state (its trainer and datamodule entries "
+                "together), or drop the datamodule's entry from the checkpoint to start the epoch afresh"
+            )
         if resume is not None and int(resume["epoch"]) == epoch:
             plan = self._resume_plan(ds, resume)
             if plan.steps == 0:  # saved after the epoch's last batch: Lightning restarts an empty epoch
                 end_exhausted_restart(self.trainer)
         else:
-            if resume is not None:
-                log.info(
+            if resume is not None:  # an epoch already over (a state saved at its end): nothing to resume
+                log.warning(
                     "resume state is for epoch %s, training is at epoch %s: starting fresh",
                     resume["epoch"],
                     epoch,
@@ -689,10 +700,20 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if not state_dict:
             return
         # Layout, types and bounds, now (an older layout migrated); the digest when the epoch is replayed.
-        self._resume = read_state(state_dict)
+        self._resume_source = self._state_source()
+        self._resume = read_state(state_dict, self._resume_source)
+
+    def _state_source(self) -> str:
+        """Where the state being loaded comes from, for the messages: the checkpoint and its key."""
+        trainer = getattr(self, "_trainer", None) or getattr(self, "trainer", None)
+        path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+        where = f"checkpoint {path}" if path else "checkpoint"
+        return f"{where}, key {type(self).__qualname__!r}"
 
     def _resume_plan(self, ds: PlannedShardDataset, state: Mapping[str, Any]) -> EpochPlan:
-        resumed = resume_plan(ds, state)  # this rank's plan at its position, or the rest replanned
+        # This rank's plan at its position, or the rest replanned; refused where no digest can be checked
+        # unless Loader(resume_unverified=True).
+        resumed = resume_plan(ds, state, allow_unverified=self.loader.resume_unverified)
         self._segments = resumed.segments
         self._segment_base = resumed.segment_base
         rank_zero_info(

@@ -20,9 +20,10 @@ it), the line where YAML gives one, and what to do.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from lightning_adaptiveload.shards.textfile import file_kind
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -55,19 +56,8 @@ class RecipeFileError(ValueError):
     """A file that cannot be read as a recipe (or other input text); the message names it and says why."""
 
 
-def _kind(mode: int) -> str | None:
-    """What a non-regular file is, in words (None: a regular file)."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
+# What a non-regular file is, in words: the one test, shared with the bounded text readers of tools/.
+_kind = file_kind
 
 
 def check_regular(path: str | os.PathLike, *, what: str | None = None) -> None:

@@ -135,14 +135,27 @@ def _migrate_state(version: int, state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_state(state: Any) -> dict[str, Any]:
+def read_state(state: Any, source: str | None = None) -> dict[str, Any]:
     """A saved resume state (``AdaptiveLoadDataModule.state_dict()``, of any version this release reads) in
     the current layout (:func:`_migrate_state`), its layout, types and ranges checked.
+
+    Args:
+        source: where the state was read (``"checkpoint last.ckpt, key 'AdaptiveLoadDataModule'"``), put
+            at the front of every error's message.
 
     Raises:
         ResumeStateError: (a ``ValueError``) naming the field (``segments[1].world_size``), its value and
             the rule, and saying what to do; or a version this release does not read.
     """
+    if source is None:
+        return _read_state(state)
+    try:
+        return _read_state(state)
+    except ResumeStateError as err:
+        raise ResumeStateError(f"{source}: {err}") from None
+
+
+def _read_state(state: Any) -> dict[str, Any]:
     if not isinstance(state, Mapping):
         raise _bad("the state", f"is {_describe(state)}, not a dict")
     if state.get("version") not in _READS or type(state.get("version")) is not int:
@@ -207,7 +220,8 @@ def _check_layout(state: Mapping[str, Any]) -> None:
         if not isinstance(consumed, list) or len(consumed) != world:
             raise _bad(
                 f"{where}.consumed",
-                f"is {_describe(consumed)}; expected a list of {world} batch counts (one per rank)",
+                f"is {_describe(consumed)}; expected a list of {world} batch counts, one per rank of "
+                f"{where}.world_size = {world}",
             )
         for r, c in enumerate(consumed):
             _int(c, f"{where}.consumed[{r}]", 0, _MAX_COUNT)
@@ -254,7 +268,7 @@ class Resumed:
     consumed_samples: int
 
 
-def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
+def resume_plan(ds: Any, state: Mapping[str, Any], allow_unverified: bool = False) -> Resumed:
     """Plan what is left of ``state["epoch"]`` for this rank (``ds.rank``).
 
     Where every segment of the epoch ran on this world size and ended with every rank at the same step
@@ -270,10 +284,14 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
         ds: the :class:`~lightning_adaptiveload.loading.loader.PlannedShardDataset` to resume (its
             ``rank``, ``world_size`` and ``num_workers`` are the new run's).
         state: ``AdaptiveLoadDataModule.state_dict()``'s dict.
+        allow_unverified: resume a segment that holds no digest this replay can check (a version 1
+            state, or one whose digests are all null), with a warning naming what may be repeated or lost
+            (``Loader(resume_unverified=True)``); else such a state is refused.
 
     Raises:
-        ResumeStateError: a malformed state (:func:`read_state`), a segment that cannot be replayed, or
-            one whose replay consumed other samples than were consumed (its digest differs).
+        ResumeStateError: a malformed state (:func:`read_state`), a segment that cannot be replayed, one
+            whose replay consumed other samples than were consumed (its digest differs), or one with no
+            digest to check (unless ``allow_unverified``).
         ValueError: the state belongs to other shards (another index fingerprint).
     """
     state = read_state(state)
@@ -284,18 +302,18 @@ def resume_plan(ds: Any, state: Mapping[str, Any]) -> Resumed:
             "datamodule state from the checkpoint to start the epoch afresh"
         )
     segments = [dict(s) for s in state["segments"]]
-    if not any("digest" in s or "digests" in s for s in segments):  # saved in layout 1
-        log.warning("the resume state holds no digest of the consumed samples: the replay is not verified")
     refit = _continues_refit(segments, ds.world_size)
     if _continues(segments, ds.world_size):
-        plan, consumed_samples = _continue_at_position(ds, int(state["epoch"]), segments)
+        plan, consumed_samples = _continue_at_position(
+            ds, int(state["epoch"]), segments, allow_unverified=allow_unverified
+        )
         kind = "continue"
     elif refit is not None:
         # The epoch was replanned mid-epoch with a refit model and ran on since: continue that plan.
-        plan, consumed_samples = _continue_refit(ds, int(state["epoch"]), segments, refit)
+        plan, consumed_samples = _continue_refit(ds, int(state["epoch"]), segments, refit, allow_unverified)
         kind = "continue"
     else:
-        plan, consumed_samples = _replan_rest(ds, int(state["epoch"]), segments)
+        plan, consumed_samples = _replan_rest(ds, int(state["epoch"]), segments, allow_unverified)
         kind = "replan"
     return Resumed(
         plan=plan,
@@ -328,11 +346,15 @@ def _continues_refit(segments: list[dict[str, Any]], world: int) -> int | None:
     return b if same else None
 
 
-def _continue_refit(ds: Any, epoch: int, segments: list[dict[str, Any]], b: int) -> tuple[EpochPlan, int]:
+def _continue_refit(
+    ds: Any, epoch: int, segments: list[dict[str, Any]], b: int, allow_unverified: bool = False
+) -> tuple[EpochPlan, int]:
     """This rank's plan of the refit segment ``b`` (its saved settings and cost model, without the samples
     the segments before it consumed: replayed, :func:`consumed_mask`), continued at its position."""
-    gone = consumed_mask(ds, epoch, segments[:b])
-    plan, consumed = _continue_at_position(ds, epoch, segments[b:], exclude=gone or None, first=b)
+    gone = consumed_mask(ds, epoch, segments[:b], allow_unverified)
+    plan, consumed = _continue_at_position(
+        ds, epoch, segments[b:], exclude=gone or None, first=b, allow_unverified=allow_unverified
+    )
     return plan, consumed + gone.total()
 
 
@@ -359,12 +381,49 @@ def _plan_of(ds: Any, epoch: int, i: int, seg: Mapping[str, Any], rank: int, exc
         raise _bad(f"segments[{i}]", f"cannot be replayed ({type(err).__name__}: {err})") from None
 
 
+def _unverified(i: int, seg: Mapping[str, Any], what: str, allow: bool, rank: int) -> None:
+    """Refuse segment ``i`` whose saved state holds no digest this replay can check, or, with ``allow``
+    (``Loader(resume_unverified=True)``), warn naming what may be repeated or lost."""
+    counts = [int(c) for c in seg["consumed"]]
+    field = f"segments[{i}].digest and segments[{i}].digests"
+    if not allow:
+        raise ResumeStateError(
+            f"AdaptiveLoadDataModule resume state: {field} hold no digest that the replay on rank {rank} can "
+            f"check ({what}), so the {sum(counts)} consumed batches (per rank {counts}) cannot be verified: "
+            "if the seed, the plan settings or the planner changed since the checkpoint, resuming would repeat "
+            "some samples and skip others silently. What to do: resume from a checkpoint that holds the "
+            "digests, drop the datamodule's entry from the checkpoint to start the epoch afresh, or accept "
+            "the risk with Loader(resume_unverified=True)"
+        )
+    log.warning(
+        "resume_unverified: %s hold no digest that rank %d can check (%s): the replay of the %d consumed "
+        "batches (per rank %s, seed %s, schedule %r) is not verified; if the seed, the settings or the "
+        "planner changed since the checkpoint, up to that many batches' samples may be read again this epoch "
+        "and as many never",
+        field,
+        rank,
+        what,
+        sum(counts),
+        counts,
+        seg["seed"],
+        seg["schedule"],
+    )
+
+
 def _continue_at_position(
-    ds: Any, epoch: int, segments: list[dict[str, Any]], exclude: Any = None, first: int = 0
+    ds: Any,
+    epoch: int,
+    segments: list[dict[str, Any]],
+    exclude: Any = None,
+    first: int = 0,
+    allow_unverified: bool = False,
 ) -> tuple[EpochPlan, int]:
     """This rank's plan of ``segments[0]`` (without ``exclude``), continued after the steps every segment
-    consumed; each segment's saved digest of this rank's part is checked (version 3 states save one per
-    rank). ``first``: the index of ``segments[0]`` in the saved state (for the error messages)."""
+    consumed. Each segment is verified by one digest its replay must reproduce: this rank's part
+    (``digests[rank]``, version 3 and later) where saved; else the whole segment's ``digest`` (every
+    rank's plan replayed, any world size); else another rank's saved part (its plan replayed: the same
+    settings and planner give every rank's plan). A segment with none is refused unless
+    ``allow_unverified``. ``first``: the index of ``segments[0]`` in the saved state (for the messages)."""
     rank = int(ds.rank)
     plan = _plan_of(ds, epoch, first, segments[0], rank, exclude)
     done = 0
@@ -374,34 +433,59 @@ def _continue_at_position(
             raise _bad(
                 f"segments[{i}].consumed", f"is {k} steps after {done}, but the epoch has {plan.steps}"
             )
-        saved = (seg.get("digests") or [None] * (rank + 1))[rank]
+        world = int(seg["world_size"])
+        digests = seg.get("digests") or [None] * world
+        saved = digests[rank] if rank < len(digests) else None
         if saved is not None:
             replayed = digest_text(_part(plan, rank, done, done + k))
             if replayed != saved:
                 raise _digest_error(i, seg, saved, replayed)
-        elif seg.get("digest") is not None and int(seg["world_size"]) == 1:
-            replayed = digest_text(_part(plan, rank, done, done + k))
+        elif seg.get("digest") is not None:
+            # The whole segment's digest: every rank's part, from its own plan (the same steps on each).
+            total = _part(plan, rank, done, done + k)
+            for r in range(world):
+                if r != rank:
+                    other = _plan_of(ds, epoch, first, segments[0], r, exclude)
+                    total += _part(other, r, done, done + k)
+                    del other
+            replayed = digest_text(total)
             if replayed != seg["digest"]:
                 raise _digest_error(i, seg, seg["digest"], replayed)
+        else:
+            r = next((r for r, d in enumerate(digests) if d is not None), None)
+            if r is None:
+                what = "the whole digest is null and every rank's part is null or absent"
+                _unverified(i, seg, what, allow_unverified, rank)
+            else:
+                other = _plan_of(ds, epoch, first, segments[0], r, exclude)
+                replayed = digest_text(_part(other, r, done, done + k))
+                del other
+                if replayed != digests[r]:
+                    raise _digest_error(i, seg, digests[r], replayed)
         done += k
     consumed = sum(len(plan.streams[(rank, w)][j]) for w, j in plan.step_order[rank][:done])
     return continue_plan(plan, done, ds.num_workers), consumed
 
 
-def _replan_rest(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> tuple[EpochPlan, int]:
+def _replan_rest(
+    ds: Any, epoch: int, segments: list[dict[str, Any]], allow_unverified: bool = False
+) -> tuple[EpochPlan, int]:
     """The rest of the epoch planned for this rank without the samples the segments consumed."""
-    gone = consumed_mask(ds, epoch, segments)
+    gone = consumed_mask(ds, epoch, segments, allow_unverified)
     return ds.make_plan(epoch, exclude=gone or None, local=True), gone.total()
 
 
-def consumed_mask(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> ConsumedMask:
+def consumed_mask(
+    ds: Any, epoch: int, segments: list[dict[str, Any]], allow_unverified: bool = False
+) -> ConsumedMask:
     """The samples ``segments`` (with their ``consumed`` counts) consumed in ``epoch``, one flag per sample.
 
     Replays every saved rank's plan of every segment, one rank at a time (the time of one rank-local plan per
-    rank and segment), checking each part against its saved digest.
+    rank and segment), checking each part against its saved digest and the whole segment's digest.
 
     Raises:
-        ResumeStateError: a segment cannot be replayed, or its replay consumed other samples (digest).
+        ResumeStateError: a segment cannot be replayed, its replay consumed other samples (digest), or it
+            holds no digest at all (neither the whole nor any rank's part) and not ``allow_unverified``.
     """
     gone = ConsumedMask.of_index(ds.index)
     base_gone = gone.copy()  # what was consumed before the plan the current segment continues
@@ -414,6 +498,9 @@ def consumed_mask(ds: Any, epoch: int, segments: list[dict[str, Any]]) -> Consum
         consumed = [int(x) for x in seg["consumed"]]
         total = 0
         digests = seg.get("digests")
+        if seg.get("digest") is None and not any(d is not None for d in digests or []):
+            what = "the whole digest is null and every rank's part is null or absent"
+            _unverified(i, seg, what, allow_unverified, int(ds.rank))
         for r, k in enumerate(consumed):
             # Where this rank's plan of the base segment stood when segment i began.
             start = sum(int(segments[j]["consumed"][r]) for j in range(base, i))

@@ -68,7 +68,15 @@ class Loader:
     ``"forkserver"`` or ``"spawn"`` a ``sample_transform`` must be picklable, and a script that starts
     training must do so under ``if __name__ == "__main__":``."""
 
+    resume_unverified: bool = False
+    """Resume from a saved data position that holds no digest the replay can check (a version 1 state, or
+    one whose segment digests are all null), with a warning naming the batches that may be read twice or
+    never if the seed, the settings or the planner changed since. False (the default): such a state is
+    refused with a ``ResumeStateError`` naming the segment's ``digest``/``digests`` fields."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.resume_unverified, bool):
+            raise ValueError(f"resume_unverified must be True or False, got {self.resume_unverified!r}")
         workers = _integer(self.num_workers, "num_workers")
         if workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers!r}")

@@ -25,6 +25,23 @@ _THW = tuple[int, int, int]
 DEFAULT_PATCH = (1, 2, 2)
 
 
+#: The largest T, H, W or B a trace line may give (a latent of 2^31 frames is not a measurement).
+_MAX_DIM = 1 << 31
+
+
+def _whole(value: Any) -> int:
+    """A trace's whole number: an int, or a float with no fraction (``4.0``); bool, strings and the rest are
+    refused (``TypeError``/``ValueError``/``OverflowError`` for the caller to name the line)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{type(value).__name__} {value!r:.40} is not a number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    out = int(value)  # OverflowError for inf
+    if abs(out) > _MAX_DIM:
+        raise OverflowError(f"{value!r:.40} is larger than {_MAX_DIM}")
+    return out
+
+
 @dataclass
 class StepTimeTable:
     """Measured time of one training step per bucket and batch size, e.g. from a GPU trace.
@@ -82,41 +99,59 @@ class StepTimeTable:
             FileNotFoundError: no such file.
             ValueError: a JSON line that does not parse or lacks a key; the message names file, line and key.
         """
+        from lightning_adaptiveload.shards.textfile import iter_lines
+
         path = os.fspath(path)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise FileNotFoundError(
                 f"step time trace {path!r}: no such file; pass the JSONL a GPU trace wrote"
             )
         sums: dict[tuple[_THW, int], list[float]] = {}
         mems: dict[tuple[_THW, int], list[float]] = {}
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line.startswith("{"):
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
+        # A regular file, bounded in bytes and line length, UTF-8 (errors name the file and the line).
+        for lineno, line in iter_lines(path, what=f"step time trace {path}"):
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as err:
+                raise ValueError(f"step time trace {path}: line {lineno} is not valid JSON ({err})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(
+                    f"step time trace {path}: line {lineno} is a JSON {type(rec).__name__}, not an object "
+                    "with T, H, W, B and ms"
+                )
+            for key in ("T", "H", "W", "B", "ms"):
+                if key not in rec:
                     raise ValueError(
-                        f"step time trace {path}: line {lineno} is not valid JSON ({err})"
-                    ) from None
-                for key in ("T", "H", "W", "B", "ms"):
-                    if key not in rec:
-                        raise ValueError(
-                            f"step time trace {path}: line {lineno} lacks key {key!r}; each line needs "
-                            "T, H, W, B and ms"
-                        )
-                thw = (int(rec["T"]), int(rec["H"]), int(rec["W"]))
-                b = int(rec["B"])
-                ms = float(rec["ms"])
-                if b < 1 or not (math.isfinite(ms) and ms > 0):
-                    raise ValueError(
-                        f"step time trace {path}: line {lineno}: B={rec['B']!r}, ms={rec['ms']!r}; "
-                        "B must be >= 1 and ms positive"
+                        f"step time trace {path}: line {lineno} lacks key {key!r}; each line needs "
+                        "T, H, W, B and ms"
                     )
-                sums.setdefault((thw, b), []).append(ms / 1e3)
-                if rec.get("peak_gb") is not None:
-                    mems.setdefault((thw, b), []).append(float(rec["peak_gb"]))
+            try:
+                thw = (_whole(rec["T"]), _whole(rec["H"]), _whole(rec["W"]))
+                b = _whole(rec["B"])
+                ms = float(rec["ms"])
+                peak = None if rec.get("peak_gb") is None else float(rec["peak_gb"])
+            except (TypeError, ValueError, OverflowError) as err:
+                raise ValueError(
+                    f"step time trace {path}: line {lineno}: T, H, W, B must be whole numbers and ms, peak_gb "
+                    f"numbers ({type(err).__name__}: {err}); got T={rec['T']!r}, H={rec['H']!r}, "
+                    f"W={rec['W']!r}, B={rec['B']!r}, ms={rec['ms']!r}"[:600]
+                ) from None
+            if b < 1 or min(thw) < 1 or not (math.isfinite(ms) and ms > 0):
+                raise ValueError(
+                    f"step time trace {path}: line {lineno}: T, H, W = {list(thw)}, B={rec['B']!r}, "
+                    f"ms={rec['ms']!r}; T, H, W and B must be >= 1 and ms positive"
+                )
+            if peak is not None and not (math.isfinite(peak) and peak >= 0):
+                raise ValueError(
+                    f"step time trace {path}: line {lineno}: peak_gb={rec['peak_gb']!r}; must be a finite "
+                    "number >= 0 or absent"
+                )
+            sums.setdefault((thw, b), []).append(ms / 1e3)
+            if peak is not None:
+                mems.setdefault((thw, b), []).append(peak)
         if not sums:
             raise ValueError(f"step time trace {path}: no JSON lines with T, H, W, B, ms found")
         seconds: dict[_THW, dict[int, float]] = {}

@@ -96,15 +96,31 @@ def test_planner_change_is_refused(shards, saved, monkeypatch):
         take(dm, 1)
 
 
-def test_version_1_state_without_digest_still_resumes(shards, saved, monkeypatch, caplog):
+def test_version_1_state_without_digest_is_refused_or_resumed_with_the_opt_in(
+    shards, saved, monkeypatch, caplog
+):
+    """Before: a version 1 state (no digest) resumed with a bare "not verified" warning; now it is refused
+    naming the fields, and resumes only with ``Loader(resume_unverified=True)``, which says what may repeat."""
     state = copy.deepcopy(saved[0])
     state["version"] = 1
     del state["segments"][0]["digest"], state["segments"][0]["digests"]  # layout 1 had neither
     dm = make_dm(shards, monkeypatch)
+    dm.load_state_dict(copy.deepcopy(state))
+    with pytest.raises(
+        ResumeStateError, match=r"segments\[0\]\.digest and segments\[0\]\.digests hold no digest"
+    ):
+        take(dm, 1)
+    monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (0, 1))
+    dm = AdaptiveLoadDataModule(
+        train_shards=shards,
+        batching=Batching(max_tokens=512),
+        loader=Loader(num_workers=0, seed=7, resume_unverified=True),
+    )
+    dm.setup("fit")
     dm.load_state_dict(state)
     with caplog.at_level("WARNING"):
         rest = take(dm, None)
-    assert rest and "not verified" in caplog.text
+    assert rest and "resume_unverified" in caplog.text and "2 consumed batches" in caplog.text
 
 
 def _as_0_1_0(state: dict) -> dict:
@@ -188,7 +204,8 @@ _DELETE = object()
         (
             ("segments", 0, "consumed"),
             [1, 2],
-            "segments[0].consumed is list [1, 2]; expected a list of 1 batch counts",
+            "segments[0].consumed is list [1, 2]; expected a list of 1 batch counts, one per rank of "
+            "segments[0].world_size = 1",
         ),
         (("segments", 0, "consumed", 0), "x", "segments[0].consumed[0] is str 'x'"),
         (
