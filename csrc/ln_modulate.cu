@@ -1,11 +1,13 @@
-// Host side of the fused LayerNorm-Modulate op: input checks, launch plans, the launches, and the
-// second (column-sum) pass of the backward.
+// Host side of the fused norm-modulate ops (LayerNorm and RMSNorm): input checks, launch plans, the
+// launches, and the second (column-sum) pass of the backward.
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "ln_modulate_kernels.cuh"
+#include "norm_mod_tma.cuh"
 
 namespace adaptiveload {
 namespace {
@@ -65,6 +67,216 @@ const void* colsum_kernel(DType mod) {
   return nullptr;
 }
 
+const void* tma_fwd_kernel(DType x, DType mod, bool rms, int vpt, bool per_row) {
+  switch (x) {
+    case DType::kBFloat16:
+      return rms ? detail::tma_fwd_kernel_bf16_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_bf16_ln(mod, vpt, per_row);
+    case DType::kFloat16:
+      return rms ? detail::tma_fwd_kernel_fp16_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_fp16_ln(mod, vpt, per_row);
+    case DType::kFloat32:
+      return rms ? detail::tma_fwd_kernel_fp32_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_fp32_ln(mod, vpt, per_row);
+  }
+  return nullptr;
+}
+
+const void* tma_bwd_kernel(DType x, DType mod, bool rms, int vpt, bool affine, bool per_row, int rows) {
+  switch (x) {
+    case DType::kBFloat16:
+      return rms ? detail::tma_bwd_kernel_bf16_rms(mod, vpt, affine, per_row, rows)
+                 : detail::tma_bwd_kernel_bf16_ln(mod, vpt, affine, per_row, rows);
+    case DType::kFloat16:
+      return rms ? detail::tma_bwd_kernel_fp16_rms(mod, vpt, affine, per_row, rows)
+                 : detail::tma_bwd_kernel_fp16_ln(mod, vpt, affine, per_row, rows);
+    case DType::kFloat32:
+      return rms ? detail::tma_bwd_kernel_fp32_rms(mod, vpt, affine, per_row, rows)
+                 : detail::tma_bwd_kernel_fp32_ln(mod, vpt, affine, per_row, rows);
+  }
+  return nullptr;
+}
+
+int elt_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+// The device's opt-in limit of dynamic shared memory per CTA, cached per device.
+cudaError_t smem_optin(int* out) {
+  static int limits[64] = {0};
+  static std::mutex mu;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 64 && limits[dev] > 0) {
+    *out = limits[dev];
+    return cudaSuccess;
+  }
+  int n = 0;
+  err = cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 64) limits[dev] = n;
+  *out = n;
+  return cudaSuccess;
+}
+
+// Whether the current device has the bulk copy engine (compute capability 9.0 and newer), cached.
+bool tma_supported() {
+  static int major[64] = {0};
+  static std::mutex mu;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 64 && major[dev] > 0) return major[dev] >= 9;
+  int m = 0;
+  if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (dev < 64) major[dev] = m;
+  return m >= 9;
+}
+
+// Resident CTAs per SM of a bulk-copy kernel at a block size and dynamic shared memory, cached. The first
+// query of a kernel on a device raises its dynamic shared-memory limit to the opt-in maximum.
+std::mutex g_tma_mu;
+std::map<std::tuple<const void*, int, size_t, int>, int> g_tma_occ;
+std::set<std::pair<const void*, int>> g_tma_attr;
+
+cudaError_t tma_occupancy(const void* kernel, int threads, size_t smem, int* out) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const auto key = std::make_tuple(kernel, threads, smem, dev);
+  std::lock_guard<std::mutex> lock(g_tma_mu);
+  auto it = g_tma_occ.find(key);
+  if (it != g_tma_occ.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  if (g_tma_attr.insert({kernel, dev}).second) {
+    int optin = 0;
+    err = smem_optin(&optin);
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes fa;
+    err = cudaFuncGetAttributes(&fa, kernel);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - static_cast<int>(fa.sharedSizeBytes));
+    if (err != cudaSuccess) return err;
+  }
+  int occ = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
+  if (err != cudaSuccess) return err;
+  if (occ < 1) return cudaErrorInvalidConfiguration;
+  g_tma_occ[key] = occ;
+  *out = occ;
+  return cudaSuccess;
+}
+
+// Stages of a bulk-copy kernel: `want` (0: enough for about `target` bytes per CTA, within [lo, 8]),
+// reduced down to `floor` until the ring fits the opt-in shared memory; 0 when not even `floor` stages fit,
+// or when an explicit `want` does not fit (or is under `floor`).
+int tma_stages(int want, uint32_t stage_bytes, size_t target, int lo, int floor, int optin) {
+  // 1 KB below the limit: the runtime reserves some shared memory per CTA.
+  auto fits = [&](int s) {
+    return static_cast<size_t>(s) * stage_bytes + detail::tma_extra_smem(s) + 1024 <= static_cast<size_t>(optin);
+  };
+  if (want > 0) return want >= floor && want <= 16 && fits(want) ? want : 0;
+  int s = static_cast<int>(std::min<size_t>(8, std::max<size_t>(lo, (target + stage_bytes - 1) / stage_bytes)));
+  while (s > floor && !fits(s)) --s;
+  return fits(s) ? s : 0;
+}
+
+// The bulk-copy forward's plan (version 5). Fails (cudaErrorInvalidValue) where it cannot run: overrides
+// out of range, or a row that does not fit shared memory even once.
+cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void** kernel_out) {
+  if (!tma_supported()) return cudaErrorNotSupported;
+  const int64_t nvec = a.D / vec_width(a.x_dtype);
+  int threads = 0, vpt = 0;
+  if (a.warps_per_row > 0) {
+    threads = 32 * a.warps_per_row;
+    vpt = static_cast<int>(ceil_div(nvec, threads));
+    if (threads > detail::kTmaMaxThreads || ceil_div(nvec, threads) > 8) return cudaErrorInvalidValue;
+  } else {
+    // The fewest warps that keep a thread within 4 vectors (8 for the widest fp32 rows), the modulation in
+    // registers. Measured on an H200 (benchmarks/kernels/bench_norm_modulate_limit.py --sweep): the rows in
+    // flight per SM, not the bytes in flight, bound the kernel (stages beyond 2 did not help); more threads
+    // per row were slower (fewer CTAs per SM), and one warp per row with 5-8 vectors reading the
+    // modulation through L1 was 5-10% slower than this.
+    int W = static_cast<int>(ceil_div(nvec, 32 * 4));
+    vpt = static_cast<int>(ceil_div(nvec, 32 * W));
+    if (32 * W > detail::kTmaMaxThreads) {
+      W = static_cast<int>(ceil_div(nvec, 32 * 8));
+      vpt = static_cast<int>(ceil_div(nvec, 32 * W));
+    }
+    threads = 32 * W;
+    if (threads > detail::kTmaMaxThreads) return cudaErrorInvalidValue;
+  }
+  if (vpt == 7) vpt = 8;  // instantiated: 1-6 and 8
+  int optin = 0;
+  cudaError_t err = smem_optin(&optin);
+  if (err != cudaSuccess) return err;
+  const uint32_t xbytes = static_cast<uint32_t>(a.D) * elt_bytes(a.x_dtype);
+  const uint32_t mbytes = static_cast<uint32_t>(a.D) * elt_bytes(a.mod_dtype);
+  bool per_row = a.group_size == 1;
+  uint32_t stage_bytes = per_row ? xbytes + 2 * mbytes : xbytes;
+  // Two stages by default (more did not help on an H200: the rows in flight bound the kernel, and smaller
+  // rings leave room for more CTAs); per token 3 (a stage is released one row late there, so 2 at least).
+  int stages = per_row ? tma_stages(a.stages, stage_bytes, 1, 3, 2, optin)
+                       : tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
+  if (stages == 0 && per_row) {  // too wide to carry the modulation rows: read them through L1
+    per_row = false;
+    stage_bytes = xbytes;
+    stages = tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
+  }
+  if (stages == 0) return cudaErrorInvalidValue;
+  const void* kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
+  int occ = 0, sms = 0;
+  err = tma_occupancy(kernel, threads, smem, &occ);
+  if (err != cudaSuccess) return err;
+  err = sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(occ) * sms;
+  const int64_t grid0 = std::max<int64_t>(1, std::min<int64_t>(a.rows, resident));
+  const int64_t rpc = ceil_div(std::max<int64_t>(a.rows, 1), grid0);
+  const int64_t grid = ceil_div(std::max<int64_t>(a.rows, 1), rpc);
+  if (grid > 0x7fffffff) return cudaErrorInvalidValue;
+  out->tma = true;
+  out->threads = threads;
+  out->vpt = vpt;
+  out->stages = stages;
+  out->per_row = per_row;
+  out->grid = static_cast<int>(grid);
+  out->rows_per_cta = rpc;
+  out->smem_bytes = smem;
+  out->ctas_per_sm = occ;
+  *kernel_out = kernel;
+  return cudaSuccess;
+}
+
+cudaError_t tma_forward(const LnModFwdArgs& a, const NormModFwdPlan& pl, const void* kernel, cudaStream_t stream) {
+  detail::TmaFwdParams p;
+  p.x = a.x;
+  p.shift = a.shift;
+  p.scale = a.scale;
+  p.weight = a.weight;
+  p.bias = a.bias;
+  p.y = a.y;
+  p.mean = a.mean;
+  p.rstd = a.rstd;
+  p.rows = a.rows;
+  p.group_size = a.group_size;
+  p.shift_stride = a.shift_stride;
+  p.scale_stride = a.scale_stride;
+  p.rows_per_cta = pl.rows_per_cta;
+  p.D = static_cast<int>(a.D);
+  p.stages = pl.stages;
+  p.stage_bytes = static_cast<uint32_t>(a.D) * elt_bytes(a.x_dtype) +
+                  (pl.per_row ? 2u * static_cast<uint32_t>(a.D) * elt_bytes(a.mod_dtype) : 0u);
+  p.eps = a.eps;
+  void* args[] = {&p};
+  cudaError_t err = cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(pl.grid)), dim3(pl.threads), args,
+                                     pl.smem_bytes, stream);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
 struct PlanKey {
   const void* kernel;
   int tpr;
@@ -122,9 +334,52 @@ const char* ln_mod_check(int64_t D, DType x_dtype, DType mod_dtype) {
   return nullptr;
 }
 
+// LayerNorm, per sample or per frame, the host's choice: the register-fed persistent kernel (version 4)
+// where its two row buffers fit (up to 4 vectors per thread). Measured on an H200 (--sweep, 2026-12-02):
+// 84-85% of a copy at D = 1536 and 5120 against 70-80% for the bulk-copy kernel, whose LayerNorm rows
+// take longer than RMSNorm's (the mean). Per token, RMSNorm, and wider rows per thread: bulk copies.
+bool ln_prefers_v4(const LnModFwdArgs& a) {
+  if (a.rms || a.path != kFwdAuto || a.group_size <= 1 || a.warps_per_row > 0 || a.rows_per_cta > 0) return false;
+  const int64_t nvec = a.D / vec_width(a.x_dtype);
+  int W = 1;
+  while (ceil_div(nvec, 32 * W) > 4 && 32 * (W + 1) <= detail::kFwdMaxThreads) ++W;
+  return ceil_div(nvec, 32 * W) <= detail::kFwdPersistentMaxVpt;
+}
+
+cudaError_t norm_mod_forward_plan(const LnModFwdArgs& a, NormModFwdPlan* plan) {
+  if (ln_mod_check(a.D, a.x_dtype, a.mod_dtype) != nullptr || a.group_size < 1) return cudaErrorInvalidValue;
+  *plan = NormModFwdPlan();
+  if (a.path != kFwdAuto && a.path != kFwdTma) return cudaSuccess;  // a register-fed kernel: tma = false
+  // LayerNorm's auto choice is the register-fed kernels only (see ln_mod_forward).
+  if (!a.rms && a.path == kFwdAuto) return cudaSuccess;
+  if (ln_prefers_v4(a)) return cudaSuccess;
+  const void* kernel = nullptr;
+  cudaError_t err = tma_fwd_plan(a, plan, &kernel);
+  if (err != cudaSuccess && a.path == kFwdAuto && !a.rms) {
+    *plan = NormModFwdPlan();
+    return cudaSuccess;
+  }
+  return err;
+}
+
 cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   if (ln_mod_check(a.D, a.x_dtype, a.mod_dtype) != nullptr || a.group_size < 1) return cudaErrorInvalidValue;
+  if (a.path < kFwdAuto || a.path > kFwdTma) return cudaErrorInvalidValue;
+  if (a.rms && a.path != kFwdAuto && a.path != kFwdTma) return cudaErrorInvalidValue;  // version 5 only
   if (a.rows == 0) return cudaSuccess;
+  const bool v4 = ln_prefers_v4(a);
+  // LayerNorm's auto choice stays on the register-fed kernels (versions 3 and 4): the bulk-copy LayerNorm
+  // kernels gave a NaN gradient per token with an affine weight and an illegal address on a Flux block in
+  // the H200 checks of 2026-12-02; they run only when asked for (kFwdTma, benchmarks). RMSNorm has no other.
+  if ((a.path == kFwdAuto && !v4 && a.rms) || a.path == kFwdTma) {
+    // Version 5 wherever a row fits shared memory (every width the checks allow, in practice).
+    NormModFwdPlan pl;
+    const void* kernel = nullptr;
+    cudaError_t err = tma_fwd_plan(a, &pl, &kernel);
+    if (err == cudaSuccess) return tma_forward(a, pl, kernel, stream);
+    if (a.path == kFwdTma || a.rms) return err;
+  }
+  const int old_path = v4 ? kFwdV4 : a.path == kFwdTma ? 0 : a.path;
   const int64_t nvec = a.D / vec_width(a.x_dtype);
   // Fewest warps per row that keep a row within 4 vectors per thread (no spill under the 80-register cap),
   // and CTAs of about 128 threads. Measured on an H100 (benchmarks/NOTES_modulate.md): D = 1536, 2 warps x
@@ -148,13 +403,12 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   // bandwidth at D = 5120 (single-row: 87%) and 88% at 8 x 4096 x 1536 (77%), but 87% against the
   // single-row kernel's 88% at 1 x 32760 x 1536: with one modulation group and 2 warps per row the
   // single-row kernel stays.
-  if (a.path < 0 || a.path > 3) return cudaErrorInvalidValue;
   const bool fits = vpt <= detail::kFwdPersistentMaxVpt && a.rows_per_cta <= 1;
-  if (a.path >= 2 && !fits) return cudaErrorInvalidValue;
+  if (old_path >= 2 && !fits) return cudaErrorInvalidValue;
   const bool single_row_wins = a.group_size == a.rows && W == 2;
-  const bool persistent = a.path >= 2 || (a.path == 0 && fits && a.group_size > 1 && !single_row_wins);
+  const bool persistent = old_path >= 2 || (old_path == 0 && fits && a.group_size > 1 && !single_row_wins);
   const int kind = !persistent ? detail::kFwdSingleRow
-                               : a.path == 3 ? detail::kFwdPersistentLowRegs : detail::kFwdPersistent;
+                               : old_path == 3 ? detail::kFwdPersistentLowRegs : detail::kFwdPersistent;
   const int rows_per_cta = persistent ? 1 : a.rows_per_cta > 0 ? a.rows_per_cta : std::max(1, 128 / (32 * W));
   if (32 * W * rows_per_cta > detail::kFwdMaxThreads) return cudaErrorInvalidValue;
   const void* kernel = fwd_kernel(a.x_dtype, a.mod_dtype, vpt, kind);
@@ -196,8 +450,100 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+
+// The bulk-copy backward's plan (version 5); fails where it cannot run (see tma_fwd_plan).
+cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
+  if (!tma_supported()) return cudaErrorNotSupported;
+  const int64_t nvec = a.D / vec_width(a.x_dtype);
+  auto threads_for = [&](int v) { return static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32); };
+  int vpt = a.vectors_per_thread;
+  if (vpt <= 0) {
+    // One 16-byte vector per thread (8 fp32 column accumulators of each kind, the fewest registers) where a
+    // CTA stays within its thread limit; 2, 4, then 8 (fp32 rows over 8192 values) for wider rows.
+    // Measured on an H200 (--sweep): one vector beat two and four at every width.
+    vpt = 1;
+    while (vpt < 8 && threads_for(vpt) > detail::tma_bwd_max_threads(vpt)) vpt *= 2;
+  }
+  if (vpt != 1 && vpt != 2 && vpt != 4 && vpt != 8) return cudaErrorInvalidValue;
+  const int threads = threads_for(vpt);
+  if (threads > detail::tma_bwd_max_threads(vpt)) return cudaErrorInvalidValue;
+  // Rows per iteration: 2 by default (two rows in flight per barrier) up to 2 vectors per thread.
+  int rows_per_iter = a.slots > 0 ? a.slots : (vpt <= 2 ? 2 : 1);
+  if (rows_per_iter != 1 && rows_per_iter != 2 && rows_per_iter != 4) return cudaErrorInvalidValue;
+  if (vpt > 2 && rows_per_iter != 1) return cudaErrorInvalidValue;
+  int optin = 0;
+  cudaError_t err = smem_optin(&optin);
+  if (err != cudaSuccess) return err;
+  const uint32_t xbytes = static_cast<uint32_t>(a.D) * elt_bytes(a.x_dtype);
+  const uint32_t mbytes = static_cast<uint32_t>(a.D) * elt_bytes(a.mod_dtype);
+  bool per_row = a.group_size == 1;
+  const bool affine = a.weight != nullptr;
+  const uint32_t R = static_cast<uint32_t>(rows_per_iter);
+  uint32_t stage_bytes = per_row ? R * (2 * xbytes + mbytes) : R * 2 * xbytes;
+  // 2 stages of 2 rows by default (measured on an H200, --sweep: 1 vector per thread, 2 rows, 2 stages was
+  // the fastest or within 1% at every width); per token 3 (a stage is released one block late there).
+  int stages = per_row ? tma_stages(a.stages, stage_bytes, 1, 3, 2, optin)
+                       : tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
+  if (stages == 0 && per_row) {  // too wide to carry the scale rows: one-row items, scale through L1
+    per_row = false;
+    stage_bytes = R * 2 * xbytes;
+    stages = tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
+  }
+  if (stages == 0) return cudaErrorInvalidValue;
+  const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
+  int occ = 0, sms = 0;
+  err = tma_occupancy(kernel, threads, smem, &occ);
+  if (err != cudaSuccess) return err;
+  err = sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(occ) * sms;
+  const int64_t rows = std::max<int64_t>(a.rows, 1);
+  LnModBwdPlan pl;
+  pl.tma = true;
+  pl.vpt = vpt;
+  pl.rows_per_iter = rows_per_iter;
+  pl.tpr = threads;
+  pl.slots = 1;
+  pl.per_row = per_row;
+  pl.affine = affine;
+  pl.stages = stages;
+  pl.stage_bytes = stage_bytes;
+  pl.smem_bytes = smem;
+  if (per_row) {
+    pl.chunks = 1;
+    pl.rows_per_chunk = ceil_div(rows, std::min(resident, rows));
+    pl.num_items = ceil_div(rows, pl.rows_per_chunk);
+  } else {
+    // One wave of CTAs: a group takes as many chunks (items) as the CTAs it would leave idle otherwise.
+    const int64_t groups = std::max<int64_t>(1, a.rows / a.group_size);
+    int64_t chunks = groups >= resident ? 1 : resident / groups;
+    chunks = std::max<int64_t>(1, std::min(chunks, a.group_size));
+    pl.rows_per_chunk = ceil_div(a.group_size, chunks);
+    pl.chunks = ceil_div(a.group_size, pl.rows_per_chunk);
+    pl.num_items = groups * pl.chunks;
+  }
+  pl.grid = static_cast<int>(std::min<int64_t>(pl.num_items, resident));
+  size_t ws = 0;
+  if (!pl.per_row && pl.chunks > 1) ws += 2 * sizeof(float) * static_cast<size_t>(pl.num_items) * a.D;
+  if (pl.affine) ws += 2 * sizeof(float) * static_cast<size_t>(pl.grid) * a.D;
+  pl.workspace_bytes = ws;
+  *plan = pl;
+  return cudaSuccess;
+}
+
+}  // namespace
+
 cudaError_t ln_mod_backward_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   if (ln_mod_check(a.D, a.x_dtype, a.mod_dtype) != nullptr || a.group_size < 1) return cudaErrorInvalidValue;
+  if (a.path < kBwdAuto || a.path > kBwdTma) return cudaErrorInvalidValue;
+  if (a.rms && a.path == kBwdRegs) return cudaErrorInvalidValue;  // version 5 only
+  if (a.path == kBwdTma || (a.path == kBwdAuto && a.rms)) {  // LayerNorm's auto: the register-fed kernel
+    const cudaError_t err = tma_bwd_plan(a, plan);
+    if (err == cudaSuccess || a.path == kBwdTma || a.rms) return err;
+  }
   LnModBwdPlan pl;
   const int64_t nvec = a.D / vec_width(a.x_dtype);
   int vpt = a.vectors_per_thread;
@@ -309,11 +655,72 @@ cudaError_t ln_mod_backward_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   return cudaSuccess;
 }
 
+namespace {
+
+cudaError_t ln_mod_colsum(const LnModBwdArgs& a, const LnModBwdPlan& pl, const BwdParams& p, cudaStream_t stream);
+
+// The bulk-copy backward's first pass; `p` gets the partial-row pointers the column-sum pass reads.
+cudaError_t tma_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void* workspace, BwdParams* p_out,
+                         cudaStream_t stream) {
+  const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, pl.vpt, pl.affine, pl.per_row, pl.rows_per_iter);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  detail::TmaBwdParams p;
+  p.dy = a.dy;
+  p.x = a.x;
+  p.scale = a.scale;
+  p.weight = a.weight;
+  p.bias = a.bias;
+  p.mean = a.mean;
+  p.rstd = a.rstd;
+  p.dx = a.dx;
+  p.dshift = a.dshift;
+  p.dscale = a.dscale;
+  float* ws = static_cast<float*>(workspace);
+  p.part_shift = p.part_scale = p.part_weight = p.part_bias = nullptr;
+  if (!pl.per_row && pl.chunks > 1) {
+    p.part_shift = ws;
+    ws += pl.num_items * a.D;
+    p.part_scale = ws;
+    ws += pl.num_items * a.D;
+  }
+  if (pl.affine) {
+    p.part_weight = ws;
+    ws += static_cast<int64_t>(pl.grid) * a.D;
+    p.part_bias = ws;
+  }
+  p.rows = a.rows;
+  p.group_size = a.group_size;
+  p.scale_stride = a.scale_stride;
+  p.chunks = pl.chunks;
+  p.rows_per_chunk = pl.rows_per_chunk;
+  p.num_items = pl.num_items;
+  p.D = static_cast<int>(a.D);
+  p.stages = pl.stages;
+  p.stage_bytes = pl.stage_bytes;
+  void* args[] = {&p};
+  cudaError_t err =
+      cudaLaunchKernel(kernel, dim3(pl.grid), dim3(pl.tpr), args, pl.smem_bytes, stream);
+  if (err != cudaSuccess) return err;
+  p_out->part_shift = p.part_shift;
+  p_out->part_scale = p.part_scale;
+  p_out->part_weight = p.part_weight;
+  p_out->part_bias = p.part_bias;
+  p_out->D = p.D;
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t ln_mod_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void* workspace, cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
+  BwdParams p;
+  if (pl.tma) {
+    cudaError_t err = tma_backward(a, pl, workspace, &p, stream);
+    if (err != cudaSuccess) return err;
+    return ln_mod_colsum(a, pl, p, stream);
+  }
   const void* kernel = bwd_kernel(a.x_dtype, a.mod_dtype, pl.vpt, pl.affine, pl.per_row);
   if (kernel == nullptr || pl.rows_per_iter != detail::bwd_rows_per_iter(pl.vpt)) return cudaErrorInvalidValue;
-  BwdParams p;
   p.dy = a.dy;
   p.x = a.x;
   p.scale = a.scale;
@@ -351,7 +758,14 @@ cudaError_t ln_mod_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void*
   if (err != cudaSuccess) return err;
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  return ln_mod_colsum(a, pl, p, stream);
+}
 
+namespace {
+
+// The backward's second pass: the partial rows of each group (and of d_weight, d_bias) added in order.
+cudaError_t ln_mod_colsum(const LnModBwdArgs& a, const LnModBwdPlan& pl, const BwdParams& p, cudaStream_t stream) {
+  cudaError_t err;
   ColsumParams c;
   int njobs = 0;
   int64_t max_out = 0;
@@ -376,5 +790,7 @@ cudaError_t ln_mod_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void*
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
+
+}  // namespace
 
 }  // namespace adaptiveload

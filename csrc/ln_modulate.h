@@ -1,4 +1,4 @@
-// Fused LayerNorm + adaLN modulation: y = LN(x) * (1 + scale) + shift.
+// Fused LayerNorm or RMSNorm + adaLN modulation: y = norm(x) * (1 + scale) + shift.
 //
 // Raw-pointer launcher interface. Nothing here includes torch, so the kernels build and can be checked
 // standalone with nvcc (`nvcc -arch=sm_90 --resource-usage -c csrc/ln_modulate_fwd.cu`); the torch
@@ -40,13 +40,22 @@ struct LnModFwdArgs {
   float eps = 1e-6f;
   DType x_dtype = DType::kBFloat16;
   DType mod_dtype = DType::kFloat32;
+  bool rms = false;        // RMSNorm (no mean; `mean` unused and may be null) instead of LayerNorm
   int warps_per_row = 0;  // 0: choose; else a tuning override (benchmarks only)
   int rows_per_cta = 0;   // 0: choose; else a tuning override (benchmarks only)
+  int stages = 0;         // bulk-copy path: 0 choose; else rows in flight per CTA (benchmarks only)
   // Forward kernel, a tuning override (benchmarks only): 0 choose; 1 one row per row slot per CTA
   // (version 3, any width); 2 persistent CTAs of one row slot with the next row prefetched (version 4; up
-  // to 4 vectors per thread, rows_per_cta 0 or 1); 3 as 2 under an 80-register cap at 4 vectors.
+  // to 4 vectors per thread, rows_per_cta 0 or 1); 3 as 2 under an 80-register cap at 4 vectors; 4 rows
+  // fed by the bulk copy engine into shared memory (version 5, LayerNorm and RMSNorm). Paths 1-3 are
+  // LayerNorm only.
   int path = 0;
 };
+
+// Forward kernel paths (LnModFwdArgs::path).
+enum FwdPath : int { kFwdAuto = 0, kFwdV3 = 1, kFwdV4 = 2, kFwdV4LowRegs = 3, kFwdTma = 4 };
+// Backward kernel paths (LnModBwdArgs::path).
+enum BwdPath : int { kBwdAuto = 0, kBwdRegs = 1, kBwdTma = 2 };
 
 struct LnModBwdArgs {
   const void* dy = nullptr;     // (rows, D), x_dtype
@@ -67,14 +76,18 @@ struct LnModBwdArgs {
   int64_t scale_stride = 0;
   DType x_dtype = DType::kBFloat16;
   DType mod_dtype = DType::kFloat32;
-  int vectors_per_thread = 0;  // 0: choose; else 1, 2 or 4 (tuning override)
-  int slots = 0;               // 0: choose; else rows processed side by side per CTA (tuning override)
+  bool rms = false;            // RMSNorm: `mean` unused (may be null)
+  int vectors_per_thread = 0;  // 0: choose; else 1, 2 or 4 (8 for fp32 rows; tuning override)
+  int slots = 0;               // 0: choose; else rows processed side by side per CTA (tuning override;
+                               // the bulk-copy path: rows per iteration, 1, 2 or 4)
+  int stages = 0;              // bulk-copy path: 0 choose; else rows in flight per CTA (tuning override)
+  int path = 0;                // BwdPath: 0 choose; 1 the register-fed kernel (LayerNorm); 2 bulk copies
 };
 
 // The launch plan of the backward; the workspace holds the fp32 column partials of the first pass.
 struct LnModBwdPlan {
   int vpt = 1;           // 16-byte vectors per thread per row
-  int rows_per_iter = 1;  // rows each thread has in flight
+  int rows_per_iter = 1;  // rows each thread has in flight (the bulk-copy path: rows per iteration)
   int tpr = 32;          // threads per row slot (multiple of 32)
   int slots = 1;         // row slots per CTA
   int grid = 1;          // CTAs
@@ -83,12 +96,29 @@ struct LnModBwdPlan {
   int64_t num_items = 1;
   bool per_row = false;  // group_size == 1: per-token modulation, no column sums for shift/scale
   bool affine = false;
+  bool tma = false;      // the bulk-copy kernel (version 5); then tpr is the CTA and slots is 1
+  int stages = 0;        // bulk-copy path: rows in flight per CTA
+  uint32_t stage_bytes = 0;
   size_t smem_bytes = 0;
   size_t workspace_bytes = 0;
 };
 
 // Returns a message on unsupported input (nullptr when fine). The binding turns it into an exception.
 const char* ln_mod_check(int64_t D, DType x_dtype, DType mod_dtype);
+
+// The forward's plan on the bulk-copy path, for the benchmarks' report (what ln_mod_forward would launch).
+struct NormModFwdPlan {
+  bool tma = false;
+  int threads = 0;
+  int vpt = 0;
+  int stages = 0;
+  bool per_row = false;
+  int grid = 0;
+  int64_t rows_per_cta = 0;
+  size_t smem_bytes = 0;
+  int ctas_per_sm = 0;
+};
+cudaError_t norm_mod_forward_plan(const LnModFwdArgs& args, NormModFwdPlan* plan);
 
 cudaError_t ln_mod_forward(const LnModFwdArgs& args, cudaStream_t stream);
 

@@ -1,19 +1,32 @@
-// The operator lightning_adaptiveload::layer_norm_modulate and its backward: schemas (TORCH_LIBRARY) and
-// CUDA kernels (TORCH_LIBRARY_IMPL) registered with the dispatcher, as PyTorch's own extensions do.
-// Python (lightning_adaptiveload/ops/layer_norm_modulate.py) adds the rest of the registration: the fake
-// (shape) implementations, the autograd formula, and a plain-PyTorch implementation for other devices.
+// The operators lightning_adaptiveload::layer_norm_modulate and rms_norm_modulate and their backwards:
+// schemas (TORCH_LIBRARY), CUDA kernels (TORCH_LIBRARY_IMPL CUDA) and the autograd formulas (TORCH_LIBRARY_IMPL
+// Autograd) registered with the dispatcher, as PyTorch's own extensions do. Python
+// (lightning_adaptiveload/ops/layer_norm_modulate.py, rms_norm_modulate.py) adds the fake (shape)
+// implementations and a plain-PyTorch implementation for other devices.
+//
+// The autograd formula lives here, in C++, so that an eager call costs one dispatcher round trip and no
+// Python: the Python registration of the same formula (torch.library.register_autograd) is what runs where
+// this library is not loaded. Both call the backward operator; the CUDA tests check that the two agree.
 //
 // The CUDA kernels here take any input the schema allows and prepare it for the launchers (ln_modulate.h):
 // x contiguous and 16-byte aligned, shift and scale tables with aligned rows in one dtype (x's or fp32),
 // weight and bias as an fp32 pair. Input they cannot serve (D not a multiple of 8, dtypes other than
 // bf16/fp16/fp32) is an error that names the public function, which falls back to the reference instead.
+//
+// Three private operators (_norm_modulate_tuned, _norm_modulate_backward_tuned, _norm_modulate_plans) take
+// the launchers' tuning overrides and report their plans, for benchmarks/kernels/ only; they have no
+// autograd and no fake implementation.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "ln_modulate.h"
 
@@ -21,20 +34,25 @@ namespace {
 
 using adaptiveload::DType;
 
-DType to_dtype(at::ScalarType t, const char* name) {
+const char* op_name(bool rms) { return rms ? "rms_norm_modulate" : "layer_norm_modulate"; }
+
+DType to_dtype(at::ScalarType t, const char* name, bool rms) {
   switch (t) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
     default:
-      TORCH_CHECK(false, "layer_norm_modulate: ", name, " must be float32, float16 or bfloat16, got ",
-                  t, "; lightning_adaptiveload.ops.layer_norm_modulate computes other dtypes "
-                  "with the plain-PyTorch reference");
+      TORCH_CHECK(false, op_name(rms), ": ", name, " must be float32, float16 or bfloat16, got ", t,
+                  "; lightning_adaptiveload.ops.", op_name(rms),
+                  " computes other dtypes with the plain-PyTorch reference");
   }
   return DType::kFloat32;
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// t in dtype `type`, without a dispatcher round trip when it already is (eager calls pay for every one).
+at::Tensor as_type(const at::Tensor& t, at::ScalarType type) { return t.scalar_type() == type ? t : t.to(type); }
 
 // Contiguous and 16-byte aligned (a fresh allocation from the caching allocator always is).
 at::Tensor aligned(const at::Tensor& t) {
@@ -50,20 +68,20 @@ at::Tensor aligned_table(const at::Tensor& m) {
   return ok ? m : aligned(m);
 }
 
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "layer_norm_modulate: ", what, " failed: ", cudaGetErrorString(err));
+void check_cuda(cudaError_t err, const char* what, bool rms) {
+  TORCH_CHECK(err == cudaSuccess, op_name(rms), ": ", what, " failed: ", cudaGetErrorString(err));
 }
 
-void check_table(const at::Tensor& m, const at::Tensor& x, int64_t D, const char* name) {
-  TORCH_CHECK(m.device() == x.device(), "layer_norm_modulate: ", name, " is on ", m.device(), " but x is on ",
-              x.device());
-  TORCH_CHECK(m.dim() == 2 && m.size(1) == D, "layer_norm_modulate: ", name, " must be a (groups, ", D,
+void check_table(const at::Tensor& m, const at::Tensor& x, int64_t D, const char* name, bool rms) {
+  TORCH_CHECK(m.device() == x.device(), op_name(rms), ": ", name, " is on ", m.device(), " but x is on ",
+              x.device(), "; move both to one device");
+  TORCH_CHECK(m.dim() == 2 && m.size(1) == D, op_name(rms), ": ", name, " must be a (groups, ", D,
               ") table, got ", m.sizes());
 }
 
-void check_affine(const std::optional<at::Tensor>& w, const at::Tensor& x, int64_t D, const char* name) {
+void check_affine(const std::optional<at::Tensor>& w, const at::Tensor& x, int64_t D, const char* name, bool rms) {
   if (!w.has_value()) return;
-  TORCH_CHECK(w->device() == x.device() && w->dim() == 1 && w->size(0) == D, "layer_norm_modulate: ", name,
+  TORCH_CHECK(w->device() == x.device() && w->dim() == 1 && w->size(0) == D, op_name(rms), ": ", name,
               " must be a (", D, ",) tensor on ", x.device(), ", got ", w->sizes(), " on ", w->device());
 }
 
@@ -72,58 +90,69 @@ at::ScalarType table_dtype(const at::Tensor& x, const at::Tensor& a, const at::T
   return a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type() ? x.scalar_type() : at::kFloat;
 }
 
-void check_kernel_input(int64_t D, DType xd, DType md) {
+void check_kernel_input(int64_t D, DType xd, DType md, bool rms) {
   const char* bad = adaptiveload::ln_mod_check(D, xd, md);
-  TORCH_CHECK(bad == nullptr, "layer_norm_modulate: ", bad, " (D = ", D,
-              "); lightning_adaptiveload.ops.layer_norm_modulate computes such input with the plain-PyTorch "
-              "reference");
+  TORCH_CHECK(bad == nullptr, op_name(rms), ": ", bad, " (D = ", D, "); lightning_adaptiveload.ops.", op_name(rms),
+              " computes such input with the plain-PyTorch reference");
 }
 
-// The LayerNorm affine as the kernels take it: both or neither, fp32, contiguous and aligned.
+// The affine as the kernels take it: both or neither, fp32, contiguous and aligned.
 std::pair<std::optional<at::Tensor>, std::optional<at::Tensor>> affine_pair(const std::optional<at::Tensor>& w,
                                                                             const std::optional<at::Tensor>& b,
                                                                             const at::Tensor& x, int64_t D) {
   if (!w.has_value() && !b.has_value()) return {std::nullopt, std::nullopt};
   const auto fopts = x.options().dtype(at::kFloat);
-  at::Tensor wf = w.has_value() ? aligned(w->to(at::kFloat)) : at::ones({D}, fopts);
-  at::Tensor bf = b.has_value() ? aligned(b->to(at::kFloat)) : at::zeros({D}, fopts);
+  at::Tensor wf = w.has_value() ? aligned(as_type(*w, at::kFloat)) : at::ones({D}, fopts);
+  at::Tensor bf = b.has_value() ? aligned(as_type(*b, at::kFloat)) : at::zeros({D}, fopts);
   return {wf, bf};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& shift_in,
-                                                       const at::Tensor& scale_in,
-                                                       const std::optional<at::Tensor>& weight,
-                                                       const std::optional<at::Tensor>& bias, int64_t group_size,
-                                                       double eps) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, "layer_norm_modulate: x must be a CUDA tensor of shape (..., D)");
+// Launch overrides of the private benchmark operators (all 0 for the public ones: the launchers choose).
+struct Tuning {
+  int path = 0;
+  int threads = 0;  // forward: threads per row (a multiple of 32); backward: vectors per thread
+  int rows = 0;     // backward: rows per iteration (bulk-copy path)
+  int stages = 0;
+};
+
+// Returns (y, mean, rstd); mean is empty for RMSNorm.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x_in, const at::Tensor& shift_in,
+                                                            const at::Tensor& scale_in,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const std::optional<at::Tensor>& bias, int64_t group_size,
+                                                            double eps, bool rms, const Tuning& tune) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, op_name(rms), ": x must be a CUDA tensor of shape (..., D)");
   const int64_t D = x_in.size(-1);
-  check_table(shift_in, x_in, D, "shift");
-  check_table(scale_in, x_in, D, "scale");
-  TORCH_CHECK(shift_in.size(0) == scale_in.size(0), "layer_norm_modulate: shift has ", shift_in.size(0),
+  check_table(shift_in, x_in, D, "shift", rms);
+  check_table(scale_in, x_in, D, "scale", rms);
+  TORCH_CHECK(shift_in.size(0) == scale_in.size(0), op_name(rms), ": shift has ", shift_in.size(0),
               " rows but scale has ", scale_in.size(0));
-  check_affine(weight, x_in, D, "weight");
-  check_affine(bias, x_in, D, "bias");
+  check_affine(weight, x_in, D, "weight", rms);
+  check_affine(bias, x_in, D, "bias", rms);
   const c10::cuda::CUDAGuard guard(x_in.device());
   auto stat_sizes = x_in.sizes().vec();
   stat_sizes.pop_back();
   const auto fopts = x_in.options().dtype(at::kFloat);
   const int64_t rows = D == 0 ? 0 : x_in.numel() / D;
+  auto mean_for = [&](std::vector<int64_t> sizes) {
+    return rms ? at::empty({0}, fopts) : at::empty(sizes, fopts);
+  };
   if (rows == 0) {  // (B, 0, D) and the like: nothing to compute, and no launch of an empty grid
-    return {at::empty(x_in.sizes(), x_in.options()), at::empty(stat_sizes, fopts), at::empty(stat_sizes, fopts)};
+    return {at::empty(x_in.sizes(), x_in.options()), mean_for(stat_sizes), at::empty(stat_sizes, fopts)};
   }
   const at::ScalarType mod_type = table_dtype(x_in, shift_in, scale_in);
-  const DType xd = to_dtype(x_in.scalar_type(), "x");
-  const DType md = to_dtype(mod_type, "shift and scale");
-  check_kernel_input(D, xd, md);
-  TORCH_CHECK(group_size >= 1 && shift_in.size(0) * group_size == rows, "layer_norm_modulate: ", shift_in.size(0),
+  const DType xd = to_dtype(x_in.scalar_type(), "x", rms);
+  const DType md = to_dtype(mod_type, "shift and scale", rms);
+  check_kernel_input(D, xd, md, rms);
+  TORCH_CHECK(group_size >= 1 && shift_in.size(0) * group_size == rows, op_name(rms), ": ", shift_in.size(0),
               " modulation rows x group_size ", group_size, " != ", rows, " rows of x");
 
   const at::Tensor x = aligned(x_in);
-  const at::Tensor shift = aligned_table(shift_in.to(mod_type));
-  const at::Tensor scale = aligned_table(scale_in.to(mod_type));
+  const at::Tensor shift = aligned_table(as_type(shift_in, mod_type));
+  const at::Tensor scale = aligned_table(as_type(scale_in, mod_type));
   const auto [w, b] = affine_pair(weight, bias, x, D);
   auto y = at::empty(x.sizes(), x.options());
-  auto mean = at::empty(stat_sizes, fopts);
+  auto mean = mean_for(stat_sizes);
   auto rstd = at::empty(stat_sizes, fopts);
   adaptiveload::LnModFwdArgs a;
   a.x = x.data_ptr();
@@ -132,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in, c
   a.weight = w.has_value() ? w->data_ptr<float>() : nullptr;
   a.bias = b.has_value() ? b->data_ptr<float>() : nullptr;
   a.y = y.data_ptr();
-  a.mean = mean.data_ptr<float>();
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
   a.rows = rows;
   a.D = D;
@@ -142,21 +171,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in, c
   a.eps = static_cast<float>(eps);
   a.x_dtype = xd;
   a.mod_dtype = md;
-  check_cuda(adaptiveload::ln_mod_forward(a, c10::cuda::getCurrentCUDAStream()), "forward launch");
+  a.rms = rms;
+  a.path = tune.path;
+  a.warps_per_row = tune.threads / 32;
+  a.stages = tune.stages;
+  check_cuda(adaptiveload::ln_mod_forward(a, c10::cuda::getCurrentCUDAStream()), "forward launch", rms);
   return {y, mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_backward(
     const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& scale_in,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean_in,
-    const at::Tensor& rstd_in, int64_t group_size) {
-  TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, "layer_norm_modulate: x must be a CUDA tensor of shape (..., D)");
-  TORCH_CHECK(dy_in.sizes() == x_in.sizes(), "layer_norm_modulate: the gradient has shape ", dy_in.sizes(),
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& mean_in, const at::Tensor& rstd_in, int64_t group_size, bool rms,
+    const Tuning& tune) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, op_name(rms), ": x must be a CUDA tensor of shape (..., D)");
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes(), op_name(rms), ": the gradient has shape ", dy_in.sizes(),
               " but x has ", x_in.sizes());
   const int64_t D = x_in.size(-1);
-  check_table(scale_in, x_in, D, "scale");
-  check_affine(weight, x_in, D, "weight");
-  check_affine(bias, x_in, D, "bias");
+  check_table(scale_in, x_in, D, "scale", rms);
+  check_affine(weight, x_in, D, "weight", rms);
+  check_affine(bias, x_in, D, "bias", rms);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const int64_t rows = D == 0 ? 0 : x_in.numel() / D;
   const auto fopts = x_in.options().dtype(at::kFloat);
@@ -169,19 +203,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             at::zeros({scale_in.size(0), D}, table_opts), affine_grad(weight), affine_grad(bias)};
   }
   const at::ScalarType mod_type = table_dtype(x_in, scale_in, scale_in);
-  const DType xd = to_dtype(x_in.scalar_type(), "x");
-  const DType md = to_dtype(mod_type, "scale");
-  check_kernel_input(D, xd, md);
-  TORCH_CHECK(group_size >= 1 && scale_in.size(0) * group_size == rows, "layer_norm_modulate: ", scale_in.size(0),
+  const DType xd = to_dtype(x_in.scalar_type(), "x", rms);
+  const DType md = to_dtype(mod_type, "scale", rms);
+  check_kernel_input(D, xd, md, rms);
+  TORCH_CHECK(group_size >= 1 && scale_in.size(0) * group_size == rows, op_name(rms), ": ", scale_in.size(0),
               " modulation rows x group_size ", group_size, " != ", rows, " rows of x");
-  TORCH_CHECK(mean_in.numel() == rows && rstd_in.numel() == rows && mean_in.scalar_type() == at::kFloat &&
-                  rstd_in.scalar_type() == at::kFloat,
-              "layer_norm_modulate: mean and rstd must be the forward's float32 statistics, one per row of x");
+  TORCH_CHECK(rstd_in.numel() == rows && rstd_in.scalar_type() == at::kFloat &&
+                  (rms || (mean_in.has_value() && mean_in->numel() == rows && mean_in->scalar_type() == at::kFloat)),
+              op_name(rms), ": the saved statistics must be the forward's float32 ", rms ? "rstd" : "mean and rstd",
+              ", one per row of x");
 
   const at::Tensor x = aligned(x_in);
-  const at::Tensor dy = aligned(dy_in.to(x.scalar_type()));
-  const at::Tensor scale = aligned_table(scale_in.to(mod_type));
-  const at::Tensor mean = mean_in.contiguous();
+  const at::Tensor dy = aligned(as_type(dy_in, x.scalar_type()));
+  const at::Tensor scale = aligned_table(as_type(scale_in, mod_type));
+  const at::Tensor mean = rms ? at::Tensor() : mean_in->contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
   const auto [w, b] = affine_pair(weight, bias, x, D);
   const bool affine = w.has_value();
@@ -192,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   a.scale = scale.data_ptr();
   a.weight = affine ? w->data_ptr<float>() : nullptr;
   a.bias = affine ? b->data_ptr<float>() : nullptr;
-  a.mean = mean.data_ptr<float>();
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
   a.rows = rows;
   a.D = D;
@@ -200,6 +235,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   a.scale_stride = scale.stride(0);
   a.x_dtype = xd;
   a.mod_dtype = md;
+  a.rms = rms;
+  a.path = tune.path;
+  a.vectors_per_thread = tune.threads;
+  a.slots = tune.rows;
+  a.stages = tune.stages;
   auto dx = at::empty(x.sizes(), x.options());
   const auto mod_opts = scale.options().memory_format(at::MemoryFormat::Contiguous);
   auto dshift = at::empty({scale.size(0), D}, mod_opts);
@@ -212,23 +252,260 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   a.dweight = affine ? dweight.data_ptr<float>() : nullptr;
   a.dbias = affine ? dbias.data_ptr<float>() : nullptr;
   adaptiveload::LnModBwdPlan plan;
-  check_cuda(adaptiveload::ln_mod_backward_plan(a, &plan), "backward plan");
-  auto workspace = at::empty({static_cast<int64_t>(plan.workspace_bytes) + 16}, x.options().dtype(at::kByte));
-  check_cuda(adaptiveload::ln_mod_backward(a, plan, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()),
-             "backward launch");
+  check_cuda(adaptiveload::ln_mod_backward_plan(a, &plan), "backward plan", rms);
+  at::Tensor workspace;
+  void* ws = nullptr;
+  if (plan.workspace_bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(plan.workspace_bytes) + 16}, x.options().dtype(at::kByte));
+    ws = workspace.data_ptr();
+  }
+  check_cuda(adaptiveload::ln_mod_backward(a, plan, ws, c10::cuda::getCurrentCUDAStream()), "backward launch", rms);
   // Gradients in their inputs' dtypes; a missing affine argument gets an empty gradient (the schema's
   // outputs are tensors, never None).
   const auto empty = at::empty({0}, fopts);
-  return {dx, dshift.to(scale_in.scalar_type()), dscale.to(scale_in.scalar_type()),
+  return {dx, as_type(dshift, scale_in.scalar_type()), as_type(dscale, scale_in.scalar_type()),
           weight.has_value() ? dweight : empty, bias.has_value() ? dbias : empty};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The public operators' CUDA kernels.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_forward(const at::Tensor& x, const at::Tensor& shift,
+                                                          const at::Tensor& scale,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const std::optional<at::Tensor>& bias, int64_t group_size,
+                                                          double eps) {
+  return norm_forward(x, shift, scale, weight, bias, group_size, eps, false, Tuning());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ln_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd, int64_t group_size) {
+  return norm_backward(dy, x, scale, weight, bias, mean, rstd, group_size, false, Tuning());
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_forward(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                                               const std::optional<at::Tensor>& weight,
+                                               const std::optional<at::Tensor>& bias, int64_t group_size,
+                                               double eps) {
+  auto [y, mean, rstd] = norm_forward(x, shift, scale, weight, bias, group_size, eps, true, Tuning());
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rms_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& rstd, int64_t group_size) {
+  return norm_backward(dy, x, scale, weight, bias, std::nullopt, rstd, group_size, true, Tuning());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The private benchmark operators.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tuned_forward(const at::Tensor& x, const at::Tensor& shift,
+                                                             const at::Tensor& scale,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             const std::optional<at::Tensor>& bias,
+                                                             int64_t group_size, double eps, bool rms, int64_t path,
+                                                             int64_t threads, int64_t stages) {
+  Tuning t;
+  t.path = static_cast<int>(path);
+  t.threads = static_cast<int>(threads);
+  t.stages = static_cast<int>(stages);
+  return norm_forward(x, shift, scale, weight, bias, group_size, eps, rms, t);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuned_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+    int64_t group_size, bool rms, int64_t path, int64_t vectors_per_thread, int64_t rows, int64_t stages) {
+  Tuning t;
+  t.path = static_cast<int>(path);
+  t.threads = static_cast<int>(vectors_per_thread);
+  t.rows = static_cast<int>(rows);
+  t.stages = static_cast<int>(stages);
+  return norm_backward(dy, x, scale, weight, bias, mean, rstd, group_size, rms, t);
+}
+
+// [forward: tma, threads, vpt, stages, per_row, grid, rows_per_cta, smem, ctas_per_sm;
+//  backward: tma, threads, vpt, stages, per_row, grid, chunks, rows_per_chunk, items, smem, workspace,
+//  rows per iteration]
+std::vector<int64_t> plans(const at::Tensor& x, const at::Tensor& scale, int64_t group_size, bool rms, bool affine,
+                           int64_t fwd_path, int64_t threads, int64_t fwd_stages, int64_t bwd_path,
+                           int64_t vectors_per_thread, int64_t bwd_rows, int64_t bwd_stages) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 1 && x.numel() > 0, "_norm_modulate_plans: x must be a non-empty CUDA tensor");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t D = x.size(-1);
+  const DType xd = to_dtype(x.scalar_type(), "x", rms);
+  const DType md = to_dtype(table_dtype(x, scale, scale), "scale", rms);
+  check_kernel_input(D, xd, md, rms);
+  static const float dummy = 0.f;  // plans read no data; the affine pointer only says whether there is one
+  adaptiveload::LnModFwdArgs f;
+  f.rows = x.numel() / D;
+  f.D = D;
+  f.group_size = group_size;
+  f.x_dtype = xd;
+  f.mod_dtype = md;
+  f.rms = rms;
+  f.weight = affine ? &dummy : nullptr;
+  f.path = static_cast<int>(fwd_path);
+  f.warps_per_row = static_cast<int>(threads / 32);
+  f.stages = static_cast<int>(fwd_stages);
+  adaptiveload::NormModFwdPlan fp;
+  check_cuda(adaptiveload::norm_mod_forward_plan(f, &fp), "forward plan", rms);
+  adaptiveload::LnModBwdArgs b;
+  b.rows = f.rows;
+  b.D = D;
+  b.group_size = group_size;
+  b.x_dtype = xd;
+  b.mod_dtype = md;
+  b.rms = rms;
+  b.weight = f.weight;
+  b.path = static_cast<int>(bwd_path);
+  b.vectors_per_thread = static_cast<int>(vectors_per_thread);
+  b.slots = static_cast<int>(bwd_rows);
+  b.stages = static_cast<int>(bwd_stages);
+  adaptiveload::LnModBwdPlan bp;
+  check_cuda(adaptiveload::ln_mod_backward_plan(b, &bp), "backward plan", rms);
+  return {fp.tma,        fp.threads,     fp.vpt,          fp.stages,    fp.per_row,
+          fp.grid,       fp.rows_per_cta, static_cast<int64_t>(fp.smem_bytes), fp.ctas_per_sm,
+          bp.tma,        bp.tpr * bp.slots, bp.vpt,       bp.stages,    bp.per_row,
+          bp.grid,       bp.chunks,      bp.rows_per_chunk, bp.num_items, static_cast<int64_t>(bp.smem_bytes),
+          static_cast<int64_t>(bp.workspace_bytes), bp.rows_per_iter};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Autograd: y's gradient through the backward operator; the statistics are not differentiable.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, c10::SymInt, double)>&
+ln_fwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lightning_adaptiveload::layer_norm_modulate", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, c10::SymInt, double)>();
+  return op;
+}
+
+c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, c10::SymInt)>&
+ln_bwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lightning_adaptiveload::layer_norm_modulate_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, c10::SymInt)>();
+  return op;
+}
+
+c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, c10::SymInt, double)>&
+rms_fwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lightning_adaptiveload::rms_norm_modulate", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, c10::SymInt, double)>();
+  return op;
+}
+
+c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const at::Tensor&, c10::SymInt)>&
+rms_bwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lightning_adaptiveload::rms_norm_modulate_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, const at::Tensor&, c10::SymInt)>();
+  return op;
+}
+
+// Gradients for the forward's inputs (x, shift, scale, weight, bias, group_size, eps).
+variable_list input_grads(const at::Tensor& dx, const at::Tensor& dshift, const at::Tensor& dscale,
+                          const at::Tensor& dweight, const at::Tensor& dbias, bool has_w, bool has_b) {
+  return {dx, dshift, dscale, has_w ? dweight : at::Tensor(), has_b ? dbias : at::Tensor(), at::Tensor(),
+          at::Tensor()};
+}
+
+class LayerNormModulateFn : public torch::autograd::Function<LayerNormModulateFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
+                               const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, mean, rstd] = ln_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    ctx->saved_data["group_size"] = std::move(group_size);
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
+    auto [dx, dshift, dscale, dweight, dbias] = ln_bwd_op().call(
+        dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], saved[5], ctx->saved_data["group_size"].toSymInt());
+    return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
+  }
+};
+
+class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
+                               const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, rstd] = rms_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rstd});
+    ctx->saved_data["group_size"] = std::move(group_size);
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
+    auto [dx, dshift, dscale, dweight, dbias] = rms_bwd_op().call(
+        dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], ctx->saved_data["group_size"].toSymInt());
+    return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_autograd(const at::Tensor& x, const at::Tensor& shift,
+                                                           const at::Tensor& scale,
+                                                           const std::optional<at::Tensor>& weight,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           c10::SymInt group_size, double eps) {
+  auto out = LayerNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_autograd(const at::Tensor& x, const at::Tensor& shift,
+                                                const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+                                                const std::optional<at::Tensor>& bias, c10::SymInt group_size,
+                                                double eps) {
+  auto out = RmsNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
+  return {out[0], out[1]};
 }
 
 }  // namespace
 
 // The schemas. The tables are normalized by lightning_adaptiveload.ops.layer_norm_modulate: shift and
 // scale are (groups, D), row g serving rows [g * group_size, (g + 1) * group_size) of x viewed as (rows, D).
-// Returns y and the fp32 mean and rstd of each row (saved for the backward); the backward returns the
-// gradients of x, shift, scale, weight and bias (the last two empty when the argument was None).
+// The LayerNorm forward returns y and the fp32 mean and rstd of each row (saved for the backward), the
+// RMSNorm forward y and rstd; the backwards return the gradients of x, shift, scale, weight and bias (the
+// last two empty when the argument was None).
 TORCH_LIBRARY(lightning_adaptiveload, m) {
   m.def(
       "layer_norm_modulate(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
@@ -236,9 +513,36 @@ TORCH_LIBRARY(lightning_adaptiveload, m) {
   m.def(
       "layer_norm_modulate_backward(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor rstd, SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "rms_norm_modulate(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
+      "SymInt group_size, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_modulate_backward(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
+      "Tensor rstd, SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Private, for benchmarks/kernels/ (no autograd, no fake implementation).
+  m.def(
+      "_norm_modulate_tuned(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
+      "int group_size, float eps, bool rms, int path, int threads, int stages) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_norm_modulate_backward_tuned(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
+      "Tensor? mean, Tensor rstd, int group_size, bool rms, int path, int vectors_per_thread, int rows, "
+      "int stages) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_norm_modulate_plans(Tensor x, Tensor scale, int group_size, bool rms, bool affine, int fwd_path, "
+      "int threads, int fwd_stages, int bwd_path, int vectors_per_thread, int bwd_rows, int bwd_stages) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(lightning_adaptiveload, CUDA, m) {
-  m.impl("layer_norm_modulate", &forward);
-  m.impl("layer_norm_modulate_backward", &backward);
+  m.impl("layer_norm_modulate", &ln_forward);
+  m.impl("layer_norm_modulate_backward", &ln_backward);
+  m.impl("rms_norm_modulate", &rms_forward);
+  m.impl("rms_norm_modulate_backward", &rms_backward);
+  m.impl("_norm_modulate_tuned", &tuned_forward);
+  m.impl("_norm_modulate_backward_tuned", &tuned_backward);
+  m.impl("_norm_modulate_plans", &plans);
+}
+
+TORCH_LIBRARY_IMPL(lightning_adaptiveload, Autograd, m) {
+  m.impl("layer_norm_modulate", &ln_autograd);
+  m.impl("rms_norm_modulate", &rms_autograd);
 }

@@ -883,9 +883,9 @@ class _Run:
     def free(self, reset_dynamo: bool = False) -> None:
         gc.collect()
         if reset_dynamo:
-            import torch._dynamo
+            import torch._dynamo as dynamo
 
-            torch._dynamo.reset()
+            dynamo.reset()
         if self.cuda:
             torch.cuda.empty_cache()
 

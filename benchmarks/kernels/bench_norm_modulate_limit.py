@@ -176,11 +176,12 @@ def _python_view(fn_fwd, x, shift, scale, dy) -> dict:
     t_f = _median_events(lambda: fn_fwd(xs, sh, sc))  # inputs that require grad, as in training
 
     def fb():
-        y = fn_fwd(xs, sh, sc)
-        y.backward(dy)
+        # autograd.grad, not backward(): x is a leaf here, and accumulating into x.grad would add three
+        # passes over x-sized tensors (read .grad and dx, write .grad) that a training step does not have
+        # (there dx flows on to the layer before). 2026-12-02's run (docs/fused_op.md) still used backward().
+        torch.autograd.grad(fn_fwd(xs, sh, sc), (xs, sh, sc), dy)
 
     t_fb = _median_events(fb)
-    xs.grad = sh.grad = sc.grad = None
     return {"fwd": t_f, "fwdbwd": t_fb}
 
 
@@ -227,7 +228,7 @@ def host_overhead(D: int = 1536, calls: int = 2000) -> dict:
         y = x
         for _ in range(n):
             y = f(y, sh, sc)
-        y.backward(dy)
+        torch.autograd.grad(y, (x, sh, sc), dy)
 
     out = {"shape": [1, 8, D], "calls": calls}
     for name, f in (
@@ -237,7 +238,7 @@ def host_overhead(D: int = 1536, calls: int = 2000) -> dict:
         out[name] = {
             "fwd_grad_us": per_call(lambda f=f: f(x, sh, sc)),
             "fwd_nograd_us": per_call(lambda f=f: f(x.detach(), sh.detach(), sc.detach())),
-            "fwdbwd_single_us": per_call(lambda f=f: f(x, sh, sc).backward(dy)),
+            "fwdbwd_single_us": per_call(lambda f=f: torch.autograd.grad(f(x, sh, sc), (x, sh, sc), dy)),
             "fwdbwd_us": per_call(lambda f=f: chain(f)) / 20,
         }
     xf = x.detach()

@@ -142,6 +142,8 @@ adaptiveload::LnModBwdArgs bwd_args(const at::Tensor& dy, const at::Tensor& x, c
   a.mod_dtype = md;
   a.vectors_per_thread = static_cast<int>(vectors_per_thread);
   a.slots = static_cast<int>(slots);
+  a.path = adaptiveload::kBwdRegs;  // this module times the register-fed backward (version 5: the library's
+                                    // private _norm_modulate_backward_tuned operator)
   return a;
 }
 
@@ -193,6 +195,8 @@ std::vector<int64_t> backward_plan(const at::Tensor& x, const at::Tensor& scale,
   a.weight = affine ? &dummy : nullptr;
   a.vectors_per_thread = static_cast<int>(vectors_per_thread);
   a.slots = static_cast<int>(slots);
+  a.path = adaptiveload::kBwdRegs;  // this module times the register-fed backward (version 5: the library's
+                                    // private _norm_modulate_backward_tuned operator)
   adaptiveload::LnModBwdPlan p;
   check_cuda(adaptiveload::ln_mod_backward_plan(a, &p), "backward plan");
   return {p.vpt, p.rows_per_iter, p.tpr, p.slots, p.grid, p.chunks, p.rows_per_chunk, p.num_items,

@@ -1,4 +1,4 @@
-"""Build and load the CUDA extension of the fused LayerNorm-Modulate op.
+"""Build and load the CUDA extension of the fused norm-modulate ops (LayerNorm and RMSNorm).
 
 The kernels (``csrc/`` at the repository root) are compiled on first use with ninja through
 ``torch.utils.cpp_extension.load`` and cached under ``~/.cache/lightning_adaptiveload/torch_extensions``
@@ -52,9 +52,16 @@ KERNEL_SOURCES = (
     "ln_modulate_bf16.cu",
     "ln_modulate_fp16.cu",
     "ln_modulate_fp32.cu",
+    # The bulk-copy kernels of both norms (norm_mod_tma.cuh), one file per x dtype and norm.
+    "norm_mod_tma_bf16_ln.cu",
+    "norm_mod_tma_bf16_rms.cu",
+    "norm_mod_tma_fp16_ln.cu",
+    "norm_mod_tma_fp16_rms.cu",
+    "norm_mod_tma_fp32_ln.cu",
+    "norm_mod_tma_fp32_rms.cu",
 )
 SOURCES = KERNEL_SOURCES + ("ln_modulate_binding.cpp",)
-HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh")
+HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh", "norm_mod_tma.cuh")
 
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
 _CXX_FLAGS = ["-O3", "-std=c++17"]
@@ -237,7 +244,7 @@ def load_extension(
         _check_toolchain()
         build_dir.mkdir(parents=True, exist_ok=True)
         _log.warning(
-            "lightning_adaptiveload: compiling the fused layer_norm_modulate CUDA kernels for sm %s "
+            "lightning_adaptiveload: compiling the fused norm-modulate CUDA kernels for sm %s "
             "(first use, about a minute); cached in %s",
             ",".join(archs),
             build_dir,

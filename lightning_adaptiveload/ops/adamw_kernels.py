@@ -40,9 +40,6 @@ BLOCK = 2048
 SEGMENT_ALIGN = 64
 WARPS = 8
 
-# Overrides of BLOCK and WARPS ("block", "warps") for plans made after they are set (benchmarks/model/bench_optimizer.py).
-_TUNING: dict[str, int] = {}
-
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -140,9 +137,19 @@ class AdamWPlan:
         numels: elements of each tensor, in order.
         offsets: each tensor's segment in the flat master and moment buffers (``segment_offsets``).
         device: where the tables (and the buffers) live.
+        block, warps: elements per program and warps per program (benchmarks sweep them, e.g. by wrapping
+            this class; benchmarks/model/bench_optimizer.py).
     """
 
-    def __init__(self, numels: Sequence[int], offsets: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        numels: Sequence[int],
+        offsets: Sequence[int],
+        device: torch.device,
+        *,
+        block: int = BLOCK,
+        warps: int = WARPS,
+    ) -> None:
         if not available():
             raise RuntimeError("the master-weight AdamW kernel needs Triton, which is not installed")
         if len(numels) != len(offsets):
@@ -150,8 +157,8 @@ class AdamWPlan:
         if any(o % SEGMENT_ALIGN for o in offsets):
             raise ValueError(f"AdamWPlan: every offset must be a multiple of {SEGMENT_ALIGN}")
         self.n = len(numels)
-        self.block = _TUNING.get("block", BLOCK)
-        self.warps = _TUNING.get("warps", WARPS)
+        self.block = int(block)
+        self.warps = int(warps)
         if self.block & (self.block - 1) or not SEGMENT_ALIGN <= self.block:
             raise ValueError(f"AdamWPlan: the block must be a power of two of at least {SEGMENT_ALIGN}")
         block = self.block

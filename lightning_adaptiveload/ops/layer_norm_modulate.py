@@ -1,6 +1,7 @@
 """LayerNorm followed by adaLN modulation: ``y = LN(x) * (1 + scale) + shift``.
 
-Two implementations of one function:
+This module also holds what :mod:`lightning_adaptiveload.ops.rms_norm_modulate` shares with it (the
+layouts, the fallback, the library's loading and the eager fast path). Two implementations of one function:
 
 - :func:`layer_norm_modulate_reference`: plain PyTorch, any device, differentiable by autograd.
 - :func:`layer_norm_modulate`: the fused op. On CUDA it runs the kernels in ``csrc/`` (one pass over x
@@ -11,11 +12,16 @@ Two implementations of one function:
   ``LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED=1`` that is an error instead.
 
 The operator is registered like PyTorch's own extensions: the C++ library (``csrc/ln_modulate_binding.cpp``)
-defines the schemas with ``TORCH_LIBRARY`` and the CUDA kernels with ``TORCH_LIBRARY_IMPL``; this module adds
-the fake (shape) implementations, the autograd formula and a plain-PyTorch implementation for every other
-device. The library is loaded when this module is imported on a machine with a visible GPU (building it on
-the node's first use); without it (no GPU, ``LIGHTNING_ADAPTIVELOAD_FUSED=0``, a failed build) this module
-defines the same schemas itself, so the operator exists everywhere.
+defines the schemas with ``TORCH_LIBRARY``, the CUDA kernels and the autograd formula (in C++, so that an
+eager call pays no Python autograd machinery) with ``TORCH_LIBRARY_IMPL``; this module adds the fake (shape)
+implementations and a plain-PyTorch implementation for every other device. The library is loaded when this
+module is imported on a machine with a visible GPU (building it on the node's first use); without it (no GPU,
+``LIGHTNING_ADAPTIVELOAD_FUSED=0``, a failed build) this module defines the same schemas itself and registers
+the same autograd formula with ``torch.library.register_autograd``, so the operator exists everywhere.
+
+Eager calls on CUDA whose argument shapes and dtypes were seen before skip the input checks and layout
+analysis (their outcome is cached per shapes and dtypes): what remains on the host is two views and one
+dispatcher call.
 
 Modulation layouts (``shift`` and ``scale``; fp32 or x's dtype), for x of shape (..., D):
 
@@ -64,51 +70,47 @@ def _record_path(path: str, detail: str) -> None:
 
 def _warn_once(key: str, message: str) -> None:
     # warnings.warn would break a torch.compile graph; the eager call warns instead. stacklevel: the caller
-    # of layer_norm_modulate (through _fallback).
+    # of the public function (through _call and _fallback).
     if key in _warned or torch.compiler.is_compiling():
         return
     _warned.add(key)
-    warnings.warn(f"layer_norm_modulate: {message}", RuntimeWarning, stacklevel=4)
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Shapes
 
 
-def _check_inputs(x, shift, scale, weight, bias) -> None:
-    # Plain shape arithmetic: this runs on every call, so it stays far cheaper than the kernels.
+def _check_inputs(x, shift, scale, weight, bias, op: str = "layer_norm_modulate") -> None:
+    # Plain shape arithmetic: this runs on every call it is not cached for, so it stays cheap.
     for name, t in (("x", x), ("shift", shift), ("scale", scale)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"layer_norm_modulate: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dim() < 1:
-        raise ValueError("layer_norm_modulate: x must have at least one dim (..., D), got a scalar")
+        raise ValueError(f"{op}: x must have at least one dim (..., D), got a scalar")
     D = x.shape[-1]
     for name, t in (("shift", shift), ("scale", scale), ("weight", weight), ("bias", bias)):
         if isinstance(t, torch.Tensor) and t.device != x.device:
-            raise ValueError(
-                f"layer_norm_modulate: {name} is on {t.device} but x is on {x.device}; move both to one device"
-            )
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}; move both to one device")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (D,)):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"layer_norm_modulate: {name} must have shape ({D},) for x {tuple(x.shape)}, got {shape}"
-            )
+            raise ValueError(f"{op}: {name} must have shape ({D},) for x {tuple(x.shape)}, got {shape}")
     for name, t in (("shift", shift), ("scale", scale)):
         if t.dim() < 1 or t.shape[-1] != D:
             raise ValueError(
-                f"layer_norm_modulate: {name} {tuple(t.shape)} must end in D = {D} like x {tuple(x.shape)}; "
+                f"{op}: {name} {tuple(t.shape)} must end in D = {D} like x {tuple(x.shape)}; "
                 "layouts: per sample (B, 1, D) or (B, D), per token (B, S, D), per frame (B, F, 1, D)"
             )
         if t.dim() == 2 and x.dim() >= 3 and _differ(t.shape[0], 1) and _differ(t.shape[0], x.shape[0]):
             raise ValueError(
-                f"layer_norm_modulate: {name} {tuple(t.shape)} is read as per sample (B, D) but x {tuple(x.shape)} "
+                f"{op}: {name} {tuple(t.shape)} is read as per sample (B, D) but x {tuple(x.shape)} "
                 f"has B = {x.shape[0]}"
             )
         padded = _padded_shape(t, x)
         if len(padded) > x.dim() or any(_differ(m, 1) and _differ(m, n) for m, n in zip(padded, x.shape)):
             raise ValueError(
-                f"layer_norm_modulate: {name} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}; layouts: "
+                f"{op}: {name} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}; layouts: "
                 "per sample (B, 1, D) or (B, D), per token (B, S, D), per frame (B, F, 1, D) for x (B, F, L, D)"
             )
 
@@ -178,31 +180,40 @@ def layer_norm_modulate_reference(
         eps: added to the variance.
 
     Returns:
-        (..., D) in x's dtype.
+        (..., D) in x's dtype. Under ``torch.compile`` with torch 2.11 on CUDA its backward fails at batch 1
+        with a (1, 1, D) modulation (docs/fused_op.md, "Known issues"); batch 8 compiles.
     """
     _check_inputs(x, shift, scale, weight, bias)
     # fp32 math, or fp64 for fp64 inputs (the tests' reference).
     ct = torch.promote_types(x.dtype, torch.float32)
     y = F.layer_norm(x.to(ct), (x.shape[-1],), None, None, eps)
+    return _reference_modulate(y, weight, bias, scale, shift, x, ct).to(x.dtype)
+
+
+def _reference_modulate(y, weight, bias, scale, shift, x, ct):
+    """The references' last step, plain autograd: ``(y * weight + bias) * (1 + scale) + shift`` in ``ct``."""
     if weight is not None:
         y = y * weight.to(ct)
     if bias is not None:
         y = y + bias.to(ct)
-    y = y * (1.0 + _expand_modulation(scale, x).to(ct)) + _expand_modulation(shift, x).to(ct)
-    return y.to(x.dtype)
+    return y * (1.0 + _expand_modulation(scale, x).to(ct)) + _expand_modulation(shift, x).to(ct)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The custom operator. Its inputs are normalized by layer_norm_modulate: shift and scale are (M, D)
+# The custom operators. Their inputs are normalized by the public functions: shift and scale are (M, D)
 # tables with one dtype, row m serving rows [m * group_size, (m + 1) * group_size) of x viewed as (rows, D);
 # weight and bias fp32 (D,). The schemas are the C++ library's (csrc/ln_modulate_binding.cpp); these copies
-# define the operator where the library is not loaded, and a CUDA test checks that the two agree.
+# define the operators where the library is not loaded, and a test checks that the two agree.
 
 _SCHEMAS = {
     "layer_norm_modulate": "(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
     "SymInt group_size, float eps) -> (Tensor, Tensor, Tensor)",
     "layer_norm_modulate_backward": "(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
     "Tensor mean, Tensor rstd, SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "rms_norm_modulate": "(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, "
+    "SymInt group_size, float eps) -> (Tensor, Tensor)",
+    "rms_norm_modulate_backward": "(Tensor dy, Tensor x, Tensor scale, Tensor? weight, Tensor? bias, "
+    "Tensor rstd, SymInt group_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
 
@@ -247,6 +258,15 @@ def _bwd_math(dy, x, scale, weight, bias, mean, rstd, group_size):
     xh = (x.float().reshape(shape3) - mean.reshape(num_groups, group_size, 1)) * rstd.reshape(
         num_groups, group_size, 1
     )
+    return _bwd_from_xhat(dy, x, scale, weight, bias, xh, rstd, group_size, center=True)
+
+
+def _bwd_from_xhat(dy, x, scale, weight, bias, xh, rstd, group_size, center: bool):
+    """The gradients of ``norm(x) * (1 + scale) + shift`` from the normalized rows ``xh`` (grouped);
+    ``center``: LayerNorm (the row mean is subtracted), else RMSNorm."""
+    D = x.shape[-1]
+    num_groups = scale.shape[0]
+    shape3 = (num_groups, group_size, D)
     dyf = dy.float().reshape(shape3)
     n = xh
     if weight is not None:
@@ -260,9 +280,10 @@ def _bwd_math(dy, x, scale, weight, bias, mean, rstd, group_size):
     dweight = (dn * xh).sum((0, 1)) if weight is not None else empty
     dbias = dn.sum((0, 1)) if bias is not None else empty
     dxh = dn * weight.float() if weight is not None else dn
-    dx = rstd.reshape(num_groups, group_size, 1) * (
-        dxh - dxh.mean(-1, keepdim=True) - xh * (dxh * xh).mean(-1, keepdim=True)
-    )
+    proj = dxh - xh * (dxh * xh).mean(-1, keepdim=True)
+    if center:
+        proj = proj - dxh.mean(-1, keepdim=True)
+    dx = rstd.reshape(num_groups, group_size, 1) * proj
     return dx.reshape(x.shape).to(x.dtype), dshift.to(scale.dtype), dscale.to(scale.dtype), dweight, dbias
 
 
@@ -284,8 +305,7 @@ def _fwd_fake(x, shift, scale, weight, bias, group_size, eps):
     )
 
 
-@torch.library.register_fake(_BWD)
-def _bwd_fake(dy, x, scale, weight, bias, mean, rstd, group_size):
+def _bwd_fake_common(x, scale, weight, bias):
     D = x.shape[-1]
     table = (scale.shape[0], D)
     return (
@@ -297,6 +317,11 @@ def _bwd_fake(dy, x, scale, weight, bias, mean, rstd, group_size):
     )
 
 
+@torch.library.register_fake(_BWD)
+def _bwd_fake(dy, x, scale, weight, bias, mean, rstd, group_size):
+    return _bwd_fake_common(x, scale, weight, bias)
+
+
 def _setup_context(ctx, inputs, output):
     x, shift, scale, weight, bias, group_size, eps = inputs
     _, mean, rstd = output
@@ -305,9 +330,7 @@ def _setup_context(ctx, inputs, output):
     ctx.group_size = group_size
 
 
-def _backward(ctx, dy, _dmean, _drstd):
-    x, scale, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dshift, dscale, dweight, dbias = _bwd_op(dy, x, scale, weight, bias, mean, rstd, ctx.group_size)
+def _grads(dx, dshift, dscale, dweight, dbias, weight, bias):
     return (
         dx,
         dshift,
@@ -319,8 +342,16 @@ def _backward(ctx, dy, _dmean, _drstd):
     )
 
 
-# The one autograd formula, for eager calls, torch.compile and checkpointing alike.
-torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
+def _backward(ctx, dy, _dmean, _drstd):
+    x, scale, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dshift, dscale, dweight, dbias = _bwd_op(dy, x, scale, weight, bias, mean, rstd, ctx.group_size)
+    return _grads(dx, dshift, dscale, dweight, dbias, weight, bias)
+
+
+# The autograd formula: in C++ where the library is loaded (csrc/ln_modulate_binding.cpp, the same
+# formula), registered here otherwise. Eager calls, torch.compile and checkpointing all take it.
+if not _KERNELS_LOADED:
+    torch.library.register_autograd(_FWD, _backward, setup_context=_setup_context)
 
 
 def _kernel_blocker(x: torch.Tensor, mod_dtype: torch.dtype) -> str | None:
@@ -344,16 +375,151 @@ def _require_fused() -> bool:
     return os.environ.get(_REQUIRE_ENV, "0") not in ("", "0")
 
 
-def _fallback(key: str, reason: str, x, shift, scale, weight, bias, eps) -> torch.Tensor:
+# ---------------------------------------------------------------------------------------------------------
+# The call path shared by both ops
+
+
+class _Norm:
+    """What differs between the ops: names, the forward operator, the reference, and the oldest GPU its
+    kernels run on (the RMSNorm op has the bulk-copy kernels only, compute capability 9.0 and newer)."""
+
+    def __init__(
+        self,
+        name: str,
+        op,
+        reference,
+        min_capability: tuple[int, int] = (0, 0),
+        per_row_blocker: str | None = None,
+    ) -> None:
+        self.name = name
+        self.op = op  # the forward operator; output 0 is y
+        self.reference = reference
+        self.min_capability = min_capability
+        # Why a per-token (one row per row of x) modulation takes the reference, or None when the kernels
+        # serve it.
+        self.per_row_blocker = per_row_blocker
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability_blocker(norm: _Norm, x: torch.Tensor) -> str | None:
+    if norm.min_capability == (0, 0) or x.device.type != "cuda":
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    cap = _capabilities[index]
+    if cap < norm.min_capability:
+        need = ".".join(map(str, norm.min_capability))
+        return (
+            f"the GPU has compute capability {cap[0]}.{cap[1]}; the {norm.name} kernels need {need} or newer"
+        )
+    return None
+
+
+# Eager fast path: argument shapes and dtypes -> (table rows M, group size) of CUDA calls that went to the
+# kernels with plain views of shift and scale as tables. Such a call again needs no checks.
+_fast: dict[tuple, tuple[int, int]] = {}
+_FAST_MAX = 4096  # distinct shapes remembered (variable sequence lengths make many); then it starts over
+
+
+def _fast_key(norm: _Norm, x, shift, scale, weight, bias):
+    try:
+        return (
+            norm.name,
+            x.shape,
+            x.dtype,
+            shift.shape,
+            shift.dtype,
+            scale.shape,
+            scale.dtype,
+            None if weight is None else (weight.shape, weight.dtype),
+            None if bias is None else (bias.shape, bias.dtype),
+        )
+    except AttributeError:  # not tensors: the checks say so
+        return None
+
+
+def _call(norm: _Norm, x, shift, scale, weight, bias, eps) -> torch.Tensor:
+    """The public functions' body: the kernels where they serve, else the reference (see the module doc)."""
+    key = None
+    if _KERNELS_LOADED and not torch.compiler.is_compiling():
+        key = _fast_key(norm, x, shift, scale, weight, bias)
+        hit = _fast.get(key)
+        if hit is not None and x.is_cuda:
+            M, group_size = hit
+            D = x.shape[-1]
+            # The operator's C++ entry directly (OpOverload.__call__ is one more Python frame).
+            return norm.op._op(x, shift.reshape(M, D), scale.reshape(M, D), weight, bias, group_size, eps)[0]
+    _check_inputs(x, shift, scale, weight, bias, norm.name)
+    args = (x, shift, scale, weight, bias, eps)
+    # Under torch.compile every device takes the custom op (its default implementation is the reference
+    # math), so a compiled graph holds the op as one node wherever it is traced.
+    if x.device.type != "cuda" and not torch.compiler.is_compiling():
+        return _fallback(
+            norm, f"device:{x.device.type}", f"x is on {x.device.type}; the fused kernels need CUDA", *args
+        )
+    sh, sc = shift, scale
+    groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
+    plain = True  # the tables are views of shift and scale as given
+    if groups_sh is not None and groups_sc is not None and groups_sh[1] != groups_sc[1]:
+        # Different layouts (say shift per sample, scale per token): read both in the finer one.
+        common = torch.broadcast_shapes(_padded_shape(sh, x), _padded_shape(sc, x))
+        sh, sc = _expand_modulation(sh, x).expand(common), _expand_modulation(sc, x).expand(common)
+        groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
+        plain = False
+    if groups_sh is None or groups_sc is None:
+        return _fallback(
+            norm,
+            f"layout:{tuple(shift.shape)}:{tuple(scale.shape)}:{x.dim()}",
+            f"shift {tuple(shift.shape)} / scale {tuple(scale.shape)} for x {tuple(x.shape)} broadcast within "
+            "the dims they vary over, which the fused kernels do not read",
+            *args,
+        )
+    (table_sh, group_size), (table_sc, _) = groups_sh, groups_sc
+    if norm.per_row_blocker is not None and group_size == 1:
+        # One modulation row per row of x: a layout the op's kernels do not serve correctly yet (see the
+        # norm's ``per_row_blocker``); the reference computes it.
+        return _fallback(norm, "layout:per_token", norm.per_row_blocker, *args)
+    mod_dtype = _kernel_mod_dtype(x, table_sh, table_sc)
+    blocker = _kernel_blocker(x, mod_dtype) or _capability_blocker(norm, x)
+    if blocker is not None:
+        return _fallback(norm, f"shape:{blocker}", blocker, *args)
+    if x.device.type == "cuda":
+        if not _KERNELS_LOADED:
+            return _fallback(norm, "build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
+        _record_path("fused", f"CUDA kernels ({_KERNELS_INFO})")
+    if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
+        table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
+        plain = False
+    w = weight.float() if weight is not None else None
+    b = bias.float() if bias is not None else None
+    plain = (
+        plain
+        and (weight is None or weight.dtype == torch.float32)
+        and (bias is None or bias.dtype == torch.float32)
+    )
+    if key is not None and plain and isinstance(group_size, int) and x.is_cuda:
+        if len(_fast) >= _FAST_MAX:
+            _fast.clear()
+        _fast[key] = (table_sh.shape[0], group_size)
+    return norm.op(x, table_sh, table_sc, w, b, group_size, float(eps))[0]
+
+
+def _fallback(norm: _Norm, key: str, reason: str, x, shift, scale, weight, bias, eps) -> torch.Tensor:
     """The plain-PyTorch reference, once the switch allows it: warns once per reason, records the path."""
     if _require_fused():
         raise _build.FusedOpUnavailable(
-            f"layer_norm_modulate: {reason}, and {_REQUIRE_ENV}=1 makes the plain-PyTorch fallback (about 9x "
+            f"{norm.name}: {reason}, and {_REQUIRE_ENV}=1 makes the plain-PyTorch fallback (about 9x "
             f"slower) an error. Fix the cause (see docs/fused_op.md), or unset {_REQUIRE_ENV} to allow it"
         )
     _record_path("reference", reason)
-    _warn_once(key, f"{reason}; using the plain-PyTorch reference")
-    return layer_norm_modulate_reference(x, shift, scale, weight, bias, eps)
+    _warn_once(f"{norm.name}:{key}", f"{norm.name}: {reason}; using the plain-PyTorch reference")
+    return norm.reference(x, shift, scale, weight, bias, eps)
+
+
+_LN = _Norm("layer_norm_modulate", _fwd_op, layer_norm_modulate_reference)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,49 +555,7 @@ def layer_norm_modulate(
     runs :func:`layer_norm_modulate_reference` and warns once with the reason. Set
     ``LIGHTNING_ADAPTIVELOAD_FUSED=0`` to force the reference.
     """
-    _check_inputs(x, shift, scale, weight, bias)
-    args = (x, shift, scale, weight, bias, eps)
-    # Under torch.compile every device takes the custom op (its default implementation is the reference
-    # math), so a compiled graph holds the op as one node wherever it is traced.
-    if x.device.type != "cuda" and not torch.compiler.is_compiling():
-        return _fallback(
-            f"device:{x.device.type}", f"x is on {x.device.type}; the fused kernels need CUDA", *args
-        )
-    sh, sc = shift, scale
-    groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
-    if groups_sh is not None and groups_sc is not None and groups_sh[1] != groups_sc[1]:
-        # Different layouts (say shift per sample, scale per token): read both in the finer one.
-        common = torch.broadcast_shapes(_padded_shape(sh, x), _padded_shape(sc, x))
-        sh, sc = _expand_modulation(sh, x).expand(common), _expand_modulation(sc, x).expand(common)
-        groups_sh, groups_sc = _as_groups(sh, x), _as_groups(sc, x)
-    if groups_sh is None or groups_sc is None:
-        return _fallback(
-            f"layout:{tuple(shift.shape)}:{tuple(scale.shape)}:{x.dim()}",
-            f"shift {tuple(shift.shape)} / scale {tuple(scale.shape)} for x {tuple(x.shape)} broadcast within "
-            "the dims they vary over, which the fused kernels do not read",
-            *args,
-        )
-    (table_sh, group_size), (table_sc, _) = groups_sh, groups_sc
-    mod_dtype = _kernel_mod_dtype(x, table_sh, table_sc)
-    blocker = _kernel_blocker(x, mod_dtype)
-    if blocker is not None:
-        return _fallback(f"shape:{blocker}", blocker, *args)
-    if x.device.type == "cuda":
-        if not _KERNELS_LOADED:
-            return _fallback("build", f"the CUDA kernels are unavailable ({_KERNELS_INFO})", *args)
-        _record_path("fused", f"CUDA kernels ({_KERNELS_INFO})")
-    if table_sh.dtype != mod_dtype or table_sc.dtype != mod_dtype:
-        table_sh, table_sc = table_sh.to(mod_dtype), table_sc.to(mod_dtype)
-    y, _, _ = _fwd_op(
-        x,
-        table_sh,
-        table_sc,
-        weight.float() if weight is not None else None,
-        bias.float() if bias is not None else None,
-        group_size,
-        float(eps),
-    )
-    return y
+    return _call(_LN, x, shift, scale, weight, bias, eps)
 
 
 def fused_op_status() -> tuple[bool, str]:
@@ -444,7 +568,8 @@ def fused_op_status() -> tuple[bool, str]:
 
 
 def fused_op_paths() -> str:
-    """Which implementation :func:`layer_norm_modulate` has run in this process, in words.
+    """Which implementation the fused ops (:func:`layer_norm_modulate`, ``rms_norm_modulate``) have run in
+    this process, in words.
 
     Returns:
         ``"fused CUDA kernel"``, ``"PyTorch fallback (<reason>)"``, both joined with ``" and "`` when both

@@ -70,20 +70,29 @@ def _block_d(D: int) -> int:
     return triton.next_power_of_2(D)
 
 
-# Overrides of the launch heuristics ("programs", "block_m", "warps"), for benchmarks/kernels/bench_norm_kernels.py.
-_TUNING: dict[str, int] = {}
+def _launch_shape(
+    rows_per_group: int,
+    groups: int,
+    D: int,
+    warps: int,
+    *,
+    programs: int = _TARGET_PROGRAMS,
+    block_m: int = 0,
+    num_warps: int = 0,
+) -> tuple[int, int, int, int]:
+    """(block_m, rows per program, programs per group, warps) for rows of width D.
 
-
-def _launch_shape(rows_per_group: int, groups: int, D: int, warps: int) -> tuple[int, int, int, int]:
-    """(block_m, rows per program, programs per group, warps) for rows of width D."""
+    ``programs``, ``block_m`` and ``num_warps`` (0: the heuristic's) are for benchmarks, which sweep them
+    by wrapping this function (benchmarks/kernels/bench_norm_kernels.py); the kernels call it with none.
+    """
     block_d = _block_d(D)
-    block_m = _TUNING.get("block_m") or max(1, min(16, 4096 // block_d))
-    per_group = max(1, _TUNING.get("programs", _TARGET_PROGRAMS) // max(groups, 1))
+    block_m = block_m or max(1, min(16, 4096 // block_d))
+    per_group = max(1, programs // max(groups, 1))
     rows_per_prog = max(block_m, math.ceil(rows_per_group / per_group))
     rows_per_prog = math.ceil(rows_per_prog / block_m) * block_m
-    programs = max(1, math.ceil(rows_per_group / rows_per_prog))
-    warps = _TUNING.get("warps") or (warps if block_d >= 2048 else 4)
-    return block_m, rows_per_prog, programs, warps
+    n_programs = max(1, math.ceil(rows_per_group / rows_per_prog))
+    warps = num_warps or (warps if block_d >= 2048 else 4)
+    return block_m, rows_per_prog, n_programs, warps
 
 
 if triton is not None:

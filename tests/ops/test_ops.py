@@ -337,7 +337,10 @@ def test_python_schemas_are_the_cpp_ones():
     cpp = (_build.find_csrc() / "ln_modulate_binding.cpp").read_text()
     block = cpp[cpp.index("TORCH_LIBRARY(lightning_adaptiveload") :]
     defs = ["".join(re.findall(r'"([^"]*)"', d)) for d in re.findall(r"m\.def\((.*?)\);", block, re.S)]
-    assert defs == [name + schema for name, schema in _impl._SCHEMAS.items()]
+    # The private benchmark operators (a leading underscore) exist only where the library is loaded.
+    public = [d for d in defs if not d.startswith("_")]
+    assert public == [name + schema for name, schema in _impl._SCHEMAS.items()]
+    assert {"layer_norm_modulate", "rms_norm_modulate"} <= set(_impl._SCHEMAS)
     for name, schema in _impl._SCHEMAS.items():
         op = getattr(torch.ops.lightning_adaptiveload, name).default
         assert str(op._schema) == f"lightning_adaptiveload::{name}{schema}"

@@ -1,8 +1,8 @@
-"""GPU tests of the fused LayerNorm-Modulate kernels against a float64 reference.
+"""GPU tests of the fused norm-modulate kernels (LayerNorm and RMSNorm) against a float64 reference.
 
 Every check draws fresh random inputs, poisons the memory the outputs will be allocated from (NaN), and
 compares with the float64 reference by relative L2 error: forward under 1e-2 for 16-bit and 1e-5 for fp32,
-gradients under 1e-2 for 16-bit (1e-4 for fp32); never a NaN.
+gradients under 1e-2 for 16-bit (1e-4 for fp32); never a NaN. Most tests run for both ops (``norm``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,18 @@ from lightning_adaptiveload.ops import (
     fused_op_status,
     layer_norm_modulate,
     layer_norm_modulate_reference,
+    rms_norm_modulate,
+    rms_norm_modulate_reference,
 )
 
 pytestmark = pytest.mark.cuda
 
 _impl = importlib.import_module("lightning_adaptiveload.ops.layer_norm_modulate")
 
+NORMS = {
+    "ln": (layer_norm_modulate, layer_norm_modulate_reference),
+    "rms": (rms_norm_modulate, rms_norm_modulate_reference),
+}
 FWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 BWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
@@ -32,6 +38,13 @@ BWD_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 def _fused_available():
     ok, info = fused_op_status()
     assert ok, f"the fused kernels must build on a CUDA machine: {info}"
+
+
+@pytest.fixture(params=sorted(NORMS))
+def norm(request):
+    if request.param == "rms" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the RMSNorm kernels need compute capability 9.0")
+    return request.param
 
 
 def _poison(numel_bytes: int) -> None:
@@ -59,7 +72,8 @@ def _make(x_shape, mod_shape, dtype, mod_dtype, affine, x_scale=1.0, x_offset=0.
     return x, shift, scale, w, b
 
 
-def _check(x, shift, scale, w=None, b=None, backward=True, eps=1e-6, bwd_tol=None):
+def _check(x, shift, scale, w=None, b=None, backward=True, eps=1e-6, bwd_tol=None, norm="ln"):
+    fused, reference = NORMS[norm]
     dtype = x.dtype
     leaves = [t for t in (x, shift, scale, w, b) if t is not None]
     ins = [t.detach().clone().requires_grad_(backward) for t in leaves]
@@ -70,8 +84,8 @@ def _check(x, shift, scale, w=None, b=None, backward=True, eps=1e-6, bwd_tol=Non
         return [next(it) if t is not None else None for t in (x, shift, scale, w, b)]
 
     _poison(x.numel() * x.element_size() * 4)
-    y = layer_norm_modulate(*unpack(ins), eps=eps)
-    y_ref = layer_norm_modulate_reference(*unpack(ref_ins), eps=eps)
+    y = fused(*unpack(ins), eps=eps)
+    y_ref = reference(*unpack(ref_ins), eps=eps)
     assert y.dtype == dtype and y.shape == x.shape
     err = _rel(y, y_ref)
     assert err < FWD_TOL[dtype], f"forward rel err {err:.3g}"
@@ -103,40 +117,48 @@ LAYOUTS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("mod_fp32", [True, False])
 @pytest.mark.parametrize("affine", [False, True])
-def test_layouts_dtypes_affine(layout, dtype, mod_fp32, affine):
+def test_layouts_dtypes_affine(layout, dtype, mod_fp32, affine, norm):
     x_shape, m_shape = LAYOUTS[layout]
-    _check(*_make(x_shape, m_shape, dtype, torch.float32 if mod_fp32 else dtype, affine))
+    _check(*_make(x_shape, m_shape, dtype, torch.float32 if mod_fp32 else dtype, affine), norm=norm)
 
 
 @pytest.mark.parametrize("D", [8, 24, 136, 1536, 3072, 5120, 8200, 16384])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_feature_sizes(D, dtype):
-    _check(*_make((2, 33, D), (2, 1, D), dtype, torch.float32, affine=D % 3 == 0))
+def test_feature_sizes(D, dtype, norm):
+    _check(*_make((2, 33, D), (2, 1, D), dtype, torch.float32, affine=D % 3 == 0), norm=norm)
+    # Per token too: the modulation rows travel with x's in the bulk-copy kernels (or through L1 where a
+    # stage of three rows would not fit twice).
+    _check(*_make((1, 9, D), (1, 9, D), dtype, torch.float32, affine=False), norm=norm)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 1000003])
-def test_odd_row_counts(rows):
+def test_odd_row_counts(rows, norm):
     for layout in ("sample", "token"):
         m_shape = (1, 1, 64) if layout == "sample" else (1, rows, 64)
-        _check(*_make((1, rows, 64), m_shape, torch.bfloat16, torch.float32, affine=rows == 7))
+        _check(*_make((1, rows, 64), m_shape, torch.bfloat16, torch.float32, affine=rows == 7), norm=norm)
 
 
 @pytest.mark.parametrize("B", [1, 2, 5, 16])
-def test_batch_sizes(B):
+def test_batch_sizes(B, norm):
     S = 1 + 97 * B
-    _check(*_make((B, S, 1536), (B, 1, 1536), torch.bfloat16, torch.float32, affine=False))
-    _check(*_make((B, 3, 1536), (B, 1536), torch.bfloat16, torch.bfloat16, affine=True))
+    _check(*_make((B, S, 1536), (B, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
+    _check(*_make((B, 3, 1536), (B, 1536), torch.bfloat16, torch.bfloat16, affine=True), norm=norm)
 
 
-def test_many_small_groups():
+def test_many_small_groups(norm):
     # More groups than resident CTAs: CTAs loop over groups.
-    _check(*_make((2000, 4, 256), (2000, 1, 256), torch.bfloat16, torch.float32, affine=True))
+    _check(*_make((2000, 4, 256), (2000, 1, 256), torch.bfloat16, torch.float32, affine=True), norm=norm)
+    _check(*_make((6000, 3, 1536), (6000, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_magnitudes(dtype):
-    _check(*_make((2, 100, 1536), (2, 1, 1536), dtype, torch.float32, affine=True, x_scale=1e4))
-    if dtype == torch.float32:
+def test_large_magnitudes(dtype, norm):
+    _check(*_make((2, 100, 1536), (2, 1, 1536), dtype, torch.float32, affine=True, x_scale=1e4), norm=norm)
+    if norm == "rms":
+        _check(
+            *_make((2, 100, 1536), (2, 1, 1536), dtype, torch.float32, affine=False, x_offset=1e4), norm=norm
+        )
+    if dtype == torch.float32 and norm == "ln":
         # Far from zero with unit spread: the corrected two-pass statistics keep the forward at fp32
         # accuracy; the backward reads the saved fp32 mean, rounded to ~5e-4 at 1e4, hence 1e-3.
         _check(
@@ -145,35 +167,40 @@ def test_large_magnitudes(dtype):
         )
 
 
-def test_constant_rows():
+def test_constant_rows(norm):
     x, shift, scale, w, b = _make((2, 64, 1536), (2, 1, 1536), torch.bfloat16, torch.float32, affine=False)
     x[:, ::3] = 3.0
-    x[1, 5] = 0.0
-    _check(x, shift, scale, w, b)
+    if norm == "ln":
+        x[1, 5] = 0.0  # a zero row of an RMSNorm has no direction; its gradient is eps-bound, not compared
+    _check(x, shift, scale, w, b, norm=norm)
 
 
-def test_strided_and_misaligned_inputs():
+def test_strided_and_misaligned_inputs(norm):
     D = 1536
     table = torch.randn(2, 6, D, device="cuda")
     shift, scale = table[:, 0:1], table[:, 1:2]  # Wan's chunk of a (B, 6, D) table: strided rows
     base = torch.randn(2 * 50 * D + 3, device="cuda", dtype=torch.bfloat16)
     x = base[3:].view(2, 50, D)  # storage offset of 6 bytes: not 16-byte aligned
-    _check(x, shift, scale)
+    _check(x, shift, scale, norm=norm)
+    # LTX-Video's per-token modulation: (B, S, D) views of a (B, S, 6, D) table (row stride 6 D).
+    table = torch.randn(2, 50, 6, D, device="cuda")
+    _check(x, table[:, :, 0], table[:, :, 1], norm=norm)
 
 
-def test_mixed_modulation_dtypes_and_layouts():
+def test_mixed_modulation_dtypes_and_layouts(norm):
     x, shift, _, _, _ = _make((2, 40, 512), (2, 1, 512), torch.bfloat16, torch.bfloat16, affine=False)
     scale = 0.5 * torch.randn(2, 40, 512, device="cuda")  # per token and fp32, shift per sample and bf16
-    _check(x, shift, scale)
+    _check(x, shift, scale, norm=norm)
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(norm):
+    fused = NORMS[norm][0]
     x, shift, scale, w, b = _make((1, 20000, 1536), (1, 1, 1536), torch.bfloat16, torch.float32, affine=True)
     ins = [t.clone().requires_grad_() for t in (x, shift, scale, w, b)]
     dy = torch.randn_like(x)
-    first = torch.autograd.grad(layer_norm_modulate(*ins), ins, dy)
+    first = torch.autograd.grad(fused(*ins), ins, dy)
     for _ in range(3):
-        again = torch.autograd.grad(layer_norm_modulate(*ins), ins, dy)
+        again = torch.autograd.grad(fused(*ins), ins, dy)
         for a, c in zip(first, again):
             assert torch.equal(a, c)
 
@@ -192,7 +219,7 @@ def test_unsupported_feature_size_falls_back_with_one_warning():
 
 @pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("group", ["sample", "token"])
-def test_opcheck_cuda(affine, group):
+def test_opcheck_cuda(affine, group, norm):
     D = 64
     x = torch.randn(2, 6, D, device="cuda", requires_grad=True)
     rows = 2 if group == "sample" else 12
@@ -200,18 +227,19 @@ def test_opcheck_cuda(affine, group):
     scale = torch.randn(rows, D, device="cuda", requires_grad=True)
     w = torch.randn(D, device="cuda", requires_grad=True) if affine else None
     b = torch.randn(D, device="cuda", requires_grad=True) if affine else None
-    torch.library.opcheck(
-        torch.ops.lightning_adaptiveload.layer_norm_modulate.default,
-        (x, shift, scale, w, b, 6 if rows == 2 else 1, 1e-6),
+    op = getattr(
+        torch.ops.lightning_adaptiveload, "rms_norm_modulate" if norm == "rms" else "layer_norm_modulate"
     )
+    torch.library.opcheck(op.default, (x, shift, scale, w, b, 6 if rows == 2 else 1, 1e-6))
 
 
-def test_torch_compile_keeps_one_op_without_graph_breaks():
+def test_torch_compile_keeps_one_op_without_graph_breaks(norm):
     torch._dynamo.reset()
+    fused = NORMS[norm][0]
     x, shift, scale, w, b = _make((2, 256, 1536), (2, 1536), torch.bfloat16, torch.float32, affine=True)
 
     def block(x, shift, scale, w, b):
-        return layer_norm_modulate(x, shift, scale, w, b) * 2.0
+        return fused(x, shift, scale, w, b) * 2.0
 
     compiled = torch.compile(block, fullgraph=True)
     ins = [t.clone().requires_grad_() for t in (x, shift, scale, w, b)]
@@ -224,14 +252,15 @@ def test_torch_compile_keeps_one_op_without_graph_breaks():
         assert torch.allclose(g.float(), ge.float(), rtol=1e-3, atol=1e-3)
 
 
-def test_activation_checkpointing():
+def test_activation_checkpointing(norm):
     from torch.utils.checkpoint import checkpoint
 
+    fused = NORMS[norm][0]
     x, shift, scale, _, _ = _make((2, 128, 1536), (2, 1, 1536), torch.bfloat16, torch.float32, affine=False)
     ins = [t.clone().requires_grad_() for t in (x, shift, scale)]
     ins_c = [t.clone().requires_grad_() for t in (x, shift, scale)]
-    y = layer_norm_modulate(*ins)
-    y_c = checkpoint(layer_norm_modulate, *ins_c, use_reentrant=False)
+    y = fused(*ins)
+    y_c = checkpoint(fused, *ins_c, use_reentrant=False)
     dy = torch.randn_like(y)
     for g, gc in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_c, ins_c, dy)):
         assert torch.equal(g, gc)
@@ -245,10 +274,15 @@ _FWD_OP = torch.ops.lightning_adaptiveload.layer_norm_modulate.default
 _BWD_OP = torch.ops.lightning_adaptiveload.layer_norm_modulate_backward.default
 
 
-def test_the_library_registered_the_operator_and_its_cuda_kernels():
-    for op, name in ((_FWD_OP, "layer_norm_modulate"), (_BWD_OP, "layer_norm_modulate_backward")):
-        assert str(op._schema) == f"lightning_adaptiveload::{name}{_impl._SCHEMAS[name]}"
+def test_the_library_registered_the_operators_their_cuda_kernels_and_autograd():
+    for name, schema in _impl._SCHEMAS.items():
+        op = getattr(torch.ops.lightning_adaptiveload, name).default
+        assert str(op._schema) == f"lightning_adaptiveload::{name}{schema}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA")
+    # The autograd formula of both forwards is the library's (C++), not a Python registration.
+    for name in ("layer_norm_modulate", "rms_norm_modulate"):
+        op = getattr(torch.ops.lightning_adaptiveload, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
     assert _impl._KERNELS_LOADED
 
 
@@ -314,3 +348,130 @@ def test_require_fused_passes_where_the_kernels_run_and_raises_where_not(monkeyp
     layer_norm_modulate(x, shift, scale)
     with pytest.raises(RuntimeError, match="D = 100.*REQUIRE_FUSED=1"):
         layer_norm_modulate(*_make((2, 9, 100), (2, 1, 100), torch.bfloat16, torch.float32, affine=False)[:3])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The launchers' plans and variants (through the library's private benchmark operators), and the eager
+# fast path
+
+
+def _plans(x, scale, group, rms, **kw):
+    args = dict(fwd_path=0, threads=0, fwd_stages=0, bwd_path=0, vpt=0, bwd_rows=0, bwd_stages=0)
+    args.update(kw)
+    return list(
+        torch.ops.lightning_adaptiveload._norm_modulate_plans(
+            x,
+            scale,
+            group,
+            rms,
+            False,
+            args["fwd_path"],
+            args["threads"],
+            args["fwd_stages"],
+            args["bwd_path"],
+            args["vpt"],
+            args["bwd_rows"],
+            args["bwd_stages"],
+        )
+    )
+
+
+@pytest.mark.parametrize("D", [1152, 1536, 5120])
+def test_rmsnorm_takes_the_bulk_copy_kernels_and_layernorm_the_register_fed_ones(D):
+    # LayerNorm's auto choice stays on the register-fed kernels (the bulk-copy LayerNorm kernels gave a NaN
+    # gradient per token with an affine weight on an H200); they run only when a benchmark asks for them.
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("bulk copies need compute capability 9.0")
+    x = torch.randn(1, 4096, D, device="cuda", dtype=torch.bfloat16)
+    scale = torch.randn(1, D, device="cuda")
+    for rms in (False, True):
+        for group, s in ((4096, scale), (1, torch.randn(4096, D, device="cuda"))):
+            p = _plans(x, s, group, rms)
+            want = 1 if rms else 0
+            assert p[0] == want and p[9] == want, (rms, group, p)
+            if rms and group > 1:
+                assert p[3] >= 1 and p[8] >= 1  # stages, and at least one CTA per SM
+
+
+# forward: (path, threads, stages); backward: (path, vectors per thread, rows per iteration, stages)
+VARIANTS_FWD = [(4, 0, 2), (4, 0, 5), (4, 96, 3), (4, 160, 2), (4, 320, 2), (1, 0, 0), (2, 0, 0)]
+VARIANTS_BWD = [
+    (2, 1, 1, 2),
+    (2, 1, 2, 3),
+    (2, 1, 4, 2),
+    (2, 2, 2, 3),
+    (2, 2, 4, 2),
+    (2, 4, 1, 4),
+    (1, 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("D", [1536, 5120])
+@pytest.mark.parametrize("layout", ["sample", "token"])
+def test_every_launch_variant_computes_the_same_function(D, layout, norm):
+    """Threads, stages and (LayerNorm) the register-fed kernels: each against the float64 reference."""
+    ns = torch.ops.lightning_adaptiveload
+    rms = norm == "rms"
+    B, S = 2, 777
+    x = torch.randn(B, S, D, device="cuda").to(torch.bfloat16)
+    rows = B if layout == "sample" else B * S
+    group = S if layout == "sample" else 1
+    t_sh = 0.5 * torch.randn(rows, D, device="cuda")
+    t_sc = 0.5 * torch.randn(rows, D, device="cuda")
+    dy = torch.randn_like(x)
+    ref = NORMS[norm][1]
+    m_shape = (B, 1, D) if layout == "sample" else (B, S, D)
+    leaves = [t.detach().double().requires_grad_() for t in (x, t_sh.reshape(m_shape), t_sc.reshape(m_shape))]
+    y_ref = ref(*leaves)
+    g_ref = torch.autograd.grad(y_ref, leaves, dy.double())
+    for path, threads, stages in VARIANTS_FWD:
+        if rms and path in (1, 2):
+            continue
+        _poison(x.numel() * 8)
+        y, mean, rstd = ns._norm_modulate_tuned(
+            x, t_sh, t_sc, None, None, group, 1e-6, rms, path, threads, stages
+        )
+        assert _rel(y, y_ref) < 1e-2, (path, threads, stages)
+    _, mean, rstd = ns._norm_modulate_tuned(x, t_sh, t_sc, None, None, group, 1e-6, rms, 0, 0, 0)
+    for path, vpt, rows_per_iter, stages in VARIANTS_BWD:
+        if rms and path == 1:
+            continue
+        _poison(x.numel() * 8)
+        dx, dsh, dsc, _, _ = ns._norm_modulate_backward_tuned(
+            dy, x, t_sc, None, None, None if rms else mean, rstd, group, rms, path, vpt, rows_per_iter, stages
+        )
+        for name, got, want in (("dx", dx, g_ref[0]), ("dshift", dsh, g_ref[1]), ("dscale", dsc, g_ref[2])):
+            assert _rel(got.reshape(want.shape), want) < 1e-2, (name, path, vpt, rows_per_iter, stages)
+
+
+def test_repeated_eager_calls_take_the_cached_path_and_agree(norm):
+    fused = NORMS[norm][0]
+    _impl._fast.clear()
+    x, shift, scale, w, b = _make((2, 300, 1536), (2, 1, 1536), torch.bfloat16, torch.float32, affine=True)
+    y1 = fused(x, shift, scale, w, b)
+    assert len(_impl._fast) == 1  # the first call checked the input and remembered its shapes
+    y2 = fused(x, shift, scale, w, b)
+    assert torch.equal(y1, y2)
+    # Another shape, another entry; a layout needing an expanded copy is not remembered, and still right.
+    _check(*_make((3, 5, 1536), (3, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
+    _check(*_make((3, 5, 1536), (3, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
+    x2, shift2, _, _, _ = _make((2, 40, 512), (2, 1, 512), torch.bfloat16, torch.bfloat16, affine=False)
+    scale2 = 0.5 * torch.randn(2, 40, 512, device="cuda")
+    _check(x2, shift2, scale2, norm=norm)
+    _check(x2, shift2, scale2, norm=norm)
+    # A modulation on another device is still an error naming the argument.
+    with pytest.raises((RuntimeError, ValueError), match="shift"):
+        fused(x, shift.cpu(), scale, w, b)
+
+
+def test_rms_norm_modulate_matches_the_diffusers_form():
+    """LTX-Video's block: RMSNorm without affine, then ``* (1 + scale) + shift`` (fp32 modulation)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the RMSNorm kernels need compute capability 9.0")
+    x = torch.randn(2, 300, 2048, device="cuda").to(torch.bfloat16)
+    table = torch.randn(2, 1, 6, 2048, device="cuda")
+    shift, scale = table[:, :, 0], table[:, :, 1]
+    xf = x.float()
+    inline = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * (1 + scale) + shift
+    y = rms_norm_modulate(x, shift, scale, eps=1e-6)
+    assert _rel(y, inline) < 1e-2

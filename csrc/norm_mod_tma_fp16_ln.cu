@@ -1,0 +1,17 @@
+// Instantiates the bulk-copy-fed norm-modulate kernels (norm_mod_tma.cuh) for x of type __half and the
+// LayerNorm (one file per dtype and norm, so that ninja compiles them in parallel).
+#include "norm_mod_tma.cuh"
+
+namespace adaptiveload {
+namespace detail {
+
+const void* tma_fwd_kernel_fp16_ln(DType mod, int vpt, bool per_row) {
+  return tma_fwd_for<__half, false>(mod, vpt, per_row);
+}
+
+const void* tma_bwd_kernel_fp16_ln(DType mod, int vpt, bool affine, bool per_row, int rows) {
+  return tma_bwd_for<__half, false>(mod, vpt, affine, per_row, rows);
+}
+
+}  // namespace detail
+}  // namespace adaptiveload
