@@ -11,9 +11,7 @@ import collections
 import os
 
 from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 
 def uneven_shards(tmp_path_factory, name: str, sizes: list[int], seed: int, **settings) -> str:

@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.shards.mixes import load_mix
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.shards.mixes import load_mix
 
 # (max_tokens, max_compute) per mix: the tiny mix's samples are 24 to 225 tokens.
 _MIX_TOKENS = {"wan21_480p": 65520, "native_480p": 65520, "tiny": 900}

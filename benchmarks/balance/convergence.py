@@ -65,11 +65,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_adaptiveload import AdaptiveLoadDataModule, VideoDiTModule
-from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import OptimizerSettings, SamplingSettings
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _common

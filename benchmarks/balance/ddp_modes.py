@@ -181,8 +181,11 @@ def make_shards(data_dir: str, num_samples: int, mix: str, text_dim: int, seed: 
     seed. Returns ``(index path, reused)``."""
     import dataclasses
 
-    from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
-    from lightning_adaptiveload.shards.synthetic import NotSyntheticDataError
+    from lightning_adaptiveload.shards.synthetic import (
+        NotSyntheticDataError,
+        SyntheticShards,
+        write_synthetic_shards,
+    )
 
     index_path = os.path.join(data_dir, "index.json")
     before = os.path.getmtime(index_path) if os.path.isfile(index_path) else None

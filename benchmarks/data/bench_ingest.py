@@ -40,7 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _common import cpu_name
 
 from lightning_adaptiveload.ingest import job as ing
-from lightning_adaptiveload.ingest.demo import DEMO_ENCODER, TINY_VAE_CONFIG, tiny_random_vae, write_demo_clips
+from lightning_adaptiveload.ingest.demo import (
+    DEMO_ENCODER,
+    TINY_VAE_CONFIG,
+    tiny_random_vae,
+    write_demo_clips,
+)
 from lightning_adaptiveload.ingest.settings import IngestSettings
 from lightning_adaptiveload.monitor.report import jsonable
 

@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _common import cpu_name
 
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.shards.mixes import Mix, load_mix
 from lightning_adaptiveload.loading.settings import Loader
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
+from lightning_adaptiveload.shards.mixes import Mix, load_mix
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 
 def scaled_mix(name: str, scale: int) -> Mix:

@@ -59,10 +59,10 @@ def epoch_steps(
     mix_name: str, max_tokens: int, world: int, samples: int, seed: int = 0
 ) -> collections.Counter:
     """Rank 0's steps of one planned lockstep epoch of the mix: Counter of ((C, T, H, W), batch size)."""
-    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
     from lightning_adaptiveload.planning.settings import PlanSettings
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     mix = load_mix(mix_name)
     shapes = [tuple(bk.latent_shape) for bk in mix.buckets]
@@ -88,10 +88,10 @@ def epoch_steps(
 
 def epoch_packs(mix_name: str, max_tokens: int, world: int, samples: int, seed: int = 0) -> list[tuple]:
     """Rank 0's steps of one planned packed epoch of the mix: one tuple of (C, T, H, W) shapes per step."""
-    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
     from lightning_adaptiveload.planning.settings import PlanSettings
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     mix = load_mix(mix_name)
     shapes = [tuple(bk.latent_shape) for bk in mix.buckets]

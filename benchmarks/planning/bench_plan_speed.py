@@ -48,10 +48,10 @@ def _device() -> str:
 def _one(mode: str, n: int, world: int, workers: int, profile: int) -> dict:
     import numpy as np
 
-    from lightning_adaptiveload.shards.mixes import load_mix
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.planner import plan_epoch
     from lightning_adaptiveload.planning.settings import PlanSettings
+    from lightning_adaptiveload.shards.mixes import load_mix
 
     mix = load_mix("wan21_480p")
     b = mix.sample_buckets(np.random.default_rng(0), n)

@@ -21,11 +21,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torchmetrics import MeanMetric
 
 from lightning_adaptiveload import FusedNormModulateMixin, token_weighted_loss
-
 from lightning_adaptiveload.models.loss import rank_noise_generator
-
-from lightning_adaptiveload.models.wan_flops import wan_flops_per_batch
 from lightning_adaptiveload.models.sharding import shard_model
+from lightning_adaptiveload.models.wan_flops import wan_flops_per_batch
 
 
 class WanFlowModule(FusedNormModulateMixin, L.LightningModule):

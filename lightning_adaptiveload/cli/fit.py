@@ -164,6 +164,7 @@ def build_cli(
     # here, before jsonargparse would block on it); the parser's own YAML reading has them too.
     check_config_files(sys.argv[1:] if args is None else list(args))
     mode = register_loader()
+    _quiet_resumability_warning()
     if args is not None:
         args = group_flags(args)
     options: dict[str, Any] = dict(
@@ -172,6 +173,7 @@ def build_cli(
         save_config_kwargs={"overwrite": True},
         # Errors come back as exceptions: main() prints them in a few lines instead of the usage dump.
         parser_kwargs={
+            "prog": program_name(),
             "description": "Load-balanced training of video DiTs on mixed-length data.",
             "exit_on_error": False,
             "parser_mode": mode,
@@ -182,12 +184,54 @@ def build_cli(
     # Every training epoch is planned with its own step count, so Lightning must read the loader's length
     # every epoch (AdaptiveLoadDataModule refuses a trainer without it; a recipe may still set it).
     options["trainer_defaults"] = {**TRAINER_DEFAULTS, **dict(kwargs.get("trainer_defaults") or {})}
+    options.setdefault("parser_class", _parser_class())
     return _cli_class(default_model=model_class is None)(
         model_class if model_class is not None else pl.LightningModule,
         datamodule_class if datamodule_class is not None else AdaptiveLoadDataModule,
         args=args,
         run=run,
         **options,
+    )
+
+
+def program_name() -> str:
+    """How the command was called, for ``usage:`` lines: ``python -m lightning_adaptiveload`` when run as a
+    module (``sys.argv[0]`` is ``__main__.py``), else ``lightning-adaptiveload``."""
+    import sys
+
+    first = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return "python -m lightning_adaptiveload" if first == "__main__.py" else "lightning-adaptiveload"
+
+
+def _parser_class() -> type:
+    """``LightningArgumentParser`` without argparse's abbreviations (``--trainer.max_epoch`` is an error,
+    not ``max_epochs``). jsonargparse makes the parsers of subcommands and of a class's ``init_args`` with
+    ``type(parent)(...)``, so every parser of the CLI gets ``allow_abbrev=False``."""
+    if _PARSER_CLASS:
+        return _PARSER_CLASS[0]
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    class AdaptiveLoadArgumentParser(LightningArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("allow_abbrev", False)
+            super().__init__(*args, **kwargs)
+
+    _PARSER_CLASS.append(AdaptiveLoadArgumentParser)
+    return AdaptiveLoadArgumentParser
+
+
+_PARSER_CLASS: list[type] = []
+
+
+def _quiet_resumability_warning() -> None:
+    """Hide Lightning's "your dataloader is not resumable" warning of a mid-epoch resume: it looks at the
+    loader, but the CLI's data is an ``AdaptiveLoadDataModule``, whose own ``state_dict`` restores the epoch's
+    plan and position (``docs/recipes.md``, "Resuming")."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore",
+        message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader",
     )
 
 
@@ -213,6 +257,7 @@ def _cli_class(default_model: bool) -> type:
                 parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
 
         def before_fit(self) -> None:
+            _check_resume(self.trainer, self.config.get(self.subcommand, {}).get("ckpt_path"))
             _check_before_fit(self.trainer, self.datamodule, self.model)
 
         def after_fit(self) -> None:
@@ -234,6 +279,28 @@ def _cli_class(default_model: bool) -> type:
 
 
 _CLI_CLASSES: dict[bool, type] = {}
+
+
+def _check_resume(trainer: Any, ckpt_path: Any) -> None:
+    """``--ckpt_path last`` with no ``last.ckpt`` to resume from: say why, in one line, before training starts
+    from scratch (Lightning's own warning does not say where it looked)."""
+    if ckpt_path != "last" or not getattr(trainer, "is_global_zero", True):
+        return
+    callbacks = list(getattr(trainer, "checkpoint_callbacks", None) or ())
+    folders = [cb.dirpath for cb in callbacks if getattr(cb, "dirpath", None)]
+    if any(os.path.isfile(os.path.join(folder, "last.ckpt")) for folder in folders):
+        return
+    if not callbacks:
+        why = "checkpointing is off (trainer.enable_checkpointing: false, no ModelCheckpoint)"
+    elif folders:
+        why = f"no last.ckpt in {', '.join(os.path.abspath(f) for f in folders)} (no run has saved one there yet)"
+    else:
+        why = "the ModelCheckpoint has no fixed dirpath (each run writes into its own version folder)"
+    print(
+        f"[adaptiveload] --ckpt_path last: nothing to resume, {why}; training starts from the beginning. "
+        "Give the ModelCheckpoint a dirpath and save_last: true (docs/recipes.md, 'Resuming').",
+        flush=True,
+    )
 
 
 def _check_before_fit(trainer: Any, datamodule: Any, model: Any = None) -> None:
@@ -276,6 +343,14 @@ def _report_outputs(trainer: Any, datamodule: Any) -> None:
         if type(cb).__name__ == "LoadBalanceMonitor" and outdir and os.path.isdir(outdir):
             files = sorted(f for f in os.listdir(outdir) if f.startswith("load_balance"))
             lines.append(f"  load balance:    {os.path.abspath(outdir)}: {', '.join(files) or 'no files'}")
+    for cb in getattr(trainer, "checkpoint_callbacks", None) or ():
+        folder = getattr(cb, "dirpath", None)
+        if folder and os.path.isdir(folder):
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".ckpt"))
+            resume = " (resume: --ckpt_path last)" if "last.ckpt" in files else ""
+            lines.append(
+                f"  checkpoints:     {os.path.abspath(folder)}: {', '.join(files) or 'none'}{resume}"
+            )
     if getattr(datamodule, "synthetic", None):
         where = [datamodule.train_shards] + ([datamodule.val_shards] if datamodule.val_shards else [])
         lines.append(f"  synthetic data:  {', '.join(os.path.abspath(str(w)) for w in where)}")
@@ -358,9 +433,33 @@ def _init_params(class_path: str) -> list[str]:
     module_name, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
-        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        params = inspect.signature(cls).parameters.values()
+        return [
+            p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
     except (ImportError, AttributeError, ValueError, TypeError):
         return []
+
+
+def _hidden_by_var_keyword(class_path: str, name: str) -> str | None:
+    """The line for an argument of ``AdaptiveLoadDataModule`` (``plan``, ``batching``, ...) that a subclass
+    taking ``**kw`` hides from the CLI (jsonargparse could not follow ``**kw`` to the base class), or None."""
+    import inspect
+
+    module_name, _, cls_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        params = inspect.signature(cls).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    var = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    if var is None or name not in _init_params("lightning_adaptiveload.datamodule.AdaptiveLoadDataModule"):
+        return None
+    return (
+        f"  {cls_name}.__init__ takes **{var}, which the CLI cannot follow to AdaptiveLoadDataModule's {name!r}: "
+        f"pass it on unchanged (super().__init__(..., **{var})) or name {name} in the signature "
+        "(docs/recipes.md, 'A DataModule subclass of your own')"
+    )
 
 
 def _group_fields(class_path: str, group: str) -> list[str]:
@@ -379,6 +478,20 @@ def _group_fields(class_path: str, group: str) -> list[str]:
     return [f.name for f in dataclasses.fields(kind)] if kind is not None else []
 
 
+class _Found(tuple):
+    """A regex match's ``groups()`` / ``group(i, j)`` for a key found another way."""
+
+    def __new__(cls, *parts: str) -> _Found:
+        return super().__new__(cls, parts)
+
+    def groups(self) -> tuple[str, ...]:
+        return tuple(self)
+
+    def group(self, *indices: int) -> Any:
+        picked = tuple(self[i - 1] for i in indices)
+        return picked[0] if len(picked) == 1 else picked
+
+
 def argument_message(argv: Sequence[str], err: Exception) -> str:
     """A few lines for a rejected command line or recipe: the parser's reason and the nearest valid key."""
     import re
@@ -392,8 +505,20 @@ def argument_message(argv: Sequence[str], err: Exception) -> str:
         r"class_path '([^']+)':\s*Group '([^']+)' does not accept option '([^']+)'", message
     )
     in_group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
-    anywhere = re.search(r"does not accept option '([^']+)'", message) or re.search(
-        r"Option '([^']+)' is not accepted", message
+    # Without abbreviations argparse calls an unknown key "unrecognized arguments" (and jsonargparse wraps
+    # the one of a class's init_args in the Union-subtype errors of its key).
+    unrecognized = re.search(r"class_path '([^']+)':\s*unrecognized arguments: --([^\s=]+)", message)
+    if unrecognized and not in_settings and not in_class:
+        class_path, name = unrecognized.groups()
+        group, dot, key = name.partition(".")
+        if dot and "." not in key and _group_fields(class_path, group):
+            in_settings = _Found(class_path, group, key)
+        else:
+            in_class = _Found(class_path, name)
+    anywhere = (
+        re.search(r"does not accept option '([^']+)'", message)
+        or re.search(r"Option '([^']+)' is not accepted", message)
+        or (None if unrecognized else re.search(r"unrecognized arguments: --([^\s=]+)", message))
     )
     if in_settings and _group_fields(*in_settings.group(1, 2)):
         class_path, group, key = in_settings.groups()
@@ -406,7 +531,10 @@ def argument_message(argv: Sequence[str], err: Exception) -> str:
         if groups:  # a setting of one of its groups, given at the top (the flat form of 0.1.0)
             lines.append(f"  {key!r} is a setting of its group {groups[0]!r}: write it as {groups[0]}.{key}")
         else:
-            lines.append(_hint(key, _init_params(class_path), "argument"))
+            lines.append(_hint(key.split(".")[0], _init_params(class_path), "argument"))
+        hidden = _hidden_by_var_keyword(class_path, key.split(".")[0])
+        if hidden:
+            lines.append(hidden)
     elif in_group or anywhere:
         group, key = in_group.groups() if in_group else ("", anywhere.group(1).lstrip("-"))
         parts = [*group.split("."), *key.split(".")] if group else key.split(".")

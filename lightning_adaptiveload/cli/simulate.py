@@ -185,7 +185,8 @@ _SCHEDULE_NAMES = ("independent", "lockstep", "packed")
 def _describe(names: Sequence[str], times: Any) -> list[str]:
     """What the output's configuration names mean, and where the step times come from."""
     lines = [
-        "configurations: " + "; ".join(f"{n} = {batching_label(*VARIANTS[n])}" for n in names if n in VARIANTS)
+        "configurations: "
+        + "; ".join(f"{n} = {batching_label(*VARIANTS[n])}" for n in names if n in VARIANTS)
     ]
     if times is None:
         lines.append(
@@ -252,8 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(result.table())
-    for key, value in result.targets().items():
-        print(f"  {key}: {value if not isinstance(value, float) else f'{100 * value:.2f}%'}")
+    fragment = result.recipe_fragment()
+    if fragment is not None:
+        print(fragment)
     for note in result.notes:
         print(f"  note: {note}")
     print(f"wrote {os.path.join(args.out, 'simulate.json')}" + ("" if args.no_plots else " and PNG plots"))
@@ -275,14 +277,94 @@ def _replay(csv_path: str, times: str | None, out: str) -> int:
             prior = CostModel.from_dict(read_json(times, what=f"--times {times}"))
         else:
             prior = CostModel.default()
+        # The file through the bounded reader first (regular file, bytes, line length, CSV fields, UTF-8:
+        # errors name the file and the line), its bad cells counted by column; then the refit's own reader.
+        rows = _replay_rows(csv_path)
         result = refit_cost_model(prior, measurements_from_ranks_csv(csv_path), RefitConfig())
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    rows.update(
+        used=result.points_used,
+        outliers=result.points_rejected,
+        warmup=result.points_warmup,
+        dropped=dict(result.points_dropped),
+    )
+    # The refit accounts for every row it was given; a difference would be rows its reader lost.
+    rows["unaccounted"] = (
+        rows["read"] - rows["used"] - rows["outliers"] - rows["warmup"] - sum(rows["dropped"].values())
+    )
     print(format_refit(result))
+    print(_rows_line(rows))
     os.makedirs(out, exist_ok=True)
-    print(f"wrote {write_json(os.path.join(out, 'replay.json'), {'replay': csv_path, **result.to_dict()})}")
+    doc = {"replay": csv_path, "rows": rows, **result.to_dict()}
+    print(f"wrote {write_json(os.path.join(out, 'replay.json'), doc)}")
     return 0
+
+
+#: The columns of a ranks CSV whose cells the replay reads as numbers.
+_REPLAY_NUMBERS = (
+    "rank",
+    "batch_idx",
+    "batch_size",
+    "num_tokens",
+    "seq_len",
+    "compute_time_s",
+    "token_sq_sum",
+)
+
+
+def _replay_rows(csv_path: str) -> dict:
+    """The rows of ``csv_path`` (read through :func:`~lightning_adaptiveload.shards.textfile.read_csv`), and
+    its cells that are not numbers, by column (each such row is dropped or priced without that cell by the
+    refit; the first few line numbers kept)."""
+    import math
+
+    from lightning_adaptiveload.shards.textfile import read_csv
+
+    need = ("rank", "batch_idx", "batch_size", "num_tokens", "seq_len", "compute_time_s")
+    header, rows = read_csv(csv_path, what=f"--replay {csv_path}", required=need)
+    bad: dict[str, int] = {}
+    lines: dict[str, list[int]] = {}
+    for lineno, row in rows:
+        for col in _REPLAY_NUMBERS:
+            if col not in header:
+                continue
+            cell = row.get(col)
+            if cell in (None, "") and col == "token_sq_sum":
+                continue  # optional: absent in files written before the column
+            try:
+                ok = math.isfinite(float(cell))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                bad[col] = bad.get(col, 0) + 1
+                if len(lines.setdefault(col, [])) < 5:
+                    lines[col].append(lineno)
+    return {"read": len(rows), "bad_cells": bad, "bad_cell_lines": lines}
+
+
+def _rows_line(rows: dict) -> str:
+    """One line: how many rows were read, used, and left out, and why (the counts add up to ``read``)."""
+    dropped = rows["dropped"]
+    parts = [
+        f"{rows['read']} read",
+        f"{rows['used']} used",
+        f"{rows['outliers']} outliers",
+        f"{rows['warmup']} warm-up",
+        f"{sum(dropped.values())} dropped"
+        + (f" ({', '.join(f'{k} {v}' for k, v in dropped.items())})" if dropped else ""),
+    ]
+    if rows.get("unaccounted"):
+        parts.append(f"{rows['unaccounted']} unaccounted")
+    line = "  rows: " + ", ".join(parts)
+    if rows["bad_cells"]:
+        cells = ", ".join(
+            f"{col} {n} (lines {', '.join(map(str, rows['bad_cell_lines'][col]))}{', ...' if n > 5 else ''})"
+            for col, n in rows["bad_cells"].items()
+        )
+        line += f"; cells that are not finite numbers: {cells}"
+    return line
 
 
 if __name__ == "__main__":

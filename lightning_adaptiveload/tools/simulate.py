@@ -145,6 +145,38 @@ class SimulationResult:
             out["dual_imbalance_16_le_paper_18.9pct"] = dual16[0]["imbalance_mean"] <= _PAPER_IMBALANCE_DUAL
         return out
 
+    def recipe_fragment(self) -> str | None:
+        """The recommended ``max_compute`` with the cost model it is measured in, as YAML to paste under a
+        recipe's ``data.init_args`` (None when no budget was searched).
+
+        From the row with a recommendation at the largest world size (the highest tokens/s among them)."""
+        import yaml
+
+        rows = [r for r in self.rows if r.get("recommended_max_compute") is not None]
+        if not rows:
+            return None
+        top = max(r["world_size"] for r in rows)
+        best = max((r for r in rows if r["world_size"] == top), key=lambda r: r["tokens_per_s_ratio"])
+        schedule, sizing = VARIANTS.get(best["variant"], (best.get("schedule", "lockstep"), "dual"))
+        batching: dict[str, Any] = {}
+        if self.meta.get("max_tokens") is not None:
+            batching["max_tokens"] = int(self.meta["max_tokens"])
+        batching["max_compute"] = float(f"{best['recommended_max_compute']:.6g}")
+        cost = dict(self.meta.get("plan_cost_model") or {})
+        cost.pop("fit_info", None)  # how well it fits: in simulate.json, not needed to plan
+        batching["cost_model"] = cost or None
+        batching["sizing"] = sizing
+        body = yaml.safe_dump(
+            jsonable({"batching": batching, "plan": {"schedule": schedule}}),
+            sort_keys=False,
+            default_flow_style=None,
+        )
+        head = (
+            f"# recommended for {best['variant']} at {top} ranks (simulated tokens/s x"
+            f"{best['tokens_per_s_ratio']:.3f}); paste under data.init_args:"
+        )
+        return head + "\n" + body.rstrip()
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (NaN written as null)."""
         return jsonable(
@@ -152,7 +184,8 @@ class SimulationResult:
                 "meta": self.meta,
                 "buckets": self.buckets,
                 "results": self.rows,
-                "targets": self.targets(),
+                # The project's own comparisons with the paper's figures (issue 7): not printed to users.
+                "internal_checks": self.targets(),
                 "notes": self.notes,
             }
         )

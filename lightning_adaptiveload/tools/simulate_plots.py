@@ -24,6 +24,7 @@ class SimulationResult(Protocol):
     rows: list[dict[str, Any]]
     per_step_cv: dict[tuple[str, int], np.ndarray]
 
+
 _COLORS = {
     "equal_tokens": "#7f7f7f",
     "dual": "#1f77b4",
@@ -46,14 +47,16 @@ def plot_result(
     """PNG plots: per-step CV distributions per variant, wait share and tokens/s ratio against world size."""
     variants = list(dict.fromkeys(r["variant"] for r in result.rows))
     sizes = sorted({r["world_size"] for r in result.rows})
-    out: dict[str, str] = {"cv_png": _plot_cv(result, variants, sizes, os.path.join(out_dir, f"{prefix}cv.png"))}
+    out: dict[str, str] = {
+        "cv_png": _plot_cv(result, variants, sizes, os.path.join(out_dir, f"{prefix}cv.png"))
+    }
     out.update(_plot_against_world_size(result, variants, sizes, out_dir, prefix))
     return out
 
 
 def _plot_cv(result: SimulationResult, variants: list[str], sizes: list[int], path: str) -> str:
     """CV distributions: one box per variant, grouped by world size."""
-    fig = new_figure((max(6.0, 1.6 * len(sizes) + 2), 4.8), layout="tight")
+    fig = new_figure((max(7.0, 1.6 * len(sizes) + 3), 5.0), layout="tight")
     ax = fig.subplots()
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
@@ -87,8 +90,12 @@ def _plot_cv(result: SimulationResult, variants: list[str], sizes: list[int], pa
     ax.set_title(
         "Per-step compute CV across ranks\n(box p25-p75, whiskers p5-p95, diamond: mean)", fontsize=10
     )
-    # Below the axes: the boxes of the small world sizes reach the top.
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, len(variants) + 1))
+    # Inside the axes, above the boxes: the y range gets headroom for it (a legend below the axes was cut
+    # off at both sides and squeezed the axes into the middle of the canvas).
+    bottom, top = ax.get_ylim()
+    rows = -(-(len(variants) + 1) // 2)
+    ax.set_ylim(bottom, bottom + (top - bottom) * (1.15 + 0.12 * rows))
+    ax.legend(fontsize=8, loc="upper center", ncol=2, framealpha=0.9)
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, path)
 
@@ -118,7 +125,13 @@ def _plot_against_world_size(
         ax = fig.subplots()
         for variant in variants:
             ys = [scale * result.row(variant, w)[key] for w in sizes]
-            ax.plot(sizes, ys, marker="o", color=_color(variant, variants), label=_legend(variant))
+            ax.plot(
+                sizes,
+                ys,
+                color=_color(variant, variants),
+                label=_legend(variant),
+                **_style(variant, variants),
+            )
         if key == "wait_share":
             ax.axhline(100 * TARGET_LOCKSTEP, color="k", ls=":", lw=1, label="2% target")
         else:
@@ -132,6 +145,23 @@ def _plot_against_world_size(
         ax.legend(fontsize=8)
         out[f"{fname}_png"] = save_figure(fig, os.path.join(out_dir, f"{prefix}{fname}.png"))
     return out
+
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _style(variant: str, variants: list[str]) -> dict[str, object]:
+    """Marker and line style of a configuration: one of its own, so that configurations with equal values
+    (``lockstep_equal_tokens`` on ``lockstep``) stay visible, the later one hollow and dashed over the other."""
+    i = variants.index(variant) if variant in variants else 0
+    return {
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "ls": _LINESTYLES[i % len(_LINESTYLES)],
+        "markersize": 9 - 1.5 * (i % 3),
+        "markerfacecolor": "white" if i % 2 else _color(variant, variants),
+        "lw": 2.2 - 0.4 * (i % 3),
+    }
 
 
 def _legend(name: str) -> str:

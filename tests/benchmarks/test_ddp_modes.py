@@ -492,9 +492,9 @@ def test_fit_pack_sums_equals_fit_packs():
 @pytest.mark.parametrize("mode", MODES)
 def test_the_report_replays_the_batches_the_data_module_yields(bench, tmp_path, mode):
     """The simulator's plan (what the report prices) is each rank's plan in the DataModule's loader."""
-    from lightning_adaptiveload.shards.index import ShardIndex
     from lightning_adaptiveload.loading.loader import PlannedShardDataset
     from lightning_adaptiveload.planning.planner import plan_epoch
+    from lightning_adaptiveload.shards.index import ShardIndex
     from lightning_adaptiveload.tools.replay import VARIANTS as SIM_MODES
     from lightning_adaptiveload.tools.replay import make_batcher
 

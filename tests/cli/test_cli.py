@@ -169,7 +169,7 @@ def test_quickstart_runs_a_shortened_fit(tmp_path):
     proc = _run_cli(["fit", "--config", recipe, "--trainer.max_steps=3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "LoadBalanceMonitor" in out and "straggler_wait" in out
+    assert "LoadBalanceMonitor" in out and "straggler wait" in out
     assert (tmp_path / "data" / "quickstart" / "train" / "index.json").exists()
     saved = list((tmp_path / "runs" / "quickstart").rglob("config.yaml"))
     assert saved and yaml.safe_load(saved[0].read_text())["trainer"]["max_steps"] == 3

@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.shards.format import REASONS, ShardError
-
 from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.writer import ShardWriter
-
 from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 LOGGER = "lightning_adaptiveload.shards"  # parent of the shard I/O modules' loggers
 

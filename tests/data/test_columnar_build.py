@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lightning_adaptiveload.planning.inputs import index_fingerprint
 from lightning_adaptiveload.shards.compact import CompactIndex
 from lightning_adaptiveload.shards.compact_build import build_compact
 from lightning_adaptiveload.shards.format import ShardError
 from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.shards.writer import ShardWriter
-from lightning_adaptiveload.planning.inputs import index_fingerprint
 
 
 def _shards(folder, n_samples, per_shard=1, prefix="shard", key="k"):

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from _plan_cases import timeless_report
 
-from lightning_adaptiveload.shards.columnar import MAGIC, is_binary_index, read_columns
-from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact, load_index
-from lightning_adaptiveload.shards.format import ShardError, ShardInfo
-from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.shards.columnar import MAGIC, is_binary_index, read_columns
+from lightning_adaptiveload.shards.compact import CompactIndex, load_checked_compact, load_index
+from lightning_adaptiveload.shards.format import ShardError, ShardInfo
+from lightning_adaptiveload.shards.index import ShardIndex
 
 SHAPES = [(16, 1, 8, 12), (16, 5, 8, 12), (16, 9, 12, 8), (16, 3, 8, 8)]
 

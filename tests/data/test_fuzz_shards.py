@@ -28,12 +28,9 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.shards.format import REASONS, ShardError
-
 from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.writer import ShardWriter
-
 from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 MiB = 1 << 20
 REPO = str(_paths.ROOT)
@@ -606,9 +603,9 @@ def mutate_binary_index(rng: random.Random, base: bytes) -> bytes:
 
 @pytest.mark.timeout(120)
 def test_fuzz_binary_indexes_raise_only_shard_errors(tmp_path, watch):
-    from lightning_adaptiveload.shards.compact import CompactIndex
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.inputs import as_input, bucket_table, index_fingerprint
+    from lightning_adaptiveload.shards.compact import CompactIndex
 
     folder = tmp_path / "data"
     with ShardWriter(folder, max_samples_per_shard=3) as w:

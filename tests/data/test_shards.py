@@ -15,16 +15,15 @@ import pytest
 import torch
 
 from lightning_adaptiveload.cli.data import index_main, synth_main
-from lightning_adaptiveload.shards.format import ShardError
-from lightning_adaptiveload.shards.index import ShardIndex
-from lightning_adaptiveload.shards.writer import ShardWriter
-from lightning_adaptiveload.shards.paths import expand_paths
-from lightning_adaptiveload.shards.reader import iter_shard
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
 from lightning_adaptiveload.shards import indexing as indexing_mod
 from lightning_adaptiveload.shards import reader as reader_mod
+from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
 from lightning_adaptiveload.shards.mixes import available_mixes, load_mix
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
+from lightning_adaptiveload.shards.paths import expand_paths
+from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 GNU_TAR = shutil.which("tar")
 

@@ -9,14 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.shards.format import ShardError
-
-from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.writer import ShardWriter
-
 from lightning_adaptiveload.shards import columnar, key_columns
 from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.writer import ShardWriter
 
 
 def _index(folder, n_shards=2, per_shard=4):

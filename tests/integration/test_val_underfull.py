@@ -12,13 +12,10 @@ import pytest
 from _ddp_data_runner import launch
 from _paths import TESTS
 
-from lightning_adaptiveload.shards.index import ShardIndex
-
-from lightning_adaptiveload.shards.reader import iter_shard
-
-from lightning_adaptiveload.shards.synthetic import write_synthetic_shards
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.plan import PlanError
+from lightning_adaptiveload.shards.index import ShardIndex
+from lightning_adaptiveload.shards.reader import iter_shard
+from lightning_adaptiveload.shards.synthetic import SyntheticShards, write_synthetic_shards
 
 RUNNER = str(TESTS / "_ddp_val_runner.py")
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_adaptiveload.loading.collate import collate
-from lightning_adaptiveload.shards.synthetic import SyntheticShards
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
+from lightning_adaptiveload.shards.synthetic import SyntheticShards
 
 QUAD = CostModel(kind="quadratic", alpha=1.0, beta=0.01)
 

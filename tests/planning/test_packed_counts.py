@@ -16,8 +16,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_packed_planning import COST, SHAPES, _check, _index, _refs, mix_index
 
-from lightning_adaptiveload.shards.compact import CompactIndex
-from lightning_adaptiveload.shards.index import ShardIndex, ShardInfo
 from lightning_adaptiveload.planning import packed_counts
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
@@ -26,6 +24,8 @@ from lightning_adaptiveload.planning.plan import PlanError
 from lightning_adaptiveload.planning.planner import plan_epoch
 from lightning_adaptiveload.planning.resume import consumed_refs, continue_plan
 from lightning_adaptiveload.planning.settings import PlanSettings
+from lightning_adaptiveload.shards.compact import CompactIndex
+from lightning_adaptiveload.shards.index import ShardIndex, ShardInfo
 
 GLOBAL = ("steps", "global_tokens", "buckets", "world_size", "num_workers", "schedule", "seed", "epoch")
 

@@ -279,7 +279,7 @@ def test_simulate_tiny_mix_end_to_end(tmp_path):
         assert r["max_compute"] > 0 and not math.isnan(r["compute_fill"])
     assert result.row("equal_tokens", 4)["recommended_max_compute"] is None
     data = json.loads((tmp_path / "simulate.json").read_text())
-    assert {"meta", "buckets", "results", "targets", "notes"} <= set(data)
+    assert {"meta", "buckets", "results", "internal_checks", "notes"} <= set(data)
     assert data["meta"]["machine"]["cpu_count"] >= 1 and data["meta"]["max_tokens"] == 450
     assert sum(b["share"] for b in data["buckets"]) == pytest.approx(1.0)
     for name in ("simulate_cv.png", "simulate_wait.png", "simulate_throughput.png"):
@@ -379,7 +379,9 @@ def test_simulate_settings_are_frozen_keyword_only_and_normalised():
         settings.max_tokens = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         SimulateSettings([2])  # type: ignore[misc]  # keyword-only
-    assert set(get_args(SimulateVariant)) == set(VARIANTS)  # the Literal lists exactly the simulator's variants
+    assert set(get_args(SimulateVariant)) == set(
+        VARIANTS
+    )  # the Literal lists exactly the simulator's variants
     # Each variant is a (schedule, sizing rule) pair.
     assert VARIANTS["lockstep"] == ("lockstep", "dual")
     assert VARIANTS["equal_tokens"] == ("independent", "equal_tokens")
@@ -405,6 +407,22 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
         (m, w) for m in ("equal_tokens", "dual", "lockstep") for w in (2, 4)
     }
     assert all(os.path.getsize(out / f"simulate_{k}.png") > 1000 for k in ("cv", "wait", "throughput"))
+    # The project's internal checks stay in the JSON, not in what a user reads (issue 60, item 4).
+    assert "_le_" not in printed and "pct:" not in printed and "internal_checks" in data
+    # The recommended budget comes with its cost model, as YAML that a recipe's data.init_args takes.
+    import yaml
+
+    from lightning_adaptiveload.planning.settings import Batching
+
+    fragment = printed[printed.index("# recommended for ") :].split("\nwrote ")[0]
+    pasted = yaml.safe_load(fragment)
+    batching = Batching(**pasted["batching"])
+    assert (
+        batching.max_tokens == 450 and batching.cost_model["kind"] == data["meta"]["plan_cost_model"]["kind"]
+    )
+    recommended = [r["recommended_max_compute"] for r in data["results"] if r["recommended_max_compute"]]
+    assert any(batching.max_compute == pytest.approx(r, rel=1e-5) for r in recommended)
+    assert pasted["plan"]["schedule"] in ("independent", "lockstep", "packed")
 
 
 def test_cli_bad_input_returns_2(tmp_path, capsys):
