@@ -428,3 +428,11 @@ def test_the_trainer_edit_check_catches_an_edit():
     assert trainer_edits("self.trainer.limit_val_batches += 1\n") != []
     assert trainer_edits("if trainer.max_epochs != 1 and trainer.max_steps == 3:\n") == []
     assert trainer_edits('args = "--trainer.max_steps=20"  # trainer.fit_loop in a comment\n') == []
+
+
+def test_the_top_level_api_stays_small():
+    # 0.2.0: at most 30 public names at the top (Lightning's callbacks/__init__ exports about 25); the rest
+    # lives in the subpackages named by job.
+    names = [n for n in lightning_adaptiveload.__all__ if n != "__version__"]
+    assert len(names) <= 30, names
+    assert {"AdaptiveLoadDataModule", "LoadBalanceMonitor", "ClosedLoop", "fuse_norm_modulate"} <= set(names)
