@@ -117,7 +117,8 @@ def test_lockstep_fit_with_packed_tail_two_ranks(data, tmp_path):
 
 
 def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(data):
-    from lightning_adaptiveload.loading.resume import resume_plan
+    from lightning_adaptiveload.loading.resume import digest_text, resume_plan
+    from lightning_adaptiveload.planning.resume import consumed_digest
 
     index = ShardIndex.load(os.path.join(data, "index.json"))
 
@@ -141,7 +142,15 @@ def test_datamodule_resume_of_a_mixed_plan_continues_or_replans_exactly_once(dat
             "version": 1,
             "fingerprint": first.fingerprint,
             "epoch": 0,
-            "segments": [{"kind": "fresh", **first.plan_settings(), "consumed": [done, done]}],
+            "segments": [
+                {
+                    "kind": "fresh",
+                    **first.plan_settings(),
+                    "consumed": [done, done],
+                    # the digest a saved state carries, so that the replay is verified (else it is refused)
+                    "digest": digest_text(consumed_digest(plan, {0: done, 1: done})),
+                }
+            ],
         }
         gone = {
             ref for r in range(2) for w, j in plan.step_order[r][:done] for ref in plan.streams[(r, w)][j]
