@@ -43,6 +43,7 @@ from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E4
 from lightning_adaptiveload.fusion import FusedNormModulateMixin  # noqa: E402
 from lightning_adaptiveload.loading.settings import Loader
 from lightning_adaptiveload.models.module import VideoDiTModule  # noqa: E402
+from lightning_adaptiveload.models.module_settings import MemorySettings, OptimizerSettings
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
 
 torch.set_num_threads(1)
@@ -170,9 +171,8 @@ def main() -> None:
             path,
             skew=run.get("skew", 0.0),
             init_from=cfg["init_from"],
-            lr=1e-3,
-            warmup_steps=0,
-            activation_checkpointing=bool(run.get("checkpointing")),
+            optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0),
+            memory=MemorySettings(activation_checkpointing=bool(run.get("checkpointing"))),
         )
         monitor = LoadBalanceMonitor(write_files=False, print_summary=False, plots=False, count_flops=False)
         callbacks: list[Callback] = [monitor]
