@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
 
 __all__ = ["PredictionWriter"]
 
@@ -32,11 +33,13 @@ class PredictionWriter(BasePredictionWriter):
     def _path(self, trainer: Any) -> str:
         return os.path.join(self.output_dir, f"predictions_rank{trainer.global_rank}.jsonl")
 
+    @override
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         os.makedirs(self.output_dir, exist_ok=True)
         open(self._path(trainer), "w", encoding="utf-8").close()  # a new run does not append to the last
         self.samples = 0
 
+    @override
     def write_on_batch_end(
         self,
         trainer: Any,
@@ -63,6 +66,7 @@ class PredictionWriter(BasePredictionWriter):
                 f.write(json.dumps({"key": key, **{n: v[i] for n, v in columns.items()}}) + "\n")
         self.samples += len(keys)
 
+    @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # At teardown, not on_predict_end: after the progress bar's last line, so this line is the last.
         if (
