@@ -277,7 +277,7 @@ class DualConstraintBatcher:
             ValueError: an oversize sample under ``oversize="raise"``, or a sample whose C differs from
                 its bucket's (names the key and shapes).
         """
-        # The one import of data/ from planning/: this stage emits torch batches (allowed in
+        # The one import of loading/ from planning/: this stage emits torch batches (allowed in
         # tests/package/test_layout.py).
         from lightning_adaptiveload.loading.collate import collate, sample_fields
 
