@@ -350,8 +350,6 @@ cudaError_t norm_mod_forward_plan(const LnModFwdArgs& a, NormModFwdPlan* plan) {
   if (ln_mod_check(a.D, a.x_dtype, a.mod_dtype) != nullptr || a.group_size < 1) return cudaErrorInvalidValue;
   *plan = NormModFwdPlan();
   if (a.path != kFwdAuto && a.path != kFwdTma) return cudaSuccess;  // a register-fed kernel: tma = false
-  // LayerNorm's auto choice is the register-fed kernels only (see ln_mod_forward).
-  if (!a.rms && a.path == kFwdAuto) return cudaSuccess;
   if (ln_prefers_v4(a)) return cudaSuccess;
   const void* kernel = nullptr;
   cudaError_t err = tma_fwd_plan(a, plan, &kernel);
@@ -368,10 +366,9 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   if (a.rms && a.path != kFwdAuto && a.path != kFwdTma) return cudaErrorInvalidValue;  // version 5 only
   if (a.rows == 0) return cudaSuccess;
   const bool v4 = ln_prefers_v4(a);
-  // LayerNorm's auto choice stays on the register-fed kernels (versions 3 and 4): the bulk-copy LayerNorm
-  // kernels gave a NaN gradient per token with an affine weight and an illegal address on a Flux block in
-  // the H200 checks of 2026-12-02; they run only when asked for (kFwdTma, benchmarks). RMSNorm has no other.
-  if ((a.path == kFwdAuto && !v4 && a.rms) || a.path == kFwdTma) {
+  // Auto: LayerNorm per sample and per frame takes version 4 where it fits (ln_prefers_v4); everything
+  // else the bulk-copy kernel, and LayerNorm falls back to the register-fed kernels where that cannot run.
+  if ((a.path == kFwdAuto && !v4) || a.path == kFwdTma) {
     // Version 5 wherever a row fits shared memory (every width the checks allow, in practice).
     NormModFwdPlan pl;
     const void* kernel = nullptr;
@@ -540,7 +537,9 @@ cudaError_t ln_mod_backward_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   if (ln_mod_check(a.D, a.x_dtype, a.mod_dtype) != nullptr || a.group_size < 1) return cudaErrorInvalidValue;
   if (a.path < kBwdAuto || a.path > kBwdTma) return cudaErrorInvalidValue;
   if (a.rms && a.path == kBwdRegs) return cudaErrorInvalidValue;  // version 5 only
-  if (a.path == kBwdTma || (a.path == kBwdAuto && a.rms)) {  // LayerNorm's auto: the register-fed kernel
+  // Auto: the bulk-copy kernel (both norms); LayerNorm falls back to the register-fed kernel where a row
+  // does not fit its shared memory.
+  if (a.path == kBwdTma || a.path == kBwdAuto) {
     const cudaError_t err = tma_bwd_plan(a, plan);
     if (err == cudaSuccess || a.path == kBwdTma || a.rms) return err;
   }

@@ -630,7 +630,16 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
         if (!PER_ROW && !kScaleInRegs) load_floats<M, VEC>(sgr + vc * VEC, sg);
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-          if (PER_ROW) lds_floats<M, VEC>(reinterpret_cast<const M*>(st + 2 * R * xbytes + j * mbytes) + vc * VEC, sg);
+          // Rows past the block's end have no modulation row in the stage: its bytes are whatever an earlier
+          // block left there (or never written), and 0 * NaN would poison the column sums of the affine.
+          if (PER_ROW) {
+            if (j < r) {
+              lds_floats<M, VEC>(reinterpret_cast<const M*>(st + 2 * R * xbytes + j * mbytes) + vc * VEC, sg);
+            } else {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) sg[e] = 0.f;
+            }
+          }
           float dsh[VEC], dsc[VEC];
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {

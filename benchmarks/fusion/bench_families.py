@@ -456,6 +456,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="default",
         help="attention backend via acceleration.set_attention_backend (default: leave diffusers' own)",
     )
+    p.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="turn PyTorch's cuDNN attention off (torch 2.11 on an H200 gave wrong gradients and a crash in "
+        "its backward for some diffusers shapes); SDPA then takes flash or memory-efficient attention",
+    )
     p.add_argument("--device", default=None, help="cuda (default) or cpu (default with --quick)")
     p.add_argument(
         "--time-budget-s", type=float, default=0.0, help="skip what starts after this many s (0: none)"
@@ -1068,6 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         import diffusers  # noqa: F401
     except ImportError:

@@ -5,7 +5,7 @@
 # Everything lands in $OUT (eight files: logs and JSON); a short table is printed last. From the repository root:
 #   OUT=/tmp/out bash benchmarks/kernels/gpu_norm_modulate.sh [--sweep]
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-/tmp/norm_modulate_out}
 mkdir -p "$OUT"
 export LIGHTNING_ADAPTIVELOAD_CACHE=${LIGHTNING_ADAPTIVELOAD_CACHE:-/tmp/la_cache}

@@ -389,15 +389,11 @@ class _Norm:
         op,
         reference,
         min_capability: tuple[int, int] = (0, 0),
-        per_row_blocker: str | None = None,
     ) -> None:
         self.name = name
         self.op = op  # the forward operator; output 0 is y
         self.reference = reference
         self.min_capability = min_capability
-        # Why a per-token (one row per row of x) modulation takes the reference, or None when the kernels
-        # serve it.
-        self.per_row_blocker = per_row_blocker
 
 
 _capabilities: dict[int, tuple[int, int]] = {}
@@ -478,10 +474,6 @@ def _call(norm: _Norm, x, shift, scale, weight, bias, eps) -> torch.Tensor:
             *args,
         )
     (table_sh, group_size), (table_sc, _) = groups_sh, groups_sc
-    if norm.per_row_blocker is not None and group_size == 1:
-        # One modulation row per row of x: a layout the op's kernels do not serve correctly yet (see the
-        # norm's ``per_row_blocker``); the reference computes it.
-        return _fallback(norm, "layout:per_token", norm.per_row_blocker, *args)
     mod_dtype = _kernel_mod_dtype(x, table_sh, table_sc)
     blocker = _kernel_blocker(x, mod_dtype) or _capability_blocker(norm, x)
     if blocker is not None:

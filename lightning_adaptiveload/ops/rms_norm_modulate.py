@@ -123,11 +123,6 @@ _RMS = _ln._Norm(
     _fwd_op,
     rms_norm_modulate_reference,
     min_capability=(9, 0),
-    # On one H200 (2026-12-02) the bulk-copy RMSNorm kernels gave wrong gradients with per-token
-    # modulation (tests/ops/test_ops_cuda.py, layout "token"); until they are fixed that layout takes the
-    # reference. Per-sample and per-frame modulation (LTX-Video's) passed.
-    per_row_blocker="per-token modulation is computed by the plain-PyTorch reference for now (the RMSNorm "
-    "kernels' per-token path is not verified)",
 )
 
 

@@ -180,6 +180,18 @@ def test_reference_dit_bf16_autocast_with_cuda_op(op_calls):
             assert _rel(grads_f[name], g_u) < 5e-2, name
 
 
+@pytest.fixture
+def no_cudnn_attention():
+    # cuDNN's attention (PyTorch's first choice on an H200 with torch 2.11) gave gradients 10x off the fp32
+    # model for the tiny Flux config, fused or not, while each fused site matched the reference alone
+    # (benchmarks/fusion/check_family_sites.py): these tests are about the norm sites, so attention takes
+    # flash, memory-efficient or math kernels here.
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def _families():
     from _fusion_families import FAMILIES
 
@@ -190,7 +202,7 @@ def _families():
     "name",
     ["wan", "sd3", "sd3.5", "flux", "cogvideox", "ltx-video", "hunyuanvideo", "pixart", "dit", "sana"],
 )
-def test_family_probe_accepts_the_cuda_ops_and_bf16_training_is_no_worse(name):
+def test_family_probe_accepts_the_cuda_ops_and_bf16_training_is_no_worse(name, no_cudnn_attention):
     # The probe compares the CUDA ops against the inline code on perturbed copies, in fp32 (TF32 off) and in
     # bf16: a correct adapter must pass at its tolerances on the GPU too. Then, in bf16, fused and unfused
     # round differently (the inline code rounds the norm's output to bf16, the op computes in fp32): each is
