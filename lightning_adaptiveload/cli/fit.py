@@ -257,6 +257,7 @@ def _cli_class(default_model: bool) -> type:
                 parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
 
         def before_fit(self) -> None:
+            _no_last_checkpoint_under_fast_dev_run(self.trainer)
             _check_resume(self.trainer, self.config.get(self.subcommand, {}).get("ckpt_path"))
             _check_before_fit(self.trainer, self.datamodule, self.model)
 
@@ -279,6 +280,19 @@ def _cli_class(default_model: bool) -> type:
 
 
 _CLI_CLASSES: dict[bool, type] = {}
+
+
+def _no_last_checkpoint_under_fast_dev_run(trainer: Any) -> None:
+    """Under ``fast_dev_run``, keep ``ModelCheckpoint(save_last=True)`` from writing ``last.ckpt``.
+
+    Lightning (2.6) skips every checkpoint under ``fast_dev_run`` except the one its ``on_train_end`` writes for
+    ``save_last``: with the quickstart's fixed ``dirpath``, that one-step checkpoint replaced the last run's
+    ``last.ckpt``, which ``--ckpt_path last`` would then resume."""
+    if not getattr(trainer, "fast_dev_run", False):
+        return
+    for cb in getattr(trainer, "checkpoint_callbacks", None) or ():
+        if getattr(cb, "save_last", None):
+            cb.save_last = False
 
 
 def _check_resume(trainer: Any, ckpt_path: Any) -> None:

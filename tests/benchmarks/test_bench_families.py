@@ -2,6 +2,7 @@
 JSON whose structure the GPU table relies on (no timing is checked)."""
 
 import json
+import signal
 
 import pytest
 from _paths import ROOT
@@ -22,11 +23,24 @@ def bench():
         yield bench_families
 
 
+def _main(bench, argv: list[str]) -> int:
+    """``bench.main(argv)`` in this process, with the SIGTERM handler it installs taken out again afterwards.
+
+    The script's handler turns SIGTERM into its ``_Stopped`` exception. Left installed in the pytest process,
+    a later SIGTERM (a CI time limit, a runner stopping the suite) surfaced as ``bench_families._Stopped``
+    in whatever test was running then (seen in tests/cli/test_cli.py under load)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return bench.main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.fixture(scope="module")
 def quick(bench, tmp_path_factory):
     """``--quick`` over the nine families once (eager phase): the JSON's path."""
     out = tmp_path_factory.mktemp("quick")
-    assert bench.main(["--quick", "--out", str(out), "--filename", "quick.json"]) == 0
+    assert _main(bench, ["--quick", "--out", str(out), "--filename", "quick.json"]) == 0
     return out / "quick.json"
 
 
@@ -72,7 +86,7 @@ def test_quick_mode_covers_nine_families_with_four_variants_each(quick):
 
 def test_quick_compiled_phase_and_merge(bench, quick, tmp_path):
     args = ["--quick", "--compile-quick", "--phases", "compiled", "--families", "wan", "--out", str(tmp_path)]
-    assert bench.main([*args, "--filename", "compiled.json"]) == 0
+    assert _main(bench, [*args, "--filename", "compiled.json"]) == 0
     compiled = json.loads((tmp_path / "compiled.json").read_text())["families"]["wan"]
     for name in ("compiled", "compiled_fused"):
         v = compiled["variants"][name]
@@ -87,7 +101,7 @@ def test_quick_compiled_phase_and_merge(bench, quick, tmp_path):
         assert abs(compiled["variants"][name]["loss"] - ref) <= 0.05 * ref
 
     merge = ["--merge", str(quick), str(tmp_path / "compiled.json"), "--out", str(tmp_path)]
-    assert bench.main([*merge, "--filename", "merged.json"]) == 0
+    assert _main(bench, [*merge, "--filename", "merged.json"]) == 0
     merged = json.loads((tmp_path / "merged.json").read_text())
     wan = merged["families"]["wan"]
     assert all(_is_measured(wan["variants"][n]) for n in FOUR)
@@ -103,7 +117,7 @@ def test_quick_compiled_phase_and_merge(bench, quick, tmp_path):
 
 def test_time_budget_skips_with_a_reason_and_names_the_follow_up(bench, tmp_path, capsys):
     assert (
-        bench.main(["--quick", "--time-budget-s", "1e-9", "--out", str(tmp_path), "--filename", "b.json"])
+        _main(bench, ["--quick", "--time-budget-s", "1e-9", "--out", str(tmp_path), "--filename", "b.json"])
         == 0
     )
     data = json.loads((tmp_path / "b.json").read_text())
@@ -117,5 +131,16 @@ def test_time_budget_skips_with_a_reason_and_names_the_follow_up(bench, tmp_path
 
 def test_unknown_family_is_refused(bench, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--quick", "--families", "wan", "sdxl"])
+        _main(bench, ["--quick", "--families", "wan", "sdxl"])
     assert "unknown family, variant or phase ['sdxl']" in capsys.readouterr().err
+
+
+def test_running_the_script_in_process_leaves_the_sigterm_handler_as_it_was(bench, tmp_path, capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    assert _main(bench, ["--quick", "--families", "wan", "--time-budget-s", "1e-9", "--out", str(tmp_path)]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+    bench.main(["--quick", "--families", "wan", "--time-budget-s", "1e-9", "--out", str(tmp_path)])
+    try:  # the check can fail: called bare, the script leaves its handler installed
+        assert signal.getsignal(signal.SIGTERM) is not before
+    finally:
+        signal.signal(signal.SIGTERM, before)

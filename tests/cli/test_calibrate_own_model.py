@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from _paths import ROOT
+from _timing import scaled
 
 from lightning_adaptiveload.cli.calibrate import main as calibrate_main
 
@@ -156,7 +157,7 @@ def _classes(name):
     return sys.modules[name]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(scaled(300))
 def test_the_wan_example_recipe_measures_its_own_model(tmp_path, monkeypatch):
     # Before: the header read `model: wan-1.3b {"num_layers": 1}`, our preset, and the recipe's model went unused.
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -204,7 +205,7 @@ def test_the_wan_example_recipe_measures_its_own_model(tmp_path, monkeypatch):
     assert any(p["path"] == "packed" and p["samples"] > 1 for p in saved["points"])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_every_timing_comes_from_the_modules_own_training_step(own_recipe, tmp_path):
     recipe, name = own_recipe("CountingModule", {"width": 6})
     results = tmp_path / "results.yaml"
@@ -237,7 +238,7 @@ def test_every_timing_comes_from_the_modules_own_training_step(own_recipe, tmp_p
     assert "not timed: CountingModule does not set runs_packed_batches" in (tmp_path / "cal.yaml").read_text()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_a_module_that_takes_packs_is_timed_on_packs(own_recipe, tmp_path):
     recipe, name = own_recipe("PackingModule")
     rc = calibrate_main(
@@ -337,7 +338,7 @@ def test_an_unknown_init_arg_is_named(own_recipe, capsys):
     assert "Option 'widht' is not accepted" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_the_quickstart_still_measures_video_dit_from_its_preset(tmp_path, monkeypatch):
     from lightning_adaptiveload.cli import calibrate as cli_calibrate
 
@@ -362,7 +363,7 @@ def test_the_quickstart_still_measures_video_dit_from_its_preset(tmp_path, monke
     assert model["init_args"] == {"preset": "tiny", "model_overrides": {}}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_without_a_synthetic_block_the_batches_follow_the_training_shards(
     own_recipe, synthetic_shards, tmp_path
 ):

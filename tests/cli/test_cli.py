@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from _paths import ROOT
+from _timing import scaled
 
 from lightning_adaptiveload.cli import main as cli
 from lightning_adaptiveload.cli.calibrate import main as calibrate_main
@@ -82,7 +83,7 @@ def test_python_dash_m_runs_the_cli():
         [sys.executable, "-m", "lightning_adaptiveload", "calibrate", "--help"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
@@ -154,14 +155,14 @@ def _run_cli(args, cwd, timeout=240):
         [sys.executable, "-m", "lightning_adaptiveload", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 
 @needs_datamodule
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(scaled(300))
 def test_quickstart_runs_a_shortened_fit(tmp_path):
     # The README's command, shortened to 3 steps, in a fresh directory: it generates the synthetic shards,
     # trains on 2 CPU ranks (DDP re-launches the command) and prints the load-balance summary.
@@ -205,7 +206,7 @@ def test_a_flat_flag_is_refused_naming_the_group(capsys):
 
 
 @needs_datamodule
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(scaled(180))
 def test_repeated_run_overwrites_the_saved_config(tmp_path, monkeypatch, one_thread):
     # Without a logger the config is saved to default_root_dir, the same path both times: the second run
     # must overwrite it rather than refuse to start.
@@ -243,7 +244,7 @@ def _tiny_calibration(tmp_path, memory_budget_gb=0.02, max_tokens=None, **kwargs
     return calibrate("tiny", settings=settings, progress=False)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     from lightning_adaptiveload.planning.batching import DualConstraintBatcher
     from lightning_adaptiveload.planning.cost_model import CostModel
@@ -277,7 +278,7 @@ def test_calibrate_on_cpu_writes_a_usable_fragment(tmp_path, one_thread):
     assert data["max_compute"] == pytest.approx(expected)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_calibrate_budget_grows_with_memory(tmp_path, one_thread):
     small = _tiny_calibration(tmp_path, memory_budget_gb=0.012, batch_sizes=[1])
     large = _tiny_calibration(tmp_path, memory_budget_gb=0.03, batch_sizes=[1])
@@ -370,7 +371,7 @@ def test_calibrate_takes_weight_dtype_from_the_recipe_or_the_flag(tmp_path, one_
 
 
 @pytest.mark.cuda
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(scaled(300))
 def test_calibrate_on_cuda_measures_allocator_peaks(tmp_path):
     settings = CalibrateSettings(
         mix="tiny", num_shapes=3, warmup=1, repeats=3, training=CalibratedTraining(device="cuda"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _paths import ROOT
+from _timing import scaled
 
 from lightning_adaptiveload.cli import main as cli
 
@@ -28,7 +29,7 @@ def _run_cli(args, cwd, env=None, timeout=240):
         [sys.executable, "-m", "lightning_adaptiveload", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})},
     )
@@ -48,7 +49,7 @@ def _traceback_file(stderr: str) -> str:
     return Path(found[0]).read_text()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_synthetic_typo_prints_the_clear_line_alone_and_keeps_the_traceback(tmp_path):
     proc = _run_cli(["fit", "--config", QUICKSTART, "--data.init_args.synthetic.num_sample=8"], tmp_path)
     assert proc.returncode == 1
@@ -67,7 +68,7 @@ def test_synthetic_typo_prints_the_clear_line_alone_and_keeps_the_traceback(tmp_
     assert "traceback in" not in shown.stderr
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_missing_path_prints_the_clear_line_alone(tmp_path):
     missing = str(tmp_path / "nowhere" / "shard-000000.tar")
     proc = _run_cli(
@@ -87,7 +88,7 @@ def test_missing_path_prints_the_clear_line_alone(tmp_path):
     assert "missing_shard" in _traceback_file(proc.stderr)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_gpu_recipe_on_a_cpu_machine_says_which_recipe_is_for_the_cpu(tmp_path):
     proc = _run_cli(["fit", "--config", LOCKSTEP], tmp_path)
@@ -117,7 +118,7 @@ def test_no_gpu_hint_reads_the_recipe_and_is_silent_for_other_errors():
     assert cli._hints(ValueError("something else"), ["fit", "--config", LOCKSTEP]) == []
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_a_tool_command_error_is_printed_alone_too(tmp_path):
     (tmp_path / "videos").mkdir()
     proc = _run_cli(["ingest", "videos", "--out", "out", "--vae", "no/such/vae", "--devices", "1"], tmp_path)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _fixtures import quiet_cpu_trainer
 from _paths import ROOT, TESTS
+from _timing import scaled
 
 from lightning_adaptiveload.cli import main as cli
 from lightning_adaptiveload.loading.settings import Loader
@@ -39,7 +40,7 @@ def _run_cli(args, cwd, timeout=240, pythonpath=None):
         [sys.executable, "-m", "lightning_adaptiveload", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         cwd=cwd,
         env=env,
     )
@@ -56,7 +57,7 @@ def _last_error_block(proc) -> str:
 # ------------------------------------------------------------------------------------------ errors, 2 ranks
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_missing_shard_under_2_process_ddp_is_the_last_error(tmp_path):
     missing = str(tmp_path / "nowhere" / "shard-000000.tar")
     proc = _run_cli(
@@ -70,7 +71,7 @@ def test_missing_shard_under_2_process_ddp_is_the_last_error(tmp_path):
     assert "Connection closed" not in proc.stderr and "gloo" not in proc.stderr.lower()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_oversize_sample_without_validation_set_is_the_last_error(tmp_path):
     proc = _run_cli(
         ["fit", "--config", QUICKSTART, *SHORT, "--data.init_args.batching.max_tokens=100",
@@ -83,7 +84,7 @@ def test_oversize_sample_without_validation_set_is_the_last_error(tmp_path):
     assert "iter(combined_loader)" not in proc.stderr
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(scaled(300))
 def test_error_of_one_rank_is_shown_last_not_its_peers_connection_error(tmp_path):
     # Rank 1 fails in its first step; rank 0 then fails with a closed connection. The root cause (rank 1's
     # error) must be the final block.
@@ -98,7 +99,7 @@ def test_error_of_one_rank_is_shown_last_not_its_peers_connection_error(tmp_path
     assert "on rank 1" in proc.stderr.rstrip().splitlines()[-2]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(scaled(300))
 def test_channel_mismatch_under_2_process_ddp_is_the_last_error(tmp_path):
     # The quickstart's 16-channel latents given to a model built for 8 channels: both ranks fail in their
     # first step; the final block names the channels, not the patch size.
@@ -111,7 +112,7 @@ def test_channel_mismatch_under_2_process_ddp_is_the_last_error(tmp_path):
     assert "16 channels" in last and "(B, 8, T, H, W)" in last, last
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(scaled(240))
 def test_key_with_a_dot_under_2_process_ddp_is_the_last_error(tmp_path):
     path = _dotted_shard(tmp_path)
     proc = _run_cli(
@@ -257,14 +258,14 @@ def test_packaged_recipe_resolves_by_name(tmp_path, monkeypatch):
     assert set(cli.packaged_recipes()) >= {"quickstart", "wan13b_480p_lockstep", "wan14b_720p"}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(scaled(600))
 def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     # Build the wheel, install it into a fresh venv that sees this environment's packages (offline, no
     # dependency download), and run the packaged quickstart by name from a folder outside the checkout.
     wheels = tmp_path / "wheels"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next(wheels.glob("lightning_adaptiveload-*.whl"))
@@ -273,7 +274,7 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_adaptiveload/recipes/quickstart.yaml" in names
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=180)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=scaled(180))
     # The fresh venv sees this environment's packages (torch, lightning, ...) through a .pth line, after its
     # own site-packages: the wheel installed there wins, and no download is needed.
     import sysconfig
@@ -283,7 +284,7 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     python = str(venv / "bin" / "python")
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
     outside = tmp_path / "elsewhere"
@@ -292,7 +293,7 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     env["PYTHONUNBUFFERED"] = "1"
     run = subprocess.run(
         [str(venv / "bin" / "lightning-adaptiveload"), "fit", "--config", "quickstart", *SHORT],
-        capture_output=True, text=True, timeout=300, cwd=outside, env=env,
+        capture_output=True, text=True, timeout=scaled(300), cwd=outside, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     # The run says where its output went and compares its balance with the baseline in one line.
@@ -303,7 +304,7 @@ def test_wheel_ships_the_recipes_and_runs_the_quickstart_by_name(tmp_path):
     # The installed package, not the checkout, ran it.
     where = subprocess.run(
         [python, "-c", "import lightning_adaptiveload as m; print(m.__file__)"],
-        capture_output=True, text=True, cwd=outside, env=env, timeout=60,
+        capture_output=True, text=True, cwd=outside, env=env, timeout=scaled(60),
     )  # fmt: skip
     assert str(ROOT) not in where.stdout and str(venv) in where.stdout
 
@@ -480,3 +481,30 @@ def test_synthetic_data_written_into_a_new_folder_is_announced_first(tmp_path, c
     with caplog.at_level(logging.INFO):
         dm.prepare_data()  # the shards are there now: reused, nothing announced
     assert not [r for r in caplog.records if "holds no shards" in r.getMessage()]
+
+
+def test_fast_dev_run_keeps_save_last_from_writing_last_ckpt():
+    from types import SimpleNamespace
+
+    from lightning_adaptiveload.cli import fit
+
+    ckpt = SimpleNamespace(save_last=True)
+    fit._no_last_checkpoint_under_fast_dev_run(SimpleNamespace(fast_dev_run=False, checkpoint_callbacks=[ckpt]))
+    assert ckpt.save_last is True  # an ordinary fit keeps its last.ckpt
+    fit._no_last_checkpoint_under_fast_dev_run(SimpleNamespace(fast_dev_run=1, checkpoint_callbacks=[ckpt]))
+    assert ckpt.save_last is False
+
+
+@pytest.mark.timeout(scaled(300))
+def test_fast_dev_run_of_the_quickstart_writes_no_checkpoint(tmp_path, monkeypatch):
+    # Issue 60, third pass: Lightning 2.6's ModelCheckpoint.on_train_end wrote runs/quickstart/checkpoints/
+    # last.ckpt even under fast_dev_run, replacing the last real run's checkpoint.
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "fit", "--config", QUICKSTART, "--trainer.devices=1", "--trainer.strategy=auto",
+        "--trainer.fast_dev_run=true", "--trainer.enable_progress_bar=false",
+        "--data.init_args.synthetic.num_samples=32", "--data.init_args.synthetic.val_num_samples=8",
+    ]  # fmt: skip
+    cli.main(args)
+    written = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*") if p.is_file())
+    assert written == [], written

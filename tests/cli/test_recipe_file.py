@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from _paths import ROOT
+from _timing import scaled
 
 from lightning_adaptiveload.cli import main as cli
 from lightning_adaptiveload.cli.recipe_file import (
@@ -43,11 +43,10 @@ def fifo(tmp_path):
     return path
 
 
+@pytest.mark.timeout(scaled(60))  # no writer ever comes: a blocking open would never return
 def test_a_fifo_is_refused_naming_it_without_waiting(fifo):
-    t0 = time.perf_counter()
     with pytest.raises(RecipeFileError, match=rf"{fifo}: is a FIFO \(named pipe\), not a regular file"):
         read_yaml(fifo)
-    assert time.perf_counter() - t0 < 5  # no writer ever comes: a blocking open would never return
 
 
 @pytest.mark.parametrize("path, kind", [("/dev/null", "a device"), (".", "a directory")])
@@ -71,13 +70,12 @@ def test_an_oversized_file_is_refused_before_it_is_read(tmp_path):
     assert read_yaml(small, max_bytes=50) == {"a": 1}
 
 
+@pytest.mark.timeout(scaled(60))  # expanded, the bomb's 9**9 values would take hours and all memory
 def test_an_alias_bomb_fails_fast_naming_the_file_and_line(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)
-    t0 = time.perf_counter()
     with pytest.raises(RecipeFileError) as err:
         read_yaml(path)
-    assert time.perf_counter() - t0 < 5
     message = str(err.value)
     assert message.startswith(f"{path}, line ") and f"expand to more than {MAX_YAML_VALUES} values" in message
     # A few aliases of a small anchor are fine; an alias inside its own anchor is not.
@@ -139,22 +137,22 @@ def test_fit_with_a_fifo_as_config_exits_at_once_naming_it(fifo):
         [sys.executable, "-m", "lightning_adaptiveload", "fit", "--config", str(fifo)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"--config {fifo}: is a FIFO (named pipe), not a regular file" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.timeout(scaled(240))
 def test_fit_refuses_an_alias_bomb_in_a_file_and_inline(tmp_path, capsys):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)
     assert cli.main(["fit", "--config", str(path)]) == 2
     assert f"--config {path}, line 5: its aliases (*name) expand to more than" in capsys.readouterr().err
-    # Inline YAML is read by the parser, through the same limits.
-    t0 = time.perf_counter()
+    # Inline YAML is read by the parser, through the same limits (the test's timeout bounds the time).
     assert cli.main(["fit", "--config", BOMB]) == 2
-    assert "expand to more than" in capsys.readouterr().err and time.perf_counter() - t0 < 120
+    assert "expand to more than" in capsys.readouterr().err
 
 
 def test_calibrate_and_simulate_read_their_files_through_it(tmp_path, fifo, capsys):

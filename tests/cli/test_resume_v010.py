@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _timing import scaled
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "quickstart_v0.1.0_step30.ckpt"
 STEPS = 40  # the asset stopped after step 30 of epoch 0 (67 steps per epoch)
@@ -26,7 +27,7 @@ def _fit(cwd: Path, *extra: str) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "lightning_adaptiveload", "fit", "--config", "quickstart",
          f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", *extra],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=900,
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(900),
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out.stdout + out.stderr
@@ -51,7 +52,7 @@ def test_the_asset_is_a_0_1_0_checkpoint():
     assert "cost_refit" in state["callbacks"]["LoadBalanceMonitor"]  # the closed loop's state, 0.1.0's place
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(scaled(1800))
 def test_a_0_1_0_checkpoint_resumes_with_the_uninterrupted_losses(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir()

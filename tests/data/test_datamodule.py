@@ -9,6 +9,7 @@ import tarfile
 
 import pytest
 import torch
+from _timing import scaled
 
 from lightning_adaptiveload.datamodule import (
     AdaptiveLoadDataModule,
@@ -38,7 +39,7 @@ def epoch_keys(dm) -> tuple[list[list[str]], list[dict]]:
     return [b["keys"] for b in batches], batches
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(scaled(120))
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("schedule", ["independent", "lockstep"])
 def test_every_sample_once_per_epoch_and_batch_contract(data, workers, schedule):
@@ -75,7 +76,7 @@ def test_every_sample_once_per_epoch_and_batch_contract(data, workers, schedule)
     assert orders[0] != orders[1], "the shard order is reseeded every epoch"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(scaled(60))
 def test_synthetic_prepare_data_and_validation(tmp_path):
     train, val = str(tmp_path / "train"), str(tmp_path / "val")
     dm = AdaptiveLoadDataModule(
@@ -166,7 +167,7 @@ def poisoned(tmp_path) -> tuple[str, str]:
     return d, key
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(scaled(60))
 @pytest.mark.parametrize("workers", [0, 1])
 def test_sample_bad_at_read_time_raises_naming_shard_and_key(poisoned, workers):
     d, key = poisoned
@@ -180,7 +181,7 @@ def test_sample_bad_at_read_time_raises_naming_shard_and_key(poisoned, workers):
         list(dm.train_dataloader())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(scaled(60))
 def test_sample_bad_at_read_time_is_skipped_and_counted(poisoned):
     d, key = poisoned
     dm = AdaptiveLoadDataModule(
@@ -211,7 +212,7 @@ class _DyingDataset(PlannedShardDataset):
             yield batch
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(scaled(90))
 def test_worker_death_is_an_error_not_a_hang(data):
     dm = AdaptiveLoadDataModule(
         train_shards=data,
@@ -222,9 +223,16 @@ def test_worker_death_is_an_error_not_a_hang(data):
     ds = dm.train_dataset
     dying = _DyingDataset(ds.index, ds.batcher, num_workers=2)
     loader = PlannedDataLoader(dying, num_workers=2)
-    with pytest.raises(RuntimeError, match="exited unexpectedly"):
-        for _ in loader:
-            pass
+    it = iter(loader)
+    try:
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            for _ in it:
+                pass
+    finally:
+        # Stop the other worker now, while this test runs: left to the garbage collector, the iterator (held
+        # by the exception's traceback) would shut it down at a random later point, inside another test or
+        # pytest's own code, where torch's SIGCHLD check may raise.
+        it._it._shutdown_workers()  # the DataLoader's own iterator inside the counting one
 
 
 def test_loader_with_other_worker_count_than_planned_is_refused(data):
@@ -254,7 +262,7 @@ def _add_pickle_member(path: str, key: str) -> None:
             tf.addfile(m, io.BytesIO(data))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(scaled(60))
 def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, caplog):
     """A pickle member is refused, but its sample's latent is good: the sample is read and nothing counts
     it as lost; the refused member is counted apart."""
@@ -283,7 +291,7 @@ def test_refused_member_beside_a_good_sample_is_not_a_skipped_sample(tmp_path, c
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "skipped" in r.getMessage()]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(scaled(120))
 @pytest.mark.parametrize("schedule, workers", [("independent", 0), ("lockstep", 2)])
 def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, schedule, workers):
     from lightning_adaptiveload.shards.compact import CompactIndex
@@ -304,7 +312,7 @@ def test_binary_index_gives_the_same_epoch_as_the_json_index(data, tmp_path, sch
     assert epochs[0] == epochs[1] and sum(len(k) for k, _, _ in epochs[1]) == 90
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(scaled(60))
 def test_a_folder_with_only_the_binary_index_trains_from_it(tmp_path):
     from lightning_adaptiveload.shards.compact import CompactIndex
 
@@ -370,3 +378,45 @@ def test_an_evaluation_split_never_changes_the_training_cap(tmp_path):
             dm.setup(stage)
         assert dm.batcher.max_compute == train_cap, stages
         assert dm.val_dataset.batcher is not dm.batcher
+
+
+@pytest.mark.timeout(scaled(120))
+def test_the_plan_line_of_a_resumed_epoch_counts_batches_as_steps_times_ranks(data, monkeypatch, caplog):
+    """Issue 60: a resumed epoch's line said "27 steps x 2 ranks, 27 batches" (the rank-local plan counted
+    this rank's batches only); everywhere else batches = steps x ranks."""
+    import logging
+
+    from lightning_adaptiveload import _dist
+
+    def dm_of(rank: int) -> AdaptiveLoadDataModule:
+        monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None: (rank, 2))
+        dm = AdaptiveLoadDataModule(
+            train_shards=data, batching=Batching(max_tokens=256), loader=Loader(num_workers=0, seed=3)
+        )
+        dm.setup("fit")
+        return dm
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("[adaptiveload] epoch 0:")]
+
+    first = [dm_of(r) for r in range(2)]
+    with caplog.at_level(logging.INFO):
+        for r, dm in enumerate(first):
+            monkeypatch.setattr(_dist, "rank_and_world", lambda trainer=None, r=r: (r, 2))
+            it = iter(dm.train_dataloader())
+            for _ in range(3):
+                next(it)
+    steps = first[0].epoch_report["steps"]
+    fresh = lines()[0]
+    assert f"{steps} steps x 2 ranks, {2 * steps} batches" in fresh and "on this rank" not in fresh
+    caplog.clear()
+    state = first[0].state_dict()
+    resumed = dm_of(0)
+    resumed.load_state_dict(state)
+    with caplog.at_level(logging.INFO):
+        rest = list(resumed.train_dataloader())
+    assert len(rest) == steps - 3
+    assert resumed.epoch_report["batches"] == steps - 3  # the report counts this rank's (what the line said)
+    line = lines()[0]
+    assert f"{steps - 3} steps x 2 ranks, {2 * (steps - 3)} batches" in line, line
+    assert f"{sum(len(b['keys']) for b in rest)} samples on this rank" in line, line
