@@ -109,6 +109,59 @@ def rank_and_world(trainer: Any | None = None) -> tuple[int, int]:
     return 0, 1
 
 
+def sequence_degree(trainer: Any | None) -> int | None:
+    """The sequence-parallel degree of the trainer's strategy, or None where it says none.
+
+    Read from the strategy's ``sequence_mesh`` or ``device_mesh`` (a dimension named ``"sequence"``), else its
+    ``sequence_parallel`` or ``sequence_parallel_size`` attribute (``SequenceParallelStrategy``); by name, so
+    that no strategy module is imported.
+    """
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if strategy is None:
+        return None
+    for attr in ("sequence_mesh", "device_mesh"):
+        try:
+            mesh = getattr(strategy, attr, None)
+        except Exception:  # noqa: BLE001 - a strategy whose mesh is not built yet (before setup)
+            mesh = None
+        if "sequence" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
+            return int(mesh["sequence"].size())
+    for name in ("sequence_parallel", "sequence_parallel_size"):
+        value = getattr(strategy, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def all_gather_floats_by_group(values: list[float], groups: int) -> list[list[float]]:
+    """:func:`all_gather_floats` from every rank, one row per data-parallel group of ``world / groups`` ranks
+    (data outer, sequence inner: ranks ``g*G .. g*G + G - 1`` form group g): the first rank's row.
+
+    The ranks of a group read the same stream, so they must hold the same values; a group whose ranks
+    disagree would break exactly-once on resume and is refused. ``groups`` equal to the world size (no
+    sequence parallelism): :func:`all_gather_floats` itself.
+
+    Raises:
+        RuntimeError: the world size is not a multiple of ``groups``, or the ranks of a group disagree.
+    """
+    rows = all_gather_floats(values)
+    if groups == len(rows):
+        return rows
+    if groups < 1 or len(rows) % groups:
+        raise RuntimeError(f"{len(rows)} ranks cannot form {groups} data-parallel groups of equal size")
+    size = len(rows) // groups
+    out = []
+    for g in range(groups):
+        mine = rows[g * size : (g + 1) * size]
+        if any(row != mine[0] for row in mine):
+            raise RuntimeError(
+                f"the ranks {g * size}..{(g + 1) * size - 1} of sequence-parallel group {g} hold different data "
+                f"positions {mine}: every rank of a group must take the same batches"
+            )
+        out.append(mine[0])
+    return out
+
+
 def _collective_device() -> torch.device:
     # NCCL only moves CUDA tensors; gloo (CPU DDP) only CPU tensors.
     if is_distributed() and dist.get_backend() == "nccl":

@@ -48,6 +48,7 @@ from lightning_adaptiveload.loading.settings import DATAMODULE_DEFAULTS, DataMod
 from lightning_adaptiveload.loading.stream import apply_sample_transform
 from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.chunked import local_plan
+from lightning_adaptiveload.planning.groups import data_placement, group_batching
 from lightning_adaptiveload.planning.inputs import distinct_shapes
 from lightning_adaptiveload.planning.plan import EpochPlan, batching_label
 from lightning_adaptiveload.planning.schedules import SCHEDULE_TYPES
@@ -124,7 +125,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ``docs/schedules.md``. ``lockstep_tail="packed"`` needs a module that runs packs; any other gets
             ``"bucketed"`` with a warning, so that it never receives a pack. ``chunk_samples``: a training
             epoch of more samples is planned in segments of about this many (``docs/data_path.md``,
-            "Internet-scale epochs").
+            "Internet-scale epochs"). ``sequence_parallel`` G > 1 (Ulysses, with a strategy of that degree:
+            ``SequenceParallelStrategy``): every split is planned for the ``world_size / G`` groups of G
+            consecutive ranks, every rank of a group gets the group's batches (the same samples and order),
+            and a group's batch takes G times ``batching.max_tokens`` (one GPU's), costed for one GPU of the
+            group with the all-to-all (``sequence_comm``; :mod:`~lightning_adaptiveload.planning.groups`).
         loader: how each rank loads its batches: :class:`~lightning_adaptiveload.loading.settings.Loader`
             (``num_workers``, ``pin_memory``, ``seed``, ``text_pad_to``, ``start_method``).
         source: how shards are read and what an index may name:
@@ -228,7 +233,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # What a loaded index may name (ShardIndex.load); the shard lists given here are trusted as written.
         self._index_trust = self.source.index_trust()
         self.patch_size = self.batching.patch_size
-        self.batcher = DualConstraintBatcher.from_settings(self.batching)
+        # Under sequence parallelism every plan is a plan of the data-parallel groups, each group's batch
+        # sized and costed for its G GPUs (planning/groups.py); degree 1: the batching as given.
+        self.sequence_parallel = self.plan_settings.sequence_parallel
+        self.batcher = DualConstraintBatcher.from_settings(
+            group_batching(self.batching, self.sequence_parallel, self.plan_settings.sequence_comm)
+        )
         self.train_index: Any = None
         self.val_index: Any = None
         self.train_dataset: PlannedShardDataset | None = None
@@ -237,7 +247,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.predict_dataset: PlannedShardDataset | None = None
         self._prepared_epoch: int | None = None  # the training epoch planned ahead of its iterator (by len)
         self._iterating = False  # a training epoch's iterator has started and not ended
-        self._placement = (0, 1)  # (rank, world size) of the last setup
+        self._placement = (0, 1)  # (data rank, data world size) of the last setup
         self._epoch_counter = -1
         self._segments: list[dict[str, Any]] = []  # the current epoch's plan segments (resume history)
         self._segment_base = 0  # batches consumed before the current segment, in the current epoch
@@ -312,7 +322,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             # Every rank raises the same error here, before any collective of the fit: no rank waits.
             self.check_module(getattr(self.trainer, "lightning_module", None))
             check_reload_every_epoch(self.trainer)
-        rank, world = _dist.rank_and_world(self.trainer)
+        rank, world = self._data_placement()
         self._placement = (rank, world)  # where the datasets built now are placed (_dataset)
         loaded: list[tuple[str, Any, Any]] = []  # (name, shards, index) of the indexes loaded now
         if self.train_index is None and stage in (None, "fit"):
@@ -460,6 +470,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             sample_transform=self.sample_transform if training else None,
             text_pad_to=self.text_pad_to,
             placement=self._placement,
+            remote=self.source.remote,
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
@@ -574,16 +585,34 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._prepare_train_epoch()
         self._prepared_epoch = None
 
+    def _data_placement(self) -> tuple[int, int]:
+        """``(data rank, data world size)`` of this process: its global rank and world size, or under
+        ``plan.sequence_parallel`` G its group's (every GPU of a group reads the group's batches).
+
+        Raises:
+            ValueError: the world size is not a multiple of G, or the trainer's strategy runs another
+                sequence-parallel degree than the plan's.
+        """
+        rank, world = _dist.rank_and_world(self.trainer)
+        degree = _dist.sequence_degree(self.trainer)
+        if degree is not None and degree != self.sequence_parallel:
+            raise ValueError(
+                f"AdaptiveLoadDataModule: plan.sequence_parallel={self.sequence_parallel}, but the trainer's "
+                f"strategy splits sequences over {degree} GPUs: set data.init_args.plan.sequence_parallel to "
+                f"{degree} (every GPU of a group must get the group's batches)"
+            )
+        return data_placement(rank, world, self.sequence_parallel)
+
     def _prepare_train_epoch(self) -> None:
         ds = self.train_dataset
         assert ds is not None
-        rank, world = _dist.rank_and_world(self.trainer)
+        rank, world = self._data_placement()
         if (ds.rank, ds.world_size) != (rank, world):  # setup placed it for this trainer
             raise RuntimeError(
                 f"AdaptiveLoadDataModule: the training dataset was set up for rank {ds.rank} of {ds.world_size}, "
                 f"but the trainer runs rank {rank} of {world}; call setup('fit') with this trainer first"
             )
-        ds.plan_progress = PlanProgressBar() if rank == 0 else None
+        ds.plan_progress = PlanProgressBar() if _dist.rank_and_world(self.trainer)[0] == 0 else None
         epoch = self._current_epoch()
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) > epoch:
@@ -613,10 +642,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         ds.begin_epoch(epoch, plan)
         self._prepared_epoch = epoch
         rep = ds.report
+        ranks = f"groups of {self.sequence_parallel} GPUs" if self.sequence_parallel > 1 else "ranks"
         if rank == 0:
             rank_zero_info(
-                f"[adaptiveload] epoch {epoch}: {rep['samples']} samples, {rep['steps']} steps x {world} ranks, "
-                f"{rep['batches']} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
+                # Every rank yields one batch per step; a resumed rank-local plan counts this rank's samples.
+                f"[adaptiveload] epoch {epoch}: {rep['samples']} samples"
+                + (" on this rank" if rep.get("counts_of_rank") is not None else "")
+                + f", {rep['steps']} steps x {world} {ranks}, "
+                f"{rep['steps'] * world} batches, {rep['tokens']} tokens, padding 0, skipped {rep['skipped'] or 0}, "
                 f"partial {rep['partial_batches']}, split {rep['split_batches']}, "
                 f"{batching_label(rep['schedule'], self.batcher.sizing)}"
                 + (

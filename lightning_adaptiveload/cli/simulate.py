@@ -136,6 +136,27 @@ def _parser() -> argparse.ArgumentParser:
         "error on its steps (--times: a cost-model JSON; default: the built-in one) and the refit "
         "(docs/closed_loop.md); writes replay.json to --out and plans nothing",
     )
+    ap.add_argument(
+        "--sequence-parallel",
+        "--sequence_parallel",
+        dest="sequence_parallel",
+        type=_int_list_arg,
+        default=None,
+        metavar="G,...",
+        help="sequence-parallel degrees to compare, e.g. 1,2,4: --world-sizes are then GPU counts, each split in "
+        "groups of G GPUs (--max-tokens per GPU, a group takes G times it); prints which degree and schedule is "
+        "expected fastest at each GPU count (simulated) and writes simulate_sequence.json",
+    )
+    ap.add_argument(
+        "--preset",
+        choices=("wan-1.3b", "wan-14b"),
+        default=None,
+        help="with --sequence-parallel: the model whose width and depth price the all-to-all and whose cost is "
+        "estimated from the 1.3B fit by FLOPs (default: wan-1.3b; --times, a cost-model JSON, overrides the cost)",
+    )
+    ap.add_argument(
+        "--link-gb-per-s", type=float, default=300.0, help="with --sequence-parallel: all-to-all GB/s per GPU"
+    )
     ap.add_argument("--out", default="simulate_out", help="folder for simulate.json and PNG plots")
     ap.add_argument("--no-plots", action="store_true", help="write simulate.json only")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -208,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replay is not None:
         return _replay(args.replay, args.times, args.out)
     source = args.index if args.index is not None else (args.mix or "wan21_480p")
+    if args.sequence_parallel is not None:
+        return _degrees(args, source)
     try:
         for flag, value in (("--mix", args.mix), ("--times", args.times)):
             if value is not None:
@@ -259,6 +282,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in result.notes:
         print(f"  note: {note}")
     print(f"wrote {os.path.join(args.out, 'simulate.json')}" + ("" if args.no_plots else " and PNG plots"))
+    return 0
+
+
+def _degrees(args: argparse.Namespace, source: str) -> int:
+    """``--sequence-parallel``: every degree at every GPU count (:func:`~lightning_adaptiveload.tools.simulate_sequence.simulate_degrees`)."""
+    from lightning_adaptiveload.cli.recipe_file import read_json
+    from lightning_adaptiveload.monitor.report import write_json
+    from lightning_adaptiveload.tools.simulate_sequence import model_comm, model_cost, simulate_degrees
+
+    preset = args.preset or "wan-1.3b"
+    try:
+        if args.times is not None and not args.times.endswith(".json"):
+            raise ValueError(
+                f"--times {args.times!r}: with --sequence-parallel, give a cost-model JSON (seconds)"
+            )
+        times = read_json(args.times, what=f"--times {args.times}") if args.times else model_cost(preset)
+        if isinstance(times, dict) and "cost_model" in times:
+            times = times["cost_model"]
+        names = (
+            _configurations(args.sizings, args.schedules)
+            if (args.sizings or args.schedules)
+            else ["equal_tokens", "lockstep", "packed"]
+        )
+        result = simulate_degrees(
+            source,
+            gpu_counts=args.world_sizes,
+            degrees=args.sequence_parallel,
+            max_tokens=args.max_tokens,
+            times=times,
+            comm=model_comm(preset, link_gb_per_s=args.link_gb_per_s),
+            variants=names,
+            min_steps_per_rank=args.min_steps_per_rank,
+            num_workers=args.num_workers,
+            seed=args.seed,
+            patch_size=args.patch_size,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(result.table())
+    os.makedirs(args.out, exist_ok=True)
+    print(f"wrote {write_json(os.path.join(args.out, 'simulate_sequence.json'), result.to_dict())}")
     return 0
 
 

@@ -532,8 +532,9 @@ def position_state(ds: Any, segments: list[dict[str, Any]], mine: int) -> dict[s
     part = consumed_digest(ds.plan, {ds.rank: mine}) if ds.plan.rank in (None, ds.rank) else None
     digest: int | None
     if _dist.is_distributed() and ds.world_size > 1:
-        rows = _dist.all_gather_floats(
-            [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)]
+        # One row per data rank: under sequence parallelism a group's GPUs share its position.
+        rows = _dist.all_gather_floats_by_group(
+            [float(mine), float((part or 0) >> 32), float((part or 0) & 0xFFFFFFFF)], ds.world_size
         )
         consumed = [int(r[0]) for r in rows]
         parts = [(int(r[1]) << 32) + int(r[2]) if part is not None else None for r in rows]

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_adaptiveload import ops as _ops
 from lightning_adaptiveload.models import attention as _attention
 from lightning_adaptiveload.models import packing as _packing
+from lightning_adaptiveload.models import sequence_parallel as _sp
 from lightning_adaptiveload.ops import norm_kernels as _norm_kernels
 
 if TYPE_CHECKING:
@@ -348,17 +349,21 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        segments: _packing.PackSegments | None = None,
+        segments: _packing.PackSegments | _sp.SequenceShard | None = None,
     ) -> torch.Tensor:
         """Args: x (B, S, D); cos, sin (S, d/2), or (B, S, d/2) per sample; segments: None, or for a pack of
         mixed lengths (x (1, S, D)) its :class:`~lightning_adaptiveload.models.packing.PackSegments`, each
-        sample attending to itself only. Returns (B, S, D)."""
+        sample attending to itself only; or a :class:`~lightning_adaptiveload.models.sequence_parallel.SequenceShard`:
+        x (B, S/G, D) and cos, sin (S/G, d/2) are this rank's shard, attended through the whole sequence
+        (Ulysses all-to-all). Returns (B, S, D)."""
         h = self.num_heads
         q, k = (
             normed_rope(self.norm_q, self.q(x), h, cos, sin),
             normed_rope(self.norm_k, self.k(x), h, cos, sin),
         )
         v = self.v(x).unflatten(-1, (h, -1))
+        if isinstance(segments, _sp.SequenceShard):  # (B, S/G, H, d) shards: all-to-all over the heads
+            return self.o(segments.attention(q, k, v, self.backends).flatten(2))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if segments is not None:
             out = _packing.segment_self_attention(q, k, v, segments, self.backends)

@@ -63,6 +63,8 @@ __all__ = [
     "MemorySettings",
     "OptimizerSettings",
     "SamplingSettings",
+    "SequenceParallelFSDPStrategy",
+    "SequenceParallelStrategy",
     "VideoDiTModule",
     "sample_timesteps",
     "shift_timesteps",
@@ -247,6 +249,9 @@ class VideoDiTModule(L.LightningModule):
             budget_bytes=self._memory_budget_bytes(),
         )
         self.model.set_attention_backend(hp.get("attention_backend", "default"))
+        mesh = getattr(strategy, "sequence_mesh", None)
+        if mesh is not None and mesh["sequence"].size() > 1:  # Ulysses: see SequenceParallelStrategy
+            self.model.set_sequence_group(mesh["sequence"].get_group())
         if self.optimizer_settings.weight_dtype == "bf16":
             self.model.to(torch.bfloat16)
         if self.compile_settings is not None:
@@ -281,7 +286,7 @@ class VideoDiTModule(L.LightningModule):
         # reset_parameters(), which give Wan's init; building it eagerly would need the whole fp32 model in
         # host memory on every rank (57 GB for wan-14b).
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if strategy is not None and type(strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy"):
+        if strategy is not None and _dist._names(strategy) & {"FSDPStrategy", "ModelParallelStrategy"}:
             return torch.device("meta")
         return nullcontext()
 
@@ -303,7 +308,8 @@ class VideoDiTModule(L.LightningModule):
     def flops_per_batch(self, batch: dict) -> float:
         """Training FLOPs (forward + backward = 3x forward) of ``batch`` on this rank, for MFU.
 
-        Used by :class:`~lightning_adaptiveload.LoadBalanceMonitor`; counts the padded text length.
+        Used by :class:`~lightning_adaptiveload.LoadBalanceMonitor`; counts the padded text length. Under
+        sequence parallelism each of the G ranks of a group does 1/G of its batch's work.
         """
         text = batch.get("text")
         text_len = 0 if text is None else int(text.shape[1])
@@ -311,23 +317,33 @@ class VideoDiTModule(L.LightningModule):
             return 3.0 * sum(self.flops(1, int(s), text_len) for s in batch["seq_lens"])
         b, c, t, h, w = batch["latents"].shape
         pt, ph, pw = self.model_config.patch_size
-        return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len)
+        return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len) / self._sequence_degree()
 
     # -- loss --------------------------------------------------------------------------------------
 
+    def _sequence_degree(self) -> int:
+        """G, the ranks of a sequence group (1 without sequence parallelism)."""
+        group = getattr(self.model, "sequence_group", None)
+        return 1 if group is None else torch.distributed.get_world_size(group)
+
     def _world_size(self) -> int:
-        if self._trainer is not None:
-            return int(self.trainer.world_size)
-        return _dist.rank_and_world()[1]
+        """The data-parallel ranks: every rank, or under sequence parallelism the sequence groups."""
+        world = int(self.trainer.world_size) if self._trainer is not None else _dist.rank_and_world()[1]
+        return world // self._sequence_degree()
 
     def _global_tokens(self, batch: dict, local_tokens: int, world_size: int) -> int:
-        return global_token_count(local_tokens, batch.get("global_tokens", -1), world_size)
+        given, degree = batch.get("global_tokens", -1), self._sequence_degree()
+        if degree > 1 and int(given) < 0:  # the fallback gathers every rank: each group counted G times
+            return global_token_count(local_tokens, -1, world_size * degree) // degree
+        return global_token_count(local_tokens, given, world_size)
 
     def _noise_gen(self, device: torch.device) -> torch.Generator:
         if self._noise_generator is None or self._noise_generator.device != device:
             # Lightning seeds every rank identically; the generator is offset by rank.
             rank, world = _dist.rank_and_world(self._trainer)
-            self._noise_generator = rank_noise_generator(device, rank)
+            # The ranks of a sequence group (consecutive: the mesh's data dimension is outer) share a batch
+            # and so its noise: offset by the data-parallel rank.
+            self._noise_generator = rank_noise_generator(device, rank // self._sequence_degree())
             saved = getattr(self, "_saved_noise_states", None)
             if saved is not None and len(saved) == world and saved[rank] is not None:
                 # Resumed on the same ranks: draw the noise the uninterrupted run would have drawn.
@@ -579,3 +595,125 @@ class VideoDiTModule(L.LightningModule):
             if n
             else f"preset={self.hparams.preset!r}"
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence parallelism: the strategies a recipe names (docs/sequence_parallel.md)
+# --------------------------------------------------------------------------------------------------
+
+
+class _SequenceMesh:
+    """The ("data", "sequence") device mesh of a strategy: ``sequence_parallel_size`` consecutive ranks form a
+    sequence group (ranks 0..G-1 the first), and the data dimension runs across the groups.
+
+    Gradients: every rank of a group holds the same parameters, and the model's backward leaves on each the
+    gradient whose average over the group is the group's full-batch gradient
+    (:func:`~lightning_adaptiveload.models.sequence_parallel.gather_sequence`). So data parallelism over
+    **every** rank (DDP's default group; FSDP2 on a 1-D mesh of the world) averages to exactly what DDP over
+    the data groups alone gives, with no second reduction."""
+
+    def _init_sequence(self, sequence_parallel_size: int) -> None:
+        if isinstance(sequence_parallel_size, bool) or not (
+            isinstance(sequence_parallel_size, int) and sequence_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: sequence_parallel_size must be an integer >= 1, got "
+                f"{sequence_parallel_size!r}"
+            )
+        self.sequence_parallel_size = sequence_parallel_size
+        #: The ("data", "sequence") DeviceMesh, built after the process group (None before).
+        self.sequence_mesh: Any = None
+
+    def _build_sequence_mesh(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, g = int(self.world_size), self.sequence_parallel_size
+        if world % g:
+            raise ValueError(
+                f"{type(self).__name__}: sequence_parallel_size={g} does not divide the {world} processes; "
+                "give a degree that divides devices x num_nodes"
+            )
+        self.sequence_mesh = init_device_mesh(
+            self.root_device.type, (world // g, g), mesh_dim_names=("data", "sequence")
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One replica per data-parallel group: every rank of a sequence group reads the same samples."""
+        g = self.sequence_parallel_size
+        return {"num_replicas": int(self.world_size) // g, "rank": int(self.global_rank) // g}
+
+
+class SequenceParallelStrategy(_SequenceMesh, L.pytorch.strategies.DDPStrategy):
+    """DDP with Ulysses sequence parallelism: groups of ``sequence_parallel_size`` ranks split each batch's
+    sequence (:meth:`VideoDiT.set_sequence_group`, set by :class:`VideoDiTModule` in ``configure_model``);
+    DDP runs over every rank (see :class:`_SequenceMesh` for why that is exact).
+
+    Args:
+        sequence_parallel_size: G, the ranks of a sequence group; divides the world size and the heads.
+        process_group_backend: ``"nccl"``, ``"gloo"``, or None for the device's default.
+        timeout: of the process group's collectives; None: torch's default.
+        ddp_kwargs: any further :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
+            (``find_unused_parameters``, ``static_graph``, ...).
+
+    Example (a recipe)::
+
+        trainer:
+          strategy:
+            class_path: lightning_adaptiveload.models.module.SequenceParallelStrategy
+            init_args: {sequence_parallel_size: 4}
+    """
+
+    def __init__(
+        self,
+        sequence_parallel_size: int = 2,
+        process_group_backend: str | None = None,
+        timeout: Any = None,
+        ddp_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        extra = {} if timeout is None else {"timeout": timeout}
+        super().__init__(process_group_backend=process_group_backend, **extra, **(ddp_kwargs or {}))
+        self._init_sequence(sequence_parallel_size)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._build_sequence_mesh()
+
+
+class SequenceParallelFSDPStrategy(_SequenceMesh, L.pytorch.strategies.ModelParallelStrategy):
+    """FSDP2 with Ulysses sequence parallelism: :class:`SequenceParallelStrategy`'s sequence groups, the model
+    sharded by FSDP2 over every rank (a 1-D mesh of the world; the module shards itself in
+    ``configure_model``, as under ``ModelParallelStrategy``).
+
+    Args:
+        sequence_parallel_size: G, the ranks of a sequence group.
+        save_distributed_checkpoint: one file per rank (True) or a full checkpoint gathered on rank 0.
+        process_group_backend: ``"nccl"``, ``"gloo"``, or None for the device's default.
+        timeout: of the process group's collectives; None: torch's default.
+    """
+
+    def __init__(
+        self,
+        sequence_parallel_size: int = 2,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: Any = None,
+    ) -> None:
+        extra = {} if timeout is None else {"timeout": timeout}
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            **extra,
+        )
+        self._init_sequence(sequence_parallel_size)
+
+    @override
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super().setup_environment()  # the process group, and Lightning's own (data, tensor) mesh
+        self._build_sequence_mesh()
+        # FSDP2 over every rank: the mesh the module's configure_model shards on (module.device_mesh).
+        self._device_mesh = init_device_mesh(self.root_device.type, (int(self.world_size),))
+        self.lightning_module._device_mesh = self._device_mesh

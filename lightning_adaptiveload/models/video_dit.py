@@ -48,6 +48,7 @@ from torch import nn
 
 from lightning_adaptiveload.models import attention as _attention
 from lightning_adaptiveload.models import packing as _packing
+from lightning_adaptiveload.models import sequence_parallel as _sp
 from lightning_adaptiveload.models.checkpointing import (  # noqa: F401  (re-exported; _spread is the old private name)
     CHECKPOINT_POLICIES,
     apply_checkpointing,
@@ -134,6 +135,8 @@ class DiTBlock(nn.Module):
         context_mask: torch.Tensor | None,
         segments: _packing.PackSegments | None = None,
     ) -> torch.Tensor:
+        # A sequence shard (Ulysses) runs as a batch of its tokens; only self-attention sees the shard.
+        shard, segments = (segments, None) if isinstance(segments, _sp.SequenceShard) else (None, segments)
         mod = self.modulation.float() + e0  # (B, 6, D), or (B, S, 6, D) per token, or (N, 6, D) per sample
         if context is None and self.training and torch.is_grad_enabled():
             # No text: zero gradients for the cross-attention (see VideoDiT._keep_text_path), added here, in
@@ -153,7 +156,7 @@ class DiTBlock(nn.Module):
             def row(i: int) -> torch.Tensor:
                 return _packing.segment_rows(mod[:, i], segments)
 
-        y = self.self_attn(self.norm1(x, row(0), row(1)), cos, sin, segments)
+        y = self.self_attn(self.norm1(x, row(0), row(1)), cos, sin, shard or segments)
         x = (x + y * row(2)).to(x.dtype)
         if context is not None:
             x = (x + self.cross_attn(self.norm3(x), context, context_mask, segments)).to(x.dtype)
@@ -212,6 +215,7 @@ class VideoDiT(nn.Module):
         self._auto_checkpointing: tuple[str, Any, float] | None = None
         self.last_checkpointed_blocks: int | None = None  # the count the last forward ran with
         self._over_budget: set[tuple[int, int]] = set()  # (B, S) of batches warned about (over budget)
+        self._sequence = _sp.GroupRef()  # Ulysses sequence parallelism's group; see set_sequence_group
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -407,6 +411,29 @@ class VideoDiT(nn.Module):
             block.cross_attn.query_splits = splits
         self._backends_for = key
 
+    def set_sequence_group(self, group: Any) -> None:
+        """Split every batch's token sequence over ``group`` (Ulysses sequence parallelism,
+        :mod:`~lightning_adaptiveload.models.sequence_parallel`); None (the initial setting) turns it off.
+
+        Every rank of the group must be given the same batch (latents, timesteps, text). Each keeps 1/G of the
+        patchified tokens (zero padded to a multiple of G) with their own RoPE positions; self-attention
+        runs through :func:`~lightning_adaptiveload.models.sequence_parallel.ulysses_attention`, cross-attention,
+        modulation and the head on the shard; the output is gathered, so :meth:`forward` returns the whole
+        prediction on every rank. Gradients: see ``gather_sequence`` (average them over the group, as DDP
+        or FSDP over every rank does). Packs are refused.
+
+        Raises:
+            ValueError: ``num_heads`` not divisible by the group's size (named in the message).
+        """
+        if group is not None:
+            _sp.SequenceShard.build(group, 1, self.config.num_heads)  # the heads check, now
+        self._sequence.group = group
+
+    @property
+    def sequence_group(self) -> Any:
+        """The sequence group set by :meth:`set_sequence_group`, or None."""
+        return self._sequence.group
+
     # -- forward -----------------------------------------------------------------------------------
 
     def forward(
@@ -437,6 +464,11 @@ class VideoDiT(nn.Module):
             run alone.
         """
         if isinstance(x, (list, tuple)):
+            if self.sequence_group is not None:
+                raise ValueError(
+                    "VideoDiT: a pack (a list of latents) under sequence parallelism is not supported; give "
+                    "bucketed batches (B, C, T, H, W), or call set_sequence_group(None)"
+                )
             return self._forward_pack(list(x), timestep, context, context_mask)
         grid = self._check_input(x)
         b = x.shape[0]
@@ -447,6 +479,15 @@ class VideoDiT(nn.Module):
                 f"{tuple(timestep.shape)}"
             )
         h, e, block_args = self._dense_prologue(x, grid, timestep, context, context_mask)
+        if self.sequence_group is not None:  # this rank's shard of the tokens, their RoPE rows and times
+            shard = _sp.SequenceShard.build(self.sequence_group, seq, self.config.num_heads)
+            e0, cos, sin, ctx, ctx_mask = block_args
+            if timestep.dim() == 2:
+                e, e0 = shard.shard(e), shard.shard(e0)
+            h, block_args = shard.shard(h), (e0, shard.shard(cos, 0), shard.shard(sin, 0), ctx, ctx_mask)
+            for block in self.blocks:
+                h = block(h, *block_args, shard)
+            return self._keep_text_path(self.unpatchify(shard.gather(self.head(h, e)), grid), ctx)
         for block in self.blocks:
             # Each block checkpoints itself (its checkpoint_policy), so a compiled block includes it.
             h = block(h, *block_args)

@@ -30,9 +30,35 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CostModel", "KINDS"]
+__all__ = ["CostModel", "KINDS", "SequenceComm"]
 
 KINDS = ("quadratic", "power")
+
+# Token counts up to this value are priced through a table of their distinct values (a bincount).
+_POWER_TABLE_MAX = 1 << 26
+
+
+def _power(s: np.ndarray, p: float) -> np.ndarray:
+    """``s ** p`` elementwise with the same bits on every CPU: each distinct value through Python's (the C
+    library's) ``pow``, which :meth:`CostModel.cost` uses too.
+
+    numpy's own ``power`` takes SIMD code on some CPUs (AVX-512) and the C library's elsewhere, and the two
+    can differ in the last bit. Plans compare sums of costs, so one bit can flip a choice: nodes with
+    different CPUs would plan different epochs from the same inputs. Token counts are few distinct
+    integers, so this costs one pass over ``s`` and one ``pow`` per distinct count.
+    """
+    flat = s.ravel()
+    if flat.size == 0:
+        return np.empty_like(s)
+    ints = flat.astype(np.int64)
+    if np.array_equal(ints, flat) and ints.min() >= 0 and ints.max() <= _POWER_TABLE_MAX:
+        present = np.flatnonzero(np.bincount(ints))
+        table = np.zeros(int(present[-1]) + 1, dtype=np.float64)
+        table[present] = [math.pow(float(v), p) for v in present.tolist()]
+        return table[ints].reshape(s.shape)
+    values, where = np.unique(flat, return_inverse=True)
+    powered = [math.pow(v, p) if v >= 0 else math.nan for v in values.tolist()]  # numpy's nan for v < 0
+    return np.array(powered, dtype=np.float64)[where].reshape(s.shape)
 
 
 @dataclass
@@ -115,7 +141,7 @@ class CostModel:
         """Per-sample costs of an array of token counts (vectorised :meth:`cost`; float64, same shape)."""
         s = np.asarray(seq_lens, dtype=np.float64)
         if self.kind == "power":
-            return self.scale * s**self.p
+            return self.scale * _power(s, self.p)
         return self.alpha * s + self.beta * s * s + self.gamma
 
     def pack_cost(self, seq_lens: Sequence[float]) -> float:
@@ -129,6 +155,42 @@ class CostModel:
 
     def __call__(self, seq_len: float) -> float:
         return self.cost(seq_len)
+
+    def sequence_parallel(
+        self, degree: int, comm: SequenceComm | Mapping[str, Any] | None = None
+    ) -> CostModel:
+        """The cost on ONE GPU of a sample whose sequence is split over ``degree`` GPUs (Ulysses):
+        ``cost(S) / G + comm(S, G)`` per sample, ``c0`` per step unchanged (every GPU of the group runs the
+        step). The all-to-all term is linear in S (:meth:`SequenceComm.seconds_per_token`), so a quadratic
+        model stays quadratic: ``alpha / G + kappa_G``, ``beta / G``, ``gamma / G``. ``degree`` 1: ``self``.
+
+        Dividing ``gamma`` by G slightly flatters a group: the text's keys and values of cross-attention are
+        computed on every GPU of it, whole. The comm term is in seconds: the model must be in seconds too.
+
+        Raises:
+            ValueError: ``degree`` < 1, or a power model with ``degree`` > 1 (its unit is token^p unless it
+                was fitted, and ``scale * S^p / G + kappa * S`` is no longer a power form).
+        """
+        if isinstance(degree, bool) or int(degree) != degree or int(degree) < 1:
+            raise ValueError(f"sequence_parallel must be an integer >= 1, got {degree!r}")
+        g = int(degree)
+        if g == 1:
+            return self
+        if self.kind != "quadratic":
+            raise ValueError(
+                f"sequence_parallel={g} prices Ulysses' all-to-all in seconds, which adds a linear term to the "
+                f"cost; the cost model {self.describe()} is of kind {self.kind!r}. Give a quadratic cost model in "
+                "seconds (batching.cost_model: {'kind': 'quadratic', 'alpha': ..., 'beta': ...}, e.g. one fitted "
+                "by `calibrate`, or null for CostModel.default())"
+            )
+        kappa = SequenceComm.of(comm).seconds_per_token(g)
+        return CostModel(
+            kind="quadratic",
+            alpha=self.alpha / g + kappa,
+            beta=self.beta / g,
+            gamma=self.gamma / g,
+            c0=self.c0,
+        )
 
     def __repr__(self) -> str:
         tail = f", c0={self.c0!r})" if self.c0 else ")"
@@ -470,3 +532,92 @@ def _nonneg_lstsq(cols: Mapping[str, np.ndarray], y: np.ndarray, free: Collectio
         if best is None or rss < best[0] - 1e-15 * max(1.0, rss):
             best = (rss, values)
     return best[1] if best is not None else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceComm:
+    """What Ulysses sequence parallelism's all-to-alls cost one GPU, per token of a sample.
+
+    Ulysses splits a sample's S tokens over the G GPUs of a group: each holds ``S / G`` tokens of width D.
+    Self-attention turns the sequence shards into head shards and back with four all-to-alls per layer
+    (queries, keys, values in; the output back), each GPU sending ``(G - 1) / G`` of its shard:
+    ``4 * S * D * dtype_bytes * (G - 1) / G**2`` bytes per GPU and layer in the forward pass (the group as a
+    whole moves ``4 * S * D * dtype_bytes * (G - 1) / G``). The backward pass runs the reverse all-to-alls
+    (as many bytes), activation checkpointing runs the forward's again: ``passes`` 3. The all-to-alls sit
+    on the step's critical path (attention waits for them), so their time adds to the compute:
+    ``bytes / link_gb_per_s``.
+
+    Defaults: Wan 2.1 1.3B's width and depth (the model of :meth:`CostModel.default`), bf16, and an
+    all-to-all bus bandwidth of 300 GB/s per GPU within a node of NVLink H100/H200s: an assumption (below
+    NVLink 4's 450 GB/s per direction), not a measurement; ``benchmarks/sp/gpu_sp.sh`` measures the step.
+    Groups across nodes run at the network's bandwidth (about 50 GB/s per GPU at 400 Gb/s): set it.
+
+    Example:
+        >>> comm = SequenceComm(hidden=1536, layers=30)
+        >>> round(comm.seconds_per_token(2) * 1e9, 3)  # ns per token on each GPU
+        921.6
+    """
+
+    hidden: int = 1536
+    """Model width D (the all-to-alls move activations of this width; heads x head dim)."""
+
+    layers: int = 30
+    """Transformer blocks (one self-attention each)."""
+
+    dtype_bytes: int = 2
+    """Bytes per activation element (2: bf16)."""
+
+    link_gb_per_s: float = 300.0
+    """All-to-all bus bandwidth per GPU, GB/s (10**9 bytes)."""
+
+    passes: float = 3.0
+    """All-to-all rounds per step: forward, backward, and the checkpointed forward again (2 without)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "dtype_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"SequenceComm {name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("link_gb_per_s", "passes"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(f"SequenceComm {name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def of(cls, value: SequenceComm | Mapping[str, Any] | None) -> SequenceComm:
+        """``value`` as a ``SequenceComm``: itself, built from a dict of its fields, or the defaults (None).
+
+        Raises:
+            ValueError: a key that is no field (the message lists them), or a bad value.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"sequence_comm must be a mapping of {_COMM_FIELDS} or None, got {value!r}")
+        unknown = sorted(set(value) - set(_COMM_FIELDS))
+        if unknown:
+            raise ValueError(f"sequence_comm has unknown keys {unknown}; accepted keys: {list(_COMM_FIELDS)}")
+        return cls(**dict(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _COMM_FIELDS}
+
+    def bytes_per_token(self, degree: int) -> float:
+        """Bytes one GPU sends per token of a sample split over ``degree`` GPUs, all layers and passes."""
+        g = int(degree)
+        return 4.0 * self.layers * self.passes * self.hidden * self.dtype_bytes * (g - 1) / (g * g)
+
+    def seconds_per_token(self, degree: int) -> float:
+        """Seconds one GPU spends in all-to-alls per token of a sample split over ``degree`` GPUs (0 at 1)."""
+        return self.bytes_per_token(degree) / (self.link_gb_per_s * 1e9)
+
+
+_COMM_FIELDS = ("hidden", "layers", "dtype_bytes", "link_gb_per_s", "passes")

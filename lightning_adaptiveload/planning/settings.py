@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_adaptiveload.planning.cost_model import CostModel
+from lightning_adaptiveload.planning.cost_model import CostModel, SequenceComm
 from lightning_adaptiveload.planning.sizing import BatchSizer
 
 __all__ = ["Batching", "LockstepTail", "Oversize", "PlanSettings", "Schedule", "Sizing", "Underfull"]
@@ -83,6 +83,18 @@ class PlanSettings:
     keep_step_costs: bool = False
     """Keep ``plan.step_costs`` (every rank's estimated batch cost at every step)."""
 
+    sequence_parallel: int = 1
+    """GPUs per sequence-parallel group G (Ulysses: one sample's sequence split over G GPUs;
+    :mod:`.groups`). The epoch is planned for ``world_size / G`` data-parallel groups, every GPU of a group
+    gets the group's batches (the same samples), and a group's batch takes G times ``max_tokens`` at the
+    cost of one GPU's share, ``cost(S) / G`` plus the all-to-all (``CostModel.sequence_parallel``). 1: off.
+    The world size must be a multiple of it."""
+
+    sequence_comm: dict[str, Any] | None = None
+    """What the all-to-all of ``sequence_parallel > 1`` costs: a
+    :class:`~.cost_model.SequenceComm` dict (``hidden``, ``layers``, ``dtype_bytes``, ``link_gb_per_s``,
+    ``passes``); None: its defaults (Wan 2.1 1.3B, bf16, 300 GB/s). Ignored at ``sequence_parallel=1``."""
+
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
@@ -98,6 +110,14 @@ class PlanSettings:
         processes = _number(self.plan_processes, "plan_processes", int)
         if processes < 1:
             raise ValueError(f"plan_processes must be >= 1, got {self.plan_processes!r}")
+        degree = self.sequence_parallel
+        if isinstance(degree, bool) or _number(degree, "sequence_parallel", int) != degree or degree < 1:
+            raise ValueError(
+                f"sequence_parallel must be an integer >= 1 (GPUs per sequence-parallel group), got {degree!r}"
+            )
+        object.__setattr__(self, "sequence_parallel", int(degree))
+        if self.sequence_comm is not None:  # held as its dict (plain data in a checkpoint's hyperparameters)
+            object.__setattr__(self, "sequence_comm", SequenceComm.of(self.sequence_comm).to_dict())
         # Stored as the types the planner computes with (a YAML "0.1" or a NumPy integer arrives as is).
         object.__setattr__(self, "lockstep_tolerance", tolerance)
         object.__setattr__(self, "plan_processes", processes)
