@@ -87,7 +87,9 @@ class PlannedShardDataset(IterableDataset):
             collation (see :func:`apply_sample_transform`); None: none.
         text_pad_to: pad text to this many states in every batch (see :func:`~.collate.collate`).
         placement: ``(rank, world size)`` the plans are made for; fixed for the dataset's life
-            (:meth:`on_ranks` gives the dataset of another placement).
+            (:meth:`on_ranks` gives the dataset of another placement). Under sequence parallelism the data
+            rank and the number of groups (:func:`~lightning_adaptiveload.planning.groups.data_placement`):
+            the loader (and each of its workers) of every rank of a group streams the group's batches.
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class PlannedShardDataset(IterableDataset):
         sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         text_pad_to: int | None = None,
         placement: tuple[int, int] = (0, 1),
+        remote: Any = None,
     ) -> None:
         super().__init__()
+        self.remote = remote  # RemoteSettings of ranged reads (see stream_batches); None: the defaults
         self.settings = PlanSettings() if settings is None else settings
         self.max_member_bytes = max_member_bytes
         self.index = index
@@ -239,7 +243,13 @@ class PlannedShardDataset(IterableDataset):
         self.plan = plan
         self.epoch = epoch
         self.report = dict(plan.report)
-        self.report.update(rank=self.rank, runtime_skipped={}, runtime_ignored_members={}, batches_yielded=0)
+        self.report.update(
+            rank=self.rank,
+            runtime_skipped={},
+            runtime_ignored_members={},
+            runtime_fetched={},
+            batches_yielded=0,
+        )
         return plan
 
     # -- streaming (worker) ----------------------------------------------------------------------------
@@ -269,6 +279,7 @@ class PlannedShardDataset(IterableDataset):
             max_member_bytes=self.max_member_bytes,
             sample_transform=self.sample_transform,
             text_pad_to=self.text_pad_to,
+            remote=self.remote,
         )
 
 
@@ -296,7 +307,11 @@ class _CountingIterator:
         self.yielded += 1
         report = self._dataset.report
         report["batches_yielded"] = self.yielded
-        for key, total in (("skipped", "runtime_skipped"), ("ignored_members", "runtime_ignored_members")):
+        for key, total in (
+            ("skipped", "runtime_skipped"),
+            ("ignored_members", "runtime_ignored_members"),
+            ("fetched", "runtime_fetched"),  # ranged reads: bytes, requests, retries, cache hits
+        ):
             counted = batch.get(key) if isinstance(batch, dict) else None
             if counted:
                 runtime = report.setdefault(total, {})

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_adaptiveload.planning.settings import Batching, PlanSettings
+from lightning_adaptiveload.shards.objstore import RemoteSettings
 
 __all__ = [
     "DATAMODULE_DEFAULTS",
@@ -23,6 +24,7 @@ __all__ = [
     "DataModuleGroups",
     "Loader",
     "OnError",
+    "RemoteSettings",
     "Source",
     "StartMethod",
 ]
@@ -125,6 +127,11 @@ class Source:
     index_allow_outside: bool = False
     """Let an ``index.json`` name local shards outside its folder."""
 
+    remote: RemoteSettings = dataclasses.field(default_factory=RemoteSettings)
+    """How shards in object storage are read by byte range (concurrency, bytes in flight, read-ahead,
+    merging, retries, a local cache): :class:`~lightning_adaptiveload.shards.objstore.RemoteSettings`; a
+    recipe gives its fields as a mapping (``source.remote.max_concurrency``)."""
+
     def __post_init__(self) -> None:
         from lightning_adaptiveload.shards.format import check_on_error
 
@@ -141,6 +148,18 @@ class Source:
             )
         object.__setattr__(self, "index_allow_schemes", tuple(schemes or ()))
         object.__setattr__(self, "index_allow_outside", bool(self.index_allow_outside))
+        remote = self.remote
+        if isinstance(remote, Mapping):
+            fields = [f.name for f in dataclasses.fields(RemoteSettings)]
+            unknown = sorted(set(remote) - set(fields))
+            if unknown:
+                raise ValueError(f"Source.remote: unknown key(s) {unknown}; RemoteSettings has {fields}")
+            remote = RemoteSettings(**remote)
+        if not isinstance(remote, RemoteSettings):
+            raise ValueError(
+                f"Source.remote must be a RemoteSettings or a mapping of its fields, got {remote!r}"
+            )
+        object.__setattr__(self, "remote", remote)
 
     def index_trust(self) -> dict[str, Any]:
         """What a loaded index may name, as ``ShardIndex.for_paths`` takes it."""

@@ -19,7 +19,9 @@ from lightning_adaptiveload.planning.batching import DualConstraintBatcher
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.plan import EpochPlan
 from lightning_adaptiveload.shards.format import MEMBER_REASONS
+from lightning_adaptiveload.shards.objstore import RemoteSettings
 from lightning_adaptiveload.shards.protocol import ShardIndexLike
+from lightning_adaptiveload.shards.ranged import RangedReader, ranged_shards
 from lightning_adaptiveload.shards.reader import iter_shard
 
 __all__ = ["apply_sample_transform", "empty_batch", "stream_batches"]
@@ -107,8 +109,14 @@ def stream_batches(
     max_member_bytes: int | None = None,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     text_pad_to: int | None = None,
+    remote: RemoteSettings | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield the planned batches of one ``(rank, worker)`` stream, in order.
+
+    Shards whose index lists sample spans and that live in object storage (or any, under
+    ``remote.ranged="always"``) are read by ranges: the stream fetches exactly its planned samples' bytes,
+    ahead of the batch being collated (:class:`~lightning_adaptiveload.shards.ranged.RangedReader`).
+    The others are streamed with ``iter_shard``, each planned read opened once.
 
     Args:
         plan: the epoch plan.
@@ -119,12 +127,16 @@ def stream_batches(
         sample_transform: ``f(sample) -> sample`` run on every decoded sample (see
             :func:`apply_sample_transform`), or None.
         text_pad_to: see :func:`~lightning_adaptiveload.loading.collate.collate`.
+        remote: how ranged reads run (:class:`~lightning_adaptiveload.shards.objstore.RemoteSettings`);
+            None: its defaults (``ranged="auto"``).
 
     Yields:
         ``collate``'s batch dict (or :func:`empty_batch` when every member was skipped) plus ``"step"``
         (the global step), ``"skipped"`` (samples the reader skipped since the previous batch, by reason,
         with ``"missing"`` for samples lost without a reason) and ``"ignored_members"`` (members ignored or
-        refused, by reason).
+        refused, by reason); in a stream with ranged reads also ``"fetched"``: ``{"bytes", "requests",
+        "retries", "cache_hits"}`` since the previous batch (bytes and requests of answers received;
+        cache hits fetch nothing).
     """
     patch = batcher.patch_size
     stats: dict[str, int] = {}
@@ -140,12 +152,37 @@ def stream_batches(
             max_member_bytes=max_member_bytes,
         )
 
-    reads = _Reads(plan.reads[stream], open_read)
+    settings = remote if remote is not None else RemoteSettings()
+    shards = index.shards
+    ranged = (
+        ranged_shards(shards, [s for s, _ in plan.reads[stream]], settings)
+        if settings.ranged != "never"
+        else set()
+    )
+    reads = _Reads([r for r in plan.reads[stream] if r[0] not in ranged], open_read)
+    by_range = None
+    if ranged:
+        by_range = RangedReader(
+            shards,
+            plan.streams[stream],
+            settings,
+            ranged.__contains__,
+            on_error=on_error,
+            stats=stats,
+            patch_size=patch,
+            max_member_bytes=max_member_bytes,
+        )
     skips = _SkipCounter(stats)
     buckets, steps = plan.batch_buckets[stream], plan.batch_steps[stream]
     try:
         for j, refs in enumerate(plan.streams[stream]):
-            members = reads.take(refs)
+            if by_range is None:
+                members = reads.take(refs)
+            else:
+                got = by_range.take(j)
+                streamed = reads.take([r for r in refs if r[0] not in ranged])
+                got.update(((int(m["__ref__"][0]), int(m["__ref__"][1])), m) for m in streamed)
+                members = [got[r] for r in refs if r in got]
             if sample_transform is not None:
                 members = [apply_sample_transform(sample_transform, m, patch) for m in members]
             step = steps[j]
@@ -160,9 +197,13 @@ def stream_batches(
                 )
             batch["step"] = step
             batch["skipped"], batch["ignored_members"] = skips.since_last(len(refs) - len(members))
+            if by_range is not None:
+                batch["fetched"] = by_range.counts_since_last()
             yield batch
     finally:
         reads.close_all()
+        if by_range is not None:
+            by_range.close()
 
 
 class _Reads:

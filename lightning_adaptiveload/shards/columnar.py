@@ -28,6 +28,7 @@ name                dtype      count     meaning
 ``key_offsets``     ``<i8``    n + 1     sample key ``i`` is ``key_blob[off[i]:off[i+1]]``
 ``key_blob``        ``u1``     ...       sample keys, UTF-8, concatenated
 ``extras``          ``u1``     ...       JSON: per shard its ``skipped`` and ``ignored`` records
+``spans``           ``<i8``    2n        optional: each sample's (offset, length) in its tar
 ==================  =========  ========  =================================================
 
 Everything is checked on load as the JSON loader checks its fields (a hostile file cannot index out of
@@ -68,6 +69,7 @@ from lightning_adaptiveload.shards.key_columns import (
     keys_crc,
     unique_keys_record,
 )
+from lightning_adaptiveload.shards.spans import span_columns_problem
 from lightning_adaptiveload.shards.untrusted import Refused, load_json
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,9 @@ _DTYPES: dict[str, tuple[str, ...]] = {
     "key_offsets": ("<i8",),
     "key_blob": ("|u1",),
     "extras": ("|u1",),
+    "spans": ("<i8",),
 }
+_OPTIONAL = frozenset({"spans"})  # absent from older files, and from indexes without spans (older readers)
 
 
 def shape_id_dtype(num_shapes: int) -> np.dtype:
@@ -161,6 +165,7 @@ class IndexColumns:
     unique_keys: dict[str, int] | None = field(
         default=None, repr=False, compare=False
     )  # as read: UNIQUE_KEYS
+    spans: np.ndarray | None = None  # (n, 2) int64 (offset, length) per sample, -1 rows: none; or None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "mapping": None}  # an mmap does not pickle; the arrays are copied
@@ -213,7 +218,7 @@ def _arrays(cols: IndexColumns) -> list[tuple[str, np.ndarray]]:
         ("key_offsets", np.asarray(cols.key_offsets, dtype="<i8")),
         ("key_blob", np.asarray(cols.key_blob, dtype="|u1")),
         ("extras", np.frombuffer(json.dumps(extras, separators=(",", ":")).encode(), dtype="|u1")),
-    ]
+    ] + ([] if cols.spans is None else [("spans", np.asarray(cols.spans, dtype="<i8").reshape(-1))])
 
 
 def write_columns(
@@ -443,7 +448,7 @@ def _table(head: dict[str, Any], buf: np.ndarray, data_start: int) -> dict[str, 
                 f"{data_start}, aligned to {ALIGN})",
             )
         out[name] = buf[offset : offset + count * dt.itemsize].view(dt)
-    missing = sorted(set(_DTYPES) - set(out))
+    missing = sorted(set(_DTYPES) - set(out) - _OPTIONAL)
     if missing:
         raise IndexProblem("arrays", f"lacks {missing}")
     return out
@@ -566,6 +571,10 @@ def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> Index
         if part.min() < 0:
             k = i + int(np.argmin(part))
             raise IndexProblem(f"text_len[{k}]", f"is {int(part.min())}; expected [0, {MAX_DIM}]")
+    if (spans := arr.get("spans")) is not None:
+        if (problem := span_columns_problem(spans, arr["shard_offsets"], arr["shard_bytes"])) is not None:
+            raise IndexProblem(*problem)
+        spans = spans.reshape(n, 2)
     paths = _paths(arr["path_blob"], arr["path_offsets"])
     skipped, ignored = _extras(arr["extras"], m)
     return IndexColumns(
@@ -583,6 +592,7 @@ def _check(buf: np.ndarray, release: Callable[[], None] = lambda: None) -> Index
         values_checked=head.get("values_checked", False),
         metadata=dict(metadata),
         unique_keys=record,
+        spans=spans,
     )
 
 

@@ -45,6 +45,8 @@ class _Columns:
         self.hashes: list[np.ndarray] = []
         self.skipped: dict[int, list[dict[str, Any]]] = {}
         self.ignored: dict[int, dict[str, int]] = {}
+        self.spans: list[np.ndarray] = []  # (n_i, 2) per shard, -1 rows for a shard without spans
+        self.any_spans = False
 
     def add(self, info: ShardInfo) -> None:
         sid = len(self.paths)
@@ -73,6 +75,11 @@ class _Columns:
             self.skipped[sid] = [dict(e) for e in info.skipped]
         if info.ignored:
             self.ignored[sid] = dict(info.ignored)
+        if info.spans is not None:
+            self.any_spans = True
+            self.spans.append(np.asarray(info.spans, dtype="<i8").reshape(-1, 2))
+        else:
+            self.spans.append(np.full((info.num_samples, 2), -1, dtype="<i8"))
 
     def finish(self) -> tuple[IndexColumns, np.ndarray]:
         table = {v: k for k, v in self.shape_ids.items()}
@@ -92,6 +99,7 @@ class _Columns:
             key_blob=np.frombuffer(b"".join(self.blobs), dtype="|u1"),
             skipped=self.skipped,
             ignored=self.ignored,
+            spans=np.concatenate(self.spans) if self.any_spans else None,
         )
         return cols, _cat(self.hashes, np.int64)
 
@@ -187,4 +195,6 @@ def _keep_samples(cols: IndexColumns, keep: np.ndarray, shard_of: np.ndarray) ->
     cols.shapes = cols.shapes[order]
     cols.shape_id = renumber[ids].astype(shape_id_dtype(len(order)))
     cols.text_len = cols.text_len[keep]
+    if cols.spans is not None:
+        cols.spans = cols.spans[keep]
     return cols

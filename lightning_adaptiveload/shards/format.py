@@ -96,6 +96,11 @@ REASONS: dict[str, str] = {
     "`lightning-adaptiveload index <shards> --rebuild`",
     "unsafe_index_path": "an index may name shards inside its own folder only: rebuild the index there, list the "
     "shards yourself, or opt in with allow_outside=True / allow_schemes=[...] if you trust the index",
+    "bad_range": "the storage answered a ranged read with other bytes than asked for (a short body, another "
+    "Content-Range or length, or the whole file): serve the shards from a server with HTTP Range support, or "
+    "check the proxy in between",
+    "unreachable_shard": "the storage did not answer within RemoteSettings.retry_wait_s (Source.remote): check "
+    "the URL, the network and the credentials, or raise the wait",
 }
 # Members ignored (counted, never an error); every other reason is a problem for the sample or shard.
 IGNORED_REASONS = frozenset({"unknown_extension", "non_file_member", "bad_member_name"})
@@ -208,6 +213,8 @@ class ShardInfo:
         skipped: samples (or the whole shard, key None) left out under ``on_error="skip"``:
             ``{"key": str | None, "reason": str, "detail": str}``.
         ignored: members ignored but counted, reason -> count (``unknown_extension``, ...).
+        spans: each sample's ``(offset, length)`` in the tar, from its first member's header through its
+            last member's padded data (what a ranged read fetches), or None when the index has none.
     """
 
     path: str
@@ -217,6 +224,7 @@ class ShardInfo:
     num_bytes: int
     skipped: list[dict[str, Any]] = field(default_factory=list)
     ignored: dict[str, int] = field(default_factory=dict)
+    spans: list[tuple[int, int]] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -235,3 +243,5 @@ class ShardInfo:
         self.keys = [self.keys[i] for i in keep]
         self.latent_shapes = [self.latent_shapes[i] for i in keep]
         self.text_lengths = [self.text_lengths[i] for i in keep]
+        if self.spans is not None:
+            self.spans = [self.spans[i] for i in keep]

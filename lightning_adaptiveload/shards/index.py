@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.parse
-import urllib.request
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from lightning_adaptiveload.shards.format import (
 from lightning_adaptiveload.shards.index_columns import (
     checked_keys,
     columns_of,
+    index_root,
     resolve_paths,
     shard_info,
     write_index,
@@ -58,6 +57,7 @@ from lightning_adaptiveload.shards.paths import (
     is_url,
     norm_path,
 )
+from lightning_adaptiveload.shards.spans import spans_problem
 from lightning_adaptiveload.shards.untrusted import (
     Refused,
     load_json,
@@ -154,6 +154,8 @@ class ShardIndex:
                 entry["skipped"] = s.skipped
             if s.ignored:
                 entry["ignored"] = s.ignored
+            if s.spans is not None:  # optional: an index without spans is streamed, never ranged
+                entry["spans"] = [[int(a), int(b)] for a, b in s.spans]
             shards.append(entry)
         return {
             "version": INDEX_VERSION,
@@ -247,6 +249,8 @@ class ShardIndex:
                 shard_info_from_json(e, i, root, allow_schemes, allow_outside)
                 for i, e in enumerate(data["shards"])
             ]
+            for i, (e, s) in enumerate(zip(data["shards"], shards)):
+                s.spans = _json_spans(e.get("spans"), s, f"shards[{i}].spans")
         except IndexProblem as err:
             raise ShardError(source, None, err.detail, reason=err.reason, member=err.where) from None
         twice = first_duplicate(shards)
@@ -345,12 +349,7 @@ class ShardIndex:
             data = load_json(raw, finite=False)  # a 1e999 is then named by the field check
         except Refused as err:
             raise ShardError(text, None, f"not valid JSON: the file {err}", reason="bad_index") from None
-        if not is_url(text):
-            root = os.path.dirname(text)
-        elif urllib.parse.urlparse(text).scheme in urllib.parse.uses_relative:
-            root = text.rsplit("/", 1)[0] + "/"
-        else:  # e.g. an index read through a pipe: has no folder; relative paths mean the working directory
-            root = os.getcwd()
+        root = index_root(text)  # beside the index: its folder, or its URL's (http(s), s3, gs, az)
         return cls.from_dict(
             data, source=text, root=root, allow_schemes=allow_schemes, allow_outside=allow_outside
         )
@@ -575,9 +574,10 @@ def _load_indexes(
         candidates = []
         for p in shard_paths:
             if is_url(p):
-                if urllib.parse.urlparse(p).scheme not in ("http", "https"):
+                folder = untrusted.url_folder(p)
+                if folder is None or folder.startswith("file:"):
                     continue  # pipe: and friends have no "beside"
-                cand = p.rsplit("/", 1)[0] + "/" + INDEX_NAME
+                cand = folder + INDEX_NAME
             else:
                 cand = os.path.join(os.path.dirname(p), INDEX_NAME)
             if cand not in candidates:
@@ -633,4 +633,23 @@ def _usable_entry(
         num_bytes=info.num_bytes,
         skipped=[dict(e) for e in info.skipped],
         ignored=dict(info.ignored),
+        spans=None if info.spans is None else list(info.spans),
     )
+
+
+def _json_spans(value: Any, info: ShardInfo, where: str) -> list[tuple[int, int]] | None:
+    """An entry's optional ``spans`` (``[[offset, length], ...]``, one per key), checked; None if absent."""
+    if value is None:
+        return None
+    if not (
+        isinstance(value, list)
+        and all(
+            isinstance(r, list) and len(r) == 2 and all(is_int(v) and 0 <= v < 1 << 62 for v in r)
+            for r in value
+        )
+    ):
+        raise IndexProblem(where, f"must be a list of [offset, length] integer pairs, got {describe(value)}")
+    problem = spans_problem(value, info.num_samples, info.num_bytes)
+    if problem is not None:
+        raise IndexProblem(where, problem)
+    return [(int(a), int(b)) for a, b in value]

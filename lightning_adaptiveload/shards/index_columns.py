@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.parse
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -21,18 +20,28 @@ from lightning_adaptiveload.shards.columnar import IndexColumns, columns_from_li
 from lightning_adaptiveload.shards.format import ShardError, ShardInfo
 from lightning_adaptiveload.shards.key_columns import check_keys, decode_keys
 from lightning_adaptiveload.shards.paths import is_url
+from lightning_adaptiveload.shards.spans import spans_or_none
 from lightning_adaptiveload.shards.untrusted import Refused, check_index_path
 
-__all__ = ["checked_keys", "columns_of", "index_root", "resolve_paths", "shard_info", "write_index"]
+__all__ = [
+    "checked_keys",
+    "columns_of",
+    "index_root",
+    "resolve_paths",
+    "shard_info",
+    "span_rows",
+    "write_index",
+]
 
 
 def index_root(source: str) -> str:
     """The folder relative shard paths of the index at ``source`` resolve against."""
     if not is_url(source):
         return os.path.dirname(source)
-    if urllib.parse.urlparse(source).scheme in urllib.parse.uses_relative:
-        return source.rsplit("/", 1)[0] + "/"
-    return os.getcwd()  # e.g. an index read through a pipe: has no folder
+    from lightning_adaptiveload.shards.untrusted import url_folder
+
+    folder = url_folder(source)  # http(s), s3, gs, az: the index's folder
+    return folder if folder is not None else os.getcwd()  # e.g. an index read through a pipe
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(?:/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
@@ -80,7 +89,22 @@ def columns_of(index: Any) -> IndexColumns:
     cols.patch_size = index.patch_size
     cols.values_checked = index.values_checked
     cols.metadata = dict(index.metadata)
+    cols.spans = span_rows(shards)
     return cols
+
+
+def span_rows(shards: Sequence[ShardInfo]) -> np.ndarray | None:
+    """The ``(n, 2)`` spans column of the shards: ``-1`` rows for a shard without spans; None when no
+    shard has any (the file is then written without the array, readable by older versions)."""
+    if not any(s.spans is not None for s in shards):
+        return None
+    parts = [
+        np.asarray(s.spans, dtype="<i8").reshape(-1, 2)
+        if s.spans is not None
+        else np.full((s.num_samples, 2), -1, dtype="<i8")
+        for s in shards
+    ]
+    return np.concatenate(parts) if parts else np.zeros((0, 2), dtype="<i8")
 
 
 def write_index(
@@ -137,4 +161,5 @@ def shard_info(c: IndexColumns, shard: int, shape_tuples: Sequence[tuple], keys:
         num_bytes=int(c.shard_bytes[shard]),
         skipped=[dict(e) for e in c.skipped.get(shard, [])],
         ignored=dict(c.ignored.get(shard, {})),
+        spans=None if c.spans is None else spans_or_none(c.spans[a:b]),
     )

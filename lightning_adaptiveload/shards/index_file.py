@@ -156,10 +156,14 @@ def _read_capped(f, limit: int) -> bytes:
 def read_index_bytes(path: str, limit: int) -> bytes:
     """The content of a (local or remote) index file, refused beyond ``limit`` bytes."""
     if is_url(path):
-        if urllib.parse.urlparse(path).scheme in ("http", "https"):
-            # Not gopen: its curl retries for a minute on a missing file.
-            with urllib.request.urlopen(path, timeout=10) as resp:  # noqa: S310 - user-given data URL
-                data = _read_capped(resp, limit)
+        from lightning_adaptiveload.shards.ranged import RANGED_SCHEMES
+
+        if urllib.parse.urlparse(path).scheme.lower() in RANGED_SCHEMES:
+            # The backends of ranged reads (http(s), s3, gs, az): no shell command, bounded size, the same
+            # redirect rules; not gopen (its curl retries for a minute on a missing file).
+            from lightning_adaptiveload.shards.objstore import read_object
+
+            data = read_object(path, limit)
         else:
             from webdataset.gopen import gopen
 

@@ -54,7 +54,7 @@ def _index_one(
     check_values: bool,
     max_member_bytes: int | None = None,
 ) -> ShardInfo:
-    info = ShardInfo(path=path, keys=[], latent_shapes=[], text_lengths=[], num_bytes=0)
+    info = ShardInfo(path=path, keys=[], latent_shapes=[], text_lengths=[], num_bytes=0, spans=[])
 
     def problem(reason: str, key: str | None, detail: str, member: str | None = None) -> None:
         if on_error == "raise":
@@ -84,6 +84,7 @@ def _index_one(
                 info.keys.append(event.key)
                 info.latent_shapes.append(event.latent.shape)  # type: ignore[arg-type]
                 info.text_lengths.append(event.text.shape[0] if event.text is not None else 0)
+                info.spans.append(event.span)  # type: ignore[union-attr]
             elif isinstance(event, Ignored):
                 if event.reason == "pickle_member" and on_error == "raise":
                     problem(

@@ -30,6 +30,7 @@ from lightning_adaptiveload.shards.scan import (
     DATA,
     HEADERS,
     SKIP,
+    BytesSource,
     FileSource,
     Group,
     Ignored,
@@ -39,7 +40,7 @@ from lightning_adaptiveload.shards.scan import (
     scan_shard,
 )
 
-__all__ = ["iter_shard"]
+__all__ = ["iter_range", "iter_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,61 @@ def iter_shard(
             close_quietly(raw)
 
 
+def iter_range(
+    info: ShardInfo,
+    shard_id: int,
+    select: Collection[int],
+    data: bytes,
+    where: str,
+    *,
+    on_error: str = "raise",
+    stats: MutableMapping[str, int] | None = None,
+    patch_size: Sequence[int] | None = DEFAULT_PATCH,
+    max_member_bytes: int | None = None,
+    key_pos: dict[str, int] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The samples ``select`` of ``info``'s shard out of ``data``, bytes a ranged read fetched.
+
+    ``data`` is a run of whole tar members (from a sample span's start to a span's end, see
+    :mod:`~lightning_adaptiveload.shards.spans`); it is scanned with :func:`iter_shard`'s checks (key
+    rules, size caps, ``.npy`` headers, the index's shapes, finiteness; never unpickled) and yields the
+    same dicts, in file order. A selected sample the bytes do not hold is ``stale_index``; a member that
+    runs past them is ``truncated_tar``.
+
+    Args:
+        info: the shard's index entry (its keys, shapes and text lengths).
+        shard_id, select, on_error, stats, patch_size, max_member_bytes: as for :func:`iter_shard`.
+        data: the fetched bytes.
+        where: the range, for messages (e.g. ``"bytes 0-30719"``).
+        key_pos: ``{key: sample id}`` of the shard, if the caller keeps one (built here otherwise).
+    """
+    check_on_error(on_error)
+    patch = check_patch(patch_size)
+    read = _ShardRead(info.path, shard_id, select, info.keys, on_error, stats, key_pos=key_pos)
+    if not read.remaining:
+        return
+    # A problem of the bytes as a whole (not a tar, a member cut off) concerns this range's samples:
+    # name them and the range, never "the whole shard".
+    planned = [info.keys[i] for i in sorted(read.remaining)]
+    first = planned[0]
+    if len(planned) > 1:
+        first += f" (and {len(planned) - 1} more samples: {planned[1:4]})"
+    read.in_range = (first, where)
+    expect_for = read.expectation(info.latent_shapes, info.text_lengths)
+    src = BytesSource(data)
+    scan = scan_shard(src, read.mode_for, patch, True, max_member_bytes, expect_for)
+    try:
+        for event in scan:
+            sample = read.on_event(event)
+            if sample is not None:
+                yield sample
+            if not read.remaining:
+                return
+        read.finish(src, src.raw, where=where)
+    finally:
+        scan.close()
+
+
 class _ShardRead:
     """The bookkeeping of one :func:`iter_shard` call: which samples to read, ids, counts, problems."""
 
@@ -152,11 +208,14 @@ class _ShardRead:
         keys: Sequence[str] | None,
         on_error: str,
         stats: MutableMapping[str, int] | None,
+        key_pos: dict[str, int] | None = None,
     ) -> None:
         self.label, self.shard_id, self.on_error = label, shard_id, on_error
         self.counts: MutableMapping[str, int] = stats if stats is not None else {}
         self.wanted: set[int] | None = None if select is None else {int(i) for i in select}
-        self.key_pos = None if keys is None else {k: i for i, k in enumerate(keys)}
+        if key_pos is None and keys is not None:
+            key_pos = {k: i for i, k in enumerate(keys)}
+        self.key_pos = key_pos
         if self.key_pos is not None and self.wanted and max(self.wanted) >= len(self.key_pos):
             raise ValueError(
                 f"select has sample ids up to {max(self.wanted)} but shard {label} has {len(self.key_pos)} samples"
@@ -170,6 +229,7 @@ class _ShardRead:
         self.count = 0  # valid samples seen, without keys: the sample id of the next one
         self.groups = 0
         self.damaged = False
+        self.in_range: tuple[str, str] | None = None  # (planned keys, "bytes a-b") of a ranged read
 
     def mode_for(self, key: str) -> int:
         if self.key_pos is not None:
@@ -192,6 +252,9 @@ class _ShardRead:
         return expect_for
 
     def problem(self, reason: str, key: str | None, detail: str, member: str | None = None) -> None:
+        if self.in_range is not None:
+            key = key if key is not None else self.in_range[0]
+            member = f"{member} in {self.in_range[1]}" if member else self.in_range[1]
         if self.on_error == "raise":
             raise ShardError(self.label, key, detail, reason=reason, member=member)
         self.counts[reason] = self.counts.get(reason, 0) + 1
@@ -253,8 +316,9 @@ class _ShardRead:
             "meta": event.meta,
         }
 
-    def finish(self, src: StreamSource | FileSource, raw: Any) -> None:
-        """After the whole shard was read: close the stream, count an empty shard, report what was not found."""
+    def finish(self, src: StreamSource | FileSource, raw: Any, where: str | None = None) -> None:
+        """After the whole shard (or, ``where``, a fetched range of it) was read: close the stream, count an
+        empty shard, report what was not found."""
         try:
             src.drain()  # let a pipe's writer finish cleanly
             raw.close()
@@ -262,7 +326,7 @@ class _ShardRead:
             if not self.damaged:  # the same failure seen earlier is already counted
                 self.damaged = True
                 self.problem("unreadable_shard", None, f"the shard stream failed ({err})")
-        if self.groups == 0 and not self.damaged:
+        if self.groups == 0 and not self.damaged and where is None:
             self.counts["empty_shard"] = self.counts.get("empty_shard", 0) + 1
             log.warning("shard %s is empty (no samples); counted as 'empty_shard'", self.label)
         if self.remaining:
@@ -270,6 +334,8 @@ class _ShardRead:
                 inv = {i: k for k, i in self.key_pos.items()}
                 missing = sorted(inv[i] for i in self.remaining)
                 detail = f"{len(missing)} samples listed in the index were not found: {missing[:5]}"
+                if where is not None:
+                    detail += f" (in {where} of the shard, where the index places them)"
             else:
                 detail = f"the shard has no valid samples with ids {sorted(self.remaining)[:5]}"
             self.problem("stale_index", None, detail)

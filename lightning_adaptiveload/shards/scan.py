@@ -55,6 +55,7 @@ __all__ = [
     "Group",
     "Ignored",
     "STREAM_CHUNK",
+    "BytesSource",
     "ShardProblem",
     "StreamSource",
     "open_source",
@@ -177,6 +178,21 @@ class FileSource:
         return self.pos
 
 
+class BytesSource(FileSource):
+    """Fetched bytes of a shard (a ranged read's samples, a run of whole members) scanned as a tar.
+
+    Two zero blocks are appended as the end-of-archive marker the range lacks; :attr:`pos` stays at the
+    end of the fetched bytes, so that a member claiming more than was fetched is ``truncated_tar``
+    before anything is allocated for it, exactly as for a local file that ends early.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        import io
+
+        self.raw = io.BytesIO(bytes(data) + b"\0" * (2 * tarfile.BLOCKSIZE))
+        self.pos = len(data)
+
+
 def open_source(path: str, raw) -> StreamSource | FileSource:
     if not is_url(path):
         try:
@@ -203,6 +219,16 @@ class Group:
     problem: tuple[str, str] | None = None  # (reason, detail), the first one found
     problem_member: str | None = None  # the member it concerns, if one
     expect: tuple[tuple[int, ...], int] | None = None  # (latent shape, text length) the index lists
+    # Bytes [start, end) of the tar the sample's members take: the first member's header (its pax or
+    # GNU long-name header included) through the last member's data padded to a block; a ranged read
+    # fetches exactly these (the index records them as spans).
+    span_start: int = -1
+    span_end: int = -1
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(offset, length)`` of the sample's bytes in the tar."""
+        return self.span_start, self.span_end - self.span_start
 
     def fail(self, reason: str, detail: str, member: str | None = None) -> None:
         if self.problem is None:
@@ -451,6 +477,8 @@ def _member_events(
             _finalize(group, patch_size, check_values)
             yield group
         group = state.group = _start_group(state, key, info.name)
+        group.span_start = info.offset
+    group.span_end = info.offset_data + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
     if group.mode == SKIP:
         return
     if ext in group.members:

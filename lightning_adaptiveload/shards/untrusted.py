@@ -204,8 +204,16 @@ def _literal(text: str) -> Any:
 _PLAIN_DESCR = re.compile(r"[<>|=]?[biufcO?][0-9]{0,2}")
 
 
+#: Headers parsed already, by their bytes: a shard's samples repeat a few headers (one dtype, a few
+#: shapes), and the same bytes always parse to the same answer, so each distinct header is checked once.
+_NPY_HEADERS: dict[tuple[bytes, int], tuple[np.dtype | None, Any, bool, tuple[int, ...]]] = {}
+_NPY_HEADERS_MAX = 4096
+
+
 def parse_npy_header(header: bytes, major: int) -> tuple[np.dtype | None, Any, bool, tuple[int, ...]]:
     """Parse the dict of a ``.npy`` header (the bytes after the length field).
+
+    A header accepted before (the same bytes) gives its earlier answer; a refused one is refused anew.
 
     Args:
         header: the header text, at most a few KiB (the caller caps it).
@@ -218,6 +226,18 @@ def parse_npy_header(header: bytes, major: int) -> tuple[np.dtype | None, Any, b
     Raises:
         Refused: naming the broken rule.
     """
+    key = (bytes(header), major)
+    got = _NPY_HEADERS.get(key)
+    if got is None:
+        got = _parse_npy_header(key[0], major)
+        if isinstance(got[1], str):  # immutable answers only (a list descr is refused later anyway)
+            if len(_NPY_HEADERS) >= _NPY_HEADERS_MAX:
+                _NPY_HEADERS.clear()
+            _NPY_HEADERS[key] = got
+    return got
+
+
+def _parse_npy_header(header: bytes, major: int) -> tuple[np.dtype | None, Any, bool, tuple[int, ...]]:
     try:
         text = header.decode("utf-8" if major >= 3 else "latin-1")
     except UnicodeDecodeError:
@@ -428,7 +448,7 @@ def check_index_path(
     if base_scheme:  # a remote index: relative paths are URLs in its folder
         if os.path.isabs(value) or value.startswith("\\"):
             raise Refused(f"path {value!r} names a local file, but the index is remote", "unsafe_index_path")
-        url = urllib.parse.urljoin(base, urllib.parse.quote(value))  # type: ignore[arg-type]
+        url = join_url(base, urllib.parse.quote(value))  # type: ignore[arg-type]
         if _url_inside(url, base) or allow_outside:  # type: ignore[arg-type]
             return url
         raise Refused(
@@ -446,6 +466,30 @@ def check_index_path(
         f"path {value!r} {how} the index's folder ({base}); pass allow_outside=True if you trust this index",
         "unsafe_index_path",
     )
+
+
+#: URL schemes whose paths are folders of objects (object storage): relative index paths join them.
+FOLDER_SCHEMES = frozenset({"http", "https", "file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def url_folder(url: str) -> str | None:
+    """The folder of ``url`` (up to its last '/', kept) where relative paths resolve, or None for a scheme
+    without folders (e.g. ``pipe:``)."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in FOLDER_SCHEMES:
+        return None
+    return url.rsplit("/", 1)[0] + "/"
+
+
+def join_url(base: str, value: str) -> str:
+    """``value`` (quoted, relative) resolved against the folder URL ``base``, dot segments resolved as
+    for http, for object-storage schemes too (``urljoin`` leaves ``s3://`` alone)."""
+    b = urllib.parse.urlsplit(base)
+    if b.scheme.lower() in urllib.parse.uses_relative:
+        return urllib.parse.urljoin(base, value)
+    joined = urllib.parse.urlsplit(urllib.parse.urljoin(f"http://{b.netloc}{b.path}", value))
+    if joined.netloc != b.netloc:  # e.g. '//other/x': another bucket, outside the folder
+        return urllib.parse.urlunsplit((b.scheme, joined.netloc, joined.path, joined.query, ""))
+    return urllib.parse.urlunsplit((b.scheme, b.netloc, joined.path, joined.query, ""))
 
 
 def _url_inside(url: str, base: str) -> bool:

@@ -233,6 +233,7 @@ class ShardWriter:
         if self._current is None:
             self._start_shard()
         assert self._tar is not None and self._current is not None
+        start = self._tar.offset  # the sample's span in the tar, for ranged reads
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -246,6 +247,7 @@ class ShardWriter:
         self._current.keys.append(key)
         self._current.latent_shapes.append(tuple(int(v) for v in lat.shape))  # type: ignore[arg-type]
         self._current.text_lengths.append(0 if txt is None else int(txt.shape[0]))
+        self._current.spans.append((start, self._tar.offset - start))  # type: ignore[union-attr]
         return len(self._shards), self._current.num_samples - 1
 
     def _start_shard(self) -> None:
@@ -254,7 +256,12 @@ class ShardWriter:
         self._file = open(self._tmp, "wb")
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
         self._current = ShardInfo(
-            path=os.path.join(self.directory, name), keys=[], latent_shapes=[], text_lengths=[], num_bytes=0
+            path=os.path.join(self.directory, name),
+            keys=[],
+            latent_shapes=[],
+            text_lengths=[],
+            num_bytes=0,
+            spans=[],
         )
         self._bytes = 0
 
