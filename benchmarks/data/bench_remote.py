@@ -6,8 +6,10 @@ own (``tests/remote/servers.py``). Measured, for each latency:
 
 1. Ours, each schedule (independent, lockstep with its packed tail, packed): one epoch planned for
    ``--ranks`` ranks of one worker, every rank's stream read one after another in this process with the
-   plan-guided ranged reader: default ``RemoteSettings``, and again with 64 requests in flight and 64
-   batches read ahead (``ours_deep_read_ahead``). Bytes and requests counted at nginx; samples/s
+   plan-guided ranged reader: default ``RemoteSettings``; the defaults before spans merged across
+   batches (``ours_before_2026_12_02``: merged within a batch only, 8 in flight, 4 batches ahead), in the
+   same run for a side-by-side reading; and 64 requests in flight with 64 batches read ahead
+   (``ours_deep_read_ahead``). The machine's load average at the start and end is recorded. Bytes and requests counted at nginx; samples/s
    of each stream (its samples / the seconds from its first request to its last batch), reported as the
    mean, min and max over the streams.
 2. webdataset's ``WebLoader`` over ``WebDataset`` streaming the same tars in order, one worker (the

@@ -91,7 +91,8 @@ class RemoteSettings:
     """Neighbouring spans of one shard are merged over a window of consecutive planned batches holding
     up to this many bytes, not only within a batch: a stream that takes a shard's samples a few per batch
     fetches them in one request. Samples parsed for a later batch of the window are held until it is
-    taken (their bytes count as in flight until then). 0: merge within each batch only."""
+    taken (their bytes count as in flight until then). 0: merge within each batch only. A window's
+    requests are sent when its first batch is due, so keep it well below ``max_bytes_in_flight``."""
 
     timeout_s: float = 30.0
     """Connect and read timeout of one request, in seconds."""

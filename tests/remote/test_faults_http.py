@@ -59,7 +59,8 @@ def test_injected_5xx_and_resets_are_retried(proxy):
     )
     plan, batcher = plan_of(index, "lockstep", 4, workers=1)
     mark = proxy.mark()
-    read = read_streams(index, plan, batcher, RemoteSettings(**QUICK))
+    # requests merged within each batch only: enough requests (> 36) for every fault's skip to land
+    read = read_streams(index, plan, batcher, RemoteSettings(**QUICK, merge_window_bytes=0))
     every_key_once(read, index)
     rows = proxy.since(mark)
     assert {k: proxy.injected(k) for k in ("status", "reset", "reset_mid_body")} == {
@@ -80,7 +81,9 @@ def test_delays_are_waited_out_and_a_timeout_is_retried(proxy):
     proxy.add(Fault("delay", match=".tar", ranged=True, skip=1, times=4, delay_s=0.2))
     proxy.add(Fault("delay", match=".tar", ranged=True, skip=12, times=2, delay_s=3.0))
     plan, batcher = plan_of(index, "independent", 2, workers=1)
-    read = read_streams(index, plan, batcher, RemoteSettings(**{**QUICK, "timeout_s": 1.0}))
+    # requests merged within each batch only: enough of them (> 13) for both faults' skips to land
+    remote = RemoteSettings(**{**QUICK, "timeout_s": 1.0, "merge_window_bytes": 0})
+    read = read_streams(index, plan, batcher, remote)
     every_key_once(read, index)
     assert proxy.injected("delay") == 6
     assert read.fetched["retries"] >= 2, read.fetched

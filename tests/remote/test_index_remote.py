@@ -128,7 +128,9 @@ def test_redirected_shards_and_index_are_followed_and_read_once(data, server, st
     plan, batcher = plan_of(index, "lockstep", 2, workers=1)
     every_key_once(read_streams(index, plan, batcher, RemoteSettings(**QUICK)), index)
     moved = sum(n for path, n in server.requests.items() if path.startswith("old/") and path.endswith(".tar"))
-    served = sum(n for path, n in server.requests.items() if not path.startswith("old/") and path.endswith(".tar"))
+    served = sum(
+        n for path, n in server.requests.items() if not path.startswith("old/") and path.endswith(".tar")
+    )
     assert served > 0 and moved > 0
     if status in (301, 308):  # a permanent move is remembered: asked once per shard (and thread)
         assert moved < served, (moved, served)

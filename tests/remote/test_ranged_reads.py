@@ -252,6 +252,44 @@ def test_adjacent_spans_merge_into_one_request_and_gaps_split_them(data):
     assert sorted(i for r in capped[0] for i in r.ids) == list(range(shard.num_samples))
 
 
+def test_spans_merge_across_the_batches_of_a_window_and_each_ref_is_in_one_request(data):
+    index = _local_index(data)
+    shard = index.shards[0]
+    order = list(range(shard.num_samples))[::-1]  # one sample a batch, the shard read backwards
+    batches = [[(0, i), (1, i)] if i < index.shards[1].num_samples else [(0, i)] for i in order]
+    get = lambda s: index.shards[s]  # noqa: E731
+    per_batch = plan_requests(batches, get, lambda s: True, 0, 1 << 30)
+    assert [len(reqs) for reqs in per_batch] == [len(b) for b in batches]
+    whole = plan_requests(batches, get, lambda s: True, 0, 1 << 30, window_bytes=1 << 30)
+    assert sum(map(len, whole)) == 2  # one request per shard, listed under the first batch it serves
+    first = next(r for r in whole[0] if r.shard == 0)
+    assert (first.batch, first.last_batch, first.ids) == (0, len(batches) - 1, sorted(order))
+    window = 4 * max(n for _, n in shard.spans)
+    some = plan_requests(batches, get, lambda s: True, 0, 1 << 30, window_bytes=window)
+    for reqs in (per_batch, whole, some):
+        refs = sorted((r.shard, i) for rs in reqs for r in rs for i in r.ids)
+        assert refs == sorted(ref for b in batches for ref in b)  # every planned ref exactly once
+        for j, rs in enumerate(reqs):
+            assert all(r.batch == j <= r.last_batch for r in rs)
+    assert sum(map(len, per_batch)) > sum(map(len, some)) > sum(map(len, whole))
+
+
+def test_a_reader_holds_samples_for_later_batches_and_frees_their_bytes_when_taken(data):
+    index = _local_index(data)
+    batches = [[(0, i)] for i in range(index.shards[0].num_samples)]
+    remote = RemoteSettings(**FAST, ranged="always", merge_window_bytes=1 << 30, read_ahead_batches=0)
+    reader = RangedReader(index.shards, batches, remote, lambda s: True)
+    try:
+        for j, refs in enumerate(batches):
+            got = reader.take(j)
+            assert list(got) == refs and got[refs[0]]["__key__"] == index.shards[0].keys[refs[0][1]]
+            assert reader.counts.requests == 1  # the window's one request served every batch
+            assert len(reader._held) == len(batches) - j - 1
+        assert reader._in_flight == 0
+    finally:
+        reader.close()
+
+
 def test_merged_requests_are_counted_at_the_server(data, server):
     index = _served_index(data, server.url)
     refs = [[(s, i) for s, info in enumerate(index.shards) for i in range(info.num_samples)]]
