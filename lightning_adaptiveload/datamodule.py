@@ -130,6 +130,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             consecutive ranks, every rank of a group gets the group's batches (the same samples and order),
             and a group's batch takes G times ``batching.max_tokens`` (one GPU's), costed for one GPU of the
             group with the all-to-all (``sequence_comm``; :mod:`~lightning_adaptiveload.planning.groups`).
+            Packs cannot be split over a group: ``schedule="packed"`` is refused then (:meth:`check_module`)
+            and lockstep's tail is bucketed.
         loader: how each rank loads its batches: :class:`~lightning_adaptiveload.loading.settings.Loader`
             (``num_workers``, ``pin_memory``, ``seed``, ``text_pad_to``, ``start_method``).
         source: how shards are read and what an index may name:
@@ -372,11 +374,27 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         Args:
             module: the LightningModule that will train, or None (nothing to check: plain PyTorch use).
 
+        Under sequence parallelism (``plan.sequence_parallel`` > 1) packs are refused whatever the module:
+        a pack's samples cannot be split over a sequence group (``docs/sequence_parallel.md``, "Limits");
+        lockstep's packed tail becomes bucketed instead (:meth:`_train_lockstep_tail`).
+
         Raises:
-            ValueError: ``schedule="packed"`` and the module does not set ``runs_packed_batches = True``; the
-                message names the module, the setting and both ways out.
+            ValueError: ``schedule="packed"`` and the module does not set ``runs_packed_batches = True``, or
+                ``schedule="packed"`` with ``plan.sequence_parallel`` > 1; the message names the module or
+                the degree, the setting and the ways out.
         """
-        if not SCHEDULE_TYPES[self.schedule].always_packs or module is None:
+        if not SCHEDULE_TYPES[self.schedule].always_packs:
+            return
+        if self.sequence_parallel > 1:
+            raise ValueError(
+                f"schedule='packed' gives every training step a pack of samples of different shapes, but "
+                f"plan.sequence_parallel={self.sequence_parallel} splits each batch's token sequence over a "
+                "group of GPUs, and a pack cannot be split that way (Ulysses attention runs bucketed batches "
+                "only; docs/sequence_parallel.md, 'Limits'). Set data.init_args.plan.schedule to 'lockstep' "
+                "(recommended; its tail is bucketed under sequence parallelism), 'independent' or 'auto', or "
+                "set data.init_args.plan.sequence_parallel to 1"
+            )
+        if module is None:
             return
         flag = getattr(module, "runs_packed_batches", None)
         if flag:
@@ -396,9 +414,18 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         )
 
     def _train_lockstep_tail(self) -> str:
-        """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned)."""
+        """``lockstep_tail``, or ``"bucketed"`` where the trainer's module does not run packs (warned), or
+        under sequence parallelism (one info line: packs cannot be split over a sequence group)."""
         if self.lockstep_tail == "bucketed" or not SCHEDULE_TYPES[self.schedule].has_lockstep_tail:
             return self.lockstep_tail
+        if self.sequence_parallel > 1:
+            rank_zero_info(
+                f"[adaptiveload] lockstep_tail='packed' under plan.sequence_parallel={self.sequence_parallel}: "
+                "the lockstep epochs end with bucketed batches instead (a pack cannot be split over a sequence "
+                "group; docs/sequence_parallel.md, 'Limits'). Set data.init_args.plan.lockstep_tail to "
+                "'bucketed' to silence this"
+            )
+            return "bucketed"
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is None or getattr(module, "runs_packed_batches", False):
             return "packed"  # no module to ask (plain PyTorch use): the caller chose packs

@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_adaptiveload import _dist, _lightning_compat
 from lightning_adaptiveload.monitor import loop_state, report
 from lightning_adaptiveload.monitor import steps as step_table
+from lightning_adaptiveload.monitor.fetched import FetchTally, merge_tallies
 from lightning_adaptiveload.monitor.flops import BatchFlops, resolve_peak
 from lightning_adaptiveload.monitor.timing import (
     BackwardTimer,
@@ -116,7 +117,9 @@ class LoadBalanceMonitor(Callback):
             ``default_root_dir`` without a logger).
         prefix: prepended to every logged key.
         flops_fn: ``flops_fn(batch) -> float``, the training FLOPs (forward + backward) of one batch on this
-            rank. Default: ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
+            rank (under sequence parallelism: of the group's batch, which every rank of the group gets; the
+            monitor counts each group's tokens, samples and FLOPs once). Default:
+            ``pl_module.flops_per_batch(batch)`` (or the attribute's value), else
             ``3 * model.flops(batch_size, seq_len, text_len)`` of the first submodule that has an analytic
             forward ``flops`` method, else ``FlopCounterMode`` counting
             ``training_step`` on a meta-device copy of the module once per distinct batch shape (times 3;
@@ -194,12 +197,14 @@ class LoadBalanceMonitor(Callback):
         self.stall_stacks_s = stall_stacks_s
         self._trainer: Any = None  # set in setup
         self.summary: dict[str, Any] = {}
+        self._fetch = FetchTally()  # bytes and requests of ranged reads, per epoch (batch["fetched"])
         self._reset()
 
     # ------------------------------------------------------------------ state
 
     def _reset(self) -> None:
         self._rank, self._world = 0, 1
+        self._sequence_degree = 1  # G: the ranks of a sequence-parallel group share a batch (counted once)
         self._device = torch.device("cpu")
         self._clock: HostClock | CudaClock = HostClock()
         self._max_tokens = math.nan  # the batcher's cap, read at train start (for the per-step fill)
@@ -304,6 +309,7 @@ class LoadBalanceMonitor(Callback):
         # The monitor gathers over gloo on CPU DDP; a user's own module registers no clean-up for its group.
         _dist.destroy_gloo_group_at_exit()  # see _dist.destroy_gloo_group_at_exit
         self._rank, self._world = _dist.rank_and_world(trainer)
+        self._sequence_degree = _dist.sequence_degree(trainer) or 1
         self._device = trainer.strategy.root_device
         if self._device.type == "cuda":
             self._clock = CudaClock(self._device)
@@ -388,6 +394,7 @@ class LoadBalanceMonitor(Callback):
         if self._start is None:  # the batch started before this callback was set up
             return
         end = self._clock.mark()
+        self._fetch.add(batch, trainer.current_epoch)
         if self._stacks is not None:
             self._stacks.end()
         flags = step_table.FLAG_COUNTED if self._counted_step else 0
@@ -457,9 +464,11 @@ class LoadBalanceMonitor(Callback):
             self._fsdp_timer.remove()
         if self._timer is not None:
             self._timer.active = False
+        fetched = merge_tallies(_dist.all_gather_object(self._fetch.epochs))  # one collective per fit
         if self._rank != 0:
             return
         self.summary = self._summarize()
+        self.summary["fetched"] = fetched
         if self._outdir is not None and self.write_files:
             rows = report.step_rows(step_table.history(self._tables))
             steps_csv = os.path.join(self._outdir, "load_balance_steps.csv")
@@ -574,7 +583,9 @@ class LoadBalanceMonitor(Callback):
         peaks = steps[:, :, step_table.FIELD_INDEX["peak_allocated_bytes"]]
         if not np.isnan(peaks).all():
             self._high_water = max(self._high_water, float(np.nanmax(peaks)))
-        table = step_table.step_table(steps, self._peaks_flops, self._totals, self._max_tokens)
+        table = step_table.step_table(
+            steps, self._peaks_flops, self._totals, self._max_tokens, self._sequence_degree
+        )
         for listener in self._listeners:
             listener(steps, table)
         if self._rank == 0:
@@ -612,6 +623,7 @@ class LoadBalanceMonitor(Callback):
         return {
             "meta": {
                 "world_size": world,
+                "sequence_parallel": self._sequence_degree,
                 "device": self._device_name,
                 "device_total_bytes": totals.tolist(),
                 "peak_flops_per_device": peaks_flops.tolist(),

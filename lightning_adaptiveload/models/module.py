@@ -309,7 +309,8 @@ class VideoDiTModule(L.LightningModule):
         """Training FLOPs (forward + backward = 3x forward) of ``batch`` on this rank, for MFU.
 
         Used by :class:`~lightning_adaptiveload.LoadBalanceMonitor`; counts the padded text length. Under
-        sequence parallelism each of the G ranks of a group does 1/G of its batch's work.
+        sequence parallelism, the FLOPs of the group's whole batch (each of its G ranks does 1/G of them):
+        the monitor counts every group once (``step_table``'s ``sequence_degree``).
         """
         text = batch.get("text")
         text_len = 0 if text is None else int(text.shape[1])
@@ -317,7 +318,7 @@ class VideoDiTModule(L.LightningModule):
             return 3.0 * sum(self.flops(1, int(s), text_len) for s in batch["seq_lens"])
         b, c, t, h, w = batch["latents"].shape
         pt, ph, pw = self.model_config.patch_size
-        return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len) / self._sequence_degree()
+        return 3.0 * self.flops(b, (t // pt) * (h // ph) * (w // pw), text_len)
 
     # -- loss --------------------------------------------------------------------------------------
 

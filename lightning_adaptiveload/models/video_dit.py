@@ -512,7 +512,10 @@ class VideoDiT(nn.Module):
         ctx, context_mask = self._embed_text(context, context_mask, b)
         cos, sin = self._rope(grid, x.device)
         self._apply_attention_backend(x.device)
-        self._choose_checkpointing(b, seq, 0 if context is None else context.shape[1])
+        # Memory is sized per GPU: under sequence parallelism a block holds its shard, S/G tokens (padded).
+        group = self.sequence_group
+        local = seq if group is None else _sp.SequenceShard.build(group, seq, self.config.num_heads).local_len
+        self._choose_checkpointing(b, local, 0 if context is None else context.shape[1])
         return h, e, (e0, cos, sin, ctx, context_mask)
 
     def _forward_pack(

@@ -249,6 +249,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     line = _epoch_end_line(summary.get("epoch_ends") or {})
     if line:
         lines.append(line)
+    fetched = summary.get("fetched") or {}
+    if fetched.get("per_epoch"):
+        n, total = len(fetched["per_epoch"]), fetched["total"]
+        lines.append(
+            f"  {'fetched per epoch':<22}{total['bytes'] / n / 2**20:>7.1f}M  bytes of ranged reads in "
+            f"{total['requests'] / n:,.0f} requests, all ranks ({total['retries']} retries, "
+            f"{total['cache_hits']} cache hits over {n} epochs)"
+        )
     files = summary.get("files")
     if files:
         lines.append(f"  files: {files}")

@@ -174,7 +174,11 @@ def split_blocks(gathered: list[list[float]]) -> np.ndarray:
 
 
 def step_table(
-    steps: np.ndarray, peaks_flops: np.ndarray, totals: np.ndarray, max_tokens: float = math.nan
+    steps: np.ndarray,
+    peaks_flops: np.ndarray,
+    totals: np.ndarray,
+    max_tokens: float = math.nan,
+    sequence_degree: int = 1,
 ) -> dict[str, np.ndarray]:
     """Statistics across ranks of every step.
 
@@ -183,6 +187,9 @@ def step_table(
         peaks_flops: float64 (ranks,), dense peak FLOP/s of each rank's device (nan if unknown).
         totals: float64 (ranks,), device memory in bytes (nan without CUDA).
         max_tokens: the batcher's token cap per rank and step, for ``fill`` (nan: unknown).
+        sequence_degree: G, the ranks of a sequence-parallel group (1: none). Every rank of a group
+            records its group's batch (tokens, samples, FLOPs); the job's totals count each group once,
+            so the sums over ranks are divided by G.
 
     Returns:
         One float64 array of shape (steps,) per name of :data:`STEP_COLUMNS`; nan where a value is unknown.
@@ -223,9 +230,10 @@ def step_table(
         share = col("data_time_s") / col("iter_time_s")
         n = (~np.isnan(share)).sum(axis=1)
         t["data_share"] = np.where(n > 0, np.nansum(share, axis=1) / np.maximum(n, 1), np.nan)
-        t["tokens"] = col("num_tokens").sum(axis=1)
-        t["samples"] = col("batch_size").sum(axis=1)
-        t["flops"] = col("flops").sum(axis=1)
+        g = float(sequence_degree)
+        t["tokens"] = col("num_tokens").sum(axis=1) / g
+        t["samples"] = col("batch_size").sum(axis=1) / g
+        t["flops"] = col("flops").sum(axis=1) / g
         t["tokens_per_s"] = t["tokens"] / wall
         t["samples_per_s"] = t["samples"] / wall
         t["tflops_per_device"] = t["flops"] / wall / world / 1e12

@@ -132,6 +132,31 @@ def test_compiled_blocks_trace_the_all_to_all():
         dist.destroy_process_group()
 
 
+def test_auto_checkpointing_sizes_the_shard_not_the_sequence(monkeypatch):
+    """checkpoint_blocks "auto" under degree G chooses from the memory of S/G tokens per GPU (padded): 9
+    tokens at G = 4 are sized as 3. (The degree is faked: the prologue runs no collective.)"""
+    model = tiny_model()
+    model.set_activation_checkpointing(True, num_blocks="auto", memory=_memory(model), budget_bytes=1e12)
+    seen = []
+    monkeypatch.setattr(model, "_choose_checkpointing", lambda b, s, t: seen.append((b, s, t)))
+    (x, t, ctx, mask), _ = CASES["images"]()  # (3, 16, 1, 6, 6): 9 tokens per sample
+    grid = model._check_input(x)
+    model._dense_prologue(x, grid, t, ctx, mask)
+    monkeypatch.setattr(sp, "_degree_and_rank", lambda group: (4, 1))
+    model._sequence.group = object()  # any group: its size comes from the fake above
+    model._dense_prologue(x, grid, t, ctx, mask)
+    assert seen == [(3, 9, 5), (3, 3, 5)]
+
+
+def _memory(model):
+    from lightning_adaptiveload.models.memory import ActivationMemory
+
+    n = len(model.blocks)
+    return ActivationMemory(
+        num_blocks=n, base_bytes=1e6, token_all=1e3, text_all=1e3, token_block=1e3, text_block=1e3
+    )
+
+
 def test_shard_and_padding_helpers():
     assert sp.padded_length(9, 4) == 12 and sp.padded_length(8, 4) == 8
 

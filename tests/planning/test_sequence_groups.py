@@ -218,3 +218,60 @@ def test_the_simulator_compares_degrees_and_names_the_fastest(tmp_path):
         ]
     )
     assert code == 0 and (out / "simulate_sequence.json").exists()
+
+
+def test_packs_under_sequence_parallelism_are_refused_or_become_a_bucketed_tail(shards, caplog):
+    """An explicit schedule 'packed' is refused at setup (and by the CLI's check_module), naming the setting;
+    lockstep's default packed tail becomes bucketed, said in one line; without SP the tail stays packed."""
+    import logging
+
+    from lightning_adaptiveload import AdaptiveLoadDataModule
+    from lightning_adaptiveload.models.module import VideoDiTModule
+
+    module = VideoDiTModule(preset="tiny")
+    assert module.runs_packed_batches  # it runs packs without SP: the refusal is the degree's
+    packed = AdaptiveLoadDataModule(shards, plan=PlanSettings(schedule="packed", sequence_parallel=2))
+    for who in (module, None):
+        with pytest.raises(ValueError, match=r"plan.sequence_parallel=2 .*data.init_args.plan.schedule"):
+            packed.check_module(who)
+    packed.trainer = SimpleNamespace(current_epoch=0, lightning_module=module, global_rank=0, world_size=4)
+    with pytest.raises(ValueError, match="a pack cannot be split"):
+        packed.setup("fit")
+    # Degree 1: the module runs packs, nothing refused.
+    AdaptiveLoadDataModule(shards, plan=PlanSettings(schedule="packed")).check_module(module)
+
+    def tail(degree: int) -> str:
+        dm = AdaptiveLoadDataModule(shards, plan=PlanSettings(schedule="lockstep", sequence_parallel=degree))
+        dm.trainer = SimpleNamespace(current_epoch=0, lightning_module=module, global_rank=0, world_size=2)
+        return dm._train_lockstep_tail()
+
+    with caplog.at_level(logging.INFO):
+        assert tail(2) == "bucketed"
+    said = [r.getMessage() for r in caplog.records if "lockstep_tail='packed'" in r.getMessage()]
+    assert len(said) == 1 and "plan.sequence_parallel=2" in said[0] and "'bucketed'" in said[0]
+    assert tail(1) == "packed"
+
+
+def test_the_14b_sp_recipe_prices_the_all_to_all_at_14b_sizes():
+    """recipes/wan14b_720p_sp.yaml (and the package's copy): plan.sequence_comm is wan-14b's width and depth,
+    the plan parses, and the batching the DataModule plans with carries that all-to-all."""
+    import yaml
+
+    from lightning_adaptiveload import AdaptiveLoadDataModule
+    from lightning_adaptiveload.tools.simulate_sequence import model_comm
+
+    root = Path(__file__).resolve().parents[2]
+    wan14b = model_comm("wan-14b")
+    for folder in (root / "recipes", root / "lightning_adaptiveload" / "recipes"):
+        path = folder / "wan14b_720p_sp.yaml"
+        data = yaml.safe_load(path.read_text())["data"]["init_args"]
+        plan = PlanSettings(**data["plan"])
+        comm = SequenceComm.of(plan.sequence_comm)
+        assert (comm.hidden, comm.layers) == (5120, 40) == (wan14b.hidden, wan14b.layers)
+        assert plan.lockstep_tail == "bucketed" and plan.sequence_parallel == 4
+        per_gpu = Batching(**data["batching"])
+        dm = AdaptiveLoadDataModule(data["train_shards"], batching=per_gpu, plan=plan)  # reads nothing yet
+        assert dm.batcher.max_tokens == 4 * per_gpu.max_tokens
+        assert dm.batcher.cost_model == CostModel.default().sequence_parallel(4, comm)
+        # The check can fail: the 1.3B defaults price a smaller exchange.
+        assert dm.batcher.cost_model != CostModel.default().sequence_parallel(4)
