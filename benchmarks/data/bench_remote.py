@@ -6,12 +6,11 @@ own (``tests/remote/servers.py``). Measured, for each latency:
 
 1. Ours, each schedule (independent, lockstep with its packed tail, packed): one epoch planned for
    ``--ranks`` ranks of one worker, every rank's stream read one after another in this process with the
-   plan-guided ranged reader: default ``RemoteSettings``; the defaults before spans merged across
-   batches (``ours_before_2026_12_02``: merged within a batch only, 8 in flight, 4 batches ahead), in the
-   same run for a side-by-side reading; and 64 requests in flight with 64 batches read ahead
-   (``ours_deep_read_ahead``). The machine's load average at the start and end is recorded. Bytes and requests counted at nginx; samples/s
-   of each stream (its samples / the seconds from its first request to its last batch), reported as the
-   mean, min and max over the streams.
+   plan-guided ranged reader: default ``RemoteSettings``; and, in the same run for a side-by-side
+   reading, the defaults before the read-ahead adapted (``ours_fixed_depth_2026_12_02``: 32 in flight,
+   16 batches ahead, never deeper). The machine's load average at the start and end is recorded. Bytes
+   and requests counted at nginx; samples/s of each stream (its samples / the seconds from its first
+   request to its last batch), reported as the mean, min and max over the streams.
 2. webdataset's ``WebLoader`` over ``WebDataset`` streaming the same tars in order, one worker (the
    sequential stream every streaming library's worker runs), each sample's ``.npy`` members decoded.
 3. litdata's ``StreamingDataset`` over the same samples converted with litdata's ``optimize`` and served by
@@ -283,10 +282,8 @@ def main() -> None:
         lit = {"skipped": f"litdata's optimize failed: {type(err).__name__}: {err}"[:500]}
     nginx = Nginx(www, os.path.join(work, "nginx")).start()
     remote = RemoteSettings()
-    # the defaults before merging across batches (spans merged within one batch, 8 in flight, 4 ahead)
-    before = RemoteSettings(merge_window_bytes=0, max_concurrency=8, read_ahead_batches=4)
-    # more requests in flight and batches fetched ahead: what hides a per-request latency
-    deep = RemoteSettings(max_concurrency=64, read_ahead_batches=64)
+    # the defaults before the read-ahead adapted: 32 in flight, 16 batches ahead, never deeper
+    fixed = RemoteSettings(max_concurrency=32, read_ahead_batches=16, max_read_ahead_batches=16)
     results: dict = {}
     try:
         for delay in args.delays_ms:
@@ -298,8 +295,9 @@ def main() -> None:
             try:
                 row = {
                     "ours": bench_ours(url, nginx.log, args.ranks, args.max_tokens, remote),
-                    "ours_before_2026_12_02": bench_ours(url, nginx.log, args.ranks, args.max_tokens, before),
-                    "ours_deep_read_ahead": bench_ours(url, nginx.log, args.ranks, args.max_tokens, deep),
+                    "ours_fixed_depth_2026_12_02": bench_ours(
+                        url, nginx.log, args.ranks, args.max_tokens, fixed
+                    ),
                 }
                 urls = [f"{url}/data/{os.path.basename(s.path)}" for s in index.shards]
                 row["webdataset"] = bench_webdataset(urls, nginx.log)
@@ -338,18 +336,21 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "delays_ms": args.delays_ms,
             "remote": {k: getattr(remote, k) for k in remote.__dataclass_fields__},
-            "remote_deep_read_ahead": {"max_concurrency": 64, "read_ahead_batches": 64},
-            "remote_before_2026_12_02": {
-                "merge_window_bytes": 0,
-                "max_concurrency": 8,
-                "read_ahead_batches": 4,
+            "remote_fixed_depth_2026_12_02": {
+                "max_concurrency": 32,
+                "read_ahead_batches": 16,
+                "max_read_ahead_batches": 16,
             },
             "machine_load": {"start": load_start, "end": _uptime()},
-            "server": "nginx on 127.0.0.1 behind servers.py's proxy (a process of its own)",
+            "server": (
+                "nginx on 127.0.0.1 behind servers.py's proxy (a process of its own; listen backlog 1024, "
+                "TCP_NODELAY, as nginx)"
+            ),
         },
         "results": results,
     }
-    name = f"remote_{payload['date']}{'_quick' if args.quick else ''}.json"
+    tag = "_quick" if args.quick else ("" if args.samples == 480 else f"_{args.samples}")
+    name = f"remote_{payload['date']}{tag}.json"
     write_json(args.out, name, payload)
 
 

@@ -68,16 +68,25 @@ class RemoteSettings:
     ``"always"``: ranged wherever the index lists spans (local files too); ``"never"``: stream every shard
     whole (webdataset's ``gopen``), as before ranged reads."""
 
-    max_concurrency: int = 32
+    max_concurrency: int = 64
     """Requests in flight at once per loader worker (threads waiting on the network, not busy: enough
-    of them hide a per-request latency of tens of milliseconds)."""
+    of them hide a per-request latency of tens of milliseconds). The threads, and the connections they
+    keep alive, are shared by the readers of one process, so a new epoch's stream starts on warm
+    connections."""
 
     max_bytes_in_flight: int = 256 << 20
     """Bytes fetched ahead (requested and not yet consumed) per loader worker; one request larger than
     this still runs, alone."""
 
-    read_ahead_batches: int = 16
-    """Planned batches of the stream whose requests are sent ahead of the one being collated."""
+    read_ahead_batches: int = 32
+    """Planned batches of the stream whose requests are sent ahead of the one being collated, at first.
+    Each time a batch is taken before its bytes arrived (the loader waited on the network), the depth
+    grows fourfold, up to ``max_read_ahead_batches`` and within ``max_bytes_in_flight``: a stream whose
+    batches are consumed faster than a request's latency reads further ahead, one whose consumer is
+    slower (the usual training step) stays at this depth."""
+
+    max_read_ahead_batches: int = 1024
+    """The most batches read ahead once the depth has grown (see ``read_ahead_batches``)."""
 
     merge_gap: int = 0
     """Planned spans of one shard at most this many bytes apart are fetched in one request (the bytes
@@ -122,6 +131,7 @@ class RemoteSettings:
             ("max_concurrency", 1),
             ("max_bytes_in_flight", 1),
             ("read_ahead_batches", 0),
+            ("max_read_ahead_batches", 0),
             ("merge_gap", 0),
             ("merge_window_bytes", 0),
             ("max_request_bytes", 1),
@@ -136,6 +146,11 @@ class RemoteSettings:
                 raise ValueError(f"RemoteSettings.{name} must be a number of seconds >= 0, got {value!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"RemoteSettings.timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.max_read_ahead_batches < self.read_ahead_batches:
+            raise ValueError(
+                f"RemoteSettings.max_read_ahead_batches ({self.max_read_ahead_batches}) must be >= "
+                f"read_ahead_batches ({self.read_ahead_batches})"
+            )
 
 
 class Transient(Exception):

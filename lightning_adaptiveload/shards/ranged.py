@@ -7,6 +7,10 @@ sorted by offset, neighbours at most ``merge_gap`` bytes apart merged into one r
 ``max_request_bytes``), runs them on a pool of ``max_concurrency`` threads over the next
 ``read_ahead_batches`` batches with at most ``max_bytes_in_flight`` bytes fetched and not yet consumed,
 and parses each answer with the reader's checks (:func:`~lightning_adaptiveload.shards.reader.iter_range`).
+The depth adapts: each time a batch is taken before its bytes arrived it grows fourfold, up to
+``max_read_ahead_batches``, so a consumer faster than the network's latency is fed from further ahead
+while a slow one (a training step) keeps the configured depth. The threads are shared by the readers
+of a process (one pool per size), so their kept-alive connections outlive a stream.
 
 Across all streams of an epoch each planned sample's bytes are fetched once (plus, with
 ``merge_gap > 0``, the gaps merged over), whatever the schedule: a lockstep or packed stream that
@@ -20,10 +24,11 @@ starts where the consumed batches end.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, MutableMapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +51,21 @@ __all__ = [
 Ref = tuple[int, int]
 
 log = logging.getLogger(__name__)
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process, size) -> threads: a fork makes its own
+_POOLS_LOCK = threading.Lock()
+
+
+def _shared_pool(size: int) -> ThreadPoolExecutor:
+    """This process's pool of ``size`` fetch threads (created on first use, kept for the next reader:
+    each thread keeps its connections alive in the backend, so a new stream starts on warm ones)."""
+    key = (os.getpid(), size)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(size, thread_name_prefix=f"ranged-read-{size}")
+        return pool
+
 
 #: URL schemes a ranged read serves (besides local paths, under ``ranged="always"``).
 RANGED_SCHEMES = frozenset({"http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
@@ -228,6 +248,8 @@ class RangedReader:
         )
         self._in_flight = 0  # bytes submitted and not yet taken
         self._taken = -1  # the last batch taken
+        self.depth = settings.read_ahead_batches  # batches read ahead now (grows while the loader waits)
+        self.waits = 0  # batches taken before all their bytes had arrived
 
     def info(self, shard: int) -> ShardInfo:
         got = self._infos.get(shard)
@@ -267,8 +289,8 @@ class RangedReader:
     def _top_up(self, through: int) -> None:
         """Submit queued requests: all of batches ``<= through``, then read-ahead within the byte bound."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="ranged-read")
-        horizon = self._taken + 1 + self.settings.read_ahead_batches
+            self._pool = _shared_pool(self.settings.max_concurrency)
+        horizon = self._taken + 1 + self.depth
         while self._queue:
             j, k = self._queue[0]
             req = self.requests[j][k]
@@ -290,10 +312,16 @@ class RangedReader:
         """
         if j <= self._taken:
             raise ValueError(f"batch {j} was taken already (the last taken is {self._taken})")
-        self._taken = j
+        first, self._taken = self._taken < 0, j
         self._top_up(j)
         out: dict[Ref, dict[str, Any]] = {}
         try:
+            if not first and any(not self._futures[(j, k)].done() for k in range(len(self.requests[j]))):
+                self.waits += 1  # the network is behind the loader: read further ahead from now on
+                grown = min(max(1, 4 * self.depth), self.settings.max_read_ahead_batches)
+                if grown > self.depth:
+                    self.depth = grown
+                    self._top_up(j)
             for k, req in enumerate(self.requests[j]):
                 fut = self._futures.pop((j, k))
                 try:
@@ -335,15 +363,15 @@ class RangedReader:
         return out
 
     def close(self) -> None:
-        """Cancel what is queued and in flight; wait for the threads."""
+        """Cancel what is queued and in flight, and wait for the requests already running (the shared
+        threads stay, for the next reader)."""
         self._queue.clear()
-        for fut in self._futures.values():
-            fut.cancel()
+        running = [fut for fut in self._futures.values() if not fut.cancel()]
         self._futures.clear()
         self._held.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        if running:
+            wait(running)
+        self._pool = None
 
     def counts_since_last(self) -> dict[str, int]:
         with self._lock:

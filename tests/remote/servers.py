@@ -618,6 +618,10 @@ class FaultProxy:
 
 
 class _QuietServer(http.server.ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: a client opening tens of connections at once would see
+    # SYNs dropped and retried a second later, which no real object store or CDN does
+    request_queue_size = 1024
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hung up (after a reset the proxy made, or a timeout of its own) is no error here.
         if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
@@ -627,6 +631,9 @@ class _QuietServer(http.server.ThreadingHTTPServer):
 class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     proxy: FaultProxy
     protocol_version = "HTTP/1.1"
+    # headers and body go out in two writes: with Nagle on, a kept-alive connection's body waits for the
+    # client's delayed ACK of the headers (~40 ms on Linux), a stall no real server (nginx: tcp_nodelay) adds
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # counted in FaultProxy.served instead
