@@ -337,9 +337,8 @@ def main() -> None:
             "delays_ms": args.delays_ms,
             "remote": {k: getattr(remote, k) for k in remote.__dataclass_fields__},
             "remote_fixed_depth_2026_12_02": {
-                "max_concurrency": 32,
-                "read_ahead_batches": 16,
-                "max_read_ahead_batches": 16,
+                k: getattr(fixed, k)
+                for k in ("max_concurrency", "read_ahead_batches", "max_read_ahead_batches")
             },
             "machine_load": {"start": load_start, "end": _uptime()},
             "server": (

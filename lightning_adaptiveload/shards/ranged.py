@@ -241,7 +241,6 @@ class RangedReader:
             self._cache = SpanCache(settings.cache_bytes, settings.cache_dir)
         self.counts = FetchCounts()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[tuple[int, int], Future] = {}  # (batch, request) -> its bytes
         self._queue: deque[tuple[int, int]] = deque(
             (j, k) for j, reqs in enumerate(self.requests) for k in range(len(reqs))
@@ -288,8 +287,7 @@ class RangedReader:
 
     def _top_up(self, through: int) -> None:
         """Submit queued requests: all of batches ``<= through``, then read-ahead within the byte bound."""
-        if self._pool is None:
-            self._pool = _shared_pool(self.settings.max_concurrency)
+        pool = _shared_pool(self.settings.max_concurrency)
         horizon = self._taken + 1 + self.depth
         while self._queue:
             j, k = self._queue[0]
@@ -300,7 +298,7 @@ class RangedReader:
                 break
             self._queue.popleft()
             self._in_flight += req.length
-            self._futures[(j, k)] = self._pool.submit(self._fetch, req)
+            self._futures[(j, k)] = pool.submit(self._fetch, req)
 
     # -- taking (the stream's thread) ------------------------------------------------------------------
 
@@ -371,7 +369,6 @@ class RangedReader:
         self._held.clear()
         if running:
             wait(running)
-        self._pool = None
 
     def counts_since_last(self) -> dict[str, int]:
         with self._lock:
