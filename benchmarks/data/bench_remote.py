@@ -1,16 +1,21 @@
 """Reads from object storage on CPU: bytes fetched per epoch and samples/s per worker, over loopback HTTP.
 
-The same synthetic shards (``tiny`` mix) are served by nginx on the loopback address behind a proxy that
-adds a fixed latency to every request (``--delays-ms``, default 20 and 0), both run as processes of their
-own (``tests/remote/servers.py``). Measured, for each latency:
+The same synthetic shards (``tiny`` mix) are served by nginx on the loopback address; a fixed latency is
+added to every request (``--delays-ms``, default 20 and 0) by a process of its own
+(``tests/remote/servers.py``), in two ways measured in the same run (``--latency-by``):
+
+- ``relay``: a TCP relay that holds the client's bytes for the delay and parses no HTTP, so that it costs
+  the 2-core machine next to nothing per request, as a real object store costs the client nothing;
+- ``proxy``: the HTTP proxy of the fault tests (Python, ~0.5 ms of CPU per request on the cores the
+  client uses too): a reading that charges each request to the client's machine.
+
+Measured, for each way and latency:
 
 1. Ours, each schedule (independent, lockstep with its packed tail, packed): one epoch planned for
    ``--ranks`` ranks of one worker, every rank's stream read one after another in this process with the
-   plan-guided ranged reader: default ``RemoteSettings``; and, in the same run for a side-by-side
-   reading, the defaults before the read-ahead adapted (``ours_fixed_depth_2026_12_02``: 32 in flight,
-   16 batches ahead, never deeper). The machine's load average at the start and end is recorded. Bytes
-   and requests counted at nginx; samples/s of each stream (its samples / the seconds from its first
-   request to its last batch), reported as the mean, min and max over the streams.
+   plan-guided ranged reader and default ``RemoteSettings``. The machine's load average at the start and
+   end is recorded. Bytes and requests counted at nginx; samples/s of each stream (its samples / the
+   seconds from its first request to its last batch), reported as the mean, min and max over the streams.
 2. webdataset's ``WebLoader`` over ``WebDataset`` streaming the same tars in order, one worker (the
    sequential stream every streaming library's worker runs), each sample's ``.npy`` members decoded.
 3. litdata's ``StreamingDataset`` over the same samples converted with litdata's ``optimize`` and served by
@@ -21,7 +26,8 @@ own (``tests/remote/servers.py``). Measured, for each latency:
 Writes ``benchmarks/results/remote_<date>.json`` (CPU model, shapes, settings, date). Never asserts a time.
 Run::
 
-    python benchmarks/data/bench_remote.py            # ~2-4 min on 2 busy cores
+    python benchmarks/data/bench_remote.py            # ~2-4 min on 2 busy cores (480 samples)
+    python benchmarks/data/bench_remote.py --samples 4800
     python benchmarks/data/bench_remote.py --quick    # a smoke test
 """
 
@@ -256,6 +262,13 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--delays-ms", type=float, nargs="+", default=[20.0, 0.0])
+    ap.add_argument(
+        "--latency-by",
+        nargs="+",
+        choices=("relay", "proxy"),
+        default=["relay", "proxy"],
+        help="what adds the latency: a TCP relay (little CPU per request) and/or the HTTP proxy",
+    )
     ap.add_argument("--quick", action="store_true", help="96 samples, 4 ranks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     args = ap.parse_args()
@@ -282,37 +295,37 @@ def main() -> None:
         lit = {"skipped": f"litdata's optimize failed: {type(err).__name__}: {err}"[:500]}
     nginx = Nginx(www, os.path.join(work, "nginx")).start()
     remote = RemoteSettings()
-    # the defaults before the read-ahead adapted: 32 in flight, 16 batches ahead, never deeper
-    fixed = RemoteSettings(max_concurrency=32, read_ahead_batches=16, max_read_ahead_batches=16)
     results: dict = {}
     try:
-        for delay in args.delays_ms:
-            port = free_port()
-            plog = os.path.join(work, f"proxy-{delay:g}.jsonl")
-            proxy = start_script(["proxy", str(port), str(nginx.port), str(delay), plog], port, work, "proxy")
-            url = f"http://127.0.0.1:{port}"
-            print(f"latency {delay:g} ms per request")
-            try:
-                row = {
-                    "ours": bench_ours(url, nginx.log, args.ranks, args.max_tokens, remote),
-                    "ours_fixed_depth_2026_12_02": bench_ours(
-                        url, nginx.log, args.ranks, args.max_tokens, fixed
-                    ),
-                }
-                urls = [f"{url}/data/{os.path.basename(s.path)}" for s in index.shards]
-                row["webdataset"] = bench_webdataset(urls, nginx.log)
-                if lit.get("converted"):
-                    try:
-                        row["litdata"] = bench_litdata(
-                            url, nginx.log, os.path.join(work, f"litcache-{delay:g}")
-                        )
-                    except Exception as err:  # noqa: BLE001 - reported in the JSON, not hidden
-                        row["litdata"] = {"failed": f"{type(err).__name__}: {err}"}
+        for harness in args.latency_by:
+            rows: dict = {}
+            for delay in args.delays_ms:
+                port = free_port()
+                if harness == "proxy":
+                    plog = os.path.join(work, f"proxy-{delay:g}.jsonl")
+                    cmd = ["proxy", str(port), str(nginx.port), str(delay), plog]
                 else:
-                    row["litdata"] = lit
-            finally:
-                stop_script(proxy)
-            results[f"{delay:g}ms"] = row
+                    cmd = ["relay", str(port), str(nginx.port), str(delay)]
+                proxy = start_script(cmd, port, work, harness)
+                url = f"http://127.0.0.1:{port}"
+                print(f"{harness}: latency {delay:g} ms per request")
+                try:
+                    row = {"ours": bench_ours(url, nginx.log, args.ranks, args.max_tokens, remote)}
+                    urls = [f"{url}/data/{os.path.basename(s.path)}" for s in index.shards]
+                    row["webdataset"] = bench_webdataset(urls, nginx.log)
+                    if lit.get("converted"):
+                        try:
+                            row["litdata"] = bench_litdata(
+                                url, nginx.log, os.path.join(work, f"litcache-{harness}-{delay:g}")
+                            )
+                        except Exception as err:  # noqa: BLE001 - reported in the JSON, not hidden
+                            row["litdata"] = {"failed": f"{type(err).__name__}: {err}"}
+                    else:
+                        row["litdata"] = lit
+                finally:
+                    stop_script(proxy)
+                rows[f"{delay:g}ms"] = row
+            results[harness] = rows
     finally:
         nginx.close()
     shapes = sorted({tuple(s) for sh in index.shards for s in sh.latent_shapes})
@@ -336,15 +349,12 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "delays_ms": args.delays_ms,
             "remote": {k: getattr(remote, k) for k in remote.__dataclass_fields__},
-            "remote_fixed_depth_2026_12_02": {
-                k: getattr(fixed, k)
-                for k in ("max_concurrency", "read_ahead_batches", "max_read_ahead_batches")
-            },
             "machine_load": {"start": load_start, "end": _uptime()},
-            "server": (
-                "nginx on 127.0.0.1 behind servers.py's proxy (a process of its own; listen backlog 1024, "
-                "TCP_NODELAY, as nginx)"
-            ),
+            "server": "nginx on 127.0.0.1, the latency added by a process of its own (latency_by)",
+            "latency_by": {
+                "relay": "servers.py's TCP relay: the client's bytes held delay_ms, no HTTP parsed (little CPU)",
+                "proxy": "servers.py's HTTP proxy (Python, ~0.5 ms CPU per request on the cores the client uses)",
+            },
         },
         "results": results,
     }

@@ -8,12 +8,13 @@ with it. ``docs/data_path.md`` ("Packed batches") documents every key. Text keep
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lightning_adaptiveload.loading.collate import collate
+from lightning_adaptiveload.loading.collate import pad_texts, sample_fields
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -48,10 +49,10 @@ def collate_packed(
     """
     if not samples:
         raise ValueError("collate_packed needs at least one sample")
-    # Each sample alone through the bucketed collate: one place normalises the sample formats.
-    singles = [collate([s], patch_size, cost_model, global_tokens) for s in samples]
-    latents = [b["latents"][0] for b in singles]
-    keys = [b["keys"][0] for b in singles]
+    # One place normalises the sample formats (iter_shard's dicts, webdataset's): sample_fields.
+    fields = [sample_fields(s) for s in samples]
+    keys = [f[0] for f in fields]
+    latents = [f[1] for f in fields]
     channels = {int(x.shape[0]) for x in latents}
     if len(channels) != 1:
         raise ValueError(
@@ -59,49 +60,25 @@ def collate_packed(
             + ", ".join(f"{k!r}: {list(x.shape)}" for k, x in zip(keys, latents))
         )
     dtype = torch.float16 if all(x.dtype == torch.float16 for x in latents) else torch.float32
-    latents = [x.to(dtype) for x in latents]
+    latents = [x if x.dtype == dtype else x.to(dtype) for x in latents]
     seq_lens = [tokens_per_sample(tuple(x.shape), patch_size) for x in latents]
-    texts = [b["text"][0][b["text_mask"][0]] if b["text"] is not None else None for b in singles]
-    text = mask = None
+    texts = [f[2] for f in fields]
     text_lens = [0 if t is None else int(t.shape[0]) for t in texts]
-    present = [t for t in texts if t is not None]
-    if present:
-        widths = {int(t.shape[-1]) for t in present}
-        if len(widths) != 1:
-            raise ValueError(
-                "collate_packed: text states must have one width D_text per pack; got "
-                + ", ".join(f"{k!r}: {list(t.shape)}" for k, t in zip(keys, texts) if t is not None)
-            )
-        l_max = max(text_lens)
-        if text_pad_to is not None:
-            if l_max > int(text_pad_to):
-                raise ValueError(
-                    f"collate_packed: a sample has {l_max} text states, more than text_pad_to={text_pad_to}; "
-                    "raise text_pad_to to the longest text of the data"
-                )
-            l_max = int(text_pad_to)
-        tdtype = torch.float16 if all(t.dtype == torch.float16 for t in present) else torch.float32
-        text = torch.zeros((len(samples), l_max, widths.pop()), dtype=tdtype)
-        mask = torch.zeros((len(samples), l_max), dtype=torch.bool)
-        for i, t in enumerate(texts):
-            if t is not None and t.shape[0]:
-                text[i, : t.shape[0]] = t.to(tdtype)
-                mask[i, : t.shape[0]] = True
+    text, mask = pad_texts(keys, texts, text_pad_to, "collate_packed")
     model = cost_model if cost_model is not None else CostModel.default()
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    tlens = torch.tensor(text_lens, dtype=torch.int64)
+    # Sums in Python, one tensor each: a pack is small, and each torch call costs more than its work.
     return {
         "packed": True,
         "latents": latents,
         "latent_shapes": torch.tensor([list(x.shape) for x in latents], dtype=torch.int64),
-        "seq_lens": lens,
-        "cu_seqlens": torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int64),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32),
         "text": text,
         "text_mask": mask,
-        "text_lens": tlens,
-        "text_cu_seqlens": torch.nn.functional.pad(torch.cumsum(tlens, 0), (1, 0)).to(torch.int32),
+        "text_lens": torch.tensor(text_lens, dtype=torch.int64),
+        "text_cu_seqlens": torch.tensor([0, *itertools.accumulate(text_lens)], dtype=torch.int32),
         "keys": keys,
-        "meta": [b["meta"][0] for b in singles],
+        "meta": [f[3] for f in fields],
         "seq_len": max(seq_lens),
         "batch_size": len(samples),
         "num_tokens": int(sum(seq_lens)),

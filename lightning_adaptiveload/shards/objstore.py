@@ -12,7 +12,8 @@ backoff and jitter until :attr:`RemoteSettings.retry_wait_s` is spent, then rais
 Backends:
 
 - local paths and ``file://``: ``os.pread`` on a regular file;
-- ``http://``, ``https://``: :mod:`http.client` with one kept-alive connection per thread and host;
+- ``http://``, ``https://``: a lean HTTP/1.1 client (:mod:`~.http_conn`, ``http.client``'s interface and
+  errors) with one kept-alive connection per thread and host;
 - ``s3://``: boto3 (``get_object(Range=...)``), or s3fs through fsspec when boto3 is missing; the usual
   AWS environment and configuration (``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ``~/.aws``);
 - ``gs://``, ``gcs://``, ``az://``, ``abfs://``: fsspec with gcsfs / adlfs and their own credentials.
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_adaptiveload.shards.format import ShardError
+from lightning_adaptiveload.shards.http_conn import Connection, Response
 from lightning_adaptiveload.shards.paths import is_url, norm_path, open_regular
 
 __all__ = [
@@ -245,9 +247,7 @@ class HttpStore(RangeStore):
         self._local = threading.local()
         self._moved: dict[str, str] = {}  # URL -> where a permanent redirect (301, 308) sent it
 
-    def _follow(
-        self, url: str, headers: dict[str, str]
-    ) -> tuple[http.client.HTTPResponse, urllib.parse.SplitResult]:
+    def _follow(self, url: str, headers: dict[str, str]) -> tuple[Response, urllib.parse.SplitResult]:
         """GET ``url``, following at most :data:`MAX_REDIRECTS` redirects (the ``Range`` header sent again
         each time) to ``http(s)`` URLs only, never from ``https`` down to ``http``.
 
@@ -276,20 +276,23 @@ class HttpStore(RangeStore):
             target = new
         raise OSError(f"{url}: more than {MAX_REDIRECTS} redirects (the last to {target})")
 
-    def _conn(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> http.client.HTTPConnection:
+    def _conn(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> Connection:
         conns = self._local.__dict__.setdefault("conns", {})
         key = (parts.scheme, parts.netloc)
         conn = conns.get(key)
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = conns[key] = kind(parts.netloc, timeout=self.timeout_s)
+            try:
+                host, port = parts.hostname, parts.port
+            except ValueError as err:  # a port that is not a number
+                raise OSError(f"{parts.geturl()!r}: {err}") from None
+            if not host:
+                raise OSError(f"no host in {parts.geturl()!r}")
+            conn = conns[key] = Connection(parts.scheme, host, port, self.timeout_s)
         return conn
 
-    def _request(
-        self, url: str, method: str, headers: dict[str, str]
-    ) -> tuple[http.client.HTTPResponse, Any]:
+    def _request(self, url: str, method: str, headers: dict[str, str]) -> tuple[Response, Any]:
         parts = urllib.parse.urlsplit(url)
         target = parts.path or "/"
         if parts.query:
@@ -341,7 +344,7 @@ class HttpStore(RangeStore):
             self._drop(parts)  # a body left unread (larger than the limit) would poison the connection
         return data
 
-    def _body(self, resp: http.client.HTTPResponse, url: str, start: int, length: int) -> bytes:
+    def _body(self, resp: Response, url: str, start: int, length: int) -> bytes:
         status = resp.status
         if status in _RETRY_STATUS:
             resp.read(1 << 16)  # a short error page; never the whole of a lying body
@@ -381,7 +384,7 @@ class HttpStore(RangeStore):
             )
         return self._read(resp, url, start, length)
 
-    def _read(self, resp: http.client.HTTPResponse, url: str, start: int, length: int) -> bytes:
+    def _read(self, resp: Response, url: str, start: int, length: int) -> bytes:
         try:
             data = resp.read(length + 1)  # one byte more: a body longer than asked for is a lie too
         except http.client.IncompleteRead as err:

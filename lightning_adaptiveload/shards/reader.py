@@ -192,7 +192,7 @@ def iter_range(
                 yield sample
             if not read.remaining:
                 return
-        read.finish(src, src.raw, where=where)
+        read.finish(src, src, where=where)
     finally:
         scan.close()
 

@@ -12,6 +12,7 @@ threat model in ``docs/reliability.md``).
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 from collections import deque
@@ -40,6 +41,7 @@ from lightning_adaptiveload.shards.npy import (
 from lightning_adaptiveload.shards.paths import (
     is_url,
 )
+from lightning_adaptiveload.shards.plain_tar import PlainTar, plain_members
 from lightning_adaptiveload.shards.untrusted import (
     CheckedTarInfo,
     Refused,
@@ -181,16 +183,57 @@ class FileSource:
 class BytesSource(FileSource):
     """Fetched bytes of a shard (a ranged read's samples, a run of whole members) scanned as a tar.
 
-    Two zero blocks are appended as the end-of-archive marker the range lacks; :attr:`pos` stays at the
-    end of the fetched bytes, so that a member claiming more than was fetched is ``truncated_tar``
-    before anything is allocated for it, exactly as for a local file that ends early.
+    The bytes are read as if two zero blocks followed them, the end-of-archive marker the range lacks;
+    :attr:`pos` stays at the end of the fetched bytes, so that a member claiming more than was fetched
+    is ``truncated_tar`` before anything is allocated for it, exactly as for a local file that ends
+    early. Where every header is a plain file (:func:`~.plain_tar.plain_members`) they are parsed
+    without ``tarfile``; anything else is read by ``tarfile`` with its checks, as a local file is.
     """
 
-    def __init__(self, data: bytes) -> None:
-        import io
-
-        self.raw = io.BytesIO(bytes(data) + b"\0" * (2 * tarfile.BLOCKSIZE))
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = memoryview(data)
         self.pos = len(data)
+        self._raw: io.BytesIO | None = None
+
+    @property
+    def raw(self) -> io.BytesIO:  # type: ignore[override]
+        """The bytes and the end marker as a file, for ``tarfile`` (made when first asked for)."""
+        if self._raw is None:
+            self._raw = io.BytesIO(bytes(self.data) + b"\0" * (2 * tarfile.BLOCKSIZE))
+        return self._raw
+
+    def open_tar(self) -> tarfile.TarFile | PlainTar:  # type: ignore[override]
+        members = plain_members(self.data)
+        if members is not None:
+            return PlainTar(members)
+        return super().open_tar()
+
+    def read_member(self, tf, info: tarfile.TarInfo) -> bytearray:
+        if info.offset_data + info.size > self.pos:  # scan_shard checks this first; allocate nothing on a lie
+            raise tarfile.ReadError(f"unexpected end of data in {info.name}")
+        return bytearray(self.data[info.offset_data : info.offset_data + info.size])
+
+    def member_reader(self, tf, info: tarfile.TarInfo) -> Callable[[int], bytes]:
+        cursor = [info.offset_data]
+        end = min(info.offset_data + info.size, self.pos)
+
+        def read(n: int) -> bytes:
+            lo = cursor[0]
+            hi = min(lo + n, end)
+            cursor[0] = max(hi, lo)
+            return bytes(self.data[lo:hi])
+
+        return read
+
+    def block_at(self, offset: int, size: int) -> bytes:
+        hi = min(offset + size, self.pos + 2 * tarfile.BLOCKSIZE)
+        head = bytes(self.data[offset : min(hi, self.pos)])
+        return head + b"\0" * max(0, hi - max(offset, self.pos))
+
+    def close(self) -> None:
+        """Drop the bytes (the scan is over)."""
+        self.data = memoryview(b"")
+        self._raw = None
 
 
 def open_source(path: str, raw) -> StreamSource | FileSource:

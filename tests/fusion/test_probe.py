@@ -189,3 +189,72 @@ def test_perturbation_moves_every_parameter_off_zero():
     for (name, p), q in zip(block.named_parameters(), clone.parameters()):
         assert not torch.equal(p, q), name
     assert clone.adaLN_modulation[-1].weight.abs().min() > 0  # zero before: now every chunk is non-zero
+
+
+# -- bf16, where the original itself is far from fp32 ---------------------------------------------------
+
+
+def _quantised(u: torch.Tensor, offset: float) -> torch.Tensor:
+    """``u`` through a rounding chain: in bf16, ``u * 64 + offset`` keeps few bits (at 3,000 a bf16 step is
+    16), so the result is off by up to 8 / 64 of a unit; in fp32 it is exact to 1e-5."""
+    return ((u * 64 + offset) - offset) / 64
+
+
+class RoundingBlock(nn.Module):
+    """A modulated norm, a projection, then a chain of rounding: stands for a block (Sana's linear attention
+    at full width) whose own bf16 forward is far from its fp32 forward."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.mod = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, c):
+        shift, scale = self.mod(c).unsqueeze(1).chunk(2, dim=-1)
+        return x + _quantised(self.out(self.norm(x) * (1 + scale) + shift), 3000.0)
+
+
+def _rounded_once(block, x, c, offset: float = 3000.0):
+    """The block with its norm and modulation rounded once (as the fused op does), the rest unchanged."""
+    shift, scale = block.mod(c).unsqueeze(1).chunk(2, dim=-1)
+    h = (
+        torch.nn.functional.layer_norm(x.float(), x.shape[-1:], eps=1e-6) * (1 + scale.float())
+        + shift.float()
+    )
+    return x + _quantised(block.out(h.to(x.dtype)), offset)
+
+
+def _rounding_probe(block, gen):
+    from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
+
+    device, dtype = probe_device_dtype(block)
+    return [((probe_randn((2, 6, 16), gen, device, dtype), probe_randn((2, 16), gen, device, dtype)), {})]
+
+
+def test_bf16_noise_of_the_original_itself_is_judged_against_fp32():
+    from lightning_adaptiveload.fusion.probe import run_probe
+
+    torch.manual_seed(0)
+    block = RoundingBlock().to(torch.bfloat16)
+    result = run_probe(block, _rounding_probe, RoundingBlock.forward, _rounded_once)
+    assert result.status == "ok", result.message
+    # the direct bf16 comparison exceeded its tolerance: the verdict came from the fp32 anchor
+    assert result.forward_error["bfloat16"] > result.tolerance["bfloat16"][0]
+    fused, _, original, _ = result.anchored["bfloat16"]
+    assert fused <= 2 * original + result.tolerance["bfloat16"][0]
+    assert "from its fp32 forward" in result.message
+
+
+def test_a_fused_forward_further_from_fp32_than_the_original_is_refused():
+    from lightning_adaptiveload.fusion.probe import run_probe
+
+    torch.manual_seed(0)
+    block = RoundingBlock().to(torch.bfloat16)
+
+    def coarser(b, x, c):  # exact in fp32 too, but in bf16 a step of 256: 16 times the original's error
+        return _rounded_once(b, x, c, offset=60000.0)
+
+    result = run_probe(block, _rounding_probe, RoundingBlock.forward, coarser)
+    assert result.status == "mismatch", result.message
+    assert "further from the fp32 forward than the original in bfloat16" in result.message

@@ -883,6 +883,79 @@ def _serve_proxy(port: int, upstream_port: int, delay_ms: float, log_path: str |
     proxy.stop()
 
 
+def _serve_relay(port: int, upstream_port: int, delay_ms: float) -> None:
+    """A TCP relay on ``port`` to ``upstream_port`` that holds every byte the client sends for
+    ``delay_ms`` before passing it on; the answers pass at once.
+
+    Why, beside the HTTP proxy: it adds the same latency to each request (a request's bytes reach the
+    server ``delay_ms`` late, so its answer starts that much later), without parsing HTTP, so that the
+    relay spends next to no CPU per request. On a machine of 2 cores, which the client, nginx and the
+    latency share, the HTTP proxy's own cost per request (~0.5 ms of Python) lands on the client's
+    cores and weighs on a reader that makes many small requests; a real object store costs the client
+    nothing of the kind.
+    """
+    import asyncio
+
+    delay = delay_ms / 1000.0
+
+    async def pump_late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                if data is None:
+                    break
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        task = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(1 << 16):
+                await queue.put((loop.time() + delay, data))
+        except (ConnectionError, OSError):
+            pass
+        await queue.put((0.0, None))
+        with contextlib.suppress(ConnectionError, OSError):
+            await task
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 18):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        with contextlib.suppress(ConnectionError, OSError):
+            writer.close()
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(HOST, upstream_port)
+        except OSError:
+            client_w.close()
+            return
+        for w in (client_w, up_w):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await asyncio.gather(pump_late(client_r, up_w), pump(up_r, client_w))
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, HOST, port, backlog=1024)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with server:
+            await stop.wait()
+
+    asyncio.run(main())
+
+
 def start_script(
     args: Sequence[str], port: int, work: str, what: str, timeout: float = 60
 ) -> subprocess.Popen:
@@ -910,6 +983,7 @@ def stop_script(proc: subprocess.Popen) -> None:
 _COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "moto": lambda a: _serve_moto(int(a[0]), a[1]),
     "proxy": lambda a: _serve_proxy(int(a[0]), int(a[1]), float(a[2]), a[3] if len(a) > 3 else None),
+    "relay": lambda a: _serve_relay(int(a[0]), int(a[1]), float(a[2])),
 }
 
 if __name__ == "__main__":
