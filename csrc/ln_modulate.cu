@@ -67,29 +67,29 @@ const void* colsum_kernel(DType mod) {
   return nullptr;
 }
 
-const void* tma_fwd_kernel(DType x, DType mod, bool rms, int vpt, bool per_row) {
+const void* tma_fwd_kernel(DType x, DType mod, bool rms, int vpt, bool per_row, bool il) {
   switch (x) {
     case DType::kBFloat16:
-      return rms ? detail::tma_fwd_kernel_bf16_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_bf16_ln(mod, vpt, per_row);
+      return rms ? detail::tma_fwd_kernel_bf16_rms(mod, vpt, per_row, il) : detail::tma_fwd_kernel_bf16_ln(mod, vpt, per_row, il);
     case DType::kFloat16:
-      return rms ? detail::tma_fwd_kernel_fp16_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_fp16_ln(mod, vpt, per_row);
+      return rms ? detail::tma_fwd_kernel_fp16_rms(mod, vpt, per_row, il) : detail::tma_fwd_kernel_fp16_ln(mod, vpt, per_row, il);
     case DType::kFloat32:
-      return rms ? detail::tma_fwd_kernel_fp32_rms(mod, vpt, per_row) : detail::tma_fwd_kernel_fp32_ln(mod, vpt, per_row);
+      return rms ? detail::tma_fwd_kernel_fp32_rms(mod, vpt, per_row, il) : detail::tma_fwd_kernel_fp32_ln(mod, vpt, per_row, il);
   }
   return nullptr;
 }
 
-const void* tma_bwd_kernel(DType x, DType mod, bool rms, int vpt, bool affine, bool per_row, int rows) {
+const void* tma_bwd_kernel(DType x, DType mod, bool rms, int vpt, bool affine, bool per_row, int rows, int regs) {
   switch (x) {
     case DType::kBFloat16:
-      return rms ? detail::tma_bwd_kernel_bf16_rms(mod, vpt, affine, per_row, rows)
-                 : detail::tma_bwd_kernel_bf16_ln(mod, vpt, affine, per_row, rows);
+      return rms ? detail::tma_bwd_kernel_bf16_rms(mod, vpt, affine, per_row, rows, regs)
+                 : detail::tma_bwd_kernel_bf16_ln(mod, vpt, affine, per_row, rows, regs);
     case DType::kFloat16:
-      return rms ? detail::tma_bwd_kernel_fp16_rms(mod, vpt, affine, per_row, rows)
-                 : detail::tma_bwd_kernel_fp16_ln(mod, vpt, affine, per_row, rows);
+      return rms ? detail::tma_bwd_kernel_fp16_rms(mod, vpt, affine, per_row, rows, regs)
+                 : detail::tma_bwd_kernel_fp16_ln(mod, vpt, affine, per_row, rows, regs);
     case DType::kFloat32:
-      return rms ? detail::tma_bwd_kernel_fp32_rms(mod, vpt, affine, per_row, rows)
-                 : detail::tma_bwd_kernel_fp32_ln(mod, vpt, affine, per_row, rows);
+      return rms ? detail::tma_bwd_kernel_fp32_rms(mod, vpt, affine, per_row, rows, regs)
+                 : detail::tma_bwd_kernel_fp32_ln(mod, vpt, affine, per_row, rows, regs);
   }
   return nullptr;
 }
@@ -224,7 +224,7 @@ cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void*
     stages = tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
   }
   if (stages == 0) return cudaErrorInvalidValue;
-  const void* kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row);
+  const void* kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row, false);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
   int occ = 0, sms = 0;
@@ -234,8 +234,32 @@ cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void*
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(occ) * sms;
   const int64_t grid0 = std::max<int64_t>(1, std::min<int64_t>(a.rows, resident));
+  // Row mapping: interleaved (CTA b takes rows b, b + grid, ...) where the modulation travels with its row
+  // (per token) or changes rarely along a CTA's rows; contiguous ranges otherwise (many small groups: a
+  // CTA's rows then share their modulation row). Interleaved, the CTAs read one contiguous front of memory
+  // at a time, as a copy does.
+  // Measured on an H200 (benchmarks/kernels/norm_mod_mapping.cu, 2026-12-03): interleaved rows were 2-3%
+  // faster for rows of up to 4 KB (D = 1152 and 1536 in bf16, per sample and per token) and 4-6% slower
+  // for 6 and 10 KB rows (D = 3072, 5120); per frame with groups of 1,560 rows and ~1,000 CTAs (a group
+  // change, so a modulation reload, every other row) 20% slower. So: rows of up to 4 KB, and groups of at
+  // least three rows per CTA.
+  bool interleave = xbytes <= 4096 && (per_row || a.group_size >= 3 * grid0);
+  if (a.interleave == 1) interleave = false;
+  if (a.interleave == 2) interleave = true;
+  if (interleave && !detail::tma_fwd_has_interleaved(vpt)) {
+    if (a.interleave == 2) return cudaErrorInvalidValue;
+    interleave = false;
+  }
+  int64_t grid1 = grid0;
+  if (interleave) {
+    kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row, true);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    err = tma_occupancy(kernel, threads, smem, &occ);
+    if (err != cudaSuccess) return err;
+    grid1 = std::max<int64_t>(1, std::min<int64_t>(a.rows, static_cast<int64_t>(occ) * sms));
+  }
   const int64_t rpc = ceil_div(std::max<int64_t>(a.rows, 1), grid0);
-  const int64_t grid = ceil_div(std::max<int64_t>(a.rows, 1), rpc);
+  const int64_t grid = interleave ? grid1 : ceil_div(std::max<int64_t>(a.rows, 1), rpc);
   if (grid > 0x7fffffff) return cudaErrorInvalidValue;
   out->tma = true;
   out->threads = threads;
@@ -246,6 +270,7 @@ cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void*
   out->rows_per_cta = rpc;
   out->smem_bytes = smem;
   out->ctas_per_sm = occ;
+  out->interleave = interleave;
   *kernel_out = kernel;
   return cudaSuccess;
 }
@@ -343,7 +368,19 @@ bool ln_prefers_v4(const LnModFwdArgs& a) {
   const int64_t nvec = a.D / vec_width(a.x_dtype);
   int W = 1;
   while (ceil_div(nvec, 32 * W) > 4 && 32 * (W + 1) <= detail::kFwdMaxThreads) ++W;
-  return ceil_div(nvec, 32 * W) <= detail::kFwdPersistentMaxVpt;
+  const int vpt = static_cast<int>(ceil_div(nvec, 32 * W));
+  if (vpt > detail::kFwdPersistentMaxVpt) return false;
+  // Version 4 walks rows at a stride of its grid, so groups of fewer rows than it has CTAs (per frame)
+  // reload their modulation rows nearly every row: there the contiguous bulk-copy kernel wins (measured on
+  // an H200, 1 x 21 x 1,560 x 1,536 with ~1,600 CTAs, 2026-12-03: 0.063 against 0.067 ms; at 8 x 4,096 x
+  // 1,536 the two were equal, at 1 x 32,760 x 1,152 version 4 11% faster).
+  const void* kernel = fwd_kernel(a.x_dtype, a.mod_dtype, vpt, detail::kFwdPersistent);
+  int occ = 0, sms = 0;
+  if (kernel == nullptr || fwd_occupancy(kernel, 32 * W, sizeof(float) * 3 * W, &occ) != cudaSuccess ||
+      sm_count(&sms) != cudaSuccess) {
+    return true;
+  }
+  return a.group_size >= static_cast<int64_t>(occ) * sms;
 }
 
 cudaError_t norm_mod_forward_plan(const LnModFwdArgs& a, NormModFwdPlan* plan) {
@@ -488,12 +525,34 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
     stages = tma_stages(a.stages, stage_bytes, 1, 2, 1, optin);
   }
   if (stages == 0) return cudaErrorInvalidValue;
-  const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter);
+  const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter, 0);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
   int occ = 0, sms = 0;
   err = tma_occupancy(kernel, threads, smem, &occ);
   if (err != cudaSuccess) return err;
+  // The register cap: the highest built one (tma_bwd_has_cap) that keeps the CTAs per SM of the default cap.
+  int regs = detail::tma_bwd_max_registers(vpt);
+  if (a.regs > 0) {
+    if (!detail::tma_bwd_has_cap(vpt, rows_per_iter, a.regs)) return cudaErrorInvalidValue;
+    regs = a.regs;
+  } else {
+    for (int cap : {128, 112}) {
+      if (cap <= regs || !detail::tma_bwd_has_cap(vpt, rows_per_iter, cap)) continue;
+      const void* k2 = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter, cap);
+      int occ2 = 0;
+      if (k2 != nullptr && tma_occupancy(k2, threads, smem, &occ2) == cudaSuccess && occ2 >= occ) {
+        regs = cap;
+        break;
+      }
+    }
+  }
+  if (regs != detail::tma_bwd_max_registers(vpt)) {
+    kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter, regs);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    err = tma_occupancy(kernel, threads, smem, &occ);
+    if (err != cudaSuccess) return err;
+  }
   err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(occ) * sms;
@@ -509,10 +568,29 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   pl.stages = stages;
   pl.stage_bytes = stage_bytes;
   pl.smem_bytes = smem;
-  if (per_row) {
+  // Row mapping: interleaved for RMSNorm and per token (an item's blocks of rows_per_iter rows alternate
+  // with those of the other items of its group, so that the CTAs read one contiguous front of memory).
+  pl.regs = regs;
+  // The row mapping is the kernel's own (detail::tma_bwd_interleaved, measured there).
+  pl.interleave = detail::tma_bwd_interleaved(a.rms, per_row);
+  const int64_t blocks = ceil_div(rows, rows_per_iter);  // per token; per group below
+  if (per_row && pl.interleave) {
+    pl.chunks = 1;
+    pl.num_items = std::min(resident, blocks);
+    pl.rows_per_chunk = ceil_div(rows, pl.num_items);
+  } else if (per_row) {
     pl.chunks = 1;
     pl.rows_per_chunk = ceil_div(rows, std::min(resident, rows));
     pl.num_items = ceil_div(rows, pl.rows_per_chunk);
+  } else if (pl.interleave) {
+    // One wave of CTAs: a group takes as many items as the CTAs it would leave idle otherwise, each with at
+    // least one block of rows.
+    const int64_t groups = std::max<int64_t>(1, a.rows / a.group_size);
+    int64_t chunks = groups >= resident ? 1 : resident / groups;
+    chunks = std::max<int64_t>(1, std::min(chunks, ceil_div(a.group_size, rows_per_iter)));
+    pl.chunks = chunks;
+    pl.rows_per_chunk = ceil_div(a.group_size, chunks);
+    pl.num_items = groups * chunks;
   } else {
     // One wave of CTAs: a group takes as many chunks (items) as the CTAs it would leave idle otherwise.
     const int64_t groups = std::max<int64_t>(1, a.rows / a.group_size);
@@ -661,7 +739,8 @@ cudaError_t ln_mod_colsum(const LnModBwdArgs& a, const LnModBwdPlan& pl, const B
 // The bulk-copy backward's first pass; `p` gets the partial-row pointers the column-sum pass reads.
 cudaError_t tma_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void* workspace, BwdParams* p_out,
                          cudaStream_t stream) {
-  const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, pl.vpt, pl.affine, pl.per_row, pl.rows_per_iter);
+  const void* kernel =
+      tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, pl.vpt, pl.affine, pl.per_row, pl.rows_per_iter, pl.regs);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   detail::TmaBwdParams p;
   p.dy = a.dy;

@@ -50,6 +50,8 @@ struct LnModFwdArgs {
   // fed by the bulk copy engine into shared memory (version 5, LayerNorm and RMSNorm). Paths 1-3 are
   // LayerNorm only.
   int path = 0;
+  // Bulk-copy path, row mapping (benchmarks only): 0 choose; 1 contiguous rows per CTA; 2 interleaved.
+  int interleave = 0;
 };
 
 // Forward kernel paths (LnModFwdArgs::path).
@@ -82,6 +84,7 @@ struct LnModBwdArgs {
                                // the bulk-copy path: rows per iteration, 1, 2 or 4)
   int stages = 0;              // bulk-copy path: 0 choose; else rows in flight per CTA (tuning override)
   int path = 0;                // BwdPath: 0 choose; 1 the register-fed kernel (LayerNorm); 2 bulk copies
+  int regs = 0;                // bulk-copy path, register cap (benchmarks only): 0 choose; 96, 112 or 128
 };
 
 // The launch plan of the backward; the workspace holds the fp32 column partials of the first pass.
@@ -98,6 +101,9 @@ struct LnModBwdPlan {
   bool affine = false;
   bool tma = false;      // the bulk-copy kernel (version 5); then tpr is the CTA and slots is 1
   int stages = 0;        // bulk-copy path: rows in flight per CTA
+  bool interleave = false;  // bulk-copy path: an item's blocks of rows interleaved with its group's other items
+                            // (fixed per kernel: RMSNorm and per token, see norm_mod_tma.cuh)
+  int regs = 0;             // bulk-copy path: the kernel's register cap
   uint32_t stage_bytes = 0;
   size_t smem_bytes = 0;
   size_t workspace_bytes = 0;
@@ -117,6 +123,7 @@ struct NormModFwdPlan {
   int64_t rows_per_cta = 0;
   size_t smem_bytes = 0;
   int ctas_per_sm = 0;
+  bool interleave = false;  // rows interleaved over the CTAs (else contiguous rows_per_cta per CTA)
 };
 cudaError_t norm_mod_forward_plan(const LnModFwdArgs& args, NormModFwdPlan* plan);
 

@@ -242,6 +242,7 @@ __global__ void __maxnreg__(80) ln_mod_fwd_kernel(const FwdParams p) {
   const float corr = sd * inv_d;
   const float var = fmaxf(sdd * inv_d - corr * corr, 0.f);
   const float rstd = rsqrtf(var + p.eps);
+  const float ncr = -corr * rstd;
   if (!row_ok) return;
   if (t == 0) {
     p.mean[row] = mean0 + corr;
@@ -263,7 +264,7 @@ __global__ void __maxnreg__(80) ln_mod_fwd_kernel(const FwdParams p) {
       float n[VEC];
       const Pack<T> q = launder(xp[i]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) n[k] = ((to_float(q.v[k]) - mean0) - corr) * rstd;
+      for (int k = 0; k < VEC; ++k) n[k] = fmaf(to_float(q.v[k]) - mean0, rstd, ncr);  // ((x - mean0) - corr) * rstd
       if (affine) {
         float w[VEC], b[VEC];
         load_floats<float, VEC>(p.weight + v * VEC, w);
@@ -435,6 +436,7 @@ __device__ __forceinline__ void fwd_finish_row(const FwdParams& p, const uint4 (
   const float corr = sd * inv_d;
   const float var = fmaxf(sdd * inv_d - corr * corr, 0.f);
   const float rstd = rsqrtf(var + p.eps);
+  const float ncr = -corr * rstd;
   if (t == 0) {
     p.mean[row] = mean0 + corr;
     p.rstd[row] = rstd;
@@ -455,7 +457,7 @@ __device__ __forceinline__ void fwd_finish_row(const FwdParams& p, const uint4 (
       float n[VEC];
       const Pack<T> q = as_pack<T>(xp[i]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) n[k] = ((to_float(q.v[k]) - mean0) - corr) * rstd;
+      for (int k = 0; k < VEC; ++k) n[k] = fmaf(to_float(q.v[k]) - mean0, rstd, ncr);  // ((x - mean0) - corr) * rstd
       if (affine) {
         float w[VEC], b[VEC];
         load_floats_v<float, VEC>(p.weight + v * VEC, w);

@@ -9,8 +9,10 @@
 // flight per SM and each row's chain of reductions and barriers bound them.
 //
 // Work split: the forward gives each CTA a contiguous range of rows (so a per-sample modulation row is
-// loaded into registers once per group); the backward gives each CTA items, a contiguous chunk of rows of one
-// modulation group (or, per token, any contiguous rows), walked R rows per barrier, and accumulates the
+// loaded into registers once per group), or, for rows of up to 4 KB in long groups and per token, rows
+// interleaved over the CTAs (IL); the backward gives each CTA items, a contiguous chunk of rows of one
+// modulation group (or, per token, any contiguous rows; for RMSNorm and per token blocks of R rows
+// interleaved with the group's other items), walked R rows per barrier, and accumulates the
 // column sums (d_shift, d_scale, d_weight, d_bias) in fp32 registers over an item; one partial row per item
 // (or the final row when a group has one item) is written, and ln_mod_colsum_kernel adds the partial rows in
 // a fixed order. Per-token modulation rows travel in the same stage as their x row. No atomics: results are
@@ -173,7 +175,7 @@ struct TmaFwdParams {
   int64_t group_size;
   int64_t shift_stride;
   int64_t scale_stride;
-  int64_t rows_per_cta;
+  int64_t rows_per_cta;  // contiguous mapping: rows per CTA
   int D;
   int stages;
   uint32_t stage_bytes;  // x row, and with PER_ROW its shift and scale rows
@@ -185,10 +187,10 @@ struct TmaFwdParams {
 // the stack.
 template <typename T, typename M, bool PER_ROW>
 __device__ __forceinline__ void fwd_issue(const TmaFwdParams& p, unsigned char* smem, uint64_t* bars, int64_t r0,
-                                          int64_t ki) {
+                                          int64_t ki, int64_t step) {
   const int s = static_cast<int>(ki % p.stages);
   unsigned char* st = smem + static_cast<size_t>(s) * p.stage_bytes;
-  const int64_t row = r0 + ki;
+  const int64_t row = r0 + ki * step;
   const uint32_t xbytes = static_cast<uint32_t>(p.D) * sizeof(T);
   const uint32_t mbytes = static_cast<uint32_t>(p.D) * sizeof(M);
   mbar_arrive_expect_tx(bars + s, p.stage_bytes);
@@ -201,7 +203,11 @@ __device__ __forceinline__ void fwd_issue(const TmaFwdParams& p, unsigned char* 
 
 // PER_ROW: per-token modulation, whose rows travel in the stage with x's (then a stage is released one row
 // later, after its modulation was read). Otherwise modulation rows are read through L1.
-template <typename T, typename M, int VPT, bool RMS, bool PER_ROW>
+// IL: the row mapping. false: CTA b takes the contiguous rows [b * rows_per_cta, ...). true: interleaved,
+// CTA b takes rows b, b + gridDim.x, ..., so that the CTAs read one contiguous front of memory at a time,
+// as a copy does. A template parameter, not a flag: the run-time choice cost the contiguous kernel at 4
+// vectors per thread 32 bytes more of spill under its 128-register cap, and 4-7% at D = 3072 and 5120.
+template <typename T, typename M, int VPT, bool RMS, bool PER_ROW, bool IL>
 __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwdParams p) {
   constexpr int VEC = Pack<T>::N;
   constexpr int LAG = PER_ROW ? 1 : 0;
@@ -214,9 +220,12 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
   const int D = p.D;
   const int nvec = D / VEC;
   const int S = p.stages;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * p.rows_per_cta;
+  // Row k of this CTA is r0 + k * step (see IL).
+  const int64_t step = IL ? static_cast<int64_t>(gridDim.x) : 1;
+  const int64_t r0 = IL ? static_cast<int64_t>(blockIdx.x) : static_cast<int64_t>(blockIdx.x) * p.rows_per_cta;
   if (r0 >= p.rows) return;  // uniform over the CTA
-  const int64_t n = p.rows - r0 < p.rows_per_cta ? p.rows - r0 : p.rows_per_cta;
+  const int64_t n = IL ? (p.rows - r0 + step - 1) / step
+                       : (p.rows - r0 < p.rows_per_cta ? p.rows - r0 : p.rows_per_cta);
   uint64_t* bars = reinterpret_cast<uint64_t*>(nm_smem + static_cast<size_t>(S) * p.stage_bytes);
   float* red = reinterpret_cast<float*>(bars + S);
   const uint32_t xbytes = static_cast<uint32_t>(D) * sizeof(T);
@@ -233,7 +242,7 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
   // Thread 0 issues row ki into stage ki % S; `issued` counts the rows issued so far.
   int64_t issued = 0;
   if (tid == 0) {
-    for (; issued < n && issued < S; ++issued) fwd_issue<T, M, PER_ROW>(p, nm_smem, bars, r0, issued);
+    for (; issued < n && issued < S; ++issued) fwd_issue<T, M, PER_ROW>(p, nm_smem, bars, r0, issued, step);
   }
 
   const float inv_d = 1.f / static_cast<float>(D);
@@ -300,19 +309,20 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
     // Every thread has its part of row k in registers (and, with LAG 1, is done with row k - 1): the
     // freed stage takes the next row.
     if (tid == 0) {
-      for (; issued < n && issued <= k - LAG + S; ++issued) fwd_issue<T, M, PER_ROW>(p, nm_smem, bars, r0, issued);
+      for (; issued < n && issued <= k - LAG + S; ++issued) fwd_issue<T, M, PER_ROW>(p, nm_smem, bars, r0, issued, step);
     }
-    float mean0, corr, rstd;
+    float mean0, corr, rstd, ncr;
     if (RMS) {
-      mean0 = corr = 0.f;
+      mean0 = corr = ncr = 0.f;
       rstd = rsqrtf(sums[0] * inv_d + p.eps);
     } else {
       mean0 = K;
       corr = sums[0] * inv_d;  // mean = K + corr
       const float var = fmaxf(sums[RMS ? 0 : 1] * inv_d - corr * corr, 0.f);
       rstd = rsqrtf(var + p.eps);
+      ncr = -corr * rstd;
     }
-    const int64_t row = r0 + k;
+    const int64_t row = r0 + k * step;
     if (tid == 0) {
       if (!RMS) p.mean[row] = mean0 + corr;
       p.rstd[row] = rstd;
@@ -365,7 +375,9 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float f = to_float(q.v[e]);
-          nv[e] = RMS ? f * rstd : ((f - mean0) - corr) * rstd;
+          // LayerNorm: (f - K - corr) * rstd as one subtraction and one fused multiply-add (K exact, a value
+          // of the row, so f - K keeps the precision of the shifted sums; corr * rstd is O(1)).
+          nv[e] = RMS ? f * rstd : fmaf(f - mean0, rstd, ncr);
         }
         if (affine) {
           float w[VEC], b[VEC];
@@ -416,9 +428,29 @@ struct TmaBwdParams {
   uint32_t stage_bytes;  // x row, dy row, and with PER_ROW the scale row
 };
 
+// The backward's row mapping, IL (fixed per kernel: tma_bwd_interleaved). false: an item is rows_per_chunk
+// contiguous rows, walked R at a time. true: interleaved, item c of a group (of all rows, per token) takes
+// the blocks of R rows c, c + chunks, ... (per token c, c + num_items, ...), so that the CTAs read one
+// contiguous front of memory at a time. Measured on an H200 (benchmarks/kernels/norm_mod_mapping.cu,
+// 2026-12-03): interleaved, the RMSNorm backward was 2-4% faster at D = 1152 to 5120 and both norms per
+// token 3%; the LayerNorm backward per sample the same at D <= 1536 and 7-11% slower at D = 3072 and 5120.
+__host__ __device__ constexpr bool tma_bwd_interleaved(bool rms, bool per_row) { return rms || per_row; }
+
 // Rows [r0, r1) of work item `item`.
-template <bool PER_ROW>
-__device__ __forceinline__ void tma_item_rows(const TmaBwdParams& p, int64_t item, int64_t& r0, int64_t& r1) {
+template <bool PER_ROW, bool IL>
+__device__ __forceinline__ void tma_item_rows(const TmaBwdParams& p, int64_t item, int64_t& r0, int64_t& r1, int R) {
+  if (IL) {
+    if (PER_ROW) {
+      r0 = item * R;
+      r1 = p.rows;
+    } else {
+      const int64_t g = item / p.chunks;
+      const int64_t c = item - g * p.chunks;
+      r0 = g * p.group_size + c * R;
+      r1 = (g + 1) * p.group_size;
+    }
+    return;
+  }
   if (PER_ROW) {
     r0 = item * p.rows_per_chunk;
     r1 = r0 + p.rows_per_chunk < p.rows ? r0 + p.rows_per_chunk : p.rows;
@@ -439,28 +471,41 @@ struct TmaCursor {
   int64_t end;
 };
 
-template <bool PER_ROW>
-__device__ __forceinline__ TmaCursor tma_first(const TmaBwdParams& p) {
+// Rows from one block of an item to its next: R, or with interleave R times the items sharing the rows.
+template <bool PER_ROW, bool IL>
+__device__ __forceinline__ int64_t tma_block_step(const TmaBwdParams& p, int R) {
+  if (!IL) return R;
+  return static_cast<int64_t>(R) * (PER_ROW ? p.num_items : p.chunks);
+}
+
+template <bool PER_ROW, bool IL>
+__device__ __forceinline__ TmaCursor tma_first(const TmaBwdParams& p, int R) {
   TmaCursor c;
   c.item = blockIdx.x;
   c.row = c.end = 0;
-  if (c.item < p.num_items) tma_item_rows<PER_ROW>(p, c.item, c.row, c.end);
+  if (c.item < p.num_items) tma_item_rows<PER_ROW, IL>(p, c.item, c.row, c.end, R);
+  while (c.item < p.num_items && c.row >= c.end) {  // an item with no rows (the host plans none)
+    c.item += gridDim.x;
+    if (c.item < p.num_items) tma_item_rows<PER_ROW, IL>(p, c.item, c.row, c.end, R);
+  }
   return c;
 }
 
-template <bool PER_ROW>
+template <bool PER_ROW, bool IL>
 __device__ __forceinline__ void tma_next(const TmaBwdParams& p, TmaCursor& c, int R) {
-  c.row += R;
-  if (c.row < c.end) return;
-  c.item += gridDim.x;
-  if (c.item < p.num_items) tma_item_rows<PER_ROW>(p, c.item, c.row, c.end);
+  c.row += tma_block_step<PER_ROW, IL>(p, R);
+  while (c.row >= c.end) {  // an item may have no rows (more items than blocks): skip it
+    c.item += gridDim.x;
+    if (c.item >= p.num_items) return;
+    tma_item_rows<PER_ROW, IL>(p, c.item, c.row, c.end, R);
+  }
 }
 
 // Thread 0: issues row blocks (R rows of x, of dy and with PER_ROW of scale; fewer at an item's end) in the
 // CTA's order while fewer than `limit` + 1 blocks were issued; `prod` holds the producer's cursor and count.
 // A function, not a lambda: a lambda capturing the kernel parameters by reference makes ptxas copy them to
 // the stack.
-template <typename T, typename M, bool PER_ROW, int R>
+template <typename T, typename M, bool PER_ROW, int R, bool IL>
 __device__ __forceinline__ void bwd_issue_ahead(const TmaBwdParams& p, int64_t* prod, unsigned char* smem,
                                                 uint64_t* bars, int64_t limit) {
   TmaCursor pc{prod[0], prod[1], prod[2]};
@@ -481,7 +526,7 @@ __device__ __forceinline__ void bwd_issue_ahead(const TmaBwdParams& p, int64_t* 
       }
     }
     ++issued;
-    tma_next<PER_ROW>(p, pc, R);
+    tma_next<PER_ROW, IL>(p, pc, R);
   }
   prod[0] = pc.item;
   prod[1] = pc.row;
@@ -495,13 +540,23 @@ __host__ __device__ constexpr int tma_bwd_max_registers(int vpt) { return vpt <=
 // Threads per CTA the backward takes at most: what its register cap leaves room for in one SM (640 x 96 of
 // 65536 registers: one vector per thread up to D = 5120 in bf16).
 __host__ __device__ constexpr int tma_bwd_max_threads(int vpt) { return vpt <= 2 ? 640 : 512; }
+// One vector per thread, 1 or 2 rows per iteration, is also built under caps of 112 and 128 registers: the
+// host takes the highest cap that keeps as many CTAs per SM as 96 gives (the occupancy API decides: D = 3072
+// in bf16, 384 threads, has 1 CTA per SM at 96 or 128 and takes 128; D = 1536 and 5120 keep 96), so that
+// the kernel keeps its values in registers. At 96 the LayerNorm backward spilled 48 bytes per thread at 2
+// rows per iteration (RMSNorm 24); at 112 and 128 neither spills. Measured on an H200 at 1 x 32,760 x 3,072
+// (benchmarks/kernels/norm_mod_mapping.cu, 2026-12-03): LayerNorm 0.220 -> 0.193 ms, RMSNorm 0.183 -> 0.179.
+__host__ __device__ constexpr bool tma_bwd_has_cap(int vpt, int rows, int regs) {
+  return regs == tma_bwd_max_registers(vpt) || (vpt == 1 && rows <= 2 && (regs == 112 || regs == 128));
+}
 
 // R: rows per iteration. A CTA owns all columns of its rows (fp32 column sums in registers), so it cannot
 // split a row between independent warps; R rows side by side give it R rows in flight per barrier instead.
-template <typename T, typename M, int VPT, bool RMS, bool AFFINE, bool PER_ROW, int R>
-__global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const TmaBwdParams p) {
+template <typename T, typename M, int VPT, bool RMS, bool AFFINE, bool PER_ROW, int R, int REGS>
+__global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
   constexpr int VEC = Pack<T>::N;
   constexpr int LAG = PER_ROW ? 1 : 0;
+  constexpr bool IL = tma_bwd_interleaved(RMS, PER_ROW);
   // (1 + scale) of the item's group in registers where registers allow (one vector per thread); otherwise
   // re-read through L1, where the group's row stays.
   constexpr bool kScaleInRegs = !PER_ROW && !AFFINE && VPT == 1;
@@ -532,12 +587,12 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
   // the item's end) and how many blocks were issued. Registers are what bounds the CTAs per SM here.
   int64_t* prod = reinterpret_cast<int64_t*>(red + kTmaRedFloats);
   if (tid == 0) {
-    const TmaCursor first = tma_first<PER_ROW>(p);
+    const TmaCursor first = tma_first<PER_ROW, IL>(p, R);
     prod[0] = first.item;
     prod[1] = first.row;
     prod[2] = first.end;
     prod[3] = 0;
-    bwd_issue_ahead<T, M, PER_ROW, R>(p, prod, nm_smem, bars, S - 1);
+    bwd_issue_ahead<T, M, PER_ROW, R, IL>(p, prod, nm_smem, bars, S - 1);
   }
 
   float acc_sh[VPT][VEC], acc_sc[VPT][VEC], acc_w[VPT][VEC], acc_b[VPT][VEC];
@@ -552,7 +607,8 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
   uint32_t phase = 0;
   for (int64_t item = blockIdx.x; item < p.num_items; item += gridDim.x) {
     int64_t r0, r1;
-    tma_item_rows<PER_ROW>(p, item, r0, r1);
+    tma_item_rows<PER_ROW, IL>(p, item, r0, r1, R);
+    const int64_t bstep = tma_block_step<PER_ROW, IL>(p, R);
     const int64_t g = PER_ROW ? 0 : item / p.chunks;
     const M* sgr = scg + g * p.scale_stride;  // !PER_ROW: the group's scale row
     if (!PER_ROW) {
@@ -576,14 +632,14 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
       rs_n[j] = ok ? __ldg(p.rstd + r0 + j) : 0.f;
       mu_n[j] = ok && !RMS ? __ldg(p.mean + r0 + j) : 0.f;
     }
-    for (int64_t row0 = r0; row0 < r1; row0 += R, ++k) {
+    for (int64_t row0 = r0; row0 < r1; row0 += bstep, ++k) {
       const int r = static_cast<int>(r1 - row0 < R ? r1 - row0 : R);
       float mu[R], rs[R];
 #pragma unroll
       for (int j = 0; j < R; ++j) {
         mu[j] = mu_n[j];
         rs[j] = rs_n[j];
-        const int64_t nxt = row0 + R + j;
+        const int64_t nxt = row0 + bstep + j;
         const bool ok = nxt < r1;
         if (ok) {
           rs_n[j] = __ldg(p.rstd + nxt);
@@ -672,7 +728,7 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
       }
       cta_sum_n<2 * R>(sums, red + (k & 1) * kTmaRedHalf, W, warp, lane);
       // Block k is in registers (with LAG 1, block k - 1 is finished): its stage takes the next block.
-      if (tid == 0) bwd_issue_ahead<T, M, PER_ROW, R>(p, prod, nm_smem, bars, k - LAG + S);
+      if (tid == 0) bwd_issue_ahead<T, M, PER_ROW, R, IL>(p, prod, nm_smem, bars, k - LAG + S);
 
       // Second pass: dx.
 #pragma unroll
@@ -747,78 +803,102 @@ __global__ void __maxnreg__(tma_bwd_max_registers(VPT)) nm_bwd_tma_kernel(const 
 // Instantiation tables (norm_mod_tma_<dtype>_<norm>.cu instantiate them for one x dtype and norm each, so
 // that ninja compiles them in parallel).
 
+// The interleaved forward is built up to 4 vectors per thread (the host interleaves rows of up to 4 KB).
+__host__ __device__ constexpr bool tma_fwd_has_interleaved(int vpt) { return vpt <= 4; }
+
 template <typename T, typename M, bool RMS, int VPT>
-const void* tma_fwd_tmv(bool per_row) {
-  return per_row ? reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, true>)
-                 : reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, false>);
+const void* tma_fwd_tmv(bool per_row, bool interleave) {
+  if (interleave) {
+    if constexpr (tma_fwd_has_interleaved(VPT)) {
+      return per_row ? reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, true, true>)
+                     : reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, false, true>);
+    }
+    return nullptr;
+  }
+  return per_row ? reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, true, false>)
+                 : reinterpret_cast<const void*>(&nm_fwd_tma_kernel<T, M, VPT, RMS, false, false>);
 }
 
 template <typename T, typename M, bool RMS>
-const void* tma_fwd_tm(int vpt, bool per_row) {
+const void* tma_fwd_tm(int vpt, bool per_row, bool interleave) {
   switch (vpt) {
-    case 1: return tma_fwd_tmv<T, M, RMS, 1>(per_row);
-    case 2: return tma_fwd_tmv<T, M, RMS, 2>(per_row);
-    case 3: return tma_fwd_tmv<T, M, RMS, 3>(per_row);
-    case 4: return tma_fwd_tmv<T, M, RMS, 4>(per_row);
-    case 5: return tma_fwd_tmv<T, M, RMS, 5>(per_row);
-    case 6: return tma_fwd_tmv<T, M, RMS, 6>(per_row);
-    case 8: return tma_fwd_tmv<T, M, RMS, 8>(per_row);
+    case 1: return tma_fwd_tmv<T, M, RMS, 1>(per_row, interleave);
+    case 2: return tma_fwd_tmv<T, M, RMS, 2>(per_row, interleave);
+    case 3: return tma_fwd_tmv<T, M, RMS, 3>(per_row, interleave);
+    case 4: return tma_fwd_tmv<T, M, RMS, 4>(per_row, interleave);
+    case 5: return tma_fwd_tmv<T, M, RMS, 5>(per_row, interleave);
+    case 6: return tma_fwd_tmv<T, M, RMS, 6>(per_row, interleave);
+    case 8: return tma_fwd_tmv<T, M, RMS, 8>(per_row, interleave);
     default: return nullptr;
   }
 }
 
 template <typename T, bool RMS>
-const void* tma_fwd_for(DType mod, int vpt, bool per_row) {
-  if (mod == dtype_of<T>()) return tma_fwd_tm<T, T, RMS>(vpt, per_row);
-  if (mod == DType::kFloat32) return tma_fwd_tm<T, float, RMS>(vpt, per_row);
+const void* tma_fwd_for(DType mod, int vpt, bool per_row, bool interleave) {
+  if (mod == dtype_of<T>()) return tma_fwd_tm<T, T, RMS>(vpt, per_row, interleave);
+  if (mod == DType::kFloat32) return tma_fwd_tm<T, float, RMS>(vpt, per_row, interleave);
   return nullptr;
 }
 
-template <typename T, typename M, bool RMS, int VPT, int R>
-const void* tma_bwd_tmvr(bool affine, bool per_row) {
+template <typename T, typename M, bool RMS, int VPT, int R, int REGS>
+const void* tma_bwd_tmvrc(bool affine, bool per_row) {
   if (affine) {
-    return per_row ? reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, true, true, R>)
-                   : reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, true, false, R>);
+    return per_row ? reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, true, true, R, REGS>)
+                   : reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, true, false, R, REGS>);
   }
-  return per_row ? reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, false, true, R>)
-                 : reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, false, false, R>);
+  return per_row ? reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, false, true, R, REGS>)
+                 : reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, VPT, RMS, false, false, R, REGS>);
+}
+
+// regs: the register cap (tma_bwd_has_cap), 0 for the default one.
+template <typename T, typename M, bool RMS, int VPT, int R>
+const void* tma_bwd_tmvr(bool affine, bool per_row, int regs) {
+  constexpr int kDefault = tma_bwd_max_registers(VPT);
+  if (regs == 0 || regs == kDefault) return tma_bwd_tmvrc<T, M, RMS, VPT, R, kDefault>(affine, per_row);
+  if constexpr (tma_bwd_has_cap(VPT, R, 112)) {
+    if (regs == 112) return tma_bwd_tmvrc<T, M, RMS, VPT, R, 112>(affine, per_row);
+  }
+  if constexpr (tma_bwd_has_cap(VPT, R, 128) && kDefault != 128) {
+    if (regs == 128) return tma_bwd_tmvrc<T, M, RMS, VPT, R, 128>(affine, per_row);
+  }
+  return nullptr;
 }
 
 // Rows per iteration: 1, 2 or 4 up to 2 vectors per thread; 1 for wider rows per thread (registers).
 template <typename T, typename M, bool RMS, int VPT>
-const void* tma_bwd_tmv(bool affine, bool per_row, int rows) {
+const void* tma_bwd_tmv(bool affine, bool per_row, int rows, int regs) {
   if constexpr (VPT <= 2) {
-    if (rows == 2) return tma_bwd_tmvr<T, M, RMS, VPT, 2>(affine, per_row);
-    if (rows == 4) return tma_bwd_tmvr<T, M, RMS, VPT, 4>(affine, per_row);
+    if (rows == 2) return tma_bwd_tmvr<T, M, RMS, VPT, 2>(affine, per_row, regs);
+    if (rows == 4) return tma_bwd_tmvr<T, M, RMS, VPT, 4>(affine, per_row, regs);
   }
-  return rows == 1 ? tma_bwd_tmvr<T, M, RMS, VPT, 1>(affine, per_row) : nullptr;
+  return rows == 1 ? tma_bwd_tmvr<T, M, RMS, VPT, 1>(affine, per_row, regs) : nullptr;
 }
 
 template <typename T, typename M, bool RMS>
-const void* tma_bwd_tm(int vpt, bool affine, bool per_row, int rows) {
+const void* tma_bwd_tm(int vpt, bool affine, bool per_row, int rows, int regs) {
   switch (vpt) {
-    case 1: return tma_bwd_tmv<T, M, RMS, 1>(affine, per_row, rows);
-    case 2: return tma_bwd_tmv<T, M, RMS, 2>(affine, per_row, rows);
-    case 4: return tma_bwd_tmv<T, M, RMS, 4>(affine, per_row, rows);
+    case 1: return tma_bwd_tmv<T, M, RMS, 1>(affine, per_row, rows, regs);
+    case 2: return tma_bwd_tmv<T, M, RMS, 2>(affine, per_row, rows, regs);
+    case 4: return tma_bwd_tmv<T, M, RMS, 4>(affine, per_row, rows, regs);
     case 8:
       // Only fp32 rows of more than 8192 values need 8 vectors per thread (512 threads).
-      if constexpr (sizeof(T) == 4) return tma_bwd_tmv<T, M, RMS, 8>(affine, per_row, rows);
+      if constexpr (sizeof(T) == 4) return tma_bwd_tmv<T, M, RMS, 8>(affine, per_row, rows, regs);
       return nullptr;
     default: return nullptr;
   }
 }
 
 template <typename T, bool RMS>
-const void* tma_bwd_for(DType mod, int vpt, bool affine, bool per_row, int rows) {
-  if (mod == dtype_of<T>()) return tma_bwd_tm<T, T, RMS>(vpt, affine, per_row, rows);
-  if (mod == DType::kFloat32) return tma_bwd_tm<T, float, RMS>(vpt, affine, per_row, rows);
+const void* tma_bwd_for(DType mod, int vpt, bool affine, bool per_row, int rows, int regs) {
+  if (mod == dtype_of<T>()) return tma_bwd_tm<T, T, RMS>(vpt, affine, per_row, rows, regs);
+  if (mod == DType::kFloat32) return tma_bwd_tm<T, float, RMS>(vpt, affine, per_row, rows, regs);
   return nullptr;
 }
 
 // Defined in norm_mod_tma_{bf16,fp16,fp32}_{ln,rms}.cu.
 #define ADAPTIVELOAD_TMA_DECL(tag)                                                   \
-  const void* tma_fwd_kernel_##tag(DType mod, int vpt, bool per_row);                \
-  const void* tma_bwd_kernel_##tag(DType mod, int vpt, bool affine, bool per_row, int rows);
+  const void* tma_fwd_kernel_##tag(DType mod, int vpt, bool per_row, bool interleave);                \
+  const void* tma_bwd_kernel_##tag(DType mod, int vpt, bool affine, bool per_row, int rows, int regs);
 ADAPTIVELOAD_TMA_DECL(bf16_ln)
 ADAPTIVELOAD_TMA_DECL(bf16_rms)
 ADAPTIVELOAD_TMA_DECL(fp16_ln)

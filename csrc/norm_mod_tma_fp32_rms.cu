@@ -5,12 +5,12 @@
 namespace adaptiveload {
 namespace detail {
 
-const void* tma_fwd_kernel_fp32_rms(DType mod, int vpt, bool per_row) {
-  return tma_fwd_for<float, true>(mod, vpt, per_row);
+const void* tma_fwd_kernel_fp32_rms(DType mod, int vpt, bool per_row, bool interleave) {
+  return tma_fwd_for<float, true>(mod, vpt, per_row, interleave);
 }
 
-const void* tma_bwd_kernel_fp32_rms(DType mod, int vpt, bool affine, bool per_row, int rows) {
-  return tma_bwd_for<float, true>(mod, vpt, affine, per_row, rows);
+const void* tma_bwd_kernel_fp32_rms(DType mod, int vpt, bool affine, bool per_row, int rows, int regs) {
+  return tma_bwd_for<float, true>(mod, vpt, affine, per_row, rows, regs);
 }
 
 }  // namespace detail

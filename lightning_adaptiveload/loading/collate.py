@@ -13,7 +13,7 @@ import torch
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
-__all__ = ["collate", "pad_texts", "sample_fields"]
+__all__ = ["collate", "int_tensor", "pad_texts", "sample_fields"]
 
 
 def sample_fields(sample: Mapping[str, Any]) -> tuple[str, torch.Tensor, Any, Any, Any]:
@@ -147,8 +147,10 @@ def _pad_in_bytes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pad_texts` of CPU tensors, copied into one buffer by slicing. Why: a loader worker shares its
     interpreter lock with the threads that fetch its data, and every torch call lets go of the lock and
-    waits to take it back; a pack of small texts would spend more on those waits than on copying."""
-    row = width * torch.empty((), dtype=dtype).element_size()
+    waits to take it back; a pack of small texts would spend more on those waits than on copying. The
+    tensors are made through NumPy (``torch.from_numpy`` keeps the lock) for the same reason."""
+    np_dtype = np.dtype(np.float16 if dtype == torch.float16 else np.float32)
+    row = width * np_dtype.itemsize
     text = bytearray(len(rows) * l_max * row)
     mask = bytearray(len(rows) * l_max)
     for i, t in enumerate(rows):
@@ -159,6 +161,13 @@ def _pad_in_bytes(
             text[off : off + n * row] = memoryview(src.numpy()).cast("B")
             mask[i * l_max : i * l_max + n] = b"\1" * n
     return (
-        torch.frombuffer(text, dtype=dtype).view(len(rows), l_max, width),
-        torch.frombuffer(mask, dtype=torch.bool).view(len(rows), l_max),
+        torch.from_numpy(np.frombuffer(text, dtype=np_dtype).reshape(len(rows), l_max, width)),
+        torch.from_numpy(np.frombuffer(mask, dtype=np.bool_).reshape(len(rows), l_max)),
     )
+
+
+def int_tensor(values: Sequence[Any], dtype: type = np.int64) -> torch.Tensor:
+    """A CPU integer tensor of ``values`` (a list, or a list of equal-length lists), made through NumPy:
+    ``torch.tensor`` lets go of the interpreter lock, which costs a loader worker a wait behind its fetch
+    threads (see :func:`_pad_in_bytes`)."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype))

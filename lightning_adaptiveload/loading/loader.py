@@ -8,6 +8,7 @@ each worker, streams that worker's batches (:func:`~lightning_adaptiveload.loadi
 from __future__ import annotations
 
 import copy
+import functools
 import multiprocessing
 import pickle
 import sys
@@ -284,12 +285,23 @@ class PlannedShardDataset(IterableDataset):
 
 
 class _CountingIterator:
-    """Main-process wrapper of the DataLoader iterator: counts batches and runtime skips."""
+    """Main-process wrapper of the DataLoader iterator: counts batches and runtime skips.
+
+    The DataLoader's own iterator, and with it the workers and their read-ahead, starts at the first
+    ``next()`` (or attribute asked of it), not at ``iter()``. Why: Lightning's fit loop calls ``iter()`` on
+    a reloaded loader twice per epoch (``setup_data``, then the epoch loop's start) and advances only the
+    second; started at once, the first one's workers read ahead (with ranged reads: fetched from the
+    server) an epoch's worth of batches that nobody takes.
+    """
 
     def __init__(
-        self, it: Iterator[dict[str, Any]], dataset: PlannedShardDataset, on_end: Callable[[], None] | None
+        self,
+        start: Callable[[], Iterator[dict[str, Any]]],
+        dataset: PlannedShardDataset,
+        on_end: Callable[[], None] | None,
     ) -> None:
-        self._it = it
+        self._start: Callable[[], Iterator[dict[str, Any]]] | None = start
+        self._it: Iterator[dict[str, Any]] | None = None
         self._dataset = dataset
         self._on_end = on_end
         self.yielded = 0
@@ -297,13 +309,32 @@ class _CountingIterator:
     def __iter__(self) -> _CountingIterator:
         return self
 
+    def _started(self) -> Iterator[dict[str, Any]]:
+        if self._it is None:
+            assert self._start is not None
+            self._it, self._start = self._start(), None
+        return self._it
+
     def __next__(self) -> dict[str, Any]:
         try:
-            batch = next(self._it)
+            batch = next(self._started())
         except StopIteration:
             if self._on_end is not None:
                 self._on_end()
             raise
+        except (ConnectionError, EOFError) as err:
+            # A worker that dies while a batch's shared memory is handed over breaks that transfer's
+            # socket: say that a worker died rather than leave a bare reset.
+            dead = [w for w in getattr(self._it, "_workers", ()) if not w.is_alive()]
+            if not dead:
+                raise
+            raise RuntimeError(
+                "DataLoader worker "
+                + ", ".join(f"(pid {w.pid}, exit code {w.exitcode})" for w in dead)
+                + f" exited unexpectedly while handing over a batch ({type(err).__name__}: {err}); "
+                "a worker killed for memory (exit code -9) needs fewer samples in flight: lower the "
+                "loader's prefetch_factor or the batch size"
+            ) from err
         self.yielded += 1
         report = self._dataset.report
         report["batches_yielded"] = self.yielded
@@ -322,16 +353,16 @@ class _CountingIterator:
     def switch_to(self, it: Iterator[dict[str, Any]]) -> None:
         """Continue from ``it`` (an iterator of a new plan of the rest of the epoch); the old iterator's
         workers are shut down and the batches they had read ahead are dropped. The count starts again."""
-        old, self._it = self._it, it
+        old, self._it, self._start = self._it, it, None
         shutdown = getattr(old, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
         self.yielded = 0
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_it":
+        if name.startswith("__") or name in ("_it", "_start"):
             raise AttributeError(name)
-        return getattr(self._it, name)
+        return getattr(self._started(), name)
 
 
 def worker_start_method(start_method: str | None, num_workers: int) -> str | None:
@@ -489,7 +520,7 @@ class PlannedDataLoader(DataLoader):
         elif self.dataset.plan is None:  # type: ignore[attr-defined]
             self.dataset.begin_epoch(0)  # type: ignore[attr-defined]
         # No strong reference is kept: an abandoned iterator must be freed so that its workers shut down.
-        it = _CountingIterator(super().__iter__(), self.dataset, self._on_end)  # type: ignore[arg-type]
+        it = _CountingIterator(functools.partial(DataLoader.__iter__, self), self.dataset, self._on_end)  # type: ignore[arg-type]
         self._live = weakref.ref(it)
         return it
 

@@ -12,9 +12,10 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from lightning_adaptiveload.loading.collate import pad_texts, sample_fields
+from lightning_adaptiveload.loading.collate import int_tensor, pad_texts, sample_fields
 from lightning_adaptiveload.planning.cost_model import CostModel
 from lightning_adaptiveload.planning.sizing import tokens_per_sample
 
@@ -70,13 +71,13 @@ def collate_packed(
     return {
         "packed": True,
         "latents": latents,
-        "latent_shapes": torch.tensor([list(x.shape) for x in latents], dtype=torch.int64),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int64),
-        "cu_seqlens": torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32),
+        "latent_shapes": int_tensor([tuple(x.shape) for x in latents]),
+        "seq_lens": int_tensor(seq_lens),
+        "cu_seqlens": int_tensor([0, *itertools.accumulate(seq_lens)], np.int32),
         "text": text,
         "text_mask": mask,
-        "text_lens": torch.tensor(text_lens, dtype=torch.int64),
-        "text_cu_seqlens": torch.tensor([0, *itertools.accumulate(text_lens)], dtype=torch.int32),
+        "text_lens": int_tensor(text_lens),
+        "text_cu_seqlens": int_tensor([0, *itertools.accumulate(text_lens)], np.int32),
         "keys": keys,
         "meta": [f[3] for f in fields],
         "seq_len": max(seq_lens),

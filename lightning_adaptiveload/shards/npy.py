@@ -100,23 +100,33 @@ def flat_array(npy: Npy) -> np.ndarray:
 _FINITE_BLOCK = 1 << 18
 
 
+_F16 = np.dtype(np.float16)
+# As NumPy scalars: a Python int operand costs NumPy a type resolution per call (~3 us on a small array).
+_F16_EXP = np.uint16(0x7C00)
+
+
+def _f16_non_finite(bits: np.ndarray) -> int:
+    # Exponent bits all set <=> NaN or Inf; integer ops are ~5x faster than np.isfinite on float16.
+    exp = np.bitwise_and(bits, _F16_EXP)
+    return int(np.count_nonzero(exp == _F16_EXP)) if exp.max() == _F16_EXP else 0  # usual: no count
+
+
+def _non_finite(block: np.ndarray) -> int:
+    finite = np.isfinite(block)
+    return 0 if finite.all() else int(block.size - np.count_nonzero(finite))
+
+
 def count_non_finite(flat: np.ndarray) -> int:
     """Number of NaN/Inf values of a float16/float32 1-d array."""
-    if flat.dtype == np.float16 and flat.dtype.isnative:
-        # Exponent bits all set <=> NaN or Inf; integer ops are ~5x faster than np.isfinite on float16.
-        bits = flat.view(np.uint16)
-        bad = 0
-        for start in range(0, bits.size, _FINITE_BLOCK):
-            block = bits[start : start + _FINITE_BLOCK] & 0x7C00
-            if block.size and block.max() == 0x7C00:  # the usual all-finite block: two passes, no count
-                bad += int(np.count_nonzero(block == 0x7C00))
-        return bad
-    bad = 0
-    for start in range(0, flat.size, _FINITE_BLOCK):
-        block = flat[start : start + _FINITE_BLOCK]
-        if not np.isfinite(block).all():
-            bad += int(np.count_nonzero(~np.isfinite(block)))
-    return bad
+    if not flat.size:
+        return 0
+    if flat.dtype == _F16 and flat.dtype.isnative:
+        flat, count = flat.view(np.uint16), _f16_non_finite
+    else:
+        count = _non_finite
+    if flat.size <= _FINITE_BLOCK:  # one block: most samples' members
+        return count(flat)
+    return sum(count(flat[start : start + _FINITE_BLOCK]) for start in range(0, flat.size, _FINITE_BLOCK))
 
 
 def to_tensor(npy: Npy) -> torch.Tensor:
