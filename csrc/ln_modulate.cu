@@ -94,6 +94,18 @@ const void* tma_bwd_kernel(DType x, DType mod, bool rms, int vpt, bool affine, b
   return nullptr;
 }
 
+const void* tma_bwd_tuned_kernel(DType x, DType mod, bool rms, int rows, int opt) {
+  switch (x) {
+    case DType::kBFloat16:
+      return rms ? detail::tma_bwd_tuned_kernel_bf16_rms(mod, rows, opt) : detail::tma_bwd_tuned_kernel_bf16_ln(mod, rows, opt);
+    case DType::kFloat16:
+      return rms ? detail::tma_bwd_tuned_kernel_fp16_rms(mod, rows, opt) : detail::tma_bwd_tuned_kernel_fp16_ln(mod, rows, opt);
+    case DType::kFloat32:
+      return nullptr;
+  }
+  return nullptr;
+}
+
 int elt_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
 // The device's opt-in limit of dynamic shared memory per CTA, cached per device.
@@ -225,6 +237,10 @@ cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void*
   }
   if (stages == 0) return cudaErrorInvalidValue;
   const void* kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row, false);
+  if (a.kernel_override != nullptr) {
+    if (a.interleave != 1 && a.interleave != 2) return cudaErrorInvalidValue;
+    kernel = a.kernel_override;
+  }
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
   int occ = 0, sms = 0;
@@ -252,7 +268,8 @@ cudaError_t tma_fwd_plan(const LnModFwdArgs& a, NormModFwdPlan* out, const void*
   }
   int64_t grid1 = grid0;
   if (interleave) {
-    kernel = tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row, true);
+    kernel = a.kernel_override != nullptr ? a.kernel_override
+                                          : tma_fwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, per_row, true);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     err = tma_occupancy(kernel, threads, smem, &occ);
     if (err != cudaSuccess) return err;
@@ -441,8 +458,14 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   if (old_path >= 2 && !fits) return cudaErrorInvalidValue;
   const bool single_row_wins = a.group_size == a.rows && W == 2;
   const bool persistent = old_path >= 2 || (old_path == 0 && fits && a.group_size > 1 && !single_row_wins);
-  const int kind = !persistent ? detail::kFwdSingleRow
-                               : old_path == 3 ? detail::kFwdPersistentLowRegs : detail::kFwdPersistent;
+  // Version 4 keeps its two reductions per row. The one-reduction kernel (fwd_finish_row_1p, v4_stats = 1,
+  // benchmarks only) measured 4-12% slower on an H200 at every width (2026-12-03, second pass:
+  // benchmarks/results/norm_mod_mapping_nvidia-h200_2026-12-03_s33_run2.txt), so it is not the default.
+  const bool one_pass = a.v4_stats == 1;
+  const int kind = !persistent      ? detail::kFwdSingleRow
+                   : old_path == 3 ? detail::kFwdPersistentLowRegs
+                   : one_pass      ? detail::kFwdPersistentOnePass
+                                   : detail::kFwdPersistent;
   const int rows_per_cta = persistent ? 1 : a.rows_per_cta > 0 ? a.rows_per_cta : std::max(1, 128 / (32 * W));
   if (32 * W * rows_per_cta > detail::kFwdMaxThreads) return cudaErrorInvalidValue;
   const void* kernel = fwd_kernel(a.x_dtype, a.mod_dtype, vpt, kind);
@@ -465,7 +488,7 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   p.warps_per_row = W;
   p.rows_per_cta = rows_per_cta;
   p.eps = a.eps;
-  const size_t smem = sizeof(float) * 3 * W * rows_per_cta;
+  const size_t smem = persistent ? sizeof(float) * 4 * W : sizeof(float) * 3 * W * rows_per_cta;
   int64_t grid = ceil_div(a.rows, rows_per_cta);
   if (persistent) {
     // One wave: every CTA resident at once, each row slot walking rows at a stride of all slots.
@@ -503,7 +526,7 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   const int threads = threads_for(vpt);
   if (threads > detail::tma_bwd_max_threads(vpt)) return cudaErrorInvalidValue;
   // Rows per iteration: 2 by default (two rows in flight per barrier) up to 2 vectors per thread.
-  int rows_per_iter = a.slots > 0 ? a.slots : (vpt <= 2 ? 2 : 1);
+  int rows_per_iter = a.slots > 0 ? a.slots : (vpt <= 2 ? 2 : 1);  // may change below (tuned kernels)
   if (rows_per_iter != 1 && rows_per_iter != 2 && rows_per_iter != 4) return cudaErrorInvalidValue;
   if (vpt > 2 && rows_per_iter != 1) return cudaErrorInvalidValue;
   int optin = 0;
@@ -514,7 +537,7 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   bool per_row = a.group_size == 1;
   const bool affine = a.weight != nullptr;
   const uint32_t R = static_cast<uint32_t>(rows_per_iter);
-  uint32_t stage_bytes = per_row ? R * (2 * xbytes + mbytes) : R * 2 * xbytes;
+  uint32_t stage_bytes = per_row ? R * (2 * xbytes + mbytes) : R * 2 * xbytes;  // may change below
   // 2 stages of 2 rows by default (measured on an H200, --sweep: 1 vector per thread, 2 rows, 2 stages was
   // the fastest or within 1% at every width); per token 3 (a stage is released one block late there).
   int stages = per_row ? tma_stages(a.stages, stage_bytes, 1, 3, 2, optin)
@@ -527,7 +550,7 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   if (stages == 0) return cudaErrorInvalidValue;
   const void* kernel = tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, vpt, affine, per_row, rows_per_iter, 0);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
+  size_t smem = static_cast<size_t>(stages) * stage_bytes + detail::tma_extra_smem(stages);
   int occ = 0, sms = 0;
   err = tma_occupancy(kernel, threads, smem, &occ);
   if (err != cudaSuccess) return err;
@@ -553,6 +576,46 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
     err = tma_occupancy(kernel, threads, smem, &occ);
     if (err != cudaSuccess) return err;
   }
+  if (a.kernel_override != nullptr) {
+    kernel = a.kernel_override;
+    err = tma_occupancy(kernel, threads, smem, &occ);
+    if (err != cudaSuccess) return err;
+  }
+  // Tuned kernels (2026-12-03, second pass): 16-bit x, one vector per thread, per sample or per frame, no
+  // affine, no tuning overrides. Both issue the next block's copies after the second pass (no spill at 96
+  // registers, where issuing it after the row sums spilled 48 bytes per thread for LayerNorm, 24 for RMSNorm);
+  // LayerNorm also takes the fast dx (norm_mod_tma.cuh, FAST). One row per iteration (80 registers, 3 stages)
+  // where that fits more CTAs per SM than two rows do (LayerNorm), or twice as many (RMSNorm); else two rows,
+  // RMSNorm only where two or more CTAs share an SM (one 640-thread CTA at D = 5120 was 0-10% slower
+  // issuing late). Measured on an H200, bf16 x (benchmarks/kernels/norm_mod_mapping.cu,
+  // benchmarks/results/norm_mod_mapping_nvidia-h200_2026-12-03_s33_run1.txt, _run2.txt), LayerNorm against the kernel
+  // before: 1 x 32,760 x 1,152 0.079 -> 0.0725 ms, 1,536 0.101 -> 0.0885, 3,072 0.190 -> 0.167, 5,120
+  // 0.293 -> 0.2725, per frame 0.112 -> 0.097; RMSNorm 1,536 0.086 -> 0.083, 3,072 0.175 -> 0.163.
+  if (a.kernel_override == nullptr && a.slots == 0 && a.stages == 0 && a.regs == 0 && a.vectors_per_thread == 0 &&
+      vpt == 1 && !affine && !per_row && elt_bytes(a.x_dtype) == 2) {
+    const void* k1 = tma_bwd_tuned_kernel(a.x_dtype, a.mod_dtype, a.rms, 1, 5);
+    const void* k2 = tma_bwd_tuned_kernel(a.x_dtype, a.mod_dtype, a.rms, 2, a.rms ? 4 : 5);
+    const int st1 = tma_stages(3, 2 * xbytes, 1, 1, 1, optin);
+    const int st2 = tma_stages(a.rms ? 2 : 3, 4 * xbytes, 1, 1, 1, optin);
+    const size_t sm1 = static_cast<size_t>(st1) * 2 * xbytes + detail::tma_extra_smem(st1);
+    const size_t sm2 = static_cast<size_t>(st2) * 4 * xbytes + detail::tma_extra_smem(st2);
+    int occ1 = 0, occ2 = 0;
+    if (k1 != nullptr && k2 != nullptr && st1 > 0 && st2 > 0 &&
+        tma_occupancy(k1, threads, sm1, &occ1) == cudaSuccess &&
+        tma_occupancy(k2, threads, sm2, &occ2) == cudaSuccess) {
+      const bool one_row = a.rms ? occ1 >= 2 * occ2 : occ1 > occ2;
+      const bool two_rows = !one_row && (!a.rms || occ2 >= 2);
+      if (one_row || two_rows) {
+        rows_per_iter = one_row ? 1 : 2;
+        kernel = one_row ? k1 : k2;
+        stages = one_row ? st1 : st2;
+        stage_bytes = static_cast<uint32_t>(rows_per_iter) * 2 * xbytes;
+        smem = one_row ? sm1 : sm2;
+        occ = one_row ? occ1 : occ2;
+        regs = 96;
+      }
+    }
+  }
   err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(occ) * sms;
@@ -571,6 +634,7 @@ cudaError_t tma_bwd_plan(const LnModBwdArgs& a, LnModBwdPlan* plan) {
   // Row mapping: interleaved for RMSNorm and per token (an item's blocks of rows_per_iter rows alternate
   // with those of the other items of its group, so that the CTAs read one contiguous front of memory).
   pl.regs = regs;
+  pl.kernel = kernel;
   // The row mapping is the kernel's own (detail::tma_bwd_interleaved, measured there).
   pl.interleave = detail::tma_bwd_interleaved(a.rms, per_row);
   const int64_t blocks = ceil_div(rows, rows_per_iter);  // per token; per group below
@@ -739,8 +803,9 @@ cudaError_t ln_mod_colsum(const LnModBwdArgs& a, const LnModBwdPlan& pl, const B
 // The bulk-copy backward's first pass; `p` gets the partial-row pointers the column-sum pass reads.
 cudaError_t tma_backward(const LnModBwdArgs& a, const LnModBwdPlan& pl, void* workspace, BwdParams* p_out,
                          cudaStream_t stream) {
-  const void* kernel =
-      tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, pl.vpt, pl.affine, pl.per_row, pl.rows_per_iter, pl.regs);
+  const void* kernel = pl.kernel != nullptr ? pl.kernel
+                                            : tma_bwd_kernel(a.x_dtype, a.mod_dtype, a.rms, pl.vpt, pl.affine,
+                                                             pl.per_row, pl.rows_per_iter, pl.regs);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   detail::TmaBwdParams p;
   p.dy = a.dy;

@@ -52,6 +52,12 @@ struct LnModFwdArgs {
   int path = 0;
   // Bulk-copy path, row mapping (benchmarks only): 0 choose; 1 contiguous rows per CTA; 2 interleaved.
   int interleave = 0;
+  // Bulk-copy path (benchmarks only): a kernel of the same signature to launch instead of the table's, with
+  // the mapping forced by `interleave` (1 or 2) to match the kernel's (benchmarks/kernels/norm_mod_mapping.cu).
+  const void* kernel_override = nullptr;
+  // Version 4's statistics (benchmarks only): 0 choose (two reductions per row, the default); 1 one
+  // reduction per row (fwd_finish_row_1p, measured slower); 2 two reductions.
+  int v4_stats = 0;
 };
 
 // Forward kernel paths (LnModFwdArgs::path).
@@ -85,6 +91,9 @@ struct LnModBwdArgs {
   int stages = 0;              // bulk-copy path: 0 choose; else rows in flight per CTA (tuning override)
   int path = 0;                // BwdPath: 0 choose; 1 the register-fed kernel (LayerNorm); 2 bulk copies
   int regs = 0;                // bulk-copy path, register cap (benchmarks only): 0 choose; 96, 112 or 128
+  // Bulk-copy path (benchmarks only): a kernel of the same signature and rows per iteration (`slots`) to
+  // launch instead of the table's; the plan's occupancy is the override's.
+  const void* kernel_override = nullptr;
 };
 
 // The launch plan of the backward; the workspace holds the fp32 column partials of the first pass.
@@ -104,6 +113,7 @@ struct LnModBwdPlan {
   bool interleave = false;  // bulk-copy path: an item's blocks of rows interleaved with its group's other items
                             // (fixed per kernel: RMSNorm and per token, see norm_mod_tma.cuh)
   int regs = 0;             // bulk-copy path: the kernel's register cap
+  const void* kernel = nullptr;  // bulk-copy path: the kernel to launch
   uint32_t stage_bytes = 0;
   size_t smem_bytes = 0;
   size_t workspace_bytes = 0;

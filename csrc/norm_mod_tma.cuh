@@ -207,8 +207,13 @@ __device__ __forceinline__ void fwd_issue(const TmaFwdParams& p, unsigned char* 
 // CTA b takes rows b, b + gridDim.x, ..., so that the CTAs read one contiguous front of memory at a time,
 // as a copy does. A template parameter, not a flag: the run-time choice cost the contiguous kernel at 4
 // vectors per thread 32 bytes more of spill under its 128-register cap, and 4-7% at D = 3072 and 5120.
-template <typename T, typename M, int VPT, bool RMS, bool PER_ROW, bool IL>
-__global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwdParams p) {
+// MOD_L1: read a per-sample / per-frame modulation row through L1 at every row instead of holding it in
+// registers (fewer registers, so more CTAs per SM). FMA_NORM: for 16-bit x, the LayerNorm normalisation as
+// one fused multiply-add, x * rstd - mean * rstd (see below). nm_fwd_tma_kernel is the library's kernel; the
+// body is shared with benchmarks/kernels/norm_mod_mapping.cu, which builds it under other register caps.
+template <typename T, typename M, int VPT, bool RMS, bool PER_ROW, bool IL, bool MOD_L1 = false,
+          bool FMA_NORM = false>
+__device__ __forceinline__ void nm_fwd_tma_body(const TmaFwdParams& p) {
   constexpr int VEC = Pack<T>::N;
   constexpr int LAG = PER_ROW ? 1 : 0;
   extern __shared__ __align__(128) unsigned char nm_smem[];
@@ -232,6 +237,7 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
   const uint32_t mbytes = static_cast<uint32_t>(D) * sizeof(M);
   const M* shg = static_cast<const M*>(p.shift);
   const M* scg = static_cast<const M*>(p.scale);
+  constexpr bool kFmaNorm = FMA_NORM && !RMS && sizeof(T) == 2;
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
@@ -251,7 +257,7 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
   // registers, reloaded when the group changes (a CTA's rows are contiguous, so rarely). Measured on an
   // H200 (--sweep, 2026-12-02): 3-4 vectors with the modulation in registers beat 5-8 (one warp per row)
   // reading it through L1 by 5-10%. Wider rows per thread read the group's rows through L1.
-  constexpr bool kModRegs = !PER_ROW && VPT <= 4;
+  constexpr bool kModRegs = !PER_ROW && VPT <= 4 && !MOD_L1;
   float msh[kModRegs ? VPT : 1][VEC], msc[kModRegs ? VPT : 1][VEC];
   int64_t cur_g = -1;
   const M* gsh = shg;
@@ -320,7 +326,10 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
       corr = sums[0] * inv_d;  // mean = K + corr
       const float var = fmaxf(sums[RMS ? 0 : 1] * inv_d - corr * corr, 0.f);
       rstd = rsqrtf(var + p.eps);
-      ncr = -corr * rstd;
+      // FMA_NORM (16-bit x only): -(K + corr) * rstd, so that x * rstd + ncr is the normalised value. The
+      // rounding of x * rstd is 2^-24 |x| / std, far below the output's bf16/fp16 precision for any row a
+      // 16-bit type can hold; fp32 rows keep the subtraction of K first.
+      ncr = kFmaNorm ? -(K + corr) * rstd : -corr * rstd;
     }
     const int64_t row = r0 + k * step;
     if (tid == 0) {
@@ -377,7 +386,7 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
           const float f = to_float(q.v[e]);
           // LayerNorm: (f - K - corr) * rstd as one subtraction and one fused multiply-add (K exact, a value
           // of the row, so f - K keeps the precision of the shifted sums; corr * rstd is O(1)).
-          nv[e] = RMS ? f * rstd : fmaf(f - mean0, rstd, ncr);
+          nv[e] = RMS ? f * rstd : kFmaNorm ? fmaf(f, rstd, ncr) : fmaf(f - mean0, rstd, ncr);
         }
         if (affine) {
           float w[VEC], b[VEC];
@@ -397,6 +406,11 @@ __global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwd
       phase ^= 1u;
     }
   }
+}
+
+template <typename T, typename M, int VPT, bool RMS, bool PER_ROW, bool IL>
+__global__ void __launch_bounds__(kTmaMaxThreads) nm_fwd_tma_kernel(const TmaFwdParams p) {
+  nm_fwd_tma_body<T, M, VPT, RMS, PER_ROW, IL>(p);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -552,14 +566,23 @@ __host__ __device__ constexpr bool tma_bwd_has_cap(int vpt, int rows, int regs) 
 
 // R: rows per iteration. A CTA owns all columns of its rows (fp32 column sums in registers), so it cannot
 // split a row between independent warps; R rows side by side give it R rows in flight per barrier instead.
-template <typename T, typename M, int VPT, bool RMS, bool AFFINE, bool PER_ROW, int R, int REGS>
+// FAST (OPT bit 0; 16-bit x only; fp32 x keeps the subtraction of the mean first): xhat = x * rstd - mean * rstd as one
+// fused multiply-add, and dx = rstd * dxhat + A * x + B with A = -rstd^2 * c2 and B = -rstd * (c1 + c2 *
+// (-mean * rstd)) per row, so that the second pass computes no xhat: fewer instructions per element and
+// fewer values live across the row's barrier. The extra rounding is 2^-24 |mean| / std relative, far below
+// the bf16/fp16 output's precision for any row such a type can hold.
+// OPT: bit 0 FAST; bit 1 the group's (1 + scale) read through L1 in both passes instead of held in registers;
+// bit 2 the next block's copies issued after the second pass (kLateIssue).
+template <typename T, typename M, int VPT, bool RMS, bool AFFINE, bool PER_ROW, int R, int REGS, int OPT = 0>
 __global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
   constexpr int VEC = Pack<T>::N;
+  constexpr bool kFast = (OPT & 1) && sizeof(T) == 2;
+  constexpr bool kLateIssue = (OPT & 4) != 0;
   constexpr int LAG = PER_ROW ? 1 : 0;
   constexpr bool IL = tma_bwd_interleaved(RMS, PER_ROW);
   // (1 + scale) of the item's group in registers where registers allow (one vector per thread); otherwise
   // re-read through L1, where the group's row stays.
-  constexpr bool kScaleInRegs = !PER_ROW && !AFFINE && VPT == 1;
+  constexpr bool kScaleInRegs = !PER_ROW && !AFFINE && VPT == 1 && !(OPT & 2);
   extern __shared__ __align__(128) unsigned char nm_smem[];
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
@@ -646,6 +669,9 @@ __global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
           if (!RMS) mu_n[j] = __ldg(p.mean + nxt);
         }
       }
+      float nmr[R];  // kFast: -mean * rstd
+#pragma unroll
+      for (int j = 0; j < R; ++j) nmr[j] = RMS ? 0.f : -mu[j] * rs[j];
       mbar_wait(bars + s, phase);
       const unsigned char* st = nm_smem + static_cast<size_t>(s) * p.stage_bytes;
       Pack<T> xr[R][VPT], dr[R][VPT];
@@ -700,7 +726,7 @@ __global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const float xf = to_float(xr[j][i].v[e]);
-            const float xh = RMS ? xf * rs[j] : (xf - mu[j]) * rs[j];
+            const float xh = RMS ? xf * rs[j] : kFast ? fmaf(xf, rs[j], nmr[j]) : (xf - mu[j]) * rs[j];
             const float dyv = to_float(dr[j][i].v[e]);
             const float nrm = AFFINE ? fmaf(xh, wv[e], bv[e]) : xh;
             const float sv = kScaleInRegs ? s1[i][e] : sg[e] + 1.f;
@@ -728,7 +754,9 @@ __global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
       }
       cta_sum_n<2 * R>(sums, red + (k & 1) * kTmaRedHalf, W, warp, lane);
       // Block k is in registers (with LAG 1, block k - 1 is finished): its stage takes the next block.
-      if (tid == 0) bwd_issue_ahead<T, M, PER_ROW, R, IL>(p, prod, nm_smem, bars, k - LAG + S);
+      // kLateIssue: after the second pass instead, where fewer values are live (the producer's state then
+      // needs no registers of its own).
+      if (!kLateIssue && tid == 0) bwd_issue_ahead<T, M, PER_ROW, R, IL>(p, prod, nm_smem, bars, k - LAG + S);
 
       // Second pass: dx.
 #pragma unroll
@@ -744,23 +772,30 @@ __global__ void __maxnreg__(REGS) nm_bwd_tma_kernel(const TmaBwdParams p) {
               if (PER_ROW) lds_floats<M, VEC>(reinterpret_cast<const M*>(st + 2 * R * xbytes + j * mbytes) + v * VEC, sg);
               const float c1 = RMS ? 0.f : sums[2 * j] * inv_d;
               const float c2 = sums[2 * j + 1] * inv_d;
+              const float ca = -rs[j] * rs[j] * c2;                  // kFast: A
+              const float cb = -rs[j] * fmaf(c2, nmr[j], c1);        // kFast: B
               Pack<T> out;
               const Pack<T> xq = launder(xr[j][i]);
               const Pack<T> dq = launder(dr[j][i]);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
                 const float xf = to_float(xq.v[e]);
-                const float xh = RMS ? xf * rs[j] : (xf - mu[j]) * rs[j];
                 const float sv = kScaleInRegs ? s1[i][e] : sg[e] + 1.f;
                 float dxh = to_float(dq.v[e]) * sv;
                 if (AFFINE) dxh *= wv[e];
-                out.v[e] = from_float<T>(rs[j] * (dxh - c1 - xh * c2));
+                if (kFast) {
+                  out.v[e] = from_float<T>(fmaf(rs[j], dxh, RMS ? ca * xf : fmaf(ca, xf, cb)));
+                } else {
+                  const float xh = RMS ? xf * rs[j] : (xf - mu[j]) * rs[j];
+                  out.v[e] = from_float<T>(rs[j] * (dxh - c1 - xh * c2));
+                }
               }
               store_pack(static_cast<T*>(p.dx) + (row0 + j) * D + v * VEC, out);
             }
           }
         }
       }
+      if (kLateIssue && tid == 0) bwd_issue_ahead<T, M, PER_ROW, R, IL>(p, prod, nm_smem, bars, k - LAG + S);
       if (++s == S) {
         s = 0;
         phase ^= 1u;
@@ -895,10 +930,35 @@ const void* tma_bwd_for(DType mod, int vpt, bool affine, bool per_row, int rows,
   return nullptr;
 }
 
+// The backward's tuned kernels (2026-12-03, second pass; tma_bwd_plan chooses among them by occupancy): 16-bit
+// x, one vector per thread, per sample or per frame, no affine, under the 96-register cap. `opt` is the
+// kernel's OPT: 4 the next block issued after the second pass (kLateIssue; no spill at 96 registers), 5 that and
+// the fast dx. Built: LayerNorm rows 1 and 2 with opt 5; RMSNorm rows 1 with opt 5 and rows 2 with opt 4. Other
+// x types: none (nullptr).
+template <typename T, typename M, bool RMS>
+const void* tma_bwd_tuned_tm(int rows, int opt) {
+  if (rows == 1 && opt == 5) return reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, 1, RMS, false, false, 1, 96, 5>);
+  if (rows == 2 && opt == (RMS ? 4 : 5))
+    return reinterpret_cast<const void*>(&nm_bwd_tma_kernel<T, M, 1, RMS, false, false, 2, 96, RMS ? 4 : 5>);
+  return nullptr;
+}
+
+template <typename T, bool RMS>
+const void* tma_bwd_tuned_for(DType mod, int rows, int opt) {
+  if constexpr (sizeof(T) != 2) {
+    return nullptr;
+  } else {
+    if (mod == dtype_of<T>()) return tma_bwd_tuned_tm<T, T, RMS>(rows, opt);
+    if (mod == DType::kFloat32) return tma_bwd_tuned_tm<T, float, RMS>(rows, opt);
+    return nullptr;
+  }
+}
+
 // Defined in norm_mod_tma_{bf16,fp16,fp32}_{ln,rms}.cu.
 #define ADAPTIVELOAD_TMA_DECL(tag)                                                   \
   const void* tma_fwd_kernel_##tag(DType mod, int vpt, bool per_row, bool interleave);                \
-  const void* tma_bwd_kernel_##tag(DType mod, int vpt, bool affine, bool per_row, int rows, int regs);
+  const void* tma_bwd_kernel_##tag(DType mod, int vpt, bool affine, bool per_row, int rows, int regs); \
+  const void* tma_bwd_tuned_kernel_##tag(DType mod, int rows, int opt);
 ADAPTIVELOAD_TMA_DECL(bf16_ln)
 ADAPTIVELOAD_TMA_DECL(bf16_rms)
 ADAPTIVELOAD_TMA_DECL(fp16_ln)

@@ -13,5 +13,9 @@ const void* tma_bwd_kernel_fp16_rms(DType mod, int vpt, bool affine, bool per_ro
   return tma_bwd_for<__half, true>(mod, vpt, affine, per_row, rows, regs);
 }
 
+const void* tma_bwd_tuned_kernel_fp16_rms(DType mod, int rows, int opt) {
+  return tma_bwd_tuned_for<__half, true>(mod, rows, opt);
+}
+
 }  // namespace detail
 }  // namespace adaptiveload

@@ -13,5 +13,9 @@ const void* tma_bwd_kernel_fp32_ln(DType mod, int vpt, bool affine, bool per_row
   return tma_bwd_for<float, false>(mod, vpt, affine, per_row, rows, regs);
 }
 
+const void* tma_bwd_tuned_kernel_fp32_ln(DType mod, int rows, int opt) {
+  return tma_bwd_tuned_for<float, false>(mod, rows, opt);
+}
+
 }  // namespace detail
 }  // namespace adaptiveload

@@ -11,17 +11,23 @@ added to every request (``--delays-ms``, default 20 and 0) by a process of its o
 
 Measured, for each way and latency:
 
-1. Ours, each schedule (independent, lockstep with its packed tail, packed): one epoch planned for
+1. Ours, each schedule (independent, lockstep with its packed tail, packed), with the ranges sent from the
+   loader's thread (``RemoteSettings.inline_http``, the default) and, as ``ours_fetch_threads``, from the
+   fetch threads (``--inline-http``): one epoch planned for
    ``--ranks`` ranks of one worker, every rank's stream read one after another in this process with the
    plan-guided ranged reader and default ``RemoteSettings``. The machine's load average at the start and
    end is recorded. Bytes and requests counted at nginx; samples/s of each stream (its samples / the
-   seconds from its first request to its last batch), reported as the mean, min and max over the streams.
+   seconds from its first request to its last batch), reported as the mean, min and max over the streams,
+   and the process's CPU seconds per sample over the epoch.
 2. webdataset's ``WebLoader`` over ``WebDataset`` streaming the same tars in order, one worker (the
    sequential stream every streaming library's worker runs), each sample's ``.npy`` members decoded.
 3. litdata's ``StreamingDataset`` over the same samples converted with litdata's ``optimize`` and served by
    the same nginx and proxy (litdata downloads whole chunks; it has no ``http://`` downloader, so a
    small one is registered that fetches a chunk with one GET, as its S3 downloader does). Skipped, and
-   said so in the JSON, where litdata is not installed.
+   said so in the JSON, where litdata is not installed. litdata requires torch (a CUDA build from PyPI);
+   beside the CPU torch, install it without its dependencies into a folder of its own:
+   ``pip install --no-deps --target /tmp/ldpk litdata tifffile obstore``, then run with
+   ``PYTHONPATH=/tmp/ldpk`` (its other dependencies are in the ``dev`` extra already).
 
 Writes ``benchmarks/results/remote_<date>.json`` (CPU model, shapes, settings, date). Never asserts a time.
 Run::
@@ -34,6 +40,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import io
 import os
@@ -86,7 +93,7 @@ def bench_ours(url: str, log: AccessLog, ranks: int, max_tokens: int, remote: Re
         plan = plan_epoch(index, ranks, 1, batcher, 0, 0, settings)
         mark = log.mark()
         rates, samples, requests, fetched = [], 0, 0, 0
-        began = time.perf_counter()
+        began, cpu0 = time.perf_counter(), time.process_time()
         for stream in sorted(plan.streams):
             t0 = time.perf_counter()
             n = 0
@@ -98,7 +105,7 @@ def bench_ours(url: str, log: AccessLog, ranks: int, max_tokens: int, remote: Re
             samples += n
             if n:
                 rates.append(n / dt)
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
         served = _settle(log, mark)
         out[name] = {
             "samples": samples,
@@ -111,11 +118,13 @@ def bench_ours(url: str, log: AccessLog, ranks: int, max_tokens: int, remote: Re
             "samples_per_s_per_worker_min": min(rates),
             "samples_per_s_per_worker_max": max(rates),
             "epoch_seconds_all_streams_in_turn": wall,
+            "cpu_us_per_sample": 1e6 * cpu / max(1, samples),
             "packed_tail_steps": plan.report.get("packed_tail_steps"),
         }
         print(
             f"  ours {name}: {out[name]['samples_per_s_per_worker_mean']:.1f} samples/s/worker, "
-            f"{served['bytes']} bytes in {served['requests']} requests"
+            f"{served['bytes']} bytes in {served['requests']} requests, "
+            f"{out[name]['cpu_us_per_sample']:.0f} us CPU/sample"
         )
     return out
 
@@ -246,6 +255,51 @@ def bench_litdata(url: str, log: AccessLog, cache: str) -> dict:
     }
 
 
+def _one_row(args, url, log, remote, index, lit, work, tag, delay, first_threads=False) -> dict:
+    """Ours (both ways with ``--inline-http both``, the fetch threads' first where ``first_threads``),
+    webdataset and litdata, one after another (litdata with a cache folder of its own per ``tag``: a
+    second read from its cache would fetch nothing)."""
+    row: dict = {}
+    variants = [("ours", remote)]
+    if args.inline_http == "both":
+        variants.append(("ours_fetch_threads", dataclasses.replace(remote, inline_http=False)))
+        if first_threads:
+            variants.reverse()  # every other repeat: neither way always reads first
+    for name, settings in variants:
+        print(f"  {name} (RemoteSettings.inline_http={settings.inline_http}):")
+        row[name] = bench_ours(url, log, args.ranks, args.max_tokens, settings)
+    urls = [f"{url}/data/{os.path.basename(s.path)}" for s in index.shards]
+    row["webdataset"] = bench_webdataset(urls, log)
+    if lit.get("converted"):
+        try:
+            row["litdata"] = bench_litdata(url, log, os.path.join(work, f"litcache-{tag}-{delay:g}"))
+            row["litdata"]["version"] = lit.get("version")
+        except Exception as err:  # noqa: BLE001 - reported in the JSON, not hidden
+            row["litdata"] = {"failed": f"{type(err).__name__}: {err}"}
+    else:
+        row["litdata"] = lit
+    return row
+
+
+def _medians(runs: list[dict]) -> dict:
+    """The median over the repeats of each reader's samples/s per worker (ours: the mean over the streams)."""
+    out: dict = {}
+    for name in runs[0]:
+        if name.startswith("ours"):
+            for sched in runs[0][name]:
+                rates = [r[name][sched]["samples_per_s_per_worker_mean"] for r in runs]
+                cpu = [r[name][sched]["cpu_us_per_sample"] for r in runs]
+                out[f"{name}/{sched}"] = {
+                    "samples_per_s_per_worker": statistics.median(rates),
+                    "cpu_us_per_sample": statistics.median(cpu),
+                    "each": rates,
+                }
+        elif all("samples_per_s_per_worker" in r[name] for r in runs):
+            rates = [r[name]["samples_per_s_per_worker"] for r in runs]
+            out[name] = {"samples_per_s_per_worker": statistics.median(rates), "each": rates}
+    return out
+
+
 def _uptime() -> str:
     """The machine's load (``uptime``): the numbers are of a shared, busy box."""
     try:
@@ -269,6 +323,21 @@ def main() -> None:
         default=["relay", "proxy"],
         help="what adds the latency: a TCP relay (little CPU per request) and/or the HTTP proxy",
     )
+    ap.add_argument(
+        "--inline-http",
+        choices=("on", "off", "both"),
+        default="both",
+        help="ours with RemoteSettings.inline_http on (the default: ranges sent from the loader's thread), "
+        "off (from the fetch threads), or both side by side (rows 'ours' and 'ours_fetch_threads')",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every reader this many times in turn (the JSON keeps each run and the medians; with "
+        "--inline-http both, every other repeat reads the fetch threads' way first): a busy 2-core machine "
+        "swings by 20%% between runs",
+    )
     ap.add_argument("--quick", action="store_true", help="96 samples, 4 ranks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     args = ap.parse_args()
@@ -288,13 +357,16 @@ def main() -> None:
     lit: dict = {}
     try:
         make_litdata(os.path.join(data, "index.json"), index.num_shards, os.path.join(www, "litdata"))
+        import litdata
+
         lit["converted"] = True
+        lit["version"] = getattr(litdata, "__version__", "unknown")
     except ImportError as err:
         lit = {"skipped": f"litdata is not installed ({err})"}
     except Exception as err:  # noqa: BLE001 - reported in the JSON, the rest still runs
         lit = {"skipped": f"litdata's optimize failed: {type(err).__name__}: {err}"[:500]}
     nginx = Nginx(www, os.path.join(work, "nginx")).start()
-    remote = RemoteSettings()
+    remote = RemoteSettings(inline_http=args.inline_http != "off")
     results: dict = {}
     try:
         for harness in args.latency_by:
@@ -310,20 +382,27 @@ def main() -> None:
                 url = f"http://127.0.0.1:{port}"
                 print(f"{harness}: latency {delay:g} ms per request")
                 try:
-                    row = {"ours": bench_ours(url, nginx.log, args.ranks, args.max_tokens, remote)}
-                    urls = [f"{url}/data/{os.path.basename(s.path)}" for s in index.shards]
-                    row["webdataset"] = bench_webdataset(urls, nginx.log)
-                    if lit.get("converted"):
-                        try:
-                            row["litdata"] = bench_litdata(
-                                url, nginx.log, os.path.join(work, f"litcache-{harness}-{delay:g}")
+                    runs = []
+                    for rep in range(args.repeats):
+                        if args.repeats > 1:
+                            print(f" repeat {rep + 1} of {args.repeats}")
+                        runs.append(
+                            _one_row(
+                                args,
+                                url,
+                                nginx.log,
+                                remote,
+                                index,
+                                lit,
+                                work,
+                                f"{harness}-{rep}",
+                                delay,
+                                rep % 2 == 1,
                             )
-                        except Exception as err:  # noqa: BLE001 - reported in the JSON, not hidden
-                            row["litdata"] = {"failed": f"{type(err).__name__}: {err}"}
-                    else:
-                        row["litdata"] = lit
+                        )
                 finally:
                     stop_script(proxy)
+                row = runs[0] if len(runs) == 1 else {"runs": runs, "median": _medians(runs)}
                 rows[f"{delay:g}ms"] = row
             results[harness] = rows
     finally:
@@ -348,6 +427,7 @@ def main() -> None:
             "workers_per_rank": 1,
             "max_tokens": args.max_tokens,
             "delays_ms": args.delays_ms,
+            "repeats": args.repeats,
             "remote": {k: getattr(remote, k) for k in remote.__dataclass_fields__},
             "machine_load": {"start": load_start, "end": _uptime()},
             "server": "nginx on 127.0.0.1, the latency added by a process of its own (latency_by)",

@@ -4,10 +4,13 @@
 // the same bytes, for bf16 x and fp32 modulation, through the library's own launchers (csrc/ln_modulate.cu) with
 // their benchmark overrides. Builds without torch, for bf16 x only (the other dtypes' tables are stubs):
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc -o /tmp/nm_mapping \
-//        benchmarks/kernels/norm_mod_mapping.cu csrc/ln_modulate.cu csrc/ln_modulate_bf16.cu \
-//        csrc/norm_mod_tma_bf16_ln.cu csrc/norm_mod_tma_bf16_rms.cu
+//   bash benchmarks/kernels/build_norm_mod_mapping.sh /tmp/nm_mapping   # parallel nvcc, see there
 //   /tmp/nm_mapping            # prints one line per shape and variant; nothing here asserts a time
+//
+// Variant kernels (norm_mod_variants.cu, 2026-12-03 second pass): the bulk-copy forward under register caps of
+// 128/96/80/64 with the modulation in registers or read through L1, the LayerNorm forward's one-FMA
+// normalisation, and the backward's fast dx, rows per iteration and caps; launched through the library's
+// launchers (kernel_override), so with the library's plans and the backward's column-sum pass.
 //
 // Each variant's outputs are compared with the first variant's (forward y and backward dx bitwise: the
 // same arithmetic per row; d_shift and d_scale relative, the column sums add in another order). Timing: 20
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "ln_modulate.h"
+#include "norm_mod_variants.h"
 
 namespace adaptiveload {
 namespace detail {
@@ -34,7 +38,8 @@ const void* bwd_kernel_fp16(DType, int, bool, bool) { return nullptr; }
 const void* bwd_kernel_fp32(DType, int, bool, bool) { return nullptr; }
 #define STUB(tag)                                                                        \
   const void* tma_fwd_kernel_##tag(DType, int, bool, bool) { return nullptr; }                 \
-  const void* tma_bwd_kernel_##tag(DType, int, bool, bool, int, int) { return nullptr; }
+  const void* tma_bwd_kernel_##tag(DType, int, bool, bool, int, int) { return nullptr; } \
+  const void* tma_bwd_tuned_kernel_##tag(DType, int, int) { return nullptr; }
 STUB(fp16_ln)
 STUB(fp16_rms)
 STUB(fp32_ln)
@@ -105,6 +110,60 @@ std::vector<T> host(const T* d, size_t n) {
   std::vector<T> h(n);
   CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
   return h;
+}
+
+// Elements of two bf16 arrays that differ bitwise, and the largest |a - b| (floats >= 0 compare as ints).
+__global__ void diff_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, unsigned long long* count,
+                          unsigned int* maxabs) {
+  unsigned long long c = 0;
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const unsigned short ua = reinterpret_cast<const unsigned short*>(a)[i];
+    const unsigned short ub = reinterpret_cast<const unsigned short*>(b)[i];
+    if (ua != ub) {
+      ++c;
+      const float d = fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i]));
+      m = d == d ? fmaxf(m, d) : 1e30f;
+    }
+  }
+  if (c) {
+    atomicAdd(count, c);
+    atomicMax(maxabs, __float_as_uint(m));
+  }
+}
+
+struct Diff {
+  unsigned long long count;
+  float maxabs;
+};
+
+Diff gpu_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n) {
+  static unsigned long long* dc = nullptr;
+  static unsigned int* dm = nullptr;
+  if (!dc) {
+    CK(cudaMalloc(&dc, 8));
+    CK(cudaMalloc(&dm, 4));
+  }
+  CK(cudaMemset(dc, 0, 8));
+  CK(cudaMemset(dm, 0, 4));
+  diff_bf16<<<1024, 256>>>(a, b, n, dc, dm);
+  CK(cudaGetLastError());
+  Diff d;
+  unsigned int m = 0;
+  CK(cudaMemcpy(&d.count, dc, 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&m, dm, 4, cudaMemcpyDeviceToHost));
+  std::memcpy(&d.maxabs, &m, 4);
+  return d;
+}
+
+// Registers and local memory (spill) per thread of a kernel.
+void kernel_res(const void* k, int* regs, int* local) {
+  cudaFuncAttributes fa;
+  *regs = *local = -1;
+  if (k && cudaFuncGetAttributes(&fa, k) == cudaSuccess) {
+    *regs = fa.numRegs;
+    *local = static_cast<int>(fa.localSizeBytes);
+  }
 }
 
 double rel_f32(const std::vector<float>& a, const std::vector<float>& b) {
@@ -192,24 +251,48 @@ int main(int argc, char** argv) {
       f.shift_stride = sh.D;
       f.scale_stride = sh.D;
       f.rms = rms;
-      // Forward variants: (path, interleave, stages).
+      // Forward variants: the library's kernels (path, interleave), then the variant kernels of
+      // norm_mod_variants.cu (register cap, modulation through L1, one-FMA LayerNorm normalisation) at the
+      // launcher's row mapping. Outputs compared with the first variant's on the GPU.
       struct FV {
-        int path, inter, stages;
-        const char* name;
+        int path, inter;
+        const void* kernel;
+        char name[48];
       };
-      std::vector<FV> fvs = {{4, 1, 0, "tma contiguous"}, {4, 2, 0, "tma interleaved"}};
-      if (!rms) {
-        fvs.insert(fvs.begin(), FV{2, 0, 0, "v4 (regs, persistent)"});
+      std::vector<FV> fvs;
+      if (!rms) fvs.push_back(FV{2, 0, nullptr, "v4 two-pass"});
+      if (!rms) fvs.push_back(FV{2, 0, nullptr, "v4 one-pass"});
+      fvs.push_back(FV{4, 1, nullptr, "tma contiguous"});
+      fvs.push_back(FV{4, 2, nullptr, "tma interleaved"});
+      fvs.push_back(FV{0, 0, nullptr, "auto (launcher)"});
+      if (sh.group > 1) {
+        LnModFwdArgs q = f;
+        q.path = kFwdTma;
+        NormModFwdPlan pq;
+        if (norm_mod_forward_plan(q, &pq) == cudaSuccess && pq.tma && !pq.per_row) {
+          for (int regs : {128, 96, 80, 64})
+            for (int l1 = 0; l1 < 2; ++l1)
+              for (int fma = 0; fma < (rms ? 1 : 2); ++fma) {
+                const void* k = nmv::fwd(rms, pq.vpt, pq.interleave, regs, l1, fma);
+                if (!k) continue;
+                FV v{4, pq.interleave ? 2 : 1, k, ""};
+                std::snprintf(v.name, sizeof v.name, "var %s r%d%s%s", pq.interleave ? "il" : "ct", regs,
+                              l1 ? " modL1" : " modreg", fma ? " fma" : "");
+                fvs.push_back(v);
+              }
+        }
       }
-      fvs.push_back({0, 0, 0, "auto (launcher)"});
-      std::vector<__nv_bfloat16> y_ref;
+      bool have_ref = false;
       for (const FV& v : fvs) {
         if (v.path == 2 && sh.group == 1) continue;
         LnModFwdArgs a = f;
         a.path = v.path;
         a.interleave = v.inter;
-        a.stages = v.stages;
-        CK(cudaMemsetAsync(y, 0xff, xb));
+        a.kernel_override = v.kernel;
+        a.v4_stats = std::strcmp(v.name, "v4 two-pass") == 0 ? 2 : std::strcmp(v.name, "v4 one-pass") == 0 ? 1 : 0;
+        __nv_bfloat16* yo = have_ref ? y : y2;  // the first variant's output stays in y2
+        CK(cudaMemsetAsync(yo, 0xff, xb));
+        a.y = yo;
         cudaError_t e = ln_mod_forward(a, 0);
         if (e != cudaSuccess) {
           std::printf("%-24s %-10s %-26s refused (%s)\n", sh.name, op, v.name, cudaGetErrorString(e));
@@ -217,21 +300,20 @@ int main(int argc, char** argv) {
           continue;
         }
         CK(cudaDeviceSynchronize());
-        std::vector<__nv_bfloat16> yh = host(y, n);
-        char check[64] = "reference";
-        if (y_ref.empty()) {
-          y_ref = yh;
-        } else {
-          size_t diff = 0;
-          for (int64_t i = 0; i < n; ++i) diff += std::memcmp(&yh[i], &y_ref[i], 2) != 0;
-          std::snprintf(check, sizeof check, "%zu elements differ", diff);
+        char check[96] = "reference";
+        if (have_ref) {
+          const Diff d = gpu_diff(yo, y2, n);
+          std::snprintf(check, sizeof check, "%llu differ, max %.3g", d.count, d.maxabs);
         }
+        have_ref = true;
         const float t = median_ms([&] { CK(ln_mod_forward(a, 0)); });
         NormModFwdPlan pl;
         CK(norm_mod_forward_plan(a, &pl));
-        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %s; plan tma %d thr %d st %d grid %d rpc %lld ctas/SM %d il %d\n",
+        int nr = 0, nl = 0;
+        kernel_res(v.kernel, &nr, &nl);
+        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %s; plan tma %d thr %d st %d grid %d rpc %lld ctas/SM %d il %d regs %d local %d\n",
                     sh.name, rms ? "rms fwd" : "ln fwd", v.name, t, 100.f * t_copy / t, check, pl.tma, pl.threads,
-                    pl.stages, pl.grid, (long long)pl.rows_per_cta, pl.ctas_per_sm, pl.interleave);
+                    pl.stages, pl.grid, (long long)pl.rows_per_cta, pl.ctas_per_sm, pl.interleave, nr, nl);
       }
       // Backward variants, after a forward that filled mean and rstd.
       CK(ln_mod_forward(f, 0));
@@ -250,17 +332,37 @@ int main(int argc, char** argv) {
       b.scale_stride = sh.D;
       b.rms = rms;
       struct BV {
-        int inter, regs;
-        const char* name;
+        int rows, regs, stages;
+        const void* kernel;
+        char name[48];
       };
-      // The backward's row mapping is fixed per kernel (interleaved for RMSNorm and per token).
-      std::vector<BV> bvs = {{0, 96, "96 regs"}, {0, 0, "auto (launcher)"}};
-      std::vector<__nv_bfloat16> dx_ref;
+      // The backward's row mapping is fixed per kernel (interleaved for RMSNorm and per token). Then the
+      // variant kernels (norm_mod_variants.cu): rows per iteration, register cap, the fast dx (16-bit x).
+      std::vector<BV> bvs = {{0, 0, 0, nullptr, "auto (launcher)"}, {0, 96, 0, nullptr, "96 regs"}};
+      if (sh.group > 1) {
+        // {rows per iteration, register cap, opt (bit 0 fast dx, bit 1 scale through L1, bit 2 late issue),
+        // stages (0: the launcher's)}
+        const int vlist[][4] = {{2, 96, 0, 0}, {2, 96, 1, 0}, {2, 96, 3, 0}, {2, 96, 4, 0}, {2, 96, 5, 0},
+                                {2, 96, 5, 3}, {2, 96, 7, 0}, {2, 96, 7, 3}, {2, 80, 5, 0}, {2, 80, 5, 3},
+                                {1, 96, 1, 0}, {1, 96, 5, 3}, {2, 112, 1, 0}, {2, 128, 0, 0}, {2, 128, 1, 0},
+                                {2, 128, 5, 0}, {2, 128, 5, 3}};
+        for (const auto& q : vlist) {
+          const void* k = nmv::bwd(rms, q[0], q[1], q[2]);
+          if (!k) continue;
+          BV v{q[0], q[1], q[3], k, ""};
+          std::snprintf(v.name, sizeof v.name, "var R%d r%d%s%s%s%s", q[0], q[1], q[2] & 1 ? " fast" : "",
+                        q[2] & 2 ? " scL1" : "", q[2] & 4 ? " late" : "", q[3] == 3 ? " st3" : "");
+          bvs.push_back(v);
+        }
+      }
       std::vector<float> dsh_ref, dsc_ref;
       for (const BV& v : bvs) {
         LnModBwdArgs a = b;
         a.path = kBwdTma;
-        a.regs = v.regs;
+        a.regs = v.kernel ? 0 : v.regs;
+        a.slots = v.kernel ? v.rows : 0;
+        a.kernel_override = v.kernel;
+        a.stages = v.stages;
         LnModBwdPlan pl;
         cudaError_t e = ln_mod_backward_plan(a, &pl);
         if (e != cudaSuccess || pl.workspace_bytes > ws_bytes) {
@@ -273,26 +375,26 @@ int main(int argc, char** argv) {
         CK(cudaMemsetAsync(dsc, 0xff, mb));
         CK(ln_mod_backward(a, pl, ws, 0));
         CK(cudaDeviceSynchronize());
-        std::vector<__nv_bfloat16> dxh = host(dx, n);
         std::vector<float> dshh = host(dsh, groups * sh.D), dsch = host(dsc, groups * sh.D);
-        char check[96] = "reference";
+        char check[128] = "reference";
         bool nan = false;
         for (float v2 : dshh) nan |= !std::isfinite(v2);
-        if (dx_ref.empty()) {
-          dx_ref = dxh;
+        if (dsh_ref.empty()) {
+          CK(cudaMemcpy(dx2, dx, xb, cudaMemcpyDeviceToDevice));
           dsh_ref = dshh;
           dsc_ref = dsch;
         } else {
-          size_t diff = 0;
-          for (int64_t i = 0; i < n; ++i) diff += std::memcmp(&dxh[i], &dx_ref[i], 2) != 0;
-          std::snprintf(check, sizeof check, "dx %zu differ, dshift rel %.1e, dscale rel %.1e%s", diff,
-                        rel_f32(dshh, dsh_ref), rel_f32(dsch, dsc_ref), nan ? " NaN" : "");
+          const Diff d = gpu_diff(dx, dx2, n);
+          std::snprintf(check, sizeof check, "dx %llu differ max %.3g, dshift rel %.1e, dscale rel %.1e%s", d.count,
+                        d.maxabs, rel_f32(dshh, dsh_ref), rel_f32(dsch, dsc_ref), nan ? " NaN" : "");
         }
         const float t = median_ms([&] { CK(ln_mod_backward(a, pl, ws, 0)); });
-        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %s; plan thr %d R %d st %d grid %d items %lld chunks %lld il %d regs %d\n",
+        int nr = 0, nl = 0;
+        kernel_res(pl.kernel, &nr, &nl);
+        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %s; plan thr %d R %d st %d grid %d items %lld chunks %lld il %d cap %d regs %d local %d\n",
                     sh.name, rms ? "rms bwd" : "ln bwd", v.name, t, 100.f * 1.5f * t_copy / t, check, pl.tpr,
                     pl.rows_per_iter, pl.stages, pl.grid, (long long)pl.num_items, (long long)pl.chunks,
-                    pl.interleave, pl.regs);
+                    pl.interleave, pl.regs, nr, nl);
       }
     }
     for (void* p : {(void*)x, (void*)y, (void*)y2, (void*)dy, (void*)dx, (void*)dx2, (void*)shift, (void*)scale,

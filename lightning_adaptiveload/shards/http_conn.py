@@ -20,12 +20,38 @@ import http.client
 import socket
 import ssl
 
-__all__ = ["Connection", "Response"]
+__all__ = ["MAX_HEAD_BYTES", "Connection", "Response", "parse_head"]
 
 #: Bytes of a status line and headers at most, and headers at most (http.client's limits).
 MAX_HEAD_BYTES = 64 << 10
 MAX_HEADERS = 100
 _RECV = 1 << 16
+
+
+def parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
+    """An answer's status line and headers (``head``: the bytes before the blank line), as
+    ``(status, reason, headers)`` with lower-cased names (repeated headers joined by ``", "``).
+
+    Raises:
+        http.client.BadStatusLine, http.client.HTTPException: a malformed status line or header line,
+            or more than :data:`MAX_HEADERS` headers.
+    """
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code, _, reason = rest.partition(" ")
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise http.client.BadStatusLine(lines[0][:200])
+    if len(lines) - 1 > MAX_HEADERS:
+        raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise http.client.HTTPException(f"malformed header line {line[:200]!r}")
+        key = name.lower()
+        value = value.strip()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return int(code), reason.strip(), headers
 
 
 class Connection:
@@ -85,23 +111,9 @@ class Connection:
                 if self.buf:
                     raise http.client.IncompleteRead(bytes(self.buf))
                 raise http.client.RemoteDisconnected("Remote end closed connection without response")
-        head = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+        head = bytes(self.buf[:end])
         del self.buf[: end + 4]
-        version, _, rest = head[0].partition(" ")
-        code, _, reason = rest.partition(" ")
-        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise http.client.BadStatusLine(head[0][:200])
-        if len(head) - 1 > MAX_HEADERS:
-            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
-        headers: dict[str, str] = {}
-        for line in head[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name or name != name.strip():
-                raise http.client.HTTPException(f"malformed header line {line[:200]!r}")
-            key = name.lower()
-            value = value.strip()
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        return int(code), reason.strip(), headers
+        return parse_head(head)
 
     def close(self) -> None:
         if self.sock is not None:

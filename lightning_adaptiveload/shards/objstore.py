@@ -40,11 +40,14 @@ from lightning_adaptiveload.shards.http_conn import Connection, Response
 from lightning_adaptiveload.shards.paths import is_url, norm_path, open_regular
 
 __all__ = [
+    "CutShort",
     "RangeLie",
     "RangeStore",
     "RemoteSettings",
     "Transient",
+    "cut_short",
     "fetch",
+    "judge_range_head",
     "read_object",
     "store_for",
 ]
@@ -118,6 +121,15 @@ class RemoteSettings:
     backoff_max_s: float = 10.0
     """The longest wait between two attempts (seconds)."""
 
+    inline_http: bool = True
+    """Plain ``http://`` ranges of at most 64 KiB are sent and read by the loader's own thread, over
+    non-blocking sockets (:mod:`~.http_pump`), rather than by the fetch threads: no interpreter lock
+    changes hands per request, which roughly halves a small request's CPU. Answers are judged as the
+    threads judge them (a lie refused at once); a failed attempt is retried through the threads after its
+    backoff, and redirects and chunked answers are left to them. ``https://``, the other schemes, larger
+    ranges, a configured cache and a custom store always use the threads. False: every range goes
+    through the threads."""
+
     cache_bytes: int = 0
     """A local cache of fetched spans, bounded in bytes (least recently used evicted); 0: no cache."""
 
@@ -125,6 +137,8 @@ class RemoteSettings:
     """The cache's folder (None: a folder under the system's temporary directory)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.inline_http, bool):
+            raise ValueError(f"RemoteSettings.inline_http must be True or False, got {self.inline_http!r}")
         if self.ranged not in ("auto", "always", "never"):
             raise ValueError(
                 f"RemoteSettings.ranged must be 'auto', 'always' or 'never', got {self.ranged!r}"
@@ -239,6 +253,54 @@ _REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5
 
 
+def judge_range_head(
+    url: str, start: int, length: int, status: int, reason: str, header: Callable[[str], str | None]
+) -> None:
+    """Judge the status and headers of the answer to ``Range: bytes=start-(start+length-1)`` of ``url``;
+    returns where its body is to be read (``206`` of exactly that range, or ``200`` whose whole file is
+    the range), else raises: :class:`Transient` (5xx, 429: retried), ``FileNotFoundError`` (404, 410),
+    :class:`RangeLie` (a ``200`` with the whole file, a ``Content-Range`` or ``Content-Length`` other than
+    asked) or ``OSError`` (any other status). ``header(name)`` gives a header's value or None.
+
+    Used by :class:`HttpStore` and by the loader thread's own requests (:mod:`~.http_pump`), so both
+    take and refuse the same answers with the same messages.
+    """
+    if status in _RETRY_STATUS:
+        raise Transient(f"HTTP {status} {reason}")
+    if status in (404, 410):
+        raise FileNotFoundError(f"{url}: HTTP {status} {reason}")
+    if status == 200:
+        size = header("Content-Length")
+        if start == 0 and size is not None and size.isdigit() and int(size) == length:
+            return
+        raise RangeLie(
+            f"{url}: asked for bytes {start}-{start + length - 1}, the server sent 200 with the whole "
+            f"file ({size} bytes): it ignores Range requests"
+        )
+    if status != 206:
+        raise OSError(f"{url}: HTTP {status} {reason}")
+    got = header("Content-Range") or ""
+    unit, _, rest = got.partition(" ")
+    span, _, _total = rest.partition("/")
+    first, _, last = span.partition("-")
+    if (
+        unit != "bytes"
+        or not (first.isdigit() and last.isdigit())
+        or (int(first), int(last)) != (start, start + length - 1)
+    ):
+        raise RangeLie(
+            f"{url}: asked for bytes {start}-{start + length - 1}, the answer's Content-Range is {got!r}"
+        )
+    size = header("Content-Length")
+    if size is not None and (not size.isdigit() or int(size) != length):
+        raise RangeLie(f"{url}: asked for {length} bytes at {start}, the answer's Content-Length is {size!r}")
+
+
+def cut_short(url: str, start: int, length: int, got: int) -> CutShort:
+    """The error of a body that ended after ``got`` of the ``length`` bytes asked at ``start``."""
+    return CutShort(f"{url}: asked for {length} bytes at {start}, the body ended after {got}")
+
+
 class HttpStore(RangeStore):
     """``http(s)://`` with ``Range: bytes=a-b``; one kept-alive connection per thread and host."""
 
@@ -345,52 +407,16 @@ class HttpStore(RangeStore):
         return data
 
     def _body(self, resp: Response, url: str, start: int, length: int) -> bytes:
-        status = resp.status
-        if status in _RETRY_STATUS:
+        if resp.status in _RETRY_STATUS:
             resp.read(1 << 16)  # a short error page; never the whole of a lying body
-            raise Transient(f"HTTP {status} {resp.reason}")
-        if status in (404, 410):
-            raise FileNotFoundError(f"{url}: HTTP {status} {resp.reason}")
-        if status == 200:
-            size = resp.getheader("Content-Length")
-            if start == 0 and size is not None and size.isdigit() and int(size) == length:
-                return self._read(resp, url, start, length)
-            raise RangeLie(
-                f"{url}: asked for bytes {start}-{start + length - 1}, the server sent 200 with the whole "
-                f"file ({size} bytes): it ignores Range requests"
-            )
-        if status != 206:
-            raise OSError(f"{url}: HTTP {status} {resp.reason}")
-        got = resp.getheader("Content-Range") or ""
-        unit, _, rest = got.partition(" ")
-        span, _, _total = rest.partition("/")
-        first, _, last = span.partition("-")
-        if (
-            unit != "bytes"
-            or not (first.isdigit() and last.isdigit())
-            or (int(first), int(last))
-            != (
-                start,
-                start + length - 1,
-            )
-        ):
-            raise RangeLie(
-                f"{url}: asked for bytes {start}-{start + length - 1}, the answer's Content-Range is {got!r}"
-            )
-        size = resp.getheader("Content-Length")
-        if size is not None and (not size.isdigit() or int(size) != length):
-            raise RangeLie(
-                f"{url}: asked for {length} bytes at {start}, the answer's Content-Length is {size!r}"
-            )
+        judge_range_head(url, start, length, resp.status, resp.reason, resp.getheader)
         return self._read(resp, url, start, length)
 
     def _read(self, resp: Response, url: str, start: int, length: int) -> bytes:
         try:
             data = resp.read(length + 1)  # one byte more: a body longer than asked for is a lie too
         except http.client.IncompleteRead as err:
-            raise CutShort(
-                f"{url}: asked for {length} bytes at {start}, the body ended after {len(err.partial)}"
-            ) from None
+            raise cut_short(url, start, length, len(err.partial)) from None
         except (OSError, http.client.HTTPException) as err:
             raise Transient(f"{type(err).__name__} while reading the body: {err}") from None
         if len(data) > length:
@@ -595,11 +621,16 @@ def fetch(
     *,
     what: Callable[[], tuple[str | None, str | None]] = lambda: (None, None),
     sleep: Callable[[float], None] = time.sleep,
+    prior: Exception | None = None,
 ) -> tuple[bytes, int]:
     """``length`` bytes at ``start`` of ``url``, retried on transient failures; ``(data, attempts)``.
 
     Args:
         what: ``() -> (key, member)`` named in an error (the samples the range holds).
+        prior: how a first attempt made elsewhere failed (a :class:`Transient`, :class:`RangeLie` or
+            ``OSError``, as :meth:`RangeStore.get` raises them): judged as if ``store.get`` had raised it,
+            counted as attempt 1 (a lie is refused at once, never asked again; a transient failure waits
+            its backoff before the store tries).
 
     Raises:
         ShardError: ``bad_range`` for an answer that lies; ``unreachable_shard`` when
@@ -611,7 +642,10 @@ def fetch(
     while True:
         attempt += 1
         try:
-            return store.get(url, start, length), attempt
+            if prior is None:
+                return store.get(url, start, length), attempt
+            failed, prior = prior, None
+            raise failed
         except RangeLie as err:
             key, member = what()
             raise ShardError(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_adaptiveload.shards.format import ShardError, ShardInfo
+from lightning_adaptiveload.shards.http_pump import Pump, Ticket, left_to_store, pumpable
 from lightning_adaptiveload.shards.objstore import RangeStore, RemoteSettings, fetch, store_for
 from lightning_adaptiveload.shards.paths import is_url
 from lightning_adaptiveload.shards.reader import iter_range
@@ -241,7 +242,10 @@ class RangedReader:
             self._cache = SpanCache(settings.cache_bytes, settings.cache_dir)
         self.counts = FetchCounts()
         self._lock = threading.Lock()
-        self._futures: dict[tuple[int, int], Future] = {}  # (batch, request) -> its bytes
+        # (batch, request) -> its bytes: a fetch thread's Future, or a Ticket of the pump (inline_http)
+        self._futures: dict[tuple[int, int], Future | Ticket] = {}
+        self._pump: Pump | None = None
+        self._inline = settings.inline_http and store is None and self._cache is None
         self._queue: deque[tuple[int, int]] = deque(
             (j, k) for j, reqs in enumerate(self.requests) for k in range(len(reqs))
         )
@@ -258,7 +262,7 @@ class RangedReader:
 
     # -- fetching (pool threads) -----------------------------------------------------------------------
 
-    def _fetch(self, req: SpanRequest) -> bytes:
+    def _fetch(self, req: SpanRequest, prior: Exception | None = None) -> bytes:
         info = self.info(req.shard)
         url = info.path
         store = self._store if self._store is not None else store_for(url, self.settings.timeout_s)
@@ -276,7 +280,7 @@ class RangedReader:
             key = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more samples: {keys[1:4]})"
             return key, f"bytes {req.start}-{req.end - 1}"
 
-        data, attempts = fetch(store, url, req.start, req.length, self.settings, what=what)
+        data, attempts = fetch(store, url, req.start, req.length, self.settings, what=what, prior=prior)
         with self._lock:
             self.counts.bytes += len(data)
             self.counts.requests += 1
@@ -298,7 +302,54 @@ class RangedReader:
                 break
             self._queue.popleft()
             self._in_flight += req.length
-            self._futures[(j, k)] = pool.submit(self._fetch, req)
+            self._futures[(j, k)] = self._submit(req, pool)
+
+    def _submit(self, req: SpanRequest, pool: ThreadPoolExecutor) -> Future | Ticket:
+        if self._inline:
+            url = self.info(req.shard).path
+            if pumpable(url, req.length) and not left_to_store(url):
+                if self._pump is None:
+                    self._pump = Pump(
+                        self.settings.max_concurrency, self.settings.timeout_s, self._not_arrived
+                    )
+                return self._pump.start(url, req.start, req.length, req)
+        return pool.submit(self._fetch, req)
+
+    def _not_arrived(self, ticket: Ticket) -> None:
+        """A range the pump ended without its body: the threads take it on, with the pump's attempt as
+        :func:`~.objstore.fetch`'s first (a lie refused at once, a transient failure retried after its
+        backoff); an answer the pump does not read (a redirect, chunks) is asked of the store afresh, and
+        that URL's next ranges go to the store directly."""
+        pool = _shared_pool(self.settings.max_concurrency)
+        ticket.fallback = pool.submit(self._fetch, ticket.ctx, ticket.error)
+
+    def _arrived(self, ticket: Ticket) -> None:
+        with self._lock:
+            self.counts.bytes += ticket.length
+            self.counts.requests += 1
+        ticket.ctx = None  # counted once
+
+    def _result(self, got: Future | Ticket) -> bytes | bytearray:
+        if isinstance(got, Future):
+            return self._thread_result(got)
+        if got.pending:
+            assert self._pump is not None
+            self._pump.wait(got)
+        if got.data is not None:
+            if got.ctx is not None:
+                self._arrived(got)
+            return got.data
+        assert got.fallback is not None
+        return self._thread_result(got.fallback)
+
+    def _thread_result(self, fut: Future) -> bytes:
+        """A fetch thread's bytes; while they are awaited, the pump's requests keep going (answers read,
+        the queued sent), or the read-ahead would stall behind one large range."""
+        pump = self._pump
+        if pump is not None and pump.busy and not fut.done():
+            fut.add_done_callback(lambda _: pump.wake())
+            pump.wait_for(fut.done)
+        return fut.result()
 
     # -- taking (the stream's thread) ------------------------------------------------------------------
 
@@ -314,6 +365,8 @@ class RangedReader:
         self._top_up(j)
         out: dict[Ref, dict[str, Any]] = {}
         try:
+            if self._pump is not None:
+                self._pump.run(0)  # notice what has arrived before judging whether the loader waits
             if not first and any(not self._futures[(j, k)].done() for k in range(len(self.requests[j]))):
                 self.waits += 1  # the network is behind the loader: read further ahead from now on
                 grown = min(max(1, 4 * self.depth), self.settings.max_read_ahead_batches)
@@ -323,7 +376,7 @@ class RangedReader:
             for k, req in enumerate(self.requests[j]):
                 fut = self._futures.pop((j, k))
                 try:
-                    data = fut.result()
+                    data = self._result(fut)
                 except ShardError as err:
                     if self.on_error != "skip" or err.reason == "unreachable_shard":
                         raise  # a server away for longer than the wait is no bad data: never skipped
@@ -349,6 +402,8 @@ class RangedReader:
                     ref = sample["__ref__"]
                     self._held[(int(ref[0]), int(ref[1]))] = sample
                 del data
+                if self._pump is not None:
+                    self._pump.run(0)  # take what has arrived meanwhile and send what is queued
             for ref in self._batch_refs[j]:
                 got = self._held.pop(ref, None)
                 if got is not None:  # absent: skipped under on_error="skip", counted
@@ -364,7 +419,21 @@ class RangedReader:
         """Cancel what is queued and in flight, and wait for the requests already running (the shared
         threads stay, for the next reader)."""
         self._queue.clear()
-        running = [fut for fut in self._futures.values() if not fut.cancel()]
+        running: list[Future] = []
+        for got in self._futures.values():
+            if isinstance(got, Future):
+                if not got.cancel():
+                    running.append(got)
+            elif got.data is not None and got.ctx is not None:
+                self._arrived(got)  # fetched and never taken: still counted, as the server counted it
+            elif got.pending and got.sent:
+                with self._lock:
+                    self.counts.requests += 1  # asked, its answer dropped unread
+            elif got.fallback is not None and not got.fallback.cancel():
+                running.append(got.fallback)
+        if self._pump is not None:
+            self._pump.close()
+            self._pump = None
         self._futures.clear()
         self._held.clear()
         if running:

@@ -5,6 +5,8 @@
 - A server stopped in the middle of an epoch and started again: the epoch completes, exactly once.
 - A server gone for longer than ``retry_wait_s``, or one that accepts and never answers: a clear error
   naming the URL after a bounded wait, no hang.
+- Each runs with the ranges sent from the loader's thread (``inline_http``, the default) and from the
+  fetch threads.
 - A range answer that lies (a short body, a wrong ``Content-Range``, a wrong ``Content-Length``, the whole
   file, other bytes under the right headers) is refused, naming the shard and the member; under
   ``on_error="skip"`` its samples are left out and counted.
@@ -48,7 +50,8 @@ def _read_in_thread(fn, timeout: float):
     return box.get("result"), box.get("error")
 
 
-def test_injected_5xx_and_resets_are_retried(proxy):
+@pytest.mark.parametrize("inline", [True, False], ids=["loader-thread", "fetch-threads"])
+def test_injected_5xx_and_resets_are_retried(proxy, inline):
     index = _index(proxy.url)
     proxy.add(
         Fault("status", match=".tar", ranged=True, skip=2, times=3, status=503),
@@ -60,7 +63,9 @@ def test_injected_5xx_and_resets_are_retried(proxy):
     plan, batcher = plan_of(index, "lockstep", 4, workers=1)
     mark = proxy.mark()
     # requests merged within each batch only: enough requests (> 36) for every fault's skip to land
-    read = read_streams(index, plan, batcher, RemoteSettings(**QUICK, merge_window_bytes=0))
+    read = read_streams(
+        index, plan, batcher, RemoteSettings(**QUICK, merge_window_bytes=0, inline_http=inline)
+    )
     every_key_once(read, index)
     rows = proxy.since(mark)
     assert {k: proxy.injected(k) for k in ("status", "reset", "reset_mid_body")} == {
@@ -75,21 +80,23 @@ def test_injected_5xx_and_resets_are_retried(proxy):
     assert good["bytes"] == span_bytes(index) == read.fetched["bytes"]
 
 
-def test_delays_are_waited_out_and_a_timeout_is_retried(proxy):
+@pytest.mark.parametrize("inline", [True, False], ids=["loader-thread", "fetch-threads"])
+def test_delays_are_waited_out_and_a_timeout_is_retried(proxy, inline):
     index = _index(proxy.url)
     # delays under the timeout are waited for; two longer than it time out and are asked again
     proxy.add(Fault("delay", match=".tar", ranged=True, skip=1, times=4, delay_s=0.2))
     proxy.add(Fault("delay", match=".tar", ranged=True, skip=12, times=2, delay_s=3.0))
     plan, batcher = plan_of(index, "independent", 2, workers=1)
     # requests merged within each batch only: enough of them (> 13) for both faults' skips to land
-    remote = RemoteSettings(**{**QUICK, "timeout_s": 1.0, "merge_window_bytes": 0})
+    remote = RemoteSettings(**{**QUICK, "timeout_s": 1.0, "merge_window_bytes": 0}, inline_http=inline)
     read = read_streams(index, plan, batcher, remote)
     every_key_once(read, index)
     assert proxy.injected("delay") == 6
     assert read.fetched["retries"] >= 2, read.fetched
 
 
-def test_a_server_stopped_and_restarted_mid_epoch_completes_it_exactly_once(own_nginx):
+@pytest.mark.parametrize("inline", [True, False], ids=["loader-thread", "fetch-threads"])
+def test_a_server_stopped_and_restarted_mid_epoch_completes_it_exactly_once(own_nginx, inline):
     index = _index(own_nginx.url)
     plan, batcher = plan_of(index, "lockstep", 4, workers=1)
     restarted: list[threading.Thread] = []
@@ -100,7 +107,7 @@ def test_a_server_stopped_and_restarted_mid_epoch_completes_it_exactly_once(own_
             restarted.append(own_nginx.restart_after(1.5))
 
     # little read-ahead, so that requests are still to be made when the server goes away
-    remote = RemoteSettings(**QUICK, read_ahead_batches=1, max_concurrency=2)
+    remote = RemoteSettings(**QUICK, read_ahead_batches=1, max_concurrency=2, inline_http=inline)
     read = read_streams(index, plan, batcher, remote, on_batch=outage)
     restarted[0].join(30)
     assert own_nginx.starts == 2
@@ -126,11 +133,14 @@ def test_a_server_gone_for_longer_fails_naming_the_url_after_a_bounded_wait(own_
     assert f"{own_nginx.url}/data/shard-" in str(err) and "retry_wait_s" in str(err), str(err)
 
 
-def test_a_server_that_never_answers_fails_after_a_bounded_wait(proxy):
+@pytest.mark.parametrize("inline", [True, False], ids=["loader-thread", "fetch-threads"])
+def test_a_server_that_never_answers_fails_after_a_bounded_wait(proxy, inline):
     index = _index(proxy.url)
     proxy.add(Fault("delay", match=".tar", ranged=True, skip=2, times=None, delay_s=60.0))
     plan, batcher = plan_of(index, "independent", 2, workers=1)
-    remote = RemoteSettings(backoff_s=0.05, backoff_max_s=0.2, retry_wait_s=2.0, timeout_s=0.5)
+    remote = RemoteSettings(
+        backoff_s=0.05, backoff_max_s=0.2, retry_wait_s=2.0, timeout_s=0.5, inline_http=inline
+    )
     _, err = _read_in_thread(lambda: read_streams(index, plan, batcher, remote), timeout=60)
     assert isinstance(err, ShardError) and err.reason == "unreachable_shard", repr(err)
     assert f"{proxy.url}/data/shard-" in str(err)
@@ -146,11 +156,14 @@ LIES = [
 
 
 @pytest.mark.parametrize("lie", LIES)
-def test_a_lying_range_is_refused_naming_the_shard_and_the_member(proxy, lie):
+@pytest.mark.parametrize("inline", [True, False], ids=["loader-thread", "fetch-threads"])
+def test_a_lying_range_is_refused_naming_the_shard_and_the_member(proxy, lie, inline):
     index = _index(proxy.url)
     proxy.add(Fault(lie, match=".tar", ranged=True, skip=3, times=None))
     plan, batcher = plan_of(index, "lockstep", 4, workers=1)
-    _, err = _read_in_thread(lambda: read_streams(index, plan, batcher, RemoteSettings(**QUICK)), timeout=60)
+    _, err = _read_in_thread(
+        lambda: read_streams(index, plan, batcher, RemoteSettings(**QUICK, inline_http=inline)), timeout=60
+    )
     assert isinstance(err, ShardError), f"{lie}: {err!r}"
     assert proxy.injected(lie) >= 1
     message = str(err)
