@@ -20,7 +20,7 @@ import http.client
 import socket
 import ssl
 
-__all__ = ["MAX_HEAD_BYTES", "Connection", "Response", "parse_head"]
+__all__ = ["MAX_HEAD_BYTES", "Connection", "Response", "host_header", "parse_head", "request_head"]
 
 #: Bytes of a status line and headers at most, and headers at most (http.client's limits).
 MAX_HEAD_BYTES = 64 << 10
@@ -54,15 +54,28 @@ def parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
     return int(code), reason.strip(), headers
 
 
+def host_header(scheme: str, host: str, port: int) -> str:
+    """The ``Host`` header of ``scheme://host:port`` (the port left out where it is the scheme's own)."""
+    name = f"[{host}]" if ":" in host else host
+    default = (scheme == "https" and port == 443) or (scheme == "http" and port == 80)
+    return name if default else f"{name}:{port}"
+
+
+def request_head(method: str, target: str, host: str, headers: dict[str, str]) -> bytes:
+    """The bytes of a request without a body: its line, ``Host: host``, ``Accept-Encoding: identity``
+    (bodies as stored, never re-encoded), then ``headers``."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Accept-Encoding: identity"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
 class Connection:
     """One kept-alive connection to ``scheme://netloc`` (``http`` or ``https``), opened when first used."""
 
     def __init__(self, scheme: str, host: str, port: int | None, timeout: float) -> None:
         self.scheme, self.host, self.timeout = scheme, host, timeout
         self.port = port if port is not None else (443 if scheme == "https" else 80)
-        default = (scheme == "https" and self.port == 443) or (scheme == "http" and self.port == 80)
-        name = f"[{host}]" if ":" in host else host
-        self.host_header = name if default else f"{name}:{self.port}"
+        self.host_header = host_header(scheme, host, self.port)
         self.sock: socket.socket | None = None
         self.buf = bytearray()  # bytes received and not yet taken
         self.response: Response | None = None
@@ -81,9 +94,7 @@ class Connection:
         if self.sock is None:
             self.sock = self._open()
             self.buf = bytearray()
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}", "Accept-Encoding: identity"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        self.sock.sendall(request_head(method, target, self.host_header, headers))
 
     def _fill(self) -> int:
         """Receive more bytes into the buffer; 0 at the connection's end."""

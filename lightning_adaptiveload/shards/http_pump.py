@@ -32,7 +32,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable
 
-from lightning_adaptiveload.shards.http_conn import MAX_HEAD_BYTES, parse_head
+from lightning_adaptiveload.shards.http_conn import MAX_HEAD_BYTES, host_header, parse_head, request_head
 from lightning_adaptiveload.shards.objstore import RangeLie, Transient, cut_short, judge_range_head
 
 __all__ = ["MAX_PUMP_BYTES", "Pump", "Ticket", "left_to_store", "pumpable"]
@@ -220,13 +220,12 @@ class Pump:
                 self._end(ticket, Transient(f"{type(err).__name__}: {err}"))
                 return
         conn = _Conn(sock, ticket.host, reused, ticket)
-        host, port = ticket.host
-        name = f"[{host}]" if ":" in host else host
-        conn.out = (
-            f"GET {ticket.target} HTTP/1.1\r\nHost: {name if port == 80 else f'{name}:{port}'}\r\n"
-            f"Accept-Encoding: identity\r\nRange: bytes={ticket.start}-{ticket.start + ticket.length - 1}"
-            "\r\n\r\n"
-        ).encode("latin-1")
+        conn.out = request_head(
+            "GET",
+            ticket.target,
+            host_header("http", *ticket.host),
+            {"Range": f"bytes={ticket.start}-{ticket.start + ticket.length - 1}"},
+        )
         conn.deadline = time.monotonic() + self.timeout_s
         self._busy.add(conn)
         if reused:

@@ -324,10 +324,10 @@ class RangedReader:
         ticket.fallback = pool.submit(self._fetch, ticket.ctx, ticket.error)
 
     def _arrived(self, ticket: Ticket) -> None:
+        """Count a range the pump read (once: when it is taken, or dropped at :meth:`close`)."""
         with self._lock:
             self.counts.bytes += ticket.length
             self.counts.requests += 1
-        ticket.ctx = None  # counted once
 
     def _result(self, got: Future | Ticket) -> bytes | bytearray:
         if isinstance(got, Future):
@@ -336,8 +336,7 @@ class RangedReader:
             assert self._pump is not None
             self._pump.wait(got)
         if got.data is not None:
-            if got.ctx is not None:
-                self._arrived(got)
+            self._arrived(got)  # taken once: popped from _futures before this call
             return got.data
         assert got.fallback is not None
         return self._thread_result(got.fallback)
@@ -424,7 +423,7 @@ class RangedReader:
             if isinstance(got, Future):
                 if not got.cancel():
                     running.append(got)
-            elif got.data is not None and got.ctx is not None:
+            elif got.data is not None:
                 self._arrived(got)  # fetched and never taken: still counted, as the server counted it
             elif got.pending and got.sent:
                 with self._lock:
