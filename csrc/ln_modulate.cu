@@ -458,13 +458,10 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   if (old_path >= 2 && !fits) return cudaErrorInvalidValue;
   const bool single_row_wins = a.group_size == a.rows && W == 2;
   const bool persistent = old_path >= 2 || (old_path == 0 && fits && a.group_size > 1 && !single_row_wins);
-  // Version 4 keeps its two reductions per row. The one-reduction kernel (fwd_finish_row_1p, v4_stats = 1,
-  // benchmarks only) measured 4-12% slower on an H200 at every width (2026-12-03, second pass:
-  // benchmarks/results/norm_mod_mapping_nvidia-h200_2026-12-03_s33_run2.txt), so it is not the default.
-  const bool one_pass = a.v4_stats == 1;
+  // Version 4 keeps two reductions per row (a one-reduction version measured 4-12% slower on an H200 at
+  // every width, 2026-12-03 second pass, and was removed).
   const int kind = !persistent      ? detail::kFwdSingleRow
                    : old_path == 3 ? detail::kFwdPersistentLowRegs
-                   : one_pass      ? detail::kFwdPersistentOnePass
                                    : detail::kFwdPersistent;
   const int rows_per_cta = persistent ? 1 : a.rows_per_cta > 0 ? a.rows_per_cta : std::max(1, 128 / (32 * W));
   if (32 * W * rows_per_cta > detail::kFwdMaxThreads) return cudaErrorInvalidValue;
@@ -488,7 +485,7 @@ cudaError_t ln_mod_forward(const LnModFwdArgs& a, cudaStream_t stream) {
   p.warps_per_row = W;
   p.rows_per_cta = rows_per_cta;
   p.eps = a.eps;
-  const size_t smem = persistent ? sizeof(float) * 4 * W : sizeof(float) * 3 * W * rows_per_cta;
+  const size_t smem = sizeof(float) * 3 * W * rows_per_cta;
   int64_t grid = ceil_div(a.rows, rows_per_cta);
   if (persistent) {
     // One wave: every CTA resident at once, each row slot walking rows at a stride of all slots.

@@ -55,9 +55,6 @@ struct LnModFwdArgs {
   // Bulk-copy path (benchmarks only): a kernel of the same signature to launch instead of the table's, with
   // the mapping forced by `interleave` (1 or 2) to match the kernel's (benchmarks/kernels/norm_mod_mapping.cu).
   const void* kernel_override = nullptr;
-  // Version 4's statistics (benchmarks only): 0 choose (two reductions per row, the default); 1 one
-  // reduction per row (fwd_finish_row_1p, measured slower); 2 two reductions.
-  int v4_stats = 0;
 };
 
 // Forward kernel paths (LnModFwdArgs::path).

@@ -13,6 +13,9 @@
 // weight and bias as an fp32 pair. Input they cannot serve (D not a multiple of 8, dtypes other than
 // bf16/fp16/fp32) is an error that names the public function, which falls back to the reference instead.
 //
+// adaptiveload::norm_modulate_eager (norm_mod_eager.h) enters the same autograd formulas from the library's
+// eager fast path (norm_mod_python.cpp), with the modulation viewed as tables below autograd.
+//
 // Three private operators (_norm_modulate_tuned, _norm_modulate_backward_tuned, _norm_modulate_plans) take
 // the launchers' tuning overrides and report their plans, for benchmarks/kernels/ only; they have no
 // autograd and no fake implementation.
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "ln_modulate.h"
+#include "norm_mod_eager.h"
 
 namespace {
 
@@ -429,21 +433,43 @@ rms_bwd_op() {
   return op;
 }
 
-// Gradients for the forward's inputs (x, shift, scale, weight, bias, group_size, eps).
+// Gradients for the autograd functions' inputs (x, shift, scale, weight, bias, group_size, eps, rows).
 variable_list input_grads(const at::Tensor& dx, const at::Tensor& dshift, const at::Tensor& dscale,
                           const at::Tensor& dweight, const at::Tensor& dbias, bool has_w, bool has_b) {
   return {dx, dshift, dscale, has_w ? dweight : at::Tensor(), has_b ? dbias : at::Tensor(), at::Tensor(),
-          at::Tensor()};
+          at::Tensor(), at::Tensor()};
+}
+
+// shift and scale as the kernels' (rows, D) tables. `rows` 0: they are tables already (the operator's
+// schema); else (the library's eager fast path, norm_mod_python.cpp) any shape of rows x D elements, viewed
+// here below autograd so that no view node enters the graph, their shapes kept for the gradients.
+std::pair<at::Tensor, at::Tensor> as_tables(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
+                                            const at::Tensor& scale, int64_t rows) {
+  if (rows == 0) return {shift, scale};
+  ctx->saved_data["shift_shape"] = shift.sizes().vec();
+  ctx->saved_data["scale_shape"] = scale.sizes().vec();
+  const int64_t D = x.size(-1);
+  return {shift.reshape({rows, D}), scale.reshape({rows, D})};
+}
+
+// The gradients of shift and scale in the shapes they were given in (see as_tables).
+void restore_shapes(AutogradContext* ctx, at::Tensor& dshift, at::Tensor& dscale) {
+  const auto it = ctx->saved_data.find("shift_shape");
+  if (it == ctx->saved_data.end()) return;
+  dshift = dshift.reshape(it->second.toIntVector());
+  dscale = dscale.reshape(ctx->saved_data["scale_shape"].toIntVector());
 }
 
 class LayerNormModulateFn : public torch::autograd::Function<LayerNormModulateFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
                                const at::Tensor& scale, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps,
+                               int64_t rows) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, mean, rstd] = ln_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
-    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    const auto [shift_t, scale_t] = as_tables(ctx, x, shift, scale, rows);
+    auto [y, mean, rstd] = ln_fwd_op().call(x, shift_t, scale_t, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale_t, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
     ctx->saved_data["group_size"] = std::move(group_size);
     ctx->mark_non_differentiable({mean, rstd});
     return {y, mean, rstd};
@@ -455,6 +481,7 @@ class LayerNormModulateFn : public torch::autograd::Function<LayerNormModulateFn
     at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
     auto [dx, dshift, dscale, dweight, dbias] = ln_bwd_op().call(
         dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], saved[5], ctx->saved_data["group_size"].toSymInt());
+    restore_shapes(ctx, dshift, dscale);
     return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
   }
 };
@@ -463,10 +490,12 @@ class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
                                const at::Tensor& scale, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps,
+                               int64_t rows) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, rstd] = rms_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
-    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rstd});
+    const auto [shift_t, scale_t] = as_tables(ctx, x, shift, scale, rows);
+    auto [y, rstd] = rms_fwd_op().call(x, shift_t, scale_t, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale_t, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rstd});
     ctx->saved_data["group_size"] = std::move(group_size);
     ctx->mark_non_differentiable({rstd});
     return {y, rstd};
@@ -478,6 +507,7 @@ class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
     at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
     auto [dx, dshift, dscale, dweight, dbias] = rms_bwd_op().call(
         dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], ctx->saved_data["group_size"].toSymInt());
+    restore_shapes(ctx, dshift, dscale);
     return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
   }
 };
@@ -487,7 +517,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_autograd(const at::Tensor& x, 
                                                            const std::optional<at::Tensor>& weight,
                                                            const std::optional<at::Tensor>& bias,
                                                            c10::SymInt group_size, double eps) {
-  auto out = LayerNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
+  auto out = LayerNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps, int64_t{0});
   return {out[0], out[1], out[2]};
 }
 
@@ -495,11 +525,24 @@ std::tuple<at::Tensor, at::Tensor> rms_autograd(const at::Tensor& x, const at::T
                                                 const at::Tensor& scale, const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias, c10::SymInt group_size,
                                                 double eps) {
-  auto out = RmsNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
+  auto out = RmsNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps, int64_t{0});
   return {out[0], out[1]};
 }
 
 }  // namespace
+
+namespace adaptiveload {
+
+at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                               int64_t rows, int64_t group_size, double eps) {
+  TORCH_CHECK(rows >= 1 && group_size >= 1, op_name(rms), ": the fast path needs rows and group_size >= 1");
+  const c10::SymInt group(group_size);
+  return rms ? RmsNormModulateFn::apply(x, shift, scale, weight, bias, group, eps, rows)[0]
+             : LayerNormModulateFn::apply(x, shift, scale, weight, bias, group, eps, rows)[0];
+}
+
+}  // namespace adaptiveload
 
 // The schemas. The tables are normalized by lightning_adaptiveload.ops.layer_norm_modulate: shift and
 // scale are (groups, D), row g serving rows [g * group_size, (g + 1) * group_size) of x viewed as (rows, D).

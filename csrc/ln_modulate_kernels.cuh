@@ -473,105 +473,8 @@ __device__ __forceinline__ void fwd_finish_row(const FwdParams& p, const uint4 (
   }
 }
 
-// The row's first value (every thread of the CTA reads the same address: one request per warp).
-template <typename T>
-__device__ __forceinline__ float ld_first(const T* p) {
-  if constexpr (sizeof(T) == 2) {
-    const unsigned short u = __ldg(reinterpret_cast<const unsigned short*>(p));
-    return to_float(*reinterpret_cast<const T*>(&u));
-  } else {
-    return __ldg(reinterpret_cast<const float*>(p));
-  }
-}
-
-// fwd_finish_row in one reduction (2026-12-03, second pass; a benchmark variant, not the default: on an H200
-// it was 4-12% slower than fwd_finish_row at D = 1,152 to 5,120, benchmarks/kernels/norm_mod_mapping.cu): the sums of d and d^2 with d = x - K, K the row's
-// first value (the bulk-copy forward's statistics: fp32 accuracy for rows far from zero, in one pass), so one
-// CTA barrier per row instead of two and one pass over the registers fewer. For 16-bit x the normalisation
-// is one fused multiply-add, x * rstd - mean * rstd (its rounding, 2^-24 |x| / std, is far below the 16-bit
-// output's); fp32 x keeps (x - K) * rstd - corr * rstd. buf: 2 * W floats, used by every other row (the
-// caller alternates two such buffers, so a warp's next write to one comes after every warp read it).
-template <typename T, typename M, int VPT>
-__device__ __forceinline__ void fwd_finish_row_1p(const FwdParams& p, const uint4 (&xp)[VPT], float K, int64_t row,
-                                                  int t0, int tpr, int W, int warp, int lane, float* buf, int nvec,
-                                                  float inv_d) {
-  constexpr int VEC = Pack<T>::N;
-  constexpr bool kFma = sizeof(T) == 2;
-  const int t = opaque(t0);
-  float pa = 0.f, pb = 0.f, qa = 0.f, qb = 0.f;  // two independent chains per sum
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    if (t + i * tpr < nvec) {  // the zeros past the row end are not values of the row (d = -K)
-      const Pack<T> q = as_pack<T>(xp[i]);
-#pragma unroll
-      for (int k = 0; k < VEC; k += 2) {
-        const float d0 = to_float(q.v[k]) - K;
-        const float d1 = to_float(q.v[k + 1]) - K;
-        pa += d0;
-        pb += d1;
-        qa = fmaf(d0, d0, qa);
-        qb = fmaf(d1, d1, qb);
-      }
-    }
-  }
-  float sd = warp_sum(pa + pb);
-  float sdd = warp_sum(qa + qb);
-  if (W > 1) {
-    if (lane == 0) {
-      buf[warp] = sd;
-      buf[W + warp] = sdd;
-    }
-    __syncthreads();
-    sd = warp_sum(lane < W ? buf[lane] : 0.f);
-    sdd = warp_sum(lane < W ? buf[W + lane] : 0.f);
-  }
-  const float corr = sd * inv_d;
-  const float var = fmaxf(sdd * inv_d - corr * corr, 0.f);
-  const float rstd = rsqrtf(var + p.eps);
-  const float mean = K + corr;
-  const float ncr = kFma ? -mean * rstd : -corr * rstd;
-  if (t == 0) {
-    p.mean[row] = mean;
-    p.rstd[row] = rstd;
-  }
-
-  const int64_t g = group_of(row, p.group_size);
-  const M* shr = static_cast<const M*>(p.shift) + g * p.shift_stride;
-  const M* scr = static_cast<const M*>(p.scale) + g * p.scale_stride;
-  T* yr = static_cast<T*>(p.y) + row * p.D;
-  const bool affine = p.weight != nullptr;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int v = t + i * tpr;
-    if (v < nvec) {
-      float sh[VEC], sc[VEC];
-      load_floats_v<M, VEC>(shr + v * VEC, sh);
-      load_floats_v<M, VEC>(scr + v * VEC, sc);
-      float n[VEC];
-      const Pack<T> q = as_pack<T>(xp[i]);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float f = to_float(q.v[k]);
-        n[k] = kFma ? fmaf(f, rstd, ncr) : fmaf(f - K, rstd, ncr);
-      }
-      if (affine) {
-        float w[VEC], b[VEC];
-        load_floats_v<float, VEC>(p.weight + v * VEC, w);
-        load_floats_v<float, VEC>(p.bias + v * VEC, b);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) n[k] = fmaf(n[k], w[k], b[k]);
-      }
-      Pack<T> out;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(fmaf(n[k], 1.f + sc[k], sh[k]));
-      st_v(yr + v * VEC, *reinterpret_cast<const uint4*>(&out));
-    }
-  }
-}
-
-// ONEPASS: fwd_finish_row_1p (a row's first value loaded beside its vectors); else fwd_finish_row. The
-// shared memory holds 4 * W floats (two buffers of 2 * W for ONEPASS, 3 * W used otherwise).
-template <typename T, typename M, int VPT, bool LOW_REGS, bool ONEPASS = false>
+// The shared memory holds 3 * W floats (fwd_finish_row's reduction scratch).
+template <typename T, typename M, int VPT, bool LOW_REGS>
 __global__ void __maxnreg__(fwd_persistent_max_registers(VPT, LOW_REGS))
     ln_mod_fwd_persistent_kernel(const FwdParams p) {
   extern __shared__ float fwd_smem[];
@@ -590,34 +493,16 @@ __global__ void __maxnreg__(fwd_persistent_max_registers(VPT, LOW_REGS))
 
   // Two row buffers used in turn; the loop body is written out twice so that neither is ever copied.
   uint4 a[VPT], b[VPT];
-  float ka = 0.f, kb = 0.f;  // ONEPASS: the rows' first values
-  if (row < p.rows) {
-    fwd_issue_row<T, VPT>(a, x + row * D, t, TPR, nvec);
-    if (ONEPASS) ka = ld_first(x + row * D);
-  }
+  if (row < p.rows) fwd_issue_row<T, VPT>(a, x + row * D, t, TPR, nvec);
   while (row < p.rows) {
     int64_t next = row + stride;
-    if (next < p.rows) {
-      fwd_issue_row<T, VPT>(b, x + next * D, opaque(t), TPR, nvec);
-      if (ONEPASS) kb = ld_first(x + next * D);
-    }
-    if (ONEPASS) {
-      fwd_finish_row_1p<T, M, VPT>(p, a, ka, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
-    } else {
-      fwd_finish_row<T, M, VPT>(p, a, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
-    }
+    if (next < p.rows) fwd_issue_row<T, VPT>(b, x + next * D, opaque(t), TPR, nvec);
+    fwd_finish_row<T, M, VPT>(p, a, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
     row = next;
     if (row >= p.rows) break;
     next = row + stride;
-    if (next < p.rows) {
-      fwd_issue_row<T, VPT>(a, x + next * D, opaque(t), TPR, nvec);
-      if (ONEPASS) ka = ld_first(x + next * D);
-    }
-    if (ONEPASS) {
-      fwd_finish_row_1p<T, M, VPT>(p, b, kb, row, t, TPR, W, warp, lane, buf + 2 * W, nvec, inv_d);
-    } else {
-      fwd_finish_row<T, M, VPT>(p, b, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
-    }
+    if (next < p.rows) fwd_issue_row<T, VPT>(a, x + next * D, opaque(t), TPR, nvec);
+    fwd_finish_row<T, M, VPT>(p, b, row, t, TPR, W, warp, lane, buf, nvec, inv_d);
     row = next;
   }
 }
@@ -1024,8 +909,7 @@ constexpr int kFwdPersistentMaxVpt = 4;
 
 // Forward kernel kinds: the single-row kernel (version 3), the persistent one (version 4), and the
 // persistent one under an 80-register cap (differs from the former at 4 vectors per thread only).
-// kFwdPersistentOnePass: the persistent kernel with one reduction per row (fwd_finish_row_1p).
-enum FwdKind : int { kFwdSingleRow = 0, kFwdPersistent = 1, kFwdPersistentLowRegs = 2, kFwdPersistentOnePass = 3 };
+enum FwdKind : int { kFwdSingleRow = 0, kFwdPersistent = 1, kFwdPersistentLowRegs = 2 };
 
 template <typename T, typename M, int VPT>
 const void* fwd_kernel_tmv(int kind) {
@@ -1042,8 +926,6 @@ const void* fwd_kernel_tmv(int kind) {
 #endif
       }
     }
-    if (kind == kFwdPersistentOnePass)
-      return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, false, true>);
     return reinterpret_cast<const void*>(&ln_mod_fwd_persistent_kernel<T, M, VPT, false>);
   }
   return nullptr;

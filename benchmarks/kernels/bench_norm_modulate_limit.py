@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import importlib
 import json
 import statistics
 import sys
@@ -203,52 +204,105 @@ def _check(rms: bool, fn, x, shift, scale, dy) -> dict:
     }
 
 
-def host_overhead(D: int = 1536, calls: int = 2000) -> dict:
-    """Host microseconds per call at a tiny shape (1 x 8 x D): the GPU's work is shorter than the host's."""
+def host_overhead(D: int = 1536, calls: int = 1000, rounds: int = 15) -> dict:
+    """Host microseconds per call at a tiny shape (1 x 8 x D): the GPU's work is shorter than the host's.
+
+    Every variant is timed in each of ``rounds`` rounds (``calls`` calls, then a synchronize), the order
+    reversed every other round, and reported as its median round: a host whose speed drifts (a shared
+    machine's moves by 1.5x between minutes) then shifts all variants alike instead of favouring one.
+    """
     ops = _ops()
     x = torch.randn(1, 8, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     sh = torch.randn(1, 1, D, device="cuda", requires_grad=True)
     sc = torch.randn(1, 1, D, device="cuda", requires_grad=True)
     dy = torch.randn(1, 8, D, device="cuda", dtype=torch.bfloat16)
+    xf, shf, scf = x.detach(), sh.detach(), sc.detach()
+    n_chain = 20
 
-    def per_call(fn) -> float:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        return best
-
-    def chain(f, n=20):  # n calls in one graph, one backward: the engine's start is shared by n nodes
+    def chain(f):  # n_chain calls in one graph, one backward: the engine's start is shared by the calls
         y = x
-        for _ in range(n):
+        for _ in range(n_chain):
             y = f(y, sh, sc)
-        torch.autograd.grad(y, (x, sh, sc), dy)
+        torch.autograd.grad(y, (x, sh, sc), dy, allow_unused=True)
 
-    out = {"shape": [1, 8, D], "calls": calls}
+    # name -> (function, calls it makes per invocation)
+    variants: dict = {}
     for name, f in (
         ("layer_norm_modulate", ops.layer_norm_modulate),
         ("rms_norm_modulate", ops.rms_norm_modulate),
     ):
-        out[name] = {
-            "fwd_grad_us": per_call(lambda f=f: f(x, sh, sc)),
-            "fwd_nograd_us": per_call(lambda f=f: f(x.detach(), sh.detach(), sc.detach())),
-            "fwdbwd_single_us": per_call(lambda f=f: torch.autograd.grad(f(x, sh, sc), (x, sh, sc), dy)),
-            "fwdbwd_us": per_call(lambda f=f: chain(f)) / 20,
-        }
-    xf = x.detach()
-    out["F.layer_norm_us"] = per_call(lambda: F.layer_norm(xf, (D,)))
-    out["torch.add_us"] = per_call(lambda: torch.add(xf, 1))
-    # The operator's part alone: a direct call of the forward operator (dispatcher and C++ only).
-    fwd_op, _ = _op_handles(False)
-    t_sh, t_sc = sh.detach().reshape(1, D), sc.detach().reshape(1, D)
-    out["op_direct_us"] = per_call(lambda: fwd_op(xf, t_sh, t_sc, None, None, 8, 1e-6))
+        variants[f"{name}.fwd_grad_us"] = (lambda f=f: f(x, sh, sc), 1)
+        variants[f"{name}.fwd_nograd_us"] = (lambda f=f: f(xf, shf, scf), 1)
+        variants[f"{name}.fwdbwd_us"] = (lambda f=f: chain(f), n_chain)
+    variants["F.layer_norm_us"] = (lambda: F.layer_norm(xf, (D,)), 1)
+    variants["F.layer_norm_grad_us"] = (lambda: F.layer_norm(x, (D,)), 1)
+    variants["F.layer_norm_fwdbwd_us"] = (lambda: chain(lambda y, a, b: F.layer_norm(y, (D,))), n_chain)
+    variants["torch.add_us"] = (lambda: torch.add(xf, 1), 1)
+    # The operator alone through torch.ops (its schema parsing included), forward and backward.
+    fwd_op, bwd_op = _op_handles(False)
+    t_sh, t_sc = shf.reshape(1, D), scf.reshape(1, D)
+    _, mean, rstd = fwd_op(xf, t_sh, t_sc, None, None, 8, 1e-6)
+    variants["op_direct_us"] = (lambda: fwd_op(xf, t_sh, t_sc, None, None, 8, 1e-6), 1)
+    variants["bwd_op_direct_us"] = (lambda: bwd_op(dy, xf, t_sc, None, None, mean, rstd, 8), 1)
+    # The library's eager fast path called directly (the public function adds its Python frames and the
+    # torch.compile check).
+    impl = importlib.import_module("lightning_adaptiveload.ops.layer_norm_modulate")
+    if impl._cfast is not None:
+        ops.layer_norm_modulate(x, sh, sc)  # remembered
+        variants["fast_entry_grad_us"] = (lambda: impl._cfast.forward(False, x, sh, sc, None, None, 1e-6), 1)
+        variants["fast_entry_nograd_us"] = (
+            lambda: impl._cfast.forward(False, xf, shf, scf, None, None, 1e-6),
+            1,
+        )
+    # The wrapper's cached path before the library had its fast path (commit d8d8f92), re-created beside it
+    # with its frames: a Python key of shapes and dtypes, a dict lookup, two views, the operator's entry.
+    cache: dict = {}
+
+    def old_key(name, x, shift, scale, weight, bias):
+        try:
+            return (name, x.shape, x.dtype, shift.shape, shift.dtype, scale.shape, scale.dtype, None, None)
+        except AttributeError:
+            return None
+
+    def old_call(name, x, shift, scale, weight, bias, eps):
+        if not torch.compiler.is_compiling():
+            hit = cache.get(old_key(name, x, shift, scale, weight, bias))
+            if hit is not None and x.is_cuda:
+                M, group = hit
+                D = x.shape[-1]
+                return fwd_op._op(x, shift.reshape(M, D), scale.reshape(M, D), weight, bias, group, eps)[0]
+        raise AssertionError("the re-created cached path missed")
+
+    def old_public(x, shift, scale, weight=None, bias=None, eps=1e-6):
+        return old_call("layer_norm_modulate", x, shift, scale, weight, bias, eps)
+
+    cache[old_key("layer_norm_modulate", x, sh, sc, None, None)] = (1, 8)
+    variants["before_fwd_grad_us"] = (lambda: old_public(x, sh, sc), 1)
+    variants["before_fwd_nograd_us"] = (lambda: old_public(xf, shf, scf), 1)
+
+    for fn, _ in variants.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    samples: dict = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            fn, per = variants[k]
+            n = max(calls // per, 10)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            samples[k].append((time.perf_counter() - t0) / (n * per) * 1e6)
     x.grad = sh.grad = sc.grad = None
+    out: dict = {"shape": [1, 8, D], "calls_per_round": calls, "rounds": rounds, "statistic": "median round"}
+    for k, v in samples.items():
+        head, _, tail = (
+            k.partition(".") if k.startswith(("layer_norm_modulate.", "rms_norm_modulate.")) else ("", "", k)
+        )
+        (out.setdefault(head, {}) if head else out)[tail] = statistics.median(v)
+        (out.setdefault("spread", {}))[k] = [min(v), max(v)]
     # The profiler's CPU-side time of one forward call (the op's CPU self time and total).
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -515,6 +569,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager references")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES (default: all)")
     ap.add_argument("--tag", default="", help="appended to the file name")
+    ap.add_argument("--host-only", action="store_true", help="only the host overhead per call")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_norm_modulate_limit: needs a CUDA GPU", file=sys.stderr)
@@ -554,6 +609,8 @@ def main(argv=None) -> int:
         return 1
     result["host"] = host_overhead()
     print("host", json.dumps(result["host"]), flush=True)
+    if args.host_only:
+        picked = []
     rows = []
     for B, S, D, layout in picked:
         row = bench_shape(B, S, D, layout, args)
@@ -574,14 +631,24 @@ def main(argv=None) -> int:
     print(_fmt(rows))
     h = result["host"]
     print(
-        "host us/call (1 x 8 x 1536): LN fwd {:.1f}, fwd+bwd {:.1f}; RMS fwd {:.1f}, fwd+bwd {:.1f}; op direct {:.1f}; "
-        "F.layer_norm {:.1f}; torch.add {:.1f}".format(
+        "host us/call (1 x 8 x 1536): LN fwd {:.1f} (no grad {:.1f}; before {:.1f} / {:.1f}), fwd+bwd {:.1f}; RMS fwd {:.1f} (no grad {:.1f}), "
+        "fwd+bwd {:.1f}; fast entry {:.1f} (no grad {:.1f}); op direct {:.1f}; bwd op direct {:.1f}; "
+        "F.layer_norm {:.1f} (grad {:.1f}, fwd+bwd {:.1f}); torch.add {:.1f}".format(
             h["layer_norm_modulate"]["fwd_grad_us"],
+            h["layer_norm_modulate"]["fwd_nograd_us"],
+            h["before_fwd_grad_us"],
+            h["before_fwd_nograd_us"],
             h["layer_norm_modulate"]["fwdbwd_us"],
             h["rms_norm_modulate"]["fwd_grad_us"],
+            h["rms_norm_modulate"]["fwd_nograd_us"],
             h["rms_norm_modulate"]["fwdbwd_us"],
+            h.get("fast_entry_grad_us", float("nan")),
+            h.get("fast_entry_nograd_us", float("nan")),
             h["op_direct_us"],
+            h["bwd_op_direct_us"],
             h["F.layer_norm_us"],
+            h["F.layer_norm_grad_us"],
+            h["F.layer_norm_fwdbwd_us"],
             h["torch.add_us"],
         )
     )

@@ -182,7 +182,12 @@ struct Shape {
 };
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  // --quick: two shapes; --fwd: the forward's library kernels only (no variant kernels, no backward).
+  bool quick = false, fwd_only = false;
+  for (int i = 1; i < argc; ++i) {
+    quick |= std::strcmp(argv[i], "--quick") == 0;
+    fwd_only |= std::strcmp(argv[i], "--fwd") == 0;
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
@@ -258,14 +263,28 @@ int main(int argc, char** argv) {
         int path, inter;
         const void* kernel;
         char name[48];
+        int stages;  // 0: the plan's
       };
       std::vector<FV> fvs;
-      if (!rms) fvs.push_back(FV{2, 0, nullptr, "v4 two-pass"});
-      if (!rms) fvs.push_back(FV{2, 0, nullptr, "v4 one-pass"});
-      fvs.push_back(FV{4, 1, nullptr, "tma contiguous"});
-      fvs.push_back(FV{4, 2, nullptr, "tma interleaved"});
-      fvs.push_back(FV{0, 0, nullptr, "auto (launcher)"});
-      if (sh.group > 1) {
+      if (!rms) fvs.push_back(FV{2, 0, nullptr, "v4", 0});
+      fvs.push_back(FV{4, 1, nullptr, "tma contiguous", 0});
+      fvs.push_back(FV{4, 2, nullptr, "tma interleaved", 0});
+      fvs.push_back(FV{0, 0, nullptr, "auto (launcher)", 0});
+      {
+        // The library's bulk-copy kernel at the plan's mapping with 3 and 4 stages (the plan takes 2, per
+        // token 3).
+        LnModFwdArgs q = f;
+        q.path = kFwdTma;
+        NormModFwdPlan pq;
+        if (norm_mod_forward_plan(q, &pq) == cudaSuccess && pq.tma) {
+          for (int st : {3, 4}) {
+            FV v{4, pq.interleave ? 2 : 1, nullptr, "", st};
+            std::snprintf(v.name, sizeof v.name, "tma %s st%d", pq.interleave ? "il" : "ct", st);
+            fvs.push_back(v);
+          }
+        }
+      }
+      if (sh.group > 1 && !fwd_only) {
         LnModFwdArgs q = f;
         q.path = kFwdTma;
         NormModFwdPlan pq;
@@ -275,7 +294,7 @@ int main(int argc, char** argv) {
               for (int fma = 0; fma < (rms ? 1 : 2); ++fma) {
                 const void* k = nmv::fwd(rms, pq.vpt, pq.interleave, regs, l1, fma);
                 if (!k) continue;
-                FV v{4, pq.interleave ? 2 : 1, k, ""};
+                FV v{4, pq.interleave ? 2 : 1, k, "", 0};
                 std::snprintf(v.name, sizeof v.name, "var %s r%d%s%s", pq.interleave ? "il" : "ct", regs,
                               l1 ? " modL1" : " modreg", fma ? " fma" : "");
                 fvs.push_back(v);
@@ -289,7 +308,7 @@ int main(int argc, char** argv) {
         a.path = v.path;
         a.interleave = v.inter;
         a.kernel_override = v.kernel;
-        a.v4_stats = std::strcmp(v.name, "v4 two-pass") == 0 ? 2 : std::strcmp(v.name, "v4 one-pass") == 0 ? 1 : 0;
+        a.stages = v.stages;
         __nv_bfloat16* yo = have_ref ? y : y2;  // the first variant's output stays in y2
         CK(cudaMemsetAsync(yo, 0xff, xb));
         a.y = yo;
@@ -315,6 +334,7 @@ int main(int argc, char** argv) {
                     sh.name, rms ? "rms fwd" : "ln fwd", v.name, t, 100.f * t_copy / t, check, pl.tma, pl.threads,
                     pl.stages, pl.grid, (long long)pl.rows_per_cta, pl.ctas_per_sm, pl.interleave, nr, nl);
       }
+      if (fwd_only) continue;
       // Backward variants, after a forward that filled mean and rstd.
       CK(ln_mod_forward(f, 0));
       LnModBwdArgs b;

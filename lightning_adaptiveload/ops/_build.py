@@ -21,6 +21,7 @@ Environment:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -60,8 +61,10 @@ KERNEL_SOURCES = (
     "norm_mod_tma_fp32_ln.cu",
     "norm_mod_tma_fp32_rms.cu",
 )
-SOURCES = KERNEL_SOURCES + ("ln_modulate_binding.cpp",)
-HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh", "norm_mod_tma.cuh")
+# ln_modulate_binding.cpp: the operators' registration; norm_mod_python.cpp: the eager fast path, a Python
+# module in the same library (python_entry).
+SOURCES = KERNEL_SOURCES + ("ln_modulate_binding.cpp", "norm_mod_python.cpp")
+HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh", "norm_mod_tma.cuh", "norm_mod_eager.h")
 
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
 _CXX_FLAGS = ["-O3", "-std=c++17"]
@@ -207,6 +210,32 @@ def _build_in_child(name: str, csrc: Path, build_dir: Path, archs: list[str], ve
 
 def _load_library(path: Path) -> None:
     torch.ops.load_library(str(path))
+
+
+def python_entry(path: str | Path):
+    """The Python module of a loaded library (``csrc/norm_mod_python.cpp``: the ops' eager fast path).
+
+    The library is one file: ``torch.ops.load_library`` registered its operators, and importing the same
+    file as an extension module runs only its module init (the loader finds the file already loaded).
+
+    Returns:
+        The module, or None when the file has none (the ops then take their checked Python path).
+    """
+    path = Path(path)
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        _log.warning(
+            "lightning_adaptiveload: the fast path of %s did not import (%s); using the Python path",
+            path,
+            exc,
+        )
+        return None
+    return module
 
 
 def load_extension(

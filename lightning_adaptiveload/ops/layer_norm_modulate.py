@@ -19,9 +19,11 @@ module is imported on a machine with a visible GPU (building it on the node's fi
 ``LIGHTNING_ADAPTIVELOAD_FUSED=0``, a failed build) this module defines the same schemas itself and registers
 the same autograd formula with ``torch.library.register_autograd``, so the operator exists everywhere.
 
-Eager calls on CUDA whose argument shapes and dtypes were seen before skip the input checks and layout
-analysis (their outcome is cached per shapes and dtypes): what remains on the host is two views and one
-dispatcher call.
+Eager calls on CUDA whose argument shapes, dtypes and devices were seen before skip the input checks and
+layout analysis: the library's fast path (``csrc/norm_mod_python.cpp``) remembers their outcome and sends
+such a call from Python to the operator's dispatcher entry in one C++ call (two views, one typed dispatcher
+call), without the schema parsing of a ``torch.ops`` call. Tensor subclasses, torch-function modes and
+``torch.compile`` take the checked path.
 
 Modulation layouts (``shift`` and ``scale``; fp32 or x's dtype), for x of shape (..., D):
 
@@ -228,6 +230,8 @@ def _load_kernels() -> tuple[bool, str]:
 
 
 _KERNELS_LOADED, _KERNELS_INFO = _load_kernels()
+# The library's eager fast path (None without the library): see the module docstring.
+_cfast = _build.python_entry(_KERNELS_INFO) if _KERNELS_LOADED else None
 for _name, _schema in _SCHEMAS.items():
     # Loading the library defined the schemas; defining them twice is an error.
     if not _KERNELS_LOADED and not hasattr(getattr(torch.ops, _NS), _name):
@@ -388,11 +392,13 @@ class _Norm:
         name: str,
         op,
         reference,
+        rms: bool,
         min_capability: tuple[int, int] = (0, 0),
     ) -> None:
         self.name = name
         self.op = op  # the forward operator; output 0 is y
         self.reference = reference
+        self.rms = rms  # which operator the library's fast path calls
         self.min_capability = min_capability
 
 
@@ -414,40 +420,13 @@ def _capability_blocker(norm: _Norm, x: torch.Tensor) -> str | None:
     return None
 
 
-# Eager fast path: argument shapes and dtypes -> (table rows M, group size) of CUDA calls that went to the
-# kernels with plain views of shift and scale as tables. Such a call again needs no checks.
-_fast: dict[tuple, tuple[int, int]] = {}
-_FAST_MAX = 4096  # distinct shapes remembered (variable sequence lengths make many); then it starts over
-
-
-def _fast_key(norm: _Norm, x, shift, scale, weight, bias):
-    try:
-        return (
-            norm.name,
-            x.shape,
-            x.dtype,
-            shift.shape,
-            shift.dtype,
-            scale.shape,
-            scale.dtype,
-            None if weight is None else (weight.shape, weight.dtype),
-            None if bias is None else (bias.shape, bias.dtype),
-        )
-    except AttributeError:  # not tensors: the checks say so
-        return None
-
-
 def _call(norm: _Norm, x, shift, scale, weight, bias, eps) -> torch.Tensor:
     """The public functions' body: the kernels where they serve, else the reference (see the module doc)."""
-    key = None
-    if _KERNELS_LOADED and not torch.compiler.is_compiling():
-        key = _fast_key(norm, x, shift, scale, weight, bias)
-        hit = _fast.get(key)
-        if hit is not None and x.is_cuda:
-            M, group_size = hit
-            D = x.shape[-1]
-            # The operator's C++ entry directly (OpOverload.__call__ is one more Python frame).
-            return norm.op._op(x, shift.reshape(M, D), scale.reshape(M, D), weight, bias, group_size, eps)[0]
+    fast = _cfast is not None and not torch.compiler.is_compiling()
+    if fast:
+        y = _cfast.forward(norm.rms, x, shift, scale, weight, bias, eps)
+        if y is not None:
+            return y
     _check_inputs(x, shift, scale, weight, bias, norm.name)
     args = (x, shift, scale, weight, bias, eps)
     # Under torch.compile every device takes the custom op (its default implementation is the reference
@@ -492,10 +471,9 @@ def _call(norm: _Norm, x, shift, scale, weight, bias, eps) -> torch.Tensor:
         and (weight is None or weight.dtype == torch.float32)
         and (bias is None or bias.dtype == torch.float32)
     )
-    if key is not None and plain and isinstance(group_size, int) and x.is_cuda:
-        if len(_fast) >= _FAST_MAX:
-            _fast.clear()
-        _fast[key] = (table_sh.shape[0], group_size)
+    if fast and plain and isinstance(group_size, int) and x.is_cuda:
+        # Calls of this signature can skip everything above (the fast path takes plain types only).
+        _cfast.remember(norm.rms, x, shift, scale, weight, bias, eps, table_sh.shape[0], group_size)
     return norm.op(x, table_sh, table_sc, w, b, group_size, float(eps))[0]
 
 
@@ -511,7 +489,7 @@ def _fallback(norm: _Norm, key: str, reason: str, x, shift, scale, weight, bias,
     return norm.reference(x, shift, scale, weight, bias, eps)
 
 
-_LN = _Norm("layer_norm_modulate", _fwd_op, layer_norm_modulate_reference)
+_LN = _Norm("layer_norm_modulate", _fwd_op, layer_norm_modulate_reference, rms=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -122,6 +122,7 @@ _RMS = _ln._Norm(
     "rms_norm_modulate",
     _fwd_op,
     rms_norm_modulate_reference,
+    rms=True,
     min_capability=(9, 0),
 )
 

@@ -292,6 +292,20 @@ def test_cached_build_loads_without_the_toolchain(tmp_path, monkeypatch):
         _build.load_extension(archs=archs)
 
 
+def test_a_library_without_a_python_module_leaves_the_checked_path(tmp_path, caplog):
+    bogus = tmp_path / "adaptiveload_ln_modulate_000000000000.so"
+    bogus.write_bytes(b"not a shared library")
+    with caplog.at_level("WARNING", logger="lightning_adaptiveload.ops"):
+        assert _build.python_entry(bogus) is None
+    assert "did not import" in caplog.text and bogus.name in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the library loads where a GPU is visible")
+def test_without_the_library_there_is_no_fast_path():
+    # No GPU: the ops take their checked path, which is what the CPU tests above exercise.
+    assert not _impl._KERNELS_LOADED and _impl._cfast is None
+
+
 def test_require_fused_makes_the_fallback_an_error(monkeypatch):
     x, shift, scale = torch.randn(2, 5, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
     monkeypatch.setenv("LIGHTNING_ADAPTIVELOAD_REQUIRE_FUSED", "1")

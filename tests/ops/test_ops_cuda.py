@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from lightning_adaptiveload.ops import (
     fused_op_paths,
@@ -445,14 +446,31 @@ def test_every_launch_variant_computes_the_same_function(D, layout, norm):
             assert _rel(got.reshape(want.shape), want) < 1e-2, (name, path, vpt, rows_per_iter, stages)
 
 
-def test_repeated_eager_calls_take_the_cached_path_and_agree(norm):
+def test_repeated_eager_calls_take_the_cached_path_and_agree(norm, monkeypatch):
     fused = NORMS[norm][0]
-    _impl._fast.clear()
+    assert _impl._cfast is not None, "the library's fast path must import where the library loads"
+    _impl._cfast.clear()
     x, shift, scale, w, b = _make((2, 300, 1536), (2, 1, 1536), torch.bfloat16, torch.float32, affine=True)
     y1 = fused(x, shift, scale, w, b)
-    assert len(_impl._fast) == 1  # the first call checked the input and remembered its shapes
-    y2 = fused(x, shift, scale, w, b)
-    assert torch.equal(y1, y2)
+    assert _impl._cfast.size() == 1  # the first call checked the input and remembered its signature
+    # The second call must not reach the Python checks: make them fail, and it still runs (and agrees).
+    with monkeypatch.context() as m:
+        m.setattr(_impl, "_check_inputs", _must_not_run)
+        y2 = fused(x, shift, scale, w, b)
+        assert torch.equal(y1, y2)
+        # Gradients through the fast path equal those of the checked path.
+        ins = [t.detach().clone().requires_grad_() for t in (x, shift, scale, w, b)]
+        dy = torch.randn_like(x)
+        g_fast = torch.autograd.grad(fused(*ins), ins, dy)
+    _impl._cfast.clear()
+    g_checked = torch.autograd.grad(fused(*ins), ins, dy)
+    for a, c in zip(g_fast, g_checked):
+        assert torch.equal(a, c)
+    # Another x shape is another signature, and goes through the checks first.
+    with monkeypatch.context() as m:
+        m.setattr(_impl, "_check_inputs", _must_not_run)
+        with pytest.raises(AssertionError, match="checked path"):
+            fused(x[:, :200], shift, scale, w, b)
     # Another shape, another entry; a layout needing an expanded copy is not remembered, and still right.
     _check(*_make((3, 5, 1536), (3, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
     _check(*_make((3, 5, 1536), (3, 1, 1536), torch.bfloat16, torch.float32, affine=False), norm=norm)
@@ -463,6 +481,93 @@ def test_repeated_eager_calls_take_the_cached_path_and_agree(norm):
     # A modulation on another device is still an error naming the argument.
     with pytest.raises((RuntimeError, ValueError), match="shift"):
         fused(x, shift.cpu(), scale, w, b)
+
+
+@pytest.mark.parametrize(
+    "x_shape, layout",
+    [
+        ((2, 96, 512), "chunk"),  # (B, 1, D) chunks of a (B, 6, D) table, strided (Wan's)
+        ((2, 96, 512), "2d"),  # (B, D)
+        ((1, 3, 40, 512), "frame"),  # (B, F, 1, D)
+        ((2, 96, 512), "token"),  # (B, S, D)
+    ],
+)
+def test_the_fast_path_gives_the_checked_paths_gradients_in_each_layout(norm, x_shape, layout, monkeypatch):
+    fused = NORMS[norm][0]
+    D = x_shape[-1]
+    x = torch.randn(x_shape, device="cuda").to(torch.bfloat16)
+    if layout == "chunk":
+        table = torch.randn(x_shape[0], 6, D, device="cuda")
+        shift, scale = table[:, 1:2], table[:, 4:5]
+    elif layout == "2d":
+        shift, scale = torch.randn(2, x_shape[0], D, device="cuda").unbind(0)
+    elif layout == "frame":
+        shift, scale = torch.randn(2, 1, 3, 1, D, device="cuda").unbind(0)
+    else:
+        shift, scale = torch.randn(2, *x_shape, device="cuda").unbind(0)
+    dy = torch.randn_like(x)
+
+    def grads(checkpointed: bool):
+        ins = [t.detach().clone().requires_grad_() for t in (x, shift, scale)]
+
+        def f(*a):
+            return fused(*a) * 2.0
+
+        y = torch.utils.checkpoint.checkpoint(f, *ins, use_reentrant=False) if checkpointed else f(*ins)
+        return (y, *torch.autograd.grad(y, ins, dy))
+
+    _impl._cfast.clear()
+    want = grads(False)  # the checked path (and it remembers the signature)
+    assert _impl._cfast.size() == 1
+    monkeypatch.setattr(_impl, "_check_inputs", _must_not_run)
+    for checkpointed in (False, True):
+        got = grads(checkpointed)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b), (layout, checkpointed)
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the checked path ran")
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass (may mean something else to its owner): never served by the fast path."""
+
+
+def test_the_fast_path_leaves_subclasses_modes_and_odd_arguments_to_the_checks(norm, monkeypatch):
+    fused, reference = NORMS[norm]
+    x, shift, scale, _, _ = _make((2, 64, 512), (2, 1, 512), torch.bfloat16, torch.float32, affine=False)
+    _impl._cfast.clear()
+    fused(x, shift, scale)  # remembered
+    rms = norm == "rms"
+    assert _impl._cfast.forward(rms, x, shift, scale, None, None, 1e-6) is not None
+    # The other norm's signature is its own: the same shapes under the other op are not served.
+    assert _impl._cfast.forward(not rms, x, shift, scale, None, None, 1e-6) is None
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+
+    monkeypatch.setattr(_impl, "_check_inputs", counting)
+    # A subclass, a torch-function mode and a non-number eps: each goes through the checks.
+    y_sub = fused(x.as_subclass(_Tagged), shift, scale)
+    assert len(calls) == 1
+    assert torch.equal(y_sub.as_subclass(torch.Tensor), fused(x, shift, scale))
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        fused(x, shift, scale)
+    assert len(calls) == 2
+    assert _impl._cfast.forward(rms, x, shift, scale, None, None, "1e-6") is None
+    # Modulation on another device: the shapes match, the signature does not; the checks name it.
+    monkeypatch.undo()
+    with pytest.raises((RuntimeError, ValueError), match="shift"):
+        fused(x, shift.cpu(), scale)
+    # eps is passed on every call, not remembered with the signature.
+    assert _rel(fused(x, shift, scale, eps=0.5), reference(x, shift, scale, eps=0.5)) < 1e-2
 
 
 def test_rms_norm_modulate_matches_the_diffusers_form():
