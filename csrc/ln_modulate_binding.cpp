@@ -24,11 +24,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ln_modulate.h"
@@ -433,43 +437,32 @@ rms_bwd_op() {
   return op;
 }
 
-// Gradients for the autograd functions' inputs (x, shift, scale, weight, bias, group_size, eps, rows).
+// The backward formula, one place for both autograd paths below: dy through the backward operator, dy
+// zeros where y's gradient is undefined (only the statistics were used).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_backward_call(
+    bool rms, const at::Tensor& dy_or_undef, const at::Tensor& x, const at::Tensor& scale_t, const at::Tensor& weight,
+    const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd, const c10::SymInt& group_size) {
+  const at::Tensor dy = dy_or_undef.defined() ? dy_or_undef : at::zeros_like(x);
+  if (rms) return rms_bwd_op().call(dy, x, scale_t, opt(weight), opt(bias), rstd, group_size);
+  return ln_bwd_op().call(dy, x, scale_t, opt(weight), opt(bias), mean, rstd, group_size);
+}
+
+// Gradients for the autograd functions' inputs (x, shift, scale, weight, bias, group_size, eps).
 variable_list input_grads(const at::Tensor& dx, const at::Tensor& dshift, const at::Tensor& dscale,
                           const at::Tensor& dweight, const at::Tensor& dbias, bool has_w, bool has_b) {
   return {dx, dshift, dscale, has_w ? dweight : at::Tensor(), has_b ? dbias : at::Tensor(), at::Tensor(),
-          at::Tensor(), at::Tensor()};
+          at::Tensor()};
 }
 
-// shift and scale as the kernels' (rows, D) tables. `rows` 0: they are tables already (the operator's
-// schema); else (the library's eager fast path, norm_mod_python.cpp) any shape of rows x D elements, viewed
-// here below autograd so that no view node enters the graph, their shapes kept for the gradients.
-std::pair<at::Tensor, at::Tensor> as_tables(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
-                                            const at::Tensor& scale, int64_t rows) {
-  if (rows == 0) return {shift, scale};
-  ctx->saved_data["shift_shape"] = shift.sizes().vec();
-  ctx->saved_data["scale_shape"] = scale.sizes().vec();
-  const int64_t D = x.size(-1);
-  return {shift.reshape({rows, D}), scale.reshape({rows, D})};
-}
-
-// The gradients of shift and scale in the shapes they were given in (see as_tables).
-void restore_shapes(AutogradContext* ctx, at::Tensor& dshift, at::Tensor& dscale) {
-  const auto it = ctx->saved_data.find("shift_shape");
-  if (it == ctx->saved_data.end()) return;
-  dshift = dshift.reshape(it->second.toIntVector());
-  dscale = dscale.reshape(ctx->saved_data["scale_shape"].toIntVector());
-}
-
+// The operators' Autograd kernels (the dispatcher's path: torch.ops calls, torch.compile, functorch).
 class LayerNormModulateFn : public torch::autograd::Function<LayerNormModulateFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
                                const at::Tensor& scale, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps,
-                               int64_t rows) {
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
-    const auto [shift_t, scale_t] = as_tables(ctx, x, shift, scale, rows);
-    auto [y, mean, rstd] = ln_fwd_op().call(x, shift_t, scale_t, weight, bias, group_size, eps);
-    ctx->save_for_backward({x, scale_t, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    auto [y, mean, rstd] = ln_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
     ctx->saved_data["group_size"] = std::move(group_size);
     ctx->mark_non_differentiable({mean, rstd});
     return {y, mean, rstd};
@@ -477,11 +470,9 @@ class LayerNormModulateFn : public torch::autograd::Function<LayerNormModulateFn
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
-    auto [dx, dshift, dscale, dweight, dbias] = ln_bwd_op().call(
-        dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], saved[5], ctx->saved_data["group_size"].toSymInt());
-    restore_shapes(ctx, dshift, dscale);
+    auto [dx, dshift, dscale, dweight, dbias] = norm_backward_call(
+        false, grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
+        ctx->saved_data["group_size"].toSymInt());
     return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
   }
 };
@@ -490,12 +481,10 @@ class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& shift,
                                const at::Tensor& scale, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps,
-                               int64_t rows) {
+                               const std::optional<at::Tensor>& bias, c10::SymInt group_size, double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
-    const auto [shift_t, scale_t] = as_tables(ctx, x, shift, scale, rows);
-    auto [y, rstd] = rms_fwd_op().call(x, shift_t, scale_t, weight, bias, group_size, eps);
-    ctx->save_for_backward({x, scale_t, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rstd});
+    auto [y, rstd] = rms_fwd_op().call(x, shift, scale, weight, bias, group_size, eps);
+    ctx->save_for_backward({x, scale, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rstd});
     ctx->saved_data["group_size"] = std::move(group_size);
     ctx->mark_non_differentiable({rstd});
     return {y, rstd};
@@ -503,21 +492,62 @@ class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
-    auto [dx, dshift, dscale, dweight, dbias] = rms_bwd_op().call(
-        dy, x, saved[1], opt(saved[2]), opt(saved[3]), saved[4], ctx->saved_data["group_size"].toSymInt());
-    restore_shapes(ctx, dshift, dscale);
+    auto [dx, dshift, dscale, dweight, dbias] = norm_backward_call(
+        true, grads[0], saved[0], saved[1], saved[2], saved[3], at::Tensor(), saved[4],
+        ctx->saved_data["group_size"].toSymInt());
     return input_grads(dx, dshift, dscale, dweight, dbias, saved[2].defined(), saved[3].defined());
   }
 };
+
+// The eager fast path's graph node (norm_modulate_eager): what generated autograd code builds for a native
+// op, a Node with its saved variables as members, with none of torch::autograd::Function's per-call
+// bookkeeping (the context's string-keyed map, per-output info, output wrapping): on a CPU build that
+// bookkeeping measured about 3x the cost of the node (docs/fused_op.md, "fourth pass (host)"). The same
+// backward formula as the Functions above; the gradients of shift and scale leave in the shapes given.
+struct NormModulateBackward : public torch::autograd::Node {
+  bool rms = false;
+  bool has_w = false, has_b = false;
+  torch::autograd::SavedVariable x, scale_t, weight, bias, mean, rstd;
+  c10::SymInt group_size;
+  std::vector<int64_t> shift_shape, scale_shape;
+
+  variable_list apply(variable_list&& grads) override {
+    // unpack() of a freed graph (a second backward without retain_graph) raises torch's own error.
+    auto [dx, dshift, dscale, dweight, dbias] =
+        norm_backward_call(rms, grads[0], x.unpack(), scale_t.unpack(), weight.unpack(), bias.unpack(),
+                           mean.unpack(), rstd.unpack(), group_size);
+    return {dx, dshift.reshape(shift_shape), dscale.reshape(scale_shape), has_w ? dweight : at::Tensor(),
+            has_b ? dbias : at::Tensor()};
+  }
+  std::string name() const override { return rms ? "RmsNormModulateBackward" : "LayerNormModulateBackward"; }
+  void release_variables() override {
+    x.reset_data();
+    scale_t.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
+  }
+};
+
+// A new node in the pointer type this torch's graph edges hold (std::shared_ptr before 2.13-era releases,
+// c10::intrusive_ptr since).
+using NodeRef = decltype(torch::autograd::Edge::function);
+template <typename N>
+auto new_node() {
+  if constexpr (std::is_same_v<NodeRef, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N());
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_autograd(const at::Tensor& x, const at::Tensor& shift,
                                                            const at::Tensor& scale,
                                                            const std::optional<at::Tensor>& weight,
                                                            const std::optional<at::Tensor>& bias,
                                                            c10::SymInt group_size, double eps) {
-  auto out = LayerNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps, int64_t{0});
+  auto out = LayerNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
   return {out[0], out[1], out[2]};
 }
 
@@ -525,7 +555,7 @@ std::tuple<at::Tensor, at::Tensor> rms_autograd(const at::Tensor& x, const at::T
                                                 const at::Tensor& scale, const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias, c10::SymInt group_size,
                                                 double eps) {
-  auto out = RmsNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps, int64_t{0});
+  auto out = RmsNormModulateFn::apply(x, shift, scale, weight, bias, std::move(group_size), eps);
   return {out[0], out[1]};
 }
 
@@ -538,8 +568,38 @@ at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& 
                                int64_t rows, int64_t group_size, double eps) {
   TORCH_CHECK(rows >= 1 && group_size >= 1, op_name(rms), ": the fast path needs rows and group_size >= 1");
   const c10::SymInt group(group_size);
-  return rms ? RmsNormModulateFn::apply(x, shift, scale, weight, bias, group, eps, rows)[0]
-             : LayerNormModulateFn::apply(x, shift, scale, weight, bias, group, eps, rows)[0];
+  const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
+  at::Tensor y, mean, rstd, scale_t;
+  {
+    // Below autograd: the table views and the operator's CUDA kernel, no graph nodes.
+    at::AutoDispatchBelowADInplaceOrView below;
+    const int64_t D = x.size(-1);
+    const at::Tensor shift_t = shift.reshape({rows, D});
+    scale_t = scale.reshape({rows, D});
+    if (rms) {
+      std::tie(y, rstd) = rms_fwd_op().call(x, shift_t, scale_t, weight, bias, group, eps);
+    } else {
+      std::tie(y, mean, rstd) = ln_fwd_op().call(x, shift_t, scale_t, weight, bias, group, eps);
+    }
+  }
+  if (torch::autograd::compute_requires_grad(x, shift, scale, w, b)) {
+    auto node = new_node<NormModulateBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, shift, scale, w, b));
+    node->rms = rms;
+    node->has_w = w.defined();
+    node->has_b = b.defined();
+    node->x = torch::autograd::SavedVariable(x, false);
+    node->scale_t = torch::autograd::SavedVariable(scale_t, false);
+    node->weight = torch::autograd::SavedVariable(w, false);
+    node->bias = torch::autograd::SavedVariable(b, false);
+    node->mean = torch::autograd::SavedVariable(mean, false);
+    node->rstd = torch::autograd::SavedVariable(rstd, false);
+    node->group_size = group;
+    node->shift_shape = shift.sizes().vec();
+    node->scale_shape = scale.sizes().vec();
+    torch::autograd::set_history(y, node);
+  }
+  return y;
 }
 
 }  // namespace adaptiveload

@@ -350,9 +350,23 @@ __device__ __forceinline__ void load_floats_v(const M* p, float (&out)[N]) {
   }
 }
 
+// Streaming stores (st.global.cs: evict first from L2; each line of y is written once and not read back
+// here): version 4's y, where they measured 1-6% faster on an H200 at all but the largest shape
+// (docs/fused_op.md, "fourth pass"). The bulk-copy kernels keep plain stores: there .cs stores, an L2
+// evict-first policy on the bulk copies, or both measured neutral or slower. ADAPTIVELOAD_NM_CS=0 builds
+// version 4 with plain stores (a benchmark switch).
+#ifndef ADAPTIVELOAD_NM_CS
+#define ADAPTIVELOAD_NM_CS 1
+#endif
+
 __device__ __forceinline__ void st_v(void* p, const uint4& u) {
+#if ADAPTIVELOAD_NM_CS
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+               : "memory");
+#else
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
                : "memory");
+#endif
 }
 
 // Modulation row of `row`; 32-bit division where the operands fit (a 64-bit one is a slow library call).

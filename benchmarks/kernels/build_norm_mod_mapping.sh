@@ -5,7 +5,7 @@ set -euo pipefail
 out=${1:-/tmp/nm_mapping}
 cd "$(dirname "$0")/../.."
 obj=$(mktemp -d)
-flags=(-O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc -Ibenchmarks/kernels)
+flags=(-O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc -Ibenchmarks/kernels ${NVCC_EXTRA:-})
 pids=()
 for f in csrc/ln_modulate.cu csrc/ln_modulate_bf16.cu csrc/norm_mod_tma_bf16_ln.cu csrc/norm_mod_tma_bf16_rms.cu \
          benchmarks/kernels/norm_mod_mapping.cu; do

@@ -3,7 +3,8 @@
 # the torch library built from these sources ("new") and, where .lead/old_csrc holds the sources before
 # (OLD=1), from those ("old"); the CUDA tests of tests/ops on the new build; the accuracy check; the limit
 # benchmark on each build (old first, then new, same process order, same machine). Output under $OUT.
-#   OUT=/tmp/out [OLD=1] [MAPPING=1] [TESTS=1] [ACC=1] [BENCH_ARGS=--no-eager] bash benchmarks/kernels/gpu_norm_mod_s33.sh
+# The old build runs beside the new one; BENCH_OLD_ARGS (default BENCH_ARGS) are the old build's benchmark arguments.
+#   OUT=/tmp/out [OLD=1] [MAPPING=1] [TESTS=1] [ACC=1] [BENCH_ARGS=--no-eager] [BENCH_OLD_ARGS=--host-only] bash benchmarks/kernels/gpu_norm_mod_s33.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -23,11 +24,15 @@ if [ "${MAPPING:-1}" = 1 ]; then
   echo "mapping rc=$? $(el)"
 fi
 echo "== builds $(el)"
+if [ "${OLD:-0}" = 1 ]; then  # the old build beside the new one
+  LIGHTNING_ADAPTIVELOAD_CSRC=$PWD/.lead/old_csrc LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_old timeout 300 \
+    python3 -m lightning_adaptiveload build-ops > "$OUT/logs/build_old.log" 2>&1 &
+  old_pid=$!
+fi
 LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_new timeout 300 python3 -m lightning_adaptiveload build-ops > "$OUT/logs/build_new.log" 2>&1
 echo "build new rc=$? $(el)"; grep -B2 -A10 " error" "$OUT/logs/build_new.log" | head -40
 if [ "${OLD:-0}" = 1 ]; then
-  LIGHTNING_ADAPTIVELOAD_CSRC=$PWD/.lead/old_csrc LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_old timeout 300 \
-    python3 -m lightning_adaptiveload build-ops > "$OUT/logs/build_old.log" 2>&1
+  wait "$old_pid"
   echo "build old rc=$? $(el)"
 fi
 so=$(ls /tmp/la_new/torch_extensions/*/*.so | head -1)
@@ -52,7 +57,9 @@ done
 for v in ${BUILDS:-new}; do
   echo "== bench $v $(el)"
   if [ $v = old ]; then export LIGHTNING_ADAPTIVELOAD_CSRC=$PWD/.lead/old_csrc; else unset LIGHTNING_ADAPTIVELOAD_CSRC; fi
-  LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_$v timeout 200 python3 benchmarks/kernels/bench_norm_modulate_limit.py ${BENCH_ARGS:---no-eager} \
+  args=${BENCH_ARGS:---no-eager}
+  [ $v = old ] && args=${BENCH_OLD_ARGS:-$args}
+  LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_$v timeout 200 python3 benchmarks/kernels/bench_norm_modulate_limit.py $args \
     --out "$OUT/logs/bench_$v.json" > "$OUT/logs/bench_$v.log" 2>&1
   echo "bench $v rc=$? $(el)"
   grep -E "^\| (ln|rms) \| 1 x (32760|75600) x (1536|5120)|^host us" "$OUT/logs/bench_$v.log" | cut -c1-400

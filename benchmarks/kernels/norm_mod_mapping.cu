@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ln_modulate.h"
+#include "norm_mod_tma.cuh"
 #include "norm_mod_variants.h"
 
 namespace adaptiveload {
@@ -176,17 +177,79 @@ double rel_f32(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// A copy by the SMs (16-byte vectors, four in flight per thread, grid-stride), beside cudaMemcpyAsync: how close
+// a kernel that reads x once and writes y once gets to the copy. CS: loads and stores with the .cs
+// (streaming) cache operator.
+template <bool CS>
+__global__ void __launch_bounds__(256) sm_copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b,
+                                                      int64_t n16) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = CS ? __ldcs(a + i + j * stride) : a[i + j * stride];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (CS) __stcs(b + i + j * stride, v[j]);
+      else b[i + j * stride] = v[j];
+    }
+  }
+  for (; i < n16; i += stride) b[i] = a[i];
+}
+
+// A copy by bulk copies: one thread per CTA moves chunks of `chunk` bytes global -> shared -> global through
+// a ring of `stages` buffers (cp.async.bulk in both directions), the CTA's chunks interleaved over the grid.
+// A stage is refilled once the store that read it has read it out (wait_group.read 1 keeps the latest store
+// in flight).
+__global__ void __launch_bounds__(32) tma_copy_kernel(const char* __restrict__ a, char* __restrict__ b, int64_t bytes,
+                                                      int chunk, int stages) {
+  using namespace adaptiveload::detail;
+  extern __shared__ __align__(128) unsigned char sm[];
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sm);
+  unsigned char* buf = sm + 128;
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < stages; ++s) mbar_init(bars + s, 1);
+  fence_mbar_init();
+  const int64_t nchunks = (bytes + chunk - 1) / chunk;
+  const int64_t mine = nchunks > blockIdx.x ? (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  auto lo = [](int64_t u, int64_t v) { return u < v ? u : v; };
+  auto issue = [&](int64_t k) {
+    const int64_t c = blockIdx.x + k * gridDim.x;
+    const uint32_t len = static_cast<uint32_t>(lo(chunk, bytes - c * chunk));
+    const int s = static_cast<int>(k % stages);
+    mbar_arrive_expect_tx(bars + s, len);
+    bulk_g2s(buf + s * chunk, a + c * chunk, len, bars + s);
+  };
+  for (int64_t k = 0; k < lo(stages, mine); ++k) issue(k);
+  for (int64_t k = 0; k < mine; ++k) {
+    const int s = static_cast<int>(k % stages);
+    mbar_wait(bars + s, static_cast<uint32_t>((k / stages) & 1));
+    const int64_t c = blockIdx.x + k * gridDim.x;
+    const uint32_t len = static_cast<uint32_t>(lo(chunk, bytes - c * chunk));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(b + c * chunk),
+                 "r"(smem_u32(buf + s * chunk)), "r"(len)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    if (k >= 1 && k - 1 + stages < mine) issue(k - 1 + stages);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 struct Shape {
   int64_t rows, D, group;
   const char* name;
 };
 
 int main(int argc, char** argv) {
-  // --quick: two shapes; --fwd: the forward's library kernels only (no variant kernels, no backward).
-  bool quick = false, fwd_only = false;
+  // --quick: two shapes; --fwd: the forward's library kernels only (no variant kernels, no backward);
+  // --lib: the library's kernels only, forward and backward (no variant kernels).
+  bool quick = false, fwd_only = false, lib_only = false;
   for (int i = 1; i < argc; ++i) {
     quick |= std::strcmp(argv[i], "--quick") == 0;
     fwd_only |= std::strcmp(argv[i], "--fwd") == 0;
+    lib_only |= std::strcmp(argv[i], "--lib") == 0;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -241,6 +304,43 @@ int main(int argc, char** argv) {
     const float t_copy = median_ms([&] { CK(cudaMemcpyAsync(y2, x, xb, cudaMemcpyDeviceToDevice)); });
     std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %.2f TB/s\n", sh.name, "copy", "cudaMemcpyAsync", t_copy, 100.f,
                 2.0 * xb / (t_copy * 1e-3) / 1e12);
+    {
+      int per_sm = 0;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm_copy_kernel<false>, 256, 0));
+      const int grid = per_sm * prop.multiProcessorCount;
+      const int64_t n16 = static_cast<int64_t>(xb / 16);
+      for (int cs = 0; cs < 2; ++cs) {
+        const float t = median_ms([&] {
+          if (cs) sm_copy_kernel<true><<<grid, 256>>>(reinterpret_cast<const uint4*>(x), reinterpret_cast<uint4*>(y), n16);
+          else sm_copy_kernel<false><<<grid, 256>>>(reinterpret_cast<const uint4*>(x), reinterpret_cast<uint4*>(y), n16);
+        });
+        CK(cudaGetLastError());
+        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %.2f TB/s\n", sh.name, "copy", cs ? "SM copy kernel, .cs" : "SM copy kernel",
+                    t, 100.f * t_copy / t, 2.0 * xb / (t * 1e-3) / 1e12);
+      }
+      const int tc[][2] = {{16384, 4}, {32768, 3}, {8192, 8}, {65536, 2}};
+      for (const auto& q : tc) {
+        const int smem = 128 + q[0] * q[1];
+        if (cudaFuncSetAttribute(tma_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+          cudaGetLastError();
+          continue;
+        }
+        int tper = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&tper, tma_copy_kernel, 32, smem));
+        const int tgrid = tper * prop.multiProcessorCount;
+        const float t = median_ms([&] {
+          tma_copy_kernel<<<tgrid, 32, smem>>>(reinterpret_cast<const char*>(x), reinterpret_cast<char*>(y),
+                                               static_cast<int64_t>(xb), q[0], q[1]);
+        });
+        CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        const Diff d = gpu_diff(y, x, n);
+        char name[48];
+        std::snprintf(name, sizeof name, "bulk copy %dK x%d (%d/SM)", q[0] >> 10, q[1], tper);
+        std::printf("%-24s %-10s %-26s %9.4f %7.1f%% %.2f TB/s, %llu differ\n", sh.name, "copy", name, t,
+                    100.f * t_copy / t, 2.0 * xb / (t * 1e-3) / 1e12, d.count);
+      }
+    }
     for (int rms = 0; rms < 2; ++rms) {
       const char* op = rms ? "rms" : "ln";
       LnModFwdArgs f;
@@ -284,7 +384,7 @@ int main(int argc, char** argv) {
           }
         }
       }
-      if (sh.group > 1 && !fwd_only) {
+      if (sh.group > 1 && !fwd_only && !lib_only) {
         LnModFwdArgs q = f;
         q.path = kFwdTma;
         NormModFwdPlan pq;
@@ -359,7 +459,7 @@ int main(int argc, char** argv) {
       // The backward's row mapping is fixed per kernel (interleaved for RMSNorm and per token). Then the
       // variant kernels (norm_mod_variants.cu): rows per iteration, register cap, the fast dx (16-bit x).
       std::vector<BV> bvs = {{0, 0, 0, nullptr, "auto (launcher)"}, {0, 96, 0, nullptr, "96 regs"}};
-      if (sh.group > 1) {
+      if (sh.group > 1 && !lib_only) {
         // {rows per iteration, register cap, opt (bit 0 fast dx, bit 1 scale through L1, bit 2 late issue),
         // stages (0: the launcher's)}
         const int vlist[][4] = {{2, 96, 0, 0}, {2, 96, 1, 0}, {2, 96, 3, 0}, {2, 96, 4, 0}, {2, 96, 5, 0},

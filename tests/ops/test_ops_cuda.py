@@ -526,6 +526,39 @@ def test_the_fast_path_gives_the_checked_paths_gradients_in_each_layout(norm, x_
             assert a.shape == b.shape and torch.equal(a, b), (layout, checkpointed)
 
 
+def test_the_fast_paths_graph_node_behaves_as_autograd_expects(norm, monkeypatch):
+    """The fast path builds its own graph node: freed graphs, retained graphs, in-place changes, no_grad."""
+    fused = NORMS[norm][0]
+    x, shift, scale, w, b = _make((2, 64, 512), (2, 1, 512), torch.bfloat16, torch.float32, affine=True)
+    ins = [t.detach().clone().requires_grad_() for t in (x, shift, scale, w, b)]
+    _impl._cfast.clear()
+    fused(*ins)  # the checked path remembers the signature
+    monkeypatch.setattr(_impl, "_check_inputs", _must_not_run)
+    dy = torch.randn_like(x)
+    y = fused(*ins)
+    assert y.grad_fn is not None and "NormModulateBackward" in y.grad_fn.name()
+    g1 = torch.autograd.grad(y, ins, dy, retain_graph=True)
+    g2 = torch.autograd.grad(y, ins, dy)  # the retained graph gives the same gradients
+    assert all(torch.equal(a, c) for a, c in zip(g1, g2))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(y, ins, dy)
+    # Only the inputs that require grad get an edge; the others get None.
+    part = [ins[0], shift, scale, w, b]
+    y = fused(*part)
+    (dx,) = torch.autograd.grad(y, [ins[0]], dy)
+    assert torch.equal(dx, g1[0])
+    # x changed in place after the forward: the saved x is stale, and backward says so.
+    xc = ins[0].detach().clone().requires_grad_()
+    xi = xc * 1.0
+    y = fused(xi, *ins[1:])
+    xi.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+    with torch.no_grad():
+        assert fused(*ins).grad_fn is None
+    assert not fused(*(t.detach() for t in ins)).requires_grad
+
+
 def _must_not_run(*args, **kwargs):
     raise AssertionError("the checked path ran")
 
