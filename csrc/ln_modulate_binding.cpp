@@ -4,17 +4,18 @@
 // (lightning_adaptiveload/ops/layer_norm_modulate.py, rms_norm_modulate.py) adds the fake (shape)
 // implementations and a plain-PyTorch implementation for other devices.
 //
-// The autograd formula lives here, in C++, so that an eager call costs one dispatcher round trip and no
-// Python: the Python registration of the same formula (torch.library.register_autograd) is what runs where
-// this library is not loaded. Both call the backward operator; the CUDA tests check that the two agree.
+// The autograd formula lives here, in C++, so that an eager call costs no Python autograd machinery: the
+// Python registration of the same formula (torch.library.register_autograd) is what runs where this library
+// is not loaded. Both call the backward operator; the CUDA tests check that the two agree.
 //
 // The CUDA kernels here take any input the schema allows and prepare it for the launchers (ln_modulate.h):
 // x contiguous and 16-byte aligned, shift and scale tables with aligned rows in one dtype (x's or fp32),
 // weight and bias as an fp32 pair. Input they cannot serve (D not a multiple of 8, dtypes other than
 // bf16/fp16/fp32) is an error that names the public function, which falls back to the reference instead.
 //
-// adaptiveload::norm_modulate_eager (norm_mod_eager.h) enters the same autograd formulas from the library's
-// eager fast path (norm_mod_python.cpp), with the modulation viewed as tables below autograd.
+// adaptiveload::norm_modulate_eager (norm_mod_eager.h) serves the library's eager fast path
+// (norm_mod_python.cpp): the modulation viewed as tables below autograd, the CUDA kernel, and a graph node of
+// its own (NormModulateBackward) with the same backward formula (norm_backward_call).
 //
 // Three private operators (_norm_modulate_tuned, _norm_modulate_backward_tuned, _norm_modulate_plans) take
 // the launchers' tuning overrides and report their plans, for benchmarks/kernels/ only; they have no

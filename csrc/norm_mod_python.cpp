@@ -6,9 +6,9 @@
 // stack, which costs several microseconds a call; a training step makes one or two such calls per block.
 // This module keeps what the Python wrapper decided for each argument signature (shapes, dtypes and devices
 // of x, shift, scale, weight and bias), namely the (rows, D) tables the modulation is read as and the group
-// size, and a call whose signature was seen before goes from Python straight into the operators' C++
-// autograd formula (norm_modulate_eager): the same formula and kernels as a call of the operator, with the
-// tables viewed below autograd (no view nodes in the graph).
+// size, and a call whose signature was seen before goes from Python straight into C++ (norm_modulate_eager):
+// the operator's CUDA kernel with the tables viewed below autograd, and one graph node whose backward is the
+// operators' backward formula (no view nodes, no torch::autograd::Function bookkeeping).
 //
 // Only the Python wrapper writes the cache (remember), after its own checks found that the kernels serve the
 // call with plain views of shift and scale. Anything else returns None, and the wrapper takes its checked

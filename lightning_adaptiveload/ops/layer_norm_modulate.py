@@ -21,8 +21,9 @@ the same autograd formula with ``torch.library.register_autograd``, so the opera
 
 Eager calls on CUDA whose argument shapes, dtypes and devices were seen before skip the input checks and
 layout analysis: the library's fast path (``csrc/norm_mod_python.cpp``) remembers their outcome and sends
-such a call from Python to the operator's dispatcher entry in one C++ call (two views, one typed dispatcher
-call), without the schema parsing of a ``torch.ops`` call. Tensor subclasses, torch-function modes and
+such a call from Python into C++ in one call: the tables viewed below autograd, the operator's CUDA kernel
+and one graph node whose backward is the operator's formula, without the schema parsing of a ``torch.ops``
+call. Tensor subclasses, torch-function modes, functorch transforms, ``torch.jit.trace`` and
 ``torch.compile`` take the checked path.
 
 Modulation layouts (``shift`` and ``scale``; fp32 or x's dtype), for x of shape (..., D):
