@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 sys.path.insert(0, os.path.dirname(__file__))
 from _ddp_data_runner import CrashAt, SimulatedCrash  # noqa: E402
 
-from lightning_adaptiveload import LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload import LoadBalanceMonitor, _dist  # noqa: E402
 from lightning_adaptiveload.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.fusion import FusedNormModulateMixin  # noqa: E402
 from lightning_adaptiveload.loading.settings import Loader
@@ -221,6 +221,10 @@ def main() -> None:
             summary = {**monitor.summary, "rank_compute_s": [c.tolist() for c in monitor._rank_compute]}
             with open(os.path.join(out, name + ".monitor.json"), "w") as f:
                 json.dump(summary, f, default=str)
+    # End as the package's CLI ends every subcommand: the ranks wait for each other, then destroy the gloo
+    # group while the interpreter is whole. FSDP2's device mesh keeps its own references to the groups, so
+    # the exit handler's destroy cannot stop gloo's workers (docs/ci_flake.md, "2026-12-04").
+    _dist.destroy_gloo_group_now()
 
 
 if __name__ == "__main__":
