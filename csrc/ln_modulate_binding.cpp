@@ -531,18 +531,6 @@ struct NormModulateBackward : public torch::autograd::Node {
   }
 };
 
-// A new node in the pointer type this torch's graph edges hold (std::shared_ptr before 2.13-era releases,
-// c10::intrusive_ptr since).
-using NodeRef = decltype(torch::autograd::Edge::function);
-template <typename N>
-auto new_node() {
-  if constexpr (std::is_same_v<NodeRef, std::shared_ptr<torch::autograd::Node>>) {
-    return std::shared_ptr<N>(new N());
-  } else {
-    return c10::make_intrusive<N>();
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_autograd(const at::Tensor& x, const at::Tensor& shift,
                                                            const at::Tensor& scale,
                                                            const std::optional<at::Tensor>& weight,
@@ -584,7 +572,7 @@ at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& 
     }
   }
   if (torch::autograd::compute_requires_grad(x, shift, scale, w, b)) {
-    auto node = new_node<NormModulateBackward>();
+    auto node = adaptiveload::new_autograd_node<NormModulateBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, shift, scale, w, b));
     node->rms = rms;
     node->has_w = w.defined();

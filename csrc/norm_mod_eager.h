@@ -3,9 +3,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <type_traits>
 
 namespace adaptiveload {
 
@@ -16,5 +19,16 @@ namespace adaptiveload {
 at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                int64_t rows, int64_t group_size, double eps);
+
+// A new autograd node of type N in the pointer type this torch's graph edges hold: std::shared_ptr in older
+// releases, c10::intrusive_ptr since pytorch#181782 (2.13). Also used by benchmarks/kernels/autograd_node_overhead.cpp.
+template <typename N>
+auto new_autograd_node() {
+  if constexpr (std::is_same_v<decltype(torch::autograd::Edge::function), std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N());
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
 
 }  // namespace adaptiveload

@@ -11,7 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
-#include <type_traits>
+#include "norm_mod_eager.h"  // adaptiveload::new_autograd_node (csrc/)
 
 namespace {
 
@@ -64,16 +64,6 @@ struct ViaNodeBackward : public torch::autograd::Node {
   }
 };
 
-using NodeRef = decltype(torch::autograd::Edge::function);
-template <typename N>
-auto new_node() {
-  if constexpr (std::is_same_v<NodeRef, std::shared_ptr<torch::autograd::Node>>) {
-    return std::shared_ptr<N>(new N());
-  } else {
-    return c10::make_intrusive<N>();
-  }
-}
-
 at::Tensor via_node(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale, int64_t rows) {
   at::Tensor y, mean, rstd, scale_t;
   {
@@ -82,7 +72,7 @@ at::Tensor via_node(const at::Tensor& x, const at::Tensor& shift, const at::Tens
     std::tie(y, mean, rstd) = allocs(x);
   }
   if (torch::autograd::compute_requires_grad(x, shift, scale)) {
-    auto node = new_node<ViaNodeBackward>();
+    auto node = adaptiveload::new_autograd_node<ViaNodeBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, shift, scale));
     node->x = torch::autograd::SavedVariable(x, false);
     node->scale_t = torch::autograd::SavedVariable(scale_t, false);

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _common import add_out_arg, cpu_name, device_tag, write_json  # noqa: E402
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autograd_node_overhead.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "csrc")
 
 
 def _build():
@@ -33,7 +34,9 @@ def _build():
 
     build_dir = os.path.join(tempfile.gettempdir(), f"la_autograd_node_{torch.__version__}")
     os.makedirs(build_dir, exist_ok=True)
-    return load("la_autograd_node", [_SRC], build_directory=build_dir, verbose=False)
+    return load(
+        "la_autograd_node", [_SRC], extra_include_paths=[_CSRC], build_directory=build_dir, verbose=False
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
