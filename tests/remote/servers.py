@@ -166,18 +166,23 @@ class AccessLog:
         return len(self.rows())
 
     def since(self, mark: int, settle: float = 0.3) -> list[Served]:
-        """The rows logged after ``mark``; waits until the log stops growing for ``settle`` seconds (a server
-        logs a request when its response is done, a moment after the client has the bytes)."""
-        rows, last = self.rows(), time.monotonic()
-        deadline = last + 10
-        while time.monotonic() < deadline:
-            time.sleep(settle / 3)
-            now = self.rows()
-            if len(now) != len(rows):
-                rows, last = now, time.monotonic()
-            elif time.monotonic() - last >= settle:
-                break
-        return rows[mark:]
+        """The rows logged after ``mark``, once the log has stopped growing (:func:`settled_rows`)."""
+        return settled_rows(self.rows, settle)[mark:]
+
+
+def settled_rows(read: Callable[[], list[Served]], settle: float = 0.3) -> list[Served]:
+    """``read()`` once it has stopped growing for ``settle`` seconds (at most 10 s): a server logs a request
+    when its response is done, a moment after the client has the bytes."""
+    rows, last = read(), time.monotonic()
+    deadline = last + 10
+    while time.monotonic() < deadline:
+        time.sleep(settle / 3)
+        now = read()
+        if len(now) != len(rows):
+            rows, last = now, time.monotonic()
+        elif time.monotonic() - last >= settle:
+            break
+    return rows
 
 
 def _parse_line(line: str) -> Served | None:
@@ -556,9 +561,15 @@ class FaultProxy:
         with self.lock:
             return len(self.served)
 
-    def since(self, mark: int) -> list[Served]:
-        with self.lock:
-            return list(self.served[mark:])
+    def since(self, mark: int, settle: float = 0.3) -> list[Served]:
+        """The rows served after ``mark``, once the log has stopped growing: the proxy records a request
+        after its response is sent, a moment after the client has the bytes (:func:`settled_rows`)."""
+
+        def read() -> list[Served]:
+            with self.lock:
+                return list(self.served)
+
+        return settled_rows(read, settle)[mark:]
 
     def injected(self, kind: str) -> int:
         with self.lock:
