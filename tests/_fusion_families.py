@@ -154,6 +154,22 @@ def hunyuan() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
 
 
+def hunyuan_i2v() -> Family:
+    """HunyuanVideo I2V with token replace: the first frame's tokens take their own modulation."""
+    model = _build(
+        "HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type="token_replace", guidance_embeds=False,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 2, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2), encoder_attention_mask=torch.ones(2, 5),
+                  pooled_projections=_randn(2, 8, seed=3))  # fmt: skip
+    sites = {"HunyuanVideoTokenReplaceTransformerBlock": 3, "HunyuanVideoTokenReplaceAdaLayerNormZero": 2,
+             "AdaLayerNormZero": 1, "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle": 2,
+             "AdaLayerNormContinuous": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
+
+
 def pixart() -> Family:
     model = _build(
         "PixArtTransformer2DModel", sample_size=8, num_layers=1, patch_size=2, attention_head_dim=8,
@@ -199,6 +215,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "cogvideox": cogvideox,
     "ltx-video": ltx,
     "hunyuanvideo": hunyuan,
+    "hunyuanvideo-i2v": hunyuan_i2v,
     "pixart": pixart,
     "dit": dit,
     "sana": sana,

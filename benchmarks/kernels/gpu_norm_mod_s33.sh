@@ -4,7 +4,8 @@
 # (OLD=1), from those ("old"); the CUDA tests of tests/ops on the new build; the accuracy check; the limit
 # benchmark on each build (old first, then new, same process order, same machine). Output under $OUT.
 # The old build runs beside the new one; BENCH_OLD_ARGS (default BENCH_ARGS) are the old build's benchmark arguments.
-#   OUT=/tmp/out [OLD=1] [MAPPING=1] [TESTS=1] [ACC=1] [BENCH_ARGS=--no-eager] [BENCH_OLD_ARGS=--host-only] bash benchmarks/kernels/gpu_norm_mod_s33.sh
+#   OUT=/tmp/out [OLD=1] [MAPPING=1] [TESTS=1] [ACC=1] [BUILDS="old new old new"] [BENCH_ARGS=--no-eager]
+#     [BENCH_OLD_ARGS=--host-only] [FINAL_ARGS=--no-eager] bash benchmarks/kernels/gpu_norm_mod_s33.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -54,15 +55,25 @@ for v in $([ "${ACC:-1}" = 1 ] && echo ${BUILDS:-new}); do
     --out "$OUT/logs/accuracy_$v.json" > "$OUT/logs/accuracy_$v.log" 2>&1
   echo "acc rc=$? $(el)"
 done
-for v in ${BUILDS:-new}; do
-  echo "== bench $v $(el)"
+i=0
+for v in ${BUILDS:-new}; do  # a build named twice or more ("old new old new") is timed in turns
+  i=$((i + 1))
+  echo "== bench $v ($i) $(el)"
   if [ $v = old ]; then export LIGHTNING_ADAPTIVELOAD_CSRC=$PWD/.lead/old_csrc; else unset LIGHTNING_ADAPTIVELOAD_CSRC; fi
   args=${BENCH_ARGS:---no-eager}
   [ $v = old ] && args=${BENCH_OLD_ARGS:-$args}
   LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_$v timeout 200 python3 benchmarks/kernels/bench_norm_modulate_limit.py $args \
-    --out "$OUT/logs/bench_$v.json" > "$OUT/logs/bench_$v.log" 2>&1
+    --out "$OUT/logs/bench_${v}_$i.json" > "$OUT/logs/bench_${v}_$i.log" 2>&1
   echo "bench $v rc=$? $(el)"
-  grep -E "^\| (ln|rms) \| 1 x (32760|75600) x (1536|5120)|^host us" "$OUT/logs/bench_$v.log" | cut -c1-400
+  grep -E "^\| (ln|rms) \| 1 x (32760|75600) x (1536|5120)|^host us" "$OUT/logs/bench_${v}_$i.log" | cut -c1-400
 done
+if [ -n "${FINAL_ARGS:-}" ]; then  # one more run of the new build, say the whole table after host-only turns
+  echo "== bench new, final $(el)"
+  unset LIGHTNING_ADAPTIVELOAD_CSRC
+  LIGHTNING_ADAPTIVELOAD_CACHE=/tmp/la_new timeout 200 python3 benchmarks/kernels/bench_norm_modulate_limit.py $FINAL_ARGS \
+    --out "$OUT/logs/bench_new_final.json" > "$OUT/logs/bench_new_final.log" 2>&1
+  echo "bench final rc=$? $(el)"
+  grep -E "^\| (ln|rms) \| |^host us" "$OUT/logs/bench_new_final.log" | cut -c1-400
+fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 echo "done $(el)"

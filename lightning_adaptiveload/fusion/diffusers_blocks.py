@@ -9,6 +9,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``SD3SingleTransformerBlock`` | SD3 variants | ``norm2`` | LayerNorm |
 | ``FluxTransformerBlock`` | Flux | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``HunyuanVideoTransformerBlock`` | HunyuanVideo | ``norm2``, ``norm2_context`` | LayerNorm |
+| ``HunyuanVideoTokenReplaceTransformerBlock`` | HunyuanVideo I2V | ``norm2`` (two modulations), ``norm2_context`` | LayerNorm |
 | ``BasicTransformerBlock`` (``ada_norm_zero``) | DiT | ``norm3`` | LayerNorm |
 | ``BasicTransformerBlock`` (``ada_norm_single``) | PixArt (and Latte) | ``norm1``, ``norm2`` | LayerNorm |
 | ``LTXVideoTransformerBlock`` | LTX-Video | ``norm1``, ``norm2`` | RMSNorm |
@@ -176,6 +177,74 @@ def _hunyuan_fused(
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * block.ff(norm_h)
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_e)
     return hidden_states, encoder_hidden_states
+
+
+def _hunyuan_token_replace_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    temb,
+    attention_mask=None,
+    freqs_cis=None,
+    token_replace_emb=None,
+    num_tokens=None,
+):
+    """HunyuanVideoTokenReplaceTransformerBlock (HunyuanVideo I2V): the FFN sites of both streams fused.
+
+    The first ``num_tokens`` tokens (the image frame) take the token-replace modulation, the others the
+    timestep's: two fused calls on the two slices, which a LayerNorm (one row at a time) normalises exactly as
+    the whole sequence.
+    """
+    n = num_tokens
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp, *token_replace = block.norm1(
+        hidden_states, temb, token_replace_emb, n
+    )
+    tr_gate_msa, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = token_replace
+    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_e,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    hidden_states = torch.cat(
+        [
+            hidden_states[:, :n] + attn_output[:, :n] * tr_gate_msa.unsqueeze(1),
+            hidden_states[:, n:] + attn_output[:, n:] * gate_msa.unsqueeze(1),
+        ],
+        dim=1,
+    )
+    encoder_hidden_states = encoder_hidden_states + context_attn_output * c_gate_msa.unsqueeze(1)
+    norm_h = torch.cat(
+        [
+            norm_modulate(block.norm2, hidden_states[:, :n], tr_shift_mlp[:, None], tr_scale_mlp[:, None]),
+            norm_modulate(block.norm2, hidden_states[:, n:], shift_mlp[:, None], scale_mlp[:, None]),
+        ],
+        dim=1,
+    )
+    norm_e = norm_modulate(
+        block.norm2_context, encoder_hidden_states, c_shift_mlp[:, None], c_scale_mlp[:, None]
+    )
+    ff_output = block.ff(norm_h)
+    context_ff_output = block.ff_context(norm_e)
+    hidden_states = torch.cat(
+        [
+            hidden_states[:, :n] + ff_output[:, :n] * tr_gate_mlp.unsqueeze(1),
+            hidden_states[:, n:] + ff_output[:, n:] * gate_mlp.unsqueeze(1),
+        ],
+        dim=1,
+    )
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+    return hidden_states, encoder_hidden_states
+
+
+def _hunyuan_token_replace_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype = probe_device_dtype(block)
+    [((x, context, temb), _)] = _two_stream_probe(block, generator)
+    token_replace_emb = probe_randn(temb.shape, generator, device, dtype)
+    return [((x, context, temb), {"token_replace_emb": token_replace_emb, "num_tokens": 2})]
 
 
 def _two_stream_probe(block: nn.Module, generator: torch.Generator):
@@ -466,6 +535,10 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         inline(_HUNYUAN, "HunyuanVideoTransformerBlock", _hunyuan_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "args", "kwargs"],
                2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
+        inline(_HUNYUAN, "HunyuanVideoTokenReplaceTransformerBlock", _hunyuan_token_replace_fused,
+               ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "token_replace_emb",
+                "num_tokens"],
+               3, lambda b: _sites_check(b, ("norm2", "norm2_context")), _hunyuan_token_replace_probe),
         (_is_basic_adaln, basic),
         inline(_LTX, "LTXVideoTransformerBlock", _ltx_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "encoder_attention_mask"],

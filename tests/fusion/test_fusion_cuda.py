@@ -198,10 +198,7 @@ def _families():
     return FAMILIES
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["wan", "sd3", "sd3.5", "flux", "cogvideox", "ltx-video", "hunyuanvideo", "pixart", "dit", "sana"],
-)
+@pytest.mark.parametrize("name", list(_families()))
 def test_family_probe_accepts_the_cuda_ops_and_bf16_training_is_no_worse(name, no_cudnn_attention):
     # The probe compares the CUDA ops against the inline code on perturbed copies, in fp32 (TF32 off) and in
     # bf16: a correct adapter must pass at its tolerances on the GPU too. Then, in bf16, fused and unfused
