@@ -113,6 +113,21 @@ def flux() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pooled_projections"), sites)
 
 
+def longcat() -> Family:
+    """LongCat-Image: its blocks are a copy of Flux's (the same forward code), fused by Flux's adapter."""
+    model = _build(
+        "LongCatImageTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    ids = torch.randint(0, 4, (16, 3), generator=torch.Generator().manual_seed(4)).float()
+    kwargs = dict(hidden_states=_randn(2, 16, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([0.3, 0.7]), img_ids=ids, txt_ids=torch.zeros(5, 3))  # fmt: skip
+    sites = {"LongCatImageTransformerBlock": 2, "AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1,
+             "AdaLayerNormContinuous": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def cogvideox() -> Family:
     model = _build(
         "CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
@@ -212,6 +227,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "sd3": sd3,
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,
+    "longcat-image": longcat,
     "cogvideox": cogvideox,
     "ltx-video": ltx,
     "hunyuanvideo": hunyuan,

@@ -9,9 +9,11 @@ recognises a site it deliberately leaves alone. The model-family adapters (``vid
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from lightning_adaptiveload.fusion.probe import ProbeResult, run_probe
 
 __all__ = [
     "ClassForward",
+    "CopiedForward",
     "FlagAdapter",
     "FusionAdapter",
     "FusionError",
@@ -261,6 +264,74 @@ class ClassForward(ReplaceForward):
 
     def check(self, module: nn.Module) -> str | None:
         self.expected_forward = getattr(self.resolve(), "forward", None)
+        return super().check(module)
+
+
+@functools.cache
+def _code_of(forward: Callable[..., Any]) -> str | None:
+    """``forward``'s syntax tree as text, its name, docstring, comments, layout and decorators aside (None
+    without Python source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            body = body[1:]
+    node.body, node.decorator_list, node.name = body, [], "_"
+    return ast.dump(node)
+
+
+def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether two functions are the same code: the same names used (a cheap first test), then the same
+    syntax tree, their own names, docstrings, comments and layout aside."""
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if ca is None or cb is None or ca.co_names != cb.co_names or ca.co_varnames != cb.co_varnames:
+        return False
+    ta = _code_of(a)
+    return ta is not None and ta == _code_of(b)
+
+
+class CopiedForward(ReplaceForward):
+    """A :class:`ClassForward`'s fused forward, for other classes whose forward is the same code.
+
+    diffusers copies blocks between families (its ``# Copied from`` classes: Bria-Fibo's, LongCat-Image's and
+    Ovis-Image's blocks are Flux's, HunyuanVideo 1.5's is HunyuanVideo's), and a class whose forward is the
+    same code as the one a fused forward was written for (:func:`same_code`) computes what that class
+    computes with its own submodules. Such a class takes the original's fused forward, after the original's
+    checks and its probe, like the original; a class that has its own changes does not match, and stays
+    with whatever else recognises it.
+
+    Args:
+        original: the adapter of the class the fused forward was written for.
+    """
+
+    def __init__(self, original: ClassForward) -> None:
+        super().__init__(
+            original.forward,
+            name=f"{original.name} (same forward: {original.where[1]})",
+            sites=original._sites,
+            check=original._check,
+            probe=original._probe,
+        )
+        self.original = original
+        self.owns_subtree = original.owns_subtree
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module``'s class is another class whose forward is the original's code."""
+        cls = self.original.resolve()
+        if cls is None or isinstance(module, cls):
+            return False  # not imported, or the original's own (and its subclasses', checked there)
+        return same_code(class_forward(module), cls.forward)
+
+    def check(self, module: nn.Module) -> str | None:
+        if not self.matches(module):
+            return f"{type(module).__qualname__}.forward is not the code of {self.original.where[1]}.forward"
+        self.expected_forward = class_forward(module)
         return super().check(module)
 
 

@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from lightning_adaptiveload.fusion import diffusers_blocks, diffusers_norms, dit, video_dit, wan
-from lightning_adaptiveload.fusion.adapter import FlagAdapter, FusionAdapter, FusionError, ReplaceForward
+from lightning_adaptiveload.fusion.adapter import (
+    ClassForward,
+    CopiedForward,
+    FlagAdapter,
+    FusionAdapter,
+    FusionError,
+    ReplaceForward,
+)
 from lightning_adaptiveload.fusion.probe import ProbeResult
 from lightning_adaptiveload.fusion.sites import norm_kind
 
@@ -85,6 +92,11 @@ class FusionReport:
         unrecognized: classes that hold a LayerNorm or an RMSNorm (other than an attention's q / k norms),
             with no recognised module inside, that no adapter recognised (left as they are), with how many
             modules of each.
+        unfused_norms: for classes that no adapter recognised but that hold recognised modules (so are not
+            in ``unrecognized``), the attribute names of their own norms without an affine: in a DiT block
+            such a norm is usually modulated inline in the block's forward (an FFN site), which then stays
+            unfused. A norm that is not modulated (a cross-attention's) is listed too; look at the block's
+            forward, and register an adapter for the block where it modulates one.
     """
 
     action: str
@@ -97,6 +109,7 @@ class FusionReport:
     already_fused: dict[str, int] = field(default_factory=dict)
     skipped: list[SkippedModule] = field(default_factory=list)
     unrecognized: dict[str, int] = field(default_factory=dict)
+    unfused_norms: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def num_sites(self) -> int:
@@ -140,6 +153,12 @@ class FusionReport:
                 "  not recognised, left as they are (register an adapter to fuse them): "
                 + ", ".join(f"{c} x{n}" for c, n in self.unrecognized.items())
             )
+        if self.unfused_norms:
+            lines.append(
+                "  norms without an affine left in blocks no adapter recognised (if the block modulates them "
+                "in its forward, those sites stay unfused; register an adapter for the block): "
+                + ", ".join(f"{c}.{{{', '.join(names)}}}" for c, names in self.unfused_norms.items())
+            )
         return "\n".join(lines)
 
 
@@ -170,11 +189,14 @@ class _Entry:
 
 
 def _builtin_entries() -> list[_Entry]:
-    return [
+    entries = [
         _Entry(target, adapter, True)
         for family in (video_dit, wan, dit, diffusers_blocks, diffusers_norms)
         for target, adapter in family.builtin_entries()
     ]
+    # Then, after every class of its own, the classes whose forward is a copy of a built-in class's.
+    copies = [CopiedForward(e.adapter) for e in entries if isinstance(e.adapter, ClassForward)]
+    return entries + [_Entry(c.matches, c, True) for c in copies]
 
 
 _BUILTINS: list[_Entry] = _builtin_entries()
@@ -334,8 +356,8 @@ class _FuseWalk:
     owned: list[str] = field(default_factory=list)
     # names of modules some adapter handled (fused, already fused or skipped)
     recognised: list[str] = field(default_factory=list)
-    # (name, class) of unmatched modules that hold a LayerNorm
-    holders: list[tuple[str, str]] = field(default_factory=list)
+    # (name, class, module) of unmatched modules that hold a LayerNorm
+    holders: list[tuple[str, str, nn.Module]] = field(default_factory=list)
 
     def visit(self, name: str, sub: nn.Module) -> None:
         """Fuse ``sub`` if an adapter takes it, or note why not."""
@@ -352,7 +374,7 @@ class _FuseWalk:
         entry = next((e for e in self.entries if e.matches(sub)), None)
         if entry is None:
             if _holds_norm(sub):
-                self.holders.append((name, cls))
+                self.holders.append((name, cls, sub))
             return
         adapter = entry.adapter
         self.recognised.append(name)
@@ -405,9 +427,20 @@ class _FuseWalk:
         """Count the LayerNorm holders no adapter recognised, after the walk."""
         # A holder with recognised modules inside (our reference DiTBlock: NormModulate sites next to the
         # plain cross-attention LayerNorm) is accounted for; the others are what a user may want an adapter for.
-        for name, cls in self.holders:
+        # Its own norms without an affine are named, though: a block that fuses its norm modules but not its
+        # inline FFN sites (a family's copy of a block, with a change) would otherwise pass unnoticed.
+        for name, cls, module in self.holders:
             if not any(_inside(r, [name]) for r in self.recognised):
                 _bump(self.report.unrecognized, cls)
+                continue
+            bare = [
+                child_name
+                for child_name, child in module.named_children()
+                if _is_norm(child) and child_name not in _QK_NORMS and getattr(child, "weight", None) is None
+            ]
+            if bare:
+                known = self.report.unfused_norms.setdefault(cls, [])
+                known.extend(n for n in bare if n not in known)
 
 
 def nothing_found_message(module: nn.Module, report: FusionReport) -> str:

@@ -82,6 +82,7 @@ def test_family_fuses_exactly_and_reversibly(name, op_calls):
     report = fuse_norm_modulate(model)
     assert report.num_sites > 0
     assert report.sites == family.sites, str(report)
+    assert not report.unfused_norms, str(report)  # no block left with a norm its adapter did not cover
     for cls in report.modules:  # every fused class was probed on perturbed copies, in fp32 and bf16
         probe = report.probes[cls]
         assert probe.status == "ok" and probe.dtypes == ["float32", "bfloat16"], report.checks[cls]
