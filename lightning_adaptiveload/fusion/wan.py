@@ -8,21 +8,13 @@ classes are looked up only in modules already imported, so nothing here imports 
 
 from __future__ import annotations
 
-import inspect
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_adaptiveload import ops as _ops
-from lightning_adaptiveload.fusion.adapter import (
-    FusionAdapter,
-    NoteAdapter,
-    ReplaceForward,
-    class_forward,
-    layer_norm_args,
-)
+from lightning_adaptiveload.fusion.adapter import ClassForward, FusionAdapter, NoteAdapter, layer_norm_args
 from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
 
 __all__ = ["builtin_entries"]
@@ -32,28 +24,20 @@ _WAN_BLOCK_ATTRS = ("norm1", "norm2", "norm3", "attn1", "attn2", "ffn", "scale_s
 _WAN_FORWARD_PARAMS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
 
-def _diffusers_version() -> str:
-    module = sys.modules.get("diffusers")
-    return getattr(module, "__version__", "unknown")
-
-
 def _wan_block_check(block: nn.Module) -> str | None:
-    drift = f"diffusers {_diffusers_version()}: "
+    # ClassForward prefixes the installed diffusers version and checks the forward's parameters.
     missing = [a for a in _WAN_BLOCK_ATTRS if not hasattr(block, a)]
     if missing:
-        return drift + f"WanTransformerBlock has no {missing}; the fused forward does not fit this version"
+        return f"WanTransformerBlock has no {missing}; the fused forward does not fit this version"
     table = block.scale_shift_table
     if not (isinstance(table, torch.Tensor) and table.dim() == 3 and tuple(table.shape[:2]) == (1, 6)):
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
-        return drift + f"scale_shift_table is {shape}, expected (1, 6, D)"
+        return f"scale_shift_table is {shape}, expected (1, 6, D)"
     dim = table.shape[-1]
     for name in ("norm1", "norm3"):
         norm = getattr(block, name)
         if not isinstance(norm, nn.LayerNorm) or tuple(norm.normalized_shape) != (dim,):
-            return drift + f"{name} is {type(norm).__name__}, expected a LayerNorm over D={dim}"
-    params = list(inspect.signature(class_forward(block)).parameters)[1:]
-    if params != _WAN_FORWARD_PARAMS:
-        return drift + f"forward takes ({', '.join(params)}), expected ({', '.join(_WAN_FORWARD_PARAMS)})"
+            return f"{name} is {type(norm).__name__}, expected a LayerNorm over D={dim}"
     return None
 
 
@@ -128,19 +112,13 @@ def _wan_model_head_reason(model: nn.Module) -> str | None:
     )
 
 
-class _LazyWanForward(ReplaceForward):
-    """The Wan adapter, whose expected class forward is known only once diffusers is imported."""
-
-    def check(self, module: nn.Module) -> str | None:
-        cls = getattr(sys.modules.get(_WAN_MODULE), "WanTransformerBlock", None)
-        self.expected_forward = getattr(cls, "forward", None)
-        return super().check(module)
-
-
 def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
     """The ``(target, adapter)`` pairs of this family, in the order the registry tries them."""
-    wan_block = _LazyWanForward(
+    # A ClassForward, so that the copies of the block in other modules (ChronoEdit's, Wan-Animate's) take it.
+    wan_block = ClassForward(
         _wan_block_forward_fused,
+        where=(_WAN_MODULE, "WanTransformerBlock"),
+        params=_WAN_FORWARD_PARAMS,
         name="diffusers-wan-block",
         sites=2,
         check=_wan_block_check,

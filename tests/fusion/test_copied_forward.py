@@ -103,3 +103,25 @@ def test_a_copy_of_a_supported_forward_fuses_and_a_changed_copy_does_not(tmp_pat
         assert "ChangedBlock.{norm2, norm2_context}" in str(report)
     finally:
         sys.modules.pop("la_copied_blocks", None)
+
+
+def test_chronoedits_copy_of_the_wan_block_fuses_exactly():
+    """ChronoEdit defines its own WanTransformerBlock, the same code as Wan's: Wan's adapter takes it."""
+    pytest.importorskip("diffusers")
+    from _fusion_families import Family, _build, _randn
+    from test_families import _assert_same
+
+    model = _build(
+        "ChronoEditTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2))  # fmt: skip
+    reference = copy.deepcopy(model)
+    report = fuse_norm_modulate(model)
+    assert report.sites == {"WanTransformerBlock": 4}, str(report)
+    assert report.adapters["WanTransformerBlock"] == "diffusers-wan-block (same forward: WanTransformerBlock)"
+    assert type(model.blocks[0]).__module__.endswith("transformer_chronoedit")  # its own class, not Wan's
+    # Its output head is modulated inline in the model's forward, as Wan's is: left, and named.
+    assert report.unfused_norms == {"ChronoEditTransformer3DModel": ["norm_out"]}
+    _assert_same(reference, model, Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {}))
