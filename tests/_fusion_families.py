@@ -128,6 +128,21 @@ def longcat() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def qwen_image(edit: bool = False) -> Family:
+    """Qwen-Image; ``edit``: zero_cond_t (the edit models), a doubled timestep batch picked per token."""
+    model = _build(
+        "QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+        zero_cond_t=edit,
+    )  # fmt: skip
+    images = [(1, 4, 4), (1, 4, 4)] if edit else [(1, 4, 4)]
+    kwargs = dict(hidden_states=_randn(2, 16 * len(images), 16, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  encoder_hidden_states_mask=torch.ones(2, 5), timestep=torch.tensor([0.3, 0.7]),
+                  img_shapes=[images] * 2)  # fmt: skip
+    sites = {"QwenImageTransformerBlock": 8, "AdaLayerNormContinuous": 1}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def cogvideox() -> Family:
     model = _build(
         "CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
@@ -228,6 +243,8 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,
     "longcat-image": longcat,
+    "qwen-image": qwen_image,
+    "qwen-image-edit": lambda: qwen_image(edit=True),
     "cogvideox": cogvideox,
     "ltx-video": ltx,
     "hunyuanvideo": hunyuan,

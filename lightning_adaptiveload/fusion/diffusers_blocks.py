@@ -14,6 +14,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``BasicTransformerBlock`` (``ada_norm_single``) | PixArt (and Latte) | ``norm1``, ``norm2`` | LayerNorm |
 | ``LTXVideoTransformerBlock`` | LTX-Video | ``norm1``, ``norm2`` | RMSNorm |
 | ``SanaTransformerBlock`` | Sana | ``norm1``, ``norm2`` | LayerNorm |
+| ``QwenImageTransformerBlock`` | Qwen-Image (and its edit models, per token) | ``img_norm1``, ``img_norm2``, ``txt_norm1``, ``txt_norm2`` | LayerNorm |
 
 Their forwards are replaced by the same computation with those sites through
 :func:`~lightning_adaptiveload.fusion.sites.norm_modulate`; the norm modules they call (``norm1`` of an
@@ -45,6 +46,7 @@ _LTX = "diffusers.models.transformers.transformer_ltx"
 _SANA = "diffusers.models.transformers.sana_transformer"
 _PIXART = "diffusers.models.transformers.pixart_transformer_2d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
+_QWEN = "diffusers.models.transformers.transformer_qwenimage"
 
 
 def _feed_forward(block: nn.Module, ff: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -245,6 +247,90 @@ def _hunyuan_token_replace_probe(block: nn.Module, generator: torch.Generator):
     [((x, context, temb), _)] = _two_stream_probe(block, generator)
     token_replace_emb = probe_randn(temb.shape, generator, device, dtype)
     return [((x, context, temb), {"token_replace_emb": token_replace_emb, "num_tokens": 2})]
+
+
+def _qwen_modulation(mod_params: torch.Tensor, index: torch.Tensor | None):
+    """(shift, scale, gate) of a QwenImageTransformerBlock site, as its ``_modulate`` picks them: (B, 1, D)
+    per sample, or per token (B, S, D) where ``index`` (B, S) chooses between the two halves of a doubled
+    batch (``zero_cond_t``, the edit models: 0 the first half's row, else the second's)."""
+    shift, scale, gate = mod_params.chunk(3, dim=-1)
+    if index is None:
+        return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1)
+    half = shift.size(0) // 2
+    first = index.unsqueeze(-1) == 0
+    return tuple(
+        torch.where(first, t[:half].unsqueeze(1), t[half:].unsqueeze(1)) for t in (shift, scale, gate)
+    )
+
+
+def _qwen_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    encoder_hidden_states_mask,
+    temb,
+    image_rotary_emb=None,
+    joint_attention_kwargs=None,
+    modulate_index=None,
+):
+    """QwenImageTransformerBlock (Qwen-Image): its four sites (norm1 and norm2 of both streams) fused."""
+    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
+    if block.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
+
+    shift, scale, img_gate1 = _qwen_modulation(img_mod1, modulate_index)
+    img_modulated = norm_modulate(block.img_norm1, hidden_states, shift, scale)
+    shift, scale, txt_gate1 = _qwen_modulation(txt_mod1, None)
+    txt_modulated = norm_modulate(block.txt_norm1, encoder_hidden_states, shift, scale)
+    img_attn_output, txt_attn_output = block.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    hidden_states = hidden_states + img_gate1 * img_attn_output
+    encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
+
+    shift, scale, img_gate2 = _qwen_modulation(img_mod2, modulate_index)
+    img_modulated2 = norm_modulate(block.img_norm2, hidden_states, shift, scale)
+    hidden_states = hidden_states + img_gate2 * block.img_mlp(img_modulated2)
+    shift, scale, txt_gate2 = _qwen_modulation(txt_mod2, None)
+    txt_modulated2 = norm_modulate(block.txt_norm2, encoder_hidden_states, shift, scale)
+    encoder_hidden_states = encoder_hidden_states + txt_gate2 * block.txt_mlp(txt_modulated2)
+
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _qwen_check(block: nn.Module) -> str | None:
+    reason = _sites_check(block, ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"))
+    if reason is not None:
+        return reason
+    dim = norm_width(block.img_norm1)
+    for name in ("img_mod", "txt_mod"):
+        mod = getattr(block, name, None)
+        proj = mod[-1] if isinstance(mod, nn.Sequential) and len(mod) else None
+        if not isinstance(proj, nn.Linear) or proj.out_features != 6 * dim:
+            return f"QwenImageTransformerBlock.{name} should end in an nn.Linear giving 6 x D={dim}, found {mod!r}"
+    return None
+
+
+def _qwen_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype = probe_device_dtype(block)
+    dim = norm_width(block.img_norm1)
+    x = probe_randn((2, 6, dim), generator, device, dtype)
+    context = probe_randn((2, 4, dim), generator, device, dtype)
+    if not block.zero_cond_t:
+        return [((x, context, None, probe_randn((2, dim), generator, device, dtype)), {})]
+    # The edit models: a doubled timestep batch, each image token picking its half.
+    temb = probe_randn((4, dim), generator, device, dtype)
+    index = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 0, 1, 0, 0, 0]], device=device)
+    return [((x, context, None, temb), {"modulate_index": index})]
 
 
 def _two_stream_probe(block: nn.Module, generator: torch.Generator):
@@ -539,6 +625,10 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "token_replace_emb",
                 "num_tokens"],
                3, lambda b: _sites_check(b, ("norm2", "norm2_context")), _hunyuan_token_replace_probe),
+        inline(_QWEN, "QwenImageTransformerBlock", _qwen_fused,
+               ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
+                "joint_attention_kwargs", "modulate_index"],
+               4, _qwen_check, _qwen_probe),
         (_is_basic_adaln, basic),
         inline(_LTX, "LTXVideoTransformerBlock", _ltx_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "encoder_attention_mask"],
