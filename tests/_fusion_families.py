@@ -128,6 +128,19 @@ def longcat() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def flux2() -> Family:
+    model = _build(
+        "Flux2Transformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=16,
+        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False,
+    )  # fmt: skip
+    ids = torch.randint(0, 4, (16, 4), generator=torch.Generator().manual_seed(4)).float()
+    kwargs = dict(hidden_states=_randn(2, 16, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([0.3, 0.7]), img_ids=ids, txt_ids=torch.zeros(5, 4))  # fmt: skip
+    sites = {"Flux2TransformerBlock": 4, "Flux2SingleTransformerBlock": 1, "AdaLayerNormContinuous": 1}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def qwen_image(edit: bool = False) -> Family:
     """Qwen-Image; ``edit``: zero_cond_t (the edit models), a doubled timestep batch picked per token."""
     model = _build(
@@ -243,6 +256,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,
     "longcat-image": longcat,
+    "flux2": flux2,
     "qwen-image": qwen_image,
     "qwen-image-edit": lambda: qwen_image(edit=True),
     "cogvideox": cogvideox,

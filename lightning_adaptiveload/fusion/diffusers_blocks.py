@@ -14,6 +14,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``BasicTransformerBlock`` (``ada_norm_single``) | PixArt (and Latte) | ``norm1``, ``norm2`` | LayerNorm |
 | ``LTXVideoTransformerBlock`` | LTX-Video | ``norm1``, ``norm2`` | RMSNorm |
 | ``SanaTransformerBlock`` | Sana | ``norm1``, ``norm2`` | LayerNorm |
+| ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock`` | FLUX.2 | ``norm1``, ``norm1_context``, ``norm2``, ``norm2_context``; ``norm`` | LayerNorm |
 | ``QwenImageTransformerBlock`` | Qwen-Image (and its edit models, per token) | ``img_norm1``, ``img_norm2``, ``txt_norm1``, ``txt_norm2`` | LayerNorm |
 
 Their forwards are replaced by the same computation with those sites through
@@ -47,6 +48,7 @@ _SANA = "diffusers.models.transformers.sana_transformer"
 _PIXART = "diffusers.models.transformers.pixart_transformer_2d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
+_FLUX2 = "diffusers.models.transformers.transformer_flux2"
 
 
 def _feed_forward(block: nn.Module, ff: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -247,6 +249,92 @@ def _hunyuan_token_replace_probe(block: nn.Module, generator: torch.Generator):
     [((x, context, temb), _)] = _two_stream_probe(block, generator)
     token_replace_emb = probe_randn(temb.shape, generator, device, dtype)
     return [((x, context, temb), {"token_replace_emb": token_replace_emb, "num_tokens": 2})]
+
+
+def _flux2_split(mod: torch.Tensor, sets: int):
+    """diffusers' ``Flux2Modulation.split``: ``sets`` (shift, scale, gate) triples, (B, 1, D) from a (B, 3 sets D)
+    modulation, or per token (B, S, D) from (B, S, 3 sets D) (the reference tokens of a KV-cache pass)."""
+    return sys.modules[_FLUX2].Flux2Modulation.split(mod, sets)
+
+
+def _flux2_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    temb_mod_img,
+    temb_mod_txt,
+    image_rotary_emb=None,
+    joint_attention_kwargs=None,
+):
+    """Flux2TransformerBlock (FLUX.2): its four sites (norm1 and norm2 of both streams) fused."""
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _flux2_split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _flux2_split(
+        temb_mod_txt, 2
+    )
+    norm_h = norm_modulate(block.norm1, hidden_states, shift_msa, scale_msa)
+    norm_e = norm_modulate(block.norm1_context, encoder_hidden_states, c_shift_msa, c_scale_msa)
+    attn_output, context_attn_output = block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_e,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    hidden_states = hidden_states + gate_msa * attn_output
+    norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp, scale_mlp)
+    hidden_states = hidden_states + gate_mlp * block.ff(norm_h)
+
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa * context_attn_output
+    norm_e = norm_modulate(block.norm2_context, encoder_hidden_states, c_shift_mlp, c_scale_mlp)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * block.ff_context(norm_e)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _flux2_single_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    temb_mod,
+    image_rotary_emb=None,
+    joint_attention_kwargs=None,
+    split_hidden_states=False,
+    text_seq_len=None,
+):
+    """Flux2SingleTransformerBlock (FLUX.2): its site fused."""
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = _flux2_split(temb_mod, 1)[0]
+    norm_h = norm_modulate(block.norm, hidden_states, shift, scale)
+    attn_output = block.attn(
+        hidden_states=norm_h, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+    )
+    hidden_states = hidden_states + gate * attn_output
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _flux2_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype = probe_device_dtype(block)
+    dim = norm_width(block.norm1)
+    x = probe_randn((2, 6, dim), generator, device, dtype)
+    context = probe_randn((2, 4, dim), generator, device, dtype)
+    mod_img, mod_txt = (probe_randn((2, 6 * dim), generator, device, dtype) for _ in range(2))
+    per_token = probe_randn((2, 6, 6 * dim), generator, device, dtype)  # reference tokens' own modulation
+    return [((x, context, mod_img, mod_txt), {}), ((x, context, per_token, mod_txt), {})]
+
+
+def _flux2_single_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype = probe_device_dtype(block)
+    dim = norm_width(block.norm)
+    x = probe_randn((2, 6, dim), generator, device, dtype)
+    context = probe_randn((2, 4, dim), generator, device, dtype)
+    mod = probe_randn((2, 3 * dim), generator, device, dtype)
+    return [((x, None, mod), {}), ((x, context, mod), {"split_hidden_states": True})]
 
 
 def _qwen_modulation(mod_params: torch.Tensor, index: torch.Tensor | None):
@@ -625,6 +713,14 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "token_replace_emb",
                 "num_tokens"],
                3, lambda b: _sites_check(b, ("norm2", "norm2_context")), _hunyuan_token_replace_probe),
+        inline(_FLUX2, "Flux2TransformerBlock", _flux2_fused,
+               ["hidden_states", "encoder_hidden_states", "temb_mod_img", "temb_mod_txt", "image_rotary_emb",
+                "joint_attention_kwargs"],
+               4, lambda b: _sites_check(b, ("norm1", "norm1_context", "norm2", "norm2_context")), _flux2_probe),
+        inline(_FLUX2, "Flux2SingleTransformerBlock", _flux2_single_fused,
+               ["hidden_states", "encoder_hidden_states", "temb_mod", "image_rotary_emb", "joint_attention_kwargs",
+                "split_hidden_states", "text_seq_len"],
+               1, lambda b: _sites_check(b, ("norm",)), _flux2_single_probe),
         inline(_QWEN, "QwenImageTransformerBlock", _qwen_fused,
                ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
                 "joint_attention_kwargs", "modulate_index"],
