@@ -158,6 +158,16 @@ def _flux_fused(
     return encoder_hidden_states, hidden_states
 
 
+def _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis):
+    """The joint attention of HunyuanVideo's double-stream blocks (both kinds), as they call it."""
+    return block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_e,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+
+
 def _hunyuan_fused(
     block, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None, *args, **kwargs
 ):
@@ -166,12 +176,7 @@ def _hunyuan_fused(
     norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
         encoder_hidden_states, emb=temb
     )
-    attn_output, context_attn_output = block.attn(
-        hidden_states=norm_h,
-        encoder_hidden_states=norm_e,
-        attention_mask=attention_mask,
-        image_rotary_emb=freqs_cis,
-    )
+    attn_output, context_attn_output = _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis)
     hidden_states = hidden_states + attn_output * gate_msa.unsqueeze(1)
     encoder_hidden_states = encoder_hidden_states + context_attn_output * c_gate_msa.unsqueeze(1)
     norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp[:, None], scale_mlp[:, None])
@@ -207,12 +212,7 @@ def _hunyuan_token_replace_fused(
     norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
         encoder_hidden_states, emb=temb
     )
-    attn_output, context_attn_output = block.attn(
-        hidden_states=norm_h,
-        encoder_hidden_states=norm_e,
-        attention_mask=attention_mask,
-        image_rotary_emb=freqs_cis,
-    )
+    attn_output, context_attn_output = _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis)
     hidden_states = torch.cat(
         [
             hidden_states[:, :n] + attn_output[:, :n] * tr_gate_msa.unsqueeze(1),
@@ -319,10 +319,7 @@ def _flux2_single_fused(
 
 
 def _flux2_probe(block: nn.Module, generator: torch.Generator):
-    device, dtype = probe_device_dtype(block)
-    dim = norm_width(block.norm1)
-    x = probe_randn((2, 6, dim), generator, device, dtype)
-    context = probe_randn((2, 4, dim), generator, device, dtype)
+    device, dtype, dim, x, context = _two_stream_inputs(block, block.norm1, generator)
     mod_img, mod_txt = (probe_randn((2, 6 * dim), generator, device, dtype) for _ in range(2))
     per_token = probe_randn((2, 6, 6 * dim), generator, device, dtype)  # reference tokens' own modulation
     return [((x, context, mod_img, mod_txt), {}), ((x, context, per_token, mod_txt), {})]
@@ -409,10 +406,7 @@ def _qwen_check(block: nn.Module) -> str | None:
 
 
 def _qwen_probe(block: nn.Module, generator: torch.Generator):
-    device, dtype = probe_device_dtype(block)
-    dim = norm_width(block.img_norm1)
-    x = probe_randn((2, 6, dim), generator, device, dtype)
-    context = probe_randn((2, 4, dim), generator, device, dtype)
+    device, dtype, dim, x, context = _two_stream_inputs(block, block.img_norm1, generator)
     if not block.zero_cond_t:
         return [((x, context, None, probe_randn((2, dim), generator, device, dtype)), {})]
     # The edit models: a doubled timestep batch, each image token picking its half.
@@ -421,11 +415,16 @@ def _qwen_probe(block: nn.Module, generator: torch.Generator):
     return [((x, context, None, temb), {"modulate_index": index})]
 
 
-def _two_stream_probe(block: nn.Module, generator: torch.Generator):
+def _two_stream_inputs(block: nn.Module, norm: nn.Module, generator: torch.Generator):
+    """(device, dtype, D, x (2, 6, D), context (2, 4, D)) for the probe of a two-stream block."""
     device, dtype = probe_device_dtype(block)
-    dim = norm_width(block.norm2)
+    dim = norm_width(norm)
     x = probe_randn((2, 6, dim), generator, device, dtype)
-    context = probe_randn((2, 4, dim), generator, device, dtype)
+    return device, dtype, dim, x, probe_randn((2, 4, dim), generator, device, dtype)
+
+
+def _two_stream_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype, _, x, context = _two_stream_inputs(block, block.norm2, generator)
     temb = probe_randn((2, block.norm1.linear.in_features), generator, device, dtype)
     return [((x, context, temb), {})]
 
