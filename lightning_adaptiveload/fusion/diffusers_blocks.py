@@ -46,6 +46,7 @@ _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
 _LTX = "diffusers.models.transformers.transformer_ltx"
 _SANA = "diffusers.models.transformers.sana_transformer"
 _PIXART = "diffusers.models.transformers.pixart_transformer_2d"
+_LATTE = "diffusers.models.transformers.latte_transformer_3d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
@@ -453,6 +454,20 @@ def _is_basic_adaln(module: nn.Module) -> bool:
     )
 
 
+def _is_basic_unmodulated(module: nn.Module) -> bool:
+    """A BasicTransformerBlock whose norms are plain LayerNorms (``norm_type="layer_norm"``, Latte's default)."""
+    cls = getattr(sys.modules.get(_ATTENTION), "BasicTransformerBlock", None)
+    return (
+        cls is not None
+        and isinstance(module, cls)
+        and getattr(module, "norm_type", None) in ("layer_norm", "layer_norm_i2vgen")
+    )
+
+
+def _basic_unmodulated_reason(block: nn.Module) -> str:
+    return f"norm_type={block.norm_type!r}: its LayerNorms are not modulated, nothing to fuse"
+
+
 def _basic_sites(block: nn.Module) -> int:
     return 1 if block.norm_type == "ada_norm_zero" else 2
 
@@ -737,6 +752,9 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         ((_DIT, "DiTTransformer2DModel"), NoteAdapter("diffusers-dit-head", _head_reason("DiTTransformer2DModel"))),
         ((_PIXART, "PixArtTransformer2DModel"),
          NoteAdapter("diffusers-pixart-head", _head_reason("PixArtTransformer2DModel"))),
+        ((_LATTE, "LatteTransformer3DModel"),
+         NoteAdapter("diffusers-latte-head", _head_reason("LatteTransformer3DModel"))),
+        (_is_basic_unmodulated, NoteAdapter("diffusers-BasicTransformerBlock-plain", _basic_unmodulated_reason)),
         ((_LTX, "LTXVideoTransformer3DModel"),
          NoteAdapter("diffusers-ltx-head", _head_reason("LTXVideoTransformer3DModel"))),
     ]  # fmt: skip
