@@ -296,6 +296,19 @@ def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     return ta is not None and ta == _code_of(b)
 
 
+def same_forward_as(where: tuple[str, str]) -> Callable[[nn.Module], bool]:
+    """A predicate on modules: of a class other than ``where`` (module path, class name; looked up in modules
+    already imported), not a subclass of it, whose forward is the same code as its (:func:`same_code`)."""
+
+    def matches(module: nn.Module) -> bool:
+        cls = getattr(sys.modules.get(where[0]), where[1], None)
+        if cls is None or isinstance(module, cls):
+            return False  # not imported, or the class's own (and its subclasses', judged by its adapter)
+        return same_code(class_forward(module), cls.forward)
+
+    return matches
+
+
 class CopiedForward(ReplaceForward):
     """A :class:`ClassForward`'s fused forward, for other classes whose forward is the same code.
 
@@ -320,13 +333,8 @@ class CopiedForward(ReplaceForward):
         )
         self.original = original
         self.owns_subtree = original.owns_subtree
-
-    def matches(self, module: nn.Module) -> bool:
-        """Whether ``module``'s class is another class whose forward is the original's code."""
-        cls = self.original.resolve()
-        if cls is None or isinstance(module, cls):
-            return False  # not imported, or the original's own (and its subclasses', checked there)
-        return same_code(class_forward(module), cls.forward)
+        # Whether a module's class is another class whose forward is the original's code.
+        self.matches = same_forward_as(original.where)
 
     def check(self, module: nn.Module) -> str | None:
         if not self.matches(module):

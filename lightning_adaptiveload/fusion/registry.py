@@ -29,7 +29,9 @@ from lightning_adaptiveload.fusion.adapter import (
     FlagAdapter,
     FusionAdapter,
     FusionError,
+    NoteAdapter,
     ReplaceForward,
+    same_forward_as,
 )
 from lightning_adaptiveload.fusion.probe import ProbeResult
 from lightning_adaptiveload.fusion.sites import norm_kind
@@ -194,9 +196,18 @@ def _builtin_entries() -> list[_Entry]:
         for family in (video_dit, wan, dit, diffusers_blocks, diffusers_norms)
         for target, adapter in family.builtin_entries()
     ]
-    # Then, after every class of its own, the classes whose forward is a copy of a built-in class's.
-    copies = [CopiedForward(e.adapter) for e in entries if isinstance(e.adapter, ClassForward)]
-    return entries + [_Entry(c.matches, c, True) for c in copies]
+    # Then, after every class of its own, the classes whose forward is a copy of a built-in class's: they take
+    # its fused forward, or its note (a copy of a block whose norms are not modulated is no more modulated).
+    copies = [
+        _Entry(c.matches, c, True)
+        for c in (CopiedForward(e.adapter) for e in entries if isinstance(e.adapter, ClassForward))
+    ]
+    notes = [
+        _Entry(same_forward_as(e.target), e.adapter, True)
+        for e in entries
+        if isinstance(e.adapter, NoteAdapter) and isinstance(e.target, tuple)
+    ]
+    return entries + copies + notes
 
 
 _BUILTINS: list[_Entry] = _builtin_entries()

@@ -125,3 +125,21 @@ def test_chronoedits_copy_of_the_wan_block_fuses_exactly():
     # Its output head is modulated inline in the model's forward, as Wan's is: left, and named.
     assert report.unfused_norms == {"ChronoEditTransformer3DModel": ["norm_out"]}
     _assert_same(reference, model, Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {}))
+
+
+def test_a_copy_of_a_noted_block_takes_the_note():
+    """HunyuanVideo 1.5's token refiner is HunyuanVideo's (its norms gated, not modulated): the same note."""
+    pytest.importorskip("diffusers")
+    from _fusion_families import _build
+
+    model = _build(
+        "HunyuanVideo15Transformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+        attention_head_dim=16, num_layers=1, num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=16,
+        image_embed_dim=16, rope_axes_dim=(4, 6, 6),
+    )  # fmt: skip
+    report = fuse_norm_modulate(model)
+    # The copied double-stream block's FFN sites fuse; the copied refiner is noted.
+    assert report.sites.get("HunyuanVideo15TransformerBlock") == 2, str(report)
+    (refiner,) = [s for s in report.skipped if s.cls == "HunyuanVideo15IndividualTokenRefinerBlock"]
+    assert "not modulated" in refiner.reason
+    assert "HunyuanVideo15IndividualTokenRefinerBlock" not in report.unrecognized
