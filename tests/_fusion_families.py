@@ -156,6 +156,34 @@ def qwen_image(edit: bool = False) -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def bria() -> Family:
+    """Bria: Flux's block with its attention keywords renamed, fused by an adapter of its own."""
+    model = _build(
+        "BriaTransformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    ids = torch.randint(0, 4, (16, 3), generator=torch.Generator().manual_seed(4)).float()
+    kwargs = dict(hidden_states=_randn(2, 16, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([0.3, 0.7]), img_ids=ids, txt_ids=torch.zeros(5, 3))  # fmt: skip
+    sites = {"BriaTransformerBlock": 2, "AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1,
+             "AdaLayerNormContinuous": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
+def motif_video() -> Family:
+    """Motif-Video, with the double-stream blocks' text cross-attention on."""
+    model = _build(
+        "MotifVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16, rope_axes_dim=(2, 4, 4),
+        enable_text_cross_attention_dual=True,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 2, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2), encoder_attention_mask=torch.ones(2, 5))  # fmt: skip
+    sites = {"MotifVideoTransformerBlock": 2, "AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1,
+             "AdaLayerNormContinuous": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def cogvideox() -> Family:
     model = _build(
         "CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
@@ -256,6 +284,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,
     "longcat-image": longcat,
+    "bria": bria,
     "flux2": flux2,
     "qwen-image": qwen_image,
     "qwen-image-edit": lambda: qwen_image(edit=True),
@@ -263,6 +292,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "ltx-video": ltx,
     "hunyuanvideo": hunyuan,
     "hunyuanvideo-i2v": hunyuan_i2v,
+    "motif-video": motif_video,
     "pixart": pixart,
     "dit": dit,
     "sana": sana,

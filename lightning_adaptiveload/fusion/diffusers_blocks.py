@@ -8,6 +8,8 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``JointTransformerBlock`` | SD3, SD3.5 | ``norm2``, ``norm2_context`` (none for the last, context-pre-only block's context) | LayerNorm |
 | ``SD3SingleTransformerBlock`` | SD3 variants | ``norm2`` | LayerNorm |
 | ``FluxTransformerBlock`` | Flux | ``norm2``, ``norm2_context`` | LayerNorm |
+| ``BriaTransformerBlock`` | Bria (Flux's block, ``attention_kwargs``) | ``norm2``, ``norm2_context`` | LayerNorm |
+| ``MotifVideoTransformerBlock`` | Motif-Video | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``HunyuanVideoTransformerBlock`` | HunyuanVideo | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``HunyuanVideoTokenReplaceTransformerBlock`` | HunyuanVideo I2V | ``norm2`` (two modulations), ``norm2_context`` | LayerNorm |
 | ``BasicTransformerBlock`` (``ada_norm_zero``) | DiT | ``norm3`` | LayerNorm |
@@ -50,6 +52,8 @@ _LATTE = "diffusers.models.transformers.latte_transformer_3d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
+_BRIA = "diffusers.models.transformers.transformer_bria"
+_MOTIF = "diffusers.models.transformers.transformer_motif_video"
 
 
 def _feed_forward(block: nn.Module, ff: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -157,6 +161,53 @@ def _flux_fused(
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
+
+
+def _bria_fused(
+    block, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_kwargs=None
+):
+    """BriaTransformerBlock: Flux's block with its attention keywords named ``attention_kwargs``."""
+    return _flux_fused(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb, attention_kwargs)
+
+
+def _motif_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    temb,
+    attention_mask=None,
+    image_rotary_emb=None,
+    image_embed_seq_len=0,
+):
+    """MotifVideoTransformerBlock (Motif-Video): the FFN sites of both streams fused (the text cross-attention
+    kept)."""
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
+    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_e,
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    hidden_states = hidden_states + attn_output * gate_msa.unsqueeze(1)
+    if block.cross_attn is not None:
+        hidden_states = hidden_states + block.cross_attn(
+            hidden_states=attn_output,
+            encoder_hidden_states=norm_e,
+            attention_mask=attention_mask,
+            image_rotary_emb=image_rotary_emb,
+            image_embed_seq_len=image_embed_seq_len,
+        )
+    encoder_hidden_states = encoder_hidden_states + context_attn_output * c_gate_msa.unsqueeze(1)
+    norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp[:, None], scale_mlp[:, None])
+    norm_e = norm_modulate(
+        block.norm2_context, encoder_hidden_states, c_shift_mlp[:, None], c_scale_mlp[:, None]
+    )
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * block.ff(norm_h)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_e)
+    return hidden_states, encoder_hidden_states
 
 
 def _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis):
@@ -722,6 +773,13 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
                2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
         inline(_HUNYUAN, "HunyuanVideoTransformerBlock", _hunyuan_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "args", "kwargs"],
+               2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
+        inline(_BRIA, "BriaTransformerBlock", _bria_fused,
+               ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs"],
+               2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
+        inline(_MOTIF, "MotifVideoTransformerBlock", _motif_fused,
+               ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "image_rotary_emb",
+                "image_embed_seq_len"],
                2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
         inline(_HUNYUAN, "HunyuanVideoTokenReplaceTransformerBlock", _hunyuan_token_replace_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "token_replace_emb",
