@@ -163,6 +163,17 @@ def _flux_fused(
     return encoder_hidden_states, hidden_states
 
 
+def _two_stream_ffn(block, hidden_states, encoder_hidden_states, mlp, c_mlp):
+    """The FFN half of HunyuanVideo's and Motif-Video's double-stream blocks, both sites fused; ``mlp`` and
+    ``c_mlp``: the (shift, scale, gate) of each stream, (B, D)."""
+    (shift, scale, gate), (c_shift, c_scale, c_gate) = mlp, c_mlp
+    norm_h = norm_modulate(block.norm2, hidden_states, shift[:, None], scale[:, None])
+    norm_e = norm_modulate(block.norm2_context, encoder_hidden_states, c_shift[:, None], c_scale[:, None])
+    hidden_states = hidden_states + gate.unsqueeze(1) * block.ff(norm_h)
+    encoder_hidden_states = encoder_hidden_states + c_gate.unsqueeze(1) * block.ff_context(norm_e)
+    return hidden_states, encoder_hidden_states
+
+
 def _bria_fused(
     block, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_kwargs=None
 ):
@@ -201,13 +212,10 @@ def _motif_fused(
             image_embed_seq_len=image_embed_seq_len,
         )
     encoder_hidden_states = encoder_hidden_states + context_attn_output * c_gate_msa.unsqueeze(1)
-    norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp[:, None], scale_mlp[:, None])
-    norm_e = norm_modulate(
-        block.norm2_context, encoder_hidden_states, c_shift_mlp[:, None], c_scale_mlp[:, None]
-    )
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * block.ff(norm_h)
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_e)
-    return hidden_states, encoder_hidden_states
+    return _two_stream_ffn(
+        block, hidden_states, encoder_hidden_states, (shift_mlp, scale_mlp, gate_mlp),
+        (c_shift_mlp, c_scale_mlp, c_gate_mlp),
+    )  # fmt: skip
 
 
 def _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis):
@@ -231,13 +239,10 @@ def _hunyuan_fused(
     attn_output, context_attn_output = _hunyuan_attention(block, norm_h, norm_e, attention_mask, freqs_cis)
     hidden_states = hidden_states + attn_output * gate_msa.unsqueeze(1)
     encoder_hidden_states = encoder_hidden_states + context_attn_output * c_gate_msa.unsqueeze(1)
-    norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp[:, None], scale_mlp[:, None])
-    norm_e = norm_modulate(
-        block.norm2_context, encoder_hidden_states, c_shift_mlp[:, None], c_scale_mlp[:, None]
-    )
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * block.ff(norm_h)
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_e)
-    return hidden_states, encoder_hidden_states
+    return _two_stream_ffn(
+        block, hidden_states, encoder_hidden_states, (shift_mlp, scale_mlp, gate_mlp),
+        (c_shift_mlp, c_scale_mlp, c_gate_mlp),
+    )  # fmt: skip
 
 
 def _hunyuan_token_replace_fused(
