@@ -170,6 +170,18 @@ def bria() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def auraflow() -> Family:
+    model = _build(
+        "AuraFlowTransformer2DModel", sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
+        num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+        caption_projection_dim=16, out_channels=4, pos_embed_max_size=16,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 8, 8, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([3, 500]))  # fmt: skip
+    sites = {"AdaLayerNormZero": 3, "AuraFlowJointTransformerBlock": 2, "AuraFlowSingleTransformerBlock": 1}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def motif_video() -> Family:
     """Motif-Video, with the double-stream blocks' text cross-attention on."""
     model = _build(
@@ -285,6 +297,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "flux": flux,
     "longcat-image": longcat,
     "bria": bria,
+    "auraflow": auraflow,
     "flux2": flux2,
     "qwen-image": qwen_image,
     "qwen-image-edit": lambda: qwen_image(edit=True),

@@ -8,6 +8,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``JointTransformerBlock`` | SD3, SD3.5 | ``norm2``, ``norm2_context`` (none for the last, context-pre-only block's context) | LayerNorm |
 | ``SD3SingleTransformerBlock`` | SD3 variants | ``norm2`` | LayerNorm |
 | ``FluxTransformerBlock`` | Flux | ``norm2``, ``norm2_context`` | LayerNorm |
+| ``AuraFlowJointTransformerBlock``, ``AuraFlowSingleTransformerBlock`` | AuraFlow | ``norm2``, ``norm2_context``; ``norm2`` | LayerNorm |
 | ``BriaTransformerBlock`` | Bria (Flux's block, ``attention_kwargs``) | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``MotifVideoTransformerBlock`` | Motif-Video | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``HunyuanVideoTransformerBlock`` | HunyuanVideo | ``norm2``, ``norm2_context`` | LayerNorm |
@@ -53,6 +54,7 @@ _DIT = "diffusers.models.transformers.dit_transformer_2d"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
 _BRIA = "diffusers.models.transformers.transformer_bria"
+_AURA = "diffusers.models.transformers.auraflow_transformer_2d"
 _MOTIF = "diffusers.models.transformers.transformer_motif_video"
 
 
@@ -172,6 +174,42 @@ def _two_stream_ffn(block, hidden_states, encoder_hidden_states, mlp, c_mlp):
     hidden_states = hidden_states + gate.unsqueeze(1) * block.ff(norm_h)
     encoder_hidden_states = encoder_hidden_states + c_gate.unsqueeze(1) * block.ff_context(norm_e)
     return hidden_states, encoder_hidden_states
+
+
+def _aura_joint_fused(block, hidden_states, encoder_hidden_states, temb, attention_kwargs=None):
+    """AuraFlowJointTransformerBlock: the FFN sites of both streams fused (AuraFlow adds the FFN output to the
+    block's input, not to the attention's, as diffusers does)."""
+    residual, residual_context = hidden_states, encoder_hidden_states
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
+    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=norm_h, encoder_hidden_states=norm_e, **(attention_kwargs or {})
+    )
+    norm_h = norm_modulate(
+        block.norm2, residual + gate_msa.unsqueeze(1) * attn_output, shift_mlp[:, None], scale_mlp[:, None]
+    )
+    hidden_states = residual + gate_mlp.unsqueeze(1) * block.ff(norm_h)
+    norm_e = norm_modulate(
+        block.norm2_context,
+        residual_context + c_gate_msa.unsqueeze(1) * context_attn_output,
+        c_shift_mlp[:, None],
+        c_scale_mlp[:, None],
+    )
+    encoder_hidden_states = residual_context + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_e)
+    return encoder_hidden_states, hidden_states
+
+
+def _aura_single_fused(block, hidden_states, temb, attention_kwargs=None):
+    """AuraFlowSingleTransformerBlock: the FFN site fused."""
+    residual = hidden_states
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
+    attn_output = block.attn(hidden_states=norm_h, **(attention_kwargs or {}))
+    norm_h = norm_modulate(
+        block.norm2, residual + gate_msa.unsqueeze(1) * attn_output, shift_mlp[:, None], scale_mlp[:, None]
+    )
+    return residual + gate_mlp.unsqueeze(1) * block.ff(norm_h)
 
 
 def _bria_fused(
@@ -779,6 +817,11 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         inline(_HUNYUAN, "HunyuanVideoTransformerBlock", _hunyuan_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis", "args", "kwargs"],
                2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
+        inline(_AURA, "AuraFlowJointTransformerBlock", _aura_joint_fused,
+               ["hidden_states", "encoder_hidden_states", "temb", "attention_kwargs"],
+               2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
+        inline(_AURA, "AuraFlowSingleTransformerBlock", _aura_single_fused, ["hidden_states", "temb", "attention_kwargs"],
+               1, lambda b: _sites_check(b, ("norm2",)), _single_probe),
         inline(_BRIA, "BriaTransformerBlock", _bria_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs"],
                2, lambda b: _sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
