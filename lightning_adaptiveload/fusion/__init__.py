@@ -3,7 +3,8 @@
 ``registry.py`` holds the pass and the registry, ``adapter.py`` the adapter interface, ``probe.py`` the
 numerical check (on a perturbed copy), ``sites.py`` one fused site (``norm_modulate``: LayerNorm or RMSNorm);
 ``video_dit.py``, ``wan.py``, ``dit.py``, ``diffusers_norms.py`` (diffusers' modulated norm classes) and
-``diffusers_blocks.py`` (the diffusers blocks that modulate inline) the built-in adapters; ``mixin.py`` the
+``diffusers_mmdit.py`` and ``diffusers_blocks.py`` (the diffusers MMDiT and single-stream blocks that
+modulate inline) the built-in adapters; ``mixin.py`` the
 LightningModule mixin.
 """
 

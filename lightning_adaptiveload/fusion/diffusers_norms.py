@@ -20,7 +20,7 @@ Each fused forward is the class's forward with its site written as one call of
 :func:`~lightning_adaptiveload.fusion.sites.norm_modulate` (LayerNorm or RMSNorm, whichever the module holds);
 everything else (the SiLU + Linear projection, the chunk order, the ``[:, None]`` layouts, the returned
 modulation) is as diffusers computes it. The blocks' own inline sites (the FFN's ``norm2``) are fused by
-``diffusers_blocks.py``. Classes are looked up in modules already imported only, so nothing here imports
+``diffusers_mmdit.py`` and ``diffusers_blocks.py``. Classes are looked up in modules already imported only, so nothing here imports
 diffusers.
 """
 

@@ -3,7 +3,7 @@ the :class:`FusionReport` they return.
 
 The pass walks a model's modules, hands each to the first registered adapter whose target matches it (user
 adapters first, most recent first; then the built-in ones of ``video_dit.py``, ``wan.py``, ``dit.py``,
-``diffusers_blocks.py`` and ``diffusers_norms.py``), checks the fused forward numerically once per class on a
+``diffusers_mmdit.py``, ``diffusers_blocks.py`` and ``diffusers_norms.py``), checks the fused forward numerically once per class on a
 perturbed copy (``probe.py``), fuses, and records on the module what to undo.
 Nothing but the instance ``forward`` (or a switch the block has) changes, so ``state_dict`` is untouched
 and :func:`unfuse_norm_modulate` restores each module exactly. Users add adapters for their own blocks with
@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_adaptiveload.fusion import diffusers_blocks, diffusers_norms, dit, video_dit, wan
+from lightning_adaptiveload.fusion import (
+    diffusers_blocks,
+    diffusers_mmdit,
+    diffusers_norms,
+    dit,
+    video_dit,
+    wan,
+)
 from lightning_adaptiveload.fusion.adapter import (
     ClassForward,
     CopiedForward,
@@ -193,7 +200,7 @@ class _Entry:
 def _builtin_entries() -> list[_Entry]:
     entries = [
         _Entry(target, adapter, True)
-        for family in (video_dit, wan, dit, diffusers_blocks, diffusers_norms)
+        for family in (video_dit, wan, dit, diffusers_mmdit, diffusers_blocks, diffusers_norms)
         for target, adapter in family.builtin_entries()
     ]
     # Then, after every class of its own, the classes whose forward is a copy of a built-in class's: they take
