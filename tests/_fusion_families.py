@@ -77,6 +77,23 @@ def wan() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"WanTransformerBlock": 4})
 
 
+def wan_animate() -> Family:
+    """Wan-Animate: a copy of Wan's block, with a pose embedding and a face path (motion encoder, face
+    encoder, face adapters) whose LayerNorms are not modulated."""
+    model = _build(
+        "WanAnimateTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=12, latent_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+        image_dim=None, rope_max_seq_len=32, motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8},
+        motion_encoder_size=16, motion_style_dim=8, motion_dim=4, motion_encoder_dim=8, face_encoder_hidden_dim=8,
+        face_encoder_num_heads=2, inject_face_latents_blocks=1,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 12, 3, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2), pose_hidden_states=_randn(2, 4, 2, 4, 4, seed=3),
+                  face_pixel_values=_randn(2, 3, 1, 16, 16, seed=4))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "pose_hidden_states"),
+                  {"WanTransformerBlock": 4})  # fmt: skip
+
+
 def sd3(dual: bool = False) -> Family:
     config = dict(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
@@ -292,6 +309,7 @@ def sana() -> Family:
 
 FAMILIES: dict[str, Callable[[], Family]] = {
     "wan": wan,
+    "wan-animate": wan_animate,
     "sd3": sd3,
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,

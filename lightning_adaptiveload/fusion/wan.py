@@ -2,8 +2,11 @@
 
 ``WanTransformerBlock``: its norm1 and norm3 sites are fused by a forward replacement, for per-sample
 modulation (``temb`` (B, 6, D)) and per-token modulation (``temb`` (B, S, 6, D), Wan 2.2 TI2V). The model's
-output head is recognised and deliberately left unfused (the report says why). diffusers is optional: the
-classes are looked up only in modules already imported, so nothing here imports it.
+output head is recognised and deliberately left unfused (the report says why). Wan-Animate
+(``WanAnimateTransformer3DModel``) holds a copy of the block, which takes the same adapter; its head is left
+unfused likewise, and its face encoder and face adapters, whose LayerNorms are not modulated, are noted as
+having nothing to fuse. diffusers is optional: the classes are looked up only in modules already imported,
+so nothing here imports it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
 __all__ = ["builtin_entries"]
 
 _WAN_MODULE = "diffusers.models.transformers.transformer_wan"
+_ANIMATE_MODULE = "diffusers.models.transformers.transformer_wan_animate"
 _WAN_BLOCK_ATTRS = ("norm1", "norm2", "norm3", "attn1", "attn2", "ffn", "scale_shift_table")
 _WAN_FORWARD_PARAMS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
@@ -107,9 +111,13 @@ def _wan_model_head_reason(model: nn.Module) -> str | None:
         return None
     return (
         "output head (norm_out with the model's scale_shift_table) is modulated inline in "
-        "WanTransformer3DModel.forward; left unfused, since fusing it means replacing the whole model forward "
+        f"{type(model).__name__}.forward; left unfused, since fusing it means replacing the whole model forward "
         "for one site per model (the blocks hold the other 2 x num_layers)"
     )
+
+
+def _unmodulated_reason(module: nn.Module) -> str:
+    return f"its LayerNorms are not modulated ({type(module).__name__} of Wan-Animate's face path): nothing to fuse"
 
 
 def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
@@ -127,4 +135,9 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
     return [
         ((_WAN_MODULE, "WanTransformerBlock"), wan_block),
         ((_WAN_MODULE, "WanTransformer3DModel"), NoteAdapter("diffusers-wan-head", _wan_model_head_reason)),
-    ]
+        ((_ANIMATE_MODULE, "WanAnimateTransformer3DModel"),
+         NoteAdapter("diffusers-wan-animate-head", _wan_model_head_reason)),
+        ((_ANIMATE_MODULE, "WanAnimateFaceEncoder"), NoteAdapter("diffusers-wan-animate-face", _unmodulated_reason)),
+        ((_ANIMATE_MODULE, "WanAnimateFaceBlockCrossAttention"),
+         NoteAdapter("diffusers-wan-animate-face-adapter", _unmodulated_reason)),
+    ]  # fmt: skip
