@@ -25,6 +25,10 @@ class Family:
     grad_inputs: tuple[str, ...]
     # The sites fuse_norm_modulate fuses with diffusers 0.42, per class (the fused module's class).
     sites: dict[str, int] = field(default_factory=dict)
+    # Calls of the RMSNorm op in one forward (the families whose sites are RMSNorms).
+    rms_calls: int = 0
+    # Fused sites in modules the forward never calls (Mochi's last block keeps a norm4_context it skips).
+    idle_sites: int = 0
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -237,7 +241,25 @@ def ltx() -> Family:
     kwargs = dict(hidden_states=_randn(2, 32, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
                   timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 5), num_frames=2, height=4,
                   width=4)  # fmt: skip
-    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"LTXVideoTransformerBlock": 2})
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), {"LTXVideoTransformerBlock": 2},
+                  rms_calls=2)  # fmt: skip
+
+
+def mochi() -> Family:
+    """Mochi: RMSNorms scaled without a shift (MochiRMSNormZero) and times a factor (MochiModulatedRMSNorm:
+    1 + the FFN's scale, or the tanh gates of the attention and FFN outputs), in both streams."""
+    model = _build(
+        "MochiTransformer3DModel", patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        pooled_projection_dim=12, in_channels=4, text_embed_dim=16, time_embed_dim=16, max_sequence_length=8,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 5, dtype=torch.bool))  # fmt: skip
+    # Block 0: norm1 and norm1_context (zero), norm2..norm4 of both streams; block 1 (context pre-only): norm1,
+    # its context norm's inner modulated norm, norm2..norm4, and a norm4_context it never calls.
+    sites = {"MochiRMSNormZero": 3, "MochiModulatedRMSNorm": 11, "AdaLayerNormContinuous": 1}
+    return Family(
+        model, kwargs, ("hidden_states", "encoder_hidden_states"), sites, rms_calls=13, idle_sites=1
+    )
 
 
 def hunyuan() -> Family:
@@ -321,6 +343,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "qwen-image-edit": lambda: qwen_image(edit=True),
     "cogvideox": cogvideox,
     "ltx-video": ltx,
+    "mochi": mochi,
     "hunyuanvideo": hunyuan,
     "hunyuanvideo-i2v": hunyuan_i2v,
     "motif-video": motif_video,

@@ -15,11 +15,14 @@ scale) to the block. Fusing those modules, rather than whole blocks, covers ever
 | ``CogView3PlusAdaLayerNormZeroTextImage`` | CogView3-Plus | 2 |
 | ``SanaModulatedNorm`` | Sana's output head | 1 |
 | ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
+| ``MochiRMSNormZero`` | Mochi (``norm1``, ``norm1_context``): RMSNorm scaled, no shift | 1 |
+| ``MochiModulatedRMSNorm`` | Mochi (``norm2`` to ``norm4``, both streams; the last context norm): RMSNorm times a factor | 1 |
 
 Each fused forward is the class's forward with its site written as one call of
 :func:`~lightning_adaptiveload.fusion.sites.norm_modulate` (LayerNorm or RMSNorm, whichever the module holds);
 everything else (the SiLU + Linear projection, the chunk order, the ``[:, None]`` layouts, the returned
-modulation) is as diffusers computes it. The blocks' own inline sites (the FFN's ``norm2``) are fused by
+modulation) is as diffusers computes it. Mochi's norms scale without a shift: they run the RMSNorm op with a
+zero shift, a factor ``f`` (a tanh gate, or ``1 + scale``) as the op's scale ``f - 1`` in fp32. The blocks' own inline sites (the FFN's ``norm2``) are fused by
 ``diffusers_mmdit.py`` and ``diffusers_blocks.py``. Classes are looked up in modules already imported only, so nothing here imports
 diffusers.
 """
@@ -31,15 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_adaptiveload import ops as _ops
 from lightning_adaptiveload.fusion.adapter import ClassForward, FusionAdapter
 from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
-from lightning_adaptiveload.fusion.sites import norm_modulate, norm_site_reason, norm_width
+from lightning_adaptiveload.fusion.sites import norm_kind, norm_modulate, norm_site_reason, norm_width
 
 __all__ = ["builtin_entries"]
 
 _NORMS = "diffusers.models.normalization"
 _SANA = "diffusers.models.transformers.sana_transformer"
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
+_MOCHI = "diffusers.models.transformers.transformer_mochi"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -76,6 +81,20 @@ def _ada_layer_norm_check(module: nn.Module) -> str | None:
     if getattr(module, "chunk_dim", None) not in (0, 1):
         return f"AdaLayerNorm.chunk_dim is {getattr(module, 'chunk_dim', None)!r}, the fused forward knows 0 and 1"
     return _projection_check(module, 2)
+
+
+def _mochi_check(module: nn.Module) -> str | None:
+    """Mochi's norms hold a weightless diffusers RMSNorm (``RMSNorm(0, eps, False)``), its D taken from x."""
+    inner = getattr(module, "norm", None)
+    if norm_kind(inner) != "rms_norm" or getattr(inner, "weight", None) is not None:
+        found = type(inner).__qualname__ if inner is not None else "None"
+        return f"{type(module).__name__}.norm should be diffusers' RMSNorm without a weight, found {found}"
+    proj = getattr(module, "linear", None)
+    if type(module).__name__ == "MochiRMSNormZero" and (
+        not isinstance(proj, nn.Linear) or proj.out_features % 4 != 0
+    ):
+        return "MochiRMSNormZero.linear should be an nn.Linear giving 4 chunks (scale, gate, scale, gate)"
+    return None
 
 
 def _cogview_check(module: nn.Module) -> str | None:
@@ -185,6 +204,31 @@ def _sana_modulated_fused(
     return norm_modulate(norm.norm, hidden_states, shift, scale)
 
 
+def _rms_times(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm(x) * (1 + scale)`` in x's dtype, through the RMSNorm op with a zero shift (Mochi's norms
+    compute in fp32 and cast back to x's dtype, as the op does)."""
+    return _ops.rms_norm_modulate(x, torch.zeros_like(scale), scale, eps=norm.norm.eps)
+
+
+def _mochi_zero_fused(norm: nn.Module, hidden_states: torch.Tensor, emb: torch.Tensor):
+    """MochiRMSNormZero: 4 chunks (scale and gate of attention, then of the FFN); attention's site fused."""
+    scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(4, dim=1)
+    return (
+        _rms_times(norm, hidden_states, scale_msa[:, None].to(torch.float32)),
+        gate_msa,
+        scale_mlp,
+        gate_mlp,
+    )
+
+
+def _mochi_modulated_fused(norm: nn.Module, hidden_states: torch.Tensor, scale: torch.Tensor | None = None):
+    """MochiModulatedRMSNorm: ``RMSNorm(x) * scale``, the factor read as ``1 + (scale - 1)`` in fp32; without
+    a factor, the plain norm as the class computes it."""
+    if scale is None:
+        return norm.norm(hidden_states.to(torch.float32)).to(hidden_states.dtype)
+    return _rms_times(norm, hidden_states, scale.to(torch.float32) - 1)
+
+
 def _token_replace_sites(norm, hidden_states, first, mods, tr_mods):
     # The first-frame tokens take the token-replace modulation, the others the timestep's; one site each.
     (shift, scale), (tr_shift, tr_scale) = mods, tr_mods
@@ -284,6 +328,17 @@ def _sana_probe(norm: nn.Module, generator: torch.Generator):
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, dim), (2, dim))), {})]
 
 
+def _mochi_zero_probe(norm: nn.Module, generator: torch.Generator):
+    dim = norm.linear.out_features // 4
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, norm.linear.in_features))), {})]
+
+
+def _mochi_modulated_probe(norm: nn.Module, generator: torch.Generator):
+    # No parameters: D is free. The factor as the blocks pass it: 1 + a per-sample scale, or a tanh gate.
+    x, s = _draw(norm, generator, (2, 5, 16), (2, 1, 16))
+    return [((x, 1 + s), {}), ((x, torch.tanh(s)), {})]
+
+
 def _token_replace_probe(norm: nn.Module, generator: torch.Generator):
     dim, cond = _dims(norm)
     x, emb, tr = _draw(norm, generator, (2, 6, dim), (2, cond), (2, cond))
@@ -319,6 +374,9 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle", _hunyuan_token_replace_single_fused,
          ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
          2, lambda m: _projection_check(m, 3), _token_replace_probe),
+        (_MOCHI, "MochiRMSNormZero", _mochi_zero_fused, ["hidden_states", "emb"], 1, _mochi_check, _mochi_zero_probe),
+        (_MOCHI, "MochiModulatedRMSNorm", _mochi_modulated_fused, ["hidden_states", "scale"],
+         1, _mochi_check, _mochi_modulated_probe),
     ]  # fmt: skip
     entries: list[tuple[Any, FusionAdapter]] = []
     for module, cls, forward, params, sites, check, probe in table:
