@@ -245,6 +245,22 @@ def ltx() -> Family:
                   rms_calls=2)  # fmt: skip
 
 
+def lumina2() -> Family:
+    """Lumina2: RMSNorms scaled without a shift (LuminaRMSNormZero, the FFN's norm), post-norms times tanh
+    gates, a LayerNorm head scaled without a shift; context refiner blocks without modulation."""
+    model = _build(
+        "Lumina2Transformer2DModel", sample_size=8, patch_size=2, in_channels=4, hidden_size=32, num_layers=2,
+        num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16, norm_eps=1e-5,
+        axes_dim_rope=(4, 6, 6), axes_lens=(16, 16, 16), cap_feat_dim=16,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 4, 4, seed=1), timestep=torch.tensor([0.3, 0.7]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  encoder_attention_mask=torch.ones(2, 5, dtype=torch.bool))  # fmt: skip
+    # The noise refiner and both layers: 1 + 3 sites each; the head.
+    sites = {"Lumina2TransformerBlock": 9, "LuminaRMSNormZero": 3, "LuminaLayerNormContinuous": 1}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites, rms_calls=12)
+
+
 def mochi() -> Family:
     """Mochi: RMSNorms scaled without a shift (MochiRMSNormZero) and times a factor (MochiModulatedRMSNorm:
     1 + the FFN's scale, or the tanh gates of the attention and FFN outputs), in both streams."""
@@ -344,6 +360,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "cogvideox": cogvideox,
     "ltx-video": ltx,
     "mochi": mochi,
+    "lumina2": lumina2,
     "hunyuanvideo": hunyuan,
     "hunyuanvideo-i2v": hunyuan_i2v,
     "motif-video": motif_video,

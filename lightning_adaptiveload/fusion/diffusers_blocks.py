@@ -10,6 +10,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``BasicTransformerBlock`` (``ada_norm_single``) | PixArt (and Latte) | ``norm1``, ``norm2`` | LayerNorm |
 | ``LTXVideoTransformerBlock`` | LTX-Video | ``norm1``, ``norm2`` | RMSNorm |
 | ``SanaTransformerBlock`` | Sana | ``norm1``, ``norm2`` | LayerNorm |
+| ``Lumina2TransformerBlock`` (``modulation=True``) | Lumina2 | ``ffn_norm1`` (scaled, no shift); ``norm2``, ``ffn_norm2`` (post-norms times a tanh gate) | RMSNorm |
 
 Their forwards are replaced by the same computation with those sites through
 :func:`~lightning_adaptiveload.fusion.sites.norm_modulate`; the norm modules they call are left to their own
@@ -29,7 +30,13 @@ from torch import nn
 
 from lightning_adaptiveload.fusion.adapter import ClassForward, FusionAdapter, NoteAdapter
 from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
-from lightning_adaptiveload.fusion.sites import norm_modulate, norm_site_reason
+from lightning_adaptiveload.fusion.sites import (
+    norm_modulate,
+    norm_scale,
+    norm_site_reason,
+    norm_times,
+    norm_width,
+)
 
 __all__ = ["builtin_entries", "feed_forward", "inline_block", "sites_check"]
 
@@ -39,6 +46,7 @@ _SANA = "diffusers.models.transformers.sana_transformer"
 _PIXART = "diffusers.models.transformers.pixart_transformer_2d"
 _LATTE = "diffusers.models.transformers.latte_transformer_3d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
+_LUMINA2 = "diffusers.models.transformers.transformer_lumina2"
 
 
 def feed_forward(block: nn.Module, ff: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -302,6 +310,49 @@ def _sana_probe(block: nn.Module, generator: torch.Generator):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Lumina2: scale-only and gated RMSNorm sites (its norm1, a LuminaRMSNormZero, has its own adapter)
+
+
+def _is_lumina2_block(module: nn.Module, modulated: bool) -> bool:
+    cls = getattr(sys.modules.get(_LUMINA2), "Lumina2TransformerBlock", None)
+    return (
+        cls is not None
+        and isinstance(module, cls)
+        and bool(getattr(module, "modulation", False)) == modulated
+    )
+
+
+def _lumina2_fused(block, hidden_states, attention_mask, image_rotary_emb, temb=None):
+    """Lumina2TransformerBlock with ``modulation=True``: the FFN's scaled norm and both gated post-norms fused."""
+    norm_hidden_states, gate_msa, scale_mlp, gate_mlp = block.norm1(hidden_states, temb)
+    attn_output = block.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_hidden_states,
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    hidden_states = hidden_states + norm_times(block.norm2, attn_output, gate_msa.unsqueeze(1).tanh())
+    mlp_output = block.feed_forward(norm_scale(block.ffn_norm1, hidden_states, scale_mlp.unsqueeze(1)))
+    return hidden_states + norm_times(block.ffn_norm2, mlp_output, gate_mlp.unsqueeze(1).tanh())
+
+
+def _lumina2_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype = probe_device_dtype(block)
+    dim = norm_width(block.norm2)
+    x = probe_randn((2, 6, dim), generator, device, dtype)
+    temb = probe_randn((2, block.norm1.linear.in_features), generator, device, dtype)
+    return [((x, None, None, temb), {})]
+
+
+def _lumina2_unmodulated_reason(block: nn.Module) -> str:
+    return "modulation=False (a context refiner block): its RMSNorms are not modulated, nothing to fuse"
+
+
+def _lumina2_embedding_reason(module: nn.Module) -> str:
+    return "the caption embedder's RMSNorm is not modulated: nothing to fuse"
+
+
+# --------------------------------------------------------------------------------------------------------
 # Output heads modulated inline in a model's forward: recognised, left unfused
 
 
@@ -345,6 +396,15 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
          NoteAdapter("diffusers-pixart-head", _head_reason("PixArtTransformer2DModel"))),
         ((_LATTE, "LatteTransformer3DModel"),
          NoteAdapter("diffusers-latte-head", _head_reason("LatteTransformer3DModel"))),
+        (lambda m: _is_lumina2_block(m, True), ClassForward(
+            _lumina2_fused, where=(_LUMINA2, "Lumina2TransformerBlock"),
+            params=["hidden_states", "attention_mask", "image_rotary_emb", "temb"], owns_subtree=False,
+            name="diffusers-Lumina2TransformerBlock", sites=3,
+            check=lambda b: sites_check(b, ("norm2", "ffn_norm1", "ffn_norm2")), probe=_lumina2_probe)),
+        (lambda m: _is_lumina2_block(m, False),
+         NoteAdapter("diffusers-lumina2-refiner", _lumina2_unmodulated_reason)),
+        ((_LUMINA2, "Lumina2CombinedTimestepCaptionEmbedding"),
+         NoteAdapter("diffusers-lumina2-embedding", _lumina2_embedding_reason)),
         (_is_basic_unmodulated, NoteAdapter("diffusers-BasicTransformerBlock-plain", _basic_unmodulated_reason)),
         ((_LTX, "LTXVideoTransformer3DModel"),
          NoteAdapter("diffusers-ltx-head", _head_reason("LTXVideoTransformer3DModel"))),

@@ -15,14 +15,17 @@ scale) to the block. Fusing those modules, rather than whole blocks, covers ever
 | ``CogView3PlusAdaLayerNormZeroTextImage`` | CogView3-Plus | 2 |
 | ``SanaModulatedNorm`` | Sana's output head | 1 |
 | ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
+| ``LuminaRMSNormZero`` | Lumina2 (``norm1``): RMSNorm scaled, no shift | 1 |
+| ``LuminaLayerNormContinuous`` | Lumina2's output head: LayerNorm scaled, no shift | 1 |
 | ``MochiRMSNormZero`` | Mochi (``norm1``, ``norm1_context``): RMSNorm scaled, no shift | 1 |
 | ``MochiModulatedRMSNorm`` | Mochi (``norm2`` to ``norm4``, both streams; the last context norm): RMSNorm times a factor | 1 |
 
 Each fused forward is the class's forward with its site written as one call of
 :func:`~lightning_adaptiveload.fusion.sites.norm_modulate` (LayerNorm or RMSNorm, whichever the module holds);
 everything else (the SiLU + Linear projection, the chunk order, the ``[:, None]`` layouts, the returned
-modulation) is as diffusers computes it. Mochi's norms scale without a shift: they run the RMSNorm op with a
-zero shift, a factor ``f`` (a tanh gate, or ``1 + scale``) as the op's scale ``f - 1`` in fp32. The blocks' own inline sites (the FFN's ``norm2``) are fused by
+modulation) is as diffusers computes it. Lumina2's and Mochi's norms scale without a shift: they run the
+ops with a zero shift (``sites.norm_scale``), a factor ``f`` (a tanh gate, or ``1 + scale``) as the op's scale
+``f - 1`` in fp32 (``sites.norm_times``). The blocks' own inline sites (the FFN's ``norm2``) are fused by
 ``diffusers_mmdit.py`` and ``diffusers_blocks.py``. Classes are looked up in modules already imported only, so nothing here imports
 diffusers.
 """
@@ -34,10 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_adaptiveload import ops as _ops
 from lightning_adaptiveload.fusion.adapter import ClassForward, FusionAdapter
 from lightning_adaptiveload.fusion.probe import probe_device_dtype, probe_randn
-from lightning_adaptiveload.fusion.sites import norm_kind, norm_modulate, norm_site_reason, norm_width
+from lightning_adaptiveload.fusion.sites import (
+    norm_kind,
+    norm_modulate,
+    norm_scale,
+    norm_site_reason,
+    norm_times,
+    norm_width,
+)
 
 __all__ = ["builtin_entries"]
 
@@ -204,29 +213,36 @@ def _sana_modulated_fused(
     return norm_modulate(norm.norm, hidden_states, shift, scale)
 
 
-def _rms_times(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``RMSNorm(x) * (1 + scale)`` in x's dtype, through the RMSNorm op with a zero shift (Mochi's norms
-    compute in fp32 and cast back to x's dtype, as the op does)."""
-    return _ops.rms_norm_modulate(x, torch.zeros_like(scale), scale, eps=norm.norm.eps)
+def _lumina_zero_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None):
+    """LuminaRMSNormZero: 4 chunks (scale and gate of attention, then of the FFN); attention's site fused."""
+    scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(4, dim=1)
+    return norm_scale(norm.norm, x, scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
+
+
+def _lumina_continuous_fused(norm: nn.Module, x: torch.Tensor, conditioning_embedding: torch.Tensor):
+    """LuminaLayerNormContinuous: one chunk, the scale (no shift); the condition cast to x's dtype first, then
+    the optional output projection."""
+    scale = norm.linear_1(norm.silu(conditioning_embedding).to(x.dtype))
+    x = norm_scale(norm.norm, x, scale[:, None, :])
+    return norm.linear_2(x) if norm.linear_2 is not None else x
 
 
 def _mochi_zero_fused(norm: nn.Module, hidden_states: torch.Tensor, emb: torch.Tensor):
     """MochiRMSNormZero: 4 chunks (scale and gate of attention, then of the FFN); attention's site fused."""
     scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(4, dim=1)
-    return (
-        _rms_times(norm, hidden_states, scale_msa[:, None].to(torch.float32)),
-        gate_msa,
-        scale_mlp,
-        gate_mlp,
+    # diffusers computes in fp32 and casts back to x's dtype, as the op does.
+    x = norm_scale(
+        norm.norm, hidden_states, scale_msa[:, None].to(torch.float32), out_dtype=hidden_states.dtype
     )
+    return x, gate_msa, scale_mlp, gate_mlp
 
 
 def _mochi_modulated_fused(norm: nn.Module, hidden_states: torch.Tensor, scale: torch.Tensor | None = None):
-    """MochiModulatedRMSNorm: ``RMSNorm(x) * scale``, the factor read as ``1 + (scale - 1)`` in fp32; without
-    a factor, the plain norm as the class computes it."""
+    """MochiModulatedRMSNorm: ``RMSNorm(x) * scale`` (the factor: 1 + the FFN's scale, or a tanh gate), in
+    x's dtype; without a factor, the plain norm as the class computes it."""
     if scale is None:
         return norm.norm(hidden_states.to(torch.float32)).to(hidden_states.dtype)
-    return _rms_times(norm, hidden_states, scale.to(torch.float32) - 1)
+    return norm_times(norm.norm, hidden_states, scale, out_dtype=hidden_states.dtype)
 
 
 def _token_replace_sites(norm, hidden_states, first, mods, tr_mods):
@@ -328,6 +344,11 @@ def _sana_probe(norm: nn.Module, generator: torch.Generator):
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, dim), (2, dim))), {})]
 
 
+def _lumina_continuous_probe(norm: nn.Module, generator: torch.Generator):
+    dim, cond = _dims(norm, linear="linear_1")
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, cond))), {})]
+
+
 def _mochi_zero_probe(norm: nn.Module, generator: torch.Generator):
     dim = norm.linear.out_features // 4
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, norm.linear.in_features))), {})]
@@ -374,6 +395,10 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle", _hunyuan_token_replace_single_fused,
          ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
          2, lambda m: _projection_check(m, 3), _token_replace_probe),
+        (_NORMS, "LuminaRMSNormZero", _lumina_zero_fused, ["x", "emb"], 1, lambda m: _projection_check(m, 4),
+         _x_emb_probe),
+        (_NORMS, "LuminaLayerNormContinuous", _lumina_continuous_fused, ["x", "conditioning_embedding"],
+         1, lambda m: _projection_check(m, 1, linear="linear_1"), _lumina_continuous_probe),
         (_MOCHI, "MochiRMSNormZero", _mochi_zero_fused, ["hidden_states", "emb"], 1, _mochi_check, _mochi_zero_probe),
         (_MOCHI, "MochiModulatedRMSNorm", _mochi_modulated_fused, ["hidden_states", "scale"],
          1, _mochi_check, _mochi_modulated_probe),

@@ -13,6 +13,11 @@ scale's), so what follows the site runs in the dtype it ran in before. A modulat
 (one that broadcasts x up, or varies inside the dims it broadcasts over) is computed as the inline
 expression, so a fused site never changes a result beyond rounding. :func:`norm_site_reason` says why a
 norm module cannot be a fused site (the adapters' checks use it).
+
+Two forms without a shift (Lumina2's and Mochi's norms) run the same ops with a zero shift:
+:func:`norm_scale` for ``norm(x) * (1 + scale)``, :func:`norm_times` for ``norm(x) * factor`` (a tanh gate
+after a post-norm, or a ``1 + scale`` the caller added), the factor read as the ops' scale ``factor - 1``
+in fp32 (in a 16-bit dtype, ``factor - 1`` would lose the digits of a small gate).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import nn
 
 from lightning_adaptiveload import ops as _ops
 
-__all__ = ["norm_kind", "norm_modulate", "norm_site_reason", "norm_width"]
+__all__ = ["norm_kind", "norm_modulate", "norm_scale", "norm_site_reason", "norm_times", "norm_width"]
 
 # Class names of RMSNorm implementations whose forward is the formula below (x * rsqrt(mean(x^2) + eps),
 # then the weight): torch's own and diffusers' (models/normalization.py). A class of another name is not
@@ -121,7 +126,13 @@ def _inline(norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: torch.
     return norm(x) * (1 + scale) + shift
 
 
-def norm_modulate(norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def norm_modulate(
+    norm: nn.Module,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift`` in one fused op, in the dtype the inline expression gives.
 
     Args:
@@ -130,17 +141,20 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: 
         x: (..., D).
         shift, scale: broadcastable to x as the inline expression broadcasts them (standard broadcasting:
             a (B, D) modulation of a (B, S, D) x is aligned right, as ``*`` aligns it).
+        out_dtype: the result's dtype, where the caller's code casts it (default: the inline expression's).
 
     Returns:
-        The site's value: x's shape, and the dtype of ``norm(x) * (1 + scale) + shift``.
+        The site's value: x's shape, and the dtype of ``norm(x) * (1 + scale) + shift`` (or ``out_dtype``).
     """
     kind = norm_kind(norm)
     sh, sc = _aligned(shift, x), _aligned(scale, x)
     if kind is None or sh is None or sc is None:
-        return _inline(norm, x, shift, scale)
-    out_dtype = torch.promote_types(
-        torch.promote_types(_norm_out_dtype(norm, kind, x), shift.dtype), scale.dtype
-    )
+        y = _inline(norm, x, shift, scale)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+    if out_dtype is None:
+        out_dtype = torch.promote_types(
+            torch.promote_types(_norm_out_dtype(norm, kind, x), shift.dtype), scale.dtype
+        )
     if kind == "layer_norm":
         y = _ops.layer_norm_modulate(x, sh, sc, weight=norm.weight, bias=norm.bias, eps=norm.eps)
     else:
@@ -148,3 +162,24 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: 
         bias = getattr(norm, "bias", None)  # diffusers' RMSNorm(bias=True); nn.RMSNorm has none
         y = _ops.rms_norm_modulate(x, sh, sc, weight=norm.weight, bias=bias, eps=eps)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def norm_scale(
+    norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``norm(x) * (1 + scale)``: :func:`norm_modulate` with a zero shift (of scale's shape and dtype, so the
+    inline expression's dtype is unchanged)."""
+    return norm_modulate(norm, x, torch.zeros_like(scale), scale, out_dtype)
+
+
+def norm_times(
+    norm: nn.Module, x: torch.Tensor, factor: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``norm(x) * factor``: :func:`norm_modulate` with the scale ``factor - 1`` in fp32 and a zero shift, in
+    the dtype of the inline product (or ``out_dtype``)."""
+    if out_dtype is None:
+        kind = norm_kind(norm)
+        norm_dtype = _norm_out_dtype(norm, kind, x) if kind is not None else x.dtype
+        out_dtype = torch.promote_types(norm_dtype, factor.dtype)
+    scale = factor.to(torch.float32) - 1
+    return norm_modulate(norm, x, torch.zeros_like(scale), scale, out_dtype)
