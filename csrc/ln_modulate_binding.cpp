@@ -22,6 +22,8 @@
 // autograd and no fake implementation.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -30,6 +32,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -37,6 +41,7 @@
 #include <vector>
 
 #include "ln_modulate.h"
+#include "norm_mod_direct.h"
 #include "norm_mod_eager.h"
 
 namespace {
@@ -58,7 +63,15 @@ DType to_dtype(at::ScalarType t, const char* name, bool rms) {
   return DType::kFloat32;
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const at::Tensor& t) { return aligned16(t.data_ptr()); }
+
+// A new contiguous CUDA tensor on `like`'s device, from the caching allocator without a dispatcher round
+// trip: what at::empty's CUDA kernel does, here where the kernels already run on CUDA (the operators' CUDA
+// kernels and the direct launch). Every output is written in full by the kernels before it is read.
+at::Tensor fresh(c10::IntArrayRef sizes, at::ScalarType type, const at::Tensor& like) {
+  return at::detail::empty_cuda(sizes, type, like.device(), std::nullopt);
+}
 
 // t in dtype `type`, without a dispatcher round trip when it already is (eager calls pay for every one).
 at::Tensor as_type(const at::Tensor& t, at::ScalarType type) { return t.scalar_type() == type ? t : t.to(type); }
@@ -143,8 +156,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x_
   stat_sizes.pop_back();
   const auto fopts = x_in.options().dtype(at::kFloat);
   const int64_t rows = D == 0 ? 0 : x_in.numel() / D;
-  auto mean_for = [&](std::vector<int64_t> sizes) {
-    return rms ? at::empty({0}, fopts) : at::empty(sizes, fopts);
+  auto mean_for = [&](c10::IntArrayRef sizes) {
+    return rms ? fresh({0}, at::kFloat, x_in) : fresh(sizes, at::kFloat, x_in);
   };
   if (rows == 0) {  // (B, 0, D) and the like: nothing to compute, and no launch of an empty grid
     return {at::empty(x_in.sizes(), x_in.options()), mean_for(stat_sizes), at::empty(stat_sizes, fopts)};
@@ -160,9 +173,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x_
   const at::Tensor shift = aligned_table(as_type(shift_in, mod_type));
   const at::Tensor scale = aligned_table(as_type(scale_in, mod_type));
   const auto [w, b] = affine_pair(weight, bias, x, D);
-  auto y = at::empty(x.sizes(), x.options());
+  auto y = fresh(x.sizes(), x.scalar_type(), x);
   auto mean = mean_for(stat_sizes);
-  auto rstd = at::empty(stat_sizes, fopts);
+  auto rstd = fresh(stat_sizes, at::kFloat, x);
   adaptiveload::LnModFwdArgs a;
   a.x = x.data_ptr();
   a.shift = shift.data_ptr();
@@ -192,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_back
     const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& scale_in,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& mean_in, const at::Tensor& rstd_in, int64_t group_size, bool rms,
-    const Tuning& tune) {
+    const Tuning& tune, c10::IntArrayRef shift_sizes = {}, c10::IntArrayRef scale_sizes = {}) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() >= 1, op_name(rms), ": x must be a CUDA tensor of shape (..., D)");
   TORCH_CHECK(dy_in.sizes() == x_in.sizes(), op_name(rms), ": the gradient has shape ", dy_in.sizes(),
               " but x has ", x_in.sizes());
@@ -249,12 +262,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_back
   a.vectors_per_thread = tune.threads;
   a.slots = tune.rows;
   a.stages = tune.stages;
-  auto dx = at::empty(x.sizes(), x.options());
-  const auto mod_opts = scale.options().memory_format(at::MemoryFormat::Contiguous);
-  auto dshift = at::empty({scale.size(0), D}, mod_opts);
-  auto dscale = at::empty({scale.size(0), D}, mod_opts);
-  auto dweight = affine ? at::empty({D}, fopts) : at::empty({0}, fopts);
-  auto dbias = affine ? at::empty({D}, fopts) : at::empty({0}, fopts);
+  auto dx = fresh(x.sizes(), x.scalar_type(), x);
+  // The table gradients in the shapes the caller asked for (the fast path's node: its inputs' shapes),
+  // else (groups, D); the kernels write them as (groups, D) rows either way.
+  const std::vector<int64_t> table_sizes = {scale.size(0), D};
+  auto dshift = fresh(shift_sizes.empty() ? c10::IntArrayRef(table_sizes) : shift_sizes, scale.scalar_type(), x);
+  auto dscale = fresh(scale_sizes.empty() ? c10::IntArrayRef(table_sizes) : scale_sizes, scale.scalar_type(), x);
+  TORCH_CHECK(dshift.numel() == scale.size(0) * D && dscale.numel() == scale.size(0) * D, op_name(rms),
+              ": the requested gradient shapes ", shift_sizes, " / ", scale_sizes, " do not hold ", scale.size(0),
+              " x ", D, " values");
+  auto dweight = fresh({affine ? D : 0}, at::kFloat, x);
+  auto dbias = fresh({affine ? D : 0}, at::kFloat, x);
   a.dx = dx.data_ptr();
   a.dshift = dshift.data_ptr();
   a.dscale = dscale.data_ptr();
@@ -265,13 +283,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_back
   at::Tensor workspace;
   void* ws = nullptr;
   if (plan.workspace_bytes > 0) {
-    workspace = at::empty({static_cast<int64_t>(plan.workspace_bytes) + 16}, x.options().dtype(at::kByte));
+    workspace = fresh({static_cast<int64_t>(plan.workspace_bytes) + 16}, at::kByte, x);
     ws = workspace.data_ptr();
   }
   check_cuda(adaptiveload::ln_mod_backward(a, plan, ws, c10::cuda::getCurrentCUDAStream()), "backward launch", rms);
   // Gradients in their inputs' dtypes; a missing affine argument gets an empty gradient (the schema's
   // outputs are tensors, never None).
-  const auto empty = at::empty({0}, fopts);
+  const auto empty = fresh({0}, at::kFloat, x);
   return {dx, as_type(dshift, scale_in.scalar_type()), as_type(dscale, scale_in.scalar_type()),
           weight.has_value() ? dweight : empty, bias.has_value() ? dbias : empty};
 }
@@ -500,30 +518,157 @@ class RmsNormModulateFn : public torch::autograd::Function<RmsNormModulateFn> {
   }
 };
 
+// ---------------------------------------------------------------------------------------------------------
+// The direct launch of the eager fast path (rules in norm_mod_direct.h).
+
+std::atomic<int64_t> g_direct_fwd{0}, g_direct_bwd{0};  // launches taken, for tests and benchmarks
+
+// Whether a profiler (or another RecordFunction callback) would see an operator call: then the call goes
+// through the dispatcher, which reports it.
+bool observed() { return at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value(); }
+
+c10::DispatchKeySet keys_of(std::initializer_list<const at::Tensor*> ts) {
+  c10::DispatchKeySet ks;
+  for (const at::Tensor* t : ts) {
+    if (t->defined()) ks = ks | t->key_set();
+  }
+  return ks;
+}
+
+bool direct_dispatch_ok(std::initializer_list<const at::Tensor*> ts) {
+  return adaptiveload::direct::dispatcher_adds_nothing(keys_of(ts)) && !observed();
+}
+
+bool kernel_dtype(at::ScalarType t, DType* out) {
+  switch (t) {
+    case at::kFloat: *out = DType::kFloat32; return true;
+    case at::kHalf: *out = DType::kFloat16; return true;
+    case at::kBFloat16: *out = DType::kBFloat16; return true;
+    default: return false;
+  }
+}
+
+// The affine pair as the kernels read it in place (both or neither, fp32, contiguous, aligned, (D,)).
+bool direct_affine(const at::Tensor& w, const at::Tensor& b, const at::Tensor& x, int64_t D) {
+  if (!w.defined() && !b.defined()) return true;
+  if (!w.defined() || !b.defined()) return false;
+  for (const at::Tensor* t : {&w, &b}) {
+    if (t->scalar_type() != at::kFloat || t->dim() != 1 || t->size(0) != D || !t->is_contiguous() ||
+        t->device() != x.device() || !aligned16(t->data_ptr())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// y (and mean, rstd) of the operator launched without the dispatcher, or false where the rules do not
+// allow it (the caller then takes the dispatcher).
+bool direct_forward(bool rms, const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                    const at::Tensor& w, const at::Tensor& b, int64_t rows, int64_t group_size, double eps,
+                    at::Tensor* y, at::Tensor* mean, at::Tensor* rstd) {
+  const int64_t D = x.size(-1);
+  if (D < 1 || x.numel() == 0 || x.numel() / D != rows * group_size || !x.is_contiguous() ||
+      !aligned16(x.data_ptr())) {
+    return false;
+  }
+  const at::ScalarType mt = table_dtype(x, shift, scale);
+  DType xd, md;
+  if (shift.scalar_type() != mt || scale.scalar_type() != mt || !kernel_dtype(x.scalar_type(), &xd) ||
+      !kernel_dtype(mt, &md) || adaptiveload::ln_mod_check(D, xd, md) != nullptr) {
+    return false;
+  }
+  if (shift.device() != x.device() || scale.device() != x.device() || !direct_affine(w, b, x, D)) return false;
+  const int64_t ss = adaptiveload::direct::table_stride(shift.sizes(), shift.strides(), rows, D);
+  const int64_t cs = adaptiveload::direct::table_stride(scale.sizes(), scale.strides(), rows, D);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(mt));
+  if (ss < 0 || cs < 0 || !aligned16(shift.data_ptr()) || !aligned16(scale.data_ptr()) ||
+      (rows > 1 && ((ss * es) % 16 != 0 || (cs * es) % 16 != 0))) {
+    return false;
+  }
+  if (!direct_dispatch_ok({&x, &shift, &scale, &w, &b})) return false;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::IntArrayRef stat_sizes(x.sizes().data(), x.dim() - 1);
+  *y = fresh(x.sizes(), x.scalar_type(), x);
+  *rstd = fresh(stat_sizes, at::kFloat, x);
+  if (!rms) *mean = fresh(stat_sizes, at::kFloat, x);
+  adaptiveload::LnModFwdArgs a;
+  a.x = x.data_ptr();
+  a.shift = shift.data_ptr();
+  a.scale = scale.data_ptr();
+  a.weight = w.defined() ? w.data_ptr<float>() : nullptr;
+  a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  a.y = y->data_ptr();
+  a.mean = rms ? nullptr : mean->data_ptr<float>();
+  a.rstd = rstd->data_ptr<float>();
+  a.rows = x.numel() / D;
+  a.D = D;
+  a.group_size = group_size;
+  a.shift_stride = ss;
+  a.scale_stride = cs;
+  a.eps = static_cast<float>(eps);
+  a.x_dtype = xd;
+  a.mod_dtype = md;
+  a.rms = rms;
+  check_cuda(adaptiveload::ln_mod_forward(a, c10::cuda::getCurrentCUDAStream(x.device().index())),
+             "forward launch", rms);
+  g_direct_fwd.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// t's elements as a (rows, D) table at row stride `stride` (direct::table_stride), made without the
+// dispatcher: an alias of t's storage for the kernels to read, with no autograd history.
+at::Tensor table_alias(const at::Tensor& t, int64_t rows, int64_t D, int64_t stride) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), t.dtype());
+  const int64_t sizes[2] = {rows, D}, strides[2] = {stride, 1};
+  impl->set_sizes_and_strides(c10::IntArrayRef(sizes), c10::IntArrayRef(strides),
+                              std::optional<int64_t>(t.storage_offset()));
+  return at::Tensor(std::move(impl));
+}
+
 // The eager fast path's graph node (norm_modulate_eager): what generated autograd code builds for a native
 // op, a Node with its saved variables as members, with none of torch::autograd::Function's per-call
 // bookkeeping (the context's string-keyed map, per-output info, output wrapping): on a CPU build that
 // bookkeeping measured about 3x the cost of the node (docs/fused_op.md, "fourth pass (host)"). The same
-// backward formula as the Functions above; the gradients of shift and scale leave in the shapes given.
+// backward formula as the Functions below; the gradients of shift and scale leave in the shapes given.
+// scale is saved as given (its version checked by SavedVariable) and read as its (rows, D) table here.
+// Without grad mode (no double backward) and where the rules allow, the backward kernel is launched
+// without the dispatcher too.
 struct NormModulateBackward : public torch::autograd::Node {
   bool rms = false;
   bool has_w = false, has_b = false;
-  torch::autograd::SavedVariable x, scale_t, weight, bias, mean, rstd;
-  c10::SymInt group_size;
+  torch::autograd::SavedVariable x, scale, weight, bias, mean, rstd;
+  int64_t rows = 0;
+  int64_t group_size = 1;
   std::vector<int64_t> shift_shape, scale_shape;
 
   variable_list apply(variable_list&& grads) override {
     // unpack() of a freed graph (a second backward without retain_graph) raises torch's own error.
-    auto [dx, dshift, dscale, dweight, dbias] =
-        norm_backward_call(rms, grads[0], x.unpack(), scale_t.unpack(), weight.unpack(), bias.unpack(),
-                           mean.unpack(), rstd.unpack(), group_size);
+    const at::Tensor x_ = x.unpack(), scale_ = scale.unpack(), w = weight.unpack(), b = bias.unpack();
+    const at::Tensor mean_ = mean.unpack(), rstd_ = rstd.unpack();
+    const at::Tensor& dy = grads[0];
+    const int64_t D = x_.size(-1);
+    if (!at::GradMode::is_enabled() && dy.defined() && x_.is_cuda() &&
+        direct_dispatch_ok({&dy, &x_, &scale_, &w, &b, &mean_, &rstd_})) {
+      const int64_t stride = adaptiveload::direct::table_stride(scale_.sizes(), scale_.strides(), rows, D);
+      if (stride >= 0) {
+        auto [dx, dshift, dscale, dweight, dbias] =
+            norm_backward(dy, x_, table_alias(scale_, rows, D, stride), opt(w), opt(b),
+                          rms ? std::nullopt : opt(mean_), rstd_, group_size, rms, Tuning(), shift_shape, scale_shape);
+        g_direct_bwd.fetch_add(1, std::memory_order_relaxed);
+        return {dx, dshift, dscale, has_w ? dweight : at::Tensor(), has_b ? dbias : at::Tensor()};
+      }
+    }
+    auto [dx, dshift, dscale, dweight, dbias] = norm_backward_call(
+        rms, dy, x_, scale_.reshape({rows, D}), w, b, mean_, rstd_, c10::SymInt(group_size));
     return {dx, dshift.reshape(shift_shape), dscale.reshape(scale_shape), has_w ? dweight : at::Tensor(),
             has_b ? dbias : at::Tensor()};
   }
   std::string name() const override { return rms ? "RmsNormModulateBackward" : "LayerNormModulateBackward"; }
   void release_variables() override {
     x.reset_data();
-    scale_t.reset_data();
+    scale.reset_data();
     weight.reset_data();
     bias.reset_data();
     mean.reset_data();
@@ -556,15 +701,14 @@ at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& 
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                int64_t rows, int64_t group_size, double eps) {
   TORCH_CHECK(rows >= 1 && group_size >= 1, op_name(rms), ": the fast path needs rows and group_size >= 1");
-  const c10::SymInt group(group_size);
   const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
-  at::Tensor y, mean, rstd, scale_t;
-  {
-    // Below autograd: the table views and the operator's CUDA kernel, no graph nodes.
+  at::Tensor y, mean, rstd;
+  if (!direct_forward(rms, x, shift, scale, w, b, rows, group_size, eps, &y, &mean, &rstd)) {
+    // Below autograd: the table views and the operator through the dispatcher, no graph nodes.
     at::AutoDispatchBelowADInplaceOrView below;
     const int64_t D = x.size(-1);
-    const at::Tensor shift_t = shift.reshape({rows, D});
-    scale_t = scale.reshape({rows, D});
+    const c10::SymInt group(group_size);
+    const at::Tensor shift_t = shift.reshape({rows, D}), scale_t = scale.reshape({rows, D});
     if (rms) {
       std::tie(y, rstd) = rms_fwd_op().call(x, shift_t, scale_t, weight, bias, group, eps);
     } else {
@@ -578,17 +722,22 @@ at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& 
     node->has_w = w.defined();
     node->has_b = b.defined();
     node->x = torch::autograd::SavedVariable(x, false);
-    node->scale_t = torch::autograd::SavedVariable(scale_t, false);
+    node->scale = torch::autograd::SavedVariable(scale, false);
     node->weight = torch::autograd::SavedVariable(w, false);
     node->bias = torch::autograd::SavedVariable(b, false);
     node->mean = torch::autograd::SavedVariable(mean, false);
     node->rstd = torch::autograd::SavedVariable(rstd, false);
-    node->group_size = group;
+    node->rows = rows;
+    node->group_size = group_size;
     node->shift_shape = shift.sizes().vec();
     node->scale_shape = scale.sizes().vec();
     torch::autograd::set_history(y, node);
   }
   return y;
+}
+
+std::pair<int64_t, int64_t> direct_launches() {
+  return {g_direct_fwd.load(std::memory_order_relaxed), g_direct_bwd.load(std::memory_order_relaxed)};
 }
 
 }  // namespace adaptiveload

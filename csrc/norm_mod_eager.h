@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace adaptiveload {
 
@@ -19,6 +20,10 @@ namespace adaptiveload {
 at::Tensor norm_modulate_eager(bool rms, const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                int64_t rows, int64_t group_size, double eps);
+
+// Direct launches the fast path has taken in this process, (forward, backward): calls that launched the
+// kernel without the dispatcher (rules in norm_mod_direct.h). For tests and benchmarks.
+std::pair<int64_t, int64_t> direct_launches();
 
 // A new autograd node of type N in the pointer type this torch's graph edges hold: std::shared_ptr in older
 // releases, c10::intrusive_ptr since pytorch#181782 (2.13). Also used by benchmarks/kernels/autograd_node_overhead.cpp.

@@ -8,7 +8,8 @@
 // of x, shift, scale, weight and bias), namely the (rows, D) tables the modulation is read as and the group
 // size, and a call whose signature was seen before goes from Python straight into C++ (norm_modulate_eager):
 // the operator's CUDA kernel with the tables viewed below autograd, and one graph node whose backward is the
-// operators' backward formula (no view nodes, no torch::autograd::Function bookkeeping).
+// operators' backward formula (no view nodes, no torch::autograd::Function bookkeeping). Where the
+// dispatcher would add nothing to such a call, the kernel is launched without it (norm_mod_direct.h).
 //
 // Only the Python wrapper writes the cache (remember), after its own checks found that the kernels serve the
 // call with plain views of shift and scale. Anything else returns None, and the wrapper takes its checked
@@ -170,4 +171,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("remember", &remember, "remember a call's signature with its table rows and group size");
   m.def("size", []() { return g_cache.size(); }, "signatures remembered");
   m.def("clear", []() { g_cache.clear(); }, "forget every signature");
+  m.def("direct_launches", &adaptiveload::direct_launches,
+        "(forward, backward) kernel launches taken without the dispatcher in this process");
 }

@@ -280,6 +280,11 @@ def host_overhead(D: int = 1536, calls: int = 1000, rounds: int = 15) -> dict:
     variants["before_fwd_grad_us"] = (lambda: old_public(x, sh, sc), 1)
     variants["before_fwd_nograd_us"] = (lambda: old_public(xf, shf, scf), 1)
 
+    def launches():  # the fast path's direct launches so far (a library without them: None)
+        f = getattr(impl._cfast, "direct_launches", None) if impl._cfast is not None else None
+        return tuple(f()) if f is not None else None
+
+    launches_before = launches()
     for fn, _ in variants.values():
         for _ in range(20):
             fn()
@@ -297,6 +302,14 @@ def host_overhead(D: int = 1536, calls: int = 1000, rounds: int = 15) -> dict:
             samples[k].append((time.perf_counter() - t0) / (n * per) * 1e6)
     x.grad = sh.grad = sc.grad = None
     out: dict = {"shape": [1, 8, D], "calls_per_round": calls, "rounds": rounds, "statistic": "median round"}
+    after = launches()
+    # Whether the timed calls launched the kernels without the dispatcher (csrc/norm_mod_direct.h): forward
+    # and backward launches taken over the warm-up and timed rounds, all variants together.
+    out["direct_launches"] = (
+        None
+        if after is None
+        else {"forward": after[0] - launches_before[0], "backward": after[1] - launches_before[1]}
+    )
     for k, v in samples.items():
         head, _, tail = (
             k.partition(".") if k.startswith(("layer_norm_modulate.", "rms_norm_modulate.")) else ("", "", k)
@@ -633,7 +646,7 @@ def main(argv=None) -> int:
     print(
         "host us/call (1 x 8 x 1536): LN fwd {:.1f} (no grad {:.1f}; before {:.1f} / {:.1f}), fwd+bwd {:.1f}; RMS fwd {:.1f} (no grad {:.1f}), "
         "fwd+bwd {:.1f}; fast entry {:.1f} (no grad {:.1f}); op direct {:.1f}; bwd op direct {:.1f}; "
-        "F.layer_norm {:.1f} (grad {:.1f}, fwd+bwd {:.1f}); torch.add {:.1f}".format(
+        "F.layer_norm {:.1f} (grad {:.1f}, fwd+bwd {:.1f}); torch.add {:.1f}; direct launches {}".format(
             h["layer_norm_modulate"]["fwd_grad_us"],
             h["layer_norm_modulate"]["fwd_nograd_us"],
             h["before_fwd_grad_us"],
@@ -650,6 +663,7 @@ def main(argv=None) -> int:
             h["F.layer_norm_grad_us"],
             h["F.layer_norm_fwdbwd_us"],
             h["torch.add_us"],
+            h.get("direct_launches"),
         )
     )
     return 0

@@ -73,7 +73,11 @@ def main() -> int:
                     )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                f,
+                indent=1,
+            )
     return 0
 
 

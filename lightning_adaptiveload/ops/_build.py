@@ -64,7 +64,13 @@ KERNEL_SOURCES = (
 # ln_modulate_binding.cpp: the operators' registration; norm_mod_python.cpp: the eager fast path, a Python
 # module in the same library (python_entry).
 SOURCES = KERNEL_SOURCES + ("ln_modulate_binding.cpp", "norm_mod_python.cpp")
-HEADERS = ("ln_modulate.h", "ln_modulate_kernels.cuh", "norm_mod_tma.cuh", "norm_mod_eager.h")
+HEADERS = (
+    "ln_modulate.h",
+    "ln_modulate_kernels.cuh",
+    "norm_mod_tma.cuh",
+    "norm_mod_eager.h",
+    "norm_mod_direct.h",
+)
 
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
 _CXX_FLAGS = ["-O3", "-std=c++17"]

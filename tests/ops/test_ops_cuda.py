@@ -614,3 +614,87 @@ def test_rms_norm_modulate_matches_the_diffusers_form():
     inline = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * (1 + scale) + shift
     y = rms_norm_modulate(x, shift, scale, eps=1e-6)
     assert _rel(y, inline) < 1e-2
+
+
+def _launches() -> tuple[int, int]:
+    return tuple(_impl._cfast.direct_launches())
+
+
+def test_the_fast_path_launches_directly_where_the_dispatcher_adds_nothing(norm, monkeypatch):
+    """csrc/norm_mod_direct.h: a plain call launches the kernels without the dispatcher, forward and
+    backward, with the dispatcher's results; a dispatch mode, a profiler, a misaligned x or a double
+    backward take the dispatcher, and still compute the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    fused = NORMS[norm][0]
+    x, shift, scale, w, b = _make((2, 64, 512), (2, 1, 512), torch.bfloat16, torch.float32, affine=True)
+    ins = [t.detach().clone().requires_grad_() for t in (x, shift, scale, w, b)]
+    dy = torch.randn_like(x)
+    _impl._cfast.clear()
+    y_ref = fused(*ins)  # the checked path: through the dispatcher, and remembered
+    g_ref = torch.autograd.grad(y_ref, ins, dy)
+    f0, b0 = _launches()
+    y = fused(*ins)
+    g = torch.autograd.grad(y, ins, dy)
+    assert _launches() == (f0 + 1, b0 + 1)
+    assert torch.equal(y, y_ref) and all(torch.equal(a, c) for a, c in zip(g, g_ref))
+    assert all(a.shape == t.shape and a.dtype == t.dtype for a, t in zip(g, ins))
+
+    seen = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        y_mode = fused(*ins)
+    assert any("norm_modulate" in s for s in seen), seen
+    assert _launches()[0] == f0 + 1 and torch.equal(y_mode, y_ref)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y_prof = fused(*ins)
+    assert _launches()[0] == f0 + 1 and torch.equal(y_prof, y_ref)
+    assert any("norm_modulate" in e.name for e in prof.events()), "the profiler must see the operator"
+
+    # x at an address off the 16-byte grid (same shape and dtype: the same signature) takes the dispatcher.
+    buf = torch.empty(x.numel() + 4, device="cuda", dtype=x.dtype)
+    x_odd = buf[4:].view(x.shape)
+    x_odd.copy_(x)
+    assert x_odd.data_ptr() % 16 != 0
+    y_odd = fused(x_odd, *ins[1:])
+    assert _launches()[0] == f0 + 1 and torch.equal(y_odd, y_ref.detach())
+
+    # A double backward keeps the graph of the backward: the dispatcher's route, whose gradients are
+    # differentiable; the direct backward is for create_graph=False only.
+    y = fused(*ins)
+    g1 = torch.autograd.grad(y, ins, dy, create_graph=True)
+    assert _launches() == (f0 + 2, b0 + 1)
+    assert g1[0].requires_grad and all(torch.equal(a, c) for a, c in zip(g1, g_ref))
+    (gg,) = torch.autograd.grad((g1[0].float() ** 2).sum(), [ins[2]])
+    assert torch.isfinite(gg).all() and gg.abs().sum() > 0
+
+    # scale changed in place after the forward: its saved version is stale, and backward says so.
+    sc = ins[2].detach().clone().requires_grad_()
+    sc_i = sc * 1.0
+    y = fused(ins[0], ins[1], sc_i, ins[3], ins[4])
+    sc_i.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+def test_direct_launches_of_strided_tables_and_autocast_agree(norm):
+    """Strided (B, 1, D) chunks of a (B, 6, D) table launch directly, also under autocast."""
+    fused = NORMS[norm][0]
+    D = 1536
+    x = torch.randn(2, 300, D, device="cuda").to(torch.bfloat16)
+    table = torch.randn(2, 6, D, device="cuda")
+    shift, scale = table[:, 1:2], table[:, 4:5]
+    _impl._cfast.clear()
+    y_ref = fused(x, shift, scale)
+    f0, _ = _launches()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ac = fused(x, shift, scale)
+    y = fused(x, shift, scale)
+    assert _launches()[0] == f0 + 2
+    assert torch.equal(y, y_ref) and torch.equal(y_ac, y_ref)
