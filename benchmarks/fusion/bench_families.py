@@ -1,6 +1,7 @@
-"""Nine diffusers DiT families x {eager, eager fused, compiled, compiled fused}: one training step each.
+"""Diffusers DiT families x {eager, eager fused, compiled, compiled fused}: one training step each.
 
-Issue 59's table. For each family (Wan, SD3, Flux, CogVideoX, LTX-Video, HunyuanVideo, PixArt, DiT, Sana) it
+Issue 59's table. For each family (Wan, SD3, Flux, CogVideoX, LTX-Video, HunyuanVideo, PixArt, DiT, Sana; and
+Mochi and Lumina2, whose norms scale without a shift) it
 builds the diffusers model with the block width, heads and embedders of a released model but only
 ``--layers`` transformer blocks (per block list: Flux and HunyuanVideo get that many double- and
 single-stream blocks), random weights (adaLN / modulation weights random too, never zero), batch 1 at one
@@ -236,6 +237,31 @@ def _sana_inputs(c, s, b, dev, g):
     return kw, (h // p) * (w // p)
 
 
+def _mochi_inputs(c, s, b, dev, g):
+    f, h, w = s["latent"]
+    p = c["patch_size"]
+    kw = {
+        "hidden_states": _randn(g, dev, b, c["in_channels"], f, h, w),
+        "encoder_hidden_states": _randn(g, dev, b, s["text"], c["text_embed_dim"]),
+        "timestep": _steps(g, dev, b),
+        "encoder_attention_mask": torch.ones(b, s["text"], dtype=torch.bool, device=dev),
+    }
+    return kw, f * (h // p) * (w // p)
+
+
+def _lumina2_inputs(c, s, b, dev, g):
+    h, w = s["latent"]
+    p = c["patch_size"]
+    kw = {
+        "hidden_states": _randn(g, dev, b, c["in_channels"], h, w),
+        # The pipeline passes t in [0, 1] (flow matching), the model embeds it as given.
+        "timestep": torch.rand(b, generator=g, device=dev),
+        "encoder_hidden_states": _randn(g, dev, b, s["text"], c["cap_feat_dim"]),
+        "encoder_attention_mask": torch.ones(b, s["text"], dtype=torch.bool, device=dev),
+    }
+    return kw, (h // p) * (w // p)
+
+
 # Sizes from the released models' transformer/config.json on the Hugging Face Hub (the repositories named).
 # fmt: off
 FAMILIES: dict[str, Family] = {
@@ -411,6 +437,41 @@ FAMILIES: dict[str, Family] = {
                 caption_channels=24, sample_size=8, patch_size=1
             ),
             quick_shape=dict(latent=(8, 8), text=8), inputs=_sana_inputs,
+        ),
+        Family(
+            key="mochi", cls="MochiTransformer3DModel",
+            model="Mochi 1 preview (genmo/mochi-1-preview)",
+            config=dict(
+                patch_size=2, num_attention_heads=24, attention_head_dim=128, pooled_projection_dim=1536,
+                in_channels=12, qk_norm="rms_norm", text_embed_dim=4096, time_embed_dim=256,
+                activation_fn="swiglu", max_sequence_length=256
+            ),
+            layer_keys=("num_layers",), full_layers={"num_layers": 48},
+            block_lists=("transformer_blocks",),
+            shape=dict(latent=(28, 60, 106), text=256, what="one 163-frame 848 x 480 clip, 256 T5 tokens"),
+            quick_config=dict(
+                patch_size=2, num_attention_heads=2, attention_head_dim=16, pooled_projection_dim=24,
+                in_channels=4, text_embed_dim=24, time_embed_dim=16, max_sequence_length=8
+            ),
+            quick_shape=dict(latent=(2, 8, 8), text=8), inputs=_mochi_inputs,
+        ),
+        Family(
+            key="lumina2", cls="Lumina2Transformer2DModel",
+            model="Lumina-Image 2.0 (Alpha-VLLM/Lumina-Image-2.0)",
+            config=dict(
+                sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_refiner_layers=2,
+                num_attention_heads=24, num_kv_heads=8, multiple_of=256, norm_eps=1e-05, scaling_factor=1.0,
+                axes_dim_rope=(32, 32, 32), axes_lens=(300, 512, 512), cap_feat_dim=2304
+            ),
+            layer_keys=("num_layers",), full_layers={"num_layers": 26},
+            block_lists=("layers",),
+            shape=dict(latent=(128, 128), text=256, what="one 1024 x 1024 image, 256 Gemma-2 tokens"),
+            quick_config=dict(
+                sample_size=16, patch_size=2, in_channels=4, hidden_size=32, num_refiner_layers=1,
+                num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6),
+                axes_lens=(32, 32, 32), cap_feat_dim=24
+            ),
+            quick_shape=dict(latent=(16, 16), text=8), inputs=_lumina2_inputs,
         ),
     ]
 }
@@ -674,7 +735,7 @@ class _Run:
             "config": cfg,
             "layers": {k: cfg[k] for k in fam.layer_keys},
             "full_model_layers": fam.full_layers,
-            "dim": attn * head if attn and head else None,
+            "dim": attn * head if attn and head else cfg.get("hidden_size"),
             "heads": attn,
             "head_dim": head,
             "shape": {k: v for k, v in (fam.quick_shape if self.args.quick else fam.shape).items()},
