@@ -177,6 +177,23 @@ def qwen_image(edit: bool = False) -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def chroma() -> Family:
+    """Chroma: Flux's blocks with the modulation computed once by an approximator and given to pruned norms."""
+    model = _build(
+        "ChromaTransformer2DModel", patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=1,
+    )  # fmt: skip
+    img_ids = torch.zeros(4, 4, 3)
+    img_ids[..., 1] = torch.arange(4)[:, None]
+    img_ids[..., 2] = torch.arange(4)[None, :]
+    kwargs = dict(hidden_states=_randn(2, 16, 16, seed=1), encoder_hidden_states=_randn(2, 5, 24, seed=2),
+                  timestep=torch.tensor([0.3, 0.7]), img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(5, 3))  # fmt: skip
+    sites = {"ChromaTransformerBlock": 2, "ChromaAdaLayerNormZeroPruned": 2, "ChromaAdaLayerNormZeroSinglePruned": 1,
+             "ChromaAdaLayerNormContinuousPruned": 1}  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def bria() -> Family:
     """Bria: Flux's block with its attention keywords renamed, fused by an adapter of its own."""
     model = _build(
@@ -353,6 +370,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "flux": flux,
     "longcat-image": longcat,
     "bria": bria,
+    "chroma": chroma,
     "auraflow": auraflow,
     "flux2": flux2,
     "qwen-image": qwen_image,

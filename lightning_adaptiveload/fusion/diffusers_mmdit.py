@@ -8,6 +8,7 @@ its norms inline in its forward (the norm modules they call have their own adapt
 | ``SD3SingleTransformerBlock`` | SD3 variants | ``norm2`` | LayerNorm |
 | ``FluxTransformerBlock`` | Flux | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``AuraFlowJointTransformerBlock``, ``AuraFlowSingleTransformerBlock`` | AuraFlow | ``norm2``, ``norm2_context``; ``norm2`` | LayerNorm |
+| ``ChromaTransformerBlock`` | Chroma (Flux's block, its modulation given per block) | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``BriaTransformerBlock`` | Bria (Flux's block, ``attention_kwargs``) | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``MotifVideoTransformerBlock`` | Motif-Video | ``norm2``, ``norm2_context`` | LayerNorm |
 | ``HunyuanVideoTransformerBlock`` | HunyuanVideo | ``norm2``, ``norm2_context`` | LayerNorm |
@@ -15,7 +16,8 @@ its norms inline in its forward (the norm modules they call have their own adapt
 | ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock`` | FLUX.2 | ``norm1``, ``norm1_context``, ``norm2``, ``norm2_context``; ``norm`` | LayerNorm |
 | ``QwenImageTransformerBlock`` | Qwen-Image (and its edit models, per token) | ``img_norm1``, ``img_norm2``, ``txt_norm1``, ``txt_norm2`` | LayerNorm |
 
-HunyuanVideo's token refiner blocks are recognised and left unfused (their norms are not modulated). The
+HunyuanVideo's token refiner blocks and Chroma's approximator are recognised and left unfused (their norms
+are not modulated). The
 single-stream blocks of the other families (DiT, PixArt, LTX-Video, Sana) are in ``diffusers_blocks.py``,
 with the helpers both modules share.
 """
@@ -43,6 +45,7 @@ _FLUX2 = "diffusers.models.transformers.transformer_flux2"
 _BRIA = "diffusers.models.transformers.transformer_bria"
 _AURA = "diffusers.models.transformers.auraflow_transformer_2d"
 _MOTIF = "diffusers.models.transformers.transformer_motif_video"
+_CHROMA = "diffusers.models.transformers.transformer_chroma"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -117,8 +120,18 @@ def _flux_fused(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
-    attn_output, context_attn_output = outputs[0], outputs[1]
+    mods = (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp)
+    return _flux_after_attention(block, hidden_states, encoder_hidden_states, outputs, *mods)
 
+
+def _flux_after_attention(block, hidden_states, encoder_hidden_states, outputs, mods, c_mods):
+    """The rest of Flux's block (and Chroma's) after its attention: the gated attention outputs, both FFN
+    sites fused, the IP-adapter output and fp16 clipping kept."""
+    (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
+        mods,
+        c_mods,
+    )
+    attn_output, context_attn_output = outputs[0], outputs[1]
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp[:, None], scale_mlp[:, None])
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * block.ff(norm_h)
@@ -133,6 +146,46 @@ def _flux_fused(
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
+
+
+def _chroma_fused(
+    block,
+    hidden_states,
+    encoder_hidden_states,
+    temb,
+    image_rotary_emb=None,
+    attention_mask=None,
+    joint_attention_kwargs=None,
+):
+    """ChromaTransformerBlock: Flux's block with the modulation given per block ((B, 12, D): the image's six
+    vectors, then the text's) and a text mask; the FFN sites of both streams fused."""
+    temb_img, temb_txt = temb[:, :6], temb[:, 6:]
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb_img)
+    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        encoder_hidden_states, emb=temb_txt
+    )
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+    outputs = block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_e,
+        image_rotary_emb=image_rotary_emb,
+        attention_mask=attention_mask,
+        **(joint_attention_kwargs or {}),
+    )
+    mods = (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp)
+    return _flux_after_attention(block, hidden_states, encoder_hidden_states, outputs, *mods)
+
+
+def _chroma_approximator_reason(module: nn.Module) -> str:
+    return (
+        "the approximator's RMSNorms are not modulated (it computes the blocks' modulation): nothing to fuse"
+    )
+
+
+def _chroma_probe(block: nn.Module, generator: torch.Generator):
+    device, dtype, dim, x, context = _two_stream_inputs(block, block.norm2, generator)
+    return [((x, context, probe_randn((2, 12, dim), generator, device, dtype)), {})]
 
 
 def _two_stream_ffn(block, hidden_states, encoder_hidden_states, mlp, c_mlp):
@@ -529,6 +582,11 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
                2, lambda b: sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),
         inline_block(_AURA, "AuraFlowSingleTransformerBlock", _aura_single_fused, ["hidden_states", "temb", "attention_kwargs"],
                1, lambda b: sites_check(b, ("norm2",)), _single_probe),
+        inline_block(_CHROMA, "ChromaTransformerBlock", _chroma_fused,
+               ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_mask",
+                "joint_attention_kwargs"],
+               2, lambda b: sites_check(b, ("norm2", "norm2_context")), _chroma_probe),
+        ((_CHROMA, "ChromaApproximator"), NoteAdapter("diffusers-chroma-approximator", _chroma_approximator_reason)),
         inline_block(_BRIA, "BriaTransformerBlock", _bria_fused,
                ["hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs"],
                2, lambda b: sites_check(b, ("norm2", "norm2_context")), _two_stream_probe),

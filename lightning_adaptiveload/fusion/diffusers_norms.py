@@ -15,6 +15,7 @@ scale) to the block. Fusing those modules, rather than whole blocks, covers ever
 | ``CogView3PlusAdaLayerNormZeroTextImage`` | CogView3-Plus | 2 |
 | ``SanaModulatedNorm`` | Sana's output head | 1 |
 | ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
+| ``ChromaAdaLayerNormZeroPruned``, ``...ZeroSinglePruned``, ``...ContinuousPruned`` | Chroma: the modulation given, no projection | 1 |
 | ``LuminaRMSNormZero`` | Lumina2 (``norm1``): RMSNorm scaled, no shift | 1 |
 | ``LuminaLayerNormContinuous`` | Lumina2's output head: LayerNorm scaled, no shift | 1 |
 | ``MochiRMSNormZero`` | Mochi (``norm1``, ``norm1_context``): RMSNorm scaled, no shift | 1 |
@@ -54,6 +55,7 @@ _NORMS = "diffusers.models.normalization"
 _SANA = "diffusers.models.transformers.sana_transformer"
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
 _MOCHI = "diffusers.models.transformers.transformer_mochi"
+_CHROMA = "diffusers.models.transformers.transformer_chroma"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -213,6 +215,39 @@ def _sana_modulated_fused(
     return norm_modulate(norm.norm, hidden_states, shift, scale)
 
 
+def _chroma_check(module: nn.Module) -> str | None:
+    if getattr(module, "emb", None) is not None:
+        return f"{type(module).__name__} with its own label embedding (num_embeddings) is not adapted"
+    reason = norm_site_reason(getattr(module, "norm", None), "norm")
+    return f"{type(module).__name__}: {reason}" if reason is not None else None
+
+
+def _chroma_zero_fused(
+    norm: nn.Module,
+    x: torch.Tensor,
+    timestep: torch.Tensor | None = None,
+    class_labels: torch.LongTensor | None = None,
+    hidden_dtype: torch.dtype | None = None,
+    emb: torch.Tensor | None = None,
+):
+    """ChromaAdaLayerNormZeroPruned: the (B, 6, D) modulation given, flattened and chunked as AdaLayerNormZero's."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.flatten(1, 2).chunk(6, dim=1)
+    x = norm_modulate(norm.norm, x, shift_msa[:, None], scale_msa[:, None])
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _chroma_zero_single_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None):
+    """ChromaAdaLayerNormZeroSinglePruned: (B, 3, D) given (shift, scale, gate)."""
+    shift_msa, scale_msa, gate_msa = emb.flatten(1, 2).chunk(3, dim=1)
+    return norm_modulate(norm.norm, x, shift_msa[:, None], scale_msa[:, None]), gate_msa
+
+
+def _chroma_continuous_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor):
+    """ChromaAdaLayerNormContinuousPruned: (B, 2, D) given in the order (shift, scale), cast to x's dtype."""
+    shift, scale = torch.chunk(emb.flatten(1, 2).to(x.dtype), 2, dim=1)
+    return norm_modulate(norm.norm, x, shift[:, None, :], scale[:, None, :])
+
+
 def _lumina_zero_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None):
     """LuminaRMSNormZero: 4 chunks (scale and gate of attention, then of the FFN); attention's site fused."""
     scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(4, dim=1)
@@ -344,6 +379,15 @@ def _sana_probe(norm: nn.Module, generator: torch.Generator):
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, dim), (2, dim))), {})]
 
 
+def _chroma_probe(vectors: int):
+    def probe(norm: nn.Module, generator: torch.Generator):
+        dim = norm_width(norm.norm)
+        x, emb = _draw(norm, generator, (2, 5, dim), (2, vectors, dim))
+        return [((x,), {"emb": emb})]
+
+    return probe
+
+
 def _lumina_continuous_probe(norm: nn.Module, generator: torch.Generator):
     dim, cond = _dims(norm, linear="linear_1")
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, cond))), {})]
@@ -395,6 +439,12 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle", _hunyuan_token_replace_single_fused,
          ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
          2, lambda m: _projection_check(m, 3), _token_replace_probe),
+        (_CHROMA, "ChromaAdaLayerNormZeroPruned", _chroma_zero_fused,
+         ["x", "timestep", "class_labels", "hidden_dtype", "emb"], 1, _chroma_check, _chroma_probe(6)),
+        (_CHROMA, "ChromaAdaLayerNormZeroSinglePruned", _chroma_zero_single_fused, ["x", "emb"],
+         1, _chroma_check, _chroma_probe(3)),
+        (_CHROMA, "ChromaAdaLayerNormContinuousPruned", _chroma_continuous_fused, ["x", "emb"],
+         1, _chroma_check, _chroma_probe(2)),
         (_NORMS, "LuminaRMSNormZero", _lumina_zero_fused, ["x", "emb"], 1, lambda m: _projection_check(m, 4),
          _x_emb_probe),
         (_NORMS, "LuminaLayerNormContinuous", _lumina_continuous_fused, ["x", "conditioning_embedding"],
