@@ -98,6 +98,30 @@ def wan_animate() -> Family:
                   {"WanTransformerBlock": 4})  # fmt: skip
 
 
+_WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)  # fmt: skip
+
+
+def skyreels_v2() -> Family:
+    """SkyReels-V2 with diffusion forcing: a timestep per latent frame, so each token has its own modulation."""
+    model = _build("SkyReelsV2Transformer3DModel", **_WAN_TINY)
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), timestep=torch.tensor([[3, 200, 500], [10, 20, 30]]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2), enable_diffusion_forcing=True)  # fmt: skip
+    return Family(
+        model, kwargs, ("hidden_states", "encoder_hidden_states"), {"SkyReelsV2TransformerBlock": 4}
+    )
+
+
+def wan_vace() -> Family:
+    """Wan-VACE: Wan's blocks and a control block beside each of them (a projection in and out)."""
+    model = _build("WanVACETransformer3DModel", **_WAN_TINY, vace_layers=[0, 1], vace_in_channels=8)
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                  control_hidden_states=_randn(2, 8, 3, 4, 4, seed=3))  # fmt: skip
+    sites = {"WanTransformerBlock": 4, "WanVACETransformerBlock": 4}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states", "control_hidden_states"), sites)
+
+
 def sd3(dual: bool = False) -> Family:
     config = dict(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
@@ -365,6 +389,8 @@ def sana() -> Family:
 FAMILIES: dict[str, Callable[[], Family]] = {
     "wan": wan,
     "wan-animate": wan_animate,
+    "skyreels-v2": skyreels_v2,
+    "wan-vace": wan_vace,
     "sd3": sd3,
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,

@@ -2,10 +2,13 @@
 
 ``WanTransformerBlock``: its norm1 and norm3 sites are fused by a forward replacement, for per-sample
 modulation (``temb`` (B, 6, D)) and per-token modulation (``temb`` (B, S, 6, D), Wan 2.2 TI2V). The model's
-output head is recognised and deliberately left unfused (the report says why). Wan-Animate
-(``WanAnimateTransformer3DModel``) holds a copy of the block, which takes the same adapter; its head is left
-unfused likewise, and its face encoder and face adapters, whose LayerNorms are not modulated, are noted as
-having nothing to fuse. diffusers is optional: the classes are looked up only in modules already imported,
+output head is recognised and deliberately left unfused (the report says why).
+
+Wan-Animate (``WanAnimateTransformer3DModel``) holds a copy of the block, which takes the same adapter; its
+face encoder and face adapters, whose LayerNorms are not modulated, are noted as having nothing to fuse.
+SkyReels-V2's block (an attention mask, per-token modulation for diffusion forcing) and Wan-VACE's control
+blocks (a projection in and out) have adapters of their own that share the block's layers (``_wan_body``).
+The heads of all four models are left unfused as Wan's is. diffusers is optional: the classes are looked up only in modules already imported,
 so nothing here imports it.
 """
 
@@ -24,6 +27,8 @@ __all__ = ["builtin_entries"]
 
 _WAN_MODULE = "diffusers.models.transformers.transformer_wan"
 _ANIMATE_MODULE = "diffusers.models.transformers.transformer_wan_animate"
+_SKYREELS_MODULE = "diffusers.models.transformers.transformer_skyreels_v2"
+_VACE_MODULE = "diffusers.models.transformers.transformer_wan_vace"
 _WAN_BLOCK_ATTRS = ("norm1", "norm2", "norm3", "attn1", "attn2", "ffn", "scale_shift_table")
 _WAN_FORWARD_PARAMS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
@@ -32,7 +37,7 @@ def _wan_block_check(block: nn.Module) -> str | None:
     # ClassForward prefixes the installed diffusers version and checks the forward's parameters.
     missing = [a for a in _WAN_BLOCK_ATTRS if not hasattr(block, a)]
     if missing:
-        return f"WanTransformerBlock has no {missing}; the fused forward does not fit this version"
+        return f"{type(block).__name__} has no {missing}; the fused forward does not fit this version"
     table = block.scale_shift_table
     if not (isinstance(table, torch.Tensor) and table.dim() == 3 and tuple(table.shape[:2]) == (1, 6)):
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
@@ -71,12 +76,17 @@ def _wan_block_forward_fused(
     else:
         # Per sample: each chunk is (B, 1, D).
         mods = (table + temb.float()).chunk(6, dim=1)
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mods
+    return _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb)
 
+
+def _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask=None):
+    """The layers of Wan's block (and of its SkyReels-V2 and VACE variants) given the six modulation
+    vectors: self-attention, cross-attention, FFN, the norm1 and norm3 sites fused."""
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mods
     norm_hidden_states = _ops.layer_norm_modulate(
         hidden_states, shift_msa, scale_msa, **layer_norm_args(block.norm1)
     )
-    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    attn_output = block.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
     hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
 
     norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
@@ -106,6 +116,40 @@ def _wan_block_probe(block: nn.Module, generator: torch.Generator) -> list[tuple
     return [((x, enc, per_sample, rotary), {}), ((x, enc, per_token, rotary), {})]
 
 
+def _skyreels_fused(block, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask=None):
+    """SkyReelsV2TransformerBlock: Wan's block with an attention mask, and per-token modulation for diffusion
+    forcing given as (B, 6, S, D)."""
+    table = block.scale_shift_table
+    if temb.dim() == 4:
+        mods = [m.squeeze(1) for m in (table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
+    else:
+        mods = (table + temb.float()).chunk(6, dim=1)
+    return _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask)
+
+
+def _skyreels_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
+    (x, enc, per_sample, rotary), _ = _wan_block_probe(block, generator)[0]
+    per_token = probe_randn((x.shape[0], 6, x.shape[1], x.shape[2]), generator, x.device, x.dtype)
+    return [((x, enc, per_sample, rotary, None), {}), ((x, enc, per_token, rotary, None), {})]
+
+
+def _vace_fused(block, hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb):
+    """WanVACETransformerBlock: Wan's block on the control stream (the first one projects it in and adds the
+    video's states), with its output projection."""
+    if block.proj_in is not None:
+        control_hidden_states = block.proj_in(control_hidden_states) + hidden_states
+    mods = (block.scale_shift_table.to(temb.device) + temb.float()).chunk(6, dim=1)
+    control_hidden_states = _wan_body(block, control_hidden_states, encoder_hidden_states, mods, rotary_emb)
+    conditioning_states = block.proj_out(control_hidden_states) if block.proj_out is not None else None
+    return conditioning_states, control_hidden_states
+
+
+def _vace_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
+    (x, enc, per_sample, rotary), _ = _wan_block_probe(block, generator)[0]
+    control = probe_randn(tuple(x.shape), generator, x.device, x.dtype)
+    return [((x, enc, control, per_sample, rotary), {})]
+
+
 def _wan_model_head_reason(model: nn.Module) -> str | None:
     if not hasattr(model, "norm_out"):
         return None
@@ -132,8 +176,23 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         check=_wan_block_check,
         probe=_wan_block_probe,
     )
+    variants = [
+        (_SKYREELS_MODULE, "SkyReelsV2TransformerBlock", _skyreels_fused, [*_WAN_FORWARD_PARAMS, "attention_mask"],
+         _skyreels_probe),
+        (_VACE_MODULE, "WanVACETransformerBlock", _vace_fused,
+         ["hidden_states", "encoder_hidden_states", "control_hidden_states", "temb", "rotary_emb"], _vace_probe),
+    ]  # fmt: skip
+    blocks = [
+        ((module, cls), ClassForward(forward, where=(module, cls), params=params, name=f"diffusers-{cls}", sites=2,
+                                     check=_wan_block_check, probe=probe))
+        for module, cls, forward, params, probe in variants
+    ]  # fmt: skip
     return [
         ((_WAN_MODULE, "WanTransformerBlock"), wan_block),
+        *blocks,
+        ((_SKYREELS_MODULE, "SkyReelsV2Transformer3DModel"),
+         NoteAdapter("diffusers-skyreels-v2-head", _wan_model_head_reason)),
+        ((_VACE_MODULE, "WanVACETransformer3DModel"), NoteAdapter("diffusers-wan-vace-head", _wan_model_head_reason)),
         ((_WAN_MODULE, "WanTransformer3DModel"), NoteAdapter("diffusers-wan-head", _wan_model_head_reason)),
         ((_ANIMATE_MODULE, "WanAnimateTransformer3DModel"),
          NoteAdapter("diffusers-wan-animate-head", _wan_model_head_reason)),
