@@ -302,6 +302,19 @@ def lumina2() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites, rms_calls=12)
 
 
+def sana_video() -> Family:
+    """Sana-Video: Sana's blocks with a modulation per token, rotary linear attention and a 3-D conv FFN."""
+    model = _build(
+        "SanaVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+        num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+        caption_channels=24, sample_size=8, patch_size=(1, 2, 2), rope_max_seq_len=32,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 8, 8, seed=1), encoder_hidden_states=_randn(2, 5, 24, seed=2),
+                  timestep=torch.tensor([3, 500]), encoder_attention_mask=torch.ones(2, 5))  # fmt: skip
+    sites = {"SanaVideoTransformerBlock": 4, "SanaModulatedNorm": 1}
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
+
+
 def mochi() -> Family:
     """Mochi: RMSNorms scaled without a shift (MochiRMSNormZero) and times a factor (MochiModulatedRMSNorm:
     1 + the FFN's scale, or the tanh gates of the attention and FFN outputs), in both streams."""
@@ -404,6 +417,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "cogvideox": cogvideox,
     "ltx-video": ltx,
     "mochi": mochi,
+    "sana-video": sana_video,
     "lumina2": lumina2,
     "hunyuanvideo": hunyuan,
     "hunyuanvideo-i2v": hunyuan_i2v,

@@ -10,6 +10,7 @@ blocks modulate a plain norm themselves, ``self.norm2(h) * (1 + scale_mlp[:, Non
 | ``BasicTransformerBlock`` (``ada_norm_single``) | PixArt (and Latte) | ``norm1``, ``norm2`` | LayerNorm |
 | ``LTXVideoTransformerBlock`` | LTX-Video | ``norm1``, ``norm2`` | RMSNorm |
 | ``SanaTransformerBlock`` | Sana | ``norm1``, ``norm2`` | LayerNorm |
+| ``SanaVideoTransformerBlock`` | Sana-Video (per token) | ``norm1``, ``norm2`` | LayerNorm |
 | ``Lumina2TransformerBlock`` (``modulation=True``) | Lumina2 | ``ffn_norm1`` (scaled, no shift); ``norm2``, ``ffn_norm2`` (post-norms times a tanh gate) | RMSNorm |
 
 Their forwards are replaced by the same computation with those sites through
@@ -47,6 +48,7 @@ _PIXART = "diffusers.models.transformers.pixart_transformer_2d"
 _LATTE = "diffusers.models.transformers.latte_transformer_3d"
 _DIT = "diffusers.models.transformers.dit_transformer_2d"
 _LUMINA2 = "diffusers.models.transformers.transformer_lumina2"
+_SANA_VIDEO = "diffusers.models.transformers.transformer_sana_video"
 
 
 def feed_forward(block: nn.Module, ff: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -261,7 +263,7 @@ def _sana_check(block: nn.Module) -> str | None:
     table = getattr(block, "scale_shift_table", None)
     if not (isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[0] == 6):
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
-        return f"SanaTransformerBlock.scale_shift_table is {shape}, expected (6, D)"
+        return f"{type(block).__name__}.scale_shift_table is {shape}, expected (6, D)"
     return sites_check(block, ("norm1", "norm2"), table.shape[1])
 
 
@@ -291,6 +293,47 @@ def _sana_fused(
     norm_h = norm_h.unflatten(1, (height, width)).permute(0, 3, 1, 2)
     ff_output = block.ff(norm_h).flatten(2, 3).permute(0, 2, 1)
     return hidden_states + gate_mlp * ff_output
+
+
+def _sana_video_fused(
+    block,
+    hidden_states,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    timestep=None,
+    frames=None,
+    height=None,
+    width=None,
+    rotary_emb=None,
+):
+    """SanaVideoTransformerBlock: Sana's block with the modulation per token ((B, S, 6 D)), rotary attention and
+    the FFN a convolution over the (frames, height, width) grid; both sites fused."""
+    batch_size = hidden_states.shape[0]
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        block.scale_shift_table[None, None] + timestep.reshape(batch_size, timestep.shape[1], 6, -1)
+    ).unbind(dim=2)
+    norm_h = norm_modulate(block.norm1, hidden_states, shift_msa, scale_msa).to(hidden_states.dtype)
+    hidden_states = hidden_states + gate_msa * block.attn1(norm_h, rotary_emb=rotary_emb)
+    if block.attn2 is not None:
+        attn_output = block.attn2(
+            hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask
+        )
+        hidden_states = attn_output + hidden_states
+    norm_h = norm_modulate(block.norm2, hidden_states, shift_mlp, scale_mlp)
+    ff_output = block.ff(norm_h.unflatten(1, (frames, height, width))).flatten(1, 3)
+    return hidden_states + gate_mlp * ff_output
+
+
+def _sana_video_probe(block: nn.Module, generator: torch.Generator):
+    (x,), kwargs = _sana_probe(block, generator)[0]
+    device, dtype = x.device, x.dtype
+    dim = block.scale_shift_table.shape[1]
+    # 2 frames of 1 x 3 tokens; a modulation per token; the rotary (cos, sin) of Wan's rope, (1, S, 1, head_dim).
+    angle = probe_randn((1, 6, 1, dim // block.attn1.heads), generator, device, torch.float32)
+    kwargs = {**kwargs, "timestep": probe_randn((2, 6, 6 * dim), generator, device, dtype), "frames": 2,
+              "height": 1, "width": 3, "rotary_emb": (angle.cos(), angle.sin())}  # fmt: skip
+    return [((x,), kwargs)]
 
 
 def _sana_probe(block: nn.Module, generator: torch.Generator):
@@ -391,6 +434,10 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
                ["hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "timestep",
                 "height", "width"],
                2, _sana_check, _sana_probe),
+        inline_block(_SANA_VIDEO, "SanaVideoTransformerBlock", _sana_video_fused,
+               ["hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "timestep",
+                "frames", "height", "width", "rotary_emb"],
+               2, _sana_check, _sana_video_probe),
         ((_DIT, "DiTTransformer2DModel"), NoteAdapter("diffusers-dit-head", _head_reason("DiTTransformer2DModel"))),
         ((_PIXART, "PixArtTransformer2DModel"),
          NoteAdapter("diffusers-pixart-head", _head_reason("PixArtTransformer2DModel"))),

@@ -13,7 +13,7 @@ scale) to the block. Fusing those modules, rather than whole blocks, covers ever
 | ``CogVideoXLayerNormZero`` | CogVideoX (video and text streams) | 2 |
 | ``AdaLayerNorm`` | CogVideoX's output head (``chunk_dim=1``), ``ada_norm`` blocks | 1 |
 | ``CogView3PlusAdaLayerNormZeroTextImage`` | CogView3-Plus | 2 |
-| ``SanaModulatedNorm`` | Sana's output head | 1 |
+| ``SanaModulatedNorm`` | Sana's output head (and Sana-Video's, per token: a class of its own) | 1 |
 | ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
 | ``ChromaAdaLayerNormZeroPruned``, ``...ZeroSinglePruned``, ``...ContinuousPruned`` | Chroma: the modulation given, no projection | 1 |
 | ``LuminaRMSNormZero`` | Lumina2 (``norm1``): RMSNorm scaled, no shift | 1 |
@@ -56,6 +56,7 @@ _SANA = "diffusers.models.transformers.sana_transformer"
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
 _MOCHI = "diffusers.models.transformers.transformer_mochi"
 _CHROMA = "diffusers.models.transformers.transformer_chroma"
+_SANA_VIDEO = "diffusers.models.transformers.transformer_sana_video"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -280,6 +281,16 @@ def _mochi_modulated_fused(norm: nn.Module, hidden_states: torch.Tensor, scale: 
     return norm_times(norm.norm, hidden_states, scale, out_dtype=hidden_states.dtype)
 
 
+def _sana_video_modulated_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor, scale_shift_table: torch.Tensor
+) -> torch.Tensor:
+    """Sana-Video's SanaModulatedNorm: (shift, scale) per token, the (2, D) table plus the (B, S, D) timestep."""
+    shift, scale = (scale_shift_table[None, None] + temb[:, :, None].to(scale_shift_table.device)).unbind(
+        dim=2
+    )
+    return norm_modulate(norm.norm, hidden_states, shift, scale)
+
+
 def _token_replace_sites(norm, hidden_states, first, mods, tr_mods):
     # The first-frame tokens take the token-replace modulation, the others the timestep's; one site each.
     (shift, scale), (tr_shift, tr_scale) = mods, tr_mods
@@ -404,6 +415,11 @@ def _mochi_modulated_probe(norm: nn.Module, generator: torch.Generator):
     return [((x, 1 + s), {}), ((x, torch.tanh(s)), {})]
 
 
+def _sana_video_probe(norm: nn.Module, generator: torch.Generator):
+    dim = norm_width(norm.norm)
+    return [(tuple(_draw(norm, generator, (2, 5, dim), (2, 5, dim), (2, dim))), {})]
+
+
 def _token_replace_probe(norm: nn.Module, generator: torch.Generator):
     dim, cond = _dims(norm)
     x, emb, tr = _draw(norm, generator, (2, 6, dim), (2, cond), (2, cond))
@@ -433,6 +449,8 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
          2, _cogview_check, _cogview_probe),
         (_SANA, "SanaModulatedNorm", _sana_modulated_fused, ["hidden_states", "temb", "scale_shift_table"],
          1, lambda m: norm_site_reason(m.norm, "norm"), _sana_probe),
+        (_SANA_VIDEO, "SanaModulatedNorm", _sana_video_modulated_fused, ["hidden_states", "temb", "scale_shift_table"],
+         1, lambda m: norm_site_reason(m.norm, "norm"), _sana_video_probe),
         (_HUNYUAN, "HunyuanVideoTokenReplaceAdaLayerNormZero", _hunyuan_token_replace_fused,
          ["hidden_states", "emb", "token_replace_emb", "first_frame_num_tokens"],
          2, lambda m: _projection_check(m, 6), _token_replace_probe),
