@@ -315,6 +315,32 @@ def sana_video() -> Family:
     return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"), sites)
 
 
+def cosmos() -> Family:
+    """Cosmos: norms with two projections and an AdaLN-LoRA term (norm1 to norm3 of each block, the head)."""
+    model = _build(
+        "CosmosTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=24,
+        num_layers=2, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 16, 16), patch_size=(1, 2, 2),
+        rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=False,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 2, 8, 8, seed=1), timestep=torch.tensor([0.3, 0.7]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"),
+                  {"CosmosAdaLayerNormZero": 6, "CosmosAdaLayerNorm": 1})  # fmt: skip
+
+
+def easyanimate() -> Family:
+    """EasyAnimate: CogVideoX-style norms (one for the video and the text stream), an AdaLayerNorm head."""
+    model = _build(
+        "EasyAnimateTransformer3DModel", num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+        patch_size=2, sample_width=8, sample_height=8, num_layers=2, mmdit_layers=2, time_embed_dim=16,
+        text_embed_dim=24,
+    )  # fmt: skip
+    kwargs = dict(hidden_states=_randn(2, 4, 2, 8, 8, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 24, seed=2))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"),
+                  {"EasyAnimateLayerNormZero": 8, "AdaLayerNorm": 1})  # fmt: skip
+
+
 def mochi() -> Family:
     """Mochi: RMSNorms scaled without a shift (MochiRMSNormZero) and times a factor (MochiModulatedRMSNorm:
     1 + the FFN's scale, or the tanh gates of the attention and FFN outputs), in both streams."""
@@ -418,6 +444,8 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "ltx-video": ltx,
     "mochi": mochi,
     "sana-video": sana_video,
+    "cosmos": cosmos,
+    "easyanimate": easyanimate,
     "lumina2": lumina2,
     "hunyuanvideo": hunyuan,
     "hunyuanvideo-i2v": hunyuan_i2v,

@@ -395,6 +395,10 @@ def _lumina2_embedding_reason(module: nn.Module) -> str:
     return "the caption embedder's RMSNorm is not modulated: nothing to fuse"
 
 
+def _cosmos_embedding_reason(module: nn.Module) -> str:
+    return "the timestep embedding's RMSNorm is not modulated: nothing to fuse"
+
+
 # --------------------------------------------------------------------------------------------------------
 # Output heads modulated inline in a model's forward: recognised, left unfused
 
@@ -450,6 +454,8 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
             check=lambda b: sites_check(b, ("norm2", "ffn_norm1", "ffn_norm2")), probe=_lumina2_probe)),
         (lambda m: _is_lumina2_block(m, False),
          NoteAdapter("diffusers-lumina2-refiner", _lumina2_unmodulated_reason)),
+        (("diffusers.models.transformers.transformer_cosmos", "CosmosEmbedding"),
+         NoteAdapter("diffusers-cosmos-embedding", _cosmos_embedding_reason)),
         ((_LUMINA2, "Lumina2CombinedTimestepCaptionEmbedding"),
          NoteAdapter("diffusers-lumina2-embedding", _lumina2_embedding_reason)),
         (_is_basic_unmodulated, NoteAdapter("diffusers-BasicTransformerBlock-plain", _basic_unmodulated_reason)),

@@ -16,6 +16,8 @@ scale) to the block. Fusing those modules, rather than whole blocks, covers ever
 | ``SanaModulatedNorm`` | Sana's output head (and Sana-Video's, per token: a class of its own) | 1 |
 | ``HunyuanVideoTokenReplaceAdaLayerNormZero`` (and ``...Single``) | HunyuanVideo I2V (token replace) | 2 |
 | ``ChromaAdaLayerNormZeroPruned``, ``...ZeroSinglePruned``, ``...ContinuousPruned`` | Chroma: the modulation given, no projection | 1 |
+| ``CosmosAdaLayerNormZero``, ``CosmosAdaLayerNorm`` | Cosmos (``norm1`` to ``norm3``; the head): two projections, an optional AdaLN-LoRA term | 1 |
+| ``EasyAnimateLayerNormZero`` | EasyAnimate (video and text, one norm) | 2 |
 | ``LuminaRMSNormZero`` | Lumina2 (``norm1``): RMSNorm scaled, no shift | 1 |
 | ``LuminaLayerNormContinuous`` | Lumina2's output head: LayerNorm scaled, no shift | 1 |
 | ``MochiRMSNormZero`` | Mochi (``norm1``, ``norm1_context``): RMSNorm scaled, no shift | 1 |
@@ -57,6 +59,8 @@ _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video"
 _MOCHI = "diffusers.models.transformers.transformer_mochi"
 _CHROMA = "diffusers.models.transformers.transformer_chroma"
 _SANA_VIDEO = "diffusers.models.transformers.transformer_sana_video"
+_COSMOS = "diffusers.models.transformers.transformer_cosmos"
+_EASYANIMATE = "diffusers.models.transformers.transformer_easyanimate"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -164,12 +168,27 @@ def _cogvideox_zero_fused(
     norm: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor
 ):
     """CogVideoXLayerNormZero: one norm and one projection for the video and the text stream (2 sites)."""
+    hidden_states, encoder_hidden_states, gate, enc_gate = _video_text_sites(
+        norm, hidden_states, encoder_hidden_states, temb
+    )
+    return hidden_states, encoder_hidden_states, gate[:, None, :], enc_gate[:, None, :]
+
+
+def _easyanimate_zero_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor
+):
+    """EasyAnimateLayerNormZero: CogVideoX's two sites; its gates are returned as (B, D)."""
+    return _video_text_sites(norm, hidden_states, encoder_hidden_states, temb)
+
+
+def _video_text_sites(norm, hidden_states, encoder_hidden_states, temb):
+    """(video, text, gate, text gate): 6 chunks (shift, scale, gate of each stream), one norm for both."""
     shift, scale, gate, enc_shift, enc_scale, enc_gate = norm.linear(norm.silu(temb)).chunk(6, dim=1)
     hidden_states = norm_modulate(norm.norm, hidden_states, shift[:, None, :], scale[:, None, :])
     encoder_hidden_states = norm_modulate(
         norm.norm, encoder_hidden_states, enc_shift[:, None, :], enc_scale[:, None, :]
     )
-    return hidden_states, encoder_hidden_states, gate[:, None, :], enc_gate[:, None, :]
+    return hidden_states, encoder_hidden_states, gate, enc_gate
 
 
 def _ada_layer_norm_fused(
@@ -247,6 +266,32 @@ def _chroma_continuous_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor
     """ChromaAdaLayerNormContinuousPruned: (B, 2, D) given in the order (shift, scale), cast to x's dtype."""
     shift, scale = torch.chunk(emb.flatten(1, 2).to(x.dtype), 2, dim=1)
     return norm_modulate(norm.norm, x, shift[:, None, :], scale[:, None, :])
+
+
+def _cosmos_modulation(
+    norm: nn.Module, embedded_timestep: torch.Tensor, temb: torch.Tensor | None, chunks: int
+):
+    """Cosmos's norms: SiLU, two projections, the AdaLN-LoRA term added (its first ``chunks`` x D), chunked;
+    a per-sample (B, C) modulation gets its token dim."""
+    e = norm.linear_2(norm.linear_1(norm.activation(embedded_timestep)))
+    if temb is not None:
+        e = e + (temb if chunks == 3 else temb[..., : chunks * norm.embedding_dim])
+    parts = e.chunk(chunks, dim=-1)
+    return [p.unsqueeze(1) for p in parts] if e.ndim == 2 else list(parts)
+
+
+def _cosmos_zero_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, embedded_timestep: torch.Tensor, temb=None
+):
+    """CosmosAdaLayerNormZero: (shift, scale, gate)."""
+    shift, scale, gate = _cosmos_modulation(norm, embedded_timestep, temb, 3)
+    return norm_modulate(norm.norm, hidden_states, shift, scale), gate
+
+
+def _cosmos_fused(norm: nn.Module, hidden_states: torch.Tensor, embedded_timestep: torch.Tensor, temb=None):
+    """CosmosAdaLayerNorm (the output head): (shift, scale), the LoRA term's first 2 x D."""
+    shift, scale = _cosmos_modulation(norm, embedded_timestep, temb, 2)
+    return norm_modulate(norm.norm, hidden_states, shift, scale)
 
 
 def _lumina_zero_fused(norm: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None):
@@ -399,6 +444,26 @@ def _chroma_probe(vectors: int):
     return probe
 
 
+def _cosmos_probe(chunks: int):
+    def probe(norm: nn.Module, generator: torch.Generator):
+        dim = norm_width(norm.norm)
+        x, emb, lora = _draw(norm, generator, (2, 5, dim), (2, dim), (2, 3 * dim))
+        return [((x, emb), {}), ((x, emb, lora), {})]
+
+    return probe
+
+
+def _cosmos_check(chunks: int):
+    def check(module: nn.Module) -> str | None:
+        if chunks == 2 and getattr(module, "embedding_dim", None) != norm_width(
+            getattr(module, "norm", None)
+        ):
+            return "CosmosAdaLayerNorm.embedding_dim differs from its norm's width"
+        return _projection_check(module, chunks, linear="linear_2")
+
+    return check
+
+
 def _lumina_continuous_probe(norm: nn.Module, generator: torch.Generator):
     dim, cond = _dims(norm, linear="linear_1")
     return [(tuple(_draw(norm, generator, (2, 5, dim), (2, cond))), {})]
@@ -463,6 +528,12 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
          1, _chroma_check, _chroma_probe(3)),
         (_CHROMA, "ChromaAdaLayerNormContinuousPruned", _chroma_continuous_fused, ["x", "emb"],
          1, _chroma_check, _chroma_probe(2)),
+        (_COSMOS, "CosmosAdaLayerNormZero", _cosmos_zero_fused, ["hidden_states", "embedded_timestep", "temb"],
+         1, _cosmos_check(3), _cosmos_probe(3)),
+        (_COSMOS, "CosmosAdaLayerNorm", _cosmos_fused, ["hidden_states", "embedded_timestep", "temb"],
+         1, _cosmos_check(2), _cosmos_probe(2)),
+        (_EASYANIMATE, "EasyAnimateLayerNormZero", _easyanimate_zero_fused,
+         ["hidden_states", "encoder_hidden_states", "temb"], 2, lambda m: _projection_check(m, 6), _cogvideox_probe),
         (_NORMS, "LuminaRMSNormZero", _lumina_zero_fused, ["x", "emb"], 1, lambda m: _projection_check(m, 4),
          _x_emb_probe),
         (_NORMS, "LuminaLayerNormContinuous", _lumina_continuous_fused, ["x", "conditioning_embedding"],
