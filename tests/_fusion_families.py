@@ -112,6 +112,17 @@ def skyreels_v2() -> Family:
     )
 
 
+def helios() -> Family:
+    """Helios: Wan-style blocks with a modulation per token and cross-attention on the current tokens; a
+    per-token output norm."""
+    tiny = {k: v for k, v in _WAN_TINY.items() if k != "rope_max_seq_len"}
+    model = _build("HeliosTransformer3DModel", **tiny, rope_dim=(4, 4, 4))
+    kwargs = dict(hidden_states=_randn(2, 4, 3, 4, 4, seed=1), timestep=torch.tensor([3, 500]),
+                  encoder_hidden_states=_randn(2, 5, 16, seed=2))  # fmt: skip
+    return Family(model, kwargs, ("hidden_states", "encoder_hidden_states"),
+                  {"HeliosTransformerBlock": 4, "HeliosOutputNorm": 1})  # fmt: skip
+
+
 def wan_vace() -> Family:
     """Wan-VACE: Wan's blocks and a control block beside each of them (a projection in and out)."""
     model = _build("WanVACETransformer3DModel", **_WAN_TINY, vace_layers=[0, 1], vace_in_channels=8)
@@ -430,6 +441,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "wan-animate": wan_animate,
     "skyreels-v2": skyreels_v2,
     "wan-vace": wan_vace,
+    "helios": helios,
     "sd3": sd3,
     "sd3.5": lambda: sd3(dual=True),
     "flux": flux,

@@ -8,7 +8,9 @@ Wan-Animate (``WanAnimateTransformer3DModel``) holds a copy of the block, which 
 face encoder and face adapters, whose LayerNorms are not modulated, are noted as having nothing to fuse.
 SkyReels-V2's block (an attention mask, per-token modulation for diffusion forcing) and Wan-VACE's control
 blocks (a projection in and out) have adapters of their own that share the block's layers (``_wan_body``).
-The heads of all four models are left unfused as Wan's is. diffusers is optional: the classes are looked up only in modules already imported,
+The heads of all four models are left unfused as Wan's is. Helios's block (the context length passed to
+its attention processors, cross-attention on the current tokens only) has its own adapter, and its output
+norm (``HeliosOutputNorm``, per token) is fused. diffusers is optional: the classes are looked up only in modules already imported,
 so nothing here imports it.
 """
 
@@ -29,6 +31,7 @@ _WAN_MODULE = "diffusers.models.transformers.transformer_wan"
 _ANIMATE_MODULE = "diffusers.models.transformers.transformer_wan_animate"
 _SKYREELS_MODULE = "diffusers.models.transformers.transformer_skyreels_v2"
 _VACE_MODULE = "diffusers.models.transformers.transformer_wan_vace"
+_HELIOS_MODULE = "diffusers.models.transformers.transformer_helios"
 _WAN_BLOCK_ATTRS = ("norm1", "norm2", "norm3", "attn1", "attn2", "ffn", "scale_shift_table")
 _WAN_FORWARD_PARAMS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
@@ -69,14 +72,17 @@ def _wan_block_forward_fused(
             TI2V); any float dtype, used in fp32.
         rotary_emb: (cos, sin), each (1, S, 1, head_dim), as the model passes it.
     """
+    return _wan_body(block, hidden_states, encoder_hidden_states, _wan_mods(block, temb), rotary_emb)
+
+
+def _wan_mods(block: nn.Module, temb: torch.Tensor):
+    """The six modulation vectors of Wan's block (and Helios's), the table plus temb in fp32."""
     table = block.scale_shift_table
     if temb.ndim == 4:
         # Per token: each chunk is (B, S, 1, D) -> (B, S, D), the op's per-token layout.
-        mods = [m.squeeze(2) for m in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
-    else:
-        # Per sample: each chunk is (B, 1, D).
-        mods = (table + temb.float()).chunk(6, dim=1)
-    return _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb)
+        return [m.squeeze(2) for m in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    # Per sample: each chunk is (B, 1, D).
+    return (table + temb.float()).chunk(6, dim=1)
 
 
 def _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask=None):
@@ -150,6 +156,76 @@ def _vace_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tupl
     return [((x, enc, control, per_sample, rotary), {})]
 
 
+def _helios_fused(
+    block, hidden_states, encoder_hidden_states, temb, rotary_emb, original_context_length=None
+):
+    """HeliosTransformerBlock: Wan's block with the context length passed to the attention processors and,
+    with ``guidance_cross_attn``, the cross-attention on the current tokens only (not the history)."""
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _wan_mods(block, temb)
+    norm_hidden_states = _ops.layer_norm_modulate(
+        hidden_states, shift_msa, scale_msa, **layer_norm_args(block.norm1)
+    )
+    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb, original_context_length)
+    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+
+    history = None
+    if block.guidance_cross_attn:
+        history_seq_len = hidden_states.shape[1] - original_context_length
+        history, hidden_states = torch.split(hidden_states, [history_seq_len, original_context_length], dim=1)
+    norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
+    hidden_states = hidden_states + block.attn2(
+        norm_hidden_states, encoder_hidden_states, None, None, original_context_length
+    )
+    if history is not None:
+        hidden_states = torch.cat([history, hidden_states], dim=1)
+
+    norm_hidden_states = _ops.layer_norm_modulate(
+        hidden_states, c_shift_msa, c_scale_msa, **layer_norm_args(block.norm3)
+    )
+    ff_output = block.ffn(norm_hidden_states)
+    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+
+def _helios_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
+    device, dtype = probe_device_dtype(block)
+    dim = block.scale_shift_table.shape[-1]
+    head_dim = dim // block.attn1.heads
+    x = probe_randn((2, 6, dim), generator, device, dtype)
+    enc = probe_randn((2, 5, dim), generator, device, dtype)
+    angle = probe_randn((2, 6, head_dim), generator, device, torch.float32)
+    rotary = torch.cat([angle.cos(), angle.sin()], dim=-1)  # as the model passes it: (B, S, 2 head_dim)
+    temb = probe_randn((2, 6, 6, dim), generator, device, dtype)
+    return [((x, enc, temb, rotary, 4), {})]  # 2 history tokens, 4 current
+
+
+def _helios_head_check(norm: nn.Module) -> str | None:
+    table = getattr(norm, "scale_shift_table", None)
+    if not (isinstance(table, torch.Tensor) and table.dim() == 3 and tuple(table.shape[:2]) == (1, 2)):
+        return "HeliosOutputNorm.scale_shift_table should be (1, 2, D)"
+    inner = getattr(norm, "norm", None)
+    if not isinstance(inner, nn.LayerNorm) or tuple(inner.normalized_shape) != (table.shape[-1],):
+        return "HeliosOutputNorm.norm should be a LayerNorm over D"
+    return None
+
+
+def _helios_head_fused(
+    norm: nn.Module, hidden_states: torch.Tensor, temb: torch.Tensor, original_context_length: int
+):
+    """HeliosOutputNorm: the current tokens' (shift, scale), per token, from the (1, 2, D) table and temb."""
+    temb = temb[:, -original_context_length:, :]
+    shift, scale = (norm.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+    shift, scale = shift.squeeze(2).to(hidden_states.device), scale.squeeze(2).to(hidden_states.device)
+    x = hidden_states[:, -original_context_length:, :]
+    return _ops.layer_norm_modulate(x, shift, scale, **layer_norm_args(norm.norm)).type_as(hidden_states)
+
+
+def _helios_head_probe(norm: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
+    device, dtype = probe_device_dtype(norm)
+    dim = norm.scale_shift_table.shape[-1]
+    x, temb = (probe_randn((2, 6, dim), generator, device, dtype) for _ in range(2))
+    return [((x, temb, 4), {})]
+
+
 def _wan_model_head_reason(model: nn.Module) -> str | None:
     if not hasattr(model, "norm_out"):
         return None
@@ -181,6 +257,8 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
          _skyreels_probe),
         (_VACE_MODULE, "WanVACETransformerBlock", _vace_fused,
          ["hidden_states", "encoder_hidden_states", "control_hidden_states", "temb", "rotary_emb"], _vace_probe),
+        (_HELIOS_MODULE, "HeliosTransformerBlock", _helios_fused, [*_WAN_FORWARD_PARAMS, "original_context_length"],
+         _helios_probe),
     ]  # fmt: skip
     blocks = [
         ((module, cls), ClassForward(forward, where=(module, cls), params=params, name=f"diffusers-{cls}", sites=2,
@@ -192,6 +270,10 @@ def builtin_entries() -> list[tuple[Any, FusionAdapter]]:
         *blocks,
         ((_SKYREELS_MODULE, "SkyReelsV2Transformer3DModel"),
          NoteAdapter("diffusers-skyreels-v2-head", _wan_model_head_reason)),
+        ((_HELIOS_MODULE, "HeliosOutputNorm"), ClassForward(
+            _helios_head_fused, where=(_HELIOS_MODULE, "HeliosOutputNorm"),
+            params=["hidden_states", "temb", "original_context_length"], name="diffusers-HeliosOutputNorm", sites=1,
+            check=_helios_head_check, probe=_helios_head_probe)),
         ((_VACE_MODULE, "WanVACETransformer3DModel"), NoteAdapter("diffusers-wan-vace-head", _wan_model_head_reason)),
         ((_WAN_MODULE, "WanTransformer3DModel"), NoteAdapter("diffusers-wan-head", _wan_model_head_reason)),
         ((_ANIMATE_MODULE, "WanAnimateTransformer3DModel"),

@@ -172,7 +172,7 @@ def _block_inputs(block: nn.Module, model: nn.Module, family) -> tuple[tuple, di
      ("flux2", "transformer_blocks"), ("flux2", "single_transformer_blocks"),
      ("hunyuanvideo-i2v", "transformer_blocks"), ("longcat-image", "transformer_blocks"),
      ("bria", "transformer_blocks"), ("motif-video", "transformer_blocks"), ("auraflow", "joint_transformer_blocks"),
-     ("auraflow", "single_transformer_blocks"), ("mochi", "transformer_blocks"), ("lumina2", "layers"), ("chroma", "transformer_blocks"), ("skyreels-v2", "blocks"), ("wan-vace", "vace_blocks"), ("sana-video", "transformer_blocks")],
+     ("auraflow", "single_transformer_blocks"), ("mochi", "transformer_blocks"), ("lumina2", "layers"), ("chroma", "transformer_blocks"), ("skyreels-v2", "blocks"), ("wan-vace", "vace_blocks"), ("sana-video", "transformer_blocks"), ("helios", "blocks")],
 )  # fmt: skip
 def test_fused_blocks_compile_without_graph_breaks(name, blocks, op_calls):
     family = FAMILIES[name]()
