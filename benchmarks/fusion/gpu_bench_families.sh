@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200 (issue 59): nine diffusers DiT families x {eager, eager fused, compiled,
+# One device call on one H200 (issue 59): the diffusers DiT families x {eager, eager fused, compiled,
 # compiled fused}, one training step each at a realistic shape (benchmarks/fusion/bench_families.py).
 # Needs diffusers from the carried wheels (./.whl, made by ../shared/tools/device-wheels.sh; carry ".whl").
 # Usage (device tool, from the repository root):

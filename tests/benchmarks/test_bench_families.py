@@ -1,5 +1,6 @@
-"""``benchmarks/fusion/bench_families.py --quick`` runs the nine diffusers families on the CPU and writes a
-JSON whose structure the GPU table relies on (no timing is checked)."""
+"""``benchmarks/fusion/bench_families.py --quick`` runs its diffusers families (the nine the table started
+from, then Mochi and Lumina2) on the CPU and writes a JSON whose structure the GPU table relies on (no timing
+is checked)."""
 
 import json
 import signal
@@ -10,7 +11,7 @@ from _paths import ROOT
 pytest.importorskip("diffusers")
 
 BENCH = str(ROOT / "benchmarks" / "fusion")
-NINE = ["wan", "sd3", "flux", "cogvideox", "ltx", "hunyuan", "pixart", "dit", "sana"]
+FAMILIES = ["wan", "sd3", "flux", "cogvideox", "ltx", "hunyuan", "pixart", "dit", "sana", "mochi", "lumina2"]
 FOUR = ["eager", "eager_fused", "compiled", "compiled_fused"]
 
 
@@ -38,7 +39,7 @@ def _main(bench, argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def quick(bench, tmp_path_factory):
-    """``--quick`` over the nine families once (eager phase): the JSON's path."""
+    """``--quick`` over every family once (eager phase): the JSON's path."""
     out = tmp_path_factory.mktemp("quick")
     assert _main(bench, ["--quick", "--out", str(out), "--filename", "quick.json"]) == 0
     return out / "quick.json"
@@ -48,15 +49,19 @@ def _is_measured(v: dict) -> bool:
     return v["ms"]["median"] > 0 and v["ms"]["n"] >= 1 and v["loss"] > 0
 
 
-def test_quick_mode_covers_nine_families_with_four_variants_each(quick):
+def test_quick_mode_covers_every_family_with_four_variants_each(quick):
     data = json.loads(quick.read_text())
     env = data["environment"]
     assert env["device"] and env["torch"] and env["diffusers"] and data["date"]
     assert data["settings"]["quick"] is True and data["settings"]["layers"] == 2
     assert data["settings"]["weights"] == "fp32" and data["settings"]["autocast"] == "bf16"
-    assert list(data["families"]) == NINE
+    assert list(data["families"]) == FAMILIES
     classes = {f["class"] for f in data["families"].values()}
-    assert len(classes) == 9 and "WanTransformer3DModel" in classes and "SanaTransformer2DModel" in classes
+    assert (
+        len(classes) == len(FAMILIES)
+        and "WanTransformer3DModel" in classes
+        and "SanaTransformer2DModel" in classes
+    )
     for key, fam in data["families"].items():
         assert sorted(fam["variants"]) == sorted(FOUR), key
         assert fam["tokens"] > 0 and fam["dim"] > 0 and fam["heads"] > 0, key
@@ -80,7 +85,7 @@ def test_quick_mode_covers_nine_families_with_four_variants_each(quick):
     # Wan fuses (its adapter is built in), so the ratio exists; the table has one row per family.
     assert data["families"]["wan"]["fusion"]["fused_sites"] > 0
     rows = [line for line in data["table"].splitlines() if line.startswith("| ")][1:]
-    assert [r.split("|")[1].strip() for r in rows] == NINE
+    assert [r.split("|")[1].strip() for r in rows] == FAMILIES
     assert data["unfinished"] == {}
 
 
@@ -111,7 +116,7 @@ def test_quick_compiled_phase_and_merge(bench, quick, tmp_path):
         "compiled/eager",
         "compiled_fused/eager",
     }
-    assert list(merged["families"]) == NINE  # the others keep the first file's entries
+    assert list(merged["families"]) == FAMILIES  # the others keep the first file's entries
     assert [m["file"] for m in merged["merged_from"]] == ["quick.json", "compiled.json"]
 
 
@@ -121,12 +126,12 @@ def test_time_budget_skips_with_a_reason_and_names_the_follow_up(bench, tmp_path
         == 0
     )
     data = json.loads((tmp_path / "b.json").read_text())
-    assert list(data["families"]) == NINE
+    assert list(data["families"]) == FAMILIES
     for fam in data["families"].values():
         assert "another call" in fam["variants"]["eager"]["skipped"]
         assert fam["tokens"] > 0  # the stub knows the shapes without building the model
-    assert data["unfinished"] == {"eager": NINE}
-    assert f'FAMILIES="{" ".join(NINE)}" PHASES=eager' in capsys.readouterr().out
+    assert data["unfinished"] == {"eager": FAMILIES}
+    assert f'FAMILIES="{" ".join(FAMILIES)}" PHASES=eager' in capsys.readouterr().out
 
 
 def test_unknown_family_is_refused(bench, capsys):
@@ -137,7 +142,9 @@ def test_unknown_family_is_refused(bench, capsys):
 
 def test_running_the_script_in_process_leaves_the_sigterm_handler_as_it_was(bench, tmp_path, capsys):
     before = signal.getsignal(signal.SIGTERM)
-    assert _main(bench, ["--quick", "--families", "wan", "--time-budget-s", "1e-9", "--out", str(tmp_path)]) == 0
+    assert (
+        _main(bench, ["--quick", "--families", "wan", "--time-budget-s", "1e-9", "--out", str(tmp_path)]) == 0
+    )
     assert signal.getsignal(signal.SIGTERM) is before
     bench.main(["--quick", "--families", "wan", "--time-budget-s", "1e-9", "--out", str(tmp_path)])
     try:  # the check can fail: called bare, the script leaves its handler installed
