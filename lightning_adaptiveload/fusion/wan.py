@@ -85,19 +85,32 @@ def _wan_mods(block: nn.Module, temb: torch.Tensor):
     return (table + temb.float()).chunk(6, dim=1)
 
 
-def _wan_body(block, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask=None):
-    """The layers of Wan's block (and of its SkyReels-V2 and VACE variants) given the six modulation
-    vectors: self-attention, cross-attention, FFN, the norm1 and norm3 sites fused."""
+def _wan_body(
+    block, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask=None, context_length=None
+):
+    """The layers of Wan's block (and of its SkyReels-V2, VACE and Helios variants) given the six modulation
+    vectors: self-attention, cross-attention, FFN, the norm1 and norm3 sites fused.
+
+    ``context_length`` (Helios) is passed on to both attention processors; with the block's
+    ``guidance_cross_attn`` the cross-attention sees only the last ``context_length`` tokens (the history
+    before them skips it)."""
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mods
+    extra = () if context_length is None else (context_length,)
     norm_hidden_states = _ops.layer_norm_modulate(
         hidden_states, shift_msa, scale_msa, **layer_norm_args(block.norm1)
     )
-    attn_output = block.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
+    attn_output = block.attn1(norm_hidden_states, None, attention_mask, rotary_emb, *extra)
     hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
 
+    history = None
+    if getattr(block, "guidance_cross_attn", False):
+        history_seq_len = hidden_states.shape[1] - context_length
+        history, hidden_states = torch.split(hidden_states, [history_seq_len, context_length], dim=1)
     norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
-    attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None, *extra)
     hidden_states = hidden_states + attn_output
+    if history is not None:
+        hidden_states = torch.cat([history, hidden_states], dim=1)
 
     norm_hidden_states = _ops.layer_norm_modulate(
         hidden_states, c_shift_msa, c_scale_msa, **layer_norm_args(block.norm3)
@@ -161,29 +174,10 @@ def _helios_fused(
 ):
     """HeliosTransformerBlock: Wan's block with the context length passed to the attention processors and,
     with ``guidance_cross_attn``, the cross-attention on the current tokens only (not the history)."""
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _wan_mods(block, temb)
-    norm_hidden_states = _ops.layer_norm_modulate(
-        hidden_states, shift_msa, scale_msa, **layer_norm_args(block.norm1)
+    mods = _wan_mods(block, temb)
+    return _wan_body(
+        block, hidden_states, encoder_hidden_states, mods, rotary_emb, context_length=original_context_length
     )
-    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb, original_context_length)
-    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
-
-    history = None
-    if block.guidance_cross_attn:
-        history_seq_len = hidden_states.shape[1] - original_context_length
-        history, hidden_states = torch.split(hidden_states, [history_seq_len, original_context_length], dim=1)
-    norm_hidden_states = block.norm2(hidden_states.float()).type_as(hidden_states)
-    hidden_states = hidden_states + block.attn2(
-        norm_hidden_states, encoder_hidden_states, None, None, original_context_length
-    )
-    if history is not None:
-        hidden_states = torch.cat([history, hidden_states], dim=1)
-
-    norm_hidden_states = _ops.layer_norm_modulate(
-        hidden_states, c_shift_msa, c_scale_msa, **layer_norm_args(block.norm3)
-    )
-    ff_output = block.ffn(norm_hidden_states)
-    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
 
 
 def _helios_probe(block: nn.Module, generator: torch.Generator) -> list[tuple[tuple, dict]]:
